@@ -1,0 +1,88 @@
+"""Baseline schedules: 1F1B (fused backward) and Megatron's interleaved 1F1B."""
+
+from __future__ import annotations
+
+from .ir import BW, F, Action, Schedule, ScheduleError, interleaved_placement, make_schedule, plain_placement
+from .simulator import deadlocks
+
+
+def check_shape(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> None:
+    """Reject impossible pipeline shapes with an error naming the bad value."""
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ScheduleError(f"pipeline size must be an integer >= 1, got {num_ranks!r}")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ScheduleError(f"number of microbatches must be an integer >= 1, got {num_microbatches!r}")
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ScheduleError(f"number of model chunks per rank must be an integer >= 1, got {num_chunks!r}")
+
+
+def one_f_one_b(*, num_ranks: int, num_microbatches: int) -> Schedule:
+    """Megatron's non-interleaved 1F1B with a fused backward (``BW``).
+
+    Rank ``r`` runs ``min(p-1-r, m)`` warm-up forwards, then alternates one forward and one
+    backward, then drains the remaining backwards. Peak activation memory on rank ``r`` is
+    ``min(p-r, m)`` microbatches.
+    """
+    check_shape(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    ranks: list[list[Action]] = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        acts = [F(i, r) for i in range(warmup)]          # 1. warm-up: fill the pipeline
+        for i in range(m - warmup):                       # 2. steady state: one F, one BW
+            acts += [F(warmup + i, r), BW(i, r)]
+        acts += [BW(i, r) for i in range(m - warmup, m)]  # 3. cool-down: drain the backwards
+        ranks.append(acts)
+    return make_schedule(num_microbatches=m, stage_to_rank=plain_placement(p), ranks=ranks, name="1f1b")
+
+
+def interleaved_order(num_ranks: int, num_microbatches: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Megatron's order of (chunk, microbatch) forwards on every rank.
+
+    Microbatches go in groups of ``p``: each group runs through chunk 0, then chunk 1, and so on.
+    The backward order is the same with chunks reversed.
+    """
+    p, m, v = num_ranks, num_microbatches, num_chunks
+    order = []
+    for g in range(0, m, p):
+        for c in range(v):
+            order += [(c, i) for i in range(g, min(g + p, m))]
+    return order
+
+
+def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
+    """Megatron's interleaved (virtual pipeline) 1F1B with ``v`` chunks per rank.
+
+    Stage ``s = c*p + r`` (chunk ``c`` of rank ``r``). Rank ``r`` runs
+    ``min(2*(p-1-r) + (v-1)*p, m*v)`` warm-up forwards (Megatron's count; all of them when
+    ``m == p``), then alternates one forward and one backward, then drains. Any ``m >= 1``
+    works; the last microbatch group may have fewer than ``p`` microbatches.
+    """
+    check_shape(num_ranks, num_microbatches, num_chunks)
+    p, m, v = num_ranks, num_microbatches, num_chunks
+    fwd = interleaved_order(p, m, v)
+    bwd = [(v - 1 - c, i) for c, i in fwd]
+    total = m * v
+
+    def build(extra: int) -> Schedule:
+        ranks: list[list[Action]] = []
+        for r in range(p):
+            warmup = total if m == p else min(2 * (p - 1 - r) + (v - 1) * p + extra, total)
+            acts = [F(i, c * p + r) for c, i in fwd[:warmup]]  # 1. warm-up
+            for k in range(total - warmup):                     # 2. steady state
+                c, i = fwd[warmup + k]
+                cb, ib = bwd[k]
+                acts += [F(i, c * p + r), BW(ib, cb * p + r)]
+            acts += [BW(i, c * p + r) for c, i in bwd[total - warmup:]]  # 3. cool-down
+            ranks.append(acts)
+        return make_schedule(num_microbatches=m, stage_to_rank=interleaved_placement(p, v), ranks=ranks,
+                             name="interleaved-1f1b", num_chunks=v)
+
+    # Megatron's warm-up count assumes full groups of p microbatches. When the last group is
+    # shorter (m % p != 0), the same count can deadlock; add the fewest extra warm-up forwards
+    # (the same on every rank) that make the order complete.
+    for extra in range(0, total + 1):
+        sched = build(extra)
+        if m % p == 0 or not deadlocks(sched):
+            return sched
+    raise AssertionError("unreachable: with every forward in warm-up the order cannot deadlock")

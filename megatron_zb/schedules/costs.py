@@ -1,0 +1,115 @@
+"""The cost model shared by the simulator and every cost-aware generator."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence, Union
+
+from .ir import ScheduleError
+
+PerStage = Union[float, Sequence[float]]
+"""A scalar (the same value for every stage) or one value per pipeline stage."""
+
+
+def _expand(name: str, value: PerStage, num_stages: int, *, positive: bool) -> tuple[float, ...]:
+    vals = [float(value)] * num_stages if isinstance(value, (int, float)) else [float(v) for v in value]
+    if len(vals) != num_stages:
+        raise ScheduleError(f"{name} has {len(vals)} values but the schedule has {num_stages} stages; "
+                            f"give one value per stage or a single scalar")
+    for s, v in enumerate(vals):
+        if math.isnan(v) or v < 0 or (positive and v == 0) or math.isinf(v):
+            need = "> 0" if positive else ">= 0"
+            raise ScheduleError(f"{name} for stage {s} is {v}; it must be finite and {need}")
+    return tuple(vals)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-stage costs of one microbatch, and the activation memory it holds.
+
+    Times are in any consistent unit (the profiler reports milliseconds; the paper's tables are in
+    milliseconds). Memory is in bytes or in units of one stage's ``mem_b``; ``memory_limit`` uses
+    the same unit and applies to each rank (the sum over the stages a rank holds).
+
+    Attributes:
+        t_f: forward time per stage.
+        t_b: input-gradient backward time per stage. A fused ``BW`` costs ``t_b + t_w``.
+        t_w: weight-gradient backward time per stage.
+        t_comm: latency of one activation/gradient transfer between two different ranks
+            (transfers between stages on the same rank are free).
+        mem_b: activation memory allocated by ``F`` and held until ``B`` (or ``BW``).
+        mem_w: part of it still held after ``B`` until ``W`` (``0 <= mem_w <= mem_b``).
+        memory_limit: peak activation memory allowed on every rank, or ``None`` for no limit.
+    """
+
+    t_f: PerStage = 1.0
+    t_b: PerStage = 1.0
+    t_w: PerStage = 1.0
+    t_comm: float = 0.0
+    mem_b: PerStage = 1.0
+    mem_w: PerStage | None = None
+    memory_limit: float | None = None
+
+    def with_limit(self, memory_limit: float | None) -> "CostModel":
+        return replace(self, memory_limit=memory_limit)
+
+    def resolve(self, num_stages: int) -> "StageCosts":
+        """Check the values and expand scalars to one value per stage."""
+        if num_stages < 1:
+            raise ScheduleError(f"number of stages must be >= 1, got {num_stages}")
+        t_comm = float(self.t_comm)
+        if math.isnan(t_comm) or t_comm < 0 or math.isinf(t_comm):
+            raise ScheduleError(f"t_comm is {self.t_comm}; it must be finite and >= 0")
+        mem_b = _expand("mem_b", self.mem_b, num_stages, positive=False)
+        mem_w_raw = self.mem_w if self.mem_w is not None else [b / 2 for b in mem_b]
+        mem_w = _expand("mem_w", mem_w_raw, num_stages, positive=False)
+        for s, (b, w) in enumerate(zip(mem_b, mem_w)):
+            if w > b:
+                raise ScheduleError(f"mem_w ({w}) exceeds mem_b ({b}) on stage {s}: the part held until W "
+                                    f"is a part of what F allocated")
+        if self.memory_limit is not None and (math.isnan(self.memory_limit) or self.memory_limit <= 0):
+            raise ScheduleError(f"memory_limit is {self.memory_limit}; it must be > 0 (or None for no limit)")
+        return StageCosts(
+            t_f=_expand("t_f", self.t_f, num_stages, positive=True),
+            t_b=_expand("t_b", self.t_b, num_stages, positive=True),
+            t_w=_expand("t_w", self.t_w, num_stages, positive=False),
+            t_comm=t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=self.memory_limit,
+        )
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """A :class:`CostModel` resolved for a given number of stages (tuples, one entry per stage)."""
+
+    t_f: tuple[float, ...]
+    t_b: tuple[float, ...]
+    t_w: tuple[float, ...]
+    t_comm: float
+    mem_b: tuple[float, ...]
+    mem_w: tuple[float, ...]
+    memory_limit: float | None
+
+    def duration(self, op: str, stage: int) -> float:
+        """Time of one compute action ``op`` on ``stage``."""
+        if op == "F":
+            return self.t_f[stage]
+        if op == "B":
+            return self.t_b[stage]
+        if op == "W":
+            return self.t_w[stage]
+        if op == "BW":
+            return self.t_b[stage] + self.t_w[stage]
+        raise ScheduleError(f"{op} is not a compute action")
+
+    def memory_delta(self, op: str, stage: int) -> float:
+        """Change of held activation memory when ``op`` on ``stage`` runs."""
+        if op == "F":
+            return self.mem_b[stage]
+        if op == "B":
+            return self.mem_w[stage] - self.mem_b[stage]
+        if op == "W":
+            return -self.mem_w[stage]
+        if op == "BW":
+            return -self.mem_b[stage]
+        return 0.0

@@ -1,0 +1,58 @@
+"""Handcrafted zero-bubble schedules ZB-H1 and ZB-H2 (zero-bubble paper, Sec. 3.1).
+
+Both are "1F1B with the backward split": after a warm-up of forwards, each rank repeats
+``B, W, F`` -- except that the ``W`` it runs belongs to an older microbatch. Delaying ``W`` on
+later ranks lets their ``B`` chain reach rank 0 sooner, and the delayed ``W`` fill the tail.
+
+=========  ========================  =====================  ===================================
+schedule   warm-up forwards, rank r  delayed W on rank r    result (m >= p, resp. m >= 2p)
+=========  ========================  =====================  ===================================
+ZB-H1      ``p - r``                 ``r``                  bubble ``(p-1)(T_F+T_B-T_W)``,
+                                                            peak ``p*M_B`` (as 1F1B)
+ZB-H2      ``2(p - r) - 1``          ``2r``                 bubble ``(p-1)(T_F+T_B-2T_W)``,
+                                                            peak ``(2p-1)*M_B``
+=========  ========================  =====================  ===================================
+
+The peaks hold because ``M_W <= M_B``: rank ``r`` holds at most ``(warm-up)*M_B + delay*M_W``.
+Bubbles are measured the paper's way (largest per-rank span, see :class:`SimResult`).
+"""
+
+from __future__ import annotations
+
+from .baselines import check_shape
+from .ir import B, F, W, Action, Schedule, make_schedule, plain_placement
+
+
+def _split_backward_1f1b(p: int, m: int, warmup: list[int], delay: list[int], name: str) -> Schedule:
+    ranks: list[list[Action]] = []
+    for r in range(p):
+        n_warm = min(warmup[r], m)
+        acts = [F(i, r) for i in range(n_warm)]   # 1. warm-up forwards
+        pending: list[int] = []                     # microbatches whose W is still owed
+        next_f = n_warm
+        for i in range(m):                          # 2. steady state and cool-down
+            acts.append(B(i, r))
+            pending.append(i)
+            while len(pending) > delay[r]:          #    run the W that is `delay` behind
+                acts.append(W(pending.pop(0), r))
+            if next_f < m:                          #    one new forward per backward
+                acts.append(F(next_f, r))
+                next_f += 1
+        acts += [W(i, r) for i in pending]          # 3. flush the delayed W
+        ranks.append(acts)
+    return make_schedule(num_microbatches=m, stage_to_rank=plain_placement(p), ranks=ranks, name=name)
+
+
+def zb_h1(*, num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B's peak memory, bubble ``(p-1)(T_F+T_B-T_W)`` (about a third of 1F1B's)."""
+    check_shape(num_ranks, num_microbatches)
+    p = num_ranks
+    return _split_backward_1f1b(p, num_microbatches, [p - r for r in range(p)], list(range(p)), "zb-h1")
+
+
+def zb_h2(*, num_ranks: int, num_microbatches: int) -> Schedule:
+    """ZB-H2: peak ``(2p-1)*M_B``, bubble ``(p-1)(T_F+T_B-2T_W)`` (zero when ``T_F+T_B <= 2T_W``)."""
+    check_shape(num_ranks, num_microbatches)
+    p = num_ranks
+    return _split_backward_1f1b(p, num_microbatches, [2 * (p - r) - 1 for r in range(p)],
+                                [2 * r for r in range(p)], "zb-h2")

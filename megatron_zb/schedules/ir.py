@@ -1,0 +1,275 @@
+"""The schedule IR: one representation for every pipeline schedule.
+
+A schedule is data, not code. It says, for every pipeline rank, the ordered list of compute
+actions that rank performs in one training iteration:
+
+* ``F``  -- forward of one microbatch through one pipeline stage,
+* ``B``  -- backward w.r.t. the stage *input* (on the critical path),
+* ``W``  -- backward w.r.t. the stage *weights* (free to move later),
+* ``BW`` -- fused backward (``B`` and ``W`` together, as plain 1F1B does).
+
+``stage_to_rank`` maps each pipeline stage to the rank that runs it, so the plain layout
+(stage ``s`` on rank ``s``), the interleaved layout (stage ``s`` on rank ``s % p``) and the
+V layout (rank ``r`` holds stages ``r`` and ``2p-1-r``) are the same IR with different maps.
+
+Communication is never written by hand: :func:`lower` derives the send/recv actions from
+the compute order (see :mod:`megatron_zb.schedules.lowering`). The same :class:`Schedule`
+feeds the validator, the simulator, the plots, the JSON form and the runtime.
+
+JSON form (see :meth:`Schedule.to_json` / :meth:`Schedule.from_json`)::
+
+    {"num_microbatches": m,
+     "stage_to_rank": [r0, r1, ...],
+     "ranks": [[{"op": "F", "mb": 0, "stage": 0}, ...], ...]}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+COMPUTE_OPS: tuple[str, ...] = ("F", "B", "W", "BW")
+"""Compute action kinds, in the order they happen to one (microbatch, stage)."""
+
+COMM_OPS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+"""Communication action kinds produced by lowering (never by a generator).
+
+``SEND_F``/``RECV_F`` carry the activation of microbatch ``mb`` from stage ``stage`` to
+``stage + 1``; ``SEND_B``/``RECV_B`` carry the input gradient of stage ``stage`` to
+``stage - 1``. ``stage`` is always the *producing* stage, so a matching send/recv pair has
+identical ``(op suffix, mb, stage)``.
+"""
+
+
+class ScheduleError(ValueError):
+    """A schedule (or a request for one) is malformed; the message names the first bad item."""
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank: ``op`` applied to microbatch ``mb`` on pipeline stage ``stage``.
+
+    ``peer`` is set only on communication actions (the other rank of the transfer).
+    """
+
+    op: str
+    mb: int
+    stage: int
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in COMPUTE_OPS and self.op not in COMM_OPS:
+            raise ScheduleError(f"unknown action op {self.op!r}; expected one of {COMPUTE_OPS + COMM_OPS}")
+        if self.op in COMM_OPS and self.peer is None:
+            raise ScheduleError(f"communication action {self.op} needs a peer rank")
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE_OPS
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"op": self.op, "mb": self.mb, "stage": self.stage}
+        if self.peer is not None:
+            d["peer"] = self.peer
+        return d
+
+    def __str__(self) -> str:
+        s = f"{self.op}(mb={self.mb}, stage={self.stage})"
+        return s if self.peer is None else s[:-1] + f", peer={self.peer})"
+
+
+def F(mb: int, stage: int) -> Action:
+    """Forward of microbatch ``mb`` on ``stage``."""
+    return Action("F", mb, stage)
+
+
+def B(mb: int, stage: int) -> Action:
+    """Input-gradient backward of microbatch ``mb`` on ``stage``."""
+    return Action("B", mb, stage)
+
+
+def W(mb: int, stage: int) -> Action:
+    """Weight-gradient backward of microbatch ``mb`` on ``stage``."""
+    return Action("W", mb, stage)
+
+
+def BW(mb: int, stage: int) -> Action:
+    """Fused backward (input and weight gradients) of microbatch ``mb`` on ``stage``."""
+    return Action("BW", mb, stage)
+
+
+@dataclass(slots=True)
+class Schedule:
+    """A pipeline schedule for one iteration.
+
+    Attributes:
+        num_microbatches: microbatches per iteration (``m``).
+        stage_to_rank: rank that runs each pipeline stage; ``len(stage_to_rank)`` is the number
+            of stages. Stage 0 holds the embedding, the last stage the loss.
+        ranks: per-rank ordered action lists (compute actions; lowered schedules also carry
+            communication actions).
+        name: free-form label (e.g. ``"zb-h1"``); not part of the JSON contract.
+    """
+
+    num_microbatches: int
+    stage_to_rank: list[int]
+    ranks: list[list[Action]]
+    name: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Stages owned by ``rank``, ascending."""
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def actions(self) -> Iterator[tuple[int, int, Action]]:
+        """Yield ``(rank, position, action)`` for every action."""
+        for r, acts in enumerate(self.ranks):
+            for i, a in enumerate(acts):
+                yield r, i, a
+
+    def compute_only(self) -> "Schedule":
+        """The schedule with communication actions removed (undoes :func:`lower`)."""
+        return Schedule(self.num_microbatches, list(self.stage_to_rank),
+                        [[a for a in acts if a.is_compute] for acts in self.ranks], self.name, dict(self.meta))
+
+    @property
+    def splits_backward(self) -> bool:
+        """True when any backward is split into B and W."""
+        return any(a.op == "W" for _, _, a in self.actions())
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_microbatches": self.num_microbatches,
+            "stage_to_rank": list(self.stage_to_rank),
+            "ranks": [[a.to_dict() for a in acts] for acts in self.ranks],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], name: str = "") -> "Schedule":
+        for key in ("num_microbatches", "stage_to_rank", "ranks"):
+            if key not in d:
+                raise ScheduleError(f"schedule JSON lacks the key {key!r}")
+        ranks: list[list[Action]] = []
+        for r, acts in enumerate(d["ranks"]):
+            row = []
+            for i, a in enumerate(acts):
+                try:
+                    row.append(Action(a["op"], int(a["mb"]), int(a["stage"]), a.get("peer")))
+                except (KeyError, TypeError) as e:
+                    raise ScheduleError(f"rank {r} action #{i} {a!r} is not an action: {e}") from None
+            ranks.append(row)
+        return cls(int(d["num_microbatches"]), [int(x) for x in d["stage_to_rank"]], ranks, name=name)
+
+    @classmethod
+    def from_json(cls, text: str, name: str = "") -> "Schedule":
+        return cls.from_dict(json.loads(text), name=name)
+
+
+def dump(schedule: Schedule, path: str | Path) -> None:
+    """Write ``schedule`` to ``path`` in the documented JSON form."""
+    Path(path).write_text(schedule.to_json(indent=None) + "\n")
+
+
+def load(path: str | Path) -> Schedule:
+    """Read a schedule written by :func:`dump` (or by any tool following the JSON form)."""
+    p = Path(path)
+    return Schedule.from_json(p.read_text(), name=p.stem)
+
+
+# ---------------------------------------------------------------------- placements
+def plain_placement(num_ranks: int) -> list[int]:
+    """Stage ``s`` on rank ``s``: one chunk per rank."""
+    return list(range(num_ranks))
+
+
+def interleaved_placement(num_ranks: int, num_chunks: int) -> list[int]:
+    """Megatron's virtual pipeline: stage ``s`` on rank ``s % p``, ``v`` chunks per rank."""
+    return [s % num_ranks for s in range(num_ranks * num_chunks)]
+
+
+def v_placement(num_ranks: int) -> list[int]:
+    """V layout: rank ``r`` holds stage ``r`` and stage ``2p-1-r`` (rank 0: first and last)."""
+    return list(range(num_ranks)) + list(reversed(range(num_ranks)))
+
+
+# ---------------------------------------------------------------------- validation
+def validate(schedule: Schedule) -> None:
+    """Check that ``schedule`` is a complete, well-ordered iteration; raise :class:`ScheduleError`.
+
+    Rules: ``m >= 1``; every stage maps to an existing rank; every (microbatch, stage) has exactly
+    one ``F`` and either one ``BW`` or one ``B`` and one ``W``, each on the rank owning the stage;
+    on that rank ``F`` precedes ``B``/``BW`` and ``B`` precedes ``W``. Communication actions, if
+    present, are checked by :func:`megatron_zb.schedules.lowering.check_lowered`.
+    The error names the first offending action as ``rank R action #i: OP(mb, stage)``.
+    """
+    m, s2r, p = schedule.num_microbatches, schedule.stage_to_rank, schedule.num_ranks
+    if m < 1:
+        raise ScheduleError(f"num_microbatches must be >= 1, got {m}")
+    if p < 1:
+        raise ScheduleError("a schedule needs at least one rank")
+    if not s2r:
+        raise ScheduleError("stage_to_rank is empty")
+    for s, r in enumerate(s2r):
+        if not 0 <= r < p:
+            raise ScheduleError(f"stage {s} is placed on rank {r}, but the schedule has ranks 0..{p - 1}")
+    seen: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for r, i, a in schedule.actions():
+        where = f"rank {r} action #{i}: {a}"
+        if not a.is_compute:
+            continue
+        if not 0 <= a.stage < len(s2r):
+            raise ScheduleError(f"{where} names stage {a.stage}, but there are {len(s2r)} stages")
+        if not 0 <= a.mb < m:
+            raise ScheduleError(f"{where} names microbatch {a.mb}, but there are {m} microbatches")
+        if s2r[a.stage] != r:
+            raise ScheduleError(f"{where} runs on rank {r}, but stage {a.stage} belongs to rank {s2r[a.stage]}")
+        key = (a.op, a.mb, a.stage)
+        if key in seen:
+            r0, i0 = seen[key]
+            raise ScheduleError(f"{where} duplicates rank {r0} action #{i0}")
+        if a.op in ("B", "W", "BW") and ("F", a.mb, a.stage) not in seen:
+            raise ScheduleError(f"{where} comes before its forward F(mb={a.mb}, stage={a.stage})")
+        if a.op == "W" and ("B", a.mb, a.stage) not in seen:
+            raise ScheduleError(f"{where} comes before its input-gradient backward B(mb={a.mb}, stage={a.stage})")
+        if a.op == "BW" and ("B", a.mb, a.stage) in seen or a.op == "B" and ("BW", a.mb, a.stage) in seen:
+            raise ScheduleError(f"{where}: a (microbatch, stage) takes either BW or B+W, not both")
+        seen[key] = (r, i)
+    for s in range(len(s2r)):
+        for mb in range(m):
+            if ("F", mb, s) not in seen:
+                raise ScheduleError(f"rank {s2r[s]} lacks F(mb={mb}, stage={s})")
+            has_bw = ("BW", mb, s) in seen
+            has_b, has_w = ("B", mb, s) in seen, ("W", mb, s) in seen
+            if not has_bw and not (has_b and has_w):
+                missing = "W" if has_b else ("B" if has_w else "BW (or B and W)")
+                raise ScheduleError(f"rank {s2r[s]} lacks {missing}(mb={mb}, stage={s})")
+
+
+def backward_kinds(schedule: Schedule) -> set[str]:
+    """The backward kinds a schedule uses (``{"BW"}``, ``{"B", "W"}`` or both)."""
+    return {a.op for _, _, a in schedule.actions() if a.op in ("B", "W", "BW")}
+
+
+def make_schedule(
+    *, num_microbatches: int, stage_to_rank: Sequence[int], ranks: Iterable[Iterable[Action]], name: str = "",
+    **meta: Any,
+) -> Schedule:
+    """Build and validate a schedule (the common tail of every generator)."""
+    sched = Schedule(num_microbatches, list(stage_to_rank), [list(r) for r in ranks], name, dict(meta))
+    validate(sched)
+    return sched

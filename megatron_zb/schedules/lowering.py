@@ -1,0 +1,75 @@
+"""Lowering: derive the point-to-point communication of a schedule from its compute order.
+
+Generators only write compute actions. :func:`lower` inserts, on each rank,
+
+* ``SEND_F(i, s)`` right after ``F(i, s)`` when stage ``s+1`` lives on another rank, and the
+  matching ``RECV_F(i, s)`` right before ``F(i, s+1)`` on that rank;
+* ``SEND_B(i, s)`` right after ``B(i, s)``/``BW(i, s)`` when stage ``s-1`` lives on another rank,
+  and the matching ``RECV_B(i, s)`` right before the backward of ``(i, s-1)``.
+
+A ``RECV`` marks the latest point where the data must have arrived; a runtime may post the
+receive earlier (the executor posts it as soon as the previous receive from that peer is
+consumed). Transfers between two stages on the same rank (e.g. the tip of the V) need no action.
+Each transfer is identified by ``(direction, mb, stage)``, which the runtime turns into a unique
+tag, so two transfers between the same pair of ranks can never be confused (the PP=2 swap bug of
+batched p2p with equal tags cannot happen).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .ir import Action, Schedule, ScheduleError, validate
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """Return a copy of ``schedule`` with send/recv actions inserted (see module docstring)."""
+    validate(schedule)
+    s2r, n = schedule.stage_to_rank, schedule.num_stages
+    ranks: list[list[Action]] = []
+    for r, acts in enumerate(schedule.ranks):
+        row: list[Action] = []
+        for a in acts:
+            if a.op == "F" and a.stage > 0 and s2r[a.stage - 1] != r:
+                row.append(Action("RECV_F", a.mb, a.stage - 1, peer=s2r[a.stage - 1]))
+            if a.op in ("B", "BW") and a.stage < n - 1 and s2r[a.stage + 1] != r:
+                row.append(Action("RECV_B", a.mb, a.stage + 1, peer=s2r[a.stage + 1]))
+            row.append(a)
+            if a.op == "F" and a.stage < n - 1 and s2r[a.stage + 1] != r:
+                row.append(Action("SEND_F", a.mb, a.stage, peer=s2r[a.stage + 1]))
+            if a.op in ("B", "BW") and a.stage > 0 and s2r[a.stage - 1] != r:
+                row.append(Action("SEND_B", a.mb, a.stage, peer=s2r[a.stage - 1]))
+        ranks.append(row)
+    out = Schedule(schedule.num_microbatches, list(s2r), ranks, schedule.name, dict(schedule.meta))
+    check_lowered(out)
+    return out
+
+
+def check_lowered(schedule: Schedule) -> None:
+    """Check that every send has exactly one matching receive on its peer, and vice versa.
+
+    Raises :class:`ScheduleError` naming the first unmatched action (e.g. a send whose receive was
+    removed, or a send addressed to the wrong peer).
+    """
+    sends: Counter[tuple[str, int, int, int, int]] = Counter()
+    recvs: Counter[tuple[str, int, int, int, int]] = Counter()
+    where: dict[tuple[str, int, int, int, int], str] = {}
+    for r, i, a in schedule.actions():
+        if a.is_compute:
+            continue
+        assert a.peer is not None
+        direction = a.op.split("_")[1]
+        if a.op.startswith("SEND"):
+            key = (direction, a.mb, a.stage, r, a.peer)
+            sends[key] += 1
+        else:
+            key = (direction, a.mb, a.stage, a.peer, r)
+            recvs[key] += 1
+        where.setdefault(key, f"rank {r} action #{i}: {a}")
+    for key in list(sends) + list(recvs):
+        if sends[key] != 1 or recvs[key] != 1:
+            direction, mb, stage, src, dst = key
+            raise ScheduleError(
+                f"{where[key]} has {sends[key]} send(s) and {recvs[key]} receive(s) for the "
+                f"{'activation' if direction == 'F' else 'gradient'} of mb={mb}, stage={stage} "
+                f"from rank {src} to rank {dst}; expected exactly one of each")

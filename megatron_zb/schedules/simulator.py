@@ -1,0 +1,202 @@
+"""A cost- and memory-aware simulator for schedules in the IR.
+
+Semantics (the zero-bubble paper's model):
+
+* each rank runs its actions in list order, one at a time;
+* ``F(i, s)`` waits for ``F(i, s-1)``;
+* ``B(i, s)`` / ``BW(i, s)`` wait for ``F(i, s)`` and for the input-gradient backward of
+  ``(i, s+1)`` (the last stage only for its own ``F``);
+* ``W(i, s)`` waits for ``B(i, s)``;
+* a dependency between two different ranks adds ``t_comm`` (latency; it does not occupy either
+  rank). Communication actions of a lowered schedule are ignored: transfers are modelled this way.
+
+Memory: ``F`` allocates ``mem_b``; ``B`` frees ``mem_b - mem_w``; ``W`` frees ``mem_w``; ``BW``
+frees ``mem_b``. The peak is taken over each rank's action order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costs import CostModel, StageCosts
+from .ir import Action, Schedule, ScheduleError, validate
+
+
+class DeadlockError(ScheduleError):
+    """The schedule can never finish: every unfinished rank waits on something that never happens."""
+
+
+class MemoryLimitError(ScheduleError):
+    """A rank's activation memory exceeds the cost model's ``memory_limit``."""
+
+
+@dataclass
+class SimResult:
+    """What the simulator predicts for one iteration.
+
+    Attributes:
+        schedule: the simulated (compute-only) schedule.
+        start, end: per rank, start/end time of each action, aligned with ``schedule.ranks``.
+        total_time: time from 0 (first action of rank 0) to the end of the last action on any
+            rank: one isolated iteration, as when an optimizer step synchronises all ranks.
+        span: per rank, end of its last action minus start of its first action.
+        makespan: ``max(span)``, the zero-bubble paper's "cost" (the largest execution time of
+            any stage): the iteration period once consecutive iterations may overlap across
+            ranks, which optimizer post-validation allows. Equal to ``total_time`` for every
+            schedule whose rank 0 starts first and finishes last (1F1B, ZB-H1, ...).
+        busy: per rank, total compute time.
+        peak_memory: per rank, peak held activation memory (units of ``mem_b``).
+        bubble_rate: ``(makespan - max(busy)) / makespan`` -- the zero-bubble paper's definition,
+            with the busiest rank's work standing for ``m * (T_F + T_B + T_W)``.
+    """
+
+    schedule: Schedule
+    costs: StageCosts
+    start: list[list[float]]
+    end: list[list[float]]
+    total_time: float
+    busy: list[float]
+    peak_memory: list[float]
+
+    @property
+    def span(self) -> list[float]:
+        return [(e[-1] - s[0]) if e else 0.0 for s, e in zip(self.start, self.end)]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.span)
+
+    @property
+    def bubble_rate(self) -> float:
+        return (self.makespan - max(self.busy)) / self.makespan if self.makespan > 0 else 0.0
+
+    @property
+    def idle_fraction(self) -> list[float]:
+        """Per rank, the fraction of ``total_time`` spent not computing."""
+        return [(self.total_time - b) / self.total_time if self.total_time else 0.0 for b in self.busy]
+
+    @property
+    def max_peak_memory(self) -> float:
+        return max(self.peak_memory)
+
+    def summary(self) -> str:
+        mem = ", ".join(f"{x:g}" for x in self.peak_memory)
+        return (f"schedule {self.schedule.name or '?'}: makespan {self.makespan:.4g} "
+                f"(isolated iteration {self.total_time:.4g}), "
+                f"bubble rate {self.bubble_rate:.4f}, peak activation memory per rank [{mem}]")
+
+
+def peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[list[float], tuple[int, int] | None]:
+    """Per-rank peak activation memory, and the first ``(rank, position)`` over the limit (if any)."""
+    peaks: list[float] = []
+    first_violation: tuple[int, int] | None = None
+    eps = 1e-9
+    for r, acts in enumerate(schedule.ranks):
+        cur = peak = 0.0
+        for i, a in enumerate(acts):
+            cur += costs.memory_delta(a.op, a.stage)
+            peak = max(peak, cur)
+            if (costs.memory_limit is not None and first_violation is None
+                    and cur > costs.memory_limit * (1 + eps) + eps):
+                first_violation = (r, i)
+        peaks.append(peak)
+    return peaks, first_violation
+
+
+def _deps(a: Action, num_stages: int) -> list[tuple[str, int, int]]:
+    """Keys of the events ``a`` waits for. ``("B", i, s)`` stands for either B or BW done."""
+    if a.op == "F":
+        return [("F", a.mb, a.stage - 1)] if a.stage > 0 else []
+    if a.op in ("B", "BW"):
+        d = [("F", a.mb, a.stage)]
+        if a.stage < num_stages - 1:
+            d.append(("B", a.mb, a.stage + 1))
+        return d
+    return [("B", a.mb, a.stage)]  # W
+
+
+def simulate(schedule: Schedule, costs: CostModel | StageCosts, *, enforce_memory: bool = True,
+             check: bool = True) -> SimResult:
+    """Simulate one iteration of ``schedule`` under ``costs``.
+
+    Args:
+        schedule: any schedule in the IR (communication actions are ignored).
+        costs: a :class:`CostModel` (resolved for the schedule's stages) or resolved costs.
+        enforce_memory: raise :class:`MemoryLimitError` when a rank exceeds ``memory_limit``.
+        check: validate the schedule first.
+
+    Raises:
+        ScheduleError: the schedule is invalid (``check=True``).
+        DeadlockError: no rank can proceed; the message lists each rank's blocked action.
+        MemoryLimitError: a rank exceeds the memory limit (``enforce_memory=True``).
+    """
+    sched = schedule.compute_only() if any(not a.is_compute for _, _, a in schedule.actions()) else schedule
+    if check:
+        validate(sched)
+    sc = costs.resolve(sched.num_stages) if isinstance(costs, CostModel) else costs
+    if len(sc.t_f) != sched.num_stages:
+        raise ScheduleError(f"costs are resolved for {len(sc.t_f)} stages, schedule has {sched.num_stages}")
+    s2r = sched.stage_to_rank
+    n_stages = sched.num_stages
+    done: dict[tuple[str, int, int], float] = {}
+    start = [[0.0] * len(acts) for acts in sched.ranks]
+    end = [[0.0] * len(acts) for acts in sched.ranks]
+    ptr = [0] * sched.num_ranks
+    clock = [0.0] * sched.num_ranks
+    deps = [[_deps(a, n_stages) for a in acts] for acts in sched.ranks]
+    remaining = sum(len(acts) for acts in sched.ranks)
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(sched.ranks):
+            i = ptr[r]
+            while i < len(acts):
+                a = acts[i]
+                ready = clock[r]
+                for key in deps[r][i]:
+                    t = done.get(key)
+                    if t is None:
+                        break
+                    if s2r[key[2]] != r:
+                        t += sc.t_comm
+                    if t > ready:
+                        ready = t
+                else:
+                    t_end = ready + sc.duration(a.op, a.stage)
+                    start[r][i], end[r][i] = ready, t_end
+                    clock[r] = t_end
+                    done[("B" if a.op == "BW" else a.op, a.mb, a.stage)] = t_end
+                    i += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
+                break
+            ptr[r] = i
+        if not progressed:
+            blocked = []
+            for r, acts in enumerate(sched.ranks):
+                if ptr[r] < len(acts):
+                    a = acts[ptr[r]]
+                    waits = [k for k in deps[r][ptr[r]] if k not in done]
+                    what = ", ".join(f"{op}(mb={mb}, stage={st})" for op, mb, st in waits)
+                    blocked.append(f"rank {r} blocked at action #{ptr[r]} {a} waiting for {what}")
+                else:
+                    blocked.append(f"rank {r} finished")
+            raise DeadlockError("schedule deadlocks:\n  " + "\n  ".join(blocked))
+    peaks, violation = peak_memory(sched, sc)
+    if enforce_memory and violation is not None:
+        r, i = violation
+        raise MemoryLimitError(
+            f"rank {r} action #{i} {sched.ranks[r][i]} brings activation memory above the limit "
+            f"{sc.memory_limit:g} (peak on that rank {peaks[r]:g})")
+    busy = [sum(sc.duration(a.op, a.stage) for a in acts) for acts in sched.ranks]
+    total_time = max((e[-1] for e in end if e), default=0.0)
+    return SimResult(sched, sc, start, end, total_time, busy, peaks)
+
+
+def deadlocks(schedule: Schedule) -> bool:
+    """True when the per-rank orders of ``schedule`` can never all finish (cost-independent)."""
+    try:
+        simulate(schedule, CostModel(), enforce_memory=False, check=False)
+    except DeadlockError:
+        return True
+    return False

@@ -1,0 +1,33 @@
+"""megatron-zb: zero-bubble pipeline parallelism for megatron-core."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-zb",
+    version="0.1.0",
+    description="Zero-bubble pipeline parallelism (ZB-H1/H2, greedy ZB, ZB-V) for megatron-core",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_zb", "megatron_zb.*"]),
+    # Install `torch==2.13.0` (or your CUDA build) *before* this package: an unpinned torch
+    # requirement would pull a multi-GB CUDA wheel on a CPU machine.
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "numpy",
+        "matplotlib",
+        "psutil",   # megatron-core's async checkpoint writer hangs without it
+        "highspy",  # exact schedule solver (HiGHS MILP)
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        # GPU only: fused wgrad_gemm_accum kernels and TE layers. Neither runs on a CPU machine;
+        # apex is not on PyPI (the "apex" there is an unrelated project): build NVIDIA apex from
+        # source with --cpp_ext --cuda_ext.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["megatron-zb=megatron_zb.cli:main"]},
+)

@@ -1,0 +1,34 @@
+"""Shared test fixtures: paper reference data and cost models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_zb.schedules import CostModel
+
+DATA = Path(__file__).parent / "data"
+
+
+def paper_rows() -> list[dict]:
+    """The zero-bubble paper's profiled rows (Tables 3, 5, 9), with the M_W / M_B ratio added."""
+    d = json.loads((DATA / "zb_paper_costs.json").read_text())
+    rows = []
+    for row in d["rows"]:
+        md = d["models"][row["model"]]
+        h, a, s = md["hidden"], md["heads"], md["seq"]
+        rows.append(dict(row, p=md["p"], mem_w_ratio=(32 * h) / (34 * h + 5 * a * s)))
+    return rows
+
+
+def paper_costs(row: dict, memory_limit: float | None = None) -> CostModel:
+    """Per-stage cost model of one paper row, memory in units of one stage's M_B."""
+    return CostModel(t_f=row["TF"], t_b=row["TB"], t_w=row["TW"], t_comm=row["Tcomm"], mem_b=1.0,
+                     mem_w=row["mem_w_ratio"], memory_limit=memory_limit)
+
+
+@pytest.fixture(params=paper_rows(), ids=lambda r: f"{r['model']}-m{r['m']}")
+def paper_row(request) -> dict:
+    return request.param
