@@ -1,0 +1,189 @@
+"""Executes one rank's part of any schedule on megatron-core model chunks.
+
+The schedule is lowered (:func:`megatron_zb.schedules.lower`) and the rank walks its action list:
+
+* ``F``  -- megatron-core's ``forward_step`` on the chunk holding the stage (first stage reads
+  the data iterator, the last stage computes the loss);
+* ``B``  -- megatron-core's ``backward_step`` inside :meth:`WeightGradStore.deferring`: input
+  gradients now, weight gradients of linear layers queued;
+* ``W``  -- runs the queue of that (stage, microbatch);
+* ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does);
+* ``RECV_*`` / ``SEND_*`` -- tagged p2p via :class:`PipeComm`; receives are posted up to
+  ``recv_lookahead`` actions ahead; transfers between two stages on the same rank (the tip of
+  the V) are handed over in memory.
+
+Using megatron-core's own ``forward_step``/``backward_step`` keeps loss scaling, per-token loss
+normalisation and the loss bookkeeping identical to megatron-core's schedules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..schedules.ir import Action, Schedule
+from ..schedules.lowering import lower
+from .memory import ActivationMemoryTracker
+from .p2p import PipeComm
+from .wgrad_store import get_weight_grad_store
+
+
+@dataclass
+class ActionTiming:
+    """Wall-clock seconds of each compute action of one iteration on this rank."""
+
+    records: list[tuple[Action, float, float]] = field(default_factory=list)
+
+    def durations(self, op: str) -> dict[int, list[float]]:
+        """Per stage, the durations (seconds) of actions of kind ``op``."""
+        out: dict[int, list[float]] = {}
+        for a, t0, t1 in self.records:
+            if a.op == op:
+                out.setdefault(a.stage, []).append(t1 - t0)
+        return out
+
+
+@dataclass
+class StageRuntime:
+    """What the executor needs to know about the rank's chunks and the tensors between stages.
+
+    Attributes:
+        chunks: stage index -> model chunk (the megatron-core module, possibly DDP-wrapped).
+        data_iterators: stage index -> data iterator passed to ``forward_step_func``.
+        tensor_shape: shape of the hidden states sent between stages
+            (``[seq_len / tp if sequence parallel else seq_len, micro_batch_size, hidden]``).
+        dtype: dtype of those hidden states (``config.pipeline_dtype``).
+        device: device of those hidden states.
+    """
+
+    chunks: dict[int, torch.nn.Module]
+    data_iterators: dict[int, Iterator[Any] | None]
+    tensor_shape: Sequence[int]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_step_func: Callable,
+            config: Any, comm: PipeComm, forward_only: bool = False, collect_non_loss_data: bool = False,
+            cp_group_size: int = 1, first_val_step: bool | None = None, recv_lookahead: int = 8,
+            timing: ActionTiming | None = None, memory: ActivationMemoryTracker | None = None,
+            ) -> tuple[list[Any], torch.Tensor]:
+    """Run ``rank``'s actions of ``schedule``; return (forward data store, total tokens).
+
+    ``forward_only`` keeps only the forwards (evaluation). The forward data store holds what
+    megatron-core's schedules return: the reduced losses of the last stage, in microbatch order.
+    """
+    from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
+    from megatron.core.utils import get_model_type
+
+    if forward_only:
+        schedule = Schedule(schedule.num_microbatches, schedule.stage_to_rank,
+                            [[a for a in acts if a.op == "F"] for acts in schedule.ranks], schedule.name)
+    lowered = lower(schedule)
+    acts = lowered.ranks[rank]
+    m, last = schedule.num_microbatches, schedule.num_stages - 1
+    store = get_weight_grad_store()
+    shape, dtype, device = runtime.tensor_shape, runtime.dtype, runtime.device
+
+    inputs: dict[tuple[int, int], Any] = {}      # (mb, stage) -> stage input (None on stage 0)
+    outputs: dict[tuple[int, int], Any] = {}     # (mb, stage) -> stage output (loss on last)
+    grads: dict[tuple[int, int], torch.Tensor] = {}   # (mb, stage) -> grad of that stage's output
+    local_act: dict[tuple[int, int], torch.Tensor] = {}  # same-rank handover of activations
+    local_grad: dict[tuple[int, int], torch.Tensor] = {}  # same-rank handover of gradients
+    stage_data: dict[tuple[int, int], list[Any]] = {}    # per-(mb, stage) forward data (reordered below)
+    total_tokens = torch.zeros([], dtype=torch.int)
+    recv_positions = [i for i, a in enumerate(acts) if a.op.startswith("RECV")]
+    next_recv = 0
+    model_type = get_model_type(next(iter(runtime.chunks.values())))
+
+    def post_ahead(i: int) -> None:
+        nonlocal next_recv
+        while next_recv < len(recv_positions) and recv_positions[next_recv] < i + recv_lookahead:
+            comm.post_recv(acts[recv_positions[next_recv]], shape, dtype, device)
+            next_recv += 1
+
+    for i, a in enumerate(acts):
+        post_ahead(i)
+        key = (a.mb, a.stage)
+        t0 = time.perf_counter()
+        if a.op == "RECV_F":
+            t = comm.wait_recv(a, shape, dtype, device)
+            inputs[(a.mb, a.stage + 1)] = t.requires_grad_(not forward_only)
+            continue
+        if a.op == "RECV_B":
+            grads[(a.mb, a.stage - 1)] = comm.wait_recv(a, shape, dtype, device)
+            continue
+        if a.op == "SEND_F":
+            comm.send(a, _first(outputs[key]))
+            if forward_only:
+                outputs.pop(key)
+            continue
+        if a.op == "SEND_B":
+            g = inputs.pop(key)
+            comm.send(a, g)
+            continue
+        if a.op == "F":
+            model = runtime.chunks[a.stage]
+            if a.stage == 0:
+                inp = None
+            elif (a.mb, a.stage) in inputs:
+                inp = inputs[(a.mb, a.stage)]
+            else:  # previous stage lives on this rank (tip of the V)
+                inp = local_act.pop((a.mb, a.stage - 1)).detach().requires_grad_(not forward_only)
+                inputs[(a.mb, a.stage)] = inp
+            data: list[Any] = []
+            ctx = memory.saving() if memory is not None else contextlib.nullcontext()
+            with ctx:
+                out, n_tok = forward_step(
+                    forward_step_func, runtime.data_iterators.get(a.stage), model, m, inp, data, config,
+                    cp_group_size, collect_non_loss_data=collect_non_loss_data,
+                    is_first_microbatch=check_first_val_step(first_val_step, forward_only, a.mb == 0),
+                    current_microbatch=a.mb, is_last_stage=(a.stage == last))
+            total_tokens += n_tok
+            if data:
+                stage_data[key] = data
+            if a.stage < last and schedule.stage_to_rank[a.stage + 1] == rank:
+                local_act[key] = _first(out)
+            if not forward_only or a.stage < last:
+                outputs[key] = out
+            if forward_only and a.stage == last:
+                inputs.pop(key, None)
+        elif a.op in ("B", "BW"):
+            inp = inputs.pop(key, None)
+            out = outputs.pop(key)
+            if a.stage == last:
+                out_grad = None
+            elif key in grads:
+                out_grad = grads.pop(key)
+            else:  # next stage lives on this rank
+                out_grad = local_grad.pop(key)
+            if a.op == "B":
+                with store.deferring(a.stage, a.mb):
+                    in_grad = backward_step(inp, out, out_grad, model_type, config)
+            else:
+                in_grad = backward_step(inp, out, out_grad, model_type, config)
+            del out, out_grad
+            if a.stage > 0:
+                if schedule.stage_to_rank[a.stage - 1] == rank:
+                    local_grad[(a.mb, a.stage - 1)] = in_grad
+                else:
+                    inputs[key] = in_grad  # picked up by the SEND_B that follows
+        elif a.op == "W":
+            store.run(a.stage, a.mb)
+        if timing is not None and a.is_compute:
+            timing.records.append((a, t0, time.perf_counter()))
+    comm.finish()
+    if not forward_only:
+        store.assert_empty()
+    forward_data = [d for mb in range(m) for d in stage_data.get((mb, last), [])]
+    return forward_data, total_tokens
+
+
+def _first(x: Any) -> torch.Tensor:
+    return x[0] if isinstance(x, (list, tuple)) else x
+
+

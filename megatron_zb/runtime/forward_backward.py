@@ -1,0 +1,169 @@
+"""The drop-in ``forward_backward_func``: megatron-core's signature, any schedule of the library."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..schedules.costs import CostModel
+from ..schedules.ir import Schedule
+from ..schedules.registry import build_schedule, get_spec
+from .executor import ActionTiming, StageRuntime, execute
+from .memory import ActivationMemoryTracker
+from .p2p import PipeComm
+from .wgrad_store import get_weight_grad_store, install
+
+
+@dataclass
+class ZeroBubbleOptions:
+    """Options of :func:`get_forward_backward_func` (megatron-core style config dataclass).
+
+    Attributes:
+        schedule: a schedule name of the library (``"1f1b"``, ``"zb-h1"``, ``"zb-h2"``, ``"zb"``,
+            ``"zb-1p"``, ``"zb-2p"``, ``"zbv"``, ``"v-half"``, ``"v-min"``, ...).
+        costs: per-stage cost model for cost-aware schedules (times in any unit; memory in units
+            of one stage's activation). ``None``: unit costs until measured costs are set with
+            :meth:`ZeroBubbleForwardBackward.replan`.
+        memory_limit: per-rank activation limit in units of one stage's ``M_B`` (``None``: the
+            schedule's default, e.g. ``p`` for ``"zb"``).
+        num_chunks: model chunks per rank for interleaved placements.
+        timeout: seconds any single p2p transfer may take before the run fails with an error
+            naming the rank, action and peer.
+        recv_lookahead: how many actions ahead receives are posted.
+        track_memory: measure bytes of saved activations per iteration (see ``last_peak_bytes``).
+        time_actions: record wall-clock seconds of every compute action (see ``last_timing``).
+    """
+
+    schedule: str = "zb"
+    costs: CostModel | None = None
+    memory_limit: float | None = None
+    num_chunks: int = 2
+    timeout: float = 120.0
+    recv_lookahead: int = 8
+    track_memory: bool = False
+    time_actions: bool = False
+
+
+@dataclass
+class ZeroBubbleForwardBackward:
+    """Callable with megatron-core's ``forward_backward_func`` signature.
+
+    Holds the schedule (rebuilt when ``num_microbatches`` or the costs change) and, after each
+    call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for.
+    """
+
+    options: ZeroBubbleOptions
+    last_timing: ActionTiming | None = None
+    last_peak_bytes: int | None = None
+    _cache: dict[tuple[int, int], Schedule] = field(default_factory=dict)
+
+    def schedule_for(self, num_ranks: int, num_microbatches: int) -> Schedule:
+        """The schedule used for ``p`` ranks and ``m`` microbatches (built once, then cached)."""
+        key = (num_ranks, num_microbatches)
+        if key not in self._cache:
+            self._cache[key] = build_schedule(
+                self.options.schedule, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                costs=self.options.costs, memory_limit=self.options.memory_limit,
+                num_chunks=self.options.num_chunks)
+        return self._cache[key]
+
+    def replan(self, costs: CostModel, memory_limit: float | None = None) -> None:
+        """Use measured ``costs`` (and optionally a new limit) from the next iteration on."""
+        self.options.costs = costs
+        if memory_limit is not None:
+            self.options.memory_limit = memory_limit
+        self._cache.clear()
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator: Iterator | list[Iterator] | None,
+                 model: torch.nn.Module | list[torch.nn.Module], num_microbatches: int, seq_length: int,
+                 micro_batch_size: int, decoder_seq_length: int | None = None, forward_only: bool = False,
+                 collect_non_loss_data: bool = False, first_val_step: bool | None = None,
+                 adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
+                 pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
+        from megatron.core.utils import get_model_config
+
+        install()
+        chunks = model if isinstance(model, list) else [model]
+        iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(chunks)
+        config = get_model_config(chunks[0])
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        p, rank = pp_group.size(), pp_group.rank()
+        spec = get_spec(self.options.schedule)
+        want = spec.chunks_per_rank(self.options.num_chunks)
+        if len(chunks) != want:
+            raise ValueError(f"schedule {self.options.schedule!r} runs {want} model chunk(s) per rank "
+                             f"({spec.placement} placement), but model has {len(chunks)}; build the model "
+                             f"with megatron_zb.model for this placement")
+        sched = self.schedule_for(p, num_microbatches)
+        stages = sched.stages_of(rank)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        cp_group = parallel_state.get_context_parallel_group()
+        shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                   decoder_seq_length=decoder_seq_length, config=config,
+                                   tp_group=tp_group, cp_group=cp_group)
+        if adjust_tensor_shapes_fn is not None:
+            shapes, _ = adjust_tensor_shapes_fn(shapes, shapes)
+        device = next(chunks[0].parameters()).device
+        runtime = StageRuntime(chunks=dict(zip(stages, chunks)), data_iterators=dict(zip(stages, iters)),
+                               tensor_shape=shapes[0], dtype=config.pipeline_dtype or torch.float32,
+                               device=device)
+        comm = PipeComm(group=pp_group, num_stages=sched.num_stages, timeout=self.options.timeout)
+        timing = ActionTiming() if self.options.time_actions else None
+        memory = None
+        if self.options.track_memory:
+            memory = ActivationMemoryTracker(p for c in chunks for p in c.parameters())
+
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        no_sync = config.no_sync_func
+        if isinstance(no_sync, list):  # one per chunk, as megatron-core's interleaved schedule takes
+            sync_ctx: contextlib.AbstractContextManager = contextlib.ExitStack()
+            for f in no_sync:
+                sync_ctx.enter_context(f())
+        else:
+            sync_ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
+        store = get_weight_grad_store()
+        try:
+            with sync_ctx:  # no gradient reduction while W may still add to the gradients
+                data, total_tokens = execute(
+                    schedule=sched, rank=rank, runtime=runtime, forward_step_func=forward_step_func,
+                    config=config, comm=comm, forward_only=forward_only,
+                    collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
+                    first_val_step=first_val_step, recv_lookahead=self.options.recv_lookahead,
+                    timing=timing, memory=memory)
+        except BaseException:
+            store.clear()
+            raise
+        if not forward_only:
+            if config.grad_sync_func is not None:  # one function, or one per chunk
+                sync = config.grad_sync_func
+                for f, c in zip(sync if isinstance(sync, list) else [sync] * len(chunks), chunks):
+                    f(c.parameters())
+            if config.finalize_model_grads_func is not None:
+                config.finalize_model_grads_func(
+                    chunks, total_tokens if config.calculate_per_token_loss else None,
+                    pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        self.last_timing = timing
+        self.last_peak_bytes = memory.peak_bytes if memory is not None else None
+        return data
+
+
+def get_forward_backward_func(schedule: str = "zb", **options: Any) -> ZeroBubbleForwardBackward:
+    """A drop-in replacement for megatron-core's ``get_forward_backward_func()`` result.
+
+    Args:
+        schedule: schedule name (see :class:`ZeroBubbleOptions`).
+        **options: further :class:`ZeroBubbleOptions` fields (``memory_limit``, ``costs``, ...).
+
+    Returns:
+        a callable with megatron-core's ``forward_backward_func`` keyword signature.
+    """
+    get_spec(schedule)  # fail early on an unknown name
+    return ZeroBubbleForwardBackward(ZeroBubbleOptions(schedule=schedule, **options))

@@ -1,0 +1,108 @@
+"""Point-to-point transfers of a lowered schedule over torch.distributed, with timeouts.
+
+Every transfer of one iteration is identified by ``(direction, microbatch, producing stage)``
+and gets its own tag, so two transfers between the same two ranks can never be matched to
+each other's buffers -- the failure of batched p2p with equal tags when both neighbours are the
+same rank (PP=2), which silently swaps activations and gradients, cannot happen here.
+
+Receives are posted ahead of use (:meth:`PipeComm.post_recv`) and waited on with a timeout;
+sends are asynchronous and drained at the end of the iteration, again with a timeout. A timeout
+raises :class:`PipelineTimeoutError` naming the rank, the action and the peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.ir import Action
+
+
+class PipelineTimeoutError(RuntimeError):
+    """A pipeline transfer did not complete in time (a peer died, or the schedule is inconsistent)."""
+
+
+def transfer_tag(direction: str, microbatch: int, stage: int, num_stages: int) -> int:
+    """A tag unique to one transfer of one iteration (``direction`` is ``"F"`` or ``"B"``)."""
+    return (microbatch * num_stages + stage) * 2 + (0 if direction == "F" else 1)
+
+
+@dataclass
+class _Pending:
+    work: dist.Work
+    tensor: torch.Tensor
+    action: Action
+
+
+class PipeComm:
+    """Sends and receives of one rank, over ``group`` (ranks are *group* ranks).
+
+    Args:
+        group: the pipeline-parallel process group.
+        num_stages: stages of the schedule (for tags).
+        timeout: seconds to wait for any single transfer before failing.
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup | None, num_stages: int, timeout: float = 120.0) -> None:
+        self.group = group
+        self.num_stages = num_stages
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.rank = dist.get_rank(group)
+        self._recvs: dict[tuple[str, int, int], _Pending] = {}
+        self._sends: list[_Pending] = []
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def _tag(self, a: Action) -> int:
+        return transfer_tag(a.op[-1], a.mb, a.stage, self.num_stages)
+
+    def post_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+        """Post the receive of ``a`` (a ``RECV_F``/``RECV_B``) if not posted yet."""
+        key = (a.op, a.mb, a.stage)
+        if key in self._recvs:
+            return
+        buf = torch.empty(tuple(shape), dtype=dtype, device=device)
+        work = dist.irecv(buf, src=self._global(a.peer), group=self.group, tag=self._tag(a))
+        self._recvs[key] = _Pending(work, buf, a)
+
+    def wait_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Wait for the receive of ``a`` (posting it first if needed) and return the tensor."""
+        self.post_recv(a, shape, dtype, device)
+        p = self._recvs.pop((a.op, a.mb, a.stage))
+        self._wait(p, "receive")
+        return p.tensor
+
+    def send(self, a: Action, tensor: torch.Tensor) -> None:
+        """Start the send of ``a`` (a ``SEND_F``/``SEND_B``); it completes asynchronously."""
+        t = tensor.detach().contiguous()
+        work = dist.isend(t, dst=self._global(a.peer), group=self.group, tag=self._tag(a))
+        self._sends.append(_Pending(work, t, a))
+        if len(self._sends) > 64:  # bound the number of in-flight sends
+            self._wait(self._sends.pop(0), "send")
+
+    def finish(self) -> None:
+        """Wait for every outstanding send; fail if a posted receive was never consumed."""
+        while self._sends:
+            self._wait(self._sends.pop(0), "send")
+        if self._recvs:
+            left = ", ".join(str(p.action) for p in self._recvs.values())
+            self._recvs.clear()
+            raise RuntimeError(f"rank {self.rank}: receives posted but never used: {left}")
+
+    def _wait(self, p: _Pending, what: str) -> None:
+        try:
+            ok = p.work.wait(timeout=self.timeout)
+        except RuntimeError as e:  # gloo raises on timeout
+            raise PipelineTimeoutError(
+                f"pipeline rank {self.rank}: {what} for {p.action} with peer rank {p.action.peer} did not "
+                f"complete within {self.timeout.total_seconds():g} s ({e.__class__.__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if ok is False:
+            raise PipelineTimeoutError(
+                f"pipeline rank {self.rank}: {what} for {p.action} with peer rank {p.action.peer} did not "
+                f"complete within {self.timeout.total_seconds():g} s")

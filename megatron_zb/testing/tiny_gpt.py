@@ -1,0 +1,159 @@
+"""A tiny GPT training step, runnable under any schedule, for equality tests and benchmarks.
+
+:func:`run_step` runs inside a rank of :func:`megatron_zb.testing.run_distributed`: it builds the
+rank's megatron-core GPT chunks for the schedule's placement (same weights for every layout),
+runs one forward/backward over fixed data -- with megatron-core's own
+``get_forward_backward_func()`` when ``schedule is None``, else with megatron-zb's -- and
+returns the losses and every parameter's full (tensor-parallel-gathered) gradient keyed by its
+global name, so results of different layouts compare directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class TinyGPT:
+    """Shape and parallel layout of the tiny model (sizes in elements, counts in microbatches)."""
+
+    pp: int = 2
+    tp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    ddp: bool = False
+    gradient_accumulation_fusion: bool = False
+    num_layers: int = 8
+    hidden: int = 64
+    heads: int = 4
+    seq: int = 32
+    vocab: int = 128
+    micro_batch: int = 2
+    num_microbatches: int = 4
+    seed: int = 1234
+    schedule_options: dict[str, Any] = field(default_factory=dict)
+
+    def microbatches(self) -> list[dict[str, torch.Tensor]]:
+        """The fixed data: ``num_microbatches`` micro batches of random tokens (per DP rank)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dp_rank = parallel_state.get_data_parallel_rank() if dist.is_initialized() else 0
+        g = torch.Generator().manual_seed(7 + 1000 * dp_rank)
+        out = []
+        for _ in range(self.num_microbatches):
+            tokens = torch.randint(0, self.vocab, (self.micro_batch, self.seq), generator=g)
+            out.append(dict(tokens=tokens, labels=torch.roll(tokens, -1, dims=1),
+                            position_ids=torch.arange(self.seq).unsqueeze(0).expand(self.micro_batch, self.seq)))
+        return out
+
+    @staticmethod
+    def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+        """Combine per-rank results: losses from the rank that has them, all gradients."""
+        merged: dict[str, Any] = {"losses": [], "grads": {}, "w_deferred": 0, "peak_bytes": []}
+        for r in results:
+            merged["losses"] = merged["losses"] or r["losses"]
+            merged["grads"].update(r["grads"])
+            merged["w_deferred"] += r["w_deferred"]
+            merged["peak_bytes"].append(r.get("peak_bytes"))
+        return merged
+
+
+def loss_func(output_tensor: torch.Tensor):
+    """Mean of the per-token losses (megatron divides by the number of microbatches)."""
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    """megatron-core forward step: every stage draws its micro batch (only the ends use it)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, loss_func
+
+
+def full_tensor(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    """Gather a tensor-parallel shard back to the full tensor (a copy at TP=1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def placement_for(schedule: str | None, pp: int, num_chunks: int = 2) -> list[int]:
+    """``stage_to_rank`` of the schedule's placement (megatron-core's own 1F1B: plain)."""
+    from ..schedules.ir import interleaved_placement, plain_placement, v_placement
+    from ..schedules.registry import get_spec
+
+    kind = "plain" if schedule is None else get_spec(schedule).placement
+    if kind == "v":
+        return v_placement(pp)
+    if kind == "interleaved":
+        return interleaved_placement(pp, num_chunks)
+    return plain_placement(pp)
+
+
+def build(cfg: TinyGPT, schedule: str | None) -> tuple[list[Any], list[Any]]:
+    """Initialise parallel state and build this rank's chunks; return (chunks, modules to run)."""
+    from ..model import build_gpt_chunks, cpu_gpt_config
+    from ..runtime.wgrad_kernels import install_megatron_fallback
+    from .distributed import init_parallel_state
+
+    if cfg.gradient_accumulation_fusion:
+        install_megatron_fallback()
+    init_parallel_state(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp, seed=cfg.seed)
+    config = cpu_gpt_config(num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+                            hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=cfg.tp,
+                            pipeline_model_parallel_size=cfg.pp, sequence_parallel=cfg.sequence_parallel,
+                            gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+    chunks = build_gpt_chunks(config=config, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
+                              stage_to_rank=placement_for(schedule, cfg.pp), seed=cfg.seed)
+    modules = [c.module for c in chunks]
+    if cfg.ddp or cfg.gradient_accumulation_fusion:
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+
+        modules = [DistributedDataParallel(config=m.config, module=m, ddp_config=DistributedDataParallelConfig())
+                   for m in modules]
+        for m in modules:
+            m.config.no_sync_func = [x.no_sync for x in modules] if len(modules) > 1 else modules[0].no_sync
+            m.config.finalize_model_grads_func = finalize_model_grads
+    return chunks, modules
+
+
+def run_step(cfg: TinyGPT, *, schedule: str | None, forward_only: bool = False,
+             track_memory: bool = False) -> dict[str, Any]:
+    """One forward/backward on this rank (see the module docstring)."""
+    from ..model import named_global_parameters
+    from ..runtime import get_forward_backward_func, get_weight_grad_store
+
+    chunks, modules = build(cfg, schedule)
+    if schedule is None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
+        fb = megatron_func()
+    else:
+        fb = get_forward_backward_func(schedule, track_memory=track_memory, **cfg.schedule_options)
+    data = cfg.microbatches()
+    iters = [iter(data) for _ in modules]  # each chunk draws the same micro batches in order
+    store = get_weight_grad_store()
+    before = store.executed
+    losses = fb(forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
+                model=modules, num_microbatches=cfg.num_microbatches, seq_length=cfg.seq,
+                micro_batch_size=cfg.micro_batch, forward_only=forward_only)
+    grads: dict[str, torch.Tensor] = {}
+    if not forward_only:
+        use_main = cfg.ddp or cfg.gradient_accumulation_fusion
+        for c in chunks:
+            for n, p in named_global_parameters(c):
+                g = p.main_grad if use_main else p.grad
+                grads[n] = full_tensor(g, p)
+    return {"losses": [d["lm loss"] for d in losses], "grads": grads, "w_deferred": store.executed - before,
+            "peak_bytes": getattr(fb, "last_peak_bytes", None)}
