@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..schedules.ir import Action, Schedule
-from ..schedules.lowering import lower
+from ..schedules.lowering import check_lowered, lower
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
 from .wgrad_store import get_weight_grad_store
@@ -71,19 +71,28 @@ def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_ste
             config: Any, comm: PipeComm, forward_only: bool = False, collect_non_loss_data: bool = False,
             cp_group_size: int = 1, first_val_step: bool | None = None, recv_lookahead: int = 8,
             timing: ActionTiming | None = None, memory: ActivationMemoryTracker | None = None,
-            ) -> tuple[list[Any], torch.Tensor]:
+            validate: bool = True) -> tuple[list[Any], torch.Tensor]:
     """Run ``rank``'s actions of ``schedule``; return (forward data store, total tokens).
 
     ``forward_only`` keeps only the forwards (evaluation). The forward data store holds what
     megatron-core's schedules return: the reduced losses of the last stage, in microbatch order.
+    A schedule that already holds communication actions runs as written. ``validate=False``
+    skips the schedule checks (for testing the runtime's own safety nets: p2p timeouts and the
+    weight-gradient store's pending-W check).
     """
     from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
     from megatron.core.utils import get_model_type
 
-    if forward_only:
-        schedule = Schedule(schedule.num_microbatches, schedule.stage_to_rank,
-                            [[a for a in acts if a.op == "F"] for acts in schedule.ranks], schedule.name)
-    lowered = lower(schedule)
+    if any(not a.is_compute for _, _, a in schedule.actions()):
+        lowered = schedule  # already lowered (e.g. loaded from JSON): run it as written
+        if validate:
+            check_lowered(lowered)
+    else:
+        lowered = lower(schedule, check=validate)
+    if forward_only:  # evaluation: the forwards and their transfers, in the same order
+        keep = ("F", "SEND_F", "RECV_F")
+        lowered = Schedule(lowered.num_microbatches, lowered.stage_to_rank,
+                           [[a for a in acts if a.op in keep] for acts in lowered.ranks], lowered.name)
     acts = lowered.ranks[rank]
     m, last = schedule.num_microbatches, schedule.num_stages - 1
     store = get_weight_grad_store()
@@ -185,5 +194,6 @@ def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_ste
 
 def _first(x: Any) -> torch.Tensor:
     return x[0] if isinstance(x, (list, tuple)) else x
+
 
 

@@ -23,7 +23,8 @@ class ZeroBubbleOptions:
 
     Attributes:
         schedule: a schedule name of the library (``"1f1b"``, ``"zb-h1"``, ``"zb-h2"``, ``"zb"``,
-            ``"zb-1p"``, ``"zb-2p"``, ``"zbv"``, ``"v-half"``, ``"v-min"``, ...).
+            ``"zb-1p"``, ``"zb-2p"``, ``"zbv"``, ``"v-half"``, ``"v-min"``, ...), or a
+            :class:`~megatron_zb.schedules.Schedule` (e.g. loaded from JSON) for fixed ``p`` and ``m``.
         costs: per-stage cost model for cost-aware schedules (times in any unit; memory in units
             of one stage's activation). ``None``: unit costs until measured costs are set with
             :meth:`ZeroBubbleForwardBackward.replan`.
@@ -35,9 +36,11 @@ class ZeroBubbleOptions:
         recv_lookahead: how many actions ahead receives are posted.
         track_memory: measure bytes of saved activations per iteration (see ``last_peak_bytes``).
         time_actions: record wall-clock seconds of every compute action (see ``last_timing``).
+        validate: check the schedule before running it. Turn off only to exercise the runtime's
+            own safety nets (p2p timeouts, pending-W check) with deliberately broken schedules.
     """
 
-    schedule: str = "zb"
+    schedule: str | Schedule = "zb"
     costs: CostModel | None = None
     memory_limit: float | None = None
     num_chunks: int = 2
@@ -45,6 +48,7 @@ class ZeroBubbleOptions:
     recv_lookahead: int = 8
     track_memory: bool = False
     time_actions: bool = False
+    validate: bool = True
 
 
 @dataclass
@@ -62,6 +66,13 @@ class ZeroBubbleForwardBackward:
 
     def schedule_for(self, num_ranks: int, num_microbatches: int) -> Schedule:
         """The schedule used for ``p`` ranks and ``m`` microbatches (built once, then cached)."""
+        fixed = self.options.schedule
+        if isinstance(fixed, Schedule):
+            if (fixed.num_ranks, fixed.num_microbatches) != (num_ranks, num_microbatches):
+                raise ValueError(f"the given schedule is for {fixed.num_ranks} pipeline ranks and "
+                                 f"{fixed.num_microbatches} microbatches, but this run has {num_ranks} ranks and "
+                                 f"{num_microbatches} microbatches")
+            return fixed
         key = (num_ranks, num_microbatches)
         if key not in self._cache:
             self._cache[key] = build_schedule(
@@ -93,14 +104,12 @@ class ZeroBubbleForwardBackward:
         config = get_model_config(chunks[0])
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         p, rank = pp_group.size(), pp_group.rank()
-        spec = get_spec(self.options.schedule)
-        want = spec.chunks_per_rank(self.options.num_chunks)
-        if len(chunks) != want:
-            raise ValueError(f"schedule {self.options.schedule!r} runs {want} model chunk(s) per rank "
-                             f"({spec.placement} placement), but model has {len(chunks)}; build the model "
-                             f"with megatron_zb.model for this placement")
         sched = self.schedule_for(p, num_microbatches)
         stages = sched.stages_of(rank)
+        if len(chunks) != len(stages):
+            raise ValueError(f"schedule {sched.name or '(given)'} places stages {stages} on pipeline rank {rank}, "
+                             f"but model has {len(chunks)} chunk(s); build the model for this placement "
+                             f"(megatron_zb.model.build_gpt_chunks with stage_to_rank={sched.stage_to_rank})")
         tp_group = parallel_state.get_tensor_model_parallel_group()
         cp_group = parallel_state.get_context_parallel_group()
         shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
@@ -135,7 +144,7 @@ class ZeroBubbleForwardBackward:
                     config=config, comm=comm, forward_only=forward_only,
                     collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
                     first_val_step=first_val_step, recv_lookahead=self.options.recv_lookahead,
-                    timing=timing, memory=memory)
+                    timing=timing, memory=memory, validate=self.options.validate)
         except BaseException:
             store.clear()
             raise
@@ -155,7 +164,7 @@ class ZeroBubbleForwardBackward:
         return data
 
 
-def get_forward_backward_func(schedule: str = "zb", **options: Any) -> ZeroBubbleForwardBackward:
+def get_forward_backward_func(schedule: str | Schedule = "zb", **options: Any) -> ZeroBubbleForwardBackward:
     """A drop-in replacement for megatron-core's ``get_forward_backward_func()`` result.
 
     Args:
@@ -165,5 +174,6 @@ def get_forward_backward_func(schedule: str = "zb", **options: Any) -> ZeroBubbl
     Returns:
         a callable with megatron-core's ``forward_backward_func`` keyword signature.
     """
-    get_spec(schedule)  # fail early on an unknown name
+    if not isinstance(schedule, Schedule):
+        get_spec(schedule)  # fail early on an unknown name
     return ZeroBubbleForwardBackward(ZeroBubbleOptions(schedule=schedule, **options))

@@ -78,8 +78,9 @@ class WeightGradStore:
             raise WeightGradStoreError(
                 f"W of chunk {chunk} microbatch {microbatch} has nothing to run: its B has not run "
                 f"(or this W already ran)") from None
-        for fn in queue:
-            fn()
+        with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
+            for fn in queue:
+                fn()
         self.executed += len(queue)
         return len(queue)
 
@@ -138,17 +139,25 @@ def _make_zb_function():
         """megatron-core's linear autograd function with the weight gradient deferrable to W."""
 
         @staticmethod
+        def forward(ctx, input, weight, *args):  # noqa: D401 - autograd signature
+            # Keep the Parameter object itself: what ctx.saved_tensors returns may be an alias
+            # (e.g. under saved-tensor hooks), and gradients must land on the real parameter.
+            ctx.zb_weight = weight
+            return base.forward(ctx, input, weight, *args)
+
+        @staticmethod
         @custom_bwd
         def backward(ctx, grad_output):  # noqa: D401 - autograd signature
             store = get_weight_grad_store()
             if not store.is_deferring or ctx.grad_output_buffer is not None:
                 return base.backward(ctx, grad_output)
             input, weight = ctx.saved_tensors
+            param = ctx.zb_weight
             tp_group = ctx.tp_group
             main_grad = ctx.main_grad
             fusion = ctx.gradient_accumulation_fusion
             if fusion:
-                weight.main_grad = main_grad
+                param.main_grad = main_grad
             # 1. the input gradient, now: it is on the critical path
             grad_input = grad_output.matmul(weight)
             handle = None
@@ -177,7 +186,7 @@ def _make_zb_function():
                     total_input = get_global_memory_buffer().get_tensor(size, input.dtype, "mpu")
                     torch.distributed.all_gather_into_tensor(total_input, input.contiguous(), group=tp_group)
                 g, x = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
-                _accumulate_wgrad(weight, main_grad, fusion, g, x)
+                _accumulate_wgrad(param, main_grad, fusion, g, x)
 
             store.put(weight_grad)
             if handle is not None:

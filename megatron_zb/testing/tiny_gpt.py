@@ -11,9 +11,12 @@ global name, so results of different layouts compare directly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from ..schedules.ir import Schedule
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,11 @@ class TinyGPT:
     @staticmethod
     def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
         """Combine per-rank results: losses from the rank that has them, all gradients."""
-        merged: dict[str, Any] = {"losses": [], "grads": {}, "w_deferred": 0, "peak_bytes": []}
+        merged: dict[str, Any] = {"losses": [], "grads": {}, "params": {}, "w_deferred": 0, "peak_bytes": []}
         for r in results:
             merged["losses"] = merged["losses"] or r["losses"]
             merged["grads"].update(r["grads"])
+            merged["params"].update(r["params"])
             merged["w_deferred"] += r["w_deferred"]
             merged["peak_bytes"].append(r.get("peak_bytes"))
         return merged
@@ -88,11 +92,13 @@ def full_tensor(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def placement_for(schedule: str | None, pp: int, num_chunks: int = 2) -> list[int]:
+def placement_for(schedule: "str | Schedule | None", pp: int, num_chunks: int = 2) -> list[int]:
     """``stage_to_rank`` of the schedule's placement (megatron-core's own 1F1B: plain)."""
-    from ..schedules.ir import interleaved_placement, plain_placement, v_placement
+    from ..schedules.ir import Schedule, interleaved_placement, plain_placement, v_placement
     from ..schedules.registry import get_spec
 
+    if isinstance(schedule, Schedule):
+        return list(schedule.stage_to_rank)
     kind = "plain" if schedule is None else get_spec(schedule).placement
     if kind == "v":
         return v_placement(pp)
@@ -129,9 +135,13 @@ def build(cfg: TinyGPT, schedule: str | None) -> tuple[list[Any], list[Any]]:
     return chunks, modules
 
 
-def run_step(cfg: TinyGPT, *, schedule: str | None, forward_only: bool = False,
-             track_memory: bool = False) -> dict[str, Any]:
-    """One forward/backward on this rank (see the module docstring)."""
+def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: bool = False,
+             track_memory: bool = False, optimizer_step: bool = False, **options: Any) -> dict[str, Any]:
+    """One forward/backward on this rank (see the module docstring).
+
+    ``optimizer_step`` also runs megatron-core's Adam (``get_megatron_optimizer``, clipping on)
+    and returns the updated parameters; ``options`` go to megatron-zb's forward_backward_func.
+    """
     from ..model import named_global_parameters
     from ..runtime import get_forward_backward_func, get_weight_grad_store
 
@@ -140,7 +150,7 @@ def run_step(cfg: TinyGPT, *, schedule: str | None, forward_only: bool = False,
         from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
         fb = megatron_func()
     else:
-        fb = get_forward_backward_func(schedule, track_memory=track_memory, **cfg.schedule_options)
+        fb = get_forward_backward_func(schedule, track_memory=track_memory, **{**cfg.schedule_options, **options})
     data = cfg.microbatches()
     iters = [iter(data) for _ in modules]  # each chunk draws the same micro batches in order
     store = get_weight_grad_store()
@@ -155,5 +165,13 @@ def run_step(cfg: TinyGPT, *, schedule: str | None, forward_only: bool = False,
             for n, p in named_global_parameters(c):
                 g = p.main_grad if use_main else p.grad
                 grads[n] = full_tensor(g, p)
-    return {"losses": [d["lm loss"] for d in losses], "grads": grads, "w_deferred": store.executed - before,
-            "peak_bytes": getattr(fb, "last_peak_bytes", None)}
+    out = {"losses": [d["lm loss"] for d in losses], "grads": grads, "w_deferred": store.executed - before,
+           "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}}
+    if optimizer_step:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=1.0), modules,
+                                     use_gloo_process_groups=False)
+        opt.step()
+        out["params"] = {n: full_tensor(p, p) for c in chunks for n, p in named_global_parameters(c)}
+    return out
