@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..schedules.ir import Action, Schedule
+from ..schedules.ir import Action, Schedule, ScheduleError
 from ..schedules.lowering import check_lowered, lower
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
@@ -105,6 +105,7 @@ def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_ste
     local_grad: dict[tuple[int, int], torch.Tensor] = {}  # same-rank handover of gradients
     stage_data: dict[tuple[int, int], list[Any]] = {}    # per-(mb, stage) forward data (reordered below)
     total_tokens = torch.zeros([], dtype=torch.int)
+    next_f: dict[int, int] = {}  # stage -> next microbatch its forward must take
     recv_positions = [i for i, a in enumerate(acts) if a.op.startswith("RECV")]
     next_recv = 0
     model_type = get_model_type(next(iter(runtime.chunks.values())))
@@ -136,6 +137,11 @@ def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_ste
             comm.send(a, g)
             continue
         if a.op == "F":
+            if next_f.get(a.stage, 0) != a.mb:
+                raise ScheduleError(f"rank {rank} action #{i}: {a} runs before F(mb={next_f.get(a.stage, 0)}, "
+                                    f"stage={a.stage}); the runtime reads each stage's data iterator in "
+                                    f"microbatch order, so each stage's forwards must be in that order")
+            next_f[a.stage] = a.mb + 1
             model = runtime.chunks[a.stage]
             if a.stage == 0:
                 inp = None
