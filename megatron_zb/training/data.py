@@ -1,0 +1,485 @@
+"""Tokenizers, GPT datasets and micro-batch iterators, built with megatron-core 0.16.1.
+
+Tokenizers (:func:`build_tokenizer`), all implementing megatron-core's
+``megatron.core.tokenizers.MegatronTokenizerBase`` as far as ``GPTDatasetConfig`` and the
+datasets use it (``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``), plus ``tokenize`` /
+``detokenize`` for :mod:`tools.preprocess_data`:
+
+* ``ByteLevel`` (:class:`ByteLevelTokenizer`): UTF-8 bytes are ids 0-255, ``EOD = 256``,
+  ``PAD = 257``; vocabulary 258. Nothing to download.
+* ``HuggingFaceTokenizer`` (:class:`HuggingFaceLocalTokenizer`): ``AutoTokenizer`` loaded from a
+  local directory with ``local_files_only=True`` (never downloads); EOD is the tokenizer's EOS.
+  Needs ``transformers``; a missing path or package is a :class:`TokenizerError`.
+* ``NullTokenizer`` (:class:`NullTokenizer`): text is whitespace-separated integer ids
+  ``0..N-1``; ``EOD = N``; vocabulary ``N + 1`` (Megatron's meaning of ``--vocab-size``).
+
+Datasets (:func:`build_datasets`): ``MockGPTDataset`` for ``--mock-data``, else ``GPTDataset``
+(one prefix) or ``BlendedDataset`` over ``GPTDataset`` (several prefixes / weights) split by
+``--split``, through ``BlendedMegatronDatasetBuilder`` and ``GPTDatasetConfig``. Sizes are
+Megatron's: ``train_iters * global_batch_size`` training samples, ``(train_iters //
+eval_interval + 1) * eval_iters * global_batch_size`` validation samples and ``eval_iters *
+global_batch_size`` test samples (:func:`train_valid_test_num_samples`). Nothing depends on the
+pipeline schedule, so the same seed gives the same samples in the same order for every schedule
+(and every TP/PP layout with the same data-parallel size).
+
+Iterators (:func:`build_data_iterators`) yield one micro batch per ``next()``: a dict of
+``tokens`` ``[b, s]`` int64, ``labels`` ``[b, s]`` int64 (tokens shifted by one),
+``loss_mask`` ``[b, s]`` float32, ``attention_mask`` ``[b, 1, s, s]`` bool (True = masked out,
+megatron-core's convention) and ``position_ids`` ``[b, s]`` int64, with ``b = micro_batch_size``
+and ``s = seq_length``. Each global batch is ``micro_batch_size * DP`` consecutive samples; data
+parallel rank ``r`` takes the ``r``-th slice (Megatron's pretraining sampler), resuming after
+``consumed_samples``.
+
+**Only the pipeline ranks holding the first or the last stage consume data** (the first needs
+``tokens``/``position_ids``/``attention_mask``, the last ``labels``/``loss_mask``): ranks ``0``
+and ``PP-1`` for plain and interleaved placements, rank ``0`` alone for V placements (it holds
+both ends of the V). Other ranks get ``None`` iterators (:func:`pipeline_rank_consumes_data`).
+Every tensor-parallel rank of a consuming pipeline rank builds the same iterator itself, so no
+broadcast over the tensor-parallel group is needed.
+
+**Process groups and the index cache.** Real (non-mock) datasets always write index files
+(document/sample/shuffle ``.npy``) to a cache directory -- megatron-core otherwise picks
+``PREFIX/cache/`` next to the data. :func:`resolve_data_cache_dir` uses ``--data-cache-path``,
+else ``SAVE/data_cache`` when ``--save`` is set, else ``<tmp>/megatron_zb_data_cache``. With
+``torch.distributed`` initialised, megatron-core builds on global rank 0 first, then a barrier,
+then the other ranks load the cache: so :func:`build_datasets` must be called by *every* rank,
+and the cache must be visible to every node (checked: :func:`check_cache_dir_shared`). Without a
+process group megatron-core's ``BlendedDataset`` still calls ``torch.distributed.get_rank()``
+when it caches; :func:`build_datasets` then runs the build inside a temporary single-process
+gloo group (:func:`single_process_group`) and destroys it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+import uuid
+from collections import OrderedDict
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+__all__ = [
+    "BATCH_KEYS",
+    "ByteLevelTokenizer",
+    "HuggingFaceLocalTokenizer",
+    "MicroBatchSampler",
+    "NullTokenizer",
+    "TokenizerError",
+    "build_data_iterators",
+    "build_datasets",
+    "build_tokenizer",
+    "check_cache_dir_shared",
+    "get_batch",
+    "gpt_dataset_config",
+    "pipeline_rank_consumes_data",
+    "resolve_data_cache_dir",
+    "single_process_group",
+    "tokenizer_from_args",
+    "train_valid_test_num_samples",
+]
+
+BATCH_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+"""Keys of every micro batch an iterator yields."""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built (missing local files, missing package, bad options)."""
+
+
+# ---------------------------------------------------------------------------- tokenizers
+class ByteLevelTokenizer(MegatronTokenizerBase):
+    """UTF-8 bytes as token ids 0-255, plus ``EOD = 256`` and ``PAD = 257`` (vocabulary 258).
+
+    Unlike megatron-core's own byte-level tokenizer (EOS/EOD = 0, PAD = 1, i.e. colliding with
+    the bytes 0 and 1), the special ids here never occur in tokenized text.
+    """
+
+    EOD: int = 256
+    PAD: int = 257
+
+    def __init__(self) -> None:
+        super().__init__("", {"library": "megatron-zb-byte-level"})
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text -> byte ids (no EOD appended)."""
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Ids -> text; special ids are dropped, invalid UTF-8 is replaced."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, *_: Any, **__: Any) -> Any:
+        raise NotImplementedError("the byte-level tokenizer has no chat template")
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {**{bytes([i]).decode("latin-1"): i for i in range(256)}, "<eod>": self.EOD, "<pad>": self.PAD}
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def eod(self) -> int:
+        return self.EOD
+
+    @property
+    def eos(self) -> int:
+        return self.EOD
+
+    @property
+    def pad(self) -> int:
+        return self.PAD
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """Identifies the tokenizer in megatron-core's dataset cache keys."""
+        return OrderedDict(self=f"{type(self).__module__}.{type(self).__qualname__}", vocab_size=258, eod=256, pad=257)
+
+
+class NullTokenizer(MegatronTokenizerBase):
+    """Whitespace-separated integer ids ``0..N-1`` (``N = vocab_size``); ``EOD = N``; vocabulary ``N + 1``."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size is None or int(vocab_size) < 1:
+            raise TokenizerError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
+        super().__init__("", {"library": "megatron-zb-null"})
+        self._n = int(vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = [int(t) for t in text.split()]
+        bad = [i for i in ids if not 0 <= i < self._n]
+        if bad:
+            raise TokenizerError(f"NullTokenizer: id {bad[0]} is outside 0..{self._n - 1} (--vocab-size {self._n})")
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def apply_chat_template(self, *_: Any, **__: Any) -> Any:
+        raise NotImplementedError("the null tokenizer has no chat template")
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {str(i): i for i in range(self._n + 1)}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n + 1
+
+    @property
+    def eod(self) -> int:
+        return self._n
+
+    @property
+    def eos(self) -> int:
+        return self._n
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(self=f"{type(self).__module__}.{type(self).__qualname__}", vocab_size=self._n)
+
+
+class HuggingFaceLocalTokenizer(MegatronTokenizerBase):
+    """A HuggingFace tokenizer read from a local directory (``local_files_only=True``).
+
+    ``eod`` is the tokenizer's EOS id; ``pad`` its PAD id when it has one (megatron-core masks
+    the loss on padding). ``vocab_size`` is ``len(tokenizer)`` (base vocabulary plus added tokens).
+    """
+
+    def __init__(self, path: str) -> None:
+        if not path:
+            raise TokenizerError("HuggingFaceTokenizer needs --tokenizer-model: the local directory holding the "
+                                 "tokenizer files (tokenizer.json / tokenizer_config.json ...)")
+        if not os.path.exists(path):
+            raise TokenizerError(f"tokenizer path {path!r} does not exist; pass --tokenizer-model with a local "
+                                 f"directory holding the tokenizer files (models are never downloaded)")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise TokenizerError(f"--tokenizer-type HuggingFaceTokenizer needs the 'transformers' package, which is "
+                                 f"not importable ({e}); pip install transformers, or use --tokenizer-type ByteLevel"
+                                 ) from None
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # transformers raises OSError/ValueError/... for unusable directories
+            raise TokenizerError(f"cannot load a HuggingFace tokenizer from {path!r}: {e}") from None
+        if tok.eos_token_id is None:
+            raise TokenizerError(f"the tokenizer in {path!r} has no EOS token to use as the end-of-document token")
+        super().__init__(path, {"library": "huggingface-local"})
+        self._tok = tok
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tok.apply_chat_template(*args, **kwargs)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def eod(self) -> int:
+        return int(self._tok.eos_token_id)
+
+    @property
+    def eos(self) -> int:
+        return int(self._tok.eos_token_id)
+
+    @property
+    def pad(self) -> int:
+        if self._tok.pad_token_id is None:
+            raise AttributeError("this tokenizer has no pad token")
+        return int(self._tok.pad_token_id)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(self=f"{type(self).__module__}.{type(self).__qualname__}", path=os.path.abspath(self.path),
+                           vocab_size=len(self._tok))
+
+
+def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
+                    vocab_size: int | None = None) -> MegatronTokenizerBase:
+    """The tokenizer named by ``--tokenizer-type`` (see the module docstring); :class:`TokenizerError` if unusable."""
+    if tokenizer_type == "ByteLevel":
+        return ByteLevelTokenizer()
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceLocalTokenizer(tokenizer_model or "")
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)  # type: ignore[arg-type]
+    raise TokenizerError(f"unknown tokenizer type {tokenizer_type!r}; choose ByteLevel, HuggingFaceTokenizer or "
+                         f"NullTokenizer")
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizerBase:
+    """:func:`build_tokenizer` from ``--tokenizer-type``, ``--tokenizer-model`` and ``--vocab-size``."""
+    return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+
+
+# ---------------------------------------------------------------------------- datasets
+def train_valid_test_num_samples(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Samples to draw per split (Megatron's sizing; unit: sequences of ``seq_length`` tokens)."""
+    gbs = args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1
+    return args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs
+
+
+def resolve_data_cache_dir(args: argparse.Namespace) -> str | None:
+    """Where dataset index caches go (``None`` for mock data, which needs no cache)."""
+    if getattr(args, "mock_data", False):
+        return None
+    if args.data_cache_path:
+        return args.data_cache_path
+    if args.save:
+        return os.path.join(args.save, "data_cache")
+    return os.path.join(tempfile.gettempdir(), "megatron_zb_data_cache")
+
+
+def gpt_dataset_config(args: argparse.Namespace, tokenizer: MegatronTokenizerBase, *,
+                       cache_dir: str | None) -> GPTDatasetConfig:
+    """The megatron-core ``GPTDatasetConfig`` for validated ``args`` (mock when ``args.mock_data``)."""
+    blend = None if args.mock_data else args.data_blend
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        split=args.split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=True,
+        mmap_bin_files=True,
+    )
+
+
+def pipeline_rank_consumes_data(pipeline_rank: int, *, pipeline_size: int, placement: str) -> bool:
+    """Whether ``pipeline_rank`` holds the first or the last pipeline stage (and so reads data)."""
+    if placement == "v":
+        return pipeline_rank == 0
+    return pipeline_rank in (0, pipeline_size - 1)
+
+
+def _default_pipeline_rank() -> int | None:
+    from megatron.core import parallel_state
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_pipeline_model_parallel_rank()
+    return None
+
+
+def _default_data_parallel_rank() -> int:
+    from megatron.core import parallel_state
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_rank()
+    return 0
+
+
+@contextlib.contextmanager
+def single_process_group() -> Iterator[None]:
+    """A temporary one-process gloo group (FileStore in a temp dir) when none is initialised."""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="megatron_zb_pg_") as d:
+        store = torch.distributed.FileStore(os.path.join(d, "store"), 1)
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            torch.distributed.destroy_process_group()
+
+
+def check_cache_dir_shared(cache_dir: str) -> None:
+    """Raise on every rank unless all ranks see ``cache_dir`` as one directory (no-op without a group).
+
+    megatron-core writes the index cache on global rank 0 only and other ranks read it, so a
+    node-local directory (e.g. the default under ``/tmp``) breaks multi-node jobs. Collective:
+    every rank must call it (with NCCL, after ``torch.cuda.set_device``).
+    """
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    marker = os.path.join(cache_dir, f".megatron_zb_visible_{token[0]}")
+    if dist.get_rank() == 0:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write("rank 0 wrote this to check that every rank sees the data cache directory\n")
+    dist.barrier()
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, os.path.isfile(marker))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(marker)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise RuntimeError(f"the data cache directory {cache_dir!r} is not visible to ranks {blind} (written by rank 0); "
+                           f"pass --data-cache-path on a filesystem every node can see")
+
+
+def build_datasets(args: argparse.Namespace, *, tokenizer: MegatronTokenizerBase | None = None,
+                   pipeline_rank: int | None = None) -> tuple[Any, Any, Any]:
+    """Train, valid and test datasets (each ``None`` when its split is empty or this rank reads no data).
+
+    ``args`` must have passed :func:`~megatron_zb.training.arguments.validate_args`. With
+    ``torch.distributed`` initialised, call on every rank (megatron-core synchronises with
+    barriers). ``pipeline_rank`` defaults to megatron-core's ``parallel_state`` when initialised,
+    else this process is treated as a data-consuming rank.
+    """
+    tokenizer = tokenizer if tokenizer is not None else tokenizer_from_args(args)
+    if pipeline_rank is None:
+        pipeline_rank = _default_pipeline_rank()
+    consumes = pipeline_rank is None or pipeline_rank_consumes_data(
+        pipeline_rank, pipeline_size=args.pipeline_model_parallel_size, placement=args.schedule_placement)
+    if not consumes and not torch.distributed.is_initialized():
+        return None, None, None  # no collective to take part in
+    cache_dir = resolve_data_cache_dir(args)
+    if cache_dir is not None:
+        check_cache_dir_shared(cache_dir)
+    config = gpt_dataset_config(args, tokenizer, cache_dir=cache_dir)
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(cls, list(train_valid_test_num_samples(args)), lambda: consumes, config)
+    blended = args.data_blend is not None and (len(args.data_blend[0]) > 1 or args.data_blend[1] is not None)
+    with single_process_group() if blended and cache_dir is not None else contextlib.nullcontext():
+        train, valid, test = builder.build()
+    if not consumes:
+        return None, None, None
+    return train, valid, test
+
+
+# ---------------------------------------------------------------------------- iterators
+class MicroBatchSampler:
+    """Index lists of one micro batch for one data-parallel rank (Megatron's pretraining sampler).
+
+    Global batch ``k`` of micro batches covers samples ``consumed + k*mbs*dp ..`` (consecutive);
+    rank ``r`` takes the ``r``-th ``mbs`` of them. Incomplete trailing batches are dropped.
+    """
+
+    def __init__(self, *, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int) -> None:
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in 0..{data_parallel_size - 1}")
+        if micro_batch_size < 1 or consumed_samples < 0:
+            raise ValueError(f"need micro_batch_size >= 1 and consumed_samples >= 0, got {micro_batch_size}, "
+                             f"{consumed_samples}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+
+    @property
+    def _step(self) -> int:
+        return self.micro_batch_size * self.data_parallel_size
+
+    def __len__(self) -> int:
+        return max(0, (self.total_samples - self.consumed_samples) // self._step)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        lo = self.data_parallel_rank * self.micro_batch_size
+        for start in range(self.consumed_samples, self.total_samples - self._step + 1, self._step):
+            yield list(range(start + lo, start + lo + self.micro_batch_size))
+
+
+def _iterator(dataset: Any, *, consumed_samples: int, args: argparse.Namespace, data_parallel_rank: int
+              ) -> Iterator[dict[str, torch.Tensor]] | None:
+    if dataset is None:
+        return None
+    sampler = MicroBatchSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
+                                micro_batch_size=args.micro_batch_size, data_parallel_rank=data_parallel_rank,
+                                data_parallel_size=args.data_parallel_size)
+    workers = args.num_workers
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                         pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0)
+    return iter(loader)
+
+
+def build_data_iterators(args: argparse.Namespace, *, datasets: tuple[Any, Any, Any] | None = None,
+                         consumed_train_samples: int = 0, consumed_valid_samples: int = 0,
+                         data_parallel_rank: int | None = None, pipeline_rank: int | None = None,
+                         tokenizer: MegatronTokenizerBase | None = None
+                         ) -> tuple[Iterator[dict[str, torch.Tensor]] | None, ...]:
+    """Train, valid and test micro-batch iterators (see the module docstring for the batch format).
+
+    Builds the datasets with :func:`build_datasets` unless ``datasets`` is given (then nothing
+    collective happens). ``consumed_*_samples`` resume a run (from the checkpoint's counters).
+    ``data_parallel_rank`` defaults to megatron-core's ``parallel_state`` when initialised, else 0.
+    """
+    if datasets is None:
+        datasets = build_datasets(args, tokenizer=tokenizer, pipeline_rank=pipeline_rank)
+    dp_rank = data_parallel_rank if data_parallel_rank is not None else _default_data_parallel_rank()
+    train, valid, test = datasets
+    return (_iterator(train, consumed_samples=consumed_train_samples, args=args, data_parallel_rank=dp_rank),
+            _iterator(valid, consumed_samples=consumed_valid_samples, args=args, data_parallel_rank=dp_rank),
+            _iterator(test, consumed_samples=0, args=args, data_parallel_rank=dp_rank))
+
+
+def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]] | None, *, device: torch.device | str | None = None
+              ) -> dict[str, torch.Tensor] | None:
+    """The next micro batch moved to ``device`` (default: CUDA's current device if available, else CPU).
+
+    Returns ``None`` for a ``None`` iterator (pipeline ranks that read no data).
+    """
+    if data_iterator is None:
+        return None
+    batch = next(data_iterator)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS if k in batch}
