@@ -170,3 +170,27 @@ def test_patch_megatron_routes_an_unmodified_loop(pp2_reference):
     got = TinyGPT.merge(run_distributed(partial(_patched_megatron_step, TinyGPT(pp=2)), world_size=2, timeout=90))
     _assert_same(pp2_reference, got, bitwise=True, what="patched megatron-core")
     assert got["w_deferred"] > 0
+
+
+@pytest.fixture(scope="module")
+def pp1_reference() -> dict:
+    """The same model and data without pipelining (megatron-core's forward_backward_no_pipelining)."""
+    return TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=1), schedule=None), world_size=1, timeout=90))
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "v-half", "v-min"])
+def test_v_schedules_match_the_unpipelined_model(pp1_reference, schedule):
+    """V placement: rank 0 holds the first and the last stage (embedding and loss)."""
+    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=schedule), world_size=2,
+                                        timeout=90))
+    _assert_same(pp1_reference, got, bitwise=False, what=schedule)
+    assert got["w_deferred"] > 0
+
+
+def test_v_schedule_pp4_and_interleaved_zb(pp1_reference):
+    cfg = TinyGPT(pp=4, num_microbatches=8)
+    ref = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=1, num_microbatches=8), schedule=None),
+                                        world_size=1, timeout=90))
+    for schedule in ("zbv", "interleaved-zb"):
+        got = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=schedule), world_size=4, timeout=120))
+        _assert_same(ref, got, bitwise=False, what=f"PP=4 {schedule}")

@@ -1,0 +1,266 @@
+"""Run megatron-core 0.16.1 on a CPU-only torch build.
+
+megatron-core assumes a CUDA device in a handful of places. On a CPU build of torch these
+raise ``Torch not compiled with CUDA enabled`` (or, for ``torch.cuda.manual_seed`` and
+megatron's ``_set_cuda_rng_state``, silently do nothing). :func:`install_cpu_shim` redirects
+each of them to the CPU; it does nothing at all when ``torch.cuda.is_available()`` is True.
+
+The patches, narrowest first (``docs/cpu_support.md`` has the why and what is verified):
+
+* megatron-core attributes:
+  ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` use the CPU
+  generator; ``WrappedTorchNorm`` accepts sequence parallelism (its parameters are marked
+  ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their grads over TP);
+  ``ShardedTensor.init_data("cuda")`` allocates on CPU.
+* module-scoped ``torch``: inside the modules of :data:`CUDA_FACTORY_MODULES` the name
+  ``torch`` is a thin stand-in whose tensor factories (``torch.zeros(..., device="cuda")``
+  and friends) allocate on CPU; every other attribute is the real ``torch``.
+* caller-scoped tensor methods: ``Tensor.cuda()`` called *from megatron-core code* returns
+  the CPU tensor; ``Tensor.type()`` called from megatron-core's optimizer modules reports
+  the ``torch.cuda.*`` name those modules test for. Calls from anywhere else are untouched
+  (``Tensor.cuda()`` still raises, as it does on any CPU build).
+* ``torch.cuda`` functions that cannot work without CUDA: ``current_device`` returns
+  ``torch.device("cpu")``; ``synchronize`` is a no-op (CPU work is synchronous);
+  ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` act on the default CPU generator.
+* a logging filter dropping megatron's "CPU RNG state changed within GPU RNG context" warning,
+  which fires on every forked random op once the "CUDA" generator *is* the CPU generator.
+
+Consequence of the RNG mapping: megatron's default "CUDA" RNG stream and torch's CPU stream
+are the same generator, and ``CudaRNGStatesTracker.fork()`` swaps the CPU generator's state.
+Runs stay deterministic for a given seed; they do not reproduce a GPU run's random numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["CUDA_FACTORY_MODULES", "install_cpu_shim", "is_installed"]
+
+CUDA_FACTORY_MODULES: tuple[str, ...] = (
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = torch.zeros(..., device="cuda")
+    "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale, mixed-precision found_inf
+    "megatron.core.optimizer.grad_scaler",  # loss-scale tensors (fp16 only)
+    "megatron.core.optimizer.clip_grads",  # grad-norm and dummy-overflow buffers
+    "megatron.core.dist_checkpointing.exchange_utils",  # exchange buffers for fully-parallel load
+    "megatron.core.transformer.utils",  # get_default_causal_mask (attention_mask=None, causal)
+    "megatron.core.utils",  # local_multi_tensor_l2_norm: grad-norm for clip_grads without apex/TE
+)
+"""megatron-core modules whose module-level ``torch`` is replaced by :class:`_CpuFactoryTorch`."""
+
+_TENSOR_FACTORIES: tuple[str, ...] = ("empty", "empty_like", "full", "ones", "tensor", "zeros", "zeros_like")
+_TYPE_NAME_CALLERS: tuple[str, ...] = ("megatron.core.optimizer.",)
+_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+_CPU = torch.device("cpu")
+
+_installed = False
+
+
+def is_installed() -> bool:
+    """True once :func:`install_cpu_shim` has patched this process."""
+    return _installed
+
+
+def install_cpu_shim() -> bool:
+    """Patch megatron-core (and the CUDA-only parts of ``torch.cuda``) to run on CPU.
+
+    Returns True when the shim is active in this process (installed now or by an earlier
+    call), False when CUDA is available -- then nothing is changed. Idempotent; safe to call
+    from every entry point. Importing :mod:`megatron_zb` calls it.
+    """
+    global _installed
+    if _installed:
+        return True
+    if torch.cuda.is_available():
+        return False
+    _patch_torch_cuda()
+    _patch_rng_helpers()
+    _patch_factory_modules()
+    _patch_tensor_methods()
+    _patch_torch_norm()
+    _patch_sharded_tensor_init()
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_drop_rng_fork_warning)
+    _installed = True
+    return True
+
+
+# ---------------------------------------------------------------------- helpers
+def _is_cuda(device: Any) -> bool:
+    """True for ``"cuda"``, ``"cuda:N"`` and ``torch.device("cuda", ...)``."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.split(":", 1)[0] == "cuda"
+
+
+def _caller_module(depth: int) -> str:
+    """``__name__`` of the module ``depth`` frames above the caller of this function."""
+    return sys._getframe(depth + 1).f_globals.get("__name__", "")
+
+
+def _drop_rng_fork_warning(record: logging.LogRecord) -> bool:
+    return _RNG_WARNING not in record.getMessage()
+
+
+# ---------------------------------------------------------------------- torch.cuda
+def _cpu_current_device() -> torch.device:
+    """``torch.cuda.current_device()`` on CPU: the device megatron should allocate on."""
+    return _CPU
+
+
+def _cpu_synchronize(device: Any = None) -> None:
+    """``torch.cuda.synchronize()`` on CPU: nothing is asynchronous, nothing to wait for."""
+
+
+def _cpu_get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    """``torch.cuda.get_rng_state()`` on CPU: the default CPU generator's state (a copy)."""
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    """``torch.cuda.set_rng_state()`` on CPU: set the default CPU generator's state."""
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    """``torch.cuda.manual_seed()`` on CPU: seed the default CPU generator."""
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _patch_torch_cuda() -> None:
+    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.synchronize = _cpu_synchronize
+    torch.cuda.get_rng_state = _cpu_get_rng_state
+    torch.cuda.set_rng_state = _cpu_set_rng_state
+    torch.cuda.manual_seed = _cpu_manual_seed
+
+
+# ---------------------------------------------------------------------- megatron RNG helpers
+def _patch_rng_helpers() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        """CPU replacement for megatron's ``_get_cuda_rng_state`` (no CUDA-graph-safe states)."""
+        if graph_safe:
+            raise RuntimeError("graph-safe (CUDA graph) RNG states need CUDA; disable cuda graphs on CPU")
+        return torch.get_rng_state()
+
+    def _set_cuda_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        """CPU replacement for megatron's ``_set_cuda_rng_state`` (which lazily no-ops on CPU)."""
+        if graph_safe:
+            raise RuntimeError("graph-safe (CUDA graph) RNG states need CUDA; disable cuda graphs on CPU")
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_cuda_rng_state
+    mrandom._set_cuda_rng_state = _set_cuda_rng_state
+
+
+# ---------------------------------------------------------------------- device="cuda" factories
+def _cpu_factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return fn(*args, **kwargs)
+
+    factory.__name__ = factory.__qualname__ = fn.__name__
+    factory.__doc__ = f"``torch.{fn.__name__}`` with ``device='cuda'`` mapped to CPU (megatron_zb CPU shim)."
+    return factory
+
+
+class _CpuFactoryTorch(types.ModuleType):
+    """Stand-in for ``torch`` inside one megatron-core module.
+
+    Tensor factories map ``device="cuda"`` to CPU; every other attribute is looked up on the
+    real ``torch`` module at access time, so the stand-in never goes stale.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("torch", "megatron_zb CPU shim stand-in for torch (device='cuda' -> CPU)")
+        for name in _TENSOR_FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def __repr__(self) -> str:
+        return "<torch stand-in of megatron_zb.platform.cpu_shim (device='cuda' factories -> CPU)>"
+
+
+def _patch_factory_modules() -> None:
+    import importlib
+
+    stand_in = _CpuFactoryTorch()
+    for name in CUDA_FACTORY_MODULES:
+        module = importlib.import_module(name)
+        if module.__dict__.get("torch") is not torch:
+            raise RuntimeError(f"megatron_zb CPU shim: {name}.torch is not the torch module; megatron-core changed?")
+        module.torch = stand_in
+
+
+# ---------------------------------------------------------------------- tensor methods
+def _patch_tensor_methods() -> None:
+    real_cuda = torch.Tensor.cuda
+    real_type = torch.Tensor.type
+
+    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``Tensor.cuda()``; called from megatron-core on a CPU-only build it returns the CPU tensor."""
+        if _caller_module(1).startswith("megatron.core."):
+            return self if self.device.type == "cpu" else self.cpu()
+        return real_cuda(self, *args, **kwargs)
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``Tensor.type()``; megatron-core's optimizers see CPU tensors under their ``torch.cuda.*`` name."""
+        name = real_type(self, *args, **kwargs)
+        if (not args and not kwargs and self.device.type == "cpu" and name.startswith("torch.")
+                and _caller_module(1).startswith(_TYPE_NAME_CALLERS)):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    cuda.__wrapped__ = real_cuda  # type: ignore[attr-defined]
+    type_.__wrapped__ = real_type  # type: ignore[attr-defined]
+    type_.__name__ = type_.__qualname__ = "type"
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    torch.Tensor.type = type_  # type: ignore[method-assign, assignment]
+
+
+# ---------------------------------------------------------------------- WrappedTorchNorm
+def _patch_torch_norm() -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    real_new = WrappedTorchNorm.__dict__["__new__"].__func__
+
+    def __new__(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any,
+                **kwargs: Any) -> torch.nn.Module:
+        """Build the torch norm; with sequence parallelism mark its params ``sequence_parallel``.
+
+        Under sequence parallelism each TP rank normalises its own sequence shard, so the norm's
+        weight/bias grads are partial sums; ``finalize_model_grads`` all-reduces exactly the
+        params carrying ``sequence_parallel=True`` over the TP group (as megatron's fused norms).
+        """
+        if not config.sequence_parallel:
+            return real_new(cls, config, hidden_size, eps, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = real_new(cls, plain, hidden_size, eps, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+# ---------------------------------------------------------------------- dist-ckpt
+def _patch_sharded_tensor_init() -> None:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    real_init_data = ShardedTensor.init_data
+
+    def init_data(self: Any, device: Any, init_fn: Callable[..., torch.Tensor] = torch.empty) -> None:
+        """``ShardedTensor.init_data``; a ``"cuda"`` device allocates on CPU (exchange buffers)."""
+        return real_init_data(self, _CPU if _is_cuda(device) else device, init_fn)
+
+    ShardedTensor.init_data = init_data
