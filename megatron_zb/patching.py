@@ -10,6 +10,12 @@ After ``megatron_zb.patch_megatron(schedule="zb", ...)``:
 
 Modules that imported ``get_forward_backward_func`` by name before the call (Megatron-LM's
 ``megatron.training.training`` does) are patched too. :func:`unpatch_megatron` restores all.
+
+Teams that prefer a source change over a runtime hook apply
+``patches/megatron-core-0.16.1-zero-bubble.patch`` to megatron-core: its
+``get_forward_backward_func`` then calls :func:`forward_backward_from_env` when the environment
+variable ``MEGATRON_ZB_SCHEDULE`` names a schedule (``MEGATRON_ZB_MEMORY_LIMIT`` optionally sets
+the memory limit in units of one stage's activation memory) and behaves as before otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +24,26 @@ import sys
 from typing import Any, Callable
 
 _PATCHED: list[tuple[object, str, Callable]] = []
+_FROM_ENV: dict[tuple[str, str], Any] = {}
+
+
+def forward_backward_from_env() -> Any:
+    """megatron-zb's forward_backward_func configured by ``MEGATRON_ZB_SCHEDULE`` (and
+    ``MEGATRON_ZB_MEMORY_LIMIT``); one instance per configuration, so the schedule is built once."""
+    import os
+
+    from .runtime.forward_backward import get_forward_backward_func
+    from .runtime.wgrad_store import install
+
+    name = os.environ.get("MEGATRON_ZB_SCHEDULE", "")
+    if not name:
+        raise RuntimeError("MEGATRON_ZB_SCHEDULE is not set: name a megatron-zb schedule, e.g. zb")
+    limit = os.environ.get("MEGATRON_ZB_MEMORY_LIMIT", "")
+    key = (name, limit)
+    if key not in _FROM_ENV:
+        install()
+        _FROM_ENV[key] = get_forward_backward_func(name, memory_limit=float(limit) if limit else None)
+    return _FROM_ENV[key]
 
 
 def patch_megatron(schedule: str = "zb", **options: Any) -> None:

@@ -175,3 +175,19 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
         opt.step()
         out["params"] = {n: full_tensor(p, p) for c in chunks for n, p in named_global_parameters(c)}
     return out
+
+
+def run_step_with_env(cfg: TinyGPT, *, env: dict[str, str | None], **kwargs: Any) -> dict[str, Any]:
+    """:func:`run_step` with environment variables set (``None`` removes one) in this rank."""
+    import os
+
+    import megatron.core
+
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    out = run_step(cfg, **kwargs)
+    out["megatron_core_file"] = megatron.core.__file__
+    return out
