@@ -18,6 +18,7 @@ import megatron_zb  # noqa: F401  (installs the CPU shim)
 from megatron_zb.model import build_gpt_chunks, cpu_gpt_config, named_global_parameters
 from megatron_zb.platform import CPU_SHIM_ACTIVE, install_cpu_shim
 from megatron_zb.testing import init_parallel_state, run_distributed
+from megatron_zb.testing.tiny_gpt import TinyGPT, forward_step, full_tensor
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 8, 64, 4, 32, 128
@@ -93,40 +94,6 @@ def test_rng_tracker_forks_the_cpu_generator():
 
 
 # ---------------------------------------------------------------------- model runs
-def _microbatches() -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    batches = []
-    for _ in range(NUM_MICROBATCHES):
-        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
-        batches.append(dict(tokens=tokens, labels=torch.roll(tokens, -1, dims=1),
-                            position_ids=torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, SEQ)))
-    return batches
-
-
-def _loss_func(output_tensor: torch.Tensor):
-    loss = output_tensor.float().mean()
-    return loss, {"lm loss": loss.detach()}
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, _loss_func
-
-
-def _full_tensor(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-    """Gather a tensor-parallel shard back to the full tensor (identity at TP=1)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=param.partition_dim)
-
-
 def _train_step(*, tp: int, pp: int, sequence_parallel: bool = False, tied: bool = False, ddp: bool = False,
                 distributed_optimizer: bool = False) -> dict[str, object]:
     """One step of megatron-core's own schedule on this rank; returns full (TP-gathered) tensors."""
@@ -147,7 +114,8 @@ def _train_step(*, tp: int, pp: int, sequence_parallel: bool = False, tied: bool
             config=model.config, module=model,
             ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer))
     forward_backward = get_forward_backward_func()
-    losses = forward_backward(forward_step_func=_forward_step, data_iterator=iter(_microbatches()), model=[model],
+    data = TinyGPT(num_microbatches=NUM_MICROBATCHES, micro_batch=MICRO_BATCH, seq=SEQ, vocab=VOCAB).microbatches()
+    losses = forward_backward(forward_step_func=forward_step, data_iterator=iter(data), model=[model],
                               num_microbatches=NUM_MICROBATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
     out: dict[str, object] = {"schedule": forward_backward.__name__,
                               "losses": [d["lm loss"] for d in losses]}
@@ -156,7 +124,7 @@ def _train_step(*, tp: int, pp: int, sequence_parallel: bool = False, tied: bool
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         finalize_model_grads([model])
-        out["grads"] = {n: _full_tensor(p.main_grad, p) for n, p in named_global_parameters(chunk)}
+        out["grads"] = {n: full_tensor(p.main_grad, p) for n, p in named_global_parameters(chunk)}
         # Adam (the distributed optimizer supports nothing else) with a large eps: the first step
         # is then ~lr*g instead of ~lr*sign(g), so TP rounding of tiny grads cannot flip an update.
         opt = get_megatron_optimizer(
@@ -164,9 +132,9 @@ def _train_step(*, tp: int, pp: int, sequence_parallel: bool = False, tied: bool
                             use_distributed_optimizer=distributed_optimizer), [model])
         out["optimizer"] = sorted({type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])})
         _, out["grad_norm"], _ = opt.step()
-        out["params"] = {n: _full_tensor(p, p) for n, p in named_global_parameters(chunk)}
+        out["params"] = {n: full_tensor(p, p) for n, p in named_global_parameters(chunk)}
     else:
-        out["grads"] = {n: _full_tensor(p.grad, p) for n, p in named_global_parameters(chunk)}
+        out["grads"] = {n: full_tensor(p.grad, p) for n, p in named_global_parameters(chunk)}
     return out
 
 
