@@ -30,17 +30,20 @@ def main(argv: list[str] | None = None) -> None:
           f"date {time.strftime('%Y-%m-%d')}")
     # the 6.2B model's profiled costs (paper Table 9, m=24 row), memory in units of one stage's M_B
     costs = CostModel(t_f=29.718, t_b=29.444, t_w=19.927, t_comm=0.527, mem_b=1.0, mem_w=0.432)
-    print("\n| p | m | limit | seconds (median) | bubble rate |\n|---|---|---|---|---|")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    print("\n| p | m | limit | wall s (median) | CPU s (median) | bubble rate |\n|---|---|---|---|---|---|")
     for p in args.pp:
         for m in (2 * p, 8 * p):
             for k in (1, 2):
-                times = []
+                times, cpu = [], []
                 for _ in range(args.repeats):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     sched = zb_greedy(num_ranks=p, num_microbatches=m, costs=costs, memory_limit=k * p)
                     times.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
                 r = simulate(sched, costs)
-                print(f"| {p} | {m} | {k}p | {statistics.median(times):.3f} | {r.bubble_rate:.4f} |", flush=True)
+                print(f"| {p} | {m} | {k}p | {statistics.median(times):.3f} | {statistics.median(cpu):.3f} "
+                      f"| {r.bubble_rate:.4f} |", flush=True)
                 print(f"  p={p} m={m} {k}p done", file=sys.stderr, flush=True)
 
 
