@@ -20,7 +20,7 @@ setup(
         "numpy",
         "matplotlib",
         "psutil",   # megatron-core's async checkpoint writer hangs without it
-        "highspy",  # exact schedule solver (HiGHS MILP)
+        "ortools>=9.10",  # exact schedule solver (CP-SAT)
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],

@@ -1,0 +1,118 @@
+"""Interleaved placement with the backward split into ``B`` and ``W`` (``interleaved-zb``).
+
+Placement: ``v`` chunks per rank, stage ``s = c*p + r`` on rank ``s % p`` (Megatron's virtual
+pipeline, :func:`~megatron_zb.schedules.ir.interleaved_placement`), the layout PyTorch's
+``ScheduleInterleavedZeroBubble`` uses. Costs are per stage (per chunk); memory in units of
+``costs.mem_b`` (one chunk's ``M_B``).
+
+Two kinds of candidates are built and the fastest one within the memory limit is kept (each scored
+by the project's simulator):
+
+* *pattern*: Megatron's interleaved 1F1B order (warm-up, one-forward-one-backward, cool-down;
+  :func:`~megatron_zb.schedules.baselines.interleaved_1f1b`) with every fused backward split
+  into ``B`` followed by its ``W``, where rank ``r`` may hold back its ``W`` by up to ``d_r``
+  backwards (run later, or at the end). Tried delays: none (same timing and memory as
+  interleaved 1F1B), ZB-H1-like ``d_r = r``, and ``d_r = 2r``, ``d_r = v*r`` -- kept only when
+  they fit the limit;
+* *list scheduler*: :func:`~megatron_zb.schedules.vshape.search` on the interleaved placement
+  (the same event-driven scheduler as ZB-V), which reorders forwards and backwards as well.
+
+Default memory limit: the peak of interleaved 1F1B under the same costs (so the comparison with
+``interleaved-1f1b`` is at equal memory); pass ``memory_limit`` to trade memory for bubble.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .baselines import check_shape, interleaved_1f1b
+from .costs import CostModel
+from .ir import Action, Schedule, ScheduleError, interleaved_placement, make_schedule
+from .simulator import simulate
+from .vshape import search
+
+__all__ = ["interleaved_zb", "split_with_delay"]
+
+
+def split_with_delay(base: Schedule, delays: list[int]) -> list[list[Action]]:
+    """Split every ``BW`` of ``base`` into ``B`` then ``W``, rank ``r`` deferring up to ``delays[r]`` W's."""
+    ranks = []
+    for r, acts in enumerate(base.ranks):
+        out: list[Action] = []
+        pending: list[Action] = []
+        for a in acts:
+            if a.op == "BW":
+                out.append(Action("B", a.mb, a.stage))
+                pending.append(Action("W", a.mb, a.stage))
+                while len(pending) > delays[r]:
+                    out.append(pending.pop(0))
+            else:
+                out.append(a)
+        ranks.append(out + pending)
+    return ranks
+
+
+def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None,
+                   num_chunks: int = 2) -> Schedule:
+    """Interleaved (virtual-pipeline) schedule with split backward, ``v = num_chunks`` chunks per rank.
+
+    Args:
+        num_ranks: ``p`` (>= 1); the model has ``p * v`` stages.
+        num_microbatches: ``m`` (>= 1).
+        costs: per-stage (per-chunk) costs for ``p * v`` stages; times in any unit.
+        memory_limit: per-rank peak activation limit in units of ``costs.mem_b`` (one chunk's
+            ``M_B``); ``None``: ``costs.memory_limit``, else interleaved 1F1B's peak.
+        num_chunks: ``v`` (>= 1).
+
+    Raises:
+        ScheduleError: bad sizes or costs, or a limit below one microbatch's activations on a rank
+            (``sum of mem_b over the rank's chunks``, the minimum for any schedule).
+    """
+    check_shape(num_ranks, num_microbatches, num_chunks)
+    if not isinstance(costs, CostModel):
+        raise ScheduleError(f"costs must be a CostModel, got {type(costs).__name__}")
+    p, m, v = num_ranks, num_microbatches, num_chunks
+    s2r = interleaved_placement(p, v)
+    n = p * v
+    base_sc = costs.resolve(n)
+    base = interleaved_1f1b(num_ranks=p, num_microbatches=m, num_chunks=v)
+    base_peak = simulate(base, base_sc, enforce_memory=False).max_peak_memory
+    if memory_limit is None:
+        memory_limit = costs.memory_limit
+    if memory_limit is None:
+        memory_limit = base_peak if base_peak > 0 else math.inf
+    limit = float(memory_limit)
+    if math.isnan(limit) or limit <= 0:
+        raise ScheduleError(f"memory_limit is {memory_limit!r}; it must be > 0")
+    need = [sum(base_sc.mem_b[s] for s in range(n) if s2r[s] == r) for r in range(p)]
+    if max(need) > limit * (1 + 1e-12) + 1e-12:
+        worst = max(range(p), key=lambda r: need[r])
+        raise ScheduleError(f"memory_limit {limit:g} is below the minimum {need[worst]:g}: rank {worst} must hold "
+                            f"the activations of all its {v} chunks for one microbatch at once")
+    sc = costs.with_limit(limit).resolve(n)
+
+    best: tuple | None = None
+
+    def consider(name: str, ranks: list[list[Action]] | None) -> None:
+        nonlocal best
+        if ranks is None:
+            return
+        res = simulate(Schedule(m, s2r, ranks, name), sc, enforce_memory=False)
+        if res.max_peak_memory > limit * (1 + 1e-9) + 1e-12:
+            return
+        score = (round(res.makespan, 9), round(res.max_peak_memory, 9))
+        if best is None or score < best[0]:
+            best = (score, name, ranks, res.makespan)
+
+    for tag, delays in (("none", [0] * p), ("r", list(range(p))), ("2r", [2 * r for r in range(p)]),
+                        ("vr", [v * r for r in range(p)])):
+        consider(f"pattern/delay={tag}", split_with_delay(base, delays))
+    found = search(s2r, m, sc, limit)
+    if found is not None:
+        consider("list/" + found[2], found[0])
+    if best is None:
+        raise ScheduleError(f"no interleaved schedule fits memory_limit {limit:g} for p={p}, m={m}, v={v}; "
+                            f"interleaved 1F1B needs {base_peak:g}")
+    _, name, ranks, makespan = best
+    return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name="interleaved-zb",
+                         num_chunks=v, memory_limit=limit, variant=name, makespan=makespan)
