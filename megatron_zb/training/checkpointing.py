@@ -1,0 +1,229 @@
+"""Checkpoints of ``pretrain_gpt_zb.py`` with megatron-core's ``dist_checkpointing`` (Megatron's layout).
+
+Directory layout, as Megatron-LM's ``torch_dist`` checkpoints::
+
+    SAVE/latest_checkpointed_iteration.txt     # the last complete checkpoint's iteration
+    SAVE/iter_0000100/                         # one dist_checkpointing directory per save
+
+What one checkpoint holds:
+
+* ``model`` (``model0``, ``model1``, ... with several chunks per rank): each chunk's
+  ``GPTModel.sharded_state_dict()``, built from the *unwrapped* ``GPTModel``. Layer numbers
+  in the keys are global (``decoder.layers.{i}``, see :mod:`megatron_zb.model.gpt_chunks`),
+  so a checkpoint loads into any placement and pipeline size (plain, V, interleaved);
+* ``optimizer``: ``optimizer.sharded_state_dict(model_sharded_state_dict)`` (Adam moments,
+  fp32 main params, loss scaler), keyed by the same global names;
+* ``opt_param_scheduler``: the LR/weight-decay scheduler's state;
+* ``iteration``, ``consumed_train_samples``, ``consumed_valid_samples``, ``checkpoint_version``,
+  ``args`` (a few shape fields checked on load), ``zero_bubble`` (the schedule and the
+  profiled costs, so a resumed run can rebuild the profiled schedule without profiling again);
+* ``rng_state``: per (pipeline, tensor, data)-parallel rank, Python / NumPy / torch (and CUDA)
+  generator states and megatron's RNG-tracker states. Restored only when the parallel layout
+  is the one saved (otherwise a warning says so and the run starts from fresh RNG streams).
+
+Resuming therefore continues bit for bit: the same parameters, optimizer state, LR, data
+position and random streams as an uninterrupted run (on CPU, fp32).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "TRACKER_FILENAME",
+    "checkpoint_dir",
+    "collect_rng_state",
+    "load_checkpoint",
+    "read_tracker",
+    "restore_rng_state",
+    "save_checkpoint",
+]
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+              "max_position_embeddings", "padded_vocab_size", "kv_channels")
+"""Args that must agree between the saved and the loading model."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be loaded into this run (missing, or a different model shape)."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """``ROOT/iter_0000123`` (Megatron's naming)."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration in ``ROOT/latest_checkpointed_iteration.txt``; ``None`` when there is none."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+# ---------------------------------------------------------------------------- RNG
+def collect_rng_state() -> dict[str, Any]:
+    """This process's random states (Python, NumPy, torch CPU, CUDA when present, megatron's tracker)."""
+    from megatron.core import tensor_parallel
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`collect_rng_state`."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _layout() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """((PP, TP, DP) sizes, (pp, tp, dp) ranks) of this process."""
+    from megatron.core import parallel_state as ps
+
+    sizes = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size())
+    ranks = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+             ps.get_data_parallel_rank())
+    return sizes, ranks
+
+
+def _rng_sharded_object(data: Any) -> Any:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    sizes, ranks = _layout()
+    return ShardedObject("rng_state", data, sizes, ranks, replica_id=0)
+
+
+# ---------------------------------------------------------------------------- state dicts
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def _sharded_state_dict(chunks: Sequence[Any], optimizer: Any, *, is_loading: bool,
+                        use_distributed_optimizer: bool) -> dict[str, Any]:
+    """Model chunks' and optimizer's sharded state dicts (``chunks``: unwrapped ``GPTModel`` s)."""
+    sd: dict[str, Any] = {}
+    for i, module in enumerate(chunks):
+        sd[_model_key(i, len(chunks))] = module.sharded_state_dict()
+    if optimizer is not None:
+        kwargs: dict[str, Any] = {}
+        if use_distributed_optimizer:
+            # megatron-core 0.16.1's default distributed-optimizer format does not round-trip;
+            # Megatron-LM selects this one.
+            kwargs["metadata"] = {"distrib_optim_sharding_type": "dp_reshardable"}
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, **kwargs)
+    return sd
+
+
+def save_checkpoint(root: str, *, iteration: int, chunks: Sequence[Any], optimizer: Any, scheduler: Any,
+                    consumed_train_samples: int, consumed_valid_samples: int, args: Any,
+                    extra: dict[str, Any] | None = None) -> str:
+    """Save a checkpoint of ``iteration`` under ``root``; collective over all ranks. Returns its directory.
+
+    ``chunks`` are this rank's unwrapped ``GPTModel`` chunks in stage order; ``extra`` goes into
+    the common (rank-0) state, e.g. the profiled schedule costs.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_dir(root, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    sd = _sharded_state_dict(chunks, optimizer, is_loading=False,
+                             use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    sd.update({
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples,
+        "consumed_valid_samples": consumed_valid_samples,
+        "args": {k: getattr(args, k, None) for k in SHAPE_ARGS},
+        "parallel_layout": _layout()[0],
+        "rng_state": _rng_sharded_object(collect_rng_state()),
+    })
+    if scheduler is not None:
+        sd["opt_param_scheduler"] = scheduler.state_dict()
+    if extra:
+        sd.update(extra)
+    dist_checkpointing.save(sd, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(root, TRACKER_FILENAME + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, scheduler: Any, args: Any,
+                    load_rng: bool = True) -> dict[str, Any] | None:
+    """Load the latest checkpoint under ``root`` into ``chunks`` / ``optimizer`` / ``scheduler``.
+
+    Returns ``None`` when ``root`` holds no checkpoint (no tracker file), else the common state
+    (``iteration``, ``consumed_train_samples``, ``consumed_valid_samples``, ``zero_bubble``, ...)
+    with ``"rng_restored"`` telling whether the random states were restored. Collective.
+    Raises :class:`CheckpointError` when the saved model has a different shape.
+    """
+    from megatron.core import dist_checkpointing
+
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration} but {path} "
+                              f"does not exist")
+    common = dist_checkpointing.load_common_state_dict(path)
+    saved = common.get("args", {})
+    diff = [f"--{k.replace('_', '-')}: checkpoint {saved[k]}, this run {getattr(args, k, None)}"
+            for k in SHAPE_ARGS if k in saved and saved[k] != getattr(args, k, None)]
+    if diff:
+        raise CheckpointError(f"checkpoint {path} holds a different model: " + "; ".join(diff))
+    sd = _sharded_state_dict(chunks, optimizer, is_loading=True,
+                             use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    if scheduler is not None and "opt_param_scheduler" in common:
+        sd["opt_param_scheduler"] = common["opt_param_scheduler"]
+    same_layout = tuple(common.get("parallel_layout", ())) == _layout()[0]
+    rng = load_rng and same_layout
+    if rng:
+        sd["rng_state"] = _rng_sharded_object(None)
+    loaded = dist_checkpointing.load(sd, path)
+    for i, module in enumerate(chunks):
+        module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and "opt_param_scheduler" in loaded:
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if rng:
+        restore_rng_state(loaded["rng_state"])
+    out = {k: v for k, v in common.items() if k not in ("optimizer", "opt_param_scheduler")}
+    out["iteration"] = int(common.get("iteration", iteration))
+    out["path"] = path
+    out["rng_restored"] = rng
+    out["same_layout"] = same_layout
+    return out

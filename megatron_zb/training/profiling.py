@@ -1,0 +1,171 @@
+"""Profile-then-replan for ``pretrain_gpt_zb.py``: measure T_F/T_B/T_W/T_comm, rebuild the schedule.
+
+During the profiled iterations ``[--zero-bubble-pipeline-timers-start-iter,
+--zero-bubble-pipeline-timers-end-iter)`` the runtime records the wall-clock time of every
+compute action (``time_actions=True``). :class:`ActionProfile` accumulates them per stage,
+together with each rank's busy time (sum of its compute actions) and the wall time of its
+``forward_backward_func`` calls. After the window:
+
+1. :func:`measure_t_comm`: a short ping-pong of one activation-sized tensor between every pair of
+   neighbouring pipeline ranks (one pair at a time); ``T_comm`` is half the mean round trip.
+2. :func:`agree_on_profile`: every rank all-gathers its stages' means over its pipeline group;
+   then the numbers of global rank 0's pipeline are broadcast to *every* rank, so all ranks
+   (all pipelines, all tensor-parallel ranks) build the same schedule from identical inputs.
+3. :func:`cost_model`: the :class:`~megatron_zb.schedules.CostModel` in milliseconds, with
+   ``mem_b = 1`` per stage and ``mem_w / mem_b = 32h / (34h + 5as)`` (the share of a layer's
+   activations that W still needs: h = hidden size, a = attention heads, s = sequence length).
+
+Fused ``BW`` actions (1F1B) are reported as ``T_BW`` (there is no separate T_W to measure);
+the cost model then uses ``t_b = T_BW`` and ``t_w = 0``, which simulates the fused backward exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.costs import CostModel
+
+__all__ = ["ActionProfile", "AgreedProfile", "agree_on_profile", "cost_model", "mem_w_ratio", "measure_t_comm"]
+
+
+def mem_w_ratio(*, hidden_size: int, num_attention_heads: int, seq_length: int) -> float:
+    """``M_W / M_B = 32h / (34h + 5as)``: activation memory W still holds after B, per M_B."""
+    h, a, s = hidden_size, num_attention_heads, seq_length
+    return (32.0 * h) / (34.0 * h + 5.0 * a * s)
+
+
+@dataclass
+class ActionProfile:
+    """Per-stage action times (seconds) and per-rank busy/elapsed time over the profiled iterations."""
+
+    sums: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, stage) -> seconds
+    counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    busy: float = 0.0      # seconds this rank spent in compute actions
+    elapsed: float = 0.0   # seconds this rank spent in forward_backward_func calls
+    iterations: int = 0
+
+    def add(self, timing: Any, elapsed: float) -> None:
+        """Add one iteration: ``timing`` is the runtime's ``last_timing`` (an ``ActionTiming``)."""
+        for action, t0, t1 in timing.records:
+            key = (action.op, action.stage)
+            self.sums[key] = self.sums.get(key, 0.0) + (t1 - t0)
+            self.counts[key] = self.counts.get(key, 0) + 1
+            self.busy += t1 - t0
+        self.elapsed += elapsed
+        self.iterations += 1
+
+    def means_ms(self) -> dict[tuple[str, int], float]:
+        """Mean duration per ``(op, stage)`` in milliseconds."""
+        return {k: 1e3 * self.sums[k] / self.counts[k] for k in self.sums}
+
+    @property
+    def idle_fraction(self) -> float:
+        """``1 - busy / elapsed`` over the profiled iterations (0 when nothing was profiled)."""
+        return max(0.0, 1.0 - self.busy / self.elapsed) if self.elapsed > 0 else 0.0
+
+
+def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.device, group: Any,
+                   rounds: int = 10, warmup: int = 2) -> float | None:
+    """Half the mean round-trip time (ms) of ``shape`` between this rank and its next pipeline rank.
+
+    Collective over ``group`` (the pipeline group): the pairs ``(r, r+1)`` take turns, the other
+    ranks wait. Returns the measurement on the lower rank of each pair (``None`` on the last rank
+    and with a single pipeline rank).
+    """
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if size == 1:
+        return None
+    buf = torch.zeros(*shape, dtype=dtype, device=device)
+    result = None
+    for r in range(size - 1):
+        if me not in (r, r + 1):
+            continue
+        peer = dist.get_global_rank(group, r + 1 if me == r else r)
+        t0 = 0.0
+        for i in range(warmup + rounds):
+            if i == warmup:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            if me == r:
+                dist.send(buf, peer, group=group)
+                dist.recv(buf, peer, group=group)
+            else:
+                dist.recv(buf, peer, group=group)
+                dist.send(buf, peer, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if me == r:
+            result = 1e3 * (time.perf_counter() - t0) / (2 * rounds)
+    dist.barrier(group=group)
+    return result
+
+
+@dataclass(frozen=True)
+class AgreedProfile:
+    """The profile every rank uses (global rank 0's pipeline): per-stage means (ms), T_comm, idle."""
+
+    means: dict[tuple[str, int], float]
+    t_comm: float
+    idle_fraction: list[float]  # per pipeline rank
+    iterations: int
+
+    def per_stage(self, op: str, num_stages: int) -> list[float] | None:
+        vals = [self.means.get((op, s)) for s in range(num_stages)]
+        return None if any(v is None for v in vals) else [float(v) for v in vals]
+
+    def split_backward(self, num_stages: int) -> bool:
+        return self.per_stage("B", num_stages) is not None and self.per_stage("W", num_stages) is not None
+
+    def report_costs(self, num_stages: int) -> dict[str, float]:
+        """Mean over stages of each measured cost (ms), for the schedule report."""
+        out: dict[str, float] = {}
+        for op, name in (("F", "T_F"), ("B", "T_B"), ("W", "T_W"), ("BW", "T_BW")):
+            vals = self.per_stage(op, num_stages)
+            if vals is not None:
+                out[name] = sum(vals) / len(vals)
+        out["T_comm"] = self.t_comm
+        return out
+
+
+def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: Any) -> AgreedProfile:
+    """Gather the profile over the pipeline group, then broadcast global rank 0's to every rank.
+
+    Collective over ``pp_group`` and then over the default group.
+    """
+    mine = {"means": profile.means_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
+            "iterations": profile.iterations}
+    gathered: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(gathered, mine, group=pp_group)
+    means: dict[tuple[str, int], float] = {}
+    for g in gathered:
+        means.update(g["means"])
+    comms = [g["t_comm"] for g in gathered if g["t_comm"] is not None]
+    agreed = [AgreedProfile(means=means, t_comm=sum(comms) / len(comms) if comms else 0.0,
+                            idle_fraction=[float(g["idle"]) for g in gathered],
+                            iterations=min(int(g["iterations"]) for g in gathered))]
+    dist.broadcast_object_list(agreed, src=0)
+    return agreed[0]
+
+
+def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num_attention_heads: int,
+               seq_length: int, memory_limit: float | None) -> CostModel:
+    """The schedule library's cost model (ms; memory in units of one stage's M_B) from ``profile``."""
+    t_f = profile.per_stage("F", num_stages)
+    if t_f is None:
+        raise ValueError("no forward times were profiled for every stage")
+    if profile.split_backward(num_stages):
+        t_b, t_w = profile.per_stage("B", num_stages), profile.per_stage("W", num_stages)
+    else:
+        t_b, t_w = profile.per_stage("BW", num_stages), [0.0] * num_stages
+        if t_b is None:
+            raise ValueError("no backward times were profiled for every stage")
+    floor = 1e-6  # the cost model needs t_f, t_b > 0
+    ratio = mem_w_ratio(hidden_size=hidden_size, num_attention_heads=num_attention_heads, seq_length=seq_length)
+    return CostModel(t_f=[max(v, floor) for v in t_f], t_b=[max(v, floor) for v in t_b], t_w=list(t_w),  # type: ignore[arg-type]
+                     t_comm=profile.t_comm, mem_b=1.0, mem_w=ratio, memory_limit=memory_limit)
