@@ -215,3 +215,17 @@ def test_v_half_and_v_min_activation_memory_follow_the_simulator():
         got = measured[schedule] / measured["zbv"]
         assert got == pytest.approx(want, rel=0.15), (schedule, got, want)
         assert got < 0.9
+
+
+def test_forwards_out_of_microbatch_order_get_their_own_data(pp2_reference):
+    """A stage whose forwards run out of microbatch order still feeds each its own micro batch."""
+    from megatron_zb.schedules import validate
+    from megatron_zb.schedules.ir import F
+
+    sched = _zb_h1_pp2()
+    r0 = sched.ranks[0]
+    i2, i3 = r0.index(F(2, 0)), r0.index(F(3, 0))
+    r0[i2], r0[i3] = r0[i3], r0[i2]  # rank 0 now runs F(3) before F(2)
+    validate(sched)
+    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=sched), world_size=2, timeout=90))
+    _assert_same(pp2_reference, got, bitwise=True, what="out-of-order forwards")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..schedules.ir import Action, Schedule, ScheduleError
+from ..schedules.ir import Action, Schedule
 from ..schedules.lowering import check_lowered, lower
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
@@ -105,7 +105,8 @@ def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_ste
     local_grad: dict[tuple[int, int], torch.Tensor] = {}  # same-rank handover of gradients
     stage_data: dict[tuple[int, int], list[Any]] = {}    # per-(mb, stage) forward data (reordered below)
     total_tokens = torch.zeros([], dtype=torch.int)
-    next_f: dict[int, int] = {}  # stage -> next microbatch its forward must take
+    feeders = {s: _InOrderFeeder(it) for s, it in runtime.data_iterators.items()
+               if it is not None and _forwards_out_of_order(acts, s)}
     recv_positions = [i for i, a in enumerate(acts) if a.op.startswith("RECV")]
     next_recv = 0
     model_type = get_model_type(next(iter(runtime.chunks.values())))
@@ -137,11 +138,6 @@ def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_ste
             comm.send(a, g)
             continue
         if a.op == "F":
-            if next_f.get(a.stage, 0) != a.mb:
-                raise ScheduleError(f"rank {rank} action #{i}: {a} runs before F(mb={next_f.get(a.stage, 0)}, "
-                                    f"stage={a.stage}); the runtime reads each stage's data iterator in "
-                                    f"microbatch order, so each stage's forwards must be in that order")
-            next_f[a.stage] = a.mb + 1
             model = runtime.chunks[a.stage]
             if a.stage == 0:
                 inp = None
@@ -154,7 +150,9 @@ def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_ste
             ctx = memory.saving() if memory is not None else contextlib.nullcontext()
             with ctx:
                 out, n_tok = forward_step(
-                    forward_step_func, runtime.data_iterators.get(a.stage), model, m, inp, data, config,
+                    forward_step_func,
+                    feeders[a.stage].for_microbatch(a.mb) if a.stage in feeders else runtime.data_iterators.get(a.stage),
+                    model, m, inp, data, config,
                     cp_group_size, collect_non_loss_data=collect_non_loss_data,
                     is_first_microbatch=check_first_val_step(first_val_step, forward_only, a.mb == 0),
                     current_microbatch=a.mb, is_last_stage=(a.stage == last))
@@ -203,3 +201,29 @@ def _first(x: Any) -> torch.Tensor:
 
 
 
+
+
+def _forwards_out_of_order(acts: list[Action], stage: int) -> bool:
+    mbs = [a.mb for a in acts if a.op == "F" and a.stage == stage]
+    return mbs != sorted(mbs)
+
+
+class _InOrderFeeder:
+    """Serves micro batch ``i`` of a data iterator to a forward that runs out of order.
+
+    megatron-core's data iterators are read in microbatch order, one item per forward. When a
+    schedule runs a stage's forwards out of microbatch order, this reads the iterator in order,
+    keeps the items not yet used, and hands each forward a one-item iterator with its own micro
+    batch. Stages whose forwards are in order use the iterator directly (no buffering).
+    """
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self._it = it
+        self._read = 0
+        self._held: dict[int, Any] = {}
+
+    def for_microbatch(self, mb: int) -> Iterator[Any]:
+        while self._read <= mb:
+            self._held[self._read] = next(self._it)
+            self._read += 1
+        return iter([self._held.pop(mb)])

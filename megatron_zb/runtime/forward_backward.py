@@ -81,6 +81,11 @@ class ZeroBubbleForwardBackward:
                 num_chunks=self.options.num_chunks)
         return self._cache[key]
 
+    def install_schedule(self, schedule: Schedule) -> None:
+        """Use ``schedule`` for its ``(p, m)`` from now on (e.g. one built on another rank and
+        broadcast, so that every rank runs the identical action lists)."""
+        self._cache[(schedule.num_ranks, schedule.num_microbatches)] = schedule
+
     def replan(self, costs: CostModel, memory_limit: float | None = None) -> None:
         """Use measured ``costs`` (and optionally a new limit) from the next iteration on."""
         self.options.costs = costs

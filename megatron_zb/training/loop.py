@@ -202,24 +202,6 @@ def chunk_iterators(source: Iterator[Any] | None, needs_data: Sequence[bool]) ->
     return out
 
 
-def forward_order_problem(schedule: Any) -> str | None:
-    """Why the runtime cannot run ``schedule``, or ``None``.
-
-    The runtime reads each stage's data iterator once per forward, so each stage's forwards must
-    come in micro-batch order on its rank (the schedule validator does not require this).
-    """
-    for rank, actions in enumerate(schedule.ranks):
-        expected: dict[int, int] = {}
-        for a in actions:
-            if a.op != "F":
-                continue
-            if a.mb != expected.get(a.stage, 0):
-                return (f"rank {rank} runs F(mb={a.mb}, stage={a.stage}) before F(mb={expected.get(a.stage, 0)}, "
-                        f"stage={a.stage}); each stage's forwards must be in micro-batch order")
-            expected[a.stage] = a.mb + 1
-    return None
-
-
 # ---------------------------------------------------------------------------- loss
 def loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict[str, Any]]:
     """Megatron's GPT loss: masked sum of the per-token losses, the token count, and for reporting
@@ -460,11 +442,7 @@ class Trainer:
         # a generator that is not deterministic across processes (e.g. a time-limited solver) cannot
         # give ranks different action lists.
         self.schedule0 = self._rank0_schedule(self.schedule0)
-        problem = forward_order_problem(self.schedule0)
-        if problem is not None:
-            raise RuntimeError(f"schedule {args.schedule!r} for PP={args.pipeline_model_parallel_size}, "
-                               f"{args.num_microbatches} micro batches cannot run: {problem}")
-        self.zb._cache[(args.pipeline_model_parallel_size, args.num_microbatches)] = self.schedule0
+        self.zb.install_schedule(self.schedule0)
         self.fb = self.zb
 
     def _replan_on_rank0(self, costs: Any) -> tuple[str, Any, float]:
@@ -486,9 +464,6 @@ class Trainer:
             try:
                 self.zb.replan(costs, memory_limit=args.schedule_memory_limit)
                 sched = self.zb.schedule_for(*key)
-                problem = forward_order_problem(sched)
-                if problem is not None:
-                    raise ScheduleError(f"the rebuilt schedule cannot run: {problem}")
                 outcome = [("ok", sched, time.perf_counter() - t0)]
             except ScheduleError as e:
                 outcome = [("error", str(e), time.perf_counter() - t0)]
@@ -496,9 +471,9 @@ class Trainer:
         status, payload, seconds = outcome[0]
         if status == "ok":
             self.zb.replan(costs, memory_limit=args.schedule_memory_limit)
-            self.zb._cache[key] = self._rank0_schedule(payload)
+            self.zb.install_schedule(self._rank0_schedule(payload))
         else:
-            self.zb._cache[key] = old
+            self.zb.install_schedule(old)
         return status, payload, seconds
 
     def _rank0_schedule(self, mine: Any) -> Any:
