@@ -627,6 +627,16 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
             score = (round(ms, 9), round(pk, 9), round(tot, 9))
             if best is None or score < best[1]:
                 best = (got[0], score, f"built with {tag}: {got[2]}")
+    for cls_name, ranks_ in _library_v_orders(p, m):
+        # orders of PyTorch's own V schedules, re-timed under our costs: kept when they fit the
+        # memory limit and beat the search (so the result is never worse than them)
+        try:
+            res = simulate(Schedule(m, s2r, ranks_, cls_name), sc)
+        except ScheduleError:
+            continue
+        score = (round(res.makespan, 9), round(res.max_peak_memory, 9), round(res.total_time, 9))
+        if best is None or score < best[1]:
+            best = (ranks_, score, f"torch.distributed.pipelining {cls_name} order")
     if best is None:  # pragma: no cover - the memory-only knobs cannot get stuck on the V
         raise ScheduleError(f"no V schedule found for p={p}, m={m}, memory_limit={limit:g}")
     ranks, score, variant = best
@@ -637,6 +647,25 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
     res = simulate(Schedule(m, s2r, ranks, name), sc)    # validates; checks memory and deadlock
     return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name,
                          memory_limit=limit, variant=variant, makespan=res.makespan)
+
+
+def _library_v_orders(p: int, m: int) -> list[tuple[str, list[list[Action]]]]:
+    """Per-rank orders of PyTorch's V schedules (ZBV, DualPipeV) for ``p`` ranks, ``m`` microbatches.
+
+    Built offline by :mod:`megatron_zb.schedules.torch_import` (PyTorch is a dependency anyway);
+    a class that refuses the shape or yields an invalid order is skipped.
+    """
+    from .torch_import import import_torch_schedule
+
+    out = []
+    for cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        try:
+            sched = import_torch_schedule(cls_name, num_ranks=p, num_microbatches=m)
+        except Exception:  # noqa: BLE001 - any refusal (shape constraint, defect, old torch) just skips it
+            continue
+        if sched.splits_backward and all(a.op != "BW" for _, _, a in sched.actions()):
+            out.append((cls_name, sched.ranks))
+    return out
 
 
 def zbv(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None) -> Schedule:
