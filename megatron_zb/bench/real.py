@@ -1,0 +1,424 @@
+"""Benchmark bodies on the real tiny megatron-core GPT (CPU, gloo), one function per process.
+
+Run them with :func:`megatron_zb.testing.run_distributed`; ``scripts/benchmark.py`` does.
+
+* :func:`timing_rank` -- PP=2 iteration times of megatron-core's own 1F1B
+  (``forward_backward_pipelining_without_interleaving``) against megatron-zb's runtime running
+  1F1B, ZB-H1, ZB-2p and ZB-V, interleaved round-robin over repeats. Cost-aware schedules
+  (ZB-2p, ZB-V) are re-planned with T_F/T_B/T_W measured by ``time_actions`` on this very model
+  and the p2p latency measured on this very machine before they are timed.
+* :func:`memory_rank` -- peak saved-activation bytes per rank (``track_memory=True``) of each
+  schedule, next to what the simulator predicts from each stage's measured bytes per microbatch.
+* :func:`post_validation_rank` -- one zero-bubble schedule with megatron-core's synchronous
+  optimizer step versus :class:`megatron_zb.optimizer.PostValidationOptimizer`.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import torch
+
+MEGATRON_1F1B = "megatron-1f1b"
+"""Variant name of megatron-core's own 1F1B (not a schedule of the library)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The GPT used by the real-compute benchmarks (sizes in elements)."""
+
+    num_layers: int = 8
+    hidden: int = 256
+    heads: int = 8
+    seq: int = 128
+    vocab: int = 1024
+    micro_batch: int = 2
+    seed: int = 1234
+
+    def describe(self) -> str:
+        return (f"GPT {self.num_layers} layers, hidden {self.hidden}, {self.heads} heads, seq {self.seq}, "
+                f"vocab {self.vocab}, micro batch {self.micro_batch}, fp32")
+
+
+# ---------------------------------------------------------------------- helpers (inside a rank)
+def _data(spec: ModelSpec, n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(spec.seed + 7)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq), generator=g)
+        out.append(dict(tokens=tokens, labels=torch.roll(tokens, -1, dims=1),
+                        position_ids=torch.arange(spec.seq).unsqueeze(0).expand(spec.micro_batch, spec.seq)))
+    return out
+
+
+def _loss_func(output_tensor: torch.Tensor):
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    batch = next(data_iterator)
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), _loss_func
+
+
+def _build(spec: ModelSpec, pp: int, placements: list[str], ddp: bool = False) -> dict[str, list[Any]]:
+    """This rank's chunks per placement kind ("plain", "v"); parallel state must be initialised."""
+    from ..model import build_gpt_chunks, cpu_gpt_config
+    from ..schedules.ir import plain_placement, v_placement
+
+    config = cpu_gpt_config(num_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+                            hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp)
+    out: dict[str, list[Any]] = {}
+    for kind in placements:
+        s2r = plain_placement(pp) if kind == "plain" else v_placement(pp)
+        chunks = build_gpt_chunks(config=config, vocab_size=spec.vocab, max_sequence_length=spec.seq,
+                                  stage_to_rank=s2r, seed=spec.seed)
+        out[kind] = chunks
+    return out
+
+
+def _placement_kind(name: str) -> str:
+    from ..schedules.registry import get_spec
+
+    if name == MEGATRON_1F1B:
+        return "plain"
+    return "v" if get_spec(name).placement == "v" else "plain"
+
+
+def _gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _stage_map(per_rank: list[dict[int, Any]]) -> dict[int, Any]:
+    merged: dict[int, Any] = {}
+    for d in per_rank:
+        merged.update(d)
+    return merged
+
+
+def measure_stage_memory(chunks: list[Any], spec: ModelSpec) -> dict[int, tuple[int, int]]:
+    """Per stage of this rank: (bytes saved by one microbatch's F, bytes still held after its B).
+
+    Runs megatron-core's ``forward_step`` / ``backward_step`` on one microbatch in isolation (a
+    random input / output gradient stands in for the neighbours), inside the runtime's activation
+    tracker; the B runs in the weight-gradient store's deferring window, so the second number is
+    what the W closures keep alive (the simulator's ``M_W``).
+    """
+    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+    from megatron.core.utils import get_model_type
+
+    from ..runtime import ActivationMemoryTracker, get_weight_grad_store
+    from ..runtime.wgrad_store import install
+
+    install()
+    store = get_weight_grad_store()
+    out: dict[int, tuple[int, int]] = {}
+    shape = (spec.seq, spec.micro_batch, spec.hidden)
+    g = torch.Generator().manual_seed(3)
+    for ch in chunks:
+        model = ch.module
+        stage = ch.plan.stage
+        tracker = ActivationMemoryTracker(model.parameters())
+        inp = None if ch.plan.pre_process else torch.randn(shape, generator=g).requires_grad_(True)
+        with tracker.saving():
+            o, _ = forward_step(_forward_step, iter(_data(spec, 1)), model, 1, inp, [], model.config, 1,
+                                current_microbatch=0, is_last_stage=ch.plan.post_process)
+        gc.collect()
+        mem_b = tracker.current_bytes
+        grad = None if ch.plan.post_process else torch.randn(shape, generator=g)
+        key = 1 << 30
+        with store.deferring(stage, key):
+            backward_step(inp, o, grad, get_model_type(model), model.config)
+        del o, grad, inp
+        gc.collect()
+        mem_w = tracker.current_bytes
+        store.run(stage, key)
+        model.zero_grad(set_to_none=True)
+        out[stage] = (int(mem_b), int(mem_w))
+    return out
+
+
+def measured_costs(fb: Any, stages: list[int]) -> dict[int, tuple[float, float, float]]:
+    """Per stage of this rank: median (T_F, T_B, T_W) in ms from ``fb.last_timing`` records so far."""
+    t = fb.last_timing
+    out = {}
+    for s in stages:
+        vals = []
+        for op in ("F", "B", "W"):
+            d = t.durations(op).get(s, [])
+            vals.append(1e3 * statistics.median(d) if d else float("nan"))
+        out[s] = tuple(vals)
+    return out
+
+
+def _cost_model(times: dict[int, tuple[float, float, float]], mem: dict[int, tuple[int, int]] | None,
+                t_comm_ms: float) -> Any:
+    from ..schedules import CostModel
+
+    n = len(times)
+    kw = {}
+    if mem is not None:
+        kw = dict(mem_b=[float(mem[s][0]) for s in range(n)], mem_w=[float(mem[s][1]) for s in range(n)])
+    return CostModel(t_f=[times[s][0] for s in range(n)], t_b=[times[s][1] for s in range(n)],
+                     t_w=[times[s][2] for s in range(n)], t_comm=t_comm_ms, **kw)
+
+
+def _measure_costs(chunks_by_kind: dict[str, list[Any]], spec: ModelSpec, m: int, iters: int,
+                   t_comm_ms: float, log: Any = None) -> dict[str, Any]:
+    """Measure per-stage T_F/T_B/T_W (ms) with ``time_actions`` and M_B/M_W (bytes), per placement.
+
+    Times come from ZB-H1 (plain) and ZB-V with unit costs (V) -- both split B and W -- over
+    ``iters`` iterations after one warm-up; the result is gathered so that every rank builds the
+    same cost model (hence the same schedule).
+    """
+    from ..runtime import get_forward_backward_func
+
+    out: dict[str, Any] = {}
+    data = _data(spec, m)
+
+    def timed(name: str, mods: list[Any]) -> Any:
+        fb = get_forward_backward_func(name, time_actions=True)
+        recs: list[Any] = []
+        for it in range(iters + 1):
+            for mod in mods:
+                mod.zero_grad(set_to_none=True)
+            fb(forward_step_func=_forward_step, data_iterator=[iter(data) for _ in mods] if len(mods) > 1
+               else iter(data), model=mods if len(mods) > 1 else mods[0], num_microbatches=m,
+               seq_length=spec.seq, micro_batch_size=spec.micro_batch)
+            if it > 0:
+                recs.extend(fb.last_timing.records)
+        fb.last_timing.records = recs
+        return fb
+
+    for kind, chunks in chunks_by_kind.items():
+        mods = [c.module for c in chunks]
+        stages = [c.plan.stage for c in chunks]
+        fb = timed("zb-h1" if kind == "plain" else "zbv", mods)
+        times = _stage_map(_gather(measured_costs(fb, stages)))
+        bw: dict[int, float] = {}
+        if kind == "plain":  # the fused backward of 1F1B, to compare with T_B + T_W
+            fused = timed("1f1b", mods).last_timing.durations("BW")
+            bw = _stage_map(_gather({s: 1e3 * statistics.median(fused[s]) for s in stages if fused.get(s)}))
+        mem = _stage_map(_gather(measure_stage_memory(chunks, spec)))
+        out[kind] = dict(times=times, mem=mem, bw=bw, costs=_cost_model(times, mem, t_comm_ms))
+    return out
+
+
+def _iteration(fb: Any, mods: list[Any], data: list[dict[str, torch.Tensor]], spec: ModelSpec, m: int,
+               ours: bool) -> tuple[float, float, list[Any]]:
+    """One timed forward/backward: zero grads, barrier, run; (start, end) on this rank's clock."""
+    import torch.distributed as dist
+
+    from ..runtime import wgrad_store
+
+    for mod in mods:
+        mod.zero_grad(set_to_none=True)
+    if ours:
+        wgrad_store.install()
+    else:  # megatron-core exactly as shipped: its own linear autograd function
+        wgrad_store.uninstall()
+    iters = [iter(data) for _ in mods]
+    dist.barrier()
+    t0 = time.perf_counter()
+    losses = fb(forward_step_func=_forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
+                model=mods if len(mods) > 1 else mods[0], num_microbatches=m, seq_length=spec.seq,
+                micro_batch_size=spec.micro_batch, forward_only=False)
+    t1 = time.perf_counter()
+    return t0, t1, losses
+
+
+# ---------------------------------------------------------------------- rank bodies
+def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
+    """PP=2 (any PP) timing of megatron-core's 1F1B and our schedules (see the module docstring).
+
+    ``cfg`` keys: ``model`` (a :class:`ModelSpec` as dict), ``variants`` (names; ``"megatron-1f1b"``
+    is megatron-core's own schedule), ``ms`` (microbatch counts), ``warmup``, ``repeats``,
+    ``measure_iters``, ``measure_m``, ``memory_schedules`` and ``memory_m`` (also measure peak
+    activation bytes, after the timings; empty to skip).
+
+    Returns per rank: timings ``{m: {variant: [(start, end), ...]}}``, the measured costs,
+    losses per variant of the first timed iteration (last rank), memory results.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_fb
+
+    from ..bench.emulated import measure_p2p_latency
+    from ..runtime import get_forward_backward_func
+    from ..testing.distributed import init_parallel_state
+
+    spec = ModelSpec(**cfg["model"])
+    pp = dist.get_world_size()
+    init_parallel_state(pipeline_model_parallel_size=pp, seed=spec.seed)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    variants = list(cfg["variants"])
+    kinds = sorted({_placement_kind(v) for v in variants}
+                   | {_placement_kind(s) for s in cfg.get("memory_schedules", [])})
+    chunks = _build(spec, pp, kinds)
+    shape = (spec.seq, spec.micro_batch, spec.hidden)
+    pairs = [(i, i + 1) for i in range(pp - 1)]
+    t_comm = measure_p2p_latency(shape, peer_pairs=pairs) * 1e3
+    comm_samples: list[float] = []  # ms, measured again before every timed round
+    measured = _measure_costs(chunks, spec, cfg.get("measure_m", 8), cfg.get("measure_iters", 3), t_comm)
+
+    fbs: dict[str, Any] = {}
+    for v in variants:
+        kind = _placement_kind(v)
+        if v == MEGATRON_1F1B:
+            fbs[v] = megatron_fb()
+        else:
+            from ..schedules.registry import get_spec
+            costs = measured[kind]["costs"] if get_spec(v).cost_aware else None
+            fbs[v] = get_forward_backward_func(v, costs=costs)
+
+    timings: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    losses: dict[int, dict[str, list[float]]] = {}
+    data_all = _data(spec, max(cfg["ms"]))
+    for m in cfg["ms"]:
+        data = data_all[:m]
+        timings[m] = {v: [] for v in variants}
+        losses[m] = {}
+        for rnd in range(cfg["warmup"] + cfg["repeats"]):
+            if rnd >= cfg["warmup"]:
+                comm_samples.append(1e3 * measure_p2p_latency(shape, peer_pairs=pairs, rounds=10, warmup=2, passes=1))
+            order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]  # rotate the start
+            for v in order:
+                mods = [c.module for c in chunks[_placement_kind(v)]]
+                t0, t1, out = _iteration(fbs[v], mods, data, spec, m, ours=(v != MEGATRON_1F1B))
+                if rnd >= cfg["warmup"]:
+                    timings[m][v].append((t0, t1))
+                    if v not in losses[m] and out:
+                        losses[m][v] = [float(d["lm loss"]) for d in out]
+
+    memory = {}
+    if cfg.get("memory_schedules"):
+        memory = _memory(chunks, spec, measured, cfg["memory_schedules"], cfg["memory_m"])
+    return dict(rank=rank, t_comm_ms=t_comm, comm_samples_ms=comm_samples, timings=timings, losses=losses,
+                measured={k: dict(times=v["times"], mem=v["mem"], bw=v["bw"]) for k, v in measured.items()},
+                costs={k: v["costs"] for k, v in measured.items()}, memory=memory)
+
+
+def _memory(chunks: dict[str, list[Any]], spec: ModelSpec, measured: dict[str, Any], schedules: list[str],
+            m: int) -> dict[str, Any]:
+    """Peak saved-activation bytes of one iteration per schedule on this rank (``track_memory=True``)."""
+    import torch.distributed as dist
+
+    from ..runtime import get_forward_backward_func, wgrad_store
+    from ..schedules.registry import get_spec
+
+    wgrad_store.install()
+    data = _data(spec, m)
+    out: dict[str, Any] = {}
+    for name in schedules:
+        kind = _placement_kind(name)
+        costs = measured[kind]["costs"]
+        fb = get_forward_backward_func(name, costs=costs if get_spec(name).cost_aware else None, track_memory=True)
+        mods = [c.module for c in chunks[kind]]
+        for mod in mods:
+            mod.zero_grad(set_to_none=True)
+        gc.collect()
+        iters = [iter(data) for _ in mods]
+        fb(forward_step_func=_forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
+           model=mods if len(mods) > 1 else mods[0], num_microbatches=m, seq_length=spec.seq,
+           micro_batch_size=spec.micro_batch)
+        out[name] = dict(peak_bytes=fb.last_peak_bytes, schedule=fb.schedule_for(dist.get_world_size(), m))
+    return out
+
+
+def memory_rank(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Activation memory only (any PP; timing-insensitive): measure costs, then one tracked
+    iteration per schedule. ``cfg``: ``model``, ``memory_schedules``, ``memory_m``, ``measure_m``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ..testing.distributed import init_parallel_state
+
+    spec = ModelSpec(**cfg["model"])
+    pp = dist.get_world_size()
+    init_parallel_state(pipeline_model_parallel_size=pp, seed=spec.seed)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    kinds = sorted({_placement_kind(s) for s in cfg["memory_schedules"]})
+    chunks = _build(spec, pp, kinds)
+    measured = _measure_costs(chunks, spec, cfg.get("measure_m", 2 * pp), cfg.get("measure_iters", 1), 0.0)
+    memory = _memory(chunks, spec, measured, cfg["memory_schedules"], cfg["memory_m"])
+    return dict(rank=rank, memory=memory, costs={k: v["costs"] for k, v in measured.items()},
+                measured={k: dict(times=v["times"], mem=v["mem"], bw=v["bw"]) for k, v in measured.items()})
+
+
+def post_validation_rank(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Synchronous optimizer step versus post-validation, same zero-bubble schedule, interleaved.
+
+    ``cfg``: ``model``, ``schedule``, ``costs`` (a CostModel for cost-aware schedules, e.g. measured
+    by :func:`timing_rank`), ``m``, ``block`` (iterations per timed block), ``warmup`` and
+    ``repeats`` (rounds of one block per variant), ``clip_grad``.
+
+    Each variant has its own DDP-wrapped copy of the model and its own megatron-core Adam (same
+    initial weights), so both optimizers see the same kind of gradients. A block is ``block``
+    back-to-back iterations (forward/backward + step) with no barrier in between; the post-
+    validated block ends with ``finalize()`` (validation of its last step), inside the timing.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from ..optimizer import PostValidationOptimizer
+    from ..runtime import get_forward_backward_func, wgrad_store
+    from ..testing.distributed import init_parallel_state
+
+    spec = ModelSpec(**cfg["model"])
+    pp = dist.get_world_size()
+    init_parallel_state(pipeline_model_parallel_size=pp, seed=spec.seed)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    wgrad_store.install()
+    m = cfg["m"]
+    data = _data(spec, m)
+    variants = {}
+    for name in ("sync", "post-validation"):
+        [chunk] = _build(spec, pp, ["plain"])["plain"]
+        gpt = chunk.module
+        ddp = DistributedDataParallel(config=gpt.config, module=gpt,
+                                      ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False))
+        gpt.config.no_sync_func = ddp.no_sync
+        gpt.config.finalize_model_grads_func = finalize_model_grads
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=cfg["clip_grad"]), [ddp],
+                                     use_gloo_process_groups=False)
+        if name == "post-validation":
+            opt = PostValidationOptimizer(opt, exact=False, warmup_iters=0, clean_iters_required=1, timeout=120.0)
+        fb = get_forward_backward_func(cfg["schedule"], costs=cfg.get("costs"))
+        variants[name] = dict(ddp=ddp, opt=opt, fb=fb)
+
+    def block(name: str) -> tuple[float, float]:
+        v = variants[name]
+        pv = name == "post-validation"
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(cfg["block"]):
+            if pv:
+                v["opt"].begin_iteration()
+            v["ddp"].zero_grad_buffer()
+            v["opt"].zero_grad()
+            v["fb"](forward_step_func=_forward_step, data_iterator=iter(data), model=[v["ddp"]], num_microbatches=m,
+                    seq_length=spec.seq, micro_batch_size=spec.micro_batch)
+            v["opt"].step()
+        if pv:
+            v["opt"].finalize()
+        return t0, time.perf_counter()
+
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in variants}
+    names = list(variants)
+    for rnd in range(cfg["warmup"] + cfg["repeats"]):
+        for n in (names if rnd % 2 == 0 else names[::-1]):
+            t = block(n)
+            if rnd >= cfg["warmup"]:
+                times[n].append(t)
+    counters = variants["post-validation"]["opt"].counters()
+    return dict(rank=rank, times=times, counters=asdict(counters))

@@ -1,0 +1,237 @@
+"""Pure helpers of the benchmark: iteration times, medians, ratios, CSV rows, markdown, plots.
+
+Nothing here measures anything; ``scripts/benchmark.py`` feeds it the per-rank results of
+:mod:`megatron_zb.bench.real` and :mod:`megatron_zb.bench.emulated`.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = [
+    "Row", "action_gaps", "hop_latencies", "iteration_times", "median", "paired_ratios", "ratios", "verdict",
+    "markdown_table", "write_csv", "read_csv", "plot_ratio_bars", "plot_measured_vs_simulated",
+]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One number of the results, as a line of ``results.csv`` (tidy format).
+
+    ``section``: ``real-timing``, ``real-targets``, ``emulated``, ``memory``, ``post-validation``;
+    ``p``: pipeline ranks; ``m``: microbatches; ``variant``: schedule or variant name;
+    ``metric``: what ``value`` is (e.g. ``median_ms``, ``ratio_vs_megatron_1f1b``); ``unit``.
+    """
+
+    section: str
+    p: int
+    m: int
+    variant: str
+    metric: str
+    value: float
+    unit: str = ""
+
+
+def iteration_times(per_rank: Sequence[Sequence[tuple[float, float]]]) -> list[float]:
+    """Per iteration, ``max(end over ranks) - min(start over ranks)`` (seconds).
+
+    ``per_rank[r][i]`` is ``(start, end)`` of iteration ``i`` on rank ``r``, all on the same
+    machine-wide monotonic clock (``time.perf_counter`` on Linux). Every rank must report the
+    same number of iterations.
+    """
+    if not per_rank:
+        return []
+    n = len(per_rank[0])
+    if any(len(x) != n for x in per_rank):
+        raise ValueError(f"ranks reported different numbers of iterations: {[len(x) for x in per_rank]}")
+    return [max(r[i][1] for r in per_rank) - min(r[i][0] for r in per_rank) for i in range(n)]
+
+
+def median(xs: Iterable[float]) -> float:
+    """The median (``nan`` for no values)."""
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def ratios(values: Mapping[str, float], baseline: str) -> dict[str, float]:
+    """``values[k] / values[baseline]`` for every key (the baseline's own ratio is 1.0)."""
+    if baseline not in values:
+        raise KeyError(f"baseline {baseline!r} not among {sorted(values)}")
+    b = values[baseline]
+    if not b:
+        raise ZeroDivisionError(f"baseline {baseline!r} is {b}")
+    return {k: v / b for k, v in values.items()}
+
+
+def hop_latencies(records: Sequence[Sequence[tuple[str, int, int, float, float]]],
+                  stage_to_rank: Sequence[int]) -> list[float]:
+    """Observed latency (seconds) of cross-rank dependencies the receiver was waiting for.
+
+    ``records[r]`` are rank ``r``'s compute actions of one iteration, ``(op, mb, stage, start,
+    end)`` in execution order, on a machine-wide clock. For each ``F(mb, s)`` whose input comes
+    from another rank (and each ``B``/``BW(mb, s)`` whose output gradient does), when the rank's
+    previous action ended before that producer did -- the rank sat waiting -- the latency is
+    ``start - end of the producer``: what the simulator's ``t_comm`` stands for, here including
+    the runtime's send/receive work and the receiver's wake-up.
+    """
+    end: dict[tuple[str, int, int], float] = {}
+    for recs in records:
+        for op, mb, st, _, t1 in recs:
+            end[("B" if op == "BW" else op, mb, st)] = t1
+    last = len(stage_to_rank) - 1
+    out = []
+    for recs in records:
+        prev = None
+        for op, mb, st, t0, t1 in recs:
+            dep = None
+            if op == "F" and st > 0 and stage_to_rank[st - 1] != stage_to_rank[st]:
+                dep = end.get(("F", mb, st - 1))
+            elif op in ("B", "BW") and st < last and stage_to_rank[st + 1] != stage_to_rank[st]:
+                dep = end.get(("B", mb, st + 1))
+            if dep is not None and prev is not None and prev < dep:
+                out.append(t0 - dep)
+            prev = t1
+    return out
+
+
+def action_gaps(records: Sequence[Sequence[tuple[str, int, int, float, float]]],
+                stage_to_rank: Sequence[int]) -> list[float]:
+    """Idle time (seconds) between consecutive compute actions of a rank that did not wait for data.
+
+    Same ``records`` as :func:`hop_latencies`. For each compute action after the first on a rank
+    whose cross-rank input (if any) was already produced when the rank's previous action ended,
+    the gap ``start - previous end`` is the runtime's own work between compute actions (sends,
+    receive bookkeeping, the executor loop): what the simulator assumes to be zero.
+    """
+    end: dict[tuple[str, int, int], float] = {}
+    for recs in records:
+        for op, mb, st, _, t1 in recs:
+            end[("B" if op == "BW" else op, mb, st)] = t1
+    last = len(stage_to_rank) - 1
+    out = []
+    for recs in records:
+        prev = None
+        for op, mb, st, t0, t1 in recs:
+            dep = None
+            if op == "F" and st > 0 and stage_to_rank[st - 1] != stage_to_rank[st]:
+                dep = end.get(("F", mb, st - 1))
+            elif op in ("B", "BW") and st < last and stage_to_rank[st + 1] != stage_to_rank[st]:
+                dep = end.get(("B", mb, st + 1))
+            if prev is not None and (dep is None or dep <= prev):
+                out.append(t0 - prev)
+            prev = t1
+    return out
+
+
+def paired_ratios(values: Sequence[float], baseline: Sequence[float]) -> list[float]:
+    """Per repeat ``values[i] / baseline[i]`` (both measured in the same round of an interleaved run)."""
+    if len(values) != len(baseline):
+        raise ValueError(f"{len(values)} values but {len(baseline)} baseline values")
+    return [v / b for v, b in zip(values, baseline)]
+
+
+def verdict(ok: bool | None) -> str:
+    """``PASS`` / ``FAIL`` (``n/a`` when the check could not be made)."""
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; floats keep the formatting the caller gave them (pass strings)."""
+    def cell(x: Any) -> str:
+        return str(x).replace("|", "/")
+    out = ["| " + " | ".join(cell(h) for h in headers) + " |", "|" + "---|" * len(headers)]
+    for r in rows:
+        if len(r) != len(headers):
+            raise ValueError(f"row {r!r} has {len(r)} cells, table has {len(headers)} columns")
+        out.append("| " + " | ".join(cell(x) for x in r) + " |")
+    return "\n".join(out) + "\n"
+
+
+_FIELDS = [f.name for f in fields(Row)]
+
+
+def write_csv(rows: Iterable[Row], path: str | Path) -> None:
+    """Write rows to ``path`` with a header line (columns: the fields of :class:`Row`)."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(_FIELDS)
+        for r in rows:
+            w.writerow([getattr(r, k) if k != "value" else repr(float(r.value)) for k in _FIELDS])
+
+
+def read_csv(path: str | Path) -> list[Row]:
+    """Read what :func:`write_csv` wrote."""
+    with open(path, newline="") as f:
+        rd = csv.DictReader(f)
+        return [Row(section=d["section"], p=int(d["p"]), m=int(d["m"]), variant=d["variant"], metric=d["metric"],
+                    value=float(d["value"]), unit=d["unit"]) for d in rd]
+
+
+# ---------------------------------------------------------------------- plots
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        return None
+
+
+def plot_ratio_bars(ratio_by_m: Mapping[int, Mapping[str, float]], path: str | Path, *, title: str,
+                    baseline_label: str) -> bool:
+    """Grouped bars: for each ``m``, each variant's time ratio. False if matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    ms = sorted(ratio_by_m)
+    variants = list(dict.fromkeys(v for m in ms for v in ratio_by_m[m]))
+    width = 0.8 / max(1, len(variants))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, v in enumerate(variants):
+        xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(ms))]
+        ys = [ratio_by_m[m].get(v, float("nan")) for m in ms]
+        bars = ax.bar(xs, ys, width, label=v)
+        for b, y in zip(bars, ys):
+            ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(ms)), [f"m={m}" for m in ms])
+    ax.set_ylabel(f"iteration time / {baseline_label}")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, ncols=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_measured_vs_simulated(data: Mapping[int, Mapping[str, tuple[float, float]]], path: str | Path, *,
+                               title: str) -> bool:
+    """Per ``p`` a panel; per schedule two bars: (measured ms, simulated ms). False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    ps = sorted(data)
+    fig, axes = plt.subplots(1, len(ps), figsize=(5.5 * len(ps), 4), squeeze=False)
+    for ax, p in zip(axes[0], ps):
+        names = list(data[p])
+        meas = [data[p][n][0] for n in names]
+        sim = [data[p][n][1] for n in names]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], meas, 0.4, label="measured (median)")
+        ax.bar([x + 0.2 for x in xs], sim, 0.4, label="simulated (isolated iteration)")
+        for x, a, b in zip(xs, meas, sim):
+            ax.annotate(f"{a / b:.2f}x", (x - 0.2, a), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(xs), names, rotation=20)
+        ax.set_ylabel("iteration time (ms)")
+        ax.set_title(f"emulated p={p}", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

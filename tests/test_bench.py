@@ -1,0 +1,151 @@
+"""The benchmark machinery (no timing assertions): emulated stages through the real runtime, the
+per-stage activation measurement against the simulator, the report helpers, and
+``scripts/benchmark.py --quick`` end to end."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+import megatron_zb  # noqa: F401  (CPU shim)
+from megatron_zb.bench.emulated import emulated_check_rank
+from megatron_zb.bench.report import (Row, action_gaps, hop_latencies, iteration_times, markdown_table, median,
+                                      paired_ratios, ratios, read_csv, verdict, write_csv)
+from megatron_zb.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------- emulated stage + runtime
+@pytest.mark.parametrize("p", [2, 4])
+def test_emulated_stages_run_through_the_real_runtime(p):
+    schedules = ["1f1b", "zb-h1", "zb-2p", "zbv", "v-half"]
+    m = 2 * p
+    res = run_distributed(partial(emulated_check_rank, schedules, m), world_size=p, timeout=120)
+    for name in schedules:
+        per_rank = [r[name] for r in res]
+        assert sum(r["losses"] for r in per_rank) == m, name          # the last stage returns m losses
+        assert all(r["losses"] == (m if r["holds_loss"] else 0) for r in per_rank), name
+        assert all(r["pending"] == [] for r in per_rank), name        # no W left behind
+        assert all(g == m for r in per_rank for g in r["weight_grads"]), name  # every W (or BW) ran once
+        deferred = sum(r["deferred"] for r in per_rank)
+        executed = sum(r["w_executed"] for r in per_rank)
+        if name == "1f1b":
+            assert deferred == 0 and executed == 0
+        else:  # split backward: every B queued its W, every W ran it
+            stages = 2 * p if name in ("zbv", "v-half") else p
+            assert deferred == executed == m * stages, name
+
+
+# ---------------------------------------------------------------------- activation memory on the real model
+def test_memory_rank_measures_what_the_simulator_predicts():
+    from dataclasses import asdict
+
+    from megatron_zb.bench.real import ModelSpec, memory_rank
+    from megatron_zb.schedules import simulate
+
+    model = ModelSpec(num_layers=4, hidden=32, heads=4, seq=16, vocab=64, micro_batch=2)
+    cfg = dict(model=asdict(model), memory_schedules=["1f1b", "zb-h1", "zbv"], memory_m=4, measure_m=4,
+               measure_iters=1)
+    res = run_distributed(partial(memory_rank, cfg), world_size=2, timeout=120)
+    for kind, stages in (("plain", 2), ("v", 4)):
+        mem = res[0]["measured"][kind]["mem"]
+        assert sorted(mem) == list(range(stages))
+        assert all(mb > mw > 0 for mb, mw in mem.values()), mem  # W closures keep part of F's activations
+    for name in ("1f1b", "zb-h1", "zbv"):
+        sched = res[0]["memory"][name]["schedule"]
+        sim = simulate(sched, res[0]["costs"]["v" if name == "zbv" else "plain"], enforce_memory=False)
+        for r, rank_res in enumerate(res):
+            got = rank_res["memory"][name]["peak_bytes"]
+            assert got == pytest.approx(sim.peak_memory[r], rel=0.05), (name, r)
+
+
+# ---------------------------------------------------------------------- report helpers
+def test_iteration_times_take_max_end_minus_min_start_over_ranks():
+    per_rank = [[(0.0, 1.0), (10.0, 10.5)], [(0.2, 1.4), (9.9, 10.3)]]
+    assert iteration_times(per_rank) == pytest.approx([1.4, 0.6])
+    assert iteration_times([]) == []
+    with pytest.raises(ValueError, match="different numbers"):
+        iteration_times([[(0.0, 1.0)], []])
+
+
+def test_hop_latencies_count_only_waits_on_another_rank():
+    # rank 0: F(0,0) 0-1, F(1,0) 1-2, B(0,0) 5-6 ; rank 1: F(0,1) 1.5-2.5, B(0,1) 2.5-3.5, F(1,1) 3.5-4
+    r0 = [("F", 0, 0, 0.0, 1.0), ("F", 1, 0, 1.0, 2.0), ("B", 0, 0, 5.0, 6.0)]
+    r1 = [("F", 0, 1, 1.5, 2.5), ("BW", 0, 1, 2.5, 3.5), ("F", 1, 1, 3.5, 4.0)]
+    hops = hop_latencies([r0, r1], [0, 1])
+    # F(0,1): rank 1 had nothing before -> not counted (no previous action); F(1,1): busy until 3.5 -> not a wait;
+    # B(0,0): rank 0 idle from 2.0, gradient from BW(0,1) ended 3.5 -> 1.5
+    assert hops == pytest.approx([1.5])
+    assert hop_latencies([r0 + r1], [0, 0]) == []  # same rank: no transfer
+    # gaps: rank 0 F(1,0) right after F(0,0) (0.0); rank 1 BW(0,1) after F(0,1) (0.0), F(1,1) after BW (0.0,
+    # its input F(1,0) ended at 2.0 <= 3.5); B(0,0) waited -> no gap
+    assert action_gaps([r0, r1], [0, 1]) == pytest.approx([0.0, 0.0, 0.0])
+    assert action_gaps([[("F", 0, 0, 0.0, 1.0), ("F", 1, 0, 1.25, 2.0)]], [0]) == pytest.approx([0.25])
+
+
+def test_paired_ratios():
+    assert paired_ratios([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
+    with pytest.raises(ValueError):
+        paired_ratios([1.0], [1.0, 2.0])
+
+
+def test_median_and_ratios():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([1.0, 2.0]) == 1.5
+    assert math.isnan(median([]))
+    r = ratios({"base": 2.0, "a": 1.0, "b": 3.0}, "base")
+    assert r == {"base": 1.0, "a": 0.5, "b": 1.5}
+    with pytest.raises(KeyError):
+        ratios({"a": 1.0}, "base")
+    with pytest.raises(ZeroDivisionError):
+        ratios({"base": 0.0}, "base")
+
+
+def test_verdict_and_markdown_table():
+    assert (verdict(True), verdict(False), verdict(None)) == ("PASS", "FAIL", "n/a")
+    t = markdown_table(["a", "b"], [[1, "x|y"], ["2", 3.5]])
+    assert t.splitlines() == ["| a | b |", "|---|---|", "| 1 | x/y |", "| 2 | 3.5 |"]
+    with pytest.raises(ValueError):
+        markdown_table(["a"], [[1, 2]])
+
+
+def test_csv_round_trip(tmp_path):
+    rows = [Row("real-timing", 2, 8, "zb-2p", "ratio_vs_megatron_1f1b", 0.9123456789),
+            Row("emulated", 8, 24, "zbv", "measured_ms", 123.0, "ms")]
+    path = tmp_path / "r.csv"
+    write_csv(rows, path)
+    assert path.read_text().splitlines()[0] == "section,p,m,variant,metric,value,unit"
+    assert read_csv(path) == rows
+
+
+# ---------------------------------------------------------------------- the script, end to end
+def test_quick_benchmark_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    md = (out / "results.md").read_text()
+    for heading in ("## Real compute", "### Activation memory, PP=2", "### Activation memory, PP=4",
+                    "## Emulated cluster", "## Optimizer post-validation"):
+        assert heading in md, heading
+    assert md in proc.stdout  # the tables are printed too
+    rows = read_csv(out / "results.csv")
+    sections = {r.section for r in rows}
+    assert {"real-timing", "real-targets", "memory", "measured-costs", "post-validation"} <= sections
+    assert any(s.startswith("emulated/") for s in sections)
+    ratio = [r for r in rows if r.metric == "ratio_vs_megatron_1f1b" and r.variant == "megatron-1f1b"]
+    assert ratio and all(r.value == 1.0 for r in ratio)
+    assert "real:" in proc.stderr and "emulated" in proc.stderr  # progress on stderr
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "real_ratios.png").stat().st_size > 0
+    pngs = list(out.glob("emulated_vs_simulated_scale*.png"))
+    assert pngs and all(p.stat().st_size > 0 for p in pngs)
