@@ -254,8 +254,8 @@ def section_real(cfg: dict[str, Any], rows: list[Row], md: list[str], out: Path,
     rows.append(Row("measured-costs", 2, 0, "p2p", "t_comm_run", t_comm, "ms"))
     md.append(f"Measured costs per stage (median of `time_actions` over {cfg['measure_iters']} iterations of "
               f"ZB-H1 / ZB-V at m={rcfg['measure_m']}; T_BW: the fused backward of our 1F1B, for comparison with "
-              f"T_B + T_W (the simulator assumes they are equal); memory: one microbatch in isolation, counted by "
-              f"storage lifetime). T_comm (one-way gloo latency of one activation, ping-pong): "
+              f"T_B + T_W (the simulator assumes they are equal); memory: one microbatch in isolation, in the "
+              f"runtime's activation tracker). T_comm (one-way gloo latency of one activation, ping-pong): "
               f"{res[0]['t_comm_ms']:.3f} ms before the runs (ZB-2p and ZB-V were planned with it), "
               f"{comm_range(samples)} during the timed rounds (median used by the simulator below).\n")
     md.append(markdown_table(["placement", "stage", "T_F ms", "T_B ms", "T_W ms", "T_BW ms (1F1B)", "M_B MiB",
