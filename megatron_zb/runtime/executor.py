@@ -1,6 +1,7 @@
 """Executes one rank's part of any schedule on megatron-core model chunks.
 
-The schedule is lowered (:func:`megatron_zb.schedules.lower`) and the rank walks its action list:
+The schedule is lowered (:func:`megatron_zb.schedules.lower`) and checked once per schedule
+(:func:`plan_rank`); every iteration the rank then walks its action list (:func:`execute`):
 
 * ``F``  -- megatron-core's ``forward_step`` on the chunk holding the stage (first stage reads
   the data iterator, the last stage computes the loss);
@@ -67,33 +68,73 @@ class StageRuntime:
     device: torch.device
 
 
-def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_step_func: Callable,
-            config: Any, comm: PipeComm, forward_only: bool = False, collect_non_loss_data: bool = False,
-            cp_group_size: int = 1, first_val_step: bool | None = None, recv_lookahead: int = 8,
-            timing: ActionTiming | None = None, memory: ActivationMemoryTracker | None = None,
-            validate: bool = True) -> tuple[list[Any], torch.Tensor]:
-    """Run ``rank``'s actions of ``schedule``; return (forward data store, total tokens).
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of a lowered, checked schedule: what :func:`execute` walks.
 
-    ``forward_only`` keeps only the forwards (evaluation). The forward data store holds what
-    megatron-core's schedules return: the reduced losses of the last stage, in microbatch order.
-    A schedule that already holds communication actions runs as written. ``validate=False``
-    skips the schedule checks (for testing the runtime's own safety nets: p2p timeouts and the
-    weight-gradient store's pending-W check).
+    Built once per schedule by :func:`plan_rank` (lowering and validation cost milliseconds at
+    large ``p * m``, which would otherwise be paid, on every rank at once, at the start of every
+    iteration) and reused by every iteration.
+
+    Attributes:
+        schedule: the lowered schedule (compute and communication actions, all ranks).
+        rank: the pipeline rank this plan is for.
+        actions: that rank's actions, in execution order.
+        recv_positions: indices into ``actions`` of its receives (posted ahead of use).
+        out_of_order_stages: stages of this rank whose forwards do not run in microbatch order
+            (their data iterators are read through an in-order buffer).
+        forward_only: whether the plan keeps only the forwards and their transfers (evaluation).
     """
-    from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
-    from megatron.core.utils import get_model_type
 
+    schedule: Schedule
+    rank: int
+    actions: tuple[Action, ...]
+    recv_positions: tuple[int, ...]
+    out_of_order_stages: frozenset[int]
+    forward_only: bool
+
+
+def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, validate: bool = True) -> RankPlan:
+    """Lower ``schedule`` (unless it already holds communication), check it, and keep ``rank``'s part.
+
+    ``forward_only`` keeps only the forwards and their transfers, in the same order (evaluation).
+    ``validate=False`` skips the checks (only for testing the runtime's own safety nets: p2p
+    timeouts and the weight-gradient store's pending-W check). Raises
+    :class:`~megatron_zb.schedules.ScheduleError` naming the first bad action.
+    """
+    if not 0 <= rank < schedule.num_ranks:
+        raise ValueError(f"rank {rank} is outside the schedule's {schedule.num_ranks} pipeline ranks")
     if any(not a.is_compute for _, _, a in schedule.actions()):
         lowered = schedule  # already lowered (e.g. loaded from JSON): run it as written
         if validate:
             check_lowered(lowered)
     else:
         lowered = lower(schedule, check=validate)
-    if forward_only:  # evaluation: the forwards and their transfers, in the same order
-        keep = ("F", "SEND_F", "RECV_F")
-        lowered = Schedule(lowered.num_microbatches, lowered.stage_to_rank,
-                           [[a for a in acts if a.op in keep] for acts in lowered.ranks], lowered.name)
     acts = lowered.ranks[rank]
+    if forward_only:
+        acts = [a for a in acts if a.op in ("F", "SEND_F", "RECV_F")]
+    stages = {a.stage for a in acts if a.op == "F"}
+    return RankPlan(schedule=lowered, rank=rank, actions=tuple(acts),
+                    recv_positions=tuple(i for i, a in enumerate(acts) if a.op.startswith("RECV")),
+                    out_of_order_stages=frozenset(s for s in stages if _forwards_out_of_order(acts, s)),
+                    forward_only=forward_only)
+
+
+def execute(*, plan: RankPlan, runtime: StageRuntime, forward_step_func: Callable, config: Any,
+            comm: PipeComm, collect_non_loss_data: bool = False, cp_group_size: int = 1,
+            first_val_step: bool | None = None, recv_lookahead: int = 8,
+            timing: ActionTiming | None = None,
+            memory: ActivationMemoryTracker | None = None) -> tuple[list[Any], torch.Tensor]:
+    """Run one iteration of ``plan`` (see :func:`plan_rank`); return (forward data store, total tokens).
+
+    The forward data store holds what megatron-core's schedules return: the reduced losses of
+    the last stage, in microbatch order.
+    """
+    from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
+    from megatron.core.utils import get_model_type
+
+    schedule, rank, forward_only = plan.schedule, plan.rank, plan.forward_only
+    acts = plan.actions
     m, last = schedule.num_microbatches, schedule.num_stages - 1
     store = get_weight_grad_store()
     shape, dtype, device = runtime.tensor_shape, runtime.dtype, runtime.device
@@ -106,8 +147,8 @@ def execute(*, schedule: Schedule, rank: int, runtime: StageRuntime, forward_ste
     stage_data: dict[tuple[int, int], list[Any]] = {}    # per-(mb, stage) forward data (reordered below)
     total_tokens = torch.zeros([], dtype=torch.int)
     feeders = {s: _InOrderFeeder(it) for s, it in runtime.data_iterators.items()
-               if it is not None and _forwards_out_of_order(acts, s)}
-    recv_positions = [i for i, a in enumerate(acts) if a.op.startswith("RECV")]
+               if it is not None and s in plan.out_of_order_stages}
+    recv_positions = plan.recv_positions
     next_recv = 0
     model_type = get_model_type(next(iter(runtime.chunks.values())))
 
@@ -200,10 +241,7 @@ def _first(x: Any) -> torch.Tensor:
     return x[0] if isinstance(x, (list, tuple)) else x
 
 
-
-
-
-def _forwards_out_of_order(acts: list[Action], stage: int) -> bool:
+def _forwards_out_of_order(acts: Sequence[Action], stage: int) -> bool:
     mbs = [a.mb for a in acts if a.op == "F" and a.stage == stage]
     return mbs != sorted(mbs)
 

@@ -11,7 +11,7 @@ import torch
 from ..schedules.costs import CostModel
 from ..schedules.ir import Schedule
 from ..schedules.registry import build_schedule, get_spec
-from .executor import ActionTiming, StageRuntime, execute
+from .executor import ActionTiming, RankPlan, StageRuntime, execute, plan_rank
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
 from .wgrad_store import get_weight_grad_store, install
@@ -55,14 +55,16 @@ class ZeroBubbleOptions:
 class ZeroBubbleForwardBackward:
     """Callable with megatron-core's ``forward_backward_func`` signature.
 
-    Holds the schedule (rebuilt when ``num_microbatches`` or the costs change) and, after each
-    call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for.
+    Holds the schedule (rebuilt when ``num_microbatches`` or the costs change), its lowered and
+    checked per-rank plan (built on the first call for a ``(p, m)``, reused by every later
+    call), and, after each call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for.
     """
 
     options: ZeroBubbleOptions
     last_timing: ActionTiming | None = None
     last_peak_bytes: int | None = None
     _cache: dict[tuple[int, int], Schedule] = field(default_factory=dict)
+    _plans: dict[tuple[int, int, int, bool], RankPlan] = field(default_factory=dict)
 
     def schedule_for(self, num_ranks: int, num_microbatches: int) -> Schedule:
         """The schedule used for ``p`` ranks and ``m`` microbatches (built once, then cached)."""
@@ -81,10 +83,19 @@ class ZeroBubbleForwardBackward:
                 num_chunks=self.options.num_chunks)
         return self._cache[key]
 
+    def plan_for(self, num_ranks: int, num_microbatches: int, rank: int, *, forward_only: bool = False) -> RankPlan:
+        """``rank``'s lowered and checked plan of :meth:`schedule_for` (built once, then cached)."""
+        key = (num_ranks, num_microbatches, rank, forward_only)
+        if key not in self._plans:
+            self._plans[key] = plan_rank(self.schedule_for(num_ranks, num_microbatches), rank=rank,
+                                         forward_only=forward_only, validate=self.options.validate)
+        return self._plans[key]
+
     def install_schedule(self, schedule: Schedule) -> None:
         """Use ``schedule`` for its ``(p, m)`` from now on (e.g. one built on another rank and
         broadcast, so that every rank runs the identical action lists)."""
         self._cache[(schedule.num_ranks, schedule.num_microbatches)] = schedule
+        self._drop_plans(schedule.num_ranks, schedule.num_microbatches)
 
     def replan(self, costs: CostModel, memory_limit: float | None = None) -> None:
         """Use measured ``costs`` (and optionally a new limit) from the next iteration on."""
@@ -92,6 +103,11 @@ class ZeroBubbleForwardBackward:
         if memory_limit is not None:
             self.options.memory_limit = memory_limit
         self._cache.clear()
+        self._plans.clear()
+
+    def _drop_plans(self, num_ranks: int, num_microbatches: int) -> None:
+        for key in [k for k in self._plans if k[:2] == (num_ranks, num_microbatches)]:
+            del self._plans[key]
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Iterator | list[Iterator] | None,
                  model: torch.nn.Module | list[torch.nn.Module], num_microbatches: int, seq_length: int,
@@ -110,6 +126,7 @@ class ZeroBubbleForwardBackward:
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         p, rank = pp_group.size(), pp_group.rank()
         sched = self.schedule_for(p, num_microbatches)
+        plan = self.plan_for(p, num_microbatches, rank, forward_only=forward_only)
         stages = sched.stages_of(rank)
         if len(chunks) != len(stages):
             raise ValueError(f"schedule {sched.name or '(given)'} places stages {stages} on pipeline rank {rank}, "
@@ -145,11 +162,10 @@ class ZeroBubbleForwardBackward:
         try:
             with sync_ctx:  # no gradient reduction while W may still add to the gradients
                 data, total_tokens = execute(
-                    schedule=sched, rank=rank, runtime=runtime, forward_step_func=forward_step_func,
-                    config=config, comm=comm, forward_only=forward_only,
-                    collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
+                    plan=plan, runtime=runtime, forward_step_func=forward_step_func, config=config,
+                    comm=comm, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
                     first_val_step=first_val_step, recv_lookahead=self.options.recv_lookahead,
-                    timing=timing, memory=memory, validate=self.options.validate)
+                    timing=timing, memory=memory)
         except BaseException:
             store.clear()
             raise

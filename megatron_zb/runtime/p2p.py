@@ -52,11 +52,13 @@ class PipeComm:
         self.num_stages = num_stages
         self.timeout = datetime.timedelta(seconds=timeout)
         self.rank = dist.get_rank(group)
+        # group rank -> global rank, looked up once (not per transfer)
+        self._global_ranks = dist.get_process_group_ranks(group) if group is not None else None
         self._recvs: dict[tuple[str, int, int], _Pending] = {}
         self._sends: list[_Pending] = []
 
     def _global(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+        return self._global_ranks[group_rank] if self._global_ranks is not None else group_rank
 
     def _tag(self, a: Action) -> int:
         return transfer_tag(a.op[-1], a.mb, a.stage, self.num_stages)

@@ -59,7 +59,7 @@ def check_lowered(schedule: Schedule) -> None:
     """
     sends: Counter[tuple[str, int, int, int, int]] = Counter()
     recvs: Counter[tuple[str, int, int, int, int]] = Counter()
-    where: dict[tuple[str, int, int, int, int], str] = {}
+    where: dict[tuple[str, int, int, int, int], tuple[int, int, Action]] = {}  # first occurrence
     for r, i, a in schedule.actions():
         if a.is_compute:
             continue
@@ -71,11 +71,12 @@ def check_lowered(schedule: Schedule) -> None:
         else:
             key = (direction, a.mb, a.stage, a.peer, r)
             recvs[key] += 1
-        where.setdefault(key, f"rank {r} action #{i}: {a}")
+        where.setdefault(key, (r, i, a))
     for key in list(sends) + list(recvs):
         if sends[key] != 1 or recvs[key] != 1:
             direction, mb, stage, src, dst = key
+            r, i, a = where[key]
             raise ScheduleError(
-                f"{where[key]} has {sends[key]} send(s) and {recvs[key]} receive(s) for the "
+                f"rank {r} action #{i}: {a} has {sends[key]} send(s) and {recvs[key]} receive(s) for the "
                 f"{'activation' if direction == 'F' else 'gradient'} of mb={mb}, stage={stage} "
                 f"from rank {src} to rank {dst}; expected exactly one of each")

@@ -1,0 +1,69 @@
+"""The executor's per-rank plan: lowered and checked once per schedule, reused by every call."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_zb.runtime import get_forward_backward_func
+from megatron_zb.runtime.executor import plan_rank
+from megatron_zb.schedules import CostModel, ScheduleError, lower
+from megatron_zb.schedules.registry import build_schedule
+from megatron_zb.schedules.ir import Action, Schedule
+
+
+def test_plan_holds_the_rank_part_of_the_lowered_schedule():
+    sched = build_schedule("zb-h1", num_ranks=4, num_microbatches=8)
+    lowered = lower(sched)
+    for rank in range(4):
+        plan = plan_rank(sched, rank=rank)
+        assert list(plan.actions) == lowered.ranks[rank]
+        assert [plan.actions[i] for i in plan.recv_positions] == [a for a in lowered.ranks[rank] if a.op.startswith("RECV")]
+        assert plan.out_of_order_stages == frozenset()
+
+
+def test_forward_only_plan_keeps_forwards_and_their_transfers_in_order():
+    sched = build_schedule("zb-2p", num_ranks=4, num_microbatches=8)
+    full = plan_rank(sched, rank=1)
+    fwd = plan_rank(sched, rank=1, forward_only=True)
+    assert list(fwd.actions) == [a for a in full.actions if a.op in ("F", "SEND_F", "RECV_F")]
+    assert all(fwd.actions[i].op == "RECV_F" for i in fwd.recv_positions)
+
+
+def test_already_lowered_schedule_runs_as_written_and_is_still_checked():
+    lowered = lower(build_schedule("1f1b", num_ranks=2, num_microbatches=4))
+    assert list(plan_rank(lowered, rank=0).actions) == lowered.ranks[0]
+    broken = Schedule(lowered.num_microbatches, lowered.stage_to_rank,
+                      [list(lowered.ranks[0]), [a for a in lowered.ranks[1] if a.op != "RECV_F"]])
+    with pytest.raises(ScheduleError, match="send"):
+        plan_rank(broken, rank=0)
+    plan_rank(broken, rank=0, validate=False)  # the runtime's safety-net tests need this
+
+
+def test_out_of_order_forwards_are_found_per_stage():
+    # rank 0 runs F(1, 0) before F(0, 0): its data iterator must be read through the in-order buffer
+    ranks = [[Action("F", 1, 0), Action("F", 0, 0), Action("BW", 1, 0), Action("BW", 0, 0)]]
+    plan = plan_rank(Schedule(2, [0], ranks), rank=0)
+    assert plan.out_of_order_stages == frozenset({0})
+    with pytest.raises(ValueError, match="rank 3"):
+        plan_rank(Schedule(2, [0], ranks), rank=3)
+
+
+def test_forward_backward_builds_each_plan_once_and_rebuilds_after_replan():
+    fb = get_forward_backward_func("zb", costs=CostModel(t_f=1.0, t_b=1.0, t_w=1.0))
+    plan = fb.plan_for(4, 8, 2)
+    assert fb.plan_for(4, 8, 2) is plan                       # cached
+    assert fb.plan_for(4, 8, 2, forward_only=True) is not plan
+    assert fb.plan_for(4, 8, 2).schedule.num_microbatches == 8
+    fb.replan(CostModel(t_f=1.0, t_b=2.0, t_w=1.0))
+    assert fb.plan_for(4, 8, 2) is not plan                   # new costs: new schedule, new plan
+    installed = build_schedule("zb-h1", num_ranks=4, num_microbatches=8)
+    fb.install_schedule(installed)
+    assert list(fb.plan_for(4, 8, 2).actions) == lower(installed).ranks[2]
+
+
+def test_bad_schedule_fails_on_the_first_call_naming_the_action():
+    sched = build_schedule("zb-h1", num_ranks=2, num_microbatches=4)
+    sched.ranks[1] = [a for a in sched.ranks[1] if not (a.op == "W" and a.mb == 2)]
+    fb = get_forward_backward_func(sched)
+    with pytest.raises(ScheduleError, match="W"):
+        fb.plan_for(2, 4, 0)
