@@ -67,3 +67,55 @@ def test_bad_schedule_fails_on_the_first_call_naming_the_action():
     fb = get_forward_backward_func(sched)
     with pytest.raises(ScheduleError, match="W"):
         fb.plan_for(2, 4, 0)
+
+
+# ---------------------------------------------------------------------- receive posting (matching by order)
+def _sent_to(lowered: Schedule, q: int, rank: int) -> list[tuple[str, int, int]]:
+    return [(b.op[5:], b.mb, b.stage) for b in lowered.ranks[q] if b.op.startswith("SEND") and b.peer == rank]
+
+
+@pytest.mark.parametrize("name,p,m", [("zbv", 2, 4), ("zbv", 4, 8), ("v-half", 4, 8), ("interleaved-zb", 4, 8),
+                                      ("zb-2p", 4, 8)])
+def test_receives_are_ordered_as_the_peer_sends_them(name, p, m):
+    sched = build_schedule(name, num_ranks=p, num_microbatches=m)
+    for rank in range(p):
+        plan = plan_rank(sched, rank=rank)
+        for q, order in plan.recv_order.items():
+            assert [(a.op[5:], a.mb, a.stage) for a in order] == _sent_to(plan.schedule, q, rank)
+            assert sorted(order, key=str) == sorted((a for a in plan.actions if a.op.startswith("RECV") and a.peer == q),
+                                                    key=str)
+
+
+def test_on_the_v_the_peer_sends_in_another_order_than_the_rank_needs():
+    """Why matching by order needs recv_order: activations and gradients share the pair of ranks."""
+    plan = plan_rank(build_schedule("zbv", num_ranks=2, num_microbatches=4), rank=1)
+    needed = [a for a in plan.actions if a.op.startswith("RECV") and a.peer == 0]
+    assert list(plan.recv_order[0]) != needed
+
+
+@pytest.mark.parametrize("name,p,m", [("1f1b", 2, 4), ("zb-h2", 4, 8), ("zbv", 4, 8), ("interleaved-1f1b", 2, 4)])
+@pytest.mark.parametrize("lookahead", [1, 3, 8, 1000])
+def test_poster_posts_each_receive_once_in_peer_order_before_it_is_waited_for(name, p, m, lookahead):
+    from megatron_zb.runtime.executor import RecvPoster
+
+    sched = build_schedule(name, num_ranks=p, num_microbatches=m)
+    for rank in range(p):
+        plan = plan_rank(sched, rank=rank)
+        poster, posted, issued = RecvPoster(plan, lookahead), [], set()
+        for i, a in enumerate(plan.actions):
+            batch = poster.ahead(i)
+            for r in batch:
+                # looking ahead never passes one of our own earlier sends to that peer; what the
+                # peer sends before it (its order) is posted with it
+                last = [b for b in batch if b.peer == r.peer][-1]
+                assert all(b in issued for b in plan.actions[:plan.actions.index(last)]
+                           if b.op.startswith("SEND") and b.peer == r.peer), (rank, i, r)
+                posted.append(r)
+            if a.op.startswith("RECV"):
+                posted += poster.through(a)
+                assert a in posted                      # posted before it is waited for
+            if a.op.startswith("SEND"):
+                issued.add(a)
+        assert sorted(posted, key=str) == sorted((a for a in plan.actions if a.op.startswith("RECV")), key=str)
+        for q, order in plan.recv_order.items():       # each peer's receives in its send order
+            assert [a for a in posted if a.peer == q] == list(order)

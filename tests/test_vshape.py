@@ -14,8 +14,8 @@ from megatron_zb.schedules.interleaved_zb import interleaved_zb
 from megatron_zb.schedules.ir import interleaved_placement, v_placement
 from megatron_zb.schedules.registry import build_schedule, get_spec
 from megatron_zb.schedules.simulator import deadlocks
-from megatron_zb.schedules.vshape import (Knobs, _list_schedule, v_full_memory, v_half, v_min, v_min_memory,
-                                          v_schedule, zbv)
+from megatron_zb.schedules.vshape import (Knobs, _list_schedule, one_f_one_b_memory, v_full_memory, v_half, v_min,
+                                          v_min_memory, v_schedule, zbv)
 
 UNIT = CostModel(t_f=0.5, t_b=0.5, t_w=0.5)          # T = 1 per full stage, 0.5 per chunk
 GENERATORS = {"zbv": zbv, "v-half": v_half, "v-min": v_min}
@@ -50,6 +50,25 @@ def v_problem(draw):
     return p, m, costs
 
 
+def _merged_1f1b_costs(p: int, costs: CostModel) -> CostModel:
+    """The plain-placement costs of the same model: chunks 2r and 2r+1 form stage r."""
+    sc = costs.resolve(2 * p)
+    return CostModel(mem_b=[sc.mem_b[2 * r] + sc.mem_b[2 * r + 1] for r in range(p)])
+
+
+def test_zbv_default_stays_within_1f1b_peak_when_the_last_chunk_is_heavy():
+    """A real GPT's last chunk holds the logits: the rank-0 pair is heavier than 1F1B's stage 0."""
+    p, m = 4, 12
+    mem = [1.2] + [1.0] * (2 * p - 2) + [2.5]          # embedding on chunk 0, logits on the last chunk
+    costs = CostModel(t_f=1.0, t_b=1.0, t_w=0.5, mem_b=mem)
+    one = simulate(one_f_one_b(num_ranks=p, num_microbatches=m), _merged_1f1b_costs(p, costs))
+    assert one.max_peak_memory == pytest.approx(4 * 2.2)
+    assert p * v_full_memory(p, costs) > one.max_peak_memory  # the old default (p * M) would exceed it
+    for name, frac in (("zbv", 1.0), ("v-half", 0.75)):
+        r = simulate(GENERATORS[name](num_ranks=p, num_microbatches=m, costs=costs), costs)
+        assert r.max_peak_memory <= frac * one.max_peak_memory + 1e-9
+
+
 @pytest.mark.parametrize("name", list(GENERATORS))
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prob=v_problem())
@@ -57,9 +76,14 @@ def test_v_generators_valid(name, prob):
     p, m, costs = prob
     sched = GENERATORS[name](num_ranks=p, num_microbatches=m, costs=costs)
     _check(sched, costs, sched.meta["memory_limit"])
-    full = v_full_memory(p, costs)
     frac = {"zbv": p, "v-half": p / 2 + 1, "v-min": p / 3 + 1.5}[name]
-    assert sched.meta["memory_limit"] == pytest.approx(min(frac, p) * full)
+    ref = max((p - r) * (costs.resolve(2 * p).mem_b[2 * r] + costs.resolve(2 * p).mem_b[2 * r + 1]) for r in range(p))
+    assert ref == pytest.approx(one_f_one_b_memory(p, costs))
+    assert sched.meta["memory_limit"] == pytest.approx(max(v_full_memory(p, costs), min(frac, p) / p * ref))
+    if name == "zbv":  # never more than 1F1B's peak for the same model (when that is feasible at all)
+        one = simulate(one_f_one_b(num_ranks=p, num_microbatches=max(m, p)), _merged_1f1b_costs(p, costs))
+        assert one.max_peak_memory == pytest.approx(ref)
+        assert simulate(sched, costs).max_peak_memory <= max(ref, v_full_memory(p, costs)) + 1e-9
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,9 +9,11 @@ The schedule is lowered (:func:`megatron_zb.schedules.lower`) and checked once p
   gradients now, weight gradients of linear layers queued;
 * ``W``  -- runs the queue of that (stage, microbatch);
 * ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does);
-* ``RECV_*`` / ``SEND_*`` -- tagged p2p via :class:`PipeComm`; receives are posted up to
-  ``recv_lookahead`` actions ahead; transfers between two stages on the same rank (the tip of
-  the V) are handed over in memory.
+* ``RECV_*`` / ``SEND_*`` -- p2p via :class:`PipeComm`, matched by order as on NCCL: the
+  receives from each peer are posted in the order that peer sends them (:attr:`RankPlan.recv_order`),
+  up to ``recv_lookahead`` actions ahead but never ahead of one of this rank's own earlier sends
+  to that peer (NCCL runs the transfers of a pair of ranks on one stream, in posting order);
+  transfers between two stages on the same rank (the tip of the V) are handed over in memory.
 
 Using megatron-core's own ``forward_step``/``backward_step`` keeps loss scaling, per-token loss
 normalisation and the loss bookkeeping identical to megatron-core's schedules.
@@ -19,6 +21,7 @@ normalisation and the loss bookkeeping identical to megatron-core's schedules.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -84,6 +87,11 @@ class RankPlan:
         out_of_order_stages: stages of this rank whose forwards do not run in microbatch order
             (their data iterators are read through an in-order buffer).
         forward_only: whether the plan keeps only the forwards and their transfers (evaluation).
+        recv_order: per peer rank, this rank's receives from it in the order the peer's action
+            list sends them -- the order they must be posted in, since transfers are matched by
+            order (a V or interleaved placement carries activations and gradients over the same
+            pair of ranks, and the peer may send them in another order than this rank needs them).
+        send_positions: per peer rank, indices into ``actions`` of this rank's sends to it.
     """
 
     schedule: Schedule
@@ -92,6 +100,12 @@ class RankPlan:
     recv_positions: tuple[int, ...]
     out_of_order_stages: frozenset[int]
     forward_only: bool
+    recv_order: dict[int, tuple[Action, ...]] = field(default_factory=dict)
+    send_positions: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def recv_index(self) -> dict[tuple[str, int, int], int]:
+        """``(op, mb, stage)`` of each receive -> its index in ``recv_order[peer]``."""
+        return {(a.op, a.mb, a.stage): i for order in self.recv_order.values() for i, a in enumerate(order)}
 
 
 def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, validate: bool = True) -> RankPlan:
@@ -114,10 +128,76 @@ def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, vali
     if forward_only:
         acts = [a for a in acts if a.op in ("F", "SEND_F", "RECV_F")]
     stages = {a.stage for a in acts if a.op == "F"}
+    mine = {(a.op, a.mb, a.stage): a for a in acts if a.op.startswith("RECV")}
+    recv_order: dict[int, tuple[Action, ...]] = {}
+    for q in sorted({a.peer for a in mine.values()}):
+        # the peer's sends to this rank, in its order, as this rank's receive actions
+        sent = [mine.get(("RECV_" + b.op[5:], b.mb, b.stage)) for b in lowered.ranks[q]
+                if b.op.startswith("SEND") and b.peer == rank]
+        recv_order[q] = tuple(a for a in sent if a is not None)
+    send_positions: dict[int, list[int]] = {}
+    for i, a in enumerate(acts):
+        if a.op.startswith("SEND"):
+            send_positions.setdefault(a.peer, []).append(i)
     return RankPlan(schedule=lowered, rank=rank, actions=tuple(acts),
                     recv_positions=tuple(i for i, a in enumerate(acts) if a.op.startswith("RECV")),
                     out_of_order_stages=frozenset(s for s in stages if _forwards_out_of_order(acts, s)),
-                    forward_only=forward_only)
+                    forward_only=forward_only, recv_order=recv_order,
+                    send_positions={q: tuple(v) for q, v in send_positions.items()})
+
+
+class RecvPoster:
+    """When one rank posts its receives: the policy :func:`execute` follows (and
+    :func:`~megatron_zb.runtime.stream_check.check_stream_order` replays).
+
+    * Receives from a peer are posted in the order that peer sends them (``plan.recv_order``):
+      transfers are matched by order, as on NCCL.
+    * Before action ``i`` (:meth:`ahead`), the receives whose ``RECV`` action is among the next
+      ``lookahead`` actions are posted -- but never one that would be posted ahead of one of this
+      rank's own earlier sends to the same peer (NCCL runs the transfers of a pair of ranks on one
+      stream, in posting order: a receive posted early would hold that send back).
+    * Before waiting at a ``RECV`` (:meth:`through`), that receive and the peer's earlier ones are
+      posted if they are not yet.
+    """
+
+    def __init__(self, plan: RankPlan, lookahead: int) -> None:
+        self.plan, self.lookahead = plan, lookahead
+        self._index = plan.recv_index()
+        self._posted = {q: 0 for q in plan.recv_order}   # per peer: receives posted, in its order
+        self._next = 0                                  # next entry of plan.recv_positions
+        self._orphans: set[tuple[str, int, int]] = set()
+
+    def ahead(self, i: int) -> list[Action]:
+        """Receives to post before running action ``i``."""
+        plan, out = self.plan, []
+        pos = plan.recv_positions
+        while self._next < len(pos) and pos[self._next] < i + self.lookahead:
+            j = pos[self._next]
+            if self._send_pending(plan.actions[j].peer, i, j):
+                break  # it would go ahead of our own earlier send to that peer
+            out += self.through(plan.actions[j])
+            self._next += 1
+        return out
+
+    def through(self, a: Action) -> list[Action]:
+        """Receives to post (in the peer's order) so that ``a``'s receive is posted."""
+        key = (a.op, a.mb, a.stage)
+        idx = self._index.get(key)
+        if idx is None:  # the peer never sends it (only with validate=False): post it, let it time out
+            if key in self._orphans:
+                return []
+            self._orphans.add(key)
+            return [a]
+        order, q = self.plan.recv_order[a.peer], a.peer
+        out = list(order[self._posted[q]:idx + 1])
+        self._posted[q] = max(self._posted[q], idx + 1)
+        return out
+
+    def _send_pending(self, q: int, i: int, j: int) -> bool:
+        """Whether this rank has a send to ``q`` at a position in ``[i, j)`` (not issued yet)."""
+        pos = self.plan.send_positions.get(q, ())
+        k = bisect.bisect_left(pos, i)
+        return k < len(pos) and pos[k] < j
 
 
 def execute(*, plan: RankPlan, runtime: StageRuntime, forward_step_func: Callable, config: Any,
@@ -148,20 +228,17 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, forward_step_func: Callabl
     total_tokens = torch.zeros([], dtype=torch.int)
     feeders = {s: _InOrderFeeder(it) for s, it in runtime.data_iterators.items()
                if it is not None and s in plan.out_of_order_stages}
-    recv_positions = plan.recv_positions
-    next_recv = 0
+    poster = RecvPoster(plan, recv_lookahead)
     model_type = get_model_type(next(iter(runtime.chunks.values())))
 
-    def post_ahead(i: int) -> None:
-        nonlocal next_recv
-        while next_recv < len(recv_positions) and recv_positions[next_recv] < i + recv_lookahead:
-            comm.post_recv(acts[recv_positions[next_recv]], shape, dtype, device)
-            next_recv += 1
-
     for i, a in enumerate(acts):
-        post_ahead(i)
+        for r in poster.ahead(i):
+            comm.post_recv(r, shape, dtype, device)
         key = (a.mb, a.stage)
         t0 = time.perf_counter()
+        if a.op.startswith("RECV"):
+            for r in poster.through(a):
+                comm.post_recv(r, shape, dtype, device)
         if a.op == "RECV_F":
             t = comm.wait_recv(a, shape, dtype, device)
             inputs[(a.mb, a.stage + 1)] = t.requires_grad_(not forward_only)

@@ -1,12 +1,15 @@
 """Point-to-point transfers of a lowered schedule over torch.distributed, with timeouts.
 
-Every transfer of one iteration is identified by ``(direction, microbatch, producing stage)``
-and gets its own tag, so two transfers between the same two ranks can never be matched to
-each other's buffers -- the failure of batched p2p with equal tags when both neighbours are the
-same rank (PP=2), which silently swaps activations and gradients, cannot happen here.
-
-Receives are posted ahead of use (:meth:`PipeComm.post_recv`) and waited on with a timeout;
-sends are asynchronous and drained at the end of the iteration, again with a timeout. A timeout
+Matching is by order, never by tag: every transfer uses the same tag, so a receive from a peer
+is matched with that peer's sends to this rank in the order both were posted -- the semantics
+NCCL has anyway (it ignores tags). Running the CPU tests on gloo with one tag therefore
+exercises exactly what a GPU run relies on. The executor keeps the orders equal: it posts the
+receives from each peer in the order that peer's action list sends them
+(:attr:`~megatron_zb.runtime.executor.RankPlan.recv_order`), which on a V or interleaved
+placement can differ from the order in which this rank *needs* them (activations and gradients
+travel over the same pair of ranks). Receives are therefore identified by
+``(op, microbatch, producing stage)`` here and posted ahead of use (:meth:`PipeComm.post_recv`);
+sends are asynchronous and drained at the end of the iteration. Every wait has a timeout and
 raises :class:`PipelineTimeoutError` naming the rank, the action and the peer.
 """
 
@@ -26,9 +29,8 @@ class PipelineTimeoutError(RuntimeError):
     """A pipeline transfer did not complete in time (a peer died, or the schedule is inconsistent)."""
 
 
-def transfer_tag(direction: str, microbatch: int, stage: int, num_stages: int) -> int:
-    """A tag unique to one transfer of one iteration (``direction`` is ``"F"`` or ``"B"``)."""
-    return (microbatch * num_stages + stage) * 2 + (0 if direction == "F" else 1)
+PIPELINE_TAG = 0
+"""The one tag of every pipeline transfer (matching is by posting order, as with NCCL)."""
 
 
 @dataclass
@@ -43,7 +45,7 @@ class PipeComm:
 
     Args:
         group: the pipeline-parallel process group.
-        num_stages: stages of the schedule (for tags).
+        num_stages: stages of the schedule.
         timeout: seconds to wait for any single transfer before failing.
     """
 
@@ -60,16 +62,21 @@ class PipeComm:
     def _global(self, group_rank: int) -> int:
         return self._global_ranks[group_rank] if self._global_ranks is not None else group_rank
 
-    def _tag(self, a: Action) -> int:
-        return transfer_tag(a.op[-1], a.mb, a.stage, self.num_stages)
+    def is_posted(self, a: Action) -> bool:
+        """Whether the receive of ``a`` is posted and not yet consumed by :meth:`wait_recv`."""
+        return (a.op, a.mb, a.stage) in self._recvs
 
     def post_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
-        """Post the receive of ``a`` (a ``RECV_F``/``RECV_B``) if not posted yet."""
+        """Post the receive of ``a`` (a ``RECV_F``/``RECV_B``) if not posted yet.
+
+        Receives from one peer must be posted in the order that peer sends (see the module
+        docstring); the caller guarantees it.
+        """
         key = (a.op, a.mb, a.stage)
         if key in self._recvs:
             return
         buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-        work = dist.irecv(buf, src=self._global(a.peer), group=self.group, tag=self._tag(a))
+        work = dist.irecv(buf, src=self._global(a.peer), group=self.group, tag=PIPELINE_TAG)
         self._recvs[key] = _Pending(work, buf, a)
 
     def wait_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -82,7 +89,7 @@ class PipeComm:
     def send(self, a: Action, tensor: torch.Tensor) -> None:
         """Start the send of ``a`` (a ``SEND_F``/``SEND_B``); it completes asynchronously."""
         t = tensor.detach().contiguous()
-        work = dist.isend(t, dst=self._global(a.peer), group=self.group, tag=self._tag(a))
+        work = dist.isend(t, dst=self._global(a.peer), group=self.group, tag=PIPELINE_TAG)
         self._sends.append(_Pending(work, t, a))
         if len(self._sends) > 64:  # bound the number of in-flight sends
             self._wait(self._sends.pop(0), "send")

@@ -10,9 +10,9 @@ Generators only write compute actions. :func:`lower` inserts, on each rank,
 A ``RECV`` marks the latest point where the data must have arrived; a runtime may post the
 receive earlier (the executor posts it as soon as the previous receive from that peer is
 consumed). Transfers between two stages on the same rank (e.g. the tip of the V) need no action.
-Each transfer is identified by ``(direction, mb, stage)``, which the runtime turns into a unique
-tag, so two transfers between the same pair of ranks can never be confused (the PP=2 swap bug of
-batched p2p with equal tags cannot happen).
+Each transfer is identified by ``(direction, mb, stage)``; the runtime matches a send with its
+receive by order (as NCCL does), posting each peer's receives in the order that peer sends them
+(:class:`megatron_zb.runtime.executor.RankPlan`).
 """
 
 from __future__ import annotations

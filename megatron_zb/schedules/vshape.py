@@ -7,17 +7,25 @@ Costs are per stage, i.e. per chunk (``t_f[s]``, ``mem_b[s]``, ... for ``s`` in 
 one rank's share of a whole microbatch is ``M = mem_b[r] + mem_b[2p-1-r]``.
 
 Units: times in any one unit; memory limits in the unit of ``costs.mem_b`` -- one *chunk's*
-``M_B``. 1F1B holds ``p`` full rank-shares, i.e. ``p * M`` (``2p`` chunk units for uniform chunks).
+``M_B``. For uniform chunks 1F1B's peak is ``p`` full rank-shares, ``p * M = 2p`` chunk units.
 
-The families differ only in the default per-rank activation-memory limit (``M`` as above, the
-largest over ranks; never above ZB-V's ``p * M``, which matters for ``p <= 2``):
+The families differ only in the default per-rank activation-memory limit. The reference is
+``R``, 1F1B's peak for the same model (:func:`one_f_one_b_memory`): chunks ``2r`` and ``2r+1``
+form 1F1B's stage ``r`` and rank ``r`` of 1F1B holds ``p - r`` microbatches, so
+``R = max_r (p - r) * (mem_b[2r] + mem_b[2r+1])`` (``= p * M = 2p`` chunk units for uniform
+chunks). Measured on a real GPT the chunks are not uniform -- the last one carries the output
+layer and the logits -- and rank 0 of the V holds both the first and the last chunk, so a
+limit of ``p * M`` would let ZB-V exceed 1F1B's peak; ``R`` does not. A default is never below
+the feasible minimum ``M``:
 
 ==========  ==============================  ========================================================
 name        default limit                   what it gives (unit costs, ``m >= 2p``)
 ==========  ==============================  ========================================================
-``zbv``     ``p * M`` (1F1B's peak)          near-zero bubble
-``v-half``  ``(p/2 + 1) * M``                about half of 1F1B's memory, < 0.6x its bubble
-``v-min``   ``(p/3 + 1.5) * M``              about a third of 1F1B's memory, bubble <= 1F1B's
+``zbv``     ``R`` (1F1B's peak)              near-zero bubble
+``v-half``  ``(p/2 + 1) / p * R``            about half of 1F1B's memory (published V-Half:
+                                            ``(p+2)//2`` microbatches of 1F1B's ``p``), < 0.6x
+                                            its bubble
+``v-min``   ``(p/3 + 1.5) / p * R``          about a third of 1F1B's memory, bubble <= 1F1B's
 ==========  ==============================  ========================================================
 
 Any explicit ``memory_limit`` from the feasible minimum ``M`` (one microbatch in flight per
@@ -560,6 +568,24 @@ def v_full_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
     return max(sc.mem_b[r] + sc.mem_b[2 * p - 1 - r] for r in range(p))
 
 
+def one_f_one_b_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
+    """``R``: 1F1B's peak activation memory for the model whose ``2p`` chunks these costs describe.
+
+    1F1B places chunks ``2r`` and ``2r+1`` (the same layers, in order) on rank ``r``, which holds
+    ``p - r`` microbatches in flight at its peak (``m >= p``), so
+    ``R = max_r (p - r) * (mem_b[2r] + mem_b[2r+1])`` in units of ``mem_b``.
+    """
+    sc = costs.resolve(2 * num_ranks) if isinstance(costs, CostModel) else costs
+    p = num_ranks
+    return max((p - r) * (sc.mem_b[2 * r] + sc.mem_b[2 * r + 1]) for r in range(p))
+
+
+def v_default_limit(num_ranks: int, costs: CostModel | StageCosts, fraction: float) -> float:
+    """``max(M, min(fraction, p) / p * R)``: a family's default limit (see the module docstring)."""
+    p = num_ranks
+    return max(v_full_memory(p, costs), min(fraction, p) / p * one_f_one_b_memory(p, costs))
+
+
 def v_min_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
     """The smallest feasible per-rank limit on the V placement (unit of ``mem_b``).
 
@@ -579,8 +605,8 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
         num_microbatches: ``m`` (>= 1).
         costs: per-stage (per-chunk) costs for ``2p`` stages; times in any unit.
         memory_limit: per-rank peak activation limit in units of ``costs.mem_b`` (one chunk's
-            ``M_B``). ``None``: ``costs.memory_limit``, else ``min(default_fraction(p), p) * M`` with
-            ``M`` from :func:`v_full_memory` (``p * M`` = 1F1B's peak when no fraction is given).
+            ``M_B``). ``None``: ``costs.memory_limit``, else :func:`v_default_limit` with
+            ``default_fraction(p)`` (1F1B's peak ``R`` when no fraction is given).
         name: the schedule's name.
 
     Raises:
@@ -594,8 +620,8 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
     if memory_limit is None:
         memory_limit = costs.memory_limit
     if memory_limit is None:
-        frac = min(default_fraction(p), p) if default_fraction is not None else float(p)
-        memory_limit = frac * full if full > 0 else math.inf
+        frac = default_fraction(p) if default_fraction is not None else float(p)
+        memory_limit = v_default_limit(p, base, frac) if full > 0 else math.inf
     try:
         limit = float(memory_limit)
     except (TypeError, ValueError):
@@ -669,10 +695,10 @@ def _library_v_orders(p: int, m: int) -> list[tuple[str, list[list[Action]]]]:
 
 
 def zbv(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None) -> Schedule:
-    """ZB-V: near-zero bubble at 1F1B's peak activation memory (default limit ``p * M``).
+    """ZB-V: near-zero bubble at 1F1B's peak activation memory (default limit ``R``).
 
-    Memory in units of ``costs.mem_b`` (one chunk's ``M_B``); ``M = mem_b[r] + mem_b[2p-1-r]``
-    (largest over ranks), so the default is ``2p`` chunk units for uniform chunks. See
+    Memory in units of ``costs.mem_b`` (one chunk's ``M_B``); ``R`` is 1F1B's peak for the same
+    model (:func:`one_f_one_b_memory`, ``2p`` chunk units for uniform chunks). See
     :func:`v_schedule` for the arguments.
     """
     return v_schedule(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
@@ -680,7 +706,7 @@ def zbv(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit
 
 
 def v_half(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None) -> Schedule:
-    """V-Half: about half of 1F1B's activation memory (default limit ``(p/2 + 1) * M``).
+    """V-Half: about half of 1F1B's activation memory (default limit ``(p/2 + 1) / p * R``).
 
     Memory in units of ``costs.mem_b`` (one chunk's ``M_B``); see :func:`v_schedule`.
     """
@@ -689,7 +715,7 @@ def v_half(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_li
 
 
 def v_min(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None) -> Schedule:
-    """V-Min: about a third of 1F1B's activation memory (default limit ``(p/3 + 1.5) * M``).
+    """V-Min: about a third of 1F1B's activation memory (default limit ``(p/3 + 1.5) / p * R``).
 
     Memory in units of ``costs.mem_b`` (one chunk's ``M_B``); see :func:`v_schedule`.
     """
