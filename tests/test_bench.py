@@ -63,6 +63,9 @@ def test_memory_rank_measures_what_the_simulator_predicts():
         for r, rank_res in enumerate(res):
             got = rank_res["memory"][name]["peak_bytes"]
             assert got == pytest.approx(sim.peak_memory[r], rel=0.05), (name, r)
+    # ZB-V's default limit is 1F1B's peak for the same layers (the last chunk carries the logits)
+    peak = {n: max(r["memory"][n]["peak_bytes"] for r in res) for n in ("1f1b", "zbv")}
+    assert peak["zbv"] <= 1.05 * peak["1f1b"], peak
 
 
 # ---------------------------------------------------------------------- report helpers

@@ -19,9 +19,11 @@ import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+
+from ..testing.tiny_gpt import TinyGPT, build_chunks, forward_backward, forward_step, random_microbatches
 
 MEGATRON_1F1B = "megatron-1f1b"
 """Variant name of megatron-core's own 1F1B (not a schedule of the library)."""
@@ -43,42 +45,22 @@ class ModelSpec:
         return (f"GPT {self.num_layers} layers, hidden {self.hidden}, {self.heads} heads, seq {self.seq}, "
                 f"vocab {self.vocab}, micro batch {self.micro_batch}, fp32")
 
+    def tiny_gpt(self, pp: int) -> TinyGPT:
+        """The same model as a :class:`~megatron_zb.testing.tiny_gpt.TinyGPT` at PP=``pp`` (TP=DP=1)."""
+        return TinyGPT(pp=pp, **asdict(self))
+
 
 # ---------------------------------------------------------------------- helpers (inside a rank)
 def _data(spec: ModelSpec, n: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(spec.seed + 7)
-    out = []
-    for _ in range(n):
-        tokens = torch.randint(0, spec.vocab, (spec.micro_batch, spec.seq), generator=g)
-        out.append(dict(tokens=tokens, labels=torch.roll(tokens, -1, dims=1),
-                        position_ids=torch.arange(spec.seq).unsqueeze(0).expand(spec.micro_batch, spec.seq)))
-    return out
+    return random_microbatches(n, vocab=spec.vocab, micro_batch=spec.micro_batch, seq=spec.seq, seed=spec.seed + 7)
 
 
-def _loss_func(output_tensor: torch.Tensor):
-    loss = output_tensor.float().mean()
-    return loss, {"lm loss": loss.detach()}
-
-
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
-    batch = next(data_iterator)
-    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), _loss_func
-
-
-def _build(spec: ModelSpec, pp: int, placements: list[str], ddp: bool = False) -> dict[str, list[Any]]:
+def _build(spec: ModelSpec, pp: int, placements: list[str]) -> dict[str, list[Any]]:
     """This rank's chunks per placement kind ("plain", "v"); parallel state must be initialised."""
-    from ..model import build_gpt_chunks, cpu_gpt_config
     from ..schedules.ir import plain_placement, v_placement
 
-    config = cpu_gpt_config(num_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
-                            hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp)
-    out: dict[str, list[Any]] = {}
-    for kind in placements:
-        s2r = plain_placement(pp) if kind == "plain" else v_placement(pp)
-        chunks = build_gpt_chunks(config=config, vocab_size=spec.vocab, max_sequence_length=spec.seq,
-                                  stage_to_rank=s2r, seed=spec.seed)
-        out[kind] = chunks
-    return out
+    return {kind: build_chunks(spec.tiny_gpt(pp), plain_placement(pp) if kind == "plain" else v_placement(pp))
+            for kind in placements}
 
 
 def _placement_kind(name: str) -> str:
@@ -112,7 +94,8 @@ def measure_stage_memory(chunks: list[Any], spec: ModelSpec) -> dict[int, tuple[
     tracker; the B runs in the weight-gradient store's deferring window, so the second number is
     what the W closures keep alive (the simulator's ``M_W``).
     """
-    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+    from megatron.core.pipeline_parallel.schedules import backward_step
+    from megatron.core.pipeline_parallel.schedules import forward_step as megatron_forward_step
     from megatron.core.utils import get_model_type
 
     from ..runtime import ActivationMemoryTracker, get_weight_grad_store
@@ -129,8 +112,8 @@ def measure_stage_memory(chunks: list[Any], spec: ModelSpec) -> dict[int, tuple[
         tracker = ActivationMemoryTracker(model.parameters())
         inp = None if ch.plan.pre_process else torch.randn(shape, generator=g).requires_grad_(True)
         with tracker.saving():
-            o, _ = forward_step(_forward_step, iter(_data(spec, 1)), model, 1, inp, [], model.config, 1,
-                                current_microbatch=0, is_last_stage=ch.plan.post_process)
+            o, _ = megatron_forward_step(forward_step, iter(_data(spec, 1)), model, 1, inp, [], model.config, 1,
+                                         current_microbatch=0, is_last_stage=ch.plan.post_process)
         gc.collect()
         mem_b = tracker.current_bytes
         grad = None if ch.plan.post_process else torch.randn(shape, generator=g)
@@ -190,9 +173,7 @@ def _measure_costs(chunks_by_kind: dict[str, list[Any]], spec: ModelSpec, m: int
         for it in range(iters + 1):
             for mod in mods:
                 mod.zero_grad(set_to_none=True)
-            fb(forward_step_func=_forward_step, data_iterator=[iter(data) for _ in mods] if len(mods) > 1
-               else iter(data), model=mods if len(mods) > 1 else mods[0], num_microbatches=m,
-               seq_length=spec.seq, micro_batch_size=spec.micro_batch)
+            forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch)
             if it > 0:
                 recs.extend(fb.last_timing.records)
         fb.last_timing.records = recs
@@ -212,9 +193,10 @@ def _measure_costs(chunks_by_kind: dict[str, list[Any]], spec: ModelSpec, m: int
     return out
 
 
-def _iteration(fb: Any, mods: list[Any], data: list[dict[str, torch.Tensor]], spec: ModelSpec, m: int,
+def _iteration(fb: Any, mods: list[Any], data: list[dict[str, torch.Tensor]], spec: ModelSpec,
                ours: bool) -> tuple[float, float, list[Any]]:
-    """One timed forward/backward: zero grads, barrier, run; (start, end) on this rank's clock."""
+    """One timed forward/backward over ``data`` (one micro batch each): zero grads, barrier, run;
+    (start, end) on this rank's clock."""
     import torch.distributed as dist
 
     from ..runtime import wgrad_store
@@ -225,12 +207,9 @@ def _iteration(fb: Any, mods: list[Any], data: list[dict[str, torch.Tensor]], sp
         wgrad_store.install()
     else:  # megatron-core exactly as shipped: its own linear autograd function
         wgrad_store.uninstall()
-    iters = [iter(data) for _ in mods]
     dist.barrier()
     t0 = time.perf_counter()
-    losses = fb(forward_step_func=_forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
-                model=mods if len(mods) > 1 else mods[0], num_microbatches=m, seq_length=spec.seq,
-                micro_batch_size=spec.micro_batch, forward_only=False)
+    losses = forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch)
     t1 = time.perf_counter()
     return t0, t1, losses
 
@@ -292,7 +271,7 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]  # rotate the start
             for v in order:
                 mods = [c.module for c in chunks[_placement_kind(v)]]
-                t0, t1, out = _iteration(fbs[v], mods, data, spec, m, ours=(v != MEGATRON_1F1B))
+                t0, t1, out = _iteration(fbs[v], mods, data, spec, ours=(v != MEGATRON_1F1B))
                 if rnd >= cfg["warmup"]:
                     timings[m][v].append((t0, t1))
                     if v not in losses[m] and out:
@@ -325,10 +304,7 @@ def _memory(chunks: dict[str, list[Any]], spec: ModelSpec, measured: dict[str, A
         for mod in mods:
             mod.zero_grad(set_to_none=True)
         gc.collect()
-        iters = [iter(data) for _ in mods]
-        fb(forward_step_func=_forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
-           model=mods if len(mods) > 1 else mods[0], num_microbatches=m, seq_length=spec.seq,
-           micro_batch_size=spec.micro_batch)
+        forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch)
         out[name] = dict(peak_bytes=fb.last_peak_bytes, schedule=fb.schedule_for(dist.get_world_size(), m))
     return out
 
@@ -406,8 +382,7 @@ def post_validation_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                 v["opt"].begin_iteration()
             v["ddp"].zero_grad_buffer()
             v["opt"].zero_grad()
-            v["fb"](forward_step_func=_forward_step, data_iterator=iter(data), model=[v["ddp"]], num_microbatches=m,
-                    seq_length=spec.seq, micro_batch_size=spec.micro_batch)
+            forward_backward(v["fb"], [v["ddp"]], data, seq=spec.seq, micro_batch=spec.micro_batch)
             v["opt"].step()
         if pv:
             v["opt"].finalize()

@@ -10,7 +10,7 @@ import csv
 import statistics
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 __all__ = [
     "Row", "action_gaps", "hop_latencies", "iteration_times", "median", "paired_ratios", "ratios", "verdict",
@@ -67,6 +67,32 @@ def ratios(values: Mapping[str, float], baseline: str) -> dict[str, float]:
     return {k: v / b for k, v in values.items()}
 
 
+def _action_waits(records: Sequence[Sequence[tuple[str, int, int, float, float]]],
+                  stage_to_rank: Sequence[int]) -> Iterator[tuple[float, float | None, float | None]]:
+    """Per compute action, rank by rank in execution order: ``(start, previous end, producer end)``.
+
+    ``previous end`` is the end of the rank's previous action (``None`` for its first one);
+    ``producer end`` is the end of the action on another rank it takes its input from -- ``F(mb,
+    s - 1)`` for ``F(mb, s)``, ``B``/``BW(mb, s + 1)`` for ``B``/``BW(mb, s)`` -- or ``None`` when
+    that stage is on the same rank or the producer is not in ``records``.
+    """
+    end: dict[tuple[str, int, int], float] = {}
+    for recs in records:
+        for op, mb, st, _, t1 in recs:
+            end[("B" if op == "BW" else op, mb, st)] = t1
+    last = len(stage_to_rank) - 1
+    for recs in records:
+        prev = None
+        for op, mb, st, t0, t1 in recs:
+            dep = None
+            if op == "F" and st > 0 and stage_to_rank[st - 1] != stage_to_rank[st]:
+                dep = end.get(("F", mb, st - 1))
+            elif op in ("B", "BW") and st < last and stage_to_rank[st + 1] != stage_to_rank[st]:
+                dep = end.get(("B", mb, st + 1))
+            yield t0, prev, dep
+            prev = t1
+
+
 def hop_latencies(records: Sequence[Sequence[tuple[str, int, int, float, float]]],
                   stage_to_rank: Sequence[int]) -> list[float]:
     """Observed latency (seconds) of cross-rank dependencies the receiver was waiting for.
@@ -78,24 +104,8 @@ def hop_latencies(records: Sequence[Sequence[tuple[str, int, int, float, float]]
     ``start - end of the producer``: what the simulator's ``t_comm`` stands for, here including
     the runtime's send/receive work and the receiver's wake-up.
     """
-    end: dict[tuple[str, int, int], float] = {}
-    for recs in records:
-        for op, mb, st, _, t1 in recs:
-            end[("B" if op == "BW" else op, mb, st)] = t1
-    last = len(stage_to_rank) - 1
-    out = []
-    for recs in records:
-        prev = None
-        for op, mb, st, t0, t1 in recs:
-            dep = None
-            if op == "F" and st > 0 and stage_to_rank[st - 1] != stage_to_rank[st]:
-                dep = end.get(("F", mb, st - 1))
-            elif op in ("B", "BW") and st < last and stage_to_rank[st + 1] != stage_to_rank[st]:
-                dep = end.get(("B", mb, st + 1))
-            if dep is not None and prev is not None and prev < dep:
-                out.append(t0 - dep)
-            prev = t1
-    return out
+    return [t0 - dep for t0, prev, dep in _action_waits(records, stage_to_rank)
+            if dep is not None and prev is not None and prev < dep]
 
 
 def action_gaps(records: Sequence[Sequence[tuple[str, int, int, float, float]]],
@@ -107,24 +117,8 @@ def action_gaps(records: Sequence[Sequence[tuple[str, int, int, float, float]]],
     the gap ``start - previous end`` is the runtime's own work between compute actions (sends,
     receive bookkeeping, the executor loop): what the simulator assumes to be zero.
     """
-    end: dict[tuple[str, int, int], float] = {}
-    for recs in records:
-        for op, mb, st, _, t1 in recs:
-            end[("B" if op == "BW" else op, mb, st)] = t1
-    last = len(stage_to_rank) - 1
-    out = []
-    for recs in records:
-        prev = None
-        for op, mb, st, t0, t1 in recs:
-            dep = None
-            if op == "F" and st > 0 and stage_to_rank[st - 1] != stage_to_rank[st]:
-                dep = end.get(("F", mb, st - 1))
-            elif op in ("B", "BW") and st < last and stage_to_rank[st + 1] != stage_to_rank[st]:
-                dep = end.get(("B", mb, st + 1))
-            if prev is not None and (dep is None or dep <= prev):
-                out.append(t0 - prev)
-            prev = t1
-    return out
+    return [t0 - prev for t0, prev, dep in _action_waits(records, stage_to_rank)
+            if prev is not None and (dep is None or dep <= prev)]
 
 
 def paired_ratios(values: Sequence[float], baseline: Sequence[float]) -> list[float]:

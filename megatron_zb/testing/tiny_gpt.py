@@ -45,13 +45,8 @@ class TinyGPT:
         from megatron.core import parallel_state
 
         dp_rank = parallel_state.get_data_parallel_rank() if dist.is_initialized() else 0
-        g = torch.Generator().manual_seed(7 + 1000 * dp_rank)
-        out = []
-        for _ in range(self.num_microbatches):
-            tokens = torch.randint(0, self.vocab, (self.micro_batch, self.seq), generator=g)
-            out.append(dict(tokens=tokens, labels=torch.roll(tokens, -1, dims=1),
-                            position_ids=torch.arange(self.seq).unsqueeze(0).expand(self.micro_batch, self.seq)))
-        return out
+        return random_microbatches(self.num_microbatches, vocab=self.vocab, micro_batch=self.micro_batch,
+                                   seq=self.seq, seed=7 + 1000 * dp_rank)
 
     @staticmethod
     def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -66,6 +61,22 @@ class TinyGPT:
         return merged
 
 
+def random_microbatches(n: int, *, vocab: int, micro_batch: int, seq: int,
+                        seed: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` micro batches of random tokens from a CPU generator seeded with ``seed``.
+
+    Each is ``tokens`` (``micro_batch`` x ``seq``), ``labels`` (the tokens shifted left by one)
+    and ``position_ids``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, vocab, (micro_batch, seq), generator=g)
+        out.append(dict(tokens=tokens, labels=torch.roll(tokens, -1, dims=1),
+                        position_ids=torch.arange(seq).unsqueeze(0).expand(micro_batch, seq)))
+    return out
+
+
 def loss_func(output_tensor: torch.Tensor):
     """Mean of the per-token losses (megatron divides by the number of microbatches)."""
     loss = output_tensor.float().mean()
@@ -77,6 +88,17 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, loss_func
+
+
+def forward_backward(fb: Any, modules: list[Any], data: list[dict[str, torch.Tensor]], *, seq: int,
+                     micro_batch: int, forward_only: bool = False) -> Any:
+    """Run a forward_backward_func (megatron-core's or megatron-zb's) with :func:`forward_step`
+    over ``data`` (one micro batch each); every chunk of ``modules`` draws the same micro batches
+    in order. Returns what ``fb`` returns (the losses on the last stage)."""
+    iters = [iter(data) for _ in modules]
+    return fb(forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
+              model=modules, num_microbatches=len(data), seq_length=seq, micro_batch_size=micro_batch,
+              forward_only=forward_only)
 
 
 def full_tensor(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
@@ -107,21 +129,27 @@ def placement_for(schedule: "str | Schedule | None", pp: int, num_chunks: int = 
     return plain_placement(pp)
 
 
+def build_chunks(cfg: TinyGPT, stage_to_rank: list[int]) -> list[Any]:
+    """This rank's GPT chunks of ``cfg`` (no dropout) for a placement; parallel state must be initialised."""
+    from ..model import build_gpt_chunks, cpu_gpt_config
+
+    config = cpu_gpt_config(num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+                            hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=cfg.tp,
+                            pipeline_model_parallel_size=cfg.pp, sequence_parallel=cfg.sequence_parallel,
+                            gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+    return build_gpt_chunks(config=config, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
+                            stage_to_rank=stage_to_rank, seed=cfg.seed)
+
+
 def build(cfg: TinyGPT, schedule: str | None) -> tuple[list[Any], list[Any]]:
     """Initialise parallel state and build this rank's chunks; return (chunks, modules to run)."""
-    from ..model import build_gpt_chunks, cpu_gpt_config
     from ..runtime.wgrad_kernels import install_megatron_fallback
     from .distributed import init_parallel_state
 
     if cfg.gradient_accumulation_fusion:
         install_megatron_fallback()
     init_parallel_state(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp, seed=cfg.seed)
-    config = cpu_gpt_config(num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
-                            hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=cfg.tp,
-                            pipeline_model_parallel_size=cfg.pp, sequence_parallel=cfg.sequence_parallel,
-                            gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
-    chunks = build_gpt_chunks(config=config, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
-                              stage_to_rank=placement_for(schedule, cfg.pp), seed=cfg.seed)
+    chunks = build_chunks(cfg, placement_for(schedule, cfg.pp))
     modules = [c.module for c in chunks]
     if cfg.ddp or cfg.gradient_accumulation_fusion:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -152,12 +180,9 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
     else:
         fb = get_forward_backward_func(schedule, track_memory=track_memory, **{**cfg.schedule_options, **options})
     data = cfg.microbatches()
-    iters = [iter(data) for _ in modules]  # each chunk draws the same micro batches in order
     store = get_weight_grad_store()
     before = store.executed
-    losses = fb(forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
-                model=modules, num_microbatches=cfg.num_microbatches, seq_length=cfg.seq,
-                micro_batch_size=cfg.micro_batch, forward_only=forward_only)
+    losses = forward_backward(fb, modules, data, seq=cfg.seq, micro_batch=cfg.micro_batch, forward_only=forward_only)
     grads: dict[str, torch.Tensor] = {}
     if not forward_only:
         use_main = cfg.ddp or cfg.gradient_accumulation_fusion
