@@ -72,96 +72,35 @@ MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | a
 MASTER_PORT=${MASTER_PORT:-6000}
 WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
 
+# This launcher's own defaults; scripts/lib/pretrain_gpt_common.sh sets the others and builds the flags.
 NUM_LAYERS=${NUM_LAYERS:-32}
 HIDDEN_SIZE=${HIDDEN_SIZE:-4096}
 NUM_HEADS=${NUM_HEADS:-32}
 SEQ_LENGTH=${SEQ_LENGTH:-4096}
-MICRO_BATCH=${MICRO_BATCH:-1}
 GLOBAL_BATCH=${GLOBAL_BATCH:-256}
 TP=${TP:-4}
-PP=${PP:-8}
-
-SCHEDULE=${SCHEDULE:-zb}
-MAX_PENDING_BACKWARD=${MAX_PENDING_BACKWARD:-}
-POST_VALIDATION=${POST_VALIDATION:-0}
-PRECISION=${PRECISION:-bf16}
-
-TRAIN_ITERS=${TRAIN_ITERS:-500000}
 LR=${LR:-1.5e-4}
 MIN_LR=${MIN_LR:-1.5e-5}
-WARMUP_ITERS=${WARMUP_ITERS:-2000}
-
-DATA_PATH=${DATA_PATH:-}
-MOCK_DATA=${MOCK_DATA:-0}
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-ByteLevel}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-./checkpoints/gpt_zb_slurm}
 DATA_CACHE_PATH=${DATA_CACHE_PATH:-${CHECKPOINT_PATH}/data_cache}
-TENSORBOARD_DIR=${TENSORBOARD_DIR:-}
+# The common file next to this script, or, for sbatch's spooled copy, the one under REPO_DIR.
+COMMON_SH="${SCRIPT_REPO_DIR}/scripts/lib/pretrain_gpt_common.sh"
+if [[ ! -f "${COMMON_SH}" ]]; then
+    COMMON_SH="${REPO_DIR}/scripts/lib/pretrain_gpt_common.sh"
+fi
+if [[ ! -f "${COMMON_SH}" ]]; then
+    echo "error: ${COMMON_SH} not found; REPO_DIR must be a full megatron-zb checkout" >&2
+    exit 1
+fi
+# shellcheck source=lib/pretrain_gpt_common.sh
+source "${COMMON_SH}"
 
 if (( WORLD_SIZE % (TP * PP) != 0 )); then
     echo "error: world size ${WORLD_SIZE} (${NNODES} nodes x ${GPUS_PER_NODE}) is not a multiple of TP*PP=$((TP * PP))" >&2
     exit 1
 fi
 
-SCHEDULE_ARGS=()
-case "${SCHEDULE}" in
-    zb)     SCHEDULE_ARGS+=(--enable-zero-bubble) ;;
-    zbv)    SCHEDULE_ARGS+=(--zero-bubble-v-schedule --zero-bubble-v-schedule-mem-setup zb) ;;
-    v-half) SCHEDULE_ARGS+=(--zero-bubble-v-schedule --zero-bubble-v-schedule-mem-setup half) ;;
-    v-min)  SCHEDULE_ARGS+=(--zero-bubble-v-schedule --zero-bubble-v-schedule-mem-setup min) ;;
-    1f1b)   ;;
-    *)      SCHEDULE_ARGS+=(--schedule "${SCHEDULE}") ;;
-esac
-if [[ -n "${MAX_PENDING_BACKWARD}" ]]; then
-    SCHEDULE_ARGS+=(--zero-bubble-max-pending-backward "${MAX_PENDING_BACKWARD}")
-fi
-if [[ "${POST_VALIDATION}" == 1 ]]; then
-    SCHEDULE_ARGS+=(--enable-optimizer-post-validation)
-fi
-
-PRECISION_ARGS=()
-case "${PRECISION}" in
-    bf16) PRECISION_ARGS+=(--bf16) ;;
-    fp16) PRECISION_ARGS+=(--fp16) ;;
-    fp32) ;;
-    *) echo "error: PRECISION must be bf16, fp16 or fp32, got ${PRECISION}" >&2; exit 1 ;;
-esac
-
-DATA_ARGS=(--tokenizer-type "${TOKENIZER_TYPE}" --split 949,50,1 --data-cache-path "${DATA_CACHE_PATH}")
-if [[ -n "${TOKENIZER_MODEL}" ]]; then
-    DATA_ARGS+=(--tokenizer-model "${TOKENIZER_MODEL}")
-fi
-if [[ "${MOCK_DATA}" == 1 ]]; then
-    DATA_ARGS+=(--mock-data)
-elif [[ -n "${DATA_PATH}" ]]; then
-    read -r -a DATA_PATH_WORDS <<< "${DATA_PATH}"
-    DATA_ARGS+=(--data-path "${DATA_PATH_WORDS[@]}")
-else
-    echo "error: set DATA_PATH (prefix from tools/preprocess_data.py) or MOCK_DATA=1" >&2
-    exit 1
-fi
-
-LOG_ARGS=(--log-interval 10 --eval-interval 1000 --eval-iters 10 --save "${CHECKPOINT_PATH}" --save-interval 1000)
-if [[ -d "${CHECKPOINT_PATH}" ]]; then
-    LOG_ARGS+=(--load "${CHECKPOINT_PATH}")
-fi
-if [[ -n "${TENSORBOARD_DIR}" ]]; then
-    LOG_ARGS+=(--tensorboard-dir "${TENSORBOARD_DIR}")
-fi
-
-MODEL_ARGS=(
-    --num-layers "${NUM_LAYERS}" --hidden-size "${HIDDEN_SIZE}" --num-attention-heads "${NUM_HEADS}"
-    --seq-length "${SEQ_LENGTH}" --max-position-embeddings "${SEQ_LENGTH}"
-    --micro-batch-size "${MICRO_BATCH}" --global-batch-size "${GLOBAL_BATCH}"
-    --train-iters "${TRAIN_ITERS}" --lr "${LR}" --min-lr "${MIN_LR}" --lr-warmup-iters "${WARMUP_ITERS}"
-    --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
-    --tensor-model-parallel-size "${TP}" --pipeline-model-parallel-size "${PP}"
-)
-
-# ${ARR[@]+"${ARR[@]}"}: expands an empty array without tripping `set -u` on bash < 4.4
-TRAIN_ARGS=("${MODEL_ARGS[@]}" ${PRECISION_ARGS[@]+"${PRECISION_ARGS[@]}"} ${SCHEDULE_ARGS[@]+"${SCHEDULE_ARGS[@]}"}
-            "${DATA_ARGS[@]}" "${LOG_ARGS[@]}" --distributed-backend nccl "$@")
+pretrain_gpt_build_args --data-cache-path "${DATA_CACHE_PATH}"  # sets TRAIN_ARGS (and MODEL_ARGS, ...)
 
 echo "gpt-zb: ${NNODES} nodes x ${GPUS_PER_NODE} GPUs, master ${MASTER_ADDR}:${MASTER_PORT}, TP=${TP} PP=${PP}, schedule ${SCHEDULE}"
 
@@ -169,10 +108,11 @@ export MASTER_ADDR MASTER_PORT
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 # The single quotes matter: SLURM_NODEID must expand inside each task (one per node), not here.
-# The training arguments are passed as positional parameters, so no quoting is lost on the way.
+# The training arguments (then the user's extra arguments) are passed as positional parameters, so
+# no quoting is lost on the way.
 srun --nodes="${NNODES}" --ntasks="${NNODES}" --ntasks-per-node=1 --kill-on-bad-exit=1 \
     bash -c 'exec torchrun \
         --nnodes "$1" --nproc_per_node "$2" --node_rank "${SLURM_NODEID}" \
         --master_addr "$3" --master_port "$4" \
         "$5/pretrain_gpt_zb.py" "${@:6}"' \
-    gpt-zb "${NNODES}" "${GPUS_PER_NODE}" "${MASTER_ADDR}" "${MASTER_PORT}" "${REPO_DIR}" "${TRAIN_ARGS[@]}"
+    gpt-zb "${NNODES}" "${GPUS_PER_NODE}" "${MASTER_ADDR}" "${MASTER_PORT}" "${REPO_DIR}" "${TRAIN_ARGS[@]}" "$@"

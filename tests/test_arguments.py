@@ -192,6 +192,44 @@ def test_data_path_blends(tmp_path):
     assert parse_data_blend(["30", "x", "70", "y"]) == (["x", "y"], [30.0, 70.0])
 
 
+# ---------------------------------------------------------------------------- post-validation tuning
+PV = "--pipeline-model-parallel-size 2 --enable-zero-bubble --enable-optimizer-post-validation"
+PV_FLAGS = ("--post-validation-warmup-iters", "--post-validation-fallback-clean-iters")
+
+
+def test_post_validation_tuning_flags_have_help_with_units_and_defaults():
+    by_flag = {s: a for a in build_parser()._actions for s in a.option_strings}
+    for flag in PV_FLAGS:
+        action = by_flag[flag]
+        assert action.type is int and action.default is None  # "not given"; validate_args fills in 10
+        assert "Iterations, >= 0 (default 10)" in action.help and "--enable-optimizer-post-validation" in action.help
+    assert all(flag in by_flag["--enable-optimizer-post-validation"].help for flag in PV_FLAGS)
+
+
+def test_post_validation_tuning_defaults():
+    a = parse_args(shlex.split(BASE + " " + PV))
+    assert (a.post_validation_warmup_iters, a.post_validation_fallback_clean_iters) == (None, None)
+    a = resolve(PV, world_size=2)
+    assert (a.post_validation_warmup_iters, a.post_validation_fallback_clean_iters) == (10, 10)
+    assert (arguments.POST_VALIDATION_WARMUP_ITERS, arguments.POST_VALIDATION_FALLBACK_CLEAN_ITERS) == (10, 10)
+    # Without post-validation the values stay "not given", and validating again is still fine.
+    b = resolve("--pipeline-model-parallel-size 2 --enable-zero-bubble", world_size=2)
+    assert (b.post_validation_warmup_iters, b.post_validation_fallback_clean_iters) == (None, None)
+    validate_args(b, world_size=2)
+
+
+@pytest.mark.parametrize("warmup, clean", [(0, 0), (3, 1), (25, 4)])
+def test_post_validation_tuning_values(warmup, clean):
+    a = resolve(f"{PV} --post-validation-warmup-iters {warmup} --post-validation-fallback-clean-iters {clean}",
+                world_size=2)
+    assert (a.post_validation_warmup_iters, a.post_validation_fallback_clean_iters) == (warmup, clean)
+    before = dict(vars(a))
+    validate_args(a, world_size=2)  # idempotent
+    assert vars(a) == before
+    c = resolve(f"{PV} --enable-exactly-numeric-match --post-validation-fallback-clean-iters {clean}", world_size=2)
+    assert (c.post_validation_warmup_iters, c.post_validation_fallback_clean_iters) == (10, clean)
+
+
 # ---------------------------------------------------------------------------- bad configurations
 BAD = [
     # (extra flags, world size, flag the message must name, another text it must contain)
@@ -231,6 +269,16 @@ BAD = [
     ("--tokenizer-type HuggingFaceTokenizer", 1, "--tokenizer-model", "local directory"),
     ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /no/such/tokenizer/dir", 1, "--tokenizer-model",
      "does not exist"),
+    ("--post-validation-warmup-iters 3", 1, "--post-validation-warmup-iters",
+     "add --enable-optimizer-post-validation or drop --post-validation-warmup-iters"),
+    ("--pipeline-model-parallel-size 2 --enable-zero-bubble --post-validation-fallback-clean-iters 3", 2,
+     "--post-validation-fallback-clean-iters",
+     "add --enable-optimizer-post-validation or drop --post-validation-fallback-clean-iters"),
+    ("--post-validation-warmup-iters 0 --post-validation-fallback-clean-iters 0", 1, "--post-validation-warmup-iters",
+     "drop --post-validation-warmup-iters and --post-validation-fallback-clean-iters"),
+    (f"{PV} --post-validation-warmup-iters -1", 2, "--post-validation-warmup-iters", "must be >= 0 iterations, got -1"),
+    (f"{PV} --post-validation-fallback-clean-iters -2", 2, "--post-validation-fallback-clean-iters",
+     "must be >= 0 iterations, got -2"),
 ]
 
 
@@ -295,8 +343,16 @@ def test_unavailable_schedule_name_is_a_clear_error(monkeypatch):
 
 # ---------------------------------------------------------------------------- launch scripts
 def test_launch_scripts_parse():
-    for script in ("pretrain_gpt_single_node.sh", "pretrain_gpt_slurm.sh"):
+    for script in ("pretrain_gpt_single_node.sh", "pretrain_gpt_slurm.sh", "lib/pretrain_gpt_common.sh"):
         subprocess.run(["bash", "-n", str(REPO / "scripts" / script)], check=True)
+
+
+def test_common_launch_file_needs_the_callers_defaults():
+    common = REPO / "scripts" / "lib" / "pretrain_gpt_common.sh"
+    run = subprocess.run(["bash", "-c", 'set -euo pipefail; NUM_LAYERS=2; source "$1"; echo sourced', "bash",
+                          str(common)], env={"PATH": os.environ["PATH"]}, capture_output=True, text=True)
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr == f"error: HIDDEN_SIZE must be set before sourcing {common}\n"
 
 
 def _stub(path: Path, body: str) -> None:
@@ -304,28 +360,46 @@ def _stub(path: Path, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def _torchrun_argv(record: Path) -> tuple[list[str], list[str]]:
-    """Split a recorded torchrun command line into (torchrun options, training script flags)."""
+def _launch(workdir: Path, script: str, **env_vars: str) -> tuple[list[str], list[str]]:
+    """Run scripts/SCRIPT --distributed-backend gloo with torchrun, srun and scontrol stubbed.
+
+    Returns the recorded torchrun command line split into (torchrun options, training script flags).
+    """
+    bindir = workdir / "bin"
+    bindir.mkdir(parents=True)
+    record = workdir / "argv"
+    _stub(bindir / "torchrun", f'printf "%s\\0" "$@" > {shlex.quote(str(record))}\n')
+    _stub(bindir / "scontrol", 'printf "node-a\\nnode-b\\n"\n')
+    # srun stub: drop srun's own options, run the command once as node 1
+    _stub(bindir / "srun", 'while [[ "$1" == -* ]]; do shift; done\nSLURM_NODEID=1 exec "$@"\n')
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", **env_vars)
+    env.pop("MASTER_ADDR", None)
+    run = subprocess.run(["bash", str(REPO / "scripts" / script), "--distributed-backend", "gloo"],
+                         env=env, cwd=workdir, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
     argv = record.read_text().split("\0")[:-1]
     i = next(k for k, a in enumerate(argv) if a.endswith("pretrain_gpt_zb.py"))
     return argv[:i], argv[i + 1:]
+
+
+def _slurm_env(tmp_path: Path, nodes: int) -> dict[str, str]:
+    """A SLURM allocation of `nodes` nodes, REPO_DIR a directory holding pretrain_gpt_zb.py."""
+    repo = tmp_path / "repo"
+    repo.mkdir(exist_ok=True)
+    (repo / "pretrain_gpt_zb.py").write_text("")
+    return dict(SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_NUM_NODES=str(nodes), REPO_DIR=str(repo))
+
+
+SMALL_GPT = dict(MOCK_DATA="1", NUM_LAYERS="16", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="32",
+                 GLOBAL_BATCH="16", TP="2", PP="4")
 
 
 @pytest.mark.parametrize("schedule, expect", [("zb", "zb"), ("1f1b", "1f1b"), ("v-half", "v-half")])
 def test_single_node_script_passes_valid_flags(tmp_path, schedule, expect):
     if expect == "v-half" and not v_names_available():
         pytest.skip("V schedules are not in the registry")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    record = tmp_path / "argv"
-    _stub(bindir / "torchrun", f'printf "%s\\0" "$@" > {shlex.quote(str(record))}\n')
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", MOCK_DATA="1", SCHEDULE=schedule,
-               NUM_LAYERS="16", HIDDEN_SIZE="64", NUM_HEADS="4", SEQ_LENGTH="32", GLOBAL_BATCH="16", PP="4",
-               TP="2", CHECKPOINT_PATH=str(tmp_path / "ckpt"))
-    run = subprocess.run(["bash", str(REPO / "scripts" / "pretrain_gpt_single_node.sh"), "--distributed-backend",
-                          "gloo"], env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    launcher, flags = _torchrun_argv(record)
+    launcher, flags = _launch(tmp_path, "pretrain_gpt_single_node.sh", **SMALL_GPT, SCHEDULE=schedule,
+                              CHECKPOINT_PATH=str(tmp_path / "ckpt"))
     assert launcher[launcher.index("--nproc_per_node") + 1] == "8"
     a = validate_args(parse_args(flags), world_size=8)
     assert a.schedule == expect and a.tensor_model_parallel_size == 2 and a.pipeline_model_parallel_size == 4
@@ -333,26 +407,51 @@ def test_single_node_script_passes_valid_flags(tmp_path, schedule, expect):
 
 
 def test_slurm_script_passes_valid_flags(tmp_path):
-    bindir, repo = tmp_path / "bin", tmp_path / "repo"
-    bindir.mkdir()
-    repo.mkdir()
-    (repo / "pretrain_gpt_zb.py").write_text("")
-    record = tmp_path / "argv"
-    _stub(bindir / "torchrun", f'printf "%s\\0" "$@" > {shlex.quote(str(record))}\n')
-    _stub(bindir / "scontrol", 'printf "node-a\\nnode-b\\n"\n')
-    # srun stub: drop srun's own options, run the command once as node 1
-    _stub(bindir / "srun", 'while [[ "$1" == -* ]]; do shift; done\nSLURM_NODEID=1 exec "$@"\n')
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node-[a-b]",
-               SLURM_JOB_NUM_NODES="2", REPO_DIR=str(repo), MOCK_DATA="1", NUM_LAYERS="16", HIDDEN_SIZE="64",
-               NUM_HEADS="4", SEQ_LENGTH="32", GLOBAL_BATCH="16", TP="2", PP="4", SCHEDULE="zb",
-               CHECKPOINT_PATH=str(tmp_path / "ckpt"))
-    env.pop("MASTER_ADDR", None)
-    run = subprocess.run(["bash", str(REPO / "scripts" / "pretrain_gpt_slurm.sh"), "--distributed-backend", "gloo"],
-                         env=env, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    launcher, flags = _torchrun_argv(record)
+    launcher, flags = _launch(tmp_path, "pretrain_gpt_slurm.sh", **_slurm_env(tmp_path, 2), **SMALL_GPT,
+                              SCHEDULE="zb", CHECKPOINT_PATH=str(tmp_path / "ckpt"))
     opt = {launcher[k]: launcher[k + 1] for k in range(0, len(launcher) - 1) if launcher[k].startswith("--")}
     assert (opt["--nnodes"], opt["--nproc_per_node"], opt["--node_rank"]) == ("2", "8", "1")
     assert (opt["--master_addr"], opt["--master_port"]) == ("node-a", "6000")
     a = validate_args(parse_args(flags), world_size=16)
     assert a.schedule == "zb" and a.data_parallel_size == 2 and a.data_cache_path == str(tmp_path / "ckpt" / "data_cache")
+
+
+def _without_data_cache_path(flags: list[str]) -> list[str]:
+    i = flags.index("--data-cache-path")
+    return flags[:i] + flags[i + 2:]
+
+
+def test_launch_scripts_build_the_same_training_flags(tmp_path):
+    """Both scripts take their flags from scripts/lib/pretrain_gpt_common.sh: given the same settings,
+    the training command lines agree except for the SLURM script's --data-cache-path."""
+    same = dict(SMALL_GPT, MOCK_DATA="0", DATA_PATH="0.3 /data/a_text_document 0.7 /data/b_text_document",
+                MICRO_BATCH="2", SCHEDULE="zb", MAX_PENDING_BACKWARD="8", POST_VALIDATION="1", PRECISION="fp16",
+                TRAIN_ITERS="7", LR="1e-3", MIN_LR="1e-4", WARMUP_ITERS="2", TENSORBOARD_DIR=str(tmp_path / "tb"),
+                CHECKPOINT_PATH=str(tmp_path / "ckpt"))
+    _, single = _launch(tmp_path / "single", "pretrain_gpt_single_node.sh", **same)
+    _, slurm = _launch(tmp_path / "slurm", "pretrain_gpt_slurm.sh", **_slurm_env(tmp_path, 2), **same)
+    assert slurm[slurm.index("--data-cache-path") + 1] == str(tmp_path / "ckpt" / "data_cache")
+    assert _without_data_cache_path(slurm) == single
+    for flag in ("--num-layers 16", "--micro-batch-size 2", "--lr 1e-3", "--lr-decay-style cosine",
+                 "--weight-decay 0.1", "--clip-grad 1.0", "--adam-beta1 0.9", "--adam-beta2 0.95", "--fp16",
+                 "--enable-zero-bubble", "--zero-bubble-max-pending-backward 8",
+                 "--enable-optimizer-post-validation", "--data-path 0.3 /data/a_text_document 0.7"):
+        assert flag in " ".join(single), flag
+
+
+def test_launch_scripts_keep_their_own_defaults(tmp_path):
+    """Model size, global batch, TP, LR and checkpoint directory default per script; the rest is shared."""
+    _, single = _launch(tmp_path / "single", "pretrain_gpt_single_node.sh", MOCK_DATA="1")
+    _, slurm = _launch(tmp_path / "slurm", "pretrain_gpt_slurm.sh", **_slurm_env(tmp_path, 4), MOCK_DATA="1")
+    a, b = parse_args(single), parse_args(_without_data_cache_path(slurm))
+    own = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+           "global_batch_size", "tensor_model_parallel_size", "lr", "min_lr", "save")
+    assert [getattr(a, k) for k in own] == [24, 2048, 16, 2048, 2048, 64, 1, 3e-4, 3e-5, "./checkpoints/gpt_zb"]
+    assert [getattr(b, k) for k in own] == [32, 4096, 32, 4096, 4096, 256, 4, 1.5e-4, 1.5e-5,
+                                            "./checkpoints/gpt_zb_slurm"]
+    for k in own:
+        setattr(a, k, None)
+        setattr(b, k, None)
+    assert vars(a) == vars(b)
+    assert (a.micro_batch_size, a.pipeline_model_parallel_size, a.train_iters, a.lr_warmup_iters) == (1, 8, 500000, 2000)
+    assert a.bf16 and a.enable_zero_bubble and a.tokenizer_type == "ByteLevel"

@@ -15,6 +15,9 @@ PP=2, 12 iterations, validation every 6 (1 batch), checkpoints:
   ``zb_to_mcore``   megatron-core 1F1B resuming ``zb_stop``'s checkpoint;
   ``mcore_to_zbv``  ZB-V resuming megatron-core's iteration-6 checkpoint (plain -> V placement).
 PP=4, same flags, stopped at 5 by ``--exit-interval``: ``zb4`` (greedy), ``vhalf4`` (V-Half).
+
+The post-validation flags test runs the trainer in-process on 2 ranks of ``run_distributed``
+(2 layers, 5 iterations; a few seconds each) instead of under torchrun.
 """
 
 from __future__ import annotations
@@ -239,6 +242,67 @@ def test_pp4_profiles_replans_and_matches_megatron_core(runs, name, flags, exact
     assert f"re-planned {schedule!r} from the measured costs" in report, report[:2000]
     if name == "vhalf4":
         assert "stages [0, 7]" in log  # pipeline rank 0 holds both ends of the V
+
+
+# ---------------------------------------------------------------------------- post-validation flags
+# 2 layers, 5 iterations, profiling window after the last iteration (no profiling).
+PV_TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+           "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "4",
+           "--train-iters", "5", "--lr", "1e-3", "--mock-data", "--num-workers", "0", "--eval-iters", "0",
+           "--distributed-backend", "gloo", "--pipeline-model-parallel-size", "2", "--schedule", "zb-h1",
+           "--zero-bubble-pipeline-timers-start-iter", "6", "--zero-bubble-pipeline-timers-end-iter", "7",
+           "--enable-optimizer-post-validation", "--enable-exactly-numeric-match"]
+
+
+def _post_validated_iterations(argv: list[str]) -> dict:
+    """One rank of ``pretrain_gpt_zb.py`` (run_distributed already joined the ranks): which
+    iterations took the post-validated (eager) path, and the optimizer's counters."""
+    import torch.distributed as dist
+
+    from megatron_zb.optimizer import PostValidationOptimizer
+    from megatron_zb.training.loop import Trainer, parse_and_validate
+
+    eager: list[bool] = []
+    real_step = PostValidationOptimizer.step
+
+    def step(self):  # this rank's process only
+        before = self.counters().eager_steps
+        result = real_step(self)
+        eager.append(self.counters().eager_steps > before)
+        return result
+
+    PostValidationOptimizer.step = step
+    trainer = Trainer(parse_and_validate(argv, dist.get_world_size()))
+    try:
+        assert trainer.run() == 0
+        cfg, counters = trainer.optimizer.pv_config, trainer.optimizer.counters()
+    finally:
+        trainer.close()
+    return {"eager": eager, "warmup": cfg.warmup_iters, "clean": cfg.clean_iters_required, "counters": counters}
+
+
+@pytest.mark.parametrize("flags, clip, eager", [
+    (["--post-validation-warmup-iters", "3"], "0", [False, False, False, True, True]),
+    (["--post-validation-warmup-iters", "0", "--post-validation-fallback-clean-iters", "2"], "1e-6",
+     [True, False, False, False, False]),
+    (["--post-validation-warmup-iters", "0", "--post-validation-fallback-clean-iters", "0"], "1e-6", [True] * 5),
+], ids=["warmup3-noclip", "warmup0-fallback2-clip-always", "warmup0-fallback0-clip-always"])
+def test_post_validation_flags_reach_the_optimizer(flags, clip, eager):
+    """The two flags set the optimizer's warm-up and fallback: without clipping the first
+    --post-validation-warmup-iters steps are synchronous; with clipping on every step, the first
+    (eager) step's clip makes every later step synchronous unless --post-validation-fallback-clean-iters is 0."""
+    from megatron_zb.testing import run_distributed
+
+    out = run_distributed(_post_validated_iterations, world_size=2, args=(PV_TINY + ["--clip-grad", clip] + flags,),
+                          timeout=180)
+    warmup = int(flags[flags.index("--post-validation-warmup-iters") + 1])
+    clean = int(flags[flags.index("--post-validation-fallback-clean-iters") + 1]) if len(flags) > 2 else 10
+    for rank in out:
+        assert (rank["warmup"], rank["clean"]) == (warmup, clean)
+        assert rank["eager"] == eager
+        c = rank["counters"]
+        assert (c.eager_steps, c.sync_steps) == (sum(eager), len(eager) - sum(eager)), c
+        assert c.clipped_iterations == (0 if clip == "0" else 5), c
 
 
 # ---------------------------------------------------------------------------- log format

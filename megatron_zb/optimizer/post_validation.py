@@ -61,10 +61,12 @@ class PostValidationConfig:
             nothing; a rollback inverts the Adam/AdamW update algebraically from the post-step
             values and the gradients still in the grad buffers (torch ``Adam``/``AdamW`` only;
             agrees with the synchronous path to fp32 round-off).
-        warmup_iters: the first ``warmup_iters`` steps use megatron-core's synchronous step.
+        warmup_iters: the first ``warmup_iters`` steps use megatron-core's synchronous step
+            (``pretrain_gpt_zb.py --post-validation-warmup-iters``).
         clean_iters_required: after a step that clipped or found an inf/nan, use the synchronous
             step until that many consecutive steps neither clipped nor overflowed (the
-            published heuristic: 10).
+            published heuristic: 10); 0 never falls back
+            (``pretrain_gpt_zb.py --post-validation-fallback-clean-iters``).
         timeout: seconds any wait of the wrapper may block (the asynchronous reductions and the
             stage-local agreement reduction). On expiry :class:`PostValidationTimeout` is raised;
             the process group is then unusable, as after any collective timeout.

@@ -37,6 +37,9 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``params_dtype``                    ``torch.float16`` / ``torch.bfloat16`` / ``torch.float32``
 ``lr_decay_iters``                  default ``train_iters`` [iterations]
 ``distributed_backend``             ``"nccl"`` or ``"gloo"`` (``auto`` resolved)
+``post_validation_warmup_iters``    with ``--enable-optimizer-post-validation``: the flag's value,
+                                    default 10 [iterations]; ``None`` without post-validation
+``post_validation_fallback_clean_iters``  the same for ``--post-validation-fallback-clean-iters``
 ``data_blend``                      ``(prefixes, weights or None)`` or ``None`` with mock data
 ``vocab_size``                      ``--vocab-size``, else the tokenizer's [tokens]
 ``tokenizer_vocab_size``            the tokenizer's vocabulary (NullTokenizer: ``--vocab-size`` + 1, EOD)
@@ -60,6 +63,8 @@ from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spe
 
 __all__ = [
     "ArgumentError",
+    "POST_VALIDATION_FALLBACK_CLEAN_ITERS",
+    "POST_VALIDATION_WARMUP_ITERS",
     "V_MEM_SETUP_TO_SCHEDULE",
     "build_parser",
     "initial_schedule",
@@ -71,6 +76,15 @@ __all__ = [
 
 V_MEM_SETUP_TO_SCHEDULE: dict[str, str] = {"zb": "zbv", "half": "v-half", "min": "v-min"}
 """``--zero-bubble-v-schedule-mem-setup`` value -> schedule library name."""
+
+POST_VALIDATION_WARMUP_ITERS = 10
+"""Default of ``--post-validation-warmup-iters`` [iterations]."""
+
+POST_VALIDATION_FALLBACK_CLEAN_ITERS = 10
+"""Default of ``--post-validation-fallback-clean-iters`` [iterations] (the zero-bubble paper's heuristic)."""
+
+_POST_VALIDATION_TUNING = (("post_validation_warmup_iters", POST_VALIDATION_WARMUP_ITERS),
+                           ("post_validation_fallback_clean_iters", POST_VALIDATION_FALLBACK_CLEAN_ITERS))
 
 _SCHEDULE_CACHE: dict[tuple, Schedule] = {}
 """Schedules built by :func:`validate_args`, keyed by (name, PP, micro batches, memory limit, chunks)."""
@@ -269,10 +283,24 @@ def _add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-optimizer-post-validation", action="store_true",
                    help="Step the optimizer before the global gradient checks (NaN/inf, grad-norm clipping) "
                         "finish and roll back when they fail, removing the synchronisation bubble "
-                        "(zero-bubble schedules only).")
+                        "(zero-bubble schedules only). Tuned by --post-validation-warmup-iters and "
+                        "--post-validation-fallback-clean-iters.")
     g.add_argument("--enable-exactly-numeric-match", action="store_true",
                    help="With post-validation, reproduce the numerics of the synchronous optimizer step "
                         "exactly (slower).")
+    g.add_argument("--post-validation-warmup-iters", type=int, default=None, metavar="N",
+                   help="With --enable-optimizer-post-validation: the first N iterations (optimizer steps) of "
+                        "the run use megatron-core's synchronous optimizer step; post-validation starts at "
+                        "iteration N+1. Counted from the start of each run, also after --load. 0 "
+                        "post-validates from the first step. Iterations, >= 0 "
+                        f"(default {POST_VALIDATION_WARMUP_ITERS}).")
+    g.add_argument("--post-validation-fallback-clean-iters", type=int, default=None, metavar="N",
+                   help="With --enable-optimizer-post-validation: after a step whose gradients were clipped or "
+                        "held an inf/nan, fall back to megatron-core's synchronous optimizer step until N "
+                        "consecutive steps were neither clipped nor inf/nan, then post-validate again. 0 never "
+                        "falls back: every step after the warm-up is post-validated (clipped ones are redone). "
+                        "Iterations, >= 0 "
+                        f"(default {POST_VALIDATION_FALLBACK_CLEAN_ITERS}).")
     g.add_argument("--allow-padding-num-layers", action="store_true",
                    help="Allow --num-layers not divisible by the number of pipeline stages: the first and "
                         "last stage take fewer layers.")
@@ -503,12 +531,32 @@ def _check_zero_bubble_options(args: argparse.Namespace, spec: ScheduleSpec) -> 
     if args.enable_exactly_numeric_match and not args.enable_optimizer_post_validation:
         raise ArgumentError("--enable-exactly-numeric-match",
                             "only applies with --enable-optimizer-post-validation; add that flag or drop this one")
+    _check_post_validation_tuning(args)
     start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
     if start < 1:
         raise ArgumentError("--zero-bubble-pipeline-timers-start-iter", f"must be >= 1, got {start}")
     if end <= start:
         raise ArgumentError("--zero-bubble-pipeline-timers-end-iter",
                             f"{end} must be greater than --zero-bubble-pipeline-timers-start-iter {start}")
+
+
+def _check_post_validation_tuning(args: argparse.Namespace) -> None:
+    """``--post-validation-warmup-iters`` / ``--post-validation-fallback-clean-iters``: >= 0, only
+    with ``--enable-optimizer-post-validation``; then default to 10 each. Without post-validation
+    they stay ``None`` (so that validating again still sees them as not given)."""
+    for dest, _ in _POST_VALIDATION_TUNING:
+        value = getattr(args, dest)
+        if value is not None and value < 0:
+            raise ArgumentError(_flag(dest), f"must be >= 0 iterations, got {value}")
+    given = [_flag(dest) for dest, _ in _POST_VALIDATION_TUNING if getattr(args, dest) is not None]
+    if given and not args.enable_optimizer_post_validation:
+        raise ArgumentError(given[0], "only applies with --enable-optimizer-post-validation (it tunes when that "
+                                      "optimizer steps synchronously); add --enable-optimizer-post-validation or "
+                                      f"drop {' and '.join(given)}")
+    if args.enable_optimizer_post_validation:
+        for dest, default in _POST_VALIDATION_TUNING:
+            if getattr(args, dest) is None:
+                setattr(args, dest, default)
 
 
 def parse_data_blend(values: Sequence[str]) -> tuple[list[str], list[float] | None]:

@@ -409,8 +409,17 @@ class Trainer:
         self.post_validation = args.enable_optimizer_post_validation
         if self.post_validation:
             from megatron_zb.optimizer import PostValidationOptimizer
-            self.optimizer = PostValidationOptimizer(inner, exact=args.enable_exactly_numeric_match,
-                                                     timeout=60.0 * args.distributed_timeout_minutes)
+            self.optimizer = PostValidationOptimizer(
+                inner, exact=args.enable_exactly_numeric_match, warmup_iters=args.post_validation_warmup_iters,
+                clean_iters_required=args.post_validation_fallback_clean_iters,
+                timeout=60.0 * args.distributed_timeout_minutes)
+            clean = args.post_validation_fallback_clean_iters
+            mode = "exact" if args.enable_exactly_numeric_match else "in-place"
+            _print_rank_0(f"> optimizer post-validation ({mode} rollback): synchronous steps in the first "
+                          f"{args.post_validation_warmup_iters} iteration(s) (--post-validation-warmup-iters) and "
+                          + (f"after a clipped or inf/nan step until {clean} consecutive clean one(s)" if clean else
+                             "never after a clipped or inf/nan step")
+                          + " (--post-validation-fallback-clean-iters)")
             # Every validation (begin_iteration, validate, or a method that validates first)
             # reports here: it fixes the LR schedule and that iteration's logged values.
             self.optimizer.register_validation_hook(self._handle_report)
