@@ -95,21 +95,25 @@ def test_on_the_v_the_peer_sends_in_another_order_than_the_rank_needs():
 
 @pytest.mark.parametrize("name,p,m", [("1f1b", 2, 4), ("zb-h2", 4, 8), ("zbv", 4, 8), ("interleaved-1f1b", 2, 4)])
 @pytest.mark.parametrize("lookahead", [1, 3, 8, 1000])
-def test_poster_posts_each_receive_once_in_peer_order_before_it_is_waited_for(name, p, m, lookahead):
+@pytest.mark.parametrize("behind_sends", [True, False])
+def test_poster_posts_each_receive_once_in_peer_order_before_it_is_waited_for(name, p, m, lookahead, behind_sends):
     from megatron_zb.runtime.executor import RecvPoster
 
     sched = build_schedule(name, num_ranks=p, num_microbatches=m)
+    passed_a_send = False
     for rank in range(p):
         plan = plan_rank(sched, rank=rank)
-        poster, posted, issued = RecvPoster(plan, lookahead), [], set()
+        poster, posted, issued = RecvPoster(plan, lookahead, behind_sends=behind_sends), [], set()
         for i, a in enumerate(plan.actions):
             batch = poster.ahead(i)
             for r in batch:
-                # looking ahead never passes one of our own earlier sends to that peer; what the
-                # peer sends before it (its order) is posted with it
+                # with behind_sends, looking ahead never passes one of our own earlier sends to that
+                # peer (what the peer sends before it, in its order, is posted with it)
                 last = [b for b in batch if b.peer == r.peer][-1]
-                assert all(b in issued for b in plan.actions[:plan.actions.index(last)]
-                           if b.op.startswith("SEND") and b.peer == r.peer), (rank, i, r)
+                ok = all(b in issued for b in plan.actions[:plan.actions.index(last)]
+                         if b.op.startswith("SEND") and b.peer == r.peer)
+                assert ok or not behind_sends, (rank, i, r)
+                passed_a_send |= not ok
                 posted.append(r)
             if a.op.startswith("RECV"):
                 posted += poster.through(a)
@@ -119,3 +123,5 @@ def test_poster_posts_each_receive_once_in_peer_order_before_it_is_waited_for(na
         assert sorted(posted, key=str) == sorted((a for a in plan.actions if a.op.startswith("RECV")), key=str)
         for q, order in plan.recv_order.items():       # each peer's receives in its send order
             assert [a for a in posted if a.peer == q] == list(order)
+    if not behind_sends and lookahead >= 3:
+        assert passed_a_send  # the gloo policy does post early (otherwise the option would be moot)

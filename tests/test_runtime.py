@@ -178,11 +178,13 @@ def pp1_reference() -> dict:
     return TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=1), schedule=None), world_size=1, timeout=90))
 
 
+@pytest.mark.parametrize("behind_sends", [None, True], ids=["gloo-posting", "nccl-posting"])
 @pytest.mark.parametrize("schedule", ["zbv", "v-half", "v-min"])
-def test_v_schedules_match_the_unpipelined_model(pp1_reference, schedule):
-    """V placement: rank 0 holds the first and the last stage (embedding and loss)."""
-    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=schedule), world_size=2,
-                                        timeout=90))
+def test_v_schedules_match_the_unpipelined_model(pp1_reference, schedule, behind_sends):
+    """V placement: rank 0 holds the first and the last stage (embedding and loss); activations and
+    gradients share the rank pair, matched by order with either receive-posting policy."""
+    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=schedule,
+                                                recv_behind_sends=behind_sends), world_size=2, timeout=90))
     _assert_same(pp1_reference, got, bitwise=False, what=schedule)
     assert got["w_deferred"] > 0
 
@@ -191,9 +193,10 @@ def test_v_schedule_pp4_and_interleaved_zb(pp1_reference):
     cfg = TinyGPT(pp=4, num_microbatches=8)
     ref = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=1, num_microbatches=8), schedule=None),
                                         world_size=1, timeout=90))
-    for schedule in ("zbv", "interleaved-zb", "interleaved-1f1b"):
-        got = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=schedule), world_size=4, timeout=120))
-        _assert_same(ref, got, bitwise=False, what=f"PP=4 {schedule}")
+    for schedule, behind in (("zbv", None), ("zbv", True), ("interleaved-zb", None), ("interleaved-1f1b", True)):
+        got = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=schedule, recv_behind_sends=behind),
+                                            world_size=4, timeout=120))
+        _assert_same(ref, got, bitwise=False, what=f"PP=4 {schedule} (recv_behind_sends={behind})")
 
 
 def test_v_half_and_v_min_activation_memory_follow_the_simulator():

@@ -153,15 +153,17 @@ class RecvPoster:
     * Receives from a peer are posted in the order that peer sends them (``plan.recv_order``):
       transfers are matched by order, as on NCCL.
     * Before action ``i`` (:meth:`ahead`), the receives whose ``RECV`` action is among the next
-      ``lookahead`` actions are posted -- but never one that would be posted ahead of one of this
-      rank's own earlier sends to the same peer (NCCL runs the transfers of a pair of ranks on one
-      stream, in posting order: a receive posted early would hold that send back).
+      ``lookahead`` actions are posted. With ``behind_sends`` (the default on NCCL), never one
+      that would be posted ahead of one of this rank's own earlier sends to the same peer: NCCL
+      runs the transfers of a pair of ranks on one stream, in posting order, so a receive posted
+      early would hold that send back. gloo has no such stream; there, posting early lets the
+      peer's send go out at once (gloo sends only into a receive the peer has announced).
     * Before waiting at a ``RECV`` (:meth:`through`), that receive and the peer's earlier ones are
       posted if they are not yet.
     """
 
-    def __init__(self, plan: RankPlan, lookahead: int) -> None:
-        self.plan, self.lookahead = plan, lookahead
+    def __init__(self, plan: RankPlan, lookahead: int, *, behind_sends: bool = True) -> None:
+        self.plan, self.lookahead, self.behind_sends = plan, lookahead, behind_sends
         self._index = plan.recv_index()
         self._posted = {q: 0 for q in plan.recv_order}   # per peer: receives posted, in its order
         self._next = 0                                  # next entry of plan.recv_positions
@@ -173,7 +175,7 @@ class RecvPoster:
         pos = plan.recv_positions
         while self._next < len(pos) and pos[self._next] < i + self.lookahead:
             j = pos[self._next]
-            if self._send_pending(plan.actions[j].peer, i, j):
+            if self.behind_sends and self._send_pending(plan.actions[j].peer, i, j):
                 break  # it would go ahead of our own earlier send to that peer
             out += self.through(plan.actions[j])
             self._next += 1
@@ -202,13 +204,14 @@ class RecvPoster:
 
 def execute(*, plan: RankPlan, runtime: StageRuntime, forward_step_func: Callable, config: Any,
             comm: PipeComm, collect_non_loss_data: bool = False, cp_group_size: int = 1,
-            first_val_step: bool | None = None, recv_lookahead: int = 8,
+            first_val_step: bool | None = None, recv_lookahead: int = 8, recv_behind_sends: bool = True,
             timing: ActionTiming | None = None,
             memory: ActivationMemoryTracker | None = None) -> tuple[list[Any], torch.Tensor]:
     """Run one iteration of ``plan`` (see :func:`plan_rank`); return (forward data store, total tokens).
 
     The forward data store holds what megatron-core's schedules return: the reduced losses of
-    the last stage, in microbatch order.
+    the last stage, in microbatch order. ``recv_lookahead`` and ``recv_behind_sends`` set when
+    receives are posted (:class:`RecvPoster`).
     """
     from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
     from megatron.core.utils import get_model_type
@@ -228,7 +231,7 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, forward_step_func: Callabl
     total_tokens = torch.zeros([], dtype=torch.int)
     feeders = {s: _InOrderFeeder(it) for s, it in runtime.data_iterators.items()
                if it is not None and s in plan.out_of_order_stages}
-    poster = RecvPoster(plan, recv_lookahead)
+    poster = RecvPoster(plan, recv_lookahead, behind_sends=recv_behind_sends)
     model_type = get_model_type(next(iter(runtime.chunks.values())))
 
     for i, a in enumerate(acts):

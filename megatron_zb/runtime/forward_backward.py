@@ -34,6 +34,12 @@ class ZeroBubbleOptions:
         timeout: seconds any single p2p transfer may take before the run fails with an error
             naming the rank, action and peer.
         recv_lookahead: how many actions ahead receives are posted.
+        recv_behind_sends: never post a receive from a peer ahead of one of this rank's own
+            earlier sends to that peer. ``None`` (default): on for NCCL, whose transfers between
+            two ranks run on one stream in posting order (an early receive would hold the send
+            back), off for gloo, where early receives let the peer's sends go out at once
+            (measured 1-2% faster on the emulated p=8 V schedules). Both settings run in the CPU
+            tests.
         track_memory: measure bytes of saved activations per iteration (see ``last_peak_bytes``).
         time_actions: record wall-clock seconds of every compute action (see ``last_timing``).
         validate: check the schedule before running it. Turn off only to exercise the runtime's
@@ -46,6 +52,7 @@ class ZeroBubbleOptions:
     num_chunks: int = 2
     timeout: float = 120.0
     recv_lookahead: int = 8
+    recv_behind_sends: bool | None = None
     track_memory: bool = False
     time_actions: bool = False
     validate: bool = True
@@ -144,6 +151,9 @@ class ZeroBubbleForwardBackward:
                                tensor_shape=shapes[0], dtype=config.pipeline_dtype or torch.float32,
                                device=device)
         comm = PipeComm(group=pp_group, num_stages=sched.num_stages, timeout=self.options.timeout)
+        behind_sends = self.options.recv_behind_sends
+        if behind_sends is None:
+            behind_sends = torch.distributed.get_backend(pp_group) == "nccl"
         timing = ActionTiming() if self.options.time_actions else None
         memory = None
         if self.options.track_memory:
@@ -165,7 +175,7 @@ class ZeroBubbleForwardBackward:
                     plan=plan, runtime=runtime, forward_step_func=forward_step_func, config=config,
                     comm=comm, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
                     first_val_step=first_val_step, recv_lookahead=self.options.recv_lookahead,
-                    timing=timing, memory=memory)
+                    recv_behind_sends=behind_sends, timing=timing, memory=memory)
         except BaseException:
             store.clear()
             raise
