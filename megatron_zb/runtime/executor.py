@@ -235,8 +235,11 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, forward_step_func: Callabl
     model_type = get_model_type(next(iter(runtime.chunks.values())))
 
     for i, a in enumerate(acts):
-        for r in poster.ahead(i):
-            comm.post_recv(r, shape, dtype, device)
+        # look ahead, but not between a compute action and its sends (they are on the peer's
+        # critical path) nor between a receive and the compute action waiting for it
+        if not (a.op.startswith("SEND") or (i > 0 and acts[i - 1].op.startswith("RECV"))):
+            for r in poster.ahead(i):
+                comm.post_recv(r, shape, dtype, device)
         key = (a.mb, a.stage)
         t0 = time.perf_counter()
         if a.op.startswith("RECV"):
