@@ -223,7 +223,8 @@ def plot_measured_vs_simulated(data: Mapping[int, Mapping[str, tuple[float, floa
         ax.set_xticks(list(xs), names, rotation=20)
         ax.set_ylabel("iteration time (ms)")
         ax.set_title(f"emulated p={p}", fontsize=10)
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1.25 * max(meas + sim))  # head room for the legend above the bars
+        ax.legend(fontsize=8, ncols=2, loc="upper left")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
