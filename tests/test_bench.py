@@ -33,6 +33,8 @@ def test_emulated_stages_run_through_the_real_runtime(p):
         assert all(r["losses"] == (m if r["holds_loss"] else 0) for r in per_rank), name
         assert all(r["pending"] == [] for r in per_rank), name        # no W left behind
         assert all(g == m for r in per_rank for g in r["weight_grads"]), name  # every W (or BW) ran once
+        # time_actions timed every send and receive of the plan, in order, each with end >= start
+        assert all(r["comm_timed"] == r["comm_planned"] for r in per_rank), name
         deferred = sum(r["deferred"] for r in per_rank)
         executed = sum(r["w_executed"] for r in per_rank)
         if name == "1f1b":

@@ -282,7 +282,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
     Returns, per schedule: every timed iteration's (start, end) on this rank, the delay from
     entering ``forward_backward`` to this rank's first compute action, the measured durations of
     every compute action (per op and stage), every timed iteration's compute-action records
-    ``(op, mb, stage, start, end)``, the cost model the schedules were built with, and checks
+    ``(op, mb, stage, start, end)``, the duration of every ``isend`` call, the cost model the schedules were built with, and checks
     (losses returned, W deferred, weight grads).
     """
     import torch.distributed as dist
@@ -362,6 +362,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
     times: dict[str, list[tuple[float, float]]] = {n: [] for n in spec["schedules"]}
     records: dict[str, list[list[tuple[str, int, int, float, float]]]] = {n: [] for n in spec["schedules"]}
     startup: dict[str, list[float]] = {n: [] for n in spec["schedules"]}
+    send_calls: dict[str, list[float]] = {n: [] for n in spec["schedules"]}  # isend call, seconds
     achieved: dict[str, dict[str, dict[int, list[float]]]] = {}
     losses_ok: dict[str, bool] = {}
     for _ in range(int(spec["repeats"])):
@@ -373,6 +374,8 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
             records[name].append([(a.op, a.mb, a.stage, a0, a1) for a, a0, a1 in recs])
             if recs:  # from entering forward_backward to this rank's first compute action
                 startup[name].append(recs[0][1] - t0)
+            send_calls[name].extend(b - a for act, a, b in runs[name]["fb"].last_timing.comm
+                                    if act.op.startswith("SEND"))
             rec = achieved.setdefault(name, {})
             for op in ("F", "B", "W", "BW"):
                 for st, ds in runs[name]["fb"].last_timing.durations(op).items():
@@ -380,6 +383,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
             holds_loss = runs[name]["s2r"][-1] == rank
             losses_ok[name] = losses_ok.get(name, True) and len(losses) == (m if holds_loss else 0)
     return dict(rank=rank, t_comm=t_comm, comm_samples=comm_samples, times=times, startup=startup,
+                send_calls=send_calls,
                 records=records, achieved=achieved, offsets=dict(clock.offset),
                 costs={n: runs[n]["costs"] for n in runs}, s2r={n: runs[n]["s2r"] for n in runs},
                 losses_ok=losses_ok, deferred={n: sum(c.deferred for c in runs[n]["chunks"]) for n in runs})
@@ -390,8 +394,9 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
     """One untimed iteration per schedule on emulated stages (run under ``run_distributed``).
 
     Returns per schedule, for this rank: number of losses returned, B passes whose W was
-    deferred, W work executed by the store, pending W after the iteration, and the weight
-    gradients of this rank's stages (each must equal ``m``).
+    deferred, W work executed by the store, pending W after the iteration, the weight
+    gradients of this rank's stages (each must equal ``m``), and the communication actions
+    ``time_actions`` timed next to those of the rank's plan.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -410,7 +415,7 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
         s2r = placement_for(name, p)
         chunks = build_emulated_stages(stage_to_rank=s2r, rank=rank,
                                        costs=_stage_costs(name, p, EmulatedCosts(t, t, t)), shape=shape)
-        fb = get_forward_backward_func(name, timeout=30.0)
+        fb = get_forward_backward_func(name, timeout=30.0, time_actions=True)
         data = [iter(range(m)) for _ in chunks]
         before = store.executed
         losses = fb(forward_step_func=emulated_forward_step, data_iterator=data if len(data) > 1 else data[0],
@@ -419,5 +424,8 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
         out[name] = dict(losses=len(losses), deferred=sum(c.deferred for c in chunks),
                          w_executed=store.executed - before, pending=store.pending(),
                          weight_grads=[None if c.weight.grad is None else float(c.weight.grad) for c in chunks],
-                         holds_loss=s2r[-1] == rank)
+                         holds_loss=s2r[-1] == rank,
+                         comm_timed=[(a.op, a.mb, a.stage, t1 >= t0) for a, t0, t1 in fb.last_timing.comm],
+                         comm_planned=[(a.op, a.mb, a.stage, True) for a in fb.plan_for(p, m, rank).actions
+                                       if not a.is_compute])
     return out

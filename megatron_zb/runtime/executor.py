@@ -11,9 +11,9 @@ The schedule is lowered (:func:`megatron_zb.schedules.lower`) and checked once p
 * ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does);
 * ``RECV_*`` / ``SEND_*`` -- p2p via :class:`PipeComm`, matched by order as on NCCL: the
   receives from each peer are posted in the order that peer sends them (:attr:`RankPlan.recv_order`),
-  up to ``recv_lookahead`` actions ahead but never ahead of one of this rank's own earlier sends
-  to that peer (NCCL runs the transfers of a pair of ranks on one stream, in posting order);
-  transfers between two stages on the same rank (the tip of the V) are handed over in memory.
+  up to ``recv_lookahead`` actions ahead (on NCCL never ahead of one of this rank's own earlier
+  sends to that peer, see :class:`RecvPoster`); transfers between two stages on the same rank
+  (the tip of the V) are handed over in memory.
 
 Using megatron-core's own ``forward_step``/``backward_step`` keeps loss scaling, per-token loss
 normalisation and the loss bookkeeping identical to megatron-core's schedules.
@@ -38,14 +38,20 @@ from .wgrad_store import get_weight_grad_store
 
 @dataclass
 class ActionTiming:
-    """Wall-clock seconds of each compute action of one iteration on this rank."""
+    """Wall-clock seconds (``time.perf_counter``) of one iteration's actions on this rank.
+
+    ``records``: every compute action ``(action, start, end)``. ``comm``: every communication
+    action -- for a ``SEND_*`` the ``isend`` call (the copy into the transport), for a ``RECV_*``
+    the posting of the receives it needs plus the wait for its data.
+    """
 
     records: list[tuple[Action, float, float]] = field(default_factory=list)
+    comm: list[tuple[Action, float, float]] = field(default_factory=list)
 
     def durations(self, op: str) -> dict[int, list[float]]:
-        """Per stage, the durations (seconds) of actions of kind ``op``."""
+        """Per stage, the durations (seconds) of actions of kind ``op`` (compute or communication)."""
         out: dict[int, list[float]] = {}
-        for a, t0, t1 in self.records:
+        for a, t0, t1 in (self.comm if op.startswith(("SEND", "RECV")) else self.records):
             if a.op == op:
                 out.setdefault(a.stage, []).append(t1 - t0)
         return out
@@ -147,8 +153,7 @@ def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, vali
 
 
 class RecvPoster:
-    """When one rank posts its receives: the policy :func:`execute` follows (and
-    :func:`~megatron_zb.runtime.stream_check.check_stream_order` replays).
+    """When one rank posts its receives: the policy :func:`execute` follows.
 
     * Receives from a peer are posted in the order that peer sends them (``plan.recv_order``):
       transfers are matched by order, as on NCCL.
@@ -245,21 +250,20 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, forward_step_func: Callabl
         if a.op.startswith("RECV"):
             for r in poster.through(a):
                 comm.post_recv(r, shape, dtype, device)
-        if a.op == "RECV_F":
-            t = comm.wait_recv(a, shape, dtype, device)
-            inputs[(a.mb, a.stage + 1)] = t.requires_grad_(not forward_only)
-            continue
-        if a.op == "RECV_B":
-            grads[(a.mb, a.stage - 1)] = comm.wait_recv(a, shape, dtype, device)
-            continue
-        if a.op == "SEND_F":
-            comm.send(a, _first(outputs[key]))
-            if forward_only:
-                outputs.pop(key)
-            continue
-        if a.op == "SEND_B":
-            g = inputs.pop(key)
-            comm.send(a, g)
+        if not a.is_compute:
+            if a.op == "RECV_F":
+                t = comm.wait_recv(a, shape, dtype, device)
+                inputs[(a.mb, a.stage + 1)] = t.requires_grad_(not forward_only)
+            elif a.op == "RECV_B":
+                grads[(a.mb, a.stage - 1)] = comm.wait_recv(a, shape, dtype, device)
+            elif a.op == "SEND_F":
+                comm.send(a, _first(outputs[key]))
+                if forward_only:
+                    outputs.pop(key)
+            else:  # SEND_B
+                comm.send(a, inputs.pop(key))
+            if timing is not None:
+                timing.comm.append((a, t0, time.perf_counter()))
             continue
         if a.op == "F":
             model = runtime.chunks[a.stage]
@@ -311,7 +315,7 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, forward_step_func: Callabl
                     inputs[key] = in_grad  # picked up by the SEND_B that follows
         elif a.op == "W":
             store.run(a.stage, a.mb)
-        if timing is not None and a.is_compute:
+        if timing is not None:
             timing.records.append((a, t0, time.perf_counter()))
     comm.finish()
     if not forward_only:

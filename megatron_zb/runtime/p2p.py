@@ -62,10 +62,6 @@ class PipeComm:
     def _global(self, group_rank: int) -> int:
         return self._global_ranks[group_rank] if self._global_ranks is not None else group_rank
 
-    def is_posted(self, a: Action) -> bool:
-        """Whether the receive of ``a`` is posted and not yet consumed by :meth:`wait_recv`."""
-        return (a.op, a.mb, a.stage) in self._recvs
-
     def post_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
         """Post the receive of ``a`` (a ``RECV_F``/``RECV_B``) if not posted yet.
 
