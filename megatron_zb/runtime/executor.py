@@ -98,6 +98,7 @@ class RankPlan:
             order (a V or interleaved placement carries activations and gradients over the same
             pair of ranks, and the peer may send them in another order than this rank needs them).
         send_positions: per peer rank, indices into ``actions`` of this rank's sends to it.
+        recv_slot: ``(op, mb, stage)`` of each receive -> its index in ``recv_order[peer]``.
     """
 
     schedule: Schedule
@@ -108,10 +109,7 @@ class RankPlan:
     forward_only: bool
     recv_order: dict[int, tuple[Action, ...]] = field(default_factory=dict)
     send_positions: dict[int, tuple[int, ...]] = field(default_factory=dict)
-
-    def recv_index(self) -> dict[tuple[str, int, int], int]:
-        """``(op, mb, stage)`` of each receive -> its index in ``recv_order[peer]``."""
-        return {(a.op, a.mb, a.stage): i for order in self.recv_order.values() for i, a in enumerate(order)}
+    recv_slot: dict[tuple[str, int, int], int] = field(default_factory=dict)
 
 
 def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, validate: bool = True) -> RankPlan:
@@ -149,7 +147,9 @@ def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, vali
                     recv_positions=tuple(i for i, a in enumerate(acts) if a.op.startswith("RECV")),
                     out_of_order_stages=frozenset(s for s in stages if _forwards_out_of_order(acts, s)),
                     forward_only=forward_only, recv_order=recv_order,
-                    send_positions={q: tuple(v) for q, v in send_positions.items()})
+                    send_positions={q: tuple(v) for q, v in send_positions.items()},
+                    recv_slot={(a.op, a.mb, a.stage): i for order in recv_order.values()
+                               for i, a in enumerate(order)})
 
 
 class RecvPoster:
@@ -169,7 +169,7 @@ class RecvPoster:
 
     def __init__(self, plan: RankPlan, lookahead: int, *, behind_sends: bool = True) -> None:
         self.plan, self.lookahead, self.behind_sends = plan, lookahead, behind_sends
-        self._index = plan.recv_index()
+        self._index = plan.recv_slot
         self._posted = {q: 0 for q in plan.recv_order}   # per peer: receives posted, in its order
         self._next = 0                                  # next entry of plan.recv_positions
         self._orphans: set[tuple[str, int, int]] = set()
