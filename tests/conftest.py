@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from megatron_zb.schedules import CostModel
+
+# Randomized tests are derandomized in CI (and whenever HYPOTHESIS_PROFILE=ci): the same examples
+# on every run, so a landing never depends on a draw. Run `HYPOTHESIS_PROFILE=dev pytest ...` or
+# pass `--hypothesis-seed N` to explore other draws locally.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 DATA = Path(__file__).parent / "data"
 

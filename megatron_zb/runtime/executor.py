@@ -136,8 +136,8 @@ def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, vali
     recv_order: dict[int, tuple[Action, ...]] = {}
     for q in sorted({a.peer for a in mine.values()}):
         # the peer's sends to this rank, in its order, as this rank's receive actions
-        sent = [mine.get(("RECV_" + b.op[5:], b.mb, b.stage)) for b in lowered.ranks[q]
-                if b.op.startswith("SEND") and b.peer == rank]
+        sent = [mine.get((b.op.matching, b.mb, b.stage)) for b in lowered.ranks[q]
+                if b.op.is_send and b.peer == rank]
         recv_order[q] = tuple(a for a in sent if a is not None)
     send_positions: dict[int, list[int]] = {}
     for i, a in enumerate(acts):

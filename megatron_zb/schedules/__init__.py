@@ -1,13 +1,13 @@
 """Schedule library: one IR, a simulator, generators, lowering, plots."""
 
 from .costs import CostModel, StageCosts
-from .ir import (Action, Schedule, ScheduleError, dump, interleaved_placement, load, plain_placement,
+from .ir import (Action, Op, Placement, Schedule, ScheduleError, dump, interleaved_placement, load, plain_placement,
                  v_placement, validate)
 from .lowering import check_lowered, lower
 from .simulator import DeadlockError, MemoryLimitError, SimResult, simulate
 
 __all__ = [
-    "Action", "CostModel", "DeadlockError", "MemoryLimitError", "Schedule", "ScheduleError", "SimResult",
+    "Action", "CostModel", "Op", "Placement", "DeadlockError", "MemoryLimitError", "Schedule", "ScheduleError", "SimResult",
     "StageCosts", "check_lowered", "dump", "interleaved_placement", "load", "lower", "plain_placement",
     "simulate", "v_placement", "validate",
 ]

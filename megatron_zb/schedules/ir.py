@@ -27,20 +27,96 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-COMPUTE_OPS: tuple[str, ...] = ("F", "B", "W", "BW")
+class _StrEnum(str, Enum):
+    """A ``str`` enum that prints, formats, compares and hashes as its value (``Op.F == "F"``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Op(_StrEnum):
+    """What an action does. ``F``/``B``/``W``/``BW`` are compute; the rest come from lowering.
+
+    ``SEND_F``/``RECV_F`` carry the activation of microbatch ``mb`` from stage ``stage`` to
+    ``stage + 1``; ``SEND_B``/``RECV_B`` carry the input gradient of stage ``stage`` to
+    ``stage - 1``. ``stage`` is always the *producing* stage, so a matching send/recv pair has
+    identical ``(direction, mb, stage)``.
+    """
+
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE
+
+    @property
+    def is_send(self) -> bool:
+        return self is Op.SEND_F or self is Op.SEND_B
+
+    @property
+    def is_recv(self) -> bool:
+        return self is Op.RECV_F or self is Op.RECV_B
+
+    @property
+    def direction(self) -> "Op":
+        """For a transfer: ``Op.F`` (activation) or ``Op.B`` (input gradient)."""
+        if self.is_compute:
+            raise ScheduleError(f"{self} is not a transfer")
+        return Op.F if self in (Op.SEND_F, Op.RECV_F) else Op.B
+
+    @property
+    def matching(self) -> "Op":
+        """For a transfer: the other end (``SEND_F`` <-> ``RECV_F``, ``SEND_B`` <-> ``RECV_B``)."""
+        return _MATCHING[self]
+
+
+_COMPUTE = frozenset({Op.F, Op.B, Op.W, Op.BW})
+_MATCHING = {Op.SEND_F: Op.RECV_F, Op.RECV_F: Op.SEND_F, Op.SEND_B: Op.RECV_B, Op.RECV_B: Op.SEND_B}
+
+COMPUTE_OPS: tuple[Op, ...] = (Op.F, Op.B, Op.W, Op.BW)
 """Compute action kinds, in the order they happen to one (microbatch, stage)."""
 
-COMM_OPS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-"""Communication action kinds produced by lowering (never by a generator).
+COMM_OPS: tuple[Op, ...] = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
+"""Communication action kinds produced by lowering (never by a generator); see :class:`Op`."""
 
-``SEND_F``/``RECV_F`` carry the activation of microbatch ``mb`` from stage ``stage`` to
-``stage + 1``; ``SEND_B``/``RECV_B`` carry the input gradient of stage ``stage`` to
-``stage - 1``. ``stage`` is always the *producing* stage, so a matching send/recv pair has
-identical ``(op suffix, mb, stage)``.
-"""
+
+class Placement(_StrEnum):
+    """How stages map to ranks (the JSON form keeps only ``stage_to_rank``; this names its shape).
+
+    ``PLAIN``: stage ``s`` on rank ``s``; ``INTERLEAVED``: stage ``s`` on rank ``s % p`` (``v``
+    chunks per rank, Megatron's virtual pipeline); ``V``: rank ``r`` holds stages ``r`` and
+    ``2p-1-r``.
+    """
+
+    PLAIN = "plain"
+    INTERLEAVED = "interleaved"
+    V = "v"
+
+    def chunks_per_rank(self, num_chunks: int) -> int:
+        """Model chunks per rank; ``num_chunks`` matters only for ``INTERLEAVED``."""
+        return {Placement.PLAIN: 1, Placement.INTERLEAVED: num_chunks, Placement.V: 2}[self]
+
+    def stage_to_rank(self, num_ranks: int, num_chunks: int = 2) -> list[int]:
+        """The placement's ``stage_to_rank`` for ``num_ranks`` ranks."""
+        if self is Placement.PLAIN:
+            return plain_placement(num_ranks)
+        if self is Placement.INTERLEAVED:
+            return interleaved_placement(num_ranks, num_chunks)
+        return v_placement(num_ranks)
 
 
 class ScheduleError(ValueError):
@@ -54,23 +130,27 @@ class Action:
     ``peer`` is set only on communication actions (the other rank of the transfer).
     """
 
-    op: str
+    op: Op
     mb: int
     stage: int
     peer: int | None = None
 
     def __post_init__(self) -> None:
-        if self.op not in COMPUTE_OPS and self.op not in COMM_OPS:
-            raise ScheduleError(f"unknown action op {self.op!r}; expected one of {COMPUTE_OPS + COMM_OPS}")
-        if self.op in COMM_OPS and self.peer is None:
+        if not isinstance(self.op, Op):  # a plain string from JSON or a caller: normalise
+            try:
+                object.__setattr__(self, "op", Op(self.op))
+            except ValueError:
+                raise ScheduleError(f"unknown action op {self.op!r}; expected one of "
+                                    f"{tuple(o.value for o in Op)}") from None
+        if not self.op.is_compute and self.peer is None:
             raise ScheduleError(f"communication action {self.op} needs a peer rank")
 
     @property
     def is_compute(self) -> bool:
-        return self.op in COMPUTE_OPS
+        return self.op.is_compute
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"op": self.op, "mb": self.mb, "stage": self.stage}
+        d: dict[str, Any] = {"op": self.op.value, "mb": self.mb, "stage": self.stage}
         if self.peer is not None:
             d["peer"] = self.peer
         return d
@@ -82,22 +162,22 @@ class Action:
 
 def F(mb: int, stage: int) -> Action:
     """Forward of microbatch ``mb`` on ``stage``."""
-    return Action("F", mb, stage)
+    return Action(Op.F, mb, stage)
 
 
 def B(mb: int, stage: int) -> Action:
     """Input-gradient backward of microbatch ``mb`` on ``stage``."""
-    return Action("B", mb, stage)
+    return Action(Op.B, mb, stage)
 
 
 def W(mb: int, stage: int) -> Action:
     """Weight-gradient backward of microbatch ``mb`` on ``stage``."""
-    return Action("W", mb, stage)
+    return Action(Op.W, mb, stage)
 
 
 def BW(mb: int, stage: int) -> Action:
     """Fused backward (input and weight gradients) of microbatch ``mb`` on ``stage``."""
-    return Action("BW", mb, stage)
+    return Action(Op.BW, mb, stage)
 
 
 @dataclass(slots=True)

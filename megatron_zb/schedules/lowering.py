@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .ir import Action, Schedule, ScheduleError, validate
+from .ir import Action, Op, Schedule, ScheduleError, validate
 
 
 def lower(schedule: Schedule, *, check: bool = True) -> Schedule:
@@ -35,15 +35,15 @@ def lower(schedule: Schedule, *, check: bool = True) -> Schedule:
     for r, acts in enumerate(schedule.ranks):
         row: list[Action] = []
         for a in acts:
-            if a.op == "F" and a.stage > 0 and s2r[a.stage - 1] != r:
-                row.append(Action("RECV_F", a.mb, a.stage - 1, peer=s2r[a.stage - 1]))
-            if a.op in ("B", "BW") and a.stage < n - 1 and s2r[a.stage + 1] != r:
-                row.append(Action("RECV_B", a.mb, a.stage + 1, peer=s2r[a.stage + 1]))
+            if a.op is Op.F and a.stage > 0 and s2r[a.stage - 1] != r:
+                row.append(Action(Op.RECV_F, a.mb, a.stage - 1, peer=s2r[a.stage - 1]))
+            if a.op in (Op.B, Op.BW) and a.stage < n - 1 and s2r[a.stage + 1] != r:
+                row.append(Action(Op.RECV_B, a.mb, a.stage + 1, peer=s2r[a.stage + 1]))
             row.append(a)
-            if a.op == "F" and a.stage < n - 1 and s2r[a.stage + 1] != r:
-                row.append(Action("SEND_F", a.mb, a.stage, peer=s2r[a.stage + 1]))
-            if a.op in ("B", "BW") and a.stage > 0 and s2r[a.stage - 1] != r:
-                row.append(Action("SEND_B", a.mb, a.stage, peer=s2r[a.stage - 1]))
+            if a.op is Op.F and a.stage < n - 1 and s2r[a.stage + 1] != r:
+                row.append(Action(Op.SEND_F, a.mb, a.stage, peer=s2r[a.stage + 1]))
+            if a.op in (Op.B, Op.BW) and a.stage > 0 and s2r[a.stage - 1] != r:
+                row.append(Action(Op.SEND_B, a.mb, a.stage, peer=s2r[a.stage - 1]))
         ranks.append(row)
     out = Schedule(schedule.num_microbatches, list(s2r), ranks, schedule.name, dict(schedule.meta))
     if check:
@@ -57,15 +57,15 @@ def check_lowered(schedule: Schedule) -> None:
     Raises :class:`ScheduleError` naming the first unmatched action (e.g. a send whose receive was
     removed, or a send addressed to the wrong peer).
     """
-    sends: Counter[tuple[str, int, int, int, int]] = Counter()
-    recvs: Counter[tuple[str, int, int, int, int]] = Counter()
-    where: dict[tuple[str, int, int, int, int], tuple[int, int, Action]] = {}  # first occurrence
+    sends: Counter[tuple[Op, int, int, int, int]] = Counter()
+    recvs: Counter[tuple[Op, int, int, int, int]] = Counter()
+    where: dict[tuple[Op, int, int, int, int], tuple[int, int, Action]] = {}  # first occurrence
     for r, i, a in schedule.actions():
         if a.is_compute:
             continue
         assert a.peer is not None
-        direction = a.op.split("_")[1]
-        if a.op.startswith("SEND"):
+        direction = a.op.direction
+        if a.op.is_send:
             key = (direction, a.mb, a.stage, r, a.peer)
             sends[key] += 1
         else:
@@ -78,5 +78,5 @@ def check_lowered(schedule: Schedule) -> None:
             r, i, a = where[key]
             raise ScheduleError(
                 f"rank {r} action #{i}: {a} has {sends[key]} send(s) and {recvs[key]} receive(s) for the "
-                f"{'activation' if direction == 'F' else 'gradient'} of mb={mb}, stage={stage} "
+                f"{'activation' if direction is Op.F else 'gradient'} of mb={mb}, stage={stage} "
                 f"from rank {src} to rank {dst}; expected exactly one of each")
