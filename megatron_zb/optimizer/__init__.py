@@ -1,10 +1,17 @@
-"""Optimizer extensions: post-validation of megatron-core optimizer steps (``docs/post_validation.md``)."""
+"""Optimizer extensions: post-validation of megatron-core optimizer steps (``docs/post_validation.md``).
 
-from megatron_zb.optimizer.post_validation import (
+Modules: ``post_validation`` (the wrapper), ``values`` (its public settings, results, counters
+and errors), ``policy`` (warm-up and clean-streak fallback), ``grad_stats`` (local grad
+statistics and their asynchronous reductions), ``parts`` (what is done to megatron-core's
+optimizers; private megatron-core internals via :mod:`megatron_zb.megatron_compat`),
+``rollback`` (exact snapshots and the in-place Adam/AdamW inversion).
+"""
+
+from megatron_zb.optimizer.post_validation import PostValidationOptimizer
+from megatron_zb.optimizer.values import (
     PostValidationConfig,
     PostValidationCounters,
     PostValidationError,
-    PostValidationOptimizer,
     PostValidationTimeout,
     StepResult,
     ValidationReport,
