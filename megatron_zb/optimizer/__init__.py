@@ -7,11 +7,11 @@ optimizers; private megatron-core internals via :mod:`megatron_zb.megatron_compa
 ``rollback`` (exact snapshots and the in-place Adam/AdamW inversion).
 """
 
-from megatron_zb.optimizer.post_validation import PostValidationOptimizer
-from megatron_zb.optimizer.values import (
+from megatron_zb.optimizer.post_validation import (
     PostValidationConfig,
     PostValidationCounters,
     PostValidationError,
+    PostValidationOptimizer,
     PostValidationTimeout,
     StepResult,
     ValidationReport,

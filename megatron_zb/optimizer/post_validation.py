@@ -16,12 +16,8 @@ blocking reduction by an asynchronous one (zero-bubble paper, arXiv 2401.10241, 
    scaler, and if clipping would have scaled the gradients or an inf/nan was found anywhere,
    roll the update back and redo it exactly as megatron-core's step would have done it.
 
-See ``docs/post_validation.md`` for the data flow, what it saves and what it does not. The
-package splits the job: :mod:`.values` (public settings, results, counters, errors),
-:mod:`.policy` (when a step may be eager), :mod:`.grad_stats` (local statistics and their
-asynchronous reductions), :mod:`.parts` (what is done to megatron-core's optimizers, whose
-private internals are reached through :mod:`megatron_zb.megatron_compat`), :mod:`.rollback`
-(undoing an update); this module is the wrapper that sequences them.
+See ``docs/post_validation.md`` for the data flow, what it saves and what it does not. This
+module sequences the work of the package's other modules (listed in ``megatron_zb/optimizer/__init__.py``).
 """
 
 from __future__ import annotations
