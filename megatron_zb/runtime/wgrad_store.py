@@ -109,12 +109,12 @@ class WeightGradStore:
     # ------------------------------------------------------------------ W: run
     def run(self, chunk: int, microbatch: int) -> int:
         """Run (and drop) the queued weight-gradient work of ``(chunk, microbatch)``; return its size."""
-        try:
-            queue = self._queues.pop((chunk, microbatch))
-        except KeyError:
+        key = (chunk, microbatch)
+        queue = self._queues.get(key)
+        if queue is None:
             raise WeightGradStoreError(
                 f"W of chunk {chunk} microbatch {microbatch} has nothing to run: its B has not run "
-                f"(or this W already ran)") from None
+                f"(or this W already ran)")
         left = self._w_left.get(chunk)
         if left == 0:
             raise WeightGradStoreError(f"W of chunk {chunk} microbatch {microbatch} is one more W than "
@@ -122,6 +122,7 @@ class WeightGradStore:
         if left is None and self.on_params_done is not None:
             raise WeightGradStoreError(f"W of chunk {chunk} ran with on_params_done set but no W count for "
                                        f"chunk {chunk}: call begin_iteration first")
+        del self._queues[key]
         with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
             for fn, _ in queue:
                 fn()
