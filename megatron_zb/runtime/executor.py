@@ -236,22 +236,26 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
     acts = plan.actions
     if not plan.forward_only:
         store.begin_iteration(plan.w_per_stage)
-    # One branch per action kind, handlers as methods: per action this costs one method call,
-    # no allocation beyond the (mb, stage) key (the hot path has a budget of tens of microseconds).
+    # One branch per action kind, handlers as methods: per action this costs one method call and
+    # two Op properties, no allocation beyond the (mb, stage) key (the runtime's overhead budget
+    # is tens of microseconds per compute action).
+    after_recv = False
     for i, a in enumerate(acts):
         op = a.op
+        is_recv, is_send = op.is_recv, op.is_send
         # look ahead, but not between a compute action and its sends (they are on the peer's
         # critical path) nor between a receive and the compute action waiting for it
-        if not (op.is_send or (i > 0 and acts[i - 1].op.is_recv)):
+        if not (is_send or after_recv):
             for r in poster.ahead(i):
                 comm.post_recv(r, shape, dtype, device)
+        after_recv = is_recv
         key = (a.mb, a.stage)
         t0 = time.perf_counter()
-        if op.is_recv:
+        if is_recv:
             for r in poster.through(a):
                 comm.post_recv(r, shape, dtype, device)
             it.received(a, comm.wait_recv(a, shape, dtype, device))
-        elif op.is_send:
+        elif is_send:
             comm.send(a, it.to_send(a, key))
         elif op is Op.F:
             it.forward(a, key)
@@ -260,7 +264,7 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
         else:  # B (weight gradients queued in the store) or BW (megatron-core's fused backward)
             it.backward(a, key, deferred=op is Op.B)
         if timing is not None:
-            (timing.records if op.is_compute else timing.comm).append((a, t0, time.perf_counter()))
+            (timing.comm if is_recv or is_send else timing.records).append((a, t0, time.perf_counter()))
     comm.finish()
     if not plan.forward_only:
         store.assert_empty()
