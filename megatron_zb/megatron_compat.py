@@ -12,10 +12,117 @@ from __future__ import annotations
 # ----------------------------------------------------------------------------------- runtime
 # (the weight-gradient store's routes into megatron-core's layers, the executor's use of the
 # schedules module's internals)
+# Public and used directly elsewhere: megatron.core.parallel_state getters (incl.
+# get_global_memory_buffer), megatron.core.utils.get_model_config / get_model_type,
+# megatron.core.pipeline_parallel.get_forward_backward_func, megatron.core.tensor_parallel's
+# exported layers.
+from typing import Any, Callable, NamedTuple  # noqa: E402
+
+LINEAR_AUTOGRAD_FUNCTION: tuple[str, str] = (
+    "megatron.core.tensor_parallel.layers", "LinearWithGradAccumulationAndAsyncCommunication")
+"""(module, attribute) of the autograd function behind ``ColumnParallelLinear`` and
+``RowParallelLinear`` (MoE ``SequentialMLP`` experts included). Not exported by megatron-core.
+``linear_with_grad_accumulation_and_async_allreduce`` looks the name up in its module at every
+call, so replacing the attribute routes every such layer: the linear route
+(:mod:`megatron_zb.runtime.linear_route`) subclasses it."""
+
+LINEAR_CTX_FIELDS: tuple[str, ...] = (
+    "main_grad", "use_bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
+    "grad_output_buffer", "tp_group")
+"""What that function's ``forward`` sets on ``ctx`` (besides saving ``(input, weight)``) and the
+linear route's ``backward`` reads; ``tests/test_routes.py`` checks they are still set."""
+
+
+def linear_custom_bwd() -> Callable[..., Any]:
+    """The ``custom_bwd`` decorator megatron-core's linear backward carries (autocast state)."""
+    from megatron.core.tensor_parallel import layers
+
+    return layers.custom_bwd
+
+
+def prepare_wgrad_inputs() -> Callable[..., Any]:
+    """``megatron.core.utils.prepare_input_tensors_for_wgrad_compute``: the 3-D to 2-D reshape the
+    linear backward applies to ``(grad_output, total_input)`` before the weight-gradient GEMM."""
+    from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+
+    return prepare_input_tensors_for_wgrad_compute
+
+
+def grad_accum_fusion_available() -> bool:
+    """Whether megatron-core's linear layers found apex's fused weight-gradient kernels
+    (``layers._grad_accum_fusion_available``)."""
+    from megatron.core.tensor_parallel import layers
+
+    return bool(getattr(layers, "_grad_accum_fusion_available", False))
+
+
+def set_grad_accum_fusion_kernels(kernels: Any) -> None:
+    """Give megatron-core's linear layers ``kernels`` as apex's ``fused_weight_gradient_mlp_cuda``
+    and mark gradient-accumulation fusion available (``layers._grad_accum_fusion_available``)."""
+    from megatron.core.tensor_parallel import layers
+
+    layers.fused_weight_gradient_mlp_cuda = kernels
+    layers._grad_accum_fusion_available = True
+
+
+class PipelineStepFunctions(NamedTuple):
+    """Per-microbatch helpers of ``megatron.core.pipeline_parallel.schedules`` (not exported by
+    ``megatron.core.pipeline_parallel``; their signatures change between releases)."""
+
+    forward_step: Callable[..., Any]
+    backward_step: Callable[..., Any]
+    check_first_val_step: Callable[..., Any]
+    get_tensor_shapes: Callable[..., Any]
+
+
+def pipeline_step_functions() -> PipelineStepFunctions:
+    """megatron-core's ``forward_step``, ``backward_step``, ``check_first_val_step`` and
+    ``get_tensor_shapes``, which the executor calls so that loss scaling, per-token loss
+    normalisation and the forward data store stay megatron-core's."""
+    from megatron.core.pipeline_parallel import schedules
+
+    return PipelineStepFunctions(schedules.forward_step, schedules.backward_step,
+                                 schedules.check_first_val_step, schedules.get_tensor_shapes)
 
 
 # ---------------------------------------------------------------------------- platform shim
-# (what the CPU shim replaces inside megatron-core when CUDA is absent)
+# (what the CPU shim replaces inside megatron-core when CUDA is absent; see
+# megatron_zb/platform/cpu_shim.py and docs/cpu_support.md for why each is patched)
+
+CUDA_FACTORY_MODULES: tuple[str, ...] = (
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = torch.zeros(..., device="cuda")
+    "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale, mixed-precision found_inf
+    "megatron.core.optimizer.grad_scaler",  # loss-scale tensors (fp16 only)
+    "megatron.core.optimizer.clip_grads",  # grad-norm and dummy-overflow buffers
+    "megatron.core.dist_checkpointing.exchange_utils",  # exchange buffers for fully-parallel load
+    "megatron.core.transformer.utils",  # get_default_causal_mask (attention_mask=None, causal)
+    "megatron.core.utils",  # local_multi_tensor_l2_norm: grad-norm for clip_grads without apex/TE
+)
+"""megatron-core modules whose module-global ``torch`` the CPU shim replaces (they create
+tensors with ``device="cuda"``)."""
+
+TYPE_NAME_CALLERS: tuple[str, ...] = ("megatron.core.optimizer.",)
+"""Module prefixes whose code classifies parameters by ``Tensor.type()`` names (``torch.cuda.*``)."""
+
+RNG_MODULE: str = "megatron.core.tensor_parallel.random"
+"""The module of megatron's RNG tracker; also the name of the logger whose fork warning the shim drops."""
+
+RNG_STATE_HELPERS: tuple[str, str] = ("_get_cuda_rng_state", "_set_cuda_rng_state")
+"""Private (get, set) CUDA RNG state helpers of :data:`RNG_MODULE` the shim replaces."""
+
+
+def torch_norm_class() -> type:
+    """``WrappedTorchNorm`` (the local spec's norm without apex); the shim wraps its ``__new__``."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
+
+
+def sharded_tensor_class() -> type:
+    """``dist_checkpointing``'s ``ShardedTensor``; the shim wraps its ``init_data``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return ShardedTensor
 
 
 # --------------------------------------------------------------------------------- optimizer

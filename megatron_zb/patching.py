@@ -5,8 +5,8 @@ After ``megatron_zb.patch_megatron(schedule="zb", ...)``:
 * megatron-core's ``get_forward_backward_func()`` returns megatron-zb's drop-in function whenever
   pipeline parallelism is on (``pp_size > 1``), with the given schedule and options; with
   ``pp_size == 1`` it returns megatron-core's own no-pipelining function;
-* megatron-core's linear layers are routed through the weight-gradient store
-  (:mod:`megatron_zb.runtime.wgrad_store`), which changes nothing outside a B pass.
+* every layer route of :mod:`megatron_zb.runtime.routes` is installed (megatron-core's linear
+  layers into the weight-gradient store), which changes nothing outside a B pass.
 
 Modules that imported ``get_forward_backward_func`` by name before the call (Megatron-LM's
 ``megatron.training.training`` does) are patched too. :func:`unpatch_megatron` restores all.
@@ -33,7 +33,7 @@ def forward_backward_from_env() -> Any:
     import os
 
     from .runtime.forward_backward import get_forward_backward_func
-    from .runtime.wgrad_store import install
+    from .runtime.routes import install_routes
 
     name = os.environ.get("MEGATRON_ZB_SCHEDULE", "")
     if not name:
@@ -41,7 +41,7 @@ def forward_backward_from_env() -> Any:
     limit = os.environ.get("MEGATRON_ZB_MEMORY_LIMIT", "")
     key = (name, limit)
     if key not in _FROM_ENV:
-        install()
+        install_routes()
         _FROM_ENV[key] = get_forward_backward_func(name, memory_limit=float(limit) if limit else None)
     return _FROM_ENV[key]
 
@@ -57,10 +57,10 @@ def patch_megatron(schedule: str = "zb", **options: Any) -> None:
     from megatron.core.pipeline_parallel import schedules
 
     from .runtime.forward_backward import get_forward_backward_func
-    from .runtime.wgrad_store import install
+    from .runtime.routes import install_routes
 
     unpatch_megatron()
-    install()
+    install_routes()
     original = schedules.get_forward_backward_func
     ours = get_forward_backward_func(schedule, **options)
 
@@ -79,7 +79,7 @@ def patch_megatron(schedule: str = "zb", **options: Any) -> None:
 
 
 def unpatch_megatron() -> None:
-    """Undo :func:`patch_megatron` (the linear layers keep the store, which is inert outside B)."""
+    """Undo :func:`patch_megatron` (the layer routes stay installed; they are inert outside B)."""
     while _PATCHED:
         mod, name, original = _PATCHED.pop()
         setattr(mod, name, original)

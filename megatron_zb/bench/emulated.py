@@ -7,9 +7,9 @@ split backward goes through the real weight-gradient store. Only the arithmetic 
 
 * forward (``F``): an autograd function sleeps ``T_F`` and returns a zero tensor of the transfer
   shape ``[seq, micro_batch, hidden]`` (the last stage returns a scalar "loss");
-* backward: sleeps ``T_B``; when the store is deferring (a ``B`` action) it queues a closure
-  that sleeps ``T_W`` with :meth:`WeightGradStore.put` (run by the matching ``W``); otherwise
-  (``BW``) it sleeps ``T_W`` inline.
+* backward: sleeps ``T_B``; when a weight-gradient store is current (a ``B`` action) it queues
+  a closure that sleeps ``T_W`` with :meth:`WeightGradStore.put` (run by the matching ``W``);
+  otherwise (``BW``) it sleeps ``T_W`` inline.
 
 Sleeping (not busy-waiting) lets 8 emulated ranks share 2 cores. The sleeps are *calibrated*:
 :class:`SleepClock` subtracts a per-action offset so that each compute action, as measured by
@@ -128,14 +128,14 @@ class _EmulatedCompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D401 - autograd signature
-        from ..runtime.wgrad_store import get_weight_grad_store
+        from ..runtime.wgrad_store import current_store
 
         stage: EmulatedStage = ctx.stage
         c = stage.costs
         saved = ctx.saved_tensors
-        store = get_weight_grad_store()
+        store = current_store()
         grad_in = None if ctx.in_shape is None else grad.new_zeros(ctx.in_shape)
-        if store.is_deferring:  # B now, W later
+        if store is not None:  # B now, W later
             stage.clock.sleep(c.t_b, "B")
             keep = saved[1] if len(saved) > 1 and saved[1].numel() > 0 else None
             weight, clock = stage.weight, stage.clock
@@ -148,7 +148,7 @@ class _EmulatedCompute(torch.autograd.Function):
                     weight.grad += 1.0
                 del keep
 
-            store.put(weight_grad)
+            store.put(weight_grad, params=(weight,))
             stage.deferred += 1
             return grad_in, None, None
         stage.clock.sleep(c.t_b + c.t_w, "BW")  # fused backward
@@ -288,7 +288,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..runtime import get_forward_backward_func, get_weight_grad_store
+    from ..runtime import get_forward_backward_func
     from ..schedules import CostModel
     from ..testing.distributed import init_parallel_state
     from ..testing.tiny_gpt import placement_for
@@ -302,7 +302,6 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
     pairs = [(i, i + 1) for i in range(0, p - 1, 2)]
     t_comm = measure_p2p_latency(shape, peer_pairs=pairs)
     clock = SleepClock()
-    store = get_weight_grad_store()
 
     runs = {}
     for name in spec["schedules"]:
@@ -333,8 +332,8 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
             if c.weight.grad is None or float(c.weight.grad) != m:
                 raise RuntimeError(f"{name}: stage {c.stage} accumulated weight grad "
                                    f"{None if c.weight.grad is None else float(c.weight.grad)}, expected {m}")
-        if store.pending():
-            raise RuntimeError(f"{name}: weight-gradient work left pending: {store.pending()}")
+        if r["fb"].store.pending():
+            raise RuntimeError(f"{name}: weight-gradient work left pending: {r['fb'].store.pending()}")
         return t0, t1, losses
 
     def errors_of(name: str) -> dict[str, list[float]]:
@@ -401,14 +400,13 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..runtime import get_forward_backward_func, get_weight_grad_store
+    from ..runtime import get_forward_backward_func
     from ..testing.distributed import init_parallel_state
     from ..testing.tiny_gpt import placement_for
 
     p = dist.get_world_size()
     init_parallel_state(pipeline_model_parallel_size=p, seed=None)
     rank = parallel_state.get_pipeline_model_parallel_rank()
-    store = get_weight_grad_store()
     t = t_ms * 1e-3
     out: dict[str, Any] = {}
     for name in schedules:
@@ -416,6 +414,7 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
         chunks = build_emulated_stages(stage_to_rank=s2r, rank=rank,
                                        costs=_stage_costs(name, p, EmulatedCosts(t, t, t)), shape=shape)
         fb = get_forward_backward_func(name, timeout=30.0, time_actions=True)
+        store = fb.store
         data = [iter(range(m)) for _ in chunks]
         before = store.executed
         losses = fb(forward_step_func=emulated_forward_step, data_iterator=data if len(data) > 1 else data[0],

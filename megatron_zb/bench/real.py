@@ -94,15 +94,15 @@ def measure_stage_memory(chunks: list[Any], spec: ModelSpec) -> dict[int, tuple[
     tracker; the B runs in the weight-gradient store's deferring window, so the second number is
     what the W closures keep alive (the simulator's ``M_W``).
     """
-    from megatron.core.pipeline_parallel.schedules import backward_step
-    from megatron.core.pipeline_parallel.schedules import forward_step as megatron_forward_step
     from megatron.core.utils import get_model_type
 
-    from ..runtime import ActivationMemoryTracker, get_weight_grad_store
-    from ..runtime.wgrad_store import install
+    from ..megatron_compat import pipeline_step_functions
+    from ..runtime import ActivationMemoryTracker, WeightGradStore, install_routes
 
-    install()
-    store = get_weight_grad_store()
+    steps = pipeline_step_functions()
+    megatron_forward_step, backward_step = steps.forward_step, steps.backward_step
+    install_routes()
+    store = WeightGradStore()
     out: dict[int, tuple[int, int]] = {}
     shape = (spec.seq, spec.micro_batch, spec.hidden)
     g = torch.Generator().manual_seed(3)
@@ -199,14 +199,14 @@ def _iteration(fb: Any, mods: list[Any], data: list[dict[str, torch.Tensor]], sp
     (start, end) on this rank's clock."""
     import torch.distributed as dist
 
-    from ..runtime import wgrad_store
+    from ..runtime import install_routes, uninstall_routes
 
     for mod in mods:
         mod.zero_grad(set_to_none=True)
     if ours:
-        wgrad_store.install()
-    else:  # megatron-core exactly as shipped: its own linear autograd function
-        wgrad_store.uninstall()
+        install_routes()
+    else:  # megatron-core exactly as shipped: its own layers, no route into the store
+        uninstall_routes()
     dist.barrier()
     t0 = time.perf_counter()
     losses = forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch)
@@ -290,10 +290,10 @@ def _memory(chunks: dict[str, list[Any]], spec: ModelSpec, measured: dict[str, A
     """Peak saved-activation bytes of one iteration per schedule on this rank (``track_memory=True``)."""
     import torch.distributed as dist
 
-    from ..runtime import get_forward_backward_func, wgrad_store
+    from ..runtime import get_forward_backward_func, install_routes
     from ..schedules.registry import get_spec
 
-    wgrad_store.install()
+    install_routes()
     data = _data(spec, m)
     out: dict[str, Any] = {}
     for name in schedules:
@@ -347,14 +347,14 @@ def post_validation_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from ..optimizer import PostValidationOptimizer
-    from ..runtime import get_forward_backward_func, wgrad_store
+    from ..runtime import get_forward_backward_func, install_routes
     from ..testing.distributed import init_parallel_state
 
     spec = ModelSpec(**cfg["model"])
     pp = dist.get_world_size()
     init_parallel_state(pipeline_model_parallel_size=pp, seed=spec.seed)
     rank = parallel_state.get_pipeline_model_parallel_rank()
-    wgrad_store.install()
+    install_routes()
     m = cfg["m"]
     data = _data(spec, m)
     variants = {}

@@ -28,6 +28,9 @@ The patches, narrowest first (``docs/cpu_support.md`` has the why and what is ve
 Consequence of the RNG mapping: megatron's default "CUDA" RNG stream and torch's CPU stream
 are the same generator, and ``CudaRNGStatesTracker.fork()`` swaps the CPU generator's state.
 Runs stay deterministic for a given seed; they do not reproduce a GPU run's random numbers.
+
+Every megatron-core module, class and private name patched here is named in the "platform shim"
+section of :mod:`megatron_zb.megatron_compat` (reviewed at each megatron-core upgrade).
 """
 
 from __future__ import annotations
@@ -40,21 +43,12 @@ from typing import Any, Callable
 
 import torch
 
+from ..megatron_compat import (CUDA_FACTORY_MODULES, RNG_MODULE, RNG_STATE_HELPERS, TYPE_NAME_CALLERS,
+                               sharded_tensor_class, torch_norm_class)
+
 __all__ = ["CUDA_FACTORY_MODULES", "install_cpu_shim", "is_installed"]
 
-CUDA_FACTORY_MODULES: tuple[str, ...] = (
-    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = torch.zeros(..., device="cuda")
-    "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale, mixed-precision found_inf
-    "megatron.core.optimizer.grad_scaler",  # loss-scale tensors (fp16 only)
-    "megatron.core.optimizer.clip_grads",  # grad-norm and dummy-overflow buffers
-    "megatron.core.dist_checkpointing.exchange_utils",  # exchange buffers for fully-parallel load
-    "megatron.core.transformer.utils",  # get_default_causal_mask (attention_mask=None, causal)
-    "megatron.core.utils",  # local_multi_tensor_l2_norm: grad-norm for clip_grads without apex/TE
-)
-"""megatron-core modules whose module-level ``torch`` is replaced by :class:`_CpuFactoryTorch`."""
-
 _TENSOR_FACTORIES: tuple[str, ...] = ("empty", "empty_like", "full", "ones", "tensor", "zeros", "zeros_like")
-_TYPE_NAME_CALLERS: tuple[str, ...] = ("megatron.core.optimizer.",)
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 _CPU = torch.device("cpu")
 
@@ -84,7 +78,7 @@ def install_cpu_shim() -> bool:
     _patch_tensor_methods()
     _patch_torch_norm()
     _patch_sharded_tensor_init()
-    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_drop_rng_fork_warning)
+    logging.getLogger(RNG_MODULE).addFilter(_drop_rng_fork_warning)
     _installed = True
     return True
 
@@ -141,7 +135,7 @@ def _patch_torch_cuda() -> None:
 
 # ---------------------------------------------------------------------- megatron RNG helpers
 def _patch_rng_helpers() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
+    import importlib
 
     def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
         """CPU replacement for megatron's ``_get_cuda_rng_state`` (no CUDA-graph-safe states)."""
@@ -155,8 +149,10 @@ def _patch_rng_helpers() -> None:
             raise RuntimeError("graph-safe (CUDA graph) RNG states need CUDA; disable cuda graphs on CPU")
         torch.set_rng_state(new_state)
 
-    mrandom._get_cuda_rng_state = _get_cuda_rng_state
-    mrandom._set_cuda_rng_state = _set_cuda_rng_state
+    mrandom = importlib.import_module(RNG_MODULE)
+    get_name, set_name = RNG_STATE_HELPERS
+    setattr(mrandom, get_name, _get_cuda_rng_state)
+    setattr(mrandom, set_name, _set_cuda_rng_state)
 
 
 # ---------------------------------------------------------------------- device="cuda" factories
@@ -216,7 +212,7 @@ def _patch_tensor_methods() -> None:
         """``Tensor.type()``; megatron-core's optimizers see CPU tensors under their ``torch.cuda.*`` name."""
         name = real_type(self, *args, **kwargs)
         if (not args and not kwargs and self.device.type == "cpu" and name.startswith("torch.")
-                and _caller_module(1).startswith(_TYPE_NAME_CALLERS)):
+                and _caller_module(1).startswith(TYPE_NAME_CALLERS)):
             return "torch.cuda." + name[len("torch."):]
         return name
 
@@ -229,8 +225,7 @@ def _patch_tensor_methods() -> None:
 
 # ---------------------------------------------------------------------- WrappedTorchNorm
 def _patch_torch_norm() -> None:
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
+    WrappedTorchNorm = torch_norm_class()
     real_new = WrappedTorchNorm.__dict__["__new__"].__func__
 
     def __new__(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any,
@@ -255,8 +250,7 @@ def _patch_torch_norm() -> None:
 
 # ---------------------------------------------------------------------- dist-ckpt
 def _patch_sharded_tensor_init() -> None:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
+    ShardedTensor = sharded_tensor_class()
     real_init_data = ShardedTensor.init_data
 
     def init_data(self: Any, device: Any, init_fn: Callable[..., torch.Tensor] = torch.empty) -> None:

@@ -1,11 +1,13 @@
-"""The zero-bubble runtime: weight-gradient store, p2p, executor, drop-in forward_backward_func."""
+"""The zero-bubble runtime: weight-gradient store and layer routes, p2p, executor, drop-in forward_backward_func."""
 
 from .forward_backward import ZeroBubbleForwardBackward, ZeroBubbleOptions, get_forward_backward_func
 from .memory import ActivationMemoryTracker
 from .p2p import PipelineTimeoutError
-from .wgrad_store import WeightGradStore, WeightGradStoreError, get_weight_grad_store
+from .routes import ROUTES, LayerRoute, install_routes, uninstall_routes
+from .wgrad_store import WeightGradStore, WeightGradStoreError, current_store
 
 __all__ = [
-    "ActivationMemoryTracker", "PipelineTimeoutError", "WeightGradStore", "WeightGradStoreError",
-    "ZeroBubbleForwardBackward", "ZeroBubbleOptions", "get_forward_backward_func", "get_weight_grad_store",
+    "ActivationMemoryTracker", "LayerRoute", "PipelineTimeoutError", "ROUTES", "WeightGradStore",
+    "WeightGradStoreError", "ZeroBubbleForwardBackward", "ZeroBubbleOptions", "current_store",
+    "get_forward_backward_func", "install_routes", "uninstall_routes",
 ]

@@ -5,8 +5,9 @@ The schedule is lowered (:func:`megatron_zb.schedules.lower`) and checked once p
 
 * ``F``  -- megatron-core's ``forward_step`` on the chunk holding the stage (first stage reads
   the data iterator, the last stage computes the loss);
-* ``B``  -- megatron-core's ``backward_step`` inside :meth:`WeightGradStore.deferring`: input
-  gradients now, weight gradients of linear layers queued;
+* ``B``  -- megatron-core's ``backward_step`` inside :meth:`WeightGradStore.deferring` of the
+  store passed in: input gradients now, the weight-gradient work of every routed layer queued
+  (:mod:`megatron_zb.runtime.routes`);
 * ``W``  -- runs the queue of that (stage, microbatch);
 * ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does);
 * ``RECV_*`` / ``SEND_*`` -- p2p via :class:`PipeComm`, matched by order as on NCCL: the
@@ -29,11 +30,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..schedules.ir import Action, Schedule
+from ..schedules import Action, Op, Schedule
 from ..schedules.lowering import check_lowered, lower
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
-from .wgrad_store import get_weight_grad_store
+from .wgrad_store import WeightGradStore
 
 
 @dataclass
@@ -48,11 +49,12 @@ class ActionTiming:
     records: list[tuple[Action, float, float]] = field(default_factory=list)
     comm: list[tuple[Action, float, float]] = field(default_factory=list)
 
-    def durations(self, op: str) -> dict[int, list[float]]:
+    def durations(self, op: Op | str) -> dict[int, list[float]]:
         """Per stage, the durations (seconds) of actions of kind ``op`` (compute or communication)."""
+        op = Op(op)
         out: dict[int, list[float]] = {}
-        for a, t0, t1 in (self.comm if op.startswith(("SEND", "RECV")) else self.records):
-            if a.op == op:
+        for a, t0, t1 in (self.records if op.is_compute else self.comm):
+            if a.op is op:
                 out.setdefault(a.stage, []).append(t1 - t0)
         return out
 
@@ -99,6 +101,8 @@ class RankPlan:
             pair of ranks, and the peer may send them in another order than this rank needs them).
         send_positions: per peer rank, indices into ``actions`` of this rank's sends to it.
         recv_slot: ``(op, mb, stage)`` of each receive -> its index in ``recv_order[peer]``.
+        w_per_stage: per stage of this rank, how many ``W`` actions it runs (what the
+            weight-gradient store is told at the start of each iteration).
     """
 
     schedule: Schedule
@@ -109,7 +113,8 @@ class RankPlan:
     forward_only: bool
     recv_order: dict[int, tuple[Action, ...]] = field(default_factory=dict)
     send_positions: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    recv_slot: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    recv_slot: dict[tuple[Op, int, int], int] = field(default_factory=dict)
+    w_per_stage: dict[int, int] = field(default_factory=dict)
 
 
 def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, validate: bool = True) -> RankPlan:
@@ -130,9 +135,9 @@ def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, vali
         lowered = lower(schedule, check=validate)
     acts = lowered.ranks[rank]
     if forward_only:
-        acts = [a for a in acts if a.op in ("F", "SEND_F", "RECV_F")]
-    stages = {a.stage for a in acts if a.op == "F"}
-    mine = {(a.op, a.mb, a.stage): a for a in acts if a.op.startswith("RECV")}
+        acts = [a for a in acts if a.op in (Op.F, Op.SEND_F, Op.RECV_F)]
+    stages = {a.stage for a in acts if a.op is Op.F}
+    mine = {(a.op, a.mb, a.stage): a for a in acts if a.op.is_recv}
     recv_order: dict[int, tuple[Action, ...]] = {}
     for q in sorted({a.peer for a in mine.values()}):
         # the peer's sends to this rank, in its order, as this rank's receive actions
@@ -140,16 +145,20 @@ def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, vali
                 if b.op.is_send and b.peer == rank]
         recv_order[q] = tuple(a for a in sent if a is not None)
     send_positions: dict[int, list[int]] = {}
+    w_per_stage: dict[int, int] = {}
     for i, a in enumerate(acts):
-        if a.op.startswith("SEND"):
+        if a.op.is_send:
             send_positions.setdefault(a.peer, []).append(i)
+        elif a.op is Op.W:
+            w_per_stage[a.stage] = w_per_stage.get(a.stage, 0) + 1
     return RankPlan(schedule=lowered, rank=rank, actions=tuple(acts),
-                    recv_positions=tuple(i for i, a in enumerate(acts) if a.op.startswith("RECV")),
+                    recv_positions=tuple(i for i, a in enumerate(acts) if a.op.is_recv),
                     out_of_order_stages=frozenset(s for s in stages if _forwards_out_of_order(acts, s)),
                     forward_only=forward_only, recv_order=recv_order,
                     send_positions={q: tuple(v) for q, v in send_positions.items()},
                     recv_slot={(a.op, a.mb, a.stage): i for order in recv_order.values()
-                               for i, a in enumerate(order)})
+                               for i, a in enumerate(order)},
+                    w_per_stage=w_per_stage)
 
 
 class RecvPoster:
@@ -172,7 +181,7 @@ class RecvPoster:
         self._index = plan.recv_slot
         self._posted = {q: 0 for q in plan.recv_order}   # per peer: receives posted, in its order
         self._next = 0                                  # next entry of plan.recv_positions
-        self._orphans: set[tuple[str, int, int]] = set()
+        self._orphans: set[tuple[Op, int, int]] = set()
 
     def ahead(self, i: int) -> list[Action]:
         """Receives to post before running action ``i``."""
@@ -207,121 +216,167 @@ class RecvPoster:
         return k < len(pos) and pos[k] < j
 
 
-def execute(*, plan: RankPlan, runtime: StageRuntime, forward_step_func: Callable, config: Any,
-            comm: PipeComm, collect_non_loss_data: bool = False, cp_group_size: int = 1,
+def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, forward_step_func: Callable,
+            config: Any, comm: PipeComm, collect_non_loss_data: bool = False, cp_group_size: int = 1,
             first_val_step: bool | None = None, recv_lookahead: int = 8, recv_behind_sends: bool = True,
             timing: ActionTiming | None = None,
             memory: ActivationMemoryTracker | None = None) -> tuple[list[Any], torch.Tensor]:
     """Run one iteration of ``plan`` (see :func:`plan_rank`); return (forward data store, total tokens).
 
     The forward data store holds what megatron-core's schedules return: the reduced losses of
-    the last stage, in microbatch order. ``recv_lookahead`` and ``recv_behind_sends`` set when
-    receives are posted (:class:`RecvPoster`).
+    the last stage, in microbatch order. ``store`` receives the weight-gradient work of every B
+    and runs it at the matching W (it must be empty; it is empty again on return).
+    ``recv_lookahead`` and ``recv_behind_sends`` set when receives are posted (:class:`RecvPoster`).
     """
-    from megatron.core.pipeline_parallel.schedules import backward_step, check_first_val_step, forward_step
-    from megatron.core.utils import get_model_type
-
-    schedule, rank, forward_only = plan.schedule, plan.rank, plan.forward_only
-    acts = plan.actions
-    m, last = schedule.num_microbatches, schedule.num_stages - 1
-    store = get_weight_grad_store()
-    shape, dtype, device = runtime.tensor_shape, runtime.dtype, runtime.device
-
-    inputs: dict[tuple[int, int], Any] = {}      # (mb, stage) -> stage input (None on stage 0)
-    outputs: dict[tuple[int, int], Any] = {}     # (mb, stage) -> stage output (loss on last)
-    grads: dict[tuple[int, int], torch.Tensor] = {}   # (mb, stage) -> grad of that stage's output
-    local_act: dict[tuple[int, int], torch.Tensor] = {}  # same-rank handover of activations
-    local_grad: dict[tuple[int, int], torch.Tensor] = {}  # same-rank handover of gradients
-    stage_data: dict[tuple[int, int], list[Any]] = {}    # per-(mb, stage) forward data (reordered below)
-    total_tokens = torch.zeros([], dtype=torch.int)
-    feeders = {s: _InOrderFeeder(it) for s, it in runtime.data_iterators.items()
-               if it is not None and s in plan.out_of_order_stages}
+    it = _Iteration(plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func,
+                    config=config, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size,
+                    first_val_step=first_val_step, memory=memory)
     poster = RecvPoster(plan, recv_lookahead, behind_sends=recv_behind_sends)
-    model_type = get_model_type(next(iter(runtime.chunks.values())))
-
+    shape, dtype, device = runtime.tensor_shape, runtime.dtype, runtime.device
+    acts = plan.actions
+    if not plan.forward_only:
+        store.begin_iteration(plan.w_per_stage)
+    # One branch per action kind, handlers as methods: per action this costs one method call and
+    # two Op properties, no allocation beyond the (mb, stage) key (the runtime's overhead budget
+    # is tens of microseconds per compute action).
+    after_recv = False
     for i, a in enumerate(acts):
+        op = a.op
+        is_recv, is_send = op.is_recv, op.is_send
         # look ahead, but not between a compute action and its sends (they are on the peer's
         # critical path) nor between a receive and the compute action waiting for it
-        if not (a.op.startswith("SEND") or (i > 0 and acts[i - 1].op.startswith("RECV"))):
+        if not (is_send or after_recv):
             for r in poster.ahead(i):
                 comm.post_recv(r, shape, dtype, device)
+        after_recv = is_recv
         key = (a.mb, a.stage)
         t0 = time.perf_counter()
-        if a.op.startswith("RECV"):
+        if is_recv:
             for r in poster.through(a):
                 comm.post_recv(r, shape, dtype, device)
-        if not a.is_compute:
-            if a.op == "RECV_F":
-                t = comm.wait_recv(a, shape, dtype, device)
-                inputs[(a.mb, a.stage + 1)] = t.requires_grad_(not forward_only)
-            elif a.op == "RECV_B":
-                grads[(a.mb, a.stage - 1)] = comm.wait_recv(a, shape, dtype, device)
-            elif a.op == "SEND_F":
-                comm.send(a, _first(outputs[key]))
-                if forward_only:
-                    outputs.pop(key)
-            else:  # SEND_B
-                comm.send(a, inputs.pop(key))
-            if timing is not None:
-                timing.comm.append((a, t0, time.perf_counter()))
-            continue
-        if a.op == "F":
-            model = runtime.chunks[a.stage]
-            if a.stage == 0:
-                inp = None
-            elif (a.mb, a.stage) in inputs:
-                inp = inputs[(a.mb, a.stage)]
-            else:  # previous stage lives on this rank (tip of the V)
-                inp = local_act.pop((a.mb, a.stage - 1)).detach().requires_grad_(not forward_only)
-                inputs[(a.mb, a.stage)] = inp
-            data: list[Any] = []
-            ctx = memory.saving() if memory is not None else contextlib.nullcontext()
-            with ctx:
-                out, n_tok = forward_step(
-                    forward_step_func,
-                    feeders[a.stage].for_microbatch(a.mb) if a.stage in feeders else runtime.data_iterators.get(a.stage),
-                    model, m, inp, data, config,
-                    cp_group_size, collect_non_loss_data=collect_non_loss_data,
-                    is_first_microbatch=check_first_val_step(first_val_step, forward_only, a.mb == 0),
-                    current_microbatch=a.mb, is_last_stage=(a.stage == last))
-            total_tokens += n_tok
-            if data:
-                stage_data[key] = data
-            if a.stage < last and schedule.stage_to_rank[a.stage + 1] == rank:
-                local_act[key] = _first(out)
-            if not forward_only or a.stage < last:
-                outputs[key] = out
-            if forward_only and a.stage == last:
-                inputs.pop(key, None)
-        elif a.op in ("B", "BW"):
-            inp = inputs.pop(key, None)
-            out = outputs.pop(key)
-            if a.stage == last:
-                out_grad = None
-            elif key in grads:
-                out_grad = grads.pop(key)
-            else:  # next stage lives on this rank
-                out_grad = local_grad.pop(key)
-            if a.op == "B":
-                with store.deferring(a.stage, a.mb):
-                    in_grad = backward_step(inp, out, out_grad, model_type, config)
-            else:
-                in_grad = backward_step(inp, out, out_grad, model_type, config)
-            del out, out_grad
-            if a.stage > 0:
-                if schedule.stage_to_rank[a.stage - 1] == rank:
-                    local_grad[(a.mb, a.stage - 1)] = in_grad
-                else:
-                    inputs[key] = in_grad  # picked up by the SEND_B that follows
-        elif a.op == "W":
+            it.received(a, comm.wait_recv(a, shape, dtype, device))
+        elif is_send:
+            comm.send(a, it.to_send(a, key))
+        elif op is Op.F:
+            it.forward(a, key)
+        elif op is Op.W:
             store.run(a.stage, a.mb)
+        else:  # B (weight gradients queued in the store) or BW (megatron-core's fused backward)
+            it.backward(a, key, deferred=op is Op.B)
         if timing is not None:
-            timing.records.append((a, t0, time.perf_counter()))
+            (timing.comm if is_recv or is_send else timing.records).append((a, t0, time.perf_counter()))
     comm.finish()
-    if not forward_only:
+    if not plan.forward_only:
         store.assert_empty()
-    forward_data = [d for mb in range(m) for d in stage_data.get((mb, last), [])]
-    return forward_data, total_tokens
+    return it.result()
+
+
+class _Iteration:
+    """One iteration's tensors between the actions of one rank, and the compute handlers.
+
+    Keyed by ``(mb, stage)``:
+
+    * ``stage_inputs`` -- the input of a stage: received (``RECV_F``) or handed over by the
+      previous stage on this rank (the tip of the V); ``None`` for stage 0 (reads data);
+    * ``outputs`` -- a stage's output (the loss on the last stage), until its B/BW (or its
+      ``SEND_F`` when forward-only);
+    * ``output_grads`` -- the gradient of a stage's output: received (``RECV_B``) or handed
+      over by the next stage on this rank;
+    * ``input_grads`` -- the gradient of a stage's input, waiting for its ``SEND_B``.
+    """
+
+    def __init__(self, *, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore,
+                 forward_step_func: Callable, config: Any, collect_non_loss_data: bool, cp_group_size: int,
+                 first_val_step: bool | None, memory: ActivationMemoryTracker | None) -> None:
+        from megatron.core.utils import get_model_type
+
+        from ..megatron_compat import pipeline_step_functions
+
+        steps = pipeline_step_functions()
+        self._forward_step, self._backward_step = steps.forward_step, steps.backward_step
+        self._check_first_val_step = steps.check_first_val_step
+        self.runtime, self.store, self.config, self.memory = runtime, store, config, memory
+        self.forward_step_func, self.collect_non_loss_data = forward_step_func, collect_non_loss_data
+        self.cp_group_size, self.first_val_step = cp_group_size, first_val_step
+        self.forward_only = plan.forward_only
+        self.rank, self.stage_to_rank = plan.rank, plan.schedule.stage_to_rank
+        self.m, self.last = plan.schedule.num_microbatches, plan.schedule.num_stages - 1
+        self.model_type = get_model_type(next(iter(runtime.chunks.values())))
+        self.feeders = {s: _InOrderFeeder(it) for s, it in runtime.data_iterators.items()
+                        if it is not None and s in plan.out_of_order_stages}
+        self.stage_inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.outputs: dict[tuple[int, int], Any] = {}
+        self.output_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.stage_data: dict[tuple[int, int], list[Any]] = {}  # per-(mb, stage) forward data
+        self.total_tokens = torch.zeros([], dtype=torch.int)
+
+    # ------------------------------------------------------------------ communication
+    def received(self, a: Action, t: torch.Tensor) -> None:
+        """Keep the tensor of a ``RECV_F`` / ``RECV_B`` (``a.stage`` is the producing stage)."""
+        if a.op is Op.RECV_F:
+            self.stage_inputs[(a.mb, a.stage + 1)] = t.requires_grad_(not self.forward_only)
+        else:
+            self.output_grads[(a.mb, a.stage - 1)] = t
+
+    def to_send(self, a: Action, key: tuple[int, int]) -> torch.Tensor:
+        """The tensor a ``SEND_F`` / ``SEND_B`` sends (dropped here once nothing else needs it)."""
+        if a.op is Op.SEND_F:
+            if self.forward_only:
+                return _first(self.outputs.pop(key))
+            return _first(self.outputs[key])
+        return self.input_grads.pop(key)
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, a: Action, key: tuple[int, int]) -> None:
+        """``F``: megatron-core's ``forward_step`` (data on stage 0, loss on the last stage)."""
+        stage, fo = a.stage, self.forward_only
+        if stage == 0:
+            inp = None
+        else:  # received, or handed over by the previous stage on this rank
+            inp = self.stage_inputs.pop(key) if fo else self.stage_inputs[key]
+        data: list[Any] = []
+        ctx = self.memory.saving() if self.memory is not None else contextlib.nullcontext()
+        with ctx:
+            out, n_tok = self._forward_step(
+                self.forward_step_func,
+                self.feeders[stage].for_microbatch(a.mb) if stage in self.feeders
+                else self.runtime.data_iterators.get(stage),
+                self.runtime.chunks[stage], self.m, inp, data, self.config,
+                self.cp_group_size, collect_non_loss_data=self.collect_non_loss_data,
+                is_first_microbatch=self._check_first_val_step(self.first_val_step, fo, a.mb == 0),
+                current_microbatch=a.mb, is_last_stage=(stage == self.last))
+        self.total_tokens += n_tok
+        if data:
+            self.stage_data[key] = data
+        handed_over = stage < self.last and self.stage_to_rank[stage + 1] == self.rank
+        if handed_over:  # next stage lives on this rank (tip of the V): its input, detached
+            self.stage_inputs[(a.mb, stage + 1)] = _first(out).detach().requires_grad_(not fo)
+        if not fo or (stage < self.last and not handed_over):  # for B/BW, or for the SEND_F
+            self.outputs[key] = out
+
+    def backward(self, a: Action, key: tuple[int, int], *, deferred: bool) -> None:
+        """``B`` (``deferred``: weight gradients queued in the store for W) or ``BW``."""
+        stage = a.stage
+        inp = self.stage_inputs.pop(key, None)
+        out = self.outputs.pop(key)
+        out_grad = None if stage == self.last else self.output_grads.pop(key)
+        if deferred:
+            with self.store.deferring(stage, a.mb):
+                in_grad = self._backward_step(inp, out, out_grad, self.model_type, self.config)
+        else:
+            in_grad = self._backward_step(inp, out, out_grad, self.model_type, self.config)
+        del out, out_grad
+        if stage > 0:
+            if self.stage_to_rank[stage - 1] == self.rank:  # previous stage on this rank
+                self.output_grads[(a.mb, stage - 1)] = in_grad
+            else:
+                self.input_grads[key] = in_grad  # picked up by the SEND_B that follows
+
+    def result(self) -> tuple[list[Any], torch.Tensor]:
+        """(forward data of the last stage in microbatch order, total tokens)."""
+        forward_data = [d for mb in range(self.m) for d in self.stage_data.get((mb, self.last), [])]
+        return forward_data, self.total_tokens
 
 
 def _first(x: Any) -> torch.Tensor:
@@ -329,7 +384,7 @@ def _first(x: Any) -> torch.Tensor:
 
 
 def _forwards_out_of_order(acts: Sequence[Action], stage: int) -> bool:
-    mbs = [a.mb for a in acts if a.op == "F" and a.stage == stage]
+    mbs = [a.mb for a in acts if a.op is Op.F and a.stage == stage]
     return mbs != sorted(mbs)
 
 

@@ -14,7 +14,8 @@ from ..schedules.registry import build_schedule, get_spec
 from .executor import ActionTiming, RankPlan, StageRuntime, execute, plan_rank
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
-from .wgrad_store import get_weight_grad_store, install
+from .routes import install_routes
+from .wgrad_store import WeightGradStore
 
 
 @dataclass
@@ -64,10 +65,12 @@ class ZeroBubbleForwardBackward:
 
     Holds the schedule (rebuilt when ``num_microbatches`` or the costs change), its lowered and
     checked per-rank plan (built on the first call for a ``(p, m)``, reused by every later
-    call), and, after each call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for.
+    call), its weight-gradient ``store`` (every call's B's queue into it, its W's run it), and,
+    after each call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for.
     """
 
     options: ZeroBubbleOptions
+    store: WeightGradStore = field(default_factory=WeightGradStore)
     last_timing: ActionTiming | None = None
     last_peak_bytes: int | None = None
     _cache: dict[tuple[int, int], Schedule] = field(default_factory=dict)
@@ -123,10 +126,11 @@ class ZeroBubbleForwardBackward:
                  adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
         from megatron.core.utils import get_model_config
 
-        install()
+        from ..megatron_compat import pipeline_step_functions
+
+        install_routes()
         chunks = model if isinstance(model, list) else [model]
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(chunks)
         config = get_model_config(chunks[0])
@@ -141,6 +145,7 @@ class ZeroBubbleForwardBackward:
                              f"(megatron_zb.model.build_gpt_chunks with stage_to_rank={sched.stage_to_rank})")
         tp_group = parallel_state.get_tensor_model_parallel_group()
         cp_group = parallel_state.get_context_parallel_group()
+        get_tensor_shapes = pipeline_step_functions().get_tensor_shapes
         shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
                                    decoder_seq_length=decoder_seq_length, config=config,
                                    tp_group=tp_group, cp_group=cp_group)
@@ -168,11 +173,11 @@ class ZeroBubbleForwardBackward:
                 sync_ctx.enter_context(f())
         else:
             sync_ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
-        store = get_weight_grad_store()
+        store = self.store
         try:
             with sync_ctx:  # no gradient reduction while W may still add to the gradients
                 data, total_tokens = execute(
-                    plan=plan, runtime=runtime, forward_step_func=forward_step_func, config=config,
+                    plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func, config=config,
                     comm=comm, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
                     first_val_step=first_val_step, recv_lookahead=self.options.recv_lookahead,
                     recv_behind_sends=behind_sends, timing=timing, memory=memory)

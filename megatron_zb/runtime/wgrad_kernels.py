@@ -56,10 +56,9 @@ def install_megatron_fallback() -> bool:
 
     Only acts when apex's extension is missing; returns True when the fallback was installed.
     """
-    from megatron.core.tensor_parallel import layers
+    from ..megatron_compat import grad_accum_fusion_available, set_grad_accum_fusion_kernels
 
-    if getattr(layers, "_grad_accum_fusion_available", False):
+    if grad_accum_fusion_available():
         return False
-    layers.fused_weight_gradient_mlp_cuda = MatmulWgradKernels()
-    layers._grad_accum_fusion_available = True
+    set_grad_accum_fusion_kernels(MatmulWgradKernels())
     return True

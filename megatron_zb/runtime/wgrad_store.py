@@ -1,33 +1,28 @@
-"""The weight-gradient store: B now, W later, for every Megatron linear layer.
+"""The weight-gradient store: B now, W later, for every layer with a route into it.
 
 During a ``B`` action the runtime opens :meth:`WeightGradStore.deferring` for the (chunk,
-microbatch) being back-propagated. Inside it, megatron-core's
-``LinearWithGradAccumulationAndAsyncCommunication`` (the autograd function behind
-``ColumnParallelLinear`` and ``RowParallelLinear``, replaced by :class:`ZBLinearFunction` via
-:func:`install`) computes the input gradient at once -- with its tensor-parallel all-reduce or,
-under sequence parallelism, reduce-scatter -- and queues the weight-gradient GEMM. The matching
-``W`` action calls :meth:`WeightGradStore.run` which executes the queue:
+microbatch) being back-propagated; that makes the store the *current* one
+(:func:`current_store`). A layer with a route into the store (see
+:mod:`megatron_zb.runtime.routes`, e.g. megatron-core's linear layers) finds it there during its
+backward, computes its input gradient at once and queues its weight-gradient work with
+:meth:`WeightGradStore.put` -- a callable plus the parameters it accumulates into. The matching
+``W`` action calls :meth:`WeightGradStore.run`, which runs that queue.
 
-* with ``gradient_accumulation_fusion``: the fused ``wgrad_gemm_accum_fp32/fp16`` kernel
-  accumulates into ``weight.main_grad`` (apex's ``fused_weight_gradient_mlp_cuda`` on GPU; on a
-  CPU-only machine :mod:`megatron_zb.runtime.wgrad_kernels` provides a matmul fallback with the
-  same signature, so the same code path runs and is tested here);
-* otherwise a matmul, added into ``weight.main_grad`` (megatron-core DDP, exactly what DDP's
-  grad-accumulation hook would add) or into ``weight.grad``.
+Outside a deferring window (``BW`` actions, forward-only, megatron-core's own schedules) no store
+is current and every routed layer behaves exactly as megatron-core's.
 
-Under sequence parallelism the ``W`` pass re-gathers the sequence-sharded input over the tensor
-parallel group (every TP rank runs the same schedule, so the collectives line up), trading one
-all-gather for not keeping the gathered input alive between B and W.
-
-Outside a deferring window (``BW`` actions, forward-only, megatron-core's own schedules) the
-layer behaves exactly as megatron-core's. Parameters outside linear layers (norms, linear biases,
-embeddings, position embeddings) get their gradients during ``B``.
+Parameter bookkeeping (for overlapping the data-parallel gradient reduction with the
+schedule): the runtime tells the store, per iteration, how many W actions each chunk runs
+(:meth:`WeightGradStore.begin_iteration`). The store then knows how many W's of a parameter's
+chunk are still to come (:meth:`WeightGradStore.remaining_w`) and calls
+:attr:`WeightGradStore.on_params_done` after the last W of a chunk with every parameter whose
+weight-gradient work was queued on that chunk this iteration: their gradients are final.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -36,197 +31,151 @@ class WeightGradStoreError(RuntimeError):
     """Misuse of the store: W without its B, a W run twice, or W left pending at iteration end."""
 
 
+_CURRENT: "WeightGradStore | None" = None  # the store whose deferring window is open, if any
+
+
+def current_store() -> WeightGradStore | None:
+    """The store whose :meth:`~WeightGradStore.deferring` window is open (``None`` outside a B).
+
+    Process-wide, not per thread: on GPU, autograd runs backward functions on its own device
+    threads, which must see the window the executor's thread opened.
+    """
+    return _CURRENT
+
+
 class WeightGradStore:
-    """Queues of deferred weight-gradient computations, one per (model chunk, microbatch)."""
+    """Queues of deferred weight-gradient computations, one per (model chunk, microbatch).
+
+    Each queue entry is ``(fn, params)``: ``fn()`` adds a weight gradient into the gradients
+    of ``params`` (``.main_grad`` or ``.grad``). The runtime's
+    :class:`~megatron_zb.runtime.ZeroBubbleForwardBackward` owns one store; routes find it
+    through :func:`current_store` while its B window is open.
+
+    Attributes:
+        executed: queue entries run by W since creation (for tests and statistics).
+        on_params_done: called after the last W of a chunk in an iteration (see
+            :meth:`begin_iteration`) with the parameters whose weight-gradient work that chunk
+            queued in the iteration, in first-queued order; ``None``: nobody is told. Setting it
+            requires :meth:`begin_iteration` before every iteration.
+    """
 
     def __init__(self) -> None:
-        self._queues: dict[tuple[int, int], list[Callable[[], None]]] = {}
+        self._queues: dict[tuple[int, int], list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]] = {}
         self._active: tuple[int, int] | None = None
-        self.executed = 0  # weight-gradient computations run by W since creation (for tests, stats)
+        self._w_left: dict[int, int] = {}        # chunk -> W actions still to run this iteration
+        self._params: dict[int, dict[int, torch.Tensor]] = {}  # chunk -> {id(param): param} queued
+        self.executed = 0
+        self.on_params_done: Callable[[tuple[torch.Tensor, ...]], None] | None = None
 
+    # ------------------------------------------------------------------ B: queue
     @contextlib.contextmanager
     def deferring(self, chunk: int, microbatch: int) -> Iterator[None]:
-        """Queue the weight-gradient work of linear layers run inside this block for ``(chunk, mb)``."""
+        """Make this store current and queue routed weight-gradient work for ``(chunk, mb)``."""
+        global _CURRENT
         key = (chunk, microbatch)
-        if self._active is not None:
+        if _CURRENT is not None:
+            c, m = _CURRENT._active or (None, None)
             raise WeightGradStoreError(f"B of chunk {chunk} microbatch {microbatch} started while "
-                                       f"B of chunk {self._active[0]} microbatch {self._active[1]} is open")
+                                       f"B of chunk {c} microbatch {m} is open")
         if key in self._queues:
             raise WeightGradStoreError(f"B of chunk {chunk} microbatch {microbatch} ran twice before its W")
         self._queues[key] = []
         self._active = key
+        _CURRENT = self
         try:
             yield
         finally:
             self._active = None
+            _CURRENT = None
 
     @property
     def is_deferring(self) -> bool:
+        """Whether this store's deferring window is open."""
         return self._active is not None
 
-    def put(self, fn: Callable[[], None]) -> None:
-        """Queue ``fn`` for the W of the open (chunk, microbatch)."""
-        if self._active is None:
+    def put(self, fn: Callable[[], None], *, params: tuple[torch.Tensor, ...]) -> None:
+        """Queue ``fn`` (which adds into the gradients of ``params``) for the W of the open (chunk, mb)."""
+        key = self._active
+        if key is None:
             raise WeightGradStoreError("weight-gradient work queued outside a B pass")
-        self._queues[self._active].append(fn)
+        self._queues[key].append((fn, params))
+        if self._w_left:  # counting W's this iteration (begin_iteration): note whose gradients they touch
+            known = self._params.get(key[0])
+            if known is None:
+                known = self._params[key[0]] = {}
+            for p in params:
+                known[id(p)] = p
 
+    # ------------------------------------------------------------------ W: run
     def run(self, chunk: int, microbatch: int) -> int:
         """Run (and drop) the queued weight-gradient work of ``(chunk, microbatch)``; return its size."""
-        try:
-            queue = self._queues.pop((chunk, microbatch))
-        except KeyError:
+        key = (chunk, microbatch)
+        queue = self._queues.get(key)
+        if queue is None:
             raise WeightGradStoreError(
                 f"W of chunk {chunk} microbatch {microbatch} has nothing to run: its B has not run "
-                f"(or this W already ran)") from None
+                f"(or this W already ran)")
+        left = self._w_left.get(chunk)
+        if left == 0:
+            raise WeightGradStoreError(f"W of chunk {chunk} microbatch {microbatch} is one more W than "
+                                       f"begin_iteration announced for chunk {chunk}")
+        if left is None and self.on_params_done is not None:
+            raise WeightGradStoreError(f"W of chunk {chunk} ran with on_params_done set but no W count for "
+                                       f"chunk {chunk}: call begin_iteration first")
+        del self._queues[key]
         with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
-            for fn in queue:
+            for fn, _ in queue:
                 fn()
         self.executed += len(queue)
+        if left is not None:
+            self._w_left[chunk] = left - 1
+            if left == 1 and self.on_params_done is not None:
+                done = tuple(self._params.get(chunk, {}).values())
+                if done:
+                    self.on_params_done(done)
         return len(queue)
+
+    # ------------------------------------------------------------------ per-iteration bookkeeping
+    def begin_iteration(self, w_per_chunk: Mapping[int, int]) -> None:
+        """Start an iteration in which chunk ``c`` runs ``w_per_chunk[c]`` W actions."""
+        if self._queues:
+            raise WeightGradStoreError("an iteration started with weight gradients still pending for "
+                                       + self._pending_text())
+        self._w_left = dict(w_per_chunk)
+        self._params.clear()
+
+    def remaining_w(self, param: torch.Tensor) -> int | None:
+        """W actions still to run this iteration on the chunk that queued work for ``param``.
+
+        0 once the last one ran: nothing is added into the gradient of ``param`` any more this
+        iteration. ``None`` when no work for ``param`` was queued this iteration, or no W counts
+        were given (:meth:`begin_iteration`). Counted per chunk because a W runs everything its
+        chunk's B queued; a layer a microbatch skipped contributes nothing to that W.
+        """
+        for chunk, left in self._w_left.items():
+            if id(param) in self._params.get(chunk, ()):
+                return left
+        return None
 
     def pending(self) -> list[tuple[int, int]]:
         """(chunk, microbatch) pairs whose W has not run yet."""
         return sorted(self._queues)
 
+    def _pending_text(self) -> str:
+        return ", ".join(f"(chunk {c}, microbatch {m})" for c, m in self.pending())
+
     def assert_empty(self) -> None:
         """Raise when an iteration ends with W still pending (a schedule that lost a W)."""
         if self._queues:
-            pend = ", ".join(f"(chunk {c}, microbatch {m})" for c, m in self.pending())
-            raise WeightGradStoreError(f"iteration ended with weight gradients still pending for {pend}")
+            raise WeightGradStoreError(f"iteration ended with weight gradients still pending for "
+                                       f"{self._pending_text()}")
 
     def clear(self) -> None:
+        """Drop every queue and the iteration's bookkeeping (after a failed iteration)."""
+        global _CURRENT
         self._queues.clear()
+        self._w_left.clear()
+        self._params.clear()
+        if _CURRENT is self:
+            _CURRENT = None
         self._active = None
-
-
-_STORE = WeightGradStore()
-
-
-def get_weight_grad_store() -> WeightGradStore:
-    """The process-wide store that :class:`ZBLinearFunction` feeds."""
-    return _STORE
-
-
-def _accumulate_wgrad(weight: torch.Tensor, main_grad: torch.Tensor | None, fusion: bool,
-                      grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
-    """Add ``grad_output^T @ total_input`` to the weight's gradient, as megatron-core would."""
-    from .wgrad_kernels import wgrad_gemm_accum
-
-    if fusion:
-        assert main_grad is not None, "gradient_accumulation_fusion needs weight.main_grad"
-        wgrad_gemm_accum(total_input, grad_output, main_grad)
-        if hasattr(weight, "grad_added_to_main_grad"):
-            weight.grad_added_to_main_grad = True
-        return
-    grad_weight = grad_output.t().matmul(total_input)
-    if hasattr(weight, "main_grad") and weight.main_grad is not None:
-        weight.main_grad.add_(grad_weight)  # what megatron-core DDP's grad hook adds
-    elif weight.grad is None:
-        weight.grad = grad_weight
-    else:
-        weight.grad += grad_weight
-
-
-def _make_zb_function():
-    from megatron.core.tensor_parallel import layers
-    from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
-    get_global_memory_buffer = layers.get_global_memory_buffer
-
-    base = layers.LinearWithGradAccumulationAndAsyncCommunication
-    custom_bwd = layers.custom_bwd
-
-    class ZBLinearFunction(base):  # type: ignore[misc, valid-type]
-        """megatron-core's linear autograd function with the weight gradient deferrable to W."""
-
-        @staticmethod
-        def forward(ctx, input, weight, *args):  # noqa: D401 - autograd signature
-            # Keep the Parameter object itself: what ctx.saved_tensors returns may be an alias
-            # (e.g. under saved-tensor hooks), and gradients must land on the real parameter.
-            ctx.zb_weight = weight
-            return base.forward(ctx, input, weight, *args)
-
-        @staticmethod
-        @custom_bwd
-        def backward(ctx, grad_output):  # noqa: D401 - autograd signature
-            store = get_weight_grad_store()
-            if not store.is_deferring or ctx.grad_output_buffer is not None:
-                return base.backward(ctx, grad_output)
-            input, weight = ctx.saved_tensors
-            param = ctx.zb_weight
-            tp_group = ctx.tp_group
-            main_grad = ctx.main_grad
-            fusion = ctx.gradient_accumulation_fusion
-            if fusion:
-                param.main_grad = main_grad
-            # 1. the input gradient, now: it is on the critical path
-            grad_input = grad_output.matmul(weight)
-            handle = None
-            if ctx.allreduce_dgrad:
-                handle = torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)
-            if ctx.sequence_parallel:
-                assert not ctx.allreduce_dgrad
-                sub_grad_input = torch.empty(list(input.size()), dtype=input.dtype, device=input.device)
-                handle = torch.distributed.reduce_scatter_tensor(sub_grad_input, grad_input, group=tp_group,
-                                                                 async_op=True)
-            if ctx.use_bias:  # as megatron-core: sum over the flattened [s*b, h] gradient
-                flat = grad_output.contiguous()
-                flat = flat.view(-1, flat.shape[-1]) if flat.dim() == 3 else flat
-                grad_bias = flat.sum(dim=0)
-            else:
-                grad_bias = None
-
-            # 2. the weight gradient, later: queued for this (chunk, microbatch)'s W
-            sequence_parallel = ctx.sequence_parallel
-
-            def weight_grad() -> None:
-                total_input = input
-                if sequence_parallel:
-                    size = list(input.size())
-                    size[0] *= tp_group.size()
-                    total_input = get_global_memory_buffer().get_tensor(size, input.dtype, "mpu")
-                    torch.distributed.all_gather_into_tensor(total_input, input.contiguous(), group=tp_group)
-                g, x = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
-                _accumulate_wgrad(param, main_grad, fusion, g, x)
-
-            store.put(weight_grad)
-            if handle is not None:
-                handle.wait()
-            grad_input = sub_grad_input if ctx.sequence_parallel else grad_input
-            return grad_input, None, grad_bias, None, None, None, None, None, None
-
-    ZBLinearFunction.__name__ = "ZBLinearFunction"
-    return base, ZBLinearFunction
-
-
-_ORIGINAL: type | None = None
-
-
-def install() -> None:
-    """Route megatron-core's linear layers through :class:`ZBLinearFunction` (idempotent).
-
-    Outside :meth:`WeightGradStore.deferring` the replacement behaves exactly like megatron-core's
-    function, so installing it never changes a run that does not use a split-backward schedule.
-    """
-    global _ORIGINAL, ZBLinearFunction
-    from megatron.core.tensor_parallel import layers
-
-    if _ORIGINAL is not None:
-        return
-    base, fn = _make_zb_function()
-    _ORIGINAL = base
-    ZBLinearFunction = fn
-    layers.LinearWithGradAccumulationAndAsyncCommunication = fn
-
-
-def uninstall() -> None:
-    """Restore megatron-core's own linear autograd function."""
-    global _ORIGINAL
-    from megatron.core.tensor_parallel import layers
-
-    if _ORIGINAL is not None:
-        layers.LinearWithGradAccumulationAndAsyncCommunication = _ORIGINAL
-        _ORIGINAL = None
-
-
-ZBLinearFunction: type | None = None
-"""The installed replacement class (``None`` until :func:`install`)."""

@@ -171,7 +171,7 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
     and returns the updated parameters; ``options`` go to megatron-zb's forward_backward_func.
     """
     from ..model import named_global_parameters
-    from ..runtime import get_forward_backward_func, get_weight_grad_store
+    from ..runtime import get_forward_backward_func
 
     chunks, modules = build(cfg, schedule)
     if schedule is None:
@@ -180,8 +180,8 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
     else:
         fb = get_forward_backward_func(schedule, track_memory=track_memory, **{**cfg.schedule_options, **options})
     data = cfg.microbatches()
-    store = get_weight_grad_store()
-    before = store.executed
+    store = getattr(fb, "store", None)  # megatron-zb's weight-gradient store (megatron-core's func: none)
+    before = 0 if store is None else store.executed
     losses = forward_backward(fb, modules, data, seq=cfg.seq, micro_batch=cfg.micro_batch, forward_only=forward_only)
     grads: dict[str, torch.Tensor] = {}
     if not forward_only:
@@ -190,7 +190,8 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
             for n, p in named_global_parameters(c):
                 g = p.main_grad if use_main else p.grad
                 grads[n] = full_tensor(g, p)
-    out = {"losses": [d["lm loss"] for d in losses], "grads": grads, "w_deferred": store.executed - before,
+    w_deferred = 0 if store is None else store.executed - before
+    out = {"losses": [d["lm loss"] for d in losses], "grads": grads, "w_deferred": w_deferred,
            "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}}
     if optimizer_step:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
