@@ -181,3 +181,44 @@ def copy_main_params_to_model_params(optimizer: Any) -> None:
 
 # ---------------------------------------------------------------------------------- training
 # (megatron-core internals the training loop, data and checkpointing code rely on)
+
+
+# ------------------------------------------------------------------------ transformer engine
+# (what the Transformer Engine route reads inside TE modules and megatron-core's TE config;
+# see megatron_zb/runtime/te_route.py and docs/transformer_engine.md). TE's public API used
+# directly there: ``module.wgrad_store.delay_wgrad_compute()``, ``module.backward_dw()``,
+# ``module.register_wgrad_accumulation_and_reduce_hooks(hook)`` (TE >= 2.7).
+
+
+def te_queued_wgrad(module: Any) -> int:
+    """Entries queued in a TE module's deferred weight-gradient FIFO.
+
+    Private to TE: ``WeightGradStore.context`` is the ``queue.Queue`` that ``put`` fills and
+    ``pop`` drains (``transformer_engine/pytorch/module/_common.py``, unchanged from TE 2.3 to
+    2.18). One ``backward_dw()`` pops one entry (``LayerNormMLP``: two, fc2 then fc1);
+    ``need_backward_dw()`` (TE >= 2.10) only says whether delaying is switched on.
+    """
+    context = module.wgrad_store.context
+    return 0 if context is None else context.qsize()
+
+
+def te_drop_queued_wgrad(module: Any) -> None:
+    """Empty a TE module's deferred weight-gradient FIFO without running it (after a failed
+    iteration; see :func:`te_queued_wgrad` for the private ``WeightGradStore.context``)."""
+    context = module.wgrad_store.context
+    while context is not None and not context.empty():
+        context.get_nowait()
+
+
+def set_delay_wgrad_compute(config: Any) -> None:
+    """Set ``config.delay_wgrad_compute = True`` on an already validated ``TransformerConfig``.
+
+    megatron-core 0.16.1 accepts ``delay_wgrad_compute`` only together with
+    ``overlap_moe_expert_parallel_comm`` (an assertion in ``TransformerConfig.__post_init__``,
+    ``megatron/core/transformer/transformer_config.py``); its TE wrappers
+    (``megatron/core/extensions/transformer_engine.py``) read the field when they build a TE
+    module (``delay_wgrad_compute=`` for TE >= 2.3) and in their ``backward_dw()``. Setting the
+    field after validation -- before the model is built -- passes it to TE without the MoE-only
+    check; no megatron-core file changes.
+    """
+    config.delay_wgrad_compute = True
