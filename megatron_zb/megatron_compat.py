@@ -210,6 +210,24 @@ def te_drop_queued_wgrad(module: Any) -> None:
         context.get_nowait()
 
 
+def te_returned_bias_params(module: Any) -> tuple[Any, ...]:
+    """The bias parameters a TE module returns to its caller (``return_bias=True``; megatron-core's
+    ``skip_bias_add``) instead of adding them: their gradient comes from autograd in B.
+
+    TE's ``backward_dw()`` still assigns them ``bgrad.to(dtype)`` when their ``.grad`` is
+    ``None`` although the delayed GEMM computed no bias gradient (``bgrad is None``):
+    ``TransformerEngineBaseModule.backward_dw`` (``Linear``, ``LayerNormLinear``; bias names in
+    the module's ``bias_names``) and ``LayerNormMLP.backward_dw`` (``fc2_bias``), TE 2.3 to 2.18.
+    """
+    if not (getattr(module, "return_bias", False) and getattr(module, "use_bias", False)):
+        return ()
+    names = getattr(module, "bias_names", None)
+    if names is not None:
+        return tuple(getattr(module, n) for n in names)
+    fc2_bias = getattr(module, "fc2_bias", None)
+    return () if fc2_bias is None else (fc2_bias,)
+
+
 def set_delay_wgrad_compute(config: Any) -> None:
     """Set ``config.delay_wgrad_compute = True`` on an already validated ``TransformerConfig``.
 

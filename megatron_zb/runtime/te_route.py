@@ -47,7 +47,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..megatron_compat import set_delay_wgrad_compute, te_drop_queued_wgrad, te_queued_wgrad
+from ..megatron_compat import (set_delay_wgrad_compute, te_drop_queued_wgrad, te_queued_wgrad,
+                              te_returned_bias_params)
 from ..schedules.ir import Schedule
 from ..schedules.order import w_order_matches_b
 from .wgrad_store import WeightGradStore, WeightGradStoreError
@@ -149,6 +150,8 @@ class _TEModule:
         self.module, self.name = module, name
         self.params = tuple(module.parameters())
         self.outstanding = 0
+        self._returned = te_returned_bias_params(module)
+        self._placeholders: tuple[torch.Tensor, ...] | None = None
         self._stash: list[torch.Tensor | None] | None = None
         register = getattr(module, "register_wgrad_accumulation_and_reduce_hooks", None)
         self.hooked = callable(register)
@@ -161,9 +164,7 @@ class _TEModule:
         left = entries
         while left > 0:
             before = te_queued_wgrad(self.module)
-            self._stash = [p.grad for p in self.params]
-            for p in self.params:
-                p.grad = None
+            self._set_aside()
             self.module.backward_dw()
             if self._stash is not None:
                 if self.hooked:
@@ -177,15 +178,30 @@ class _TEModule:
             left -= used
             self.outstanding -= used
 
+    def _set_aside(self) -> None:
+        """Before ``backward_dw()``: every ``.grad`` set aside (TE assigns rather than adds, some
+        versions only into an empty ``.grad``); a bias the module returns to its caller (its
+        gradient came from autograd in B) gets a zero placeholder, since TE would otherwise
+        assign it a bias gradient its delayed GEMM never computed (``None``)."""
+        self._stash = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        if self._returned:
+            if self._placeholders is None:
+                self._placeholders = tuple(torch.zeros_like(p) for p in self._returned)
+            for p, z in zip(self._returned, self._placeholders):
+                p.grad = z
+
     def _settle(self) -> None:
         """Add what ``backward_dw()`` left in ``.grad`` to ``main_grad`` (as megatron-core DDP's
         gradient hook does) or onto the set-aside ``.grad`` (as autograd accumulates)."""
         stash, self._stash = self._stash, None
         if stash is None:  # a backward_dw() not run by this route: leave it alone
             return
+        placeholders = self._placeholders or ()
         for p, old in zip(self.params, stash):
             new = p.grad
-            if new is None:
+            if new is None or any(new is z for z in placeholders):
                 p.grad = old
                 continue
             main = getattr(p, "main_grad", None)

@@ -6,6 +6,9 @@ runs one forward/backward over fixed data -- with megatron-core's own
 ``get_forward_backward_func()`` when ``schedule is None``, else with megatron-zb's -- and
 returns the losses and every parameter's full (tensor-parallel-gathered) gradient keyed by its
 global name, so results of different layouts compare directly.
+
+The model runs on :func:`~megatron_zb.testing.distributed.device_from_env` (CPU by default,
+``MEGATRON_ZB_TEST_DEVICE=cuda`` on a GPU node); results come back on CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TinyGPT:
-    """Shape and parallel layout of the tiny model (sizes in elements, counts in microbatches)."""
+    """Shape and parallel layout of the tiny model (sizes in elements, counts in microbatches).
+
+    ``layer_spec``: ``"module:function"`` returning the ``TransformerLayer`` spec (default
+    megatron-core's local spec). ``delay_wgrad``: build Transformer Engine modules with
+    delayed weight gradients (:func:`megatron_zb.runtime.te_route.enable_delayed_wgrad`).
+    """
 
     pp: int = 2
     tp: int = 1
@@ -38,6 +46,8 @@ class TinyGPT:
     num_microbatches: int = 4
     seed: int = 1234
     schedule_options: dict[str, Any] = field(default_factory=dict)
+    layer_spec: str | None = None
+    delay_wgrad: bool = False
 
     def microbatches(self) -> list[dict[str, torch.Tensor]]:
         """The fixed data: ``num_microbatches`` micro batches of random tokens (per DP rank)."""
@@ -86,6 +96,9 @@ def loss_func(output_tensor: torch.Tensor):
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
     """megatron-core forward step: every stage draws its micro batch (only the ends use it)."""
     batch = next(data_iterator)
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        batch = {k: v.to(device) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, loss_func
 
@@ -102,16 +115,16 @@ def forward_backward(fb: Any, modules: list[Any], data: list[dict[str, torch.Ten
 
 
 def full_tensor(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-    """Gather a tensor-parallel shard back to the full tensor (a copy at TP=1)."""
+    """Gather a tensor-parallel shard back to the full tensor (a copy at TP=1), on CPU."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return t.detach().clone()
+        return t.detach().cpu().clone()
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=param.partition_dim)
+    return torch.cat(parts, dim=param.partition_dim).cpu()
 
 
 def placement_for(schedule: "str | Schedule | None", pp: int, num_chunks: int = 2) -> list[int]:
@@ -130,15 +143,32 @@ def placement_for(schedule: "str | Schedule | None", pp: int, num_chunks: int = 
 
 
 def build_chunks(cfg: TinyGPT, stage_to_rank: list[int]) -> list[Any]:
-    """This rank's GPT chunks of ``cfg`` (no dropout) for a placement; parallel state must be initialised."""
+    """This rank's GPT chunks of ``cfg`` (no dropout) for a placement, on the test device;
+    parallel state must be initialised."""
+    import importlib
+
     from ..model import build_gpt_chunks, cpu_gpt_config
+    from .distributed import device_from_env
 
     config = cpu_gpt_config(num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
                             hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=cfg.tp,
                             pipeline_model_parallel_size=cfg.pp, sequence_parallel=cfg.sequence_parallel,
                             gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
-    return build_gpt_chunks(config=config, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
-                            stage_to_rank=stage_to_rank, seed=cfg.seed)
+    spec = None
+    if cfg.layer_spec is not None:
+        module, _, function = cfg.layer_spec.partition(":")
+        spec = getattr(importlib.import_module(module), function)()
+    if cfg.delay_wgrad:
+        from ..runtime.te_route import enable_delayed_wgrad
+
+        enable_delayed_wgrad(config)
+    chunks = build_gpt_chunks(config=config, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
+                              stage_to_rank=stage_to_rank, seed=cfg.seed, layer_spec=spec)
+    device = device_from_env()
+    if device.type != "cpu":
+        for c in chunks:
+            c.module.to(device)
+    return chunks
 
 
 def build(cfg: TinyGPT, schedule: str | None) -> tuple[list[Any], list[Any]]:
@@ -191,7 +221,7 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
                 g = p.main_grad if use_main else p.grad
                 grads[n] = full_tensor(g, p)
     w_deferred = 0 if store is None else store.executed - before
-    out = {"losses": [d["lm loss"] for d in losses], "grads": grads, "w_deferred": w_deferred,
+    out = {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": w_deferred,
            "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}}
     if optimizer_step:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
