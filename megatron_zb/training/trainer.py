@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zb.schedules.ir import Schedule
+from megatron_zb.training.arguments import initial_schedule
 from megatron_zb.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_zb.training.data_setup import DataBundle, build_data
 from megatron_zb.training.distributed import DistributedContext, init_distributed, shutdown_distributed
@@ -71,8 +72,6 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, *, schedule: Schedule | None = None) -> None:
         """Set the run up (collective). ``schedule``: the unit-cost schedule validation built
         (:attr:`~megatron_zb.training.arguments.ValidatedArgs.schedule`); ``None`` builds it again."""
-        from megatron_zb.training.arguments import initial_schedule
-
         self.args = args
         self.t_start = time.perf_counter()
         self._iteration_of_step: dict[int, int] = {}  # post-validation: optimizer step index -> iteration

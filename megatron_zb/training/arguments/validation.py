@@ -14,8 +14,12 @@ from dataclasses import dataclass
 
 from megatron_zb.schedules.ir import Schedule
 
-from . import data, model, parallel, training, zero_bubble
 from .common import ArgumentError, flag
+from .data import check_data, resolve_tokenizer_vocab
+from .model import check_attention_heads, check_position_embeddings, fill_model_sizes
+from .parallel import check_batch_sizes, check_sequence_parallel, check_world_size, resolve_backend
+from .training import check_learning_rate, check_precision, fill_training_values
+from .zero_bubble import check_layers, check_schedule_builds, check_zero_bubble_options, resolve_schedule
 
 __all__ = ["NON_NEGATIVE", "POSITIVE", "REQUIRED", "UNIT_INTERVAL", "ValidatedArgs", "check_ranges",
            "validate_args", "validate_args_and_schedule"]
@@ -62,21 +66,21 @@ def validate_args_and_schedule(args: argparse.Namespace, *, world_size: int) -> 
         raise ArgumentError("world_size", f"must be >= 1, got {world_size}")
     args.world_size = world_size
     check_ranges(args)
-    parallel.check_world_size(args, world_size)
-    model.check_attention_heads(args)
-    parallel.check_sequence_parallel(args)
-    training.check_precision(args)
-    model.check_position_embeddings(args)
-    parallel.check_batch_sizes(args)
-    spec = zero_bubble.resolve_schedule(args)
-    zero_bubble.check_layers(args)
-    schedule = zero_bubble.check_schedule_builds(args, spec)
-    zero_bubble.check_zero_bubble_options(args, spec)
-    data.check_data(args)
-    data.resolve_tokenizer_vocab(args)
-    model.fill_model_sizes(args)
-    training.fill_training_values(args)
-    parallel.resolve_backend(args)
+    check_world_size(args, world_size)
+    check_attention_heads(args)
+    check_sequence_parallel(args)
+    check_precision(args)
+    check_position_embeddings(args)
+    check_batch_sizes(args)
+    spec = resolve_schedule(args)
+    check_layers(args)
+    schedule = check_schedule_builds(args, spec)
+    check_zero_bubble_options(args, spec)
+    check_data(args)
+    resolve_tokenizer_vocab(args)
+    fill_model_sizes(args)
+    fill_training_values(args)
+    resolve_backend(args)
     return ValidatedArgs(args=args, schedule=schedule)
 
 
@@ -100,6 +104,6 @@ def check_ranges(args: argparse.Namespace) -> None:
     for dest in UNIT_INTERVAL:
         if not 0.0 <= getattr(args, dest) < 1.0:
             raise ArgumentError(flag(dest), f"must be in [0, 1), got {getattr(args, dest)}")
-    training.check_learning_rate(args)
+    check_learning_rate(args)
     if args.pipeline_timeout_seconds <= 0:
         raise ArgumentError("--pipeline-timeout-seconds", f"must be > 0, got {args.pipeline_timeout_seconds}")
