@@ -10,7 +10,8 @@ Modules (one job each):
 * :mod:`.profile` -- the measured-cost file ``pretrain_gpt_zb.py --profile-out`` writes;
 * :mod:`.planner` -- builds and simulates every schedule family, picks the recommendation;
 * :mod:`.report` -- the printed table and the ``--json`` document;
-* :mod:`.command` -- the ``plan`` subcommand's flags.
+* :mod:`.command` -- the ``plan`` subcommand's flags;
+* :mod:`.validation` -- the comparison with the zero-bubble paper printed in docs/planning.md.
 
 Kept light: importing this package does not import the schedule generators or matplotlib.
 """

@@ -92,7 +92,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--gpu-tflops", type=float, metavar="X", help="dense 16-bit peak, TFLOP/s")
     g.add_argument("--gpu-memory-gib", type=float, metavar="X", help="device memory, GiB")
     g.add_argument("--gpu-hbm-gbs", type=float, metavar="X", help="device memory bandwidth, GB/s")
-    g.add_argument("--tp-gbs", type=float, metavar="X", help="GPU-to-GPU bandwidth in a node per direction, GB/s")
+    g.add_argument("--tp-gbs", type=float, metavar="X", help="a GPU's link bandwidth in a node, per direction, GB/s")
     g.add_argument("--p2p-gbps", type=float, metavar="X", help="stage-to-stage bandwidth, Gbit/s")
     g.add_argument("--p2p-latency-ms", type=float, metavar="X", help="fixed cost of one stage-to-stage transfer, ms")
     g.add_argument("--mfu", type=float, metavar="X",

@@ -13,8 +13,8 @@ Megatron counts backward as twice the forward. The split into ``B`` (input gradi
 (weight gradients) is: a linear layer ``Y = X W^T`` needs ``dX = dY W`` in ``B`` and
 ``dW = dY^T X`` in ``W``, each as many FLOPs as the forward; attention's score and context
 products have no weights, so both of their backward products (four, as many FLOPs as two
-forwards) are in ``B``. Hence per layer ``F = 24Tsh^2... `` in the paper's notation
-``F = sbh(24h + 4s)``, ``B = sbh(24h + 8s)``, ``W = sbh(24h)`` for its GPT (MHA, ``f = 4h``).
+forwards) are in ``B``. For the zero-bubble paper's GPT (MHA, ``f = 4h``) this gives its Table 1:
+``F = sbh(24h + 4s)``, ``B = sbh(24h + 8s)``, ``W = 24sbh^2`` FLOPs per layer.
 
 Time of one kernel is its roofline, ``max(FLOPs / (peak * mfu), bytes / (HBM * hbm_efficiency))``,
 summed over the kernels of a pass, plus the tensor-parallel collectives (ring all-reduce of the

@@ -13,8 +13,9 @@ MI300X     1307        192 GiB      5300         448           400 (400G NIC per
 
 A100 and H100 are the SXM 80 GB parts. HBM is built from binary-sized stacks, so the published
 "80 GB" is 80 GiB (H200 enables 141 of its 144 GiB; MI300X has 8 x 24 GiB). The TP link column
-is the NVLink / Infinity Fabric bandwidth per direction between two GPUs of a node (tensor
-parallel collectives stay in a node). The P2P column is the network bandwidth of one GPU in the
+is a GPU's aggregate NVLink / Infinity Fabric bandwidth per direction inside a node (half the
+published bidirectional figure: 600, 900, 900, 896 GB/s; tensor-parallel collectives stay in a
+node). The P2P column is the network bandwidth of one GPU in the
 vendor's reference 8-GPU server: pipeline stages usually span nodes, so the default assumes the
 stage-to-stage link is the NIC (within a node it is faster: pass ``--p2p-gbps``).
 
@@ -45,7 +46,7 @@ class Hardware:
         peak_tflops: dense 16-bit tensor-core peak, TFLOP/s (1e12 FLOP/s).
         memory_gib: device memory, GiB (2**30 bytes).
         hbm_gbs: device memory bandwidth, GB/s (1e9 bytes/s).
-        tp_gbs: bandwidth per direction between two GPUs of a node, GB/s (tensor-parallel
+        tp_gbs: a GPU's aggregate link bandwidth per direction inside a node, GB/s (tensor-parallel
             collectives).
         p2p_gbps: bandwidth of a stage-to-stage transfer, Gbit/s (1e9 bits/s).
         p2p_latency_ms: fixed cost of one stage-to-stage transfer, ms.

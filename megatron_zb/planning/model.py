@@ -236,7 +236,8 @@ def _microbatches(model: ModelConfig, dp: int, m: int | None, gbs: int | None) -
             raise PlanError("--global-batch-size", f"{gbs} is not a multiple of --micro-batch-size x "
                                                    f"--data-parallel-size = {per}")
         if m is not None and m != gbs // per:
-            raise PlanError("--num-microbatches", f"{m} disagrees with --global-batch-size {gbs} / {per} = {gbs // per}")
+            raise PlanError("--num-microbatches",
+                            f"{m} disagrees with --global-batch-size {gbs} / {per} = {gbs // per}")
         m = gbs // per
     if m < 1:
         raise PlanError("--num-microbatches", f"must be >= 1, got {m}")

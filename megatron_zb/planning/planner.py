@@ -16,7 +16,8 @@ GPU. Peak memory per rank = the simulator's peak activation memory + the rank's 
 optimizer state; a family *fits* when the largest rank's total is at most the GPU's usable
 memory, ``memory_fraction`` (default 0.9) of it: the rest is left for what the estimate does not
 count (CUDA context, communication buffers, transient tensors, allocator fragmentation).
-The recommendation is the fastest family that fits (ties: less memory).
+The recommendation is the fastest family that fits (ties: less memory, then a named family over
+``zb`` with a limit).
 
 ``zb`` (the greedy scheduler under an explicit limit) is planned with the largest number ``N``
 of microbatches' activations that fits the usable memory next to the parameters on every rank (its report names
@@ -233,7 +234,8 @@ def plan(*, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, sc
         fam.seconds = time.perf_counter() - t0
         families.append(fam)
     ok = [f for f in families if f.status == "ok" and f.fits]
-    best = min(ok, key=lambda f: (round(f.iteration_time_ms, 6), f.peak_memory_gib), default=None)
+    best = min(ok, key=lambda f: (round(f.iteration_time_ms, 6), round(f.peak_memory_gib, 6),
+                                  f.memory_limit_n is not None), default=None)  # ties: a named family over zb
     return Plan(model, parallel, hardware, source.t_comm_ms, source.table(Placement.PLAIN, 1), families,
                 best.name if best else None, profile, memory_fraction)
 

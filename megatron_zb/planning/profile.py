@@ -123,7 +123,8 @@ def read_profile(path: str | Path) -> Profile:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PlanError("--profile", f"{where}: not a megatron-zb profile (needs \"format\": \"{FORMAT}\")")
     if data.get("version") != VERSION:
-        raise PlanError("--profile", f"{where}: version {data.get('version')!r} is not supported (this reads {VERSION})")
+        raise PlanError("--profile",
+                        f"{where}: version {data.get('version')!r} is not supported (this reads {VERSION})")
     try:
         prof = Profile(model=_build(ModelConfig, data["model"], "model"),
                        parallel=_parallel(data["parallel"]), schedule=str(data["schedule"]),
