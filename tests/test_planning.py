@@ -228,3 +228,33 @@ def test_plan_from_profile_uses_the_measured_costs(capsys, tmp_path):
     assert one["makespan_ms"] >= 12 * 10.0 + (3.0 + 3.5 + 4.0) + 3 * 0.25
     rc, _, err = run(capsys, "plan", "--profile", path, "--gpu", "H100", "--hidden-size", 2048)
     assert rc == 2 and err.startswith("megatron-zb: error: --hidden-size: 2048 disagrees with the profile")
+
+
+def test_default_families_progress_and_search_limit(capsys, tmp_path, monkeypatch):
+    """Default run: every family planned or listed with a reason; the search-based multi-chunk
+    generators are left out above the size limit unless named; a progress line per family once
+    planning passes the threshold."""
+    import megatron_zb.planning.command as command
+    import megatron_zb.planning.planner as planner
+    monkeypatch.setattr(command, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(planner, "SEARCH_LIMIT", 40)  # V: 8 stages x 8 microbatches = 64 > 40
+    base = ["plan", "--num-layers", 8, "--hidden-size", 1024, "--num-attention-heads", 16, "--seq-length", 1024,
+            "--micro-batch-size", 2, "--vocab-size", 32000, "--bf16", "--pipeline-model-parallel-size", 4,
+            "--num-microbatches", 8, "--gpu", "H100"]
+    out_json = tmp_path / "plan.json"
+    rc, out, err = run(capsys, *base, "--json", out_json)
+    assert rc == 0, err
+    doc = json.loads(out_json.read_text())
+    from megatron_zb.schedules.registry import schedule_names
+    planned = {s["name"] for s in doc["schedules"]}
+    left = {d["name"]: d["reason"] for d in doc["not_planned"]}
+    assert planned | set(left) == set(schedule_names()) and not planned & set(left)
+    assert {"1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb", "zb-1p", "zb-2p"} <= planned
+    for name in ("zbv", "v-half", "v-min", "interleaved-zb"):
+        assert f"--schedules {name}" in left[name]
+    assert "CP-SAT" in left["zb-optimal"]
+    progress = [line for line in err.splitlines() if line.startswith("megatron-zb plan: [")]
+    assert len(progress) == len(schedule_names())
+    rc, _, err = run(capsys, *base, "--schedules", "zbv", "--json", out_json)
+    assert rc == 0, err
+    assert [s["name"] for s in json.loads(out_json.read_text())["schedules"]] == ["zbv"]

@@ -28,7 +28,9 @@ fused backward, measure ``B`` + ``W`` and split it, or profile a zero-bubble sch
 ``mem_b_bytes`` the activation memory one microbatch's forward leaves allocated until its ``B``,
 ``mem_w_bytes`` the part still allocated from ``B`` until ``W``, bytes on one GPU.
 ``model`` and ``parallel`` use Megatron's argument names (:mod:`.model`); the planner plans for
-them, so the plan's model flags may be omitted and must agree when given.
+them, so the plan's model flags may be omitted and must agree when given. A writer builds them
+with :func:`~.model.make_model` / :func:`~.model.make_parallel` from its own arguments and calls
+:func:`write_profile`.
 """
 
 from __future__ import annotations
