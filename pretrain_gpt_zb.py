@@ -33,7 +33,7 @@ def main() -> int:
         warnings.filterwarnings("ignore", message=message, category=category)
     if os.environ.get("RANK", "0") == "0" and not any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(f"{os.path.basename(__file__)}: loading torch and megatron-core ...", flush=True)
-    from megatron_zb.training.loop import main as run  # imports torch, megatron-core, the CPU shim
+    from megatron_zb.training.pretrain import main as run  # imports torch, megatron-core, the CPU shim
 
     return run(sys.argv[1:])
 

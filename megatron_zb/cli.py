@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, Sequence
 
+from .planning.command import add_plan_parser
 from .schedules import registry
 from .schedules.costs import CostModel
 from .schedules.ir import Schedule, ScheduleError, dump, validate
@@ -453,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description=_wrap("Print the registered schedules: name, placement, whether backward is "
                         "split into B and W, whether the generator uses the cost model, description."))
     pl.set_defaults(func=_cmd_list)
+    add_plan_parser(sub)
     return parser
 
 

@@ -13,7 +13,7 @@ import torch
 
 from megatron_zb.schedules.ir import ScheduleError
 from megatron_zb.schedules.registry import get_spec, schedule_names
-from megatron_zb.training import arguments
+from megatron_zb.training.arguments import zero_bubble as arguments
 from megatron_zb.training.arguments import (ArgumentError, build_parser, initial_schedule, parse_args,
                                             parse_data_blend, validate_args)
 

@@ -260,7 +260,8 @@ def _post_validated_iterations(argv: list[str]) -> dict:
     import torch.distributed as dist
 
     from megatron_zb.optimizer import PostValidationOptimizer
-    from megatron_zb.training.loop import Trainer, parse_and_validate
+    from megatron_zb.training.pretrain import parse_and_validate
+    from megatron_zb.training.trainer import Trainer
 
     eager: list[bool] = []
     real_step = PostValidationOptimizer.step
@@ -339,7 +340,7 @@ def test_log_lines_are_megatrons_and_parse(runs):
 def _main_in_process(argv: list[str], world_size: int, monkeypatch, capsys) -> tuple[int, str]:
     import torch.distributed as dist
 
-    from megatron_zb.training.loop import main
+    from megatron_zb.training.pretrain import main
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
@@ -377,7 +378,7 @@ def test_mock_loss_mask_does_not_depend_on_the_first_sample_read():
     """megatron-core 0.16.1's GPTDataset mask cache kept the first sample's padding zeros
     (megatron_zb.training.data works around it); a resumed run reads a different first sample."""
     from megatron_zb.training.data import build_datasets
-    from megatron_zb.training.loop import parse_and_validate
+    from megatron_zb.training.pretrain import parse_and_validate
 
     args = parse_and_validate(PP2[:-2] + ["--pipeline-model-parallel-size", "1"], 1)
     _, a, _ = build_datasets(args, pipeline_rank=0)

@@ -49,6 +49,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from megatron_zb.planning.layout import split_layers  # the layer-split rule lives with the planner (no torch)
+
 __all__ = [
     "ChunkPlan",
     "GPTChunk",
@@ -66,39 +68,6 @@ _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------- layer split / plan
-def split_layers(num_layers: int, num_stages: int, *, allow_padding: bool = False) -> list[int]:
-    """Transformer layers per stage: even, or (``allow_padding``) fewer on the first/last stage.
-
-    With ``allow_padding`` every middle stage gets ``ceil(num_layers / num_stages)`` layers and
-    the first and last stages share the rest, the last (which also carries the output layer and
-    the loss) taking the smaller half, e.g. ``split_layers(10, 4, allow_padding=True) == [2, 3, 3, 2]``,
-    ``split_layers(7, 2, allow_padding=True) == [4, 3]``.
-
-    Raises:
-        ValueError: ``num_layers`` is not divisible by ``num_stages`` and ``allow_padding`` is
-            False, or even with padding the first or last stage would get no layer.
-    """
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if num_layers < num_stages:
-        raise ValueError(f"cannot split {num_layers} layers over {num_stages} stages: every stage needs a layer")
-    per, rem = divmod(num_layers, num_stages)
-    if rem == 0:
-        return [per] * num_stages
-    if not allow_padding:
-        raise ValueError(f"{num_layers} layers do not divide evenly over {num_stages} stages; "
-                         f"pass allow_padding=True to give the first/last stages fewer layers")
-    per += 1
-    deficit = per * num_stages - num_layers
-    first, last = per - deficit // 2, per - (deficit - deficit // 2)
-    if num_stages == 1 or first < 1 or last < 1:
-        left = num_layers - per * (num_stages - 2)
-        raise ValueError(f"cannot split {num_layers} layers over {num_stages} stages with padding only on the "
-                         f"first/last stage: the middle stages take {per} each, leaving {left} "
-                         f"for the first and last stage (each needs at least one)")
-    return [first] + [per] * (num_stages - 2) + [last]
-
-
 @dataclass(frozen=True, slots=True)
 class ChunkPlan:
     """One pipeline stage of a placement: where it runs and which global layers it holds.

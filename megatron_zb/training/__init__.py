@@ -1,12 +1,27 @@
-"""Building blocks of ``pretrain_gpt_zb.py`` that do not need the pipeline runtime.
+"""``pretrain_gpt_zb.py``: Megatron-LM's GPT pretraining on megatron-core with zero-bubble schedules.
 
-* :mod:`megatron_zb.training.arguments` -- Megatron-compatible command line (``build_parser``,
-  ``parse_args``) and ``validate_args``, which checks every flag combination *before* any process
-  group starts and resolves the schedule name and derived sizes.
-* :mod:`megatron_zb.training.logging_utils` -- Megatron's per-iteration log line (format and
-  parse), rank-aware printing, the one-time schedule report, an optional TensorBoard writer.
-* :mod:`megatron_zb.training.data` -- tokenizers (byte-level, local HuggingFace, null) and the
-  train/valid/test datasets and micro-batch iterators built with megatron-core.
+Command line (no process group needed):
+
+* :mod:`.arguments` -- Megatron-compatible flags, one module per flag group, and
+  ``validate_args_and_schedule`` (checks every flag combination before any process group
+  starts; returns the args with derived values and the unit-cost schedule);
+* :mod:`.pretrain` -- ``main``: parse, validate (exit 2 with one line on a bad flag), run the Trainer.
+
+The run (:class:`.trainer.Trainer` coordinates the parts; each module does one job):
+
+* :mod:`.distributed` -- process groups, ranks, device, Megatron's seeds;
+* :mod:`.model_setup` -- this rank's GPT chunks for the schedule's placement, wrapped (``ModelBundle``);
+* :mod:`.optimizer_setup` -- megatron-core optimizer, post-validation, LR scheduler (``OptimizerBundle``);
+* :mod:`.replanning` -- the ``forward_backward_func`` and its schedule: rank 0's, profiled, re-planned;
+* :mod:`.profiling` -- measuring T_F/T_B/T_W/T_comm and the cost model built from them;
+* :mod:`.data` -- tokenizers, megatron-core datasets, micro-batch iterators;
+* :mod:`.data_setup` -- the run's train/valid/test iterators, one per model chunk (``DataBundle``);
+* :mod:`.gpt_step` -- GPT's ``forward_step`` / ``loss_func`` (as Megatron-LM's ``pretrain_gpt.py``);
+* :mod:`.state` -- ``TrainState``: iteration, consumed samples, profiled costs;
+* :mod:`.checkpointing` -- ``dist_checkpointing`` save/load of model, optimizer, scheduler, RNG, ``TrainState``;
+* :mod:`.training_log` -- log intervals, Megatron's lines, TensorBoard, ``--loss-log-json``;
+* :mod:`.evaluation` -- forward-only evaluation;
+* :mod:`.logging_utils` -- the iteration line's format and parser, rank-aware printing, the schedule report.
 
 Nothing is imported here, so ``import megatron_zb.training`` stays cheap; import the submodules.
 """

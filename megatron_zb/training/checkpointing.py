@@ -14,9 +14,10 @@ What one checkpoint holds:
 * ``optimizer``: ``optimizer.sharded_state_dict(model_sharded_state_dict)`` (Adam moments,
   fp32 main params, loss scaler), keyed by the same global names;
 * ``opt_param_scheduler``: the LR/weight-decay scheduler's state;
-* ``iteration``, ``consumed_train_samples``, ``consumed_valid_samples``, ``checkpoint_version``,
-  ``args`` (a few shape fields checked on load), ``zero_bubble`` (the schedule and the
-  profiled costs, so a resumed run can rebuild the profiled schedule without profiling again);
+* the :class:`~megatron_zb.training.state.TrainState`: ``iteration``, ``consumed_train_samples``,
+  ``consumed_valid_samples`` and ``zero_bubble`` (the schedule's name, its number of stages and
+  the profiled costs, so a resumed run can rebuild the profiled schedule without profiling again);
+  besides ``checkpoint_version`` and ``args`` (a few shape fields checked on load);
 * ``rng_state``: per (pipeline, tensor, data)-parallel rank, Python / NumPy / torch (and CUDA)
   generator states and megatron's RNG-tracker states. Restored only when the parallel layout
   is the one saved (otherwise a warning says so and the run starts from fresh RNG streams).
@@ -29,14 +30,19 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_zb.training.state import TrainState
+
 __all__ = [
     "CHECKPOINT_VERSION",
+    "CheckpointError",
+    "LoadedCheckpoint",
     "TRACKER_FILENAME",
     "checkpoint_dir",
     "collect_rng_state",
@@ -140,17 +146,29 @@ def _sharded_state_dict(chunks: Sequence[Any], optimizer: Any, *, is_loading: bo
     return sd
 
 
-def save_checkpoint(root: str, *, iteration: int, chunks: Sequence[Any], optimizer: Any, scheduler: Any,
-                    consumed_train_samples: int, consumed_valid_samples: int, args: Any,
-                    extra: dict[str, Any] | None = None) -> str:
-    """Save a checkpoint of ``iteration`` under ``root``; collective over all ranks. Returns its directory.
+def _zero_bubble_entry(state: TrainState, args: Any) -> dict[str, Any]:
+    return {"schedule": args.schedule, "num_stages": args.num_pipeline_stages, "costs": state.schedule_costs}
 
-    ``chunks`` are this rank's unwrapped ``GPTModel`` chunks in stage order; ``extra`` goes into
-    the common (rank-0) state, e.g. the profiled schedule costs.
+
+def _train_state(common: dict[str, Any], *, iteration: int, args: Any) -> TrainState:
+    """The saved :class:`TrainState`; the profiled costs only when they are for this run's schedule and stages."""
+    zb = common.get("zero_bubble") or {}
+    same = zb.get("schedule") == args.schedule and zb.get("num_stages") == args.num_pipeline_stages
+    return TrainState(iteration=int(common.get("iteration", iteration)),
+                      consumed_train_samples=int(common.get("consumed_train_samples", 0)),
+                      consumed_valid_samples=int(common.get("consumed_valid_samples", 0)),
+                      schedule_costs=zb.get("costs") if same else None)
+
+
+def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], optimizer: Any, scheduler: Any,
+                    args: Any) -> str:
+    """Save a checkpoint of ``state.iteration`` under ``root``; collective over all ranks. Returns its directory.
+
+    ``chunks`` are this rank's unwrapped ``GPTModel`` chunks in stage order.
     """
     from megatron.core import dist_checkpointing
 
-    path = checkpoint_dir(root, iteration)
+    path = checkpoint_dir(root, state.iteration)
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
@@ -158,35 +176,50 @@ def save_checkpoint(root: str, *, iteration: int, chunks: Sequence[Any], optimiz
                              use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
     sd.update({
         "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": iteration,
-        "consumed_train_samples": consumed_train_samples,
-        "consumed_valid_samples": consumed_valid_samples,
+        "iteration": state.iteration,
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
         "args": {k: getattr(args, k, None) for k in SHAPE_ARGS},
         "parallel_layout": _layout()[0],
         "rng_state": _rng_sharded_object(collect_rng_state()),
     })
     if scheduler is not None:
         sd["opt_param_scheduler"] = scheduler.state_dict()
-    if extra:
-        sd.update(extra)
+    sd["zero_bubble"] = _zero_bubble_entry(state, args)
     dist_checkpointing.save(sd, path)
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER_FILENAME + ".tmp")
         with open(tmp, "w") as f:
-            f.write(str(iteration))
+            f.write(str(state.iteration))
         os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
     dist.barrier()
     return path
 
 
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` restored besides model, optimizer and scheduler.
+
+    Attributes:
+        state: the saved :class:`TrainState` (``schedule_costs`` only when saved for this run's
+            schedule and number of stages, else ``None``).
+        path: the checkpoint directory read.
+        rng_restored: whether the random states were restored (same parallel layout).
+        same_layout: whether the checkpoint was saved with this (PP, TP, DP) layout.
+    """
+
+    state: TrainState
+    path: str
+    rng_restored: bool
+    same_layout: bool
+
+
 def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, scheduler: Any, args: Any,
-                    load_rng: bool = True) -> dict[str, Any] | None:
+                    load_rng: bool = True) -> LoadedCheckpoint | None:
     """Load the latest checkpoint under ``root`` into ``chunks`` / ``optimizer`` / ``scheduler``.
 
-    Returns ``None`` when ``root`` holds no checkpoint (no tracker file), else the common state
-    (``iteration``, ``consumed_train_samples``, ``consumed_valid_samples``, ``zero_bubble``, ...)
-    with ``"rng_restored"`` telling whether the random states were restored. Collective.
+    Returns ``None`` when ``root`` holds no checkpoint (no tracker file). Collective.
     Raises :class:`CheckpointError` when the saved model has a different shape.
     """
     from megatron.core import dist_checkpointing
@@ -221,9 +254,5 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if rng:
         restore_rng_state(loaded["rng_state"])
-    out = {k: v for k, v in common.items() if k not in ("optimizer", "opt_param_scheduler")}
-    out["iteration"] = int(common.get("iteration", iteration))
-    out["path"] = path
-    out["rng_restored"] = rng
-    out["same_layout"] = same_layout
-    return out
+    return LoadedCheckpoint(state=_train_state(common, iteration=iteration, args=args), path=path,
+                            rng_restored=rng, same_layout=same_layout)

@@ -65,6 +65,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from megatron_zb.megatron_compat import fix_gpt_dataset_mask_cache
+
 __all__ = [
     "BATCH_KEYS",
     "ByteLevelTokenizer",
@@ -89,34 +91,8 @@ BATCH_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "attention_mask"
 """Keys of every micro batch an iterator yields."""
 
 
-def _fix_gpt_dataset_mask_cache() -> None:
-    """Make megatron-core's ``GPTDataset`` loss mask depend on the sample only.
-
-    megatron-core 0.16.1 caches the masks of the first sample a ``GPTDataset`` object serves
-    (when no EOD/reset option makes them sample-dependent), but the cached loss mask *is* the
-    tensor returned for that sample, and ``__getitem__`` then zeroes its padded-label positions in
-    place. Every later sample inherits the first sample's padding zeros, so the loss mask depends
-    on which sample was read first -- a resumed run (or another rank) masks differently from an
-    uninterrupted one. Mock data hits it whenever a token equals the tokenizer's PAD id. The
-    cacheable mask is all ones, so after the first ``__getitem__`` the cache is reset to that.
-    """
-    if getattr(GPTDataset.__getitem__, "_megatron_zb_mask_fix", False):
-        return
-    original = GPTDataset.__getitem__
-
-    def __getitem__(self, idx):  # type: ignore[no-untyped-def]
-        first = self.masks_and_position_ids_are_cacheable and not self.masks_and_position_ids_are_cached
-        out = original(self, idx)
-        if first and self.cached_loss_mask is not None:
-            self.cached_loss_mask = torch.ones_like(self.cached_loss_mask)
-        return out
-
-    __getitem__._megatron_zb_mask_fix = True  # type: ignore[attr-defined]
-    __getitem__.__doc__ = original.__doc__
-    GPTDataset.__getitem__ = __getitem__  # MockGPTDataset inherits it
-
-
-_fix_gpt_dataset_mask_cache()
+# megatron-core 0.16.1's GPTDataset mask cache leaks the first sample's padding into later samples.
+fix_gpt_dataset_mask_cache()
 
 
 class TokenizerError(ValueError):

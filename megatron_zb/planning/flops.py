@@ -1,0 +1,278 @@
+"""Time of ``F``, ``B`` and ``W`` for every pipeline stage, from the FLOPs and bytes of its kernels.
+
+Forward FLOPs follow Megatron-LM's ``num_floating_point_operations`` (``training.py``, what
+``--log-throughput`` reports), per transformer layer and token, ``T = s * b`` tokens::
+
+    QKV      2 T h (q + 2 g d)        q = a d (query width), g d = key/value width (GQA)
+    proj     2 T q h
+    MLP      2 T h f (2 with SwiGLU, 1 otherwise) + 2 T f h
+    scores   2 T s q   (Q K^T)        context  2 T s q   (P V)     -- no causal halving
+    logits   2 T h V   (output layer, last stage)
+
+Megatron counts backward as twice the forward. The split into ``B`` (input gradients) and ``W``
+(weight gradients) is: a linear layer ``Y = X W^T`` needs ``dX = dY W`` in ``B`` and
+``dW = dY^T X`` in ``W``, each as many FLOPs as the forward; attention's score and context
+products have no weights, so both of their backward products (four, as many FLOPs as two
+forwards) are in ``B``. For the zero-bubble paper's GPT (MHA, ``f = 4h``) this gives its Table 1:
+``F = sbh(24h + 4s)``, ``B = sbh(24h + 8s)``, ``W = 24sbh^2`` FLOPs per layer.
+
+Time of one kernel is its roofline, ``max(FLOPs / (peak * mfu), bytes / (HBM * hbm_efficiency))``,
+summed over the kernels of a pass, plus the tensor-parallel collectives (ring all-reduce of the
+``T x h`` activation, two per layer in ``F`` and two in ``B``; reduce-scatter + all-gather with
+sequence parallelism, the same bytes). Matrix products are usually compute bound; attention's
+``s x s`` products (unfused attention) and all element-wise kernels are memory bound. The bytes of
+the element-wise kernels are counted from Megatron's local GPT layer (fused bias-GeLU/SwiGLU,
+fused bias-dropout-add, fused scale-mask-softmax, dropout keeping a 1-byte mask), the loss from
+megatron-core's ``VocabParallelCrossEntropy`` (fp32: 38 bytes per logit forward, 14 backward).
+Not modelled: kernel launch gaps, overlap of communication with computation, the embedding
+gradient all-reduce of tied embeddings and the optimizer (counted per iteration by the planner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .hardware import Hardware
+from .layout import StageShape
+from .model import ModelConfig, ParallelConfig
+
+ACT_BYTES = 2  # bf16/fp16 activations, parameters and their gradients
+CE_FORWARD_BYTES = 38  # per logit: .float() 2+4, max 4, subtract 8, exp 8, sum 4, divide 8
+CE_BACKWARD_BYTES = 14  # per logit: scale 8, cast back to 16 bit 4+2
+FP32_ACCUMULATE = 8  # bytes per weight-gradient element: read + write of the fp32 main_grad
+
+
+@dataclass
+class PassCost:
+    """One pass (``F``, ``B`` or ``W``) of some part of the model on one GPU.
+
+    Attributes:
+        flops: matrix-multiplication FLOPs.
+        hbm_bytes: bytes moved to and from device memory by all its kernels.
+        tp_bytes: bytes one GPU sends in tensor-parallel collectives.
+        time_ms: predicted time, ms.
+    """
+
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    tp_bytes: float = 0.0
+    time_ms: float = 0.0
+
+    def __add__(self, other: "PassCost") -> "PassCost":
+        return PassCost(self.flops + other.flops, self.hbm_bytes + other.hbm_bytes,
+                        self.tp_bytes + other.tp_bytes, self.time_ms + other.time_ms)
+
+    def scaled(self, k: float) -> "PassCost":
+        return PassCost(self.flops * k, self.hbm_bytes * k, self.tp_bytes * k, self.time_ms * k)
+
+
+@dataclass
+class _Kernels:
+    """Accumulates kernels into a :class:`PassCost` under one :class:`Hardware`."""
+
+    hw: Hardware
+    cost: PassCost = field(default_factory=PassCost)
+
+    def mm(self, flops: float, nbytes: float) -> None:
+        """A matrix product (or fused attention): roofline of its FLOPs and bytes."""
+        self.cost.flops += flops
+        self.cost.hbm_bytes += nbytes
+        self.cost.time_ms += max(flops / self.hw.flops_per_ms, nbytes / self.hw.hbm_bytes_per_ms)
+
+    def gemm(self, m: float, k: float, n: float, *, out_bytes: float = ACT_BYTES) -> None:
+        """``(m x k) @ (k x n)`` with 16-bit operands; ``out_bytes`` per output element."""
+        self.mm(2.0 * m * k * n, ACT_BYTES * (m * k + k * n) + out_bytes * m * n)
+
+    def ew(self, nbytes: float) -> None:
+        """A memory-bound (element-wise or reduction) kernel moving ``nbytes``."""
+        self.cost.hbm_bytes += nbytes
+        self.cost.time_ms += nbytes / self.hw.hbm_bytes_per_ms
+
+    def tp(self, nbytes: float, *, ring_factor: float) -> None:
+        """A TP collective on ``nbytes``: each GPU sends ``ring_factor * nbytes``."""
+        sent = ring_factor * nbytes
+        self.cost.tp_bytes += sent
+        self.cost.time_ms += sent / self.hw.tp_bytes_per_ms
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """Per-GPU sizes of one microbatch (elements)."""
+
+    T: float  # tokens s*b
+    h: float
+    q: float  # query width per GPU, a*d/t
+    kv: float  # key (or value) width per GPU, g*d/t
+    f: float  # MLP width per GPU (one projection), f/t
+    gl: int  # 2 with SwiGLU
+    S: float  # attention scores per GPU, s*s*b*a/t
+    s: float
+    r: int  # sharding of the T x h element-wise work: t with sequence parallelism
+    ar: float  # ring all-reduce factor 2(t-1)/t (0 without TP)
+
+    @staticmethod
+    def of(model: ModelConfig, par: ParallelConfig) -> "_Dims":
+        t, T = par.tp, float(model.seq_length * model.micro_batch_size)
+        return _Dims(T=T, h=float(model.hidden_size), q=model.query_size / t, kv=model.kv_size / t,
+                     f=model.ffn_hidden_size / t, gl=2 if model.swiglu else 1,
+                     S=T * model.seq_length * model.num_attention_heads / t, s=float(model.seq_length),
+                     r=t if par.sequence_parallel else 1, ar=2.0 * (t - 1) / t)
+
+
+def _layer_forward(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
+    e, A = ACT_BYTES, d.T * d.h / d.r
+    drop = 1 if m.hidden_dropout > 0 else 0
+    k.ew(2 * e * A)  # input norm
+    k.gemm(d.T, d.h, d.q + 2 * d.kv)
+    if m.add_bias_linear:
+        k.ew(2 * e * d.T * (d.q + 2 * d.kv))
+    if m.position_embedding_type == "rope":
+        k.ew(2 * e * d.T * (d.q + d.kv))
+    if m.use_flash_attn:
+        k.mm(4 * d.T * d.s * d.q, e * d.T * (2 * d.q + 2 * d.kv))
+    else:
+        if d.kv < d.q:  # GQA: keys and values repeated to every head before the products
+            k.ew(2 * 2 * e * d.T * d.q)
+        k.mm(2 * d.T * d.s * d.q, e * (2 * d.T * d.q + d.S))  # Q K^T
+        k.ew(2 * e * d.S)  # scale-mask-softmax
+        if m.attention_dropout > 0:
+            k.ew((2 * e + 1) * d.S)
+        k.mm(2 * d.T * d.s * d.q, e * (d.S + 2 * d.T * d.q))  # P V
+        k.ew(2 * e * d.T * d.q)  # context back to [s, b, h] (contiguous copy)
+    k.gemm(d.T, d.q, d.h)
+    k.ew((3 * e + drop) * A)  # bias-dropout-add
+    k.tp(e * d.T * d.h, ring_factor=d.ar)
+    k.ew(2 * e * A)  # pre-MLP norm
+    k.gemm(d.T, d.h, d.f * d.gl)
+    k.ew((d.gl + 1) * e * d.T * d.f)  # bias + GeLU (read f, write f) / SwiGLU (read 2f, write f)
+    k.gemm(d.T, d.f, d.h)
+    k.ew((3 * e + drop) * A)
+    k.tp(e * d.T * d.h, ring_factor=d.ar)
+
+
+def _layer_backward_b(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
+    e, A = ACT_BYTES, d.T * d.h / d.r
+    drop = 1 if m.hidden_dropout > 0 else 0
+    bias = 1 if m.add_bias_linear else 0
+    k.ew((2 * e + drop) * A + bias * e * d.T * d.h)  # dropout backward, output bias gradient
+    k.gemm(d.T, d.h, d.f)
+    k.ew((2 * d.gl + 1) * e * d.T * d.f + bias * e * d.T * d.f * d.gl)  # activation backward, bias grad
+    k.gemm(d.T, d.f * d.gl, d.h)
+    k.tp(e * d.T * d.h, ring_factor=d.ar)
+    k.ew(6 * e * A)  # norm backward + residual gradient
+    k.ew((2 * e + drop) * A + bias * e * d.T * d.h)
+    k.gemm(d.T, d.h, d.q)
+    if m.use_flash_attn:
+        k.mm(10 * d.T * d.s * d.q, e * d.T * (3 * d.q + 4 * d.kv))  # 4 products + recomputed Q K^T
+    else:
+        k.ew(2 * e * d.T * d.q)  # context copy backward
+        k.mm(2 * d.T * d.s * d.q, e * (d.S + 2 * d.T * d.q))  # dP = dO V^T
+        k.mm(2 * d.T * d.s * d.q, e * (d.S + 2 * d.T * d.q))  # dV = P^T dO
+        if m.attention_dropout > 0:
+            k.ew((2 * e + 1) * d.S)
+        k.ew(3 * e * d.S)  # softmax backward
+        k.mm(2 * d.T * d.s * d.q, e * (d.S + 2 * d.T * d.q))  # dQ = dS K
+        k.mm(2 * d.T * d.s * d.q, e * (d.S + 2 * d.T * d.q))  # dK = dS^T Q
+        if d.kv < d.q:
+            k.ew(2 * 2 * e * d.T * d.q)  # sum the repeated key/value gradients
+    if m.position_embedding_type == "rope":
+        k.ew(2 * e * d.T * (d.q + d.kv))
+    k.ew(bias * e * d.T * (d.q + 2 * d.kv))
+    k.gemm(d.T, d.q + 2 * d.kv, d.h)
+    k.tp(e * d.T * d.h, ring_factor=d.ar)
+    k.ew(6 * e * A)
+
+
+def _layer_backward_w(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
+    for n_in, n_out in ((d.h, d.q + 2 * d.kv), (d.q, d.h), (d.h, d.f * d.gl), (d.f, d.h)):
+        k.mm(2 * d.T * n_in * n_out, ACT_BYTES * d.T * (n_in + n_out) + FP32_ACCUMULATE * n_in * n_out)
+    if d.r > 1:  # sequence parallel: the inputs of QKV and FC1 are all-gathered again
+        k.tp(2 * ACT_BYTES * d.T * d.h, ring_factor=d.ar / 2)
+
+
+def _embedding(k: _Kernels, op: str, m: ModelConfig, d: _Dims) -> None:
+    e, A = ACT_BYTES, d.T * d.h / d.r
+    drop = 1 if m.hidden_dropout > 0 else 0
+    learned = m.position_embedding_type == "learned_absolute"
+    if op == "F":
+        k.ew(2 * e * d.T * d.h)  # row gather (vocab-parallel: every TP rank writes the full output)
+        k.tp(e * d.T * d.h, ring_factor=d.ar / (2 if d.r > 1 else 1))
+        k.ew((3 * e if learned else 0) * A + (2 * e + drop) * A)  # + position, dropout
+    elif op == "B":
+        k.ew((2 * e + drop) * A)
+    else:  # scatter-add into the fp32 gradient of the table (and sum of the position gradient)
+        k.ew(e * d.T * d.h + FP32_ACCUMULATE * d.T * d.h + (e * A if learned else 0))
+
+
+def _loss(k: _Kernels, op: str, m: ModelConfig, d: _Dims, vocab_per_gpu: float) -> None:
+    e, A, N = ACT_BYTES, d.T * d.h / d.r, d.T * vocab_per_gpu
+    if op == "F":
+        k.ew(2 * e * A)  # final norm
+        k.tp(e * d.T * d.h, ring_factor=d.ar / 2 if d.r > 1 else 0)  # SP all-gather
+        k.gemm(d.T, d.h, vocab_per_gpu)
+        k.ew(CE_FORWARD_BYTES * N)
+    elif op == "B":
+        k.ew(CE_BACKWARD_BYTES * N)
+        k.gemm(d.T, vocab_per_gpu, d.h)
+        k.tp(e * d.T * d.h, ring_factor=d.ar / (2 if d.r > 1 else 1))
+        k.ew(6 * e * A)
+    else:
+        k.mm(2 * d.T * d.h * vocab_per_gpu, e * (d.T * d.h + N) + FP32_ACCUMULATE * d.h * vocab_per_gpu)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Predicted costs of one microbatch through one pipeline stage (one GPU of its TP group).
+
+    Attributes:
+        shape: what the stage holds.
+        f, b, w: the three passes (:class:`PassCost`, times in ms).
+    """
+
+    shape: StageShape
+    f: PassCost
+    b: PassCost
+    w: PassCost
+
+
+def layer_cost(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> dict[str, PassCost]:
+    """``F``, ``B`` and ``W`` of one transformer layer on one GPU."""
+    d = _Dims.of(model, par)
+    out = {}
+    for op, fn in (("F", _layer_forward), ("B", _layer_backward_b), ("W", _layer_backward_w)):
+        k = _Kernels(hw)
+        fn(k, model, d)
+        out[op] = k.cost
+    return out
+
+
+def stage_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware,
+                shapes: list[StageShape]) -> list[StageCost]:
+    """:class:`StageCost` of every stage in ``shapes``."""
+    d = _Dims.of(model, par)
+    layer = layer_cost(model, par, hw)
+    vocab = model.padded_vocab_size(par.tp) / par.tp
+    out = []
+    for sh in shapes:
+        passes = {}
+        for op in ("F", "B", "W"):
+            k = _Kernels(hw, layer[op].scaled(sh.num_layers))
+            if sh.embedding:
+                _embedding(k, op, model, d)
+            if sh.loss:
+                _loss(k, op, model, d, vocab)
+            passes[op] = k.cost
+        out.append(StageCost(sh, passes["F"], passes["B"], passes["W"]))
+    return out
+
+
+def p2p_time_ms(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> float:
+    """``T_comm``: one activation (or its gradient) between two stages, latency + bytes / bandwidth.
+
+    Each GPU of a TP group sends its own copy of the ``s x b x h`` activation (a ``1/t`` shard with
+    sequence parallelism).
+    """
+    nbytes = ACT_BYTES * model.seq_length * model.micro_batch_size * model.hidden_size
+    if par.sequence_parallel:
+        nbytes /= par.tp
+    return hw.p2p_latency_ms + nbytes / hw.p2p_bytes_per_ms

@@ -1,0 +1,126 @@
+"""Activation memory ``M_B`` / ``M_W`` per stage and parameter + optimizer memory per rank (bytes).
+
+Activations (one microbatch, one GPU, 16-bit, no recomputation), counted tensor by tensor the way
+Korthikanti et al. (arXiv 2205.05198, section 4) count Megatron's GPT layer -- the count behind
+the zero-bubble paper's (arXiv 2401.10241, section 2) ``M_B = 34sbh + 5as^2b`` per layer. With
+``T = sb``, ``A = Th / r`` (``r = t`` with sequence parallelism, else 1), per-GPU widths
+``q = ad/t``, ``g d / t`` and ``f / t``:
+
+========================  ===================================  ==================================
+saved by F, freed by B    unfused attention                    ``--use-flash-attn``
+========================  ===================================  ==================================
+input norm, QKV input     ``2A + 2A``                          same
+attention                 ``Q, K 4Tq``; softmax ``2S``; mask   ``q, k, v 2T(q + 2gd/t)``;
+                          ``S``; dropout out ``2S``; ``V 2Tq``   softmax statistics ``4Ta/t``
+projection input          ``2Tq``                              same
+dropout masks             ``A + A`` (1 byte each)              same
+MLP                       norm ``2A``, FC1 in ``2A``,          same
+                          activation in ``2T f gl/t``,
+                          FC2 in ``2T f/t``
+========================  ===================================  ==================================
+
+(``S = s^2 b a / t``, keys and values counted at ``a`` heads because the unfused path repeats
+them for GQA, ``gl = 2`` with SwiGLU). For the paper's GPT (``t = 1``, MHA, ``f = 4h``, dropout)
+this is exactly ``34sbh + 5as^2b``.
+
+``M_W`` is what the weight gradients need after ``B`` has freed the rest: the input and the
+output gradient of each linear layer -- QKV ``2A + 2T(q + 2gd/t)``, projection ``2Tq + 2Th``,
+FC1 ``2A + 2T f gl / t``, FC2 ``2T f / t + 2Th`` -- which is the paper's ``M_W = 32sbh`` for its
+GPT. The embedding stage adds its dropout mask to ``M_B`` and its output gradient to ``M_W``;
+the loss stage adds the final norm's and output layer's inputs and the fp32 softmax of the
+cross entropy (``4 T V/t``) to ``M_B``, and the output layer's input and 16-bit logit gradient
+to ``M_W``.
+
+Parameters and optimizer: Megatron's mixed-precision Adam keeps 18 bytes per parameter (16-bit
+weight 2, fp32 gradient 4, fp32 master weight 4, two fp32 moments 8); the distributed optimizer
+shards the 12 bytes of master weight and moments over the DP ranks (``6 + 12/dp``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .flops import ACT_BYTES
+from .layout import StageShape
+from .model import ModelConfig, ParallelConfig
+
+GIB = float(2 ** 30)
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """``M_B`` (allocated by F, held until B) and ``M_W`` (held from B until W), bytes."""
+
+    mem_b: float
+    mem_w: float
+
+
+def _sizes(model: ModelConfig, par: ParallelConfig) -> tuple[float, float, float, float, float, float, int]:
+    t = par.tp
+    T = float(model.seq_length * model.micro_batch_size)
+    A = T * model.hidden_size / (t if par.sequence_parallel else 1)
+    return (T, A, model.query_size / t, model.kv_size / t, model.ffn_hidden_size / t,
+            T * model.seq_length * model.num_attention_heads / t, 2 if model.swiglu else 1)
+
+
+def layer_activations(model: ModelConfig, par: ParallelConfig) -> ActivationBytes:
+    """``M_B`` and ``M_W`` of one transformer layer on one GPU, bytes (table in the module doc)."""
+    e = ACT_BYTES
+    T, A, q, kv, f, S, gl = _sizes(model, par)
+    masks = (2 * A if model.hidden_dropout > 0 else 0.0)
+    if model.use_flash_attn:
+        attention = e * T * (q + 2 * kv) + FP32 * T * model.num_attention_heads / par.tp
+    else:
+        drop = model.attention_dropout > 0
+        attention = e * 3 * T * q + e * S + (S + e * S if drop else 0.0)
+    mem_b = (e * 2 * A + attention + e * T * q + masks + e * 2 * A + e * T * f * gl + e * T * f)
+    h = float(model.hidden_size)
+    mem_w = e * (A + T * (q + 2 * kv) + T * q + T * h + A + T * f * gl + T * f + T * h)
+    return ActivationBytes(mem_b, mem_w)
+
+
+def stage_activations(model: ModelConfig, par: ParallelConfig, shape: StageShape) -> ActivationBytes:
+    """``M_B`` and ``M_W`` of a whole stage (its layers, plus embedding / loss), bytes."""
+    e = ACT_BYTES
+    T, A, *_ = _sizes(model, par)
+    layer = layer_activations(model, par)
+    mem_b, mem_w = layer.mem_b * shape.num_layers, layer.mem_w * shape.num_layers
+    if shape.embedding:
+        mem_b += A if model.hidden_dropout > 0 else 0.0
+        mem_w += e * A
+    if shape.loss:
+        n_logits = T * model.padded_vocab_size(par.tp) / par.tp
+        mem_b += e * 2 * A + FP32 * n_logits
+        mem_w += e * A + e * n_logits
+    if mem_w > mem_b:  # cannot happen with >= 1 layer per stage (each layer keeps 2A more for B)
+        raise ValueError(f"stage {shape.stage}: M_W {mem_w:.0f} B exceeds M_B {mem_b:.0f} B")
+    return ActivationBytes(mem_b, mem_w)
+
+
+def layer_parameters(model: ModelConfig, par: ParallelConfig) -> float:
+    """Parameters of one transformer layer held by one GPU."""
+    _, _, q, kv, f, _, gl = _sizes(model, par)
+    h = float(model.hidden_size)
+    bias = 1.0 if model.add_bias_linear else 0.0
+    norm = 2 * h if model.normalization == "LayerNorm" else h
+    return (h * (q + 2 * kv) + bias * (q + 2 * kv) + q * h + bias * h
+            + h * f * gl + bias * f * gl + f * h + bias * h + 2 * norm)
+
+
+def stage_parameters(model: ModelConfig, par: ParallelConfig, shape: StageShape) -> float:
+    """Parameters of one stage on one GPU (the last stage holds the output layer, or with tied
+    embeddings Megatron's copy of the word embeddings: the same size)."""
+    h = float(model.hidden_size)
+    n = layer_parameters(model, par) * shape.num_layers
+    word = model.padded_vocab_size(par.tp) / par.tp * h
+    if shape.embedding:
+        n += word + (model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0)
+    if shape.loss:
+        n += word + (2 * h if model.normalization == "LayerNorm" else h)
+    return n
+
+
+def bytes_per_parameter(par: ParallelConfig) -> float:
+    """Weights, gradients and Adam state per parameter: 18, or ``6 + 12/dp`` (distributed optimizer)."""
+    return 6.0 + 12.0 / par.dp if par.use_distributed_optimizer else 18.0

@@ -1,0 +1,244 @@
+"""The model and the parallel layout a plan is for, in Megatron's terms, checked up front.
+
+Field names are Megatron-LM's argument names (``--num-layers`` is ``num_layers``), so a profile
+written by ``pretrain_gpt_zb.py`` can carry them as they are. Every rule that Megatron (or the
+planner) would reject raises :class:`PlanError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+PRECISIONS = ("bf16", "fp16")
+
+
+class PlanError(ValueError):
+    """A user error; ``flag`` names the offending flag (or file)."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT model as Megatron's flags describe it (resolved: no ``None`` left).
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: ``h``.
+        num_attention_heads: ``a``.
+        seq_length: ``s``, tokens per sample.
+        micro_batch_size: ``b``, samples per microbatch.
+        vocab_size: tokens in the vocabulary (before padding).
+        ffn_hidden_size: MLP width (Megatron's default ``4h``, with SwiGLU ``int(8h/3/64)*64``).
+        num_query_groups: key/value heads ``g`` (``a`` without grouped-query attention).
+        kv_channels: channels per head ``d`` (default ``h / a``).
+        swiglu: gated MLP (two input projections of ``ffn_hidden_size`` each).
+        make_vocab_size_divisible_by: embedding rows are padded to a multiple of this times TP.
+        untie_embeddings_and_output_weights: separate output-layer weights.
+        position_embedding_type: ``learned_absolute`` (a table of ``max_position_embeddings``
+            rows), ``rope`` or ``none``.
+        max_position_embeddings: rows of the learned position table.
+        normalization: ``LayerNorm`` or ``RMSNorm``.
+        add_bias_linear: biases on the linear layers (Megatron's default; ``--disable-bias-linear``).
+        hidden_dropout: dropout after attention and MLP (a mask is kept when > 0).
+        attention_dropout: dropout on the attention probabilities.
+        use_flash_attn: fused (flash) attention: no ``s x s`` score tensors are kept.
+        precision: ``bf16`` or ``fp16`` (2-byte activations and parameters).
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    micro_batch_size: int
+    vocab_size: int
+    ffn_hidden_size: int
+    num_query_groups: int
+    kv_channels: int
+    swiglu: bool = False
+    make_vocab_size_divisible_by: int = 128
+    untie_embeddings_and_output_weights: bool = False
+    position_embedding_type: str = "learned_absolute"
+    max_position_embeddings: int = 0
+    normalization: str = "LayerNorm"
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    use_flash_attn: bool = False
+    precision: str = "bf16"
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Embedding rows as Megatron builds them: rounded up to ``divisible_by * TP``."""
+        step = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / step) * step)
+
+    @property
+    def query_size(self) -> int:
+        """``a * d``: width of the query projection (``h`` unless ``--kv-channels`` differs)."""
+        return self.num_attention_heads * self.kv_channels
+
+    @property
+    def kv_size(self) -> int:
+        """``g * d``: width of the key (or value) projection."""
+        return self.num_query_groups * self.kv_channels
+
+    def to_flags(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The parallel layout and batch of one iteration.
+
+    Attributes:
+        pp: pipeline-parallel size (ranks of one pipeline).
+        tp: tensor-parallel size.
+        dp: data-parallel size.
+        num_microbatches: ``m``, microbatches per iteration per pipeline.
+        sequence_parallel: Megatron sequence parallelism (norms/dropout sharded over TP).
+        use_distributed_optimizer: optimizer state sharded over DP.
+        allow_padding_num_layers: the first/last stage may take fewer layers
+            (:func:`megatron_zb.planning.layout.split_layers`).
+        num_virtual_stages: chunks per rank for interleaved schedules, or ``None`` for the
+            smallest number >= 2 that splits the layers evenly.
+    """
+
+    pp: int
+    tp: int = 1
+    dp: int = 1
+    num_microbatches: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    allow_padding_num_layers: bool = False
+    num_virtual_stages: int | None = None
+
+    def to_flags(self) -> dict[str, Any]:
+        """The fields under Megatron's argument names (``pp`` is ``pipeline_model_parallel_size``)."""
+        return {_PARALLEL_FLAGS.get(f.name, f.name): getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_flags(cls, flags: dict[str, Any]) -> "ParallelConfig":
+        """Inverse of :meth:`to_flags`; unknown keys raise ``ValueError``."""
+        names = {_PARALLEL_FLAGS.get(f.name, f.name): f.name for f in fields(cls)}
+        unknown = sorted(set(flags) - set(names))
+        if unknown:
+            raise ValueError(f"parallel has unknown keys {unknown}")
+        return cls(**{names[k]: v for k, v in flags.items()})
+
+
+_PARALLEL_FLAGS = {"pp": "pipeline_model_parallel_size", "tp": "tensor_model_parallel_size",
+                   "dp": "data_parallel_size", "num_virtual_stages": "num_virtual_stages_per_pipeline_rank"}
+
+
+def make_model(*, num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
+               micro_batch_size: int, vocab_size: int, ffn_hidden_size: int | None = None,
+               num_query_groups: int | None = None, group_query_attention: bool = False,
+               kv_channels: int | None = None, swiglu: bool = False, **rest: Any) -> ModelConfig:
+    """Resolve Megatron's defaults and check the model flags.
+
+    Raises:
+        PlanError: a value no Megatron model can have, naming the flag.
+    """
+    if not isinstance(num_attention_heads, int) or num_attention_heads < 1:
+        raise PlanError("--num-attention-heads", f"must be an integer >= 1, got {num_attention_heads!r}")
+    if kv_channels is None:
+        if hidden_size % num_attention_heads:
+            raise PlanError("--num-attention-heads", f"{num_attention_heads} heads do not divide --hidden-size "
+                                                     f"{hidden_size} (or give --kv-channels)")
+        kv_channels = hidden_size // num_attention_heads
+    if num_query_groups is not None and not group_query_attention:
+        raise PlanError("--num-query-groups", "needs --group-query-attention (Megatron ignores it otherwise)")
+    groups = num_query_groups if group_query_attention and num_query_groups is not None else num_attention_heads
+    if ffn_hidden_size is None:
+        ffn_hidden_size = int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+    rest.setdefault("max_position_embeddings", seq_length)
+    model = ModelConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                        seq_length=seq_length, micro_batch_size=micro_batch_size, vocab_size=vocab_size,
+                        ffn_hidden_size=ffn_hidden_size, num_query_groups=groups, kv_channels=kv_channels,
+                        swiglu=swiglu, **rest)
+    check_model(model)
+    return model
+
+
+def check_model(m: ModelConfig) -> None:
+    """Reject values no Megatron model can have (:class:`PlanError` naming the flag)."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "vocab_size", "ffn_hidden_size", "num_query_groups", "kv_channels",
+                 "make_vocab_size_divisible_by", "max_position_embeddings"):
+        value = getattr(m, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError("--" + name.replace("_", "-"), f"must be an integer >= 1, got {value!r}")
+    if m.num_attention_heads % m.num_query_groups:
+        raise PlanError("--num-query-groups", f"{m.num_query_groups} groups do not divide "
+                                              f"{m.num_attention_heads} attention heads")
+    if m.position_embedding_type not in POSITION_EMBEDDINGS:
+        raise PlanError("--position-embedding-type", f"one of {', '.join(POSITION_EMBEDDINGS)}")
+    if m.normalization not in NORMALIZATIONS:
+        raise PlanError("--normalization", f"one of {', '.join(NORMALIZATIONS)}")
+    if m.precision not in PRECISIONS:
+        raise PlanError("--bf16", "the plan models 16-bit mixed precision only: pass --bf16 or --fp16")
+    if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < m.seq_length:
+        raise PlanError("--max-position-embeddings", f"{m.max_position_embeddings} < --seq-length {m.seq_length}")
+    for flag, p in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
+        if not 0 <= p < 1:
+            raise PlanError(flag, f"must be in [0, 1), got {p:g}")
+
+
+def make_parallel(model: ModelConfig, *, pp: int, tp: int = 1, dp: int = 1, num_microbatches: int | None = None,
+                  global_batch_size: int | None = None, **rest: Any) -> ParallelConfig:
+    """Resolve the microbatch count and check the layout against ``model``.
+
+    ``num_microbatches`` or ``global_batch_size`` (= ``m * micro_batch_size * dp``) is required;
+    both may be given if they agree. Whether the layers split over the pipeline stages is checked
+    per placement (:mod:`megatron_zb.planning.layout`); the plain placement is checked here.
+
+    Raises:
+        PlanError: naming the flag.
+    """
+    for flag, value in (("--pipeline-model-parallel-size", pp), ("--tensor-model-parallel-size", tp),
+                        ("--data-parallel-size", dp)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(flag, f"must be an integer >= 1, got {value!r}")
+    if pp < 2:
+        raise PlanError("--pipeline-model-parallel-size", f"must be >= 2 to plan a pipeline schedule, got {pp}")
+    m = _microbatches(model, dp, num_microbatches, global_batch_size)
+    if model.num_attention_heads % tp or model.num_query_groups % tp:
+        raise PlanError("--tensor-model-parallel-size", f"TP {tp} must divide the {model.num_attention_heads} "
+                                                        f"attention heads and {model.num_query_groups} query groups")
+    par = ParallelConfig(pp=pp, tp=tp, dp=dp, num_microbatches=m, **rest)
+    if par.sequence_parallel and tp == 1:
+        raise PlanError("--sequence-parallel", "needs --tensor-model-parallel-size > 1")
+    if par.num_virtual_stages is not None and par.num_virtual_stages < 2:
+        raise PlanError("--num-virtual-stages-per-pipeline-rank", f"must be >= 2, got {par.num_virtual_stages}")
+    from .layout import split_layers
+    try:
+        split_layers(model.num_layers, pp, allow_padding=par.allow_padding_num_layers)
+    except ValueError as e:
+        hint = "" if par.allow_padding_num_layers else " (or add --allow-padding-num-layers)"
+        raise PlanError("--pipeline-model-parallel-size", f"{pp} stages cannot hold --num-layers "
+                                                          f"{model.num_layers}: {e}{hint}") from None
+    return par
+
+
+def _microbatches(model: ModelConfig, dp: int, m: int | None, gbs: int | None) -> int:
+    if m is None and gbs is None:
+        raise PlanError("--num-microbatches", "give --num-microbatches or --global-batch-size "
+                                              "(with --data-parallel-size)")
+    if gbs is not None:
+        per = model.micro_batch_size * dp
+        if gbs < 1 or gbs % per:
+            raise PlanError("--global-batch-size", f"{gbs} is not a multiple of --micro-batch-size x "
+                                                   f"--data-parallel-size = {per}")
+        if m is not None and m != gbs // per:
+            raise PlanError("--num-microbatches",
+                            f"{m} disagrees with --global-batch-size {gbs} / {per} = {gbs // per}")
+        m = gbs // per
+    if m < 1:
+        raise PlanError("--num-microbatches", f"must be >= 1, got {m}")
+    return m

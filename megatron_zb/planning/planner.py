@@ -1,0 +1,303 @@
+"""Build and simulate every schedule family for one model, layout and GPU; pick the recommendation.
+
+Per family: the placement's stages get their layers (:mod:`.layout`), each stage its ``T_F``,
+``T_B``, ``T_W`` (ms) and ``M_B``, ``M_W`` (bytes) -- estimated (:mod:`.flops`, :mod:`.memory`),
+or measured (:mod:`.profile`) -- the schedule is built by the registry with its own default
+memory limit, and simulated. One iteration is predicted as::
+
+    iteration_time = makespan (simulator; the zero-bubble paper's cost, the period of a training
+                     loop whose optimizer step does not synchronise the pipeline)
+                   + optimizer step (46 bytes of HBM traffic per parameter: mixed-precision Adam,
+                     grad-norm, unscale, 16-bit copy, zeroing)
+                   + data-parallel gradient all-reduce (fp32, ring, not overlapped; 0 with DP 1)
+
+and throughput = ``m * micro_batch_size / iteration_time / (PP * TP)`` samples per second per
+GPU. Peak memory per rank = the simulator's peak activation memory + the rank's parameters and
+optimizer state; a family *fits* when the largest rank's total is at most the GPU's usable
+memory, ``memory_fraction`` (default 0.9) of it: the rest is left for what the estimate does not
+count (CUDA context, communication buffers, transient tensors, allocator fragmentation).
+The recommendation is the fastest family that fits (ties: less memory, then a named family over
+``zb`` with a limit).
+
+``zb`` (the greedy scheduler under an explicit limit) is planned with the largest number ``N``
+of microbatches' activations that fits the usable memory next to the parameters on every rank (its report names
+``N``: ``pretrain_gpt_zb.py --schedule zb --zero-bubble-max-pending-backward N``).
+
+Families left out by default, each listed in the plan with the reason: the exact CP-SAT
+schedules (``zb-optimal``, ``zbv-optimal``: minutes beyond small ``p`` and ``m``), and the
+search-based multi-chunk generators (cost-aware with interleaved or V placement) when
+``stages * m`` exceeds :data:`SEARCH_LIMIT`. ``schedules=[...]`` runs exactly the named ones.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from megatron_zb.schedules import CostModel, Placement, ScheduleError, SimResult, simulate
+from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
+
+from .flops import p2p_time_ms, stage_costs
+from .hardware import Hardware
+from .layout import StageShape, split_layers, stage_shapes
+from .memory import GIB, bytes_per_parameter, stage_activations, stage_parameters
+from .model import ModelConfig, ParallelConfig, PlanError
+from .profile import Profile
+
+EXCLUDED_BY_DEFAULT = {
+    "zb-optimal": "exact CP-SAT solver: minutes beyond small p and m",
+    "zbv-optimal": "exact CP-SAT solver: minutes beyond small p and m",
+}
+SEARCH_LIMIT = 2048  # stages * microbatches above which multi-chunk search generators take minutes
+OPTIMIZER_BYTES_PER_PARAM = 46.0
+GRAD_ALLREDUCE_BYTES_PER_PARAM = 4.0
+DEFAULT_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class StageTable:
+    """Costs of every stage of one placement.
+
+    Attributes:
+        shapes: what each stage holds.
+        t_f, t_b, t_w: ms per microbatch, per stage.
+        mem_b, mem_w: activation bytes per microbatch, per stage.
+        params: parameters per stage (one GPU).
+        source: ``"estimate"``, ``"profile"`` (measured) or ``"scaled estimate"`` (estimate times
+            the profile's measured/estimated ratio).
+    """
+
+    shapes: tuple[StageShape, ...]
+    t_f: tuple[float, ...]
+    t_b: tuple[float, ...]
+    t_w: tuple[float, ...]
+    mem_b: tuple[float, ...]
+    mem_w: tuple[float, ...]
+    params: tuple[float, ...]
+    source: str
+
+
+class CostSource:
+    """Stage tables for any placement: estimates, or a profile (measured for its own placement,
+    estimates scaled by measured/estimated totals for the others)."""
+
+    def __init__(self, model: ModelConfig, par: ParallelConfig, hw: Hardware, profile: Profile | None = None,
+                 memory_fraction: float = DEFAULT_MEMORY_FRACTION):
+        self.model, self.par, self.hw, self.profile = model, par, hw, profile
+        self.usable_bytes = memory_fraction * hw.memory_gib * GIB
+        self.t_comm_ms = p2p_time_ms(model, par, hw) if profile is None else profile.t_comm_ms
+        self.scale = {k: 1.0 for k in ("t_f", "t_b", "t_w", "mem_b", "mem_w")}
+        if profile is not None:
+            est = self.estimate(Placement(profile.placement), len(profile.stages) // par.pp)
+            for key, attr in (("t_f", "t_f_ms"), ("t_b", "t_b_ms"), ("t_w", "t_w_ms"), ("mem_b", "mem_b_bytes"),
+                              ("mem_w", "mem_w_bytes")):
+                total = sum(getattr(est, key))
+                self.scale[key] = sum(getattr(s, attr) for s in profile.stages) / total if total else 1.0
+
+    def estimate(self, placement: Placement, chunks: int) -> StageTable:
+        shapes = stage_shapes(num_layers=self.model.num_layers, pp=self.par.pp, placement=placement, chunks=chunks,
+                              allow_padding=self.par.allow_padding_num_layers)
+        costs = stage_costs(self.model, self.par, self.hw, shapes)
+        acts = [stage_activations(self.model, self.par, s) for s in shapes]
+        return StageTable(tuple(shapes), tuple(c.f.time_ms for c in costs), tuple(c.b.time_ms for c in costs),
+                          tuple(c.w.time_ms for c in costs), tuple(a.mem_b for a in acts),
+                          tuple(a.mem_w for a in acts),
+                          tuple(stage_parameters(self.model, self.par, s) for s in shapes), "estimate")
+
+    def table(self, placement: Placement, chunks: int) -> StageTable:
+        """Costs for ``placement`` (``chunks`` per rank); ``ValueError`` if the layers do not split."""
+        est = self.estimate(placement, chunks)
+        prof = self.profile
+        if prof is None:
+            return est
+        if prof.placement == placement and len(prof.stages) == len(est.shapes):
+            st = prof.stages
+            return StageTable(est.shapes, tuple(s.t_f_ms for s in st), tuple(s.t_b_ms for s in st),
+                              tuple(s.t_w_ms for s in st), tuple(s.mem_b_bytes for s in st),
+                              tuple(s.mem_w_bytes for s in st), est.params, "profile")
+        k = self.scale
+        return StageTable(est.shapes, *(tuple(x * k[key] for x in getattr(est, key))
+                                        for key in ("t_f", "t_b", "t_w", "mem_b", "mem_w")),
+                          est.params, "scaled estimate")
+
+
+@dataclass
+class FamilyResult:
+    """One schedule family's prediction (``status`` ``"ok"``) or why there is none.
+
+    Attributes:
+        name: registry name (as ``megatron-zb list`` prints it).
+        status: ``"ok"``, ``"skipped"`` (not applicable / left out, see ``reason``) or ``"failed"``
+            (the generator refused; ``reason`` has its message).
+        reason: why not ``"ok"``, or a note (e.g. the chunks chosen).
+        chunks: model chunks per rank.
+        iteration_time_ms, makespan_ms, optimizer_ms, dp_sync_ms: ms (see the module doc).
+        bubble_rate: the simulator's ``(makespan - busiest rank's work) / makespan``.
+        throughput: samples per second per GPU.
+        peak_activation_gib, param_optimizer_gib, peak_memory_gib: of the rank with the largest
+            total (GiB); the first two are each the maximum over ranks.
+        fits: ``peak_memory_gib <= memory_fraction * GPU memory``.
+        memory_limit_n: for ``zb``, the ``--zero-bubble-max-pending-backward`` value planned.
+        cost_source: where the stage costs came from (:class:`StageTable`).
+        seconds: wall time spent building and simulating.
+        result: the simulation (for plots), not serialised.
+    """
+
+    name: str
+    status: str
+    reason: str | None = None
+    chunks: int = 1
+    iteration_time_ms: float | None = None
+    makespan_ms: float | None = None
+    optimizer_ms: float | None = None
+    dp_sync_ms: float | None = None
+    bubble_rate: float | None = None
+    throughput: float | None = None
+    peak_activation_gib: float | None = None
+    param_optimizer_gib: float | None = None
+    peak_memory_gib: float | None = None
+    fits: bool | None = None
+    memory_limit_n: int | None = None
+    cost_source: str | None = None
+    seconds: float = 0.0
+    result: SimResult | None = field(default=None, repr=False)
+
+
+@dataclass
+class Plan:
+    """Everything ``plan`` predicts.
+
+    Attributes:
+        model, parallel, hardware: the inputs.
+        t_comm_ms: one stage-to-stage transfer, ms.
+        stages: the plain placement's stage costs (the table printed above the schedules).
+        families: one entry per registered schedule, registry order.
+        recommended: the fastest family that fits, or ``None`` if none fits.
+        profile: the profile used, or ``None``.
+        memory_fraction: part of the GPU memory a plan may use.
+    """
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    hardware: Hardware
+    t_comm_ms: float
+    stages: StageTable
+    families: list[FamilyResult]
+    recommended: str | None
+    profile: Profile | None = None
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+
+
+def family_names(requested: Sequence[str] | None) -> list[str]:
+    """Registered names to plan: all (``None``) or the requested ones, checked."""
+    names = schedule_names()
+    if requested is None:
+        return names
+    unknown = [n for n in requested if n not in names]
+    if unknown:
+        raise PlanError("--schedules", f"unknown schedule(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    return [n for n in names if n in requested]
+
+
+def _interleaved_chunks(model: ModelConfig, par: ParallelConfig) -> int:
+    """``--num-virtual-stages-per-pipeline-rank``, else the smallest v >= 2 the layers split into."""
+    if par.num_virtual_stages is not None:
+        return par.num_virtual_stages
+    for v in range(2, model.num_layers // par.pp + 1):
+        try:
+            split_layers(model.num_layers, par.pp * v, allow_padding=par.allow_padding_num_layers)
+            return v
+        except ValueError:
+            continue
+    return 2  # none splits: the family is reported as not applicable with v = 2's reason
+
+
+def plan(*, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, schedules: Sequence[str] | None = None,
+         profile: Profile | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+         progress: Callable[[str, int, int], None] | None = None) -> Plan:
+    """Predict every schedule family (see the module doc).
+
+    ``progress(name, i, n)`` is called before the ``i``-th of ``n`` families is planned.
+    """
+    if not 0 < memory_fraction <= 1:
+        raise PlanError("--memory-fraction", f"must be in (0, 1], got {memory_fraction:g}")
+    names = family_names(schedules)
+    source = CostSource(model, parallel, hardware, profile, memory_fraction)
+    families = []
+    for i, name in enumerate(names):
+        if progress is not None:
+            progress(name, i + 1, len(names))
+        t0 = time.perf_counter()
+        fam = _plan_family(name, source, explicit=schedules is not None)
+        fam.seconds = time.perf_counter() - t0
+        families.append(fam)
+    ok = [f for f in families if f.status == "ok" and f.fits]
+    best = min(ok, key=lambda f: (round(f.iteration_time_ms, 6), round(f.peak_memory_gib, 6),
+                                  f.memory_limit_n is not None), default=None)  # ties: a named family over zb
+    return Plan(model, parallel, hardware, source.t_comm_ms, source.table(Placement.PLAIN, 1), families,
+                best.name if best else None, profile, memory_fraction)
+
+
+def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResult:
+    model, par, hw = source.model, source.par, source.hw
+    spec = get_spec(name)
+    placement = Placement(spec.placement)
+    chunks = {Placement.PLAIN: 1, Placement.V: 2}.get(placement) or _interleaved_chunks(model, par)
+    if not explicit and name in EXCLUDED_BY_DEFAULT:
+        return FamilyResult(name, "skipped", f"{EXCLUDED_BY_DEFAULT[name]}; request it with --schedules", chunks)
+    try:
+        table = source.table(placement, chunks)
+    except ValueError as e:
+        return FamilyResult(name, "skipped", f"{placement.value} placement with {chunks} chunk(s) per rank: {e}",
+                            chunks)
+    size = len(table.shapes) * par.num_microbatches
+    if not explicit and spec.cost_aware and placement != Placement.PLAIN and size > SEARCH_LIMIT:
+        return FamilyResult(name, "skipped", f"search-based generator takes minutes at stages x m = {size} > "
+                                             f"{SEARCH_LIMIT}; request it with --schedules {name}", chunks)
+    costs = CostModel(t_f=list(table.t_f), t_b=list(table.t_b), t_w=list(table.t_w), t_comm=source.t_comm_ms,
+                      mem_b=list(table.mem_b), mem_w=list(table.mem_w))
+    ranks = [r.rank for r in table.shapes]
+    param_bytes = [0.0] * par.pp
+    for sh, n in zip(table.shapes, table.params):
+        param_bytes[sh.rank] += n * bytes_per_parameter(par)
+    limit, n_limit = None, None
+    if name == "zb":
+        free = source.usable_bytes - max(param_bytes)
+        n_limit = math.floor(free / max(table.mem_b)) if free > 0 else 0
+        if n_limit < 1:
+            return FamilyResult(name, "skipped", "not even one microbatch's activations fit next to the "
+                                                 "parameters and optimizer state", chunks)
+        limit = n_limit * max(table.mem_b)
+    try:
+        sched = build_schedule(name, num_ranks=par.pp, num_microbatches=par.num_microbatches, costs=costs,
+                               memory_limit=limit, num_chunks=chunks)
+        res = simulate(sched, costs)
+    except ImportError as e:
+        return FamilyResult(name, "skipped", f"its generator cannot be imported here ({e})", chunks)
+    except (ScheduleError, ValueError) as e:
+        return FamilyResult(name, "failed", " ".join(str(e).split()), chunks)
+    assert ranks == sched.stage_to_rank, "placement of the stage table and of the schedule differ"
+    return _metrics(name, chunks, res, param_bytes, table, source, n_limit)
+
+
+def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], table: StageTable,
+             source: CostSource, n_limit: int | None) -> FamilyResult:
+    model, par, hw = source.model, source.par, source.hw
+    params = [0.0] * par.pp
+    for sh, n in zip(table.shapes, table.params):
+        params[sh.rank] += n
+    optimizer_ms = max(params) * OPTIMIZER_BYTES_PER_PARAM / hw.hbm_bytes_per_ms
+    dp_ms = (0.0 if par.dp == 1 else
+             max(params) * GRAD_ALLREDUCE_BYTES_PER_PARAM * 2 * (par.dp - 1) / par.dp / hw.p2p_bytes_per_ms)
+    iteration = res.makespan + optimizer_ms + dp_ms
+    totals = [a + p for a, p in zip(res.peak_memory, param_bytes)]
+    peak = max(totals) / GIB
+    return FamilyResult(
+        name, "ok", None, chunks, iteration_time_ms=iteration, makespan_ms=res.makespan, optimizer_ms=optimizer_ms,
+        dp_sync_ms=dp_ms, bubble_rate=res.bubble_rate,
+        throughput=par.num_microbatches * model.micro_batch_size / (iteration / 1000.0) / (par.pp * par.tp),
+        peak_activation_gib=max(res.peak_memory) / GIB, param_optimizer_gib=max(param_bytes) / GIB,
+        peak_memory_gib=peak, fits=peak * GIB <= source.usable_bytes, memory_limit_n=n_limit, cost_source=table.source,
+        result=res)

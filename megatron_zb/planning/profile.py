@@ -1,0 +1,192 @@
+"""The measured-cost profile: what ``pretrain_gpt_zb.py --profile-out FILE`` writes, ``plan --profile`` reads.
+
+Format (JSON object, version 1)::
+
+    {
+      "format": "megatron-zb-profile",
+      "version": 1,
+      "model":    {...every field of ModelConfig: "num_layers": 22, "hidden_size": 2304, ...},
+      "parallel": {"pipeline_model_parallel_size": 8, "tensor_model_parallel_size": 1,
+                   "data_parallel_size": 1, "num_microbatches": 24, "sequence_parallel": false,
+                   "use_distributed_optimizer": false, "allow_padding_num_layers": true,
+                   "num_virtual_stages_per_pipeline_rank": null},
+      "schedule": "1f1b",            # schedule the costs were measured under
+      "placement": "plain",          # "plain" | "interleaved" | "v"
+      "stage_to_rank": [0, 1, ..., 7],
+      "t_comm_ms": 0.6,              # one stage-to-stage transfer (activation or gradient)
+      "stages": [                    # one entry per pipeline stage, stage order
+        {"t_f_ms": 12.1, "t_b_ms": 11.9, "t_w_ms": 6.2,
+         "mem_b_bytes": 2.5e9, "mem_w_bytes": 2.1e9},
+        ...
+      ],
+      "device": "NVIDIA A100-SXM4-80GB"   # optional, free text
+    }
+
+Units: times in milliseconds per microbatch through the stage (mean over the profiled
+microbatches), ``t_b`` the input-gradient backward and ``t_w`` the weight-gradient backward (for a
+fused backward, measure ``B`` + ``W`` and split it, or profile a zero-bubble schedule);
+``mem_b_bytes`` the activation memory one microbatch's forward leaves allocated until its ``B``,
+``mem_w_bytes`` the part still allocated from ``B`` until ``W``, bytes on one GPU.
+``model`` and ``parallel`` use Megatron's argument names (:mod:`.model`); the planner plans for
+them, so the plan's model flags may be omitted and must agree when given. A writer builds them
+with :func:`~.model.make_model` / :func:`~.model.make_parallel` from its own arguments and calls
+:func:`write_profile`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+from .layout import stage_to_rank
+from .model import ModelConfig, ParallelConfig, PlanError, check_model
+
+FORMAT = "megatron-zb-profile"
+VERSION = 1
+PLACEMENTS = ("plain", "interleaved", "v")
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """Measured costs of one stage (units in the module doc)."""
+
+    t_f_ms: float
+    t_b_ms: float
+    t_w_ms: float
+    mem_b_bytes: float
+    mem_w_bytes: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A profile file's content.
+
+    Attributes:
+        model: the model it was measured with.
+        parallel: the parallel layout it was measured with.
+        schedule: schedule name it was measured under.
+        placement: ``"plain"``, ``"interleaved"`` or ``"v"``.
+        stage_to_rank: rank of each stage.
+        t_comm_ms: one stage-to-stage transfer, ms.
+        stages: per-stage costs, stage order.
+        device: free-text device name, or ``None``.
+    """
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    schedule: str
+    placement: str
+    stage_to_rank: tuple[int, ...]
+    t_comm_ms: float
+    stages: tuple[StageProfile, ...]
+    device: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "model": self.model.to_flags(),
+                "parallel": self.parallel.to_flags(), "schedule": self.schedule, "placement": self.placement,
+                "stage_to_rank": list(self.stage_to_rank), "t_comm_ms": self.t_comm_ms,
+                "stages": [asdict(s) for s in self.stages], "device": self.device}
+
+
+def write_profile(path: str | Path, *, model: ModelConfig, parallel: ParallelConfig, schedule: str, placement: str,
+                  stage_to_rank: Sequence[int], t_comm_ms: float, stages: Sequence[StageProfile],
+                  device: str | None = None) -> Profile:
+    """Check and write a profile to ``path`` (JSON); returns what was written.
+
+    Raises:
+        PlanError: inconsistent content (same checks as :func:`read_profile`).
+        OSError: the file cannot be written.
+    """
+    prof = Profile(model=model, parallel=parallel, schedule=schedule, placement=placement,
+                   stage_to_rank=tuple(int(r) for r in stage_to_rank), t_comm_ms=float(t_comm_ms),
+                   stages=tuple(stages), device=device)
+    _check(prof, str(path))
+    Path(path).write_text(json.dumps(prof.to_dict(), indent=1) + "\n")
+    return prof
+
+
+def read_profile(path: str | Path) -> Profile:
+    """Read and check a profile file.
+
+    Raises:
+        PlanError: unreadable file, wrong format or version, missing or invalid values; the
+            ``flag`` is ``--profile`` and the message names the file and key.
+    """
+    where = str(path)
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise PlanError("--profile", f"cannot read {where}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise PlanError("--profile", f"{where}: not valid JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise PlanError("--profile", f"{where}: not a megatron-zb profile (needs \"format\": \"{FORMAT}\")")
+    if data.get("version") != VERSION:
+        raise PlanError("--profile",
+                        f"{where}: version {data.get('version')!r} is not supported (this reads {VERSION})")
+    try:
+        prof = Profile(model=_build(ModelConfig, data["model"], "model"),
+                       parallel=_parallel(data["parallel"]), schedule=str(data["schedule"]),
+                       placement=str(data["placement"]), stage_to_rank=tuple(data["stage_to_rank"]),
+                       t_comm_ms=float(data["t_comm_ms"]),
+                       stages=tuple(_build(StageProfile, s, f"stages[{i}]") for i, s in enumerate(data["stages"])),
+                       device=data.get("device"))
+    except KeyError as e:
+        raise PlanError("--profile", f"{where}: missing key {e}") from None
+    except (TypeError, ValueError) as e:
+        raise PlanError("--profile", f"{where}: {e}") from None
+    _check(prof, where)
+    return prof
+
+
+def _build(cls: type, raw: Any, what: str) -> Any:
+    """``cls(**raw)`` for a dataclass, naming unknown or missing keys."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} must be an object")
+    unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+    missing = sorted(f.name for f in fields(cls) if f.name not in raw and f.default is MISSING)
+    if unknown or missing:
+        raise ValueError(f"{what}: " + "; ".join(([f"unknown keys {unknown}"] if unknown else [])
+                                                  + ([f"missing keys {missing}"] if missing else [])))
+    return cls(**raw)
+
+
+def _parallel(raw: Any) -> ParallelConfig:
+    if not isinstance(raw, dict):
+        raise ValueError("parallel must be an object")
+    return ParallelConfig.from_flags(raw)
+
+
+
+
+def _check(prof: Profile, where: str) -> None:
+    def bad(msg: str) -> PlanError:
+        return PlanError("--profile", f"{where}: {msg}")
+    try:
+        check_model(prof.model)
+    except PlanError as e:
+        raise bad(f"model: {e}") from None
+    if prof.placement not in PLACEMENTS:
+        raise bad(f"placement {prof.placement!r} is not one of {', '.join(PLACEMENTS)}")
+    n, pp = len(prof.stages), prof.parallel.pp
+    if n < 2 or len(prof.stage_to_rank) != n:
+        raise bad(f"needs >= 2 stages and one stage_to_rank entry per stage (got {n} stages, "
+                  f"{len(prof.stage_to_rank)} entries)")
+    chunks = n // pp
+    if n % pp or list(prof.stage_to_rank) != stage_to_rank(prof.placement, pp, chunks):
+        raise bad(f"stage_to_rank {list(prof.stage_to_rank)} is not the {prof.placement} placement of {n} stages "
+                  f"on {pp} ranks")
+    if not (math.isfinite(prof.t_comm_ms) and prof.t_comm_ms >= 0):
+        raise bad(f"t_comm_ms must be finite and >= 0, got {prof.t_comm_ms}")
+    for i, s in enumerate(prof.stages):
+        for key in ("t_f_ms", "t_b_ms", "t_w_ms", "mem_b_bytes", "mem_w_bytes"):
+            v = getattr(s, key)
+            positive = key in ("t_f_ms", "t_b_ms")
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+                raise bad(f"stages[{i}].{key} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
+        if s.mem_w_bytes > s.mem_b_bytes:
+            raise bad(f"stages[{i}].mem_w_bytes {s.mem_w_bytes:g} exceeds mem_b_bytes {s.mem_b_bytes:g} "
+                      f"(the part held until W is a part of what F allocated)")

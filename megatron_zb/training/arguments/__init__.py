@@ -1,0 +1,124 @@
+"""The command line of ``pretrain_gpt_zb.py``: Megatron's GPT flags plus the zero-bubble ones.
+
+Flag names and meanings follow Megatron-LM's ``pretrain_gpt.py`` so that a user's existing
+command keeps working with ``--enable-zero-bubble`` added. Entry points:
+
+* :func:`build_parser` -- the :class:`argparse.ArgumentParser` (groups as in Megatron);
+* :func:`parse_args` -- parse ``argv`` (no checks beyond argparse's own);
+* :func:`validate_args_and_schedule` -- check every flag combination *before* any process group
+  starts, raising :class:`ArgumentError` (names the flag and the fix), fill in derived values and
+  return them with the schedule built (unit costs) to check that it exists (:class:`ValidatedArgs`);
+  :func:`validate_args` is the same returning only the args (Megatron-LM's contract). Both are
+  idempotent: validating validated args again changes nothing.
+
+One module per flag group, each holding the group's flags (``add_*_args``), its checks and its
+derived values: :mod:`.model` (network size), :mod:`.training` (batch, iterations, optimizer,
+learning rate, mixed precision), :mod:`.parallel` (distributed), :mod:`.data` (data and
+tokenizer), :mod:`.checkpointing_logging`, :mod:`.zero_bubble` (schedule, memory limit, profiling,
+post-validation) and :mod:`.developer` (``pretrain_gpt_zb.py``'s extra flags). :mod:`.validation`
+orders the checks and holds the numeric ranges of all flags.
+
+Adding a flag: ``g.add_argument`` in its group's ``add_*_args`` (Megatron's name, default and
+help; a new group is a new module whose ``add_*_args`` joins ``_GROUPS`` below); a numeric range
+in the tables of :mod:`.validation`; a check across flags, or a derived value, as a function of
+the group's module called from :func:`.validation.validate_args_and_schedule` (raise
+:class:`ArgumentError` naming the flag to change); list derived values in the table below.
+
+Derived values set by :func:`validate_args` (units in brackets):
+
+==================================  ===========================================================
+``world_size``                      processes in the job
+``data_parallel_size``              ``world_size / (TP * PP)``
+``num_microbatches``                micro batches per iteration per DP rank,
+                                    ``global_batch_size / (micro_batch_size * DP)``
+``schedule``                        resolved schedule name (``1f1b`` when no zero-bubble flag);
+                                    the ``--schedule`` flag itself is ``schedule_requested``
+``schedule_selected_by``            the flag that chose the schedule (for error messages)
+``schedule_placement``              ``"plain"``, ``"interleaved"`` or ``"v"``
+``split_backward``                  whether the schedule splits backward into B and W
+``schedule_cost_aware``             whether the schedule is rebuilt from profiled costs
+``num_model_chunks``                model chunks (pipeline stages) per pipeline rank
+``virtual_pipeline_model_parallel_size``  ``num_model_chunks`` if > 1 else ``None`` (Megatron)
+``num_pipeline_stages``             ``PP * num_model_chunks``
+``num_layers_per_stage``            transformer layers per pipeline stage, stage order
+``zero_bubble_max_pending_backward``  resolved limit [micro batches of activations per rank]
+                                    or ``None`` (the schedule's own default)
+``schedule_memory_limit``           the same limit in the schedule library's unit (one stage's
+                                    activation ``M_B``; ``N * num_model_chunks``) or ``None``
+``ffn_hidden_size``                 default ``4 * hidden_size``
+``max_position_embeddings``         default ``seq_length``
+``kv_channels``                     ``hidden_size / num_attention_heads``
+``params_dtype``                    ``torch.float16`` / ``torch.bfloat16`` / ``torch.float32``
+``lr_decay_iters``                  default ``train_iters`` [iterations]
+``distributed_backend``             ``"nccl"`` or ``"gloo"`` (``auto`` resolved)
+``post_validation_warmup_iters``    with ``--enable-optimizer-post-validation``: the flag's value,
+                                    default 10 [iterations]; ``None`` without post-validation
+``post_validation_fallback_clean_iters``  the same for ``--post-validation-fallback-clean-iters``
+``data_blend``                      ``(prefixes, weights or None)`` or ``None`` with mock data
+``vocab_size``                      ``--vocab-size``, else the tokenizer's [tokens]
+``tokenizer_vocab_size``            the tokenizer's vocabulary (NullTokenizer: ``--vocab-size`` + 1, EOD)
+``padded_vocab_size``               embedding rows: the larger of the two above, rounded up to
+                                    ``make_vocab_size_divisible_by * TP`` (what the model uses)
+==================================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Sequence
+
+from megatron_zb.model.gpt_chunks import split_layers
+
+from .checkpointing_logging import add_checkpointing_args, add_validation_and_logging_args
+from .common import ArgumentError
+from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
+from .model import add_network_args
+from .parallel import add_distributed_args
+from .training import add_learning_rate_args, add_mixed_precision_args, add_training_args
+from .validation import ValidatedArgs, validate_args, validate_args_and_schedule
+from .zero_bubble import (POST_VALIDATION_FALLBACK_CLEAN_ITERS, POST_VALIDATION_WARMUP_ITERS,
+                          V_MEM_SETUP_TO_SCHEDULE, add_zero_bubble_args, initial_schedule)
+
+__all__ = [
+    "ArgumentError",
+    "POST_VALIDATION_FALLBACK_CLEAN_ITERS",
+    "POST_VALIDATION_WARMUP_ITERS",
+    "TOKENIZER_TYPES",
+    "V_MEM_SETUP_TO_SCHEDULE",
+    "ValidatedArgs",
+    "build_parser",
+    "initial_schedule",
+    "parse_args",
+    "parse_data_blend",
+    "split_layers",
+    "validate_args",
+    "validate_args_and_schedule",
+]
+
+ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
+
+_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
+    add_network_args, add_training_args, add_learning_rate_args, add_mixed_precision_args, add_distributed_args,
+    add_data_args, add_checkpointing_args, add_validation_and_logging_args, add_zero_bubble_args)
+"""The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
+
+
+def build_parser(*, extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
+    """The ``pretrain_gpt_zb.py`` parser; ``extra_args_provider(parser)`` may add more flags."""
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt_zb.py",
+        description="Megatron GPT pretraining with zero-bubble pipeline schedules. Accepts Megatron's "
+                    "GPT flags; add --enable-zero-bubble (or --zero-bubble-v-schedule) to switch schedule.",
+        allow_abbrev=False,
+    )
+    for add_group in _GROUPS:
+        add_group(parser)
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, *, extra_args_provider: ExtraArgsProvider | None = None
+               ) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``). Call :func:`validate_args` on the result."""
+    return build_parser(extra_args_provider=extra_args_provider).parse_args(argv)

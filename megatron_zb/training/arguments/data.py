@@ -1,0 +1,138 @@
+"""Data and tokenizer flags: datasets, blends, splits, the tokenizer; their checks and the
+vocabulary sizes they imply."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Sequence
+
+from .common import ArgumentError
+
+__all__ = ["TOKENIZER_TYPES", "add_data_args", "check_data", "check_split", "parse_data_blend",
+           "resolve_tokenizer_vocab"]
+
+TOKENIZER_TYPES: tuple[str, ...] = ("ByteLevel", "HuggingFaceTokenizer", "NullTokenizer")
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Dataset prefix(es) written by tools/preprocess_data.py (PREFIX.bin and PREFIX.idx). "
+                        "One prefix, several prefixes (weighted by size), or a blend 'W1 PREFIX1 W2 PREFIX2 ...'.")
+    g.add_argument("--mock-data", action="store_true",
+                   help="Train on megatron-core's synthetic MockGPTDataset instead of --data-path.")
+    g.add_argument("--split", type=str, default="969,30,1",
+                   help="Train,valid,test proportions of each --data-path dataset, e.g. 949,50,1 "
+                        "(default 969,30,1).")
+    g.add_argument("--data-cache-path", type=str, default=None,
+                   help="Directory for dataset index caches. Default: SAVE/data_cache with --save, else a "
+                        "directory under the system temp dir (single node only: multi-node jobs need a path "
+                        "every node can see).")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes per rank (default 2).")
+    g.add_argument("--reset-position-ids", action="store_true", help="Restart position ids after each EOD token.")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="Do not attend across EOD tokens (per-document attention mask).")
+    g.add_argument("--eod-mask-loss", action="store_true", help="Do not compute the loss on EOD tokens.")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteLevel",
+                   help="ByteLevel (default): UTF-8 bytes 0-255 plus EOD and PAD, nothing to download. "
+                        "HuggingFaceTokenizer: a tokenizer saved on local disk (--tokenizer-model DIR; needs "
+                        "transformers; never downloads). NullTokenizer: whitespace-separated integer ids "
+                        "(needs --vocab-size).")
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="Local directory of a HuggingFace tokenizer (for --tokenizer-type HuggingFaceTokenizer).")
+
+
+def parse_data_blend(values: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """``--data-path`` values -> ``(prefixes, weights)``; weights ``None`` means "by dataset size".
+
+    Accepts ``PREFIX [PREFIX ...]`` or ``W1 PREFIX1 W2 PREFIX2 ...`` (weights > 0, any scale).
+    """
+    values = [v.strip() for v in values if v.strip()]
+    if not values:
+        raise ArgumentError("--data-path", "needs at least one dataset prefix")
+
+    def number(s: str) -> float | None:
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    weights = [number(v) for v in values[0::2]]
+    if len(values) % 2 == 0 and all(w is not None for w in weights):
+        prefixes = values[1::2]
+        if any(number(p) is not None for p in prefixes):
+            raise ArgumentError("--data-path", f"blend {values} has a number where a prefix belongs; "
+                                               f"write it as 'W1 PREFIX1 W2 PREFIX2 ...'")
+        bad = [w for w in weights if not (w > 0 and math.isfinite(w))]
+        if bad:
+            raise ArgumentError("--data-path", f"blend weights must be positive, got {bad[0]}")
+        return prefixes, [float(w) for w in weights]
+    if any(number(v) is not None for v in values):
+        raise ArgumentError("--data-path", f"{values} mixes weights and prefixes; give either PREFIX [PREFIX ...] "
+                                           f"or 'W1 PREFIX1 W2 PREFIX2 ...' (a weight before every prefix)")
+    return values, None
+
+
+def check_split(split: str) -> None:
+    parts = [p.strip() for p in split.replace("/", ",").split(",")]
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError:
+        raise ArgumentError("--split", f"{split!r} is not a list of numbers; write e.g. 949,50,1") from None
+    if not 1 <= len(vals) <= 3 or any(v < 0 or not math.isfinite(v) for v in vals) or sum(vals) <= 0:
+        raise ArgumentError("--split", f"{split!r} must be 1 to 3 non-negative weights (train,valid,test) with a "
+                                       f"positive sum, e.g. 949,50,1")
+    if vals[0] <= 0:
+        raise ArgumentError("--split", f"{split!r} gives the training set no data; make the first weight positive")
+
+
+def check_data(args: argparse.Namespace) -> None:
+    """``--mock-data`` or ``--data-path`` (files present), ``--split``; sets ``data_blend``."""
+    if args.mock_data and args.data_path:
+        raise ArgumentError("--mock-data", "--mock-data and --data-path are mutually exclusive; keep one")
+    if not args.mock_data and not args.data_path:
+        raise ArgumentError("--data-path", "no training data: give --data-path PREFIX (files PREFIX.bin and PREFIX.idx "
+                                           "from tools/preprocess_data.py) or --mock-data")
+    check_split(args.split)
+    if args.mock_data:
+        args.data_blend = None
+        return
+    prefixes, weights = parse_data_blend(args.data_path)
+    for prefix in prefixes:
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            raise ArgumentError("--data-path", f"dataset prefix {prefix!r}: missing {' and '.join(missing)}; pass the "
+                                               f"prefix without extension, as written by tools/preprocess_data.py "
+                                               f"--output-prefix")
+    args.data_blend = (prefixes, weights)
+
+
+def resolve_tokenizer_vocab(args: argparse.Namespace) -> None:
+    """Build the tokenizer once to check it; sets ``vocab_size``, ``tokenizer_vocab_size``, ``padded_vocab_size``."""
+    from megatron_zb.training import data  # lazy: data imports megatron-core's dataset stack
+
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ArgumentError("--vocab-size", "is required with --tokenizer-type NullTokenizer")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise ArgumentError("--tokenizer-model", "is required with --tokenizer-type HuggingFaceTokenizer: pass the "
+                                                 "local directory holding the tokenizer files")
+    try:
+        tok = data.build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                   vocab_size=args.vocab_size)
+    except data.TokenizerError as e:
+        flag = "--tokenizer-model" if args.tokenizer_type == "HuggingFaceTokenizer" else "--tokenizer-type"
+        raise ArgumentError(flag, str(e)) from None
+    args.tokenizer_vocab_size = tok.vocab_size
+    if args.tokenizer_type == "NullTokenizer":
+        vocab = tok.vocab_size  # --vocab-size ids plus the EOD id; args.vocab_size keeps the flag's value
+    elif args.vocab_size is None:
+        vocab = args.vocab_size = tok.vocab_size
+    elif args.vocab_size < tok.vocab_size:
+        raise ArgumentError("--vocab-size", f"{args.vocab_size} is smaller than the {args.tokenizer_type} tokenizer's "
+                                            f"{tok.vocab_size} tokens; raise it or omit it")
+    else:
+        vocab = args.vocab_size
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.padded_vocab_size = -(-vocab // multiple) * multiple

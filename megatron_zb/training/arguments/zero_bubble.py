@@ -1,0 +1,249 @@
+"""Zero-bubble flags: which schedule runs (``--enable-zero-bubble``, ``--zero-bubble-v-schedule``,
+``--schedule``), its activation-memory limit, profiling window and optimizer post-validation;
+their checks, the placement-derived sizes, and the unit-cost schedule built to check them."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_zb.model.gpt_chunks import split_layers
+from megatron_zb.schedules.ir import Schedule, ScheduleError
+from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spec, schedule_names
+
+from .common import ArgumentError, flag
+
+__all__ = [
+    "POST_VALIDATION_FALLBACK_CLEAN_ITERS",
+    "POST_VALIDATION_WARMUP_ITERS",
+    "V_MEM_SETUP_TO_SCHEDULE",
+    "add_zero_bubble_args",
+    "check_layers",
+    "check_schedule_builds",
+    "check_zero_bubble_options",
+    "initial_schedule",
+    "resolve_schedule",
+]
+
+V_MEM_SETUP_TO_SCHEDULE: dict[str, str] = {"zb": "zbv", "half": "v-half", "min": "v-min"}
+"""``--zero-bubble-v-schedule-mem-setup`` value -> schedule library name."""
+
+POST_VALIDATION_WARMUP_ITERS = 10
+"""Default of ``--post-validation-warmup-iters`` [iterations]."""
+
+POST_VALIDATION_FALLBACK_CLEAN_ITERS = 10
+"""Default of ``--post-validation-fallback-clean-iters`` [iterations] (the zero-bubble paper's heuristic)."""
+
+_POST_VALIDATION_TUNING = (("post_validation_warmup_iters", POST_VALIDATION_WARMUP_ITERS),
+                           ("post_validation_fallback_clean_iters", POST_VALIDATION_FALLBACK_CLEAN_ITERS))
+
+def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
+    names = schedule_names()
+    g = parser.add_argument_group("zero bubble")
+    g.add_argument("--enable-zero-bubble", action="store_true",
+                   help="Use the greedy zero-bubble schedule (schedule 'zb'): backward split into B and W, "
+                        "W filling pipeline bubbles, under --zero-bubble-max-pending-backward.")
+    g.add_argument("--zero-bubble-v-schedule", action="store_true",
+                   help="Use a V-shaped zero-bubble schedule (two model chunks per rank; needs "
+                        "--pipeline-model-parallel-size > 1); memory setup from --zero-bubble-v-schedule-mem-setup.")
+    g.add_argument("--zero-bubble-v-schedule-mem-setup", choices=tuple(V_MEM_SETUP_TO_SCHEDULE), default=None,
+                   help="V schedule memory setup: zb (ZB-V, 1F1B's activation memory, default), half "
+                        "(V-Half, about 1/2 of it), min (V-Min, about 1/3 of it).")
+    g.add_argument("--zero-bubble-max-pending-backward", type=int, default=None,
+                   help="Activation-memory limit of zero-bubble schedules, in micro batches of activations held "
+                        "per pipeline rank. PP gives ZB-1p (1F1B's peak), 2*PP gives ZB-2p. Default: PP for "
+                        "--enable-zero-bubble, the schedule's own default otherwise.")
+    g.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=2,
+                   help="First iteration (1-based) in which F/B/W/communication times are profiled (default 2).")
+    g.add_argument("--zero-bubble-pipeline-timers-end-iter", type=int, default=4,
+                   help="Profiling stops before this iteration; cost-aware schedules are then rebuilt from "
+                        "the measured costs (default 4).")
+    g.add_argument("--enable-optimizer-post-validation", action="store_true",
+                   help="Step the optimizer before the global gradient checks (NaN/inf, grad-norm clipping) "
+                        "finish and roll back when they fail, removing the synchronisation bubble "
+                        "(zero-bubble schedules only). Tuned by --post-validation-warmup-iters and "
+                        "--post-validation-fallback-clean-iters.")
+    g.add_argument("--enable-exactly-numeric-match", action="store_true",
+                   help="With post-validation, reproduce the numerics of the synchronous optimizer step "
+                        "exactly (slower).")
+    g.add_argument("--post-validation-warmup-iters", type=int, default=None, metavar="N",
+                   help="With --enable-optimizer-post-validation: the first N iterations (optimizer steps) of "
+                        "the run use megatron-core's synchronous optimizer step; post-validation starts at "
+                        "iteration N+1. Counted from the start of each run, also after --load. 0 "
+                        "post-validates from the first step. Iterations, >= 0 "
+                        f"(default {POST_VALIDATION_WARMUP_ITERS}).")
+    g.add_argument("--post-validation-fallback-clean-iters", type=int, default=None, metavar="N",
+                   help="With --enable-optimizer-post-validation: after a step whose gradients were clipped or "
+                        "held an inf/nan, fall back to megatron-core's synchronous optimizer step until N "
+                        "consecutive steps were neither clipped nor inf/nan, then post-validate again. 0 never "
+                        "falls back: every step after the warm-up is post-validated (clipped ones are redone). "
+                        "Iterations, >= 0 "
+                        f"(default {POST_VALIDATION_FALLBACK_CLEAN_ITERS}).")
+    g.add_argument("--allow-padding-num-layers", action="store_true",
+                   help="Allow --num-layers not divisible by the number of pipeline stages: the first and "
+                        "last stage take fewer layers.")
+    g.add_argument("--schedule", dest="schedule_requested", choices=names, default=None, metavar="NAME",
+                   help=f"Use any schedule of the library directly: {', '.join(names)}. Not together with "
+                        "--zero-bubble-v-schedule.")
+    g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
+                   help="Timeout of pipeline point-to-point transfers, seconds (default 300).")
+
+
+def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
+    """Set ``args.schedule`` (and the placement-derived sizes); return the schedule's spec."""
+    pp = args.pipeline_model_parallel_size
+    if args.zero_bubble_v_schedule_mem_setup is not None and not args.zero_bubble_v_schedule:
+        raise ArgumentError("--zero-bubble-v-schedule-mem-setup",
+                            "only applies to V schedules; add --zero-bubble-v-schedule or drop this flag")
+    if args.zero_bubble_v_schedule:
+        for dest, flag in (("enable_zero_bubble", "--enable-zero-bubble"), ("schedule_requested", "--schedule")):
+            if getattr(args, dest):
+                raise ArgumentError("--zero-bubble-v-schedule",
+                                    f"cannot be combined with {flag}; keep --zero-bubble-v-schedule (with "
+                                    f"--zero-bubble-v-schedule-mem-setup) or {flag}, not both")
+        setup = args.zero_bubble_v_schedule_mem_setup or "zb"
+        name, selected_by = V_MEM_SETUP_TO_SCHEDULE[setup], "--zero-bubble-v-schedule"
+    elif args.schedule_requested is not None:
+        name, selected_by = args.schedule_requested, "--schedule"
+    elif args.enable_zero_bubble:
+        name, selected_by = "zb", "--enable-zero-bubble"
+    else:
+        name, selected_by = "1f1b", "--schedule"
+    try:
+        spec = get_spec(name)
+    except ScheduleError as e:
+        raise ArgumentError(selected_by, f"schedule {name!r} is not available in this installation ({e}); "
+                                         f"choose another schedule") from None
+    if args.enable_zero_bubble and not spec.split_backward:
+        raise ArgumentError("--schedule", f"{name!r} is not a zero-bubble schedule (it does not split the backward); "
+                                          f"drop --enable-zero-bubble or choose a zero-bubble schedule")
+    if spec.placement == "v" and pp == 1:
+        raise ArgumentError(selected_by, f"the V schedule {name!r} needs --pipeline-model-parallel-size > 1 "
+                                         f"(it places two model chunks per pipeline rank); raise PP or use "
+                                         f"--enable-zero-bubble")
+    chunks_flag = args.num_virtual_stages_per_pipeline_rank
+    if spec.placement == "interleaved":
+        chunks = chunks_flag if chunks_flag is not None else 2
+        if chunks < 2:
+            raise ArgumentError("--num-virtual-stages-per-pipeline-rank",
+                                f"interleaved schedule {name!r} needs >= 2 chunks per rank, got {chunks}")
+    else:
+        chunks = spec.chunks_per_rank(2)
+        if chunks_flag is not None and chunks_flag != chunks:
+            raise ArgumentError("--num-virtual-stages-per-pipeline-rank",
+                                f"schedule {name!r} uses {chunks} model chunk(s) per rank ({spec.placement} "
+                                f"placement); drop the flag or choose an interleaved schedule")
+    args.schedule = name
+    args.schedule_selected_by = selected_by
+    args.schedule_placement = spec.placement
+    args.split_backward = spec.split_backward
+    args.schedule_cost_aware = spec.cost_aware
+    args.num_model_chunks = chunks
+    args.virtual_pipeline_model_parallel_size = chunks if chunks > 1 else None
+    args.num_pipeline_stages = pp * chunks
+    return spec
+
+
+def check_layers(args: argparse.Namespace) -> None:
+    """Split ``--num-layers`` over the pipeline stages; sets ``num_layers_per_stage`` (stage order)."""
+    stages = args.num_pipeline_stages
+    try:
+        args.num_layers_per_stage = split_layers(args.num_layers, stages, allow_padding=args.allow_padding_num_layers)
+    except ValueError as e:
+        what = (f"{stages} pipeline stages (PP {args.pipeline_model_parallel_size} x "
+                f"{args.num_model_chunks} chunk(s) per rank for schedule {args.schedule!r})")
+        if args.num_layers % stages and not args.allow_padding_num_layers:
+            raise ArgumentError("--num-layers",
+                                f"{args.num_layers} layers cannot be split evenly over {what}; use a multiple of "
+                                f"{stages} or add --allow-padding-num-layers (first/last stage take fewer layers)"
+                                ) from None
+        raise ArgumentError("--num-layers", f"{args.num_layers} layers cannot be split over {what} even with "
+                                            f"--allow-padding-num-layers ({e}); use more layers or fewer stages"
+                            ) from None
+
+
+def check_schedule_builds(args: argparse.Namespace, spec: ScheduleSpec) -> Schedule:
+    """Resolve the memory limit and build the schedule with unit costs: it must exist.
+
+    Sets ``zero_bubble_max_pending_backward`` and ``schedule_memory_limit``; returns the schedule.
+    """
+    pp, m = args.pipeline_model_parallel_size, args.num_microbatches
+    n = args.zero_bubble_max_pending_backward
+    explicit = n is not None
+    if explicit and not spec.cost_aware:
+        raise ArgumentError("--zero-bubble-max-pending-backward",
+                            f"has no effect on schedule {args.schedule!r} (not memory-aware); drop it or use "
+                            f"--enable-zero-bubble / --zero-bubble-v-schedule")
+    if n is None and args.schedule == "zb":
+        n = pp  # ZB-1p: 1F1B's peak activation memory
+    args.zero_bubble_max_pending_backward = n
+    args.schedule_memory_limit = float(n * args.num_model_chunks) if n is not None else None
+    try:
+        return initial_schedule(args)
+    except ScheduleError as e:
+        if explicit:
+            try:
+                _build(args, memory_limit=None)
+            except ScheduleError:
+                pass
+            else:
+                raise ArgumentError(
+                    "--zero-bubble-max-pending-backward",
+                    f"{n} micro batches is below what schedule {args.schedule!r} needs for PP={pp}, "
+                    f"{m} micro batches ({e}); raise --zero-bubble-max-pending-backward") from None
+        raise ArgumentError(args.schedule_selected_by,
+                            f"schedule {args.schedule!r} cannot be built for PP={pp}, {m} micro batches per "
+                            f"iteration ({e}); change the schedule or the batch sizes") from None
+
+
+def initial_schedule(args: argparse.Namespace) -> Schedule:
+    """The unit-cost schedule of validated ``args`` (the runtime may rebuild it from profiled costs).
+
+    Builds it: validation already did and returns it
+    (:attr:`~megatron_zb.training.arguments.ValidatedArgs.schedule`), so call this only when that
+    one is not at hand. A generator that is not deterministic (a time-limited solver) may give
+    another schedule each call.
+    """
+    return _build(args, memory_limit=args.schedule_memory_limit)
+
+
+def _build(args: argparse.Namespace, *, memory_limit: float | None) -> Schedule:
+    return build_schedule(args.schedule, num_ranks=args.pipeline_model_parallel_size,
+                          num_microbatches=args.num_microbatches, memory_limit=memory_limit,
+                          num_chunks=args.num_model_chunks)
+
+
+def check_zero_bubble_options(args: argparse.Namespace, spec: ScheduleSpec) -> None:
+    if args.enable_optimizer_post_validation and not spec.split_backward:
+        raise ArgumentError("--enable-optimizer-post-validation",
+                            f"needs a zero-bubble schedule, but the schedule is {args.schedule!r}; add "
+                            f"--enable-zero-bubble (or --zero-bubble-v-schedule) or drop the flag")
+    if args.enable_exactly_numeric_match and not args.enable_optimizer_post_validation:
+        raise ArgumentError("--enable-exactly-numeric-match",
+                            "only applies with --enable-optimizer-post-validation; add that flag or drop this one")
+    _check_post_validation_tuning(args)
+    start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
+    if start < 1:
+        raise ArgumentError("--zero-bubble-pipeline-timers-start-iter", f"must be >= 1, got {start}")
+    if end <= start:
+        raise ArgumentError("--zero-bubble-pipeline-timers-end-iter",
+                            f"{end} must be greater than --zero-bubble-pipeline-timers-start-iter {start}")
+
+
+def _check_post_validation_tuning(args: argparse.Namespace) -> None:
+    """``--post-validation-warmup-iters`` / ``--post-validation-fallback-clean-iters``: >= 0, only
+    with ``--enable-optimizer-post-validation``; then default to 10 each. Without post-validation
+    they stay ``None`` (so that validating again still sees them as not given)."""
+    for dest, _ in _POST_VALIDATION_TUNING:
+        value = getattr(args, dest)
+        if value is not None and value < 0:
+            raise ArgumentError(flag(dest), f"must be >= 0 iterations, got {value}")
+    given = [flag(dest) for dest, _ in _POST_VALIDATION_TUNING if getattr(args, dest) is not None]
+    if given and not args.enable_optimizer_post_validation:
+        raise ArgumentError(given[0], "only applies with --enable-optimizer-post-validation (it tunes when that "
+                                      "optimizer steps synchronously); add --enable-optimizer-post-validation or "
+                                      f"drop {' and '.join(given)}")
+    if args.enable_optimizer_post_validation:
+        for dest, default in _POST_VALIDATION_TUNING:
+            if getattr(args, dest) is None:
+                setattr(args, dest, default)
+

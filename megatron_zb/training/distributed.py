@@ -1,0 +1,103 @@
+"""Process groups of a run: ``torch.distributed``, megatron-core's ``parallel_state``, Megatron's seeds."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedContext", "init_distributed", "local_rank", "shutdown_distributed"]
+
+
+def local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``, else ``RANK``, else 0); no process group needed."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the job (after :func:`init_distributed`).
+
+    Attributes:
+        pp_group: the pipeline-parallel process group of this rank.
+        pp_rank: rank in ``pp_group`` (the pipeline rank).
+        tp_rank: tensor-parallel rank.
+        dp_rank: data-parallel rank.
+        device: ``cuda:<current>`` with nccl, else ``cpu``.
+        started_pg: whether :func:`init_distributed` started the default process group (and
+            :func:`shutdown_distributed` must destroy it).
+    """
+
+    pp_group: Any
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    device: torch.device
+    started_pg: bool
+
+
+def init_distributed(args: argparse.Namespace) -> DistributedContext:
+    """Start ``torch.distributed`` (unless started) and megatron-core's TP/PP groups; seed as Megatron.
+
+    A single process without a launcher gets a local rendezvous (free port on 127.0.0.1). Seeds:
+    ``--seed + 100 * pipeline rank`` for Python, NumPy, torch and megatron's RNG tracker
+    (tensor-parallel streams are forked by megatron-core).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if int(os.environ.get("RANK", "0")) == 0:  # no process group yet
+        print(f"> initializing torch distributed with {args.world_size} process(es), backend "
+              f"{args.distributed_backend} ...", flush=True)
+    if args.distributed_backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    started = False
+    if not dist.is_initialized():
+        if args.world_size == 1:
+            _single_process_rendezvous()
+        dist.init_process_group(backend=args.distributed_backend, world_size=args.world_size,
+                                rank=int(os.environ.get("RANK", "0")),
+                                timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        started = True
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
+    ctx = DistributedContext(
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        device=torch.device("cuda", torch.cuda.current_device()) if args.distributed_backend == "nccl"
+        else torch.device("cpu"),
+        started_pg=started)
+    seed = args.seed + 100 * ctx.pp_rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return ctx
+
+
+def _single_process_rendezvous() -> None:
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def shutdown_distributed(ctx: DistributedContext | None) -> None:
+    """Destroy megatron-core's groups and the default group when :func:`init_distributed` started it."""
+    if ctx is not None and ctx.started_pg and dist.is_initialized():
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

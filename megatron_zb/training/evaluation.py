@@ -1,0 +1,36 @@
+"""Evaluation: ``--eval-iters`` forward-only batches through the run's ``forward_backward_func``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megatron_zb.training.distributed import DistributedContext
+from megatron_zb.training.gpt_step import run_batch, sum_lm_loss
+from megatron_zb.training.training_log import gather_losses
+
+__all__ = ["evaluate"]
+
+
+def evaluate(args: argparse.Namespace, *, forward_backward: Callable[..., list[Any]], modules: Sequence[Any],
+             iterators: Sequence[Any], stage_to_rank: Sequence[int], dist_ctx: DistributedContext) -> float:
+    """The lm loss over ``args.eval_iters`` global batches (masked sum / tokens, all DP ranks).
+
+    Puts ``modules`` in eval mode (no dropout) and back in train mode; no gradients. Collective;
+    the result is the same on every rank (``nan`` when no token was unmasked).
+    """
+    for m in modules:
+        m.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            out = run_batch(forward_backward, model=modules, iterators=iterators, args=args, device=dist_ctx.device,
+                            forward_only=True)
+            sum_lm_loss(out or [], into=total)
+    for m in modules:
+        m.train()
+    [(num, den)] = gather_losses([(float(total[0]), float(total[1]))], stage_to_rank=stage_to_rank,
+                                 dist_ctx=dist_ctx)
+    return num / den if den > 0 else float("nan")

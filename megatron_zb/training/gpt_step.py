@@ -1,0 +1,61 @@
+"""GPT's forward step and loss, as in Megatron-LM's ``pretrain_gpt.py``, and one pass over a batch.
+
+:func:`forward_step` and :func:`loss_func` are what megatron-core's ``forward_backward_func``
+(or megatron-zb's) calls per micro batch; :func:`run_batch` is one such call over one global
+batch's micro batches of this data-parallel rank, for training and for evaluation alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from megatron_zb.training.data import get_batch
+
+__all__ = ["forward_step", "loss_func", "run_batch", "sum_lm_loss"]
+
+
+def loss_func(loss_mask: torch.Tensor | None, output_tensor: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's GPT loss: masked sum of the per-token losses, the token count, and for reporting
+    ``[masked sum, tokens]`` (megatron-core divides by the tokens and the micro batches)."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.reshape(-1).float()  # type: ignore[union-attr]
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum()
+    report = torch.stack([loss.detach(), tokens.detach()])
+    return loss, tokens.detach().to(torch.int), {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator[Any] | None, model: Any, *, device: Any = None) -> tuple[Any, Any]:
+    """megatron-core forward step: the chunk's micro batch (``None`` on middle stages), output, loss."""
+    batch = get_batch(data_iterator, device=device)
+    if batch is None:
+        return model(None, None, None), partial(loss_func, None)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def run_batch(forward_backward: Callable[..., list[Any]], *, model: Sequence[Any], iterators: Sequence[Any],
+              args: argparse.Namespace, device: torch.device, forward_only: bool) -> list[Any]:
+    """One ``forward_backward_func`` call over ``args.num_microbatches`` micro batches.
+
+    ``iterators`` holds one iterator (or ``None``) per model chunk; returns the loss reports of
+    the last stage's micro batches (empty elsewhere).
+    """
+    return forward_backward(forward_step_func=partial(forward_step, device=device),
+                            data_iterator=list(iterators) if len(iterators) > 1 else iterators[0],
+                            model=list(model), num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+                            forward_only=forward_only)
+
+
+def sum_lm_loss(reports: Sequence[dict[str, torch.Tensor]], into: torch.Tensor | None = None) -> torch.Tensor:
+    """``[masked loss sum, tokens]`` of ``reports`` (float64, CPU), added to ``into`` in place when given."""
+    total = into if into is not None else torch.zeros(2, dtype=torch.float64)
+    for d in reports:
+        total += d["lm loss"].detach().to("cpu", torch.float64)
+    return total

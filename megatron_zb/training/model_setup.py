@@ -1,0 +1,105 @@
+"""The model of a run: this rank's GPT chunks for the schedule's placement, wrapped as Megatron wraps them."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+from megatron_zb.model import GPTChunk
+from megatron_zb.training.distributed import DistributedContext
+from megatron_zb.training.logging_utils import print_rank_0
+
+__all__ = ["ModelBundle", "build_model", "gpt_config"]
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """This rank's model.
+
+    Attributes:
+        chunks: the unwrapped chunks in stage order (:class:`~megatron_zb.model.GPTChunk`: the
+            stage's :class:`~megatron_zb.model.ChunkPlan` and its ``GPTModel``); checkpoints are
+            built from these.
+        modules: the same chunks wrapped (``Float16Module`` for fp16/bf16, then megatron-core
+            ``DistributedDataParallel``): the ``model`` list given to ``forward_backward_func``.
+        stage_to_rank: pipeline rank of every stage, the placement the chunks were built for.
+    """
+
+    chunks: list[GPTChunk]
+    modules: list[Any]
+    stage_to_rank: list[int]
+
+    @property
+    def gpt_models(self) -> list[Any]:
+        """The unwrapped ``GPTModel`` of every chunk, stage order."""
+        return [c.module for c in self.chunks]
+
+    @property
+    def reads_data(self) -> list[bool]:
+        """Per chunk: whether it holds the first or the last stage (and so reads micro batches)."""
+        return [c.plan.pre_process or c.plan.post_process for c in self.chunks]
+
+
+def gpt_config(args: argparse.Namespace) -> TransformerConfig:
+    """megatron-core's ``TransformerConfig`` for validated ``args`` (CPU initialisation)."""
+    from megatron_zb.model import cpu_gpt_config
+
+    return cpu_gpt_config(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16, init_method_std=0.02)
+
+
+def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist: DistributedContext) -> ModelBundle:
+    """Build, wrap and hook up this rank's chunks of the placement ``stage_to_rank``. Collective (barrier).
+
+    Sets the config hooks as Megatron does: ``no_sync_func`` (one per chunk) and
+    ``finalize_model_grads_func``; ``grad_scale_func`` is the optimizer's
+    (:func:`~megatron_zb.training.optimizer_setup.build_optimizer`).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megatron_zb.megatron_compat import chunk_float16_module
+    from megatron_zb.model import build_gpt_chunks
+
+    t0 = time.perf_counter()
+    print_rank_0(f"> building model: GPT, {args.num_layers} layers, hidden {args.hidden_size}, "
+                 f"{args.num_attention_heads} heads, sequence {args.seq_length}, vocabulary "
+                 f"{args.padded_vocab_size} (padded); schedule {args.schedule} "
+                 f"({args.schedule_placement} placement, {args.num_pipeline_stages} stages, layers per "
+                 f"stage {args.num_layers_per_stage}) ...")
+    chunks = build_gpt_chunks(config=gpt_config(args), vocab_size=args.padded_vocab_size,
+                              max_sequence_length=args.max_position_embeddings, stage_to_rank=list(stage_to_rank),
+                              seed=args.seed, layers_per_stage=args.num_layers_per_stage)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    modules = []
+    for i, chunk in enumerate(chunks):
+        module: Any = chunk.module
+        if dist.device.type == "cuda":
+            module.cuda(dist.device)
+        if args.fp16 or args.bf16:
+            module = chunk_float16_module(module.config, module, first=chunk.plan.pre_process,
+                                          last=chunk.plan.post_process)
+        modules.append(DistributedDataParallel(config=chunk.module.config, ddp_config=ddp_config, module=module,
+                                               disable_bucketing=i > 0))
+    no_sync = [m.no_sync for m in modules] if len(modules) > 1 else modules[0].no_sync
+    for chunk in chunks:
+        chunk.module.config.no_sync_func = no_sync
+        chunk.module.config.finalize_model_grads_func = finalize_model_grads
+    n = sum(p.numel() for c in chunks for p in c.module.parameters())
+    if dist.dp_rank == 0:
+        print(f" > model built: {n} parameters on this rank (tensor rank {dist.tp_rank}, pipeline rank "
+              f"{dist.pp_rank}, stages {[c.plan.stage for c in chunks]}) in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    torch.distributed.barrier()
+    return ModelBundle(chunks=list(chunks), modules=modules, stage_to_rank=list(stage_to_rank))

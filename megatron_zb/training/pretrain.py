@@ -1,0 +1,75 @@
+"""Entry point of ``pretrain_gpt_zb.py``: parse and validate the command line, then run the Trainer.
+
+:func:`main` does what Megatron-LM's ``pretrain_gpt.py`` does, with megatron-zb's
+``forward_backward_func`` in place of megatron-core's:
+
+1. parse and validate the command line (:mod:`megatron_zb.training.arguments`, plus the
+   developer flags of :mod:`megatron_zb.training.arguments.developer`) *before* any process group
+   exists; a bad flag prints one ``pretrain_gpt_zb.py: error: --flag: ...`` line (on local rank 0)
+   and exits with status 2;
+2. :class:`~megatron_zb.training.trainer.Trainer` sets the run up and trains (see its module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Sequence
+
+from megatron_zb.training.arguments import ArgumentError, ValidatedArgs, build_parser, validate_args_and_schedule
+from megatron_zb.training.arguments.developer import add_developer_args, validate_developer_args
+from megatron_zb.training.distributed import local_rank
+from megatron_zb.training.trainer import Trainer
+
+__all__ = ["PROG", "main", "parse_and_validate", "parse_command_line"]
+
+PROG = "pretrain_gpt_zb.py"
+
+
+def _usage_error(message: str) -> int:
+    """Print one error line on local rank 0; other ranks wait briefly so the launcher shows it."""
+    if local_rank() == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(5)  # let local rank 0 print before the launcher tears the job down
+    return 2
+
+
+def parse_command_line(argv: Sequence[str] | None, *, world_size: int) -> ValidatedArgs:
+    """Parse and validate ``argv`` (developer flags included) for ``world_size`` processes.
+
+    Raises ``ArgumentError`` (a check failed) or ``SystemExit(2)`` (argparse: unknown flag, bad
+    value; the usage and one error line are printed on local rank 0).
+    """
+    parser = build_parser(extra_args_provider=add_developer_args)
+
+    def error(message: str) -> None:
+        if local_rank() == 0:
+            parser.print_usage(sys.stderr)
+        raise SystemExit(_usage_error(message))
+
+    parser.error = error  # type: ignore[method-assign]
+    validated = validate_args_and_schedule(parser.parse_args(argv), world_size=world_size)
+    validate_developer_args(validated.args)
+    return validated
+
+
+def parse_and_validate(argv: Sequence[str] | None, world_size: int) -> argparse.Namespace:
+    """:func:`parse_command_line` returning only the args (``Trainer(args)`` then builds the schedule again)."""
+    return parse_command_line(argv, world_size=world_size).args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``pretrain_gpt_zb.py``; returns the exit status."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        validated = parse_command_line(argv, world_size=world_size)
+    except ArgumentError as e:
+        return _usage_error(str(e))
+    trainer = Trainer(validated.args, schedule=validated.schedule)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

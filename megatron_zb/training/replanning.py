@@ -1,0 +1,229 @@
+"""Which pipeline schedule a run executes: install global rank 0's, profile, re-plan, report.
+
+:class:`SchedulePlanner` owns the run's ``forward_backward_func``: megatron-zb's runtime running
+the validated schedule, or megatron-core's own with ``--use-megatron-core-schedule`` (nothing to
+plan then). With megatron-zb's runtime:
+
+* every rank runs **global rank 0's** schedule (broadcast), so a generator that is not
+  deterministic across processes (e.g. a time-limited solver) cannot give ranks different action
+  lists; the placement must be the one the model was built for;
+* iterations ``[--zero-bubble-pipeline-timers-start-iter, --zero-bubble-pipeline-timers-end-iter)``
+  are profiled (:mod:`megatron_zb.training.profiling`); at the end of the window a cost-aware
+  schedule is re-planned from the measured costs on global rank 0 and installed everywhere, and
+  rank 0 prints the schedule report;
+* a run resumed after the window rebuilds the schedule from the costs its checkpoint stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_zb.schedules import ScheduleError, simulate
+from megatron_zb.schedules.costs import CostModel
+from megatron_zb.schedules.ir import Schedule
+from megatron_zb.training.distributed import DistributedContext
+from megatron_zb.training.logging_utils import format_schedule_report, print_rank_0
+from megatron_zb.training.profiling import ActionProfile, agree_on_profile, cost_model, measure_t_comm, mem_w_ratio
+
+__all__ = ["SchedulePlanner"]
+
+
+class SchedulePlanner:
+    """The run's ``forward_backward_func`` and the schedule it runs (see the module docstring).
+
+    Attributes:
+        forward_backward: the callable with megatron-core's ``forward_backward_func`` signature.
+        runtime: megatron-zb's ``ZeroBubbleForwardBackward`` (the same object), or ``None`` with
+            megatron-core's schedule.
+        profile: the action times of the profiled iterations so far.
+        profiled_iterations: the iterations whose times ``profile`` holds.
+        restored_costs: the cost model a resumed run re-planned from (``None`` otherwise).
+    """
+
+    def __init__(self, args: argparse.Namespace, *, schedule: Schedule, dist_ctx: DistributedContext) -> None:
+        """Build the ``forward_backward_func`` and install global rank 0's ``schedule``. Collective."""
+        self.args = args
+        self._dist = dist_ctx
+        self._initial = schedule
+        self._stage_to_rank = list(schedule.stage_to_rank)
+        self.profile = ActionProfile()
+        self.profiled_iterations: list[int] = []
+        self.restored_costs: CostModel | None = None
+        self.runtime: Any = None
+        if args.use_megatron_core_schedule:
+            from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
+            self.forward_backward: Any = megatron_func()
+            return
+        from megatron_zb.runtime import get_forward_backward_func
+
+        self.runtime = get_forward_backward_func(args.schedule, memory_limit=args.schedule_memory_limit,
+                                                 num_chunks=args.num_model_chunks,
+                                                 timeout=args.pipeline_timeout_seconds)
+        self._initial = self._rank0_schedule(schedule)
+        self.runtime.install_schedule(self._initial)
+        self.forward_backward = self.runtime
+
+    # ------------------------------------------------------------------ the profiling window
+    @property
+    def _window(self) -> tuple[int, int]:
+        return self.args.zero_bubble_pipeline_timers_start_iter, self.args.zero_bubble_pipeline_timers_end_iter
+
+    def profiles_after(self, iteration: int) -> bool:
+        """Whether iterations after ``iteration`` will be profiled (for the start-of-training line)."""
+        return self.runtime is not None and iteration < self._window[1] - 1
+
+    def begin_iteration(self, iteration: int) -> bool:
+        """Turn action timing on for a profiled ``iteration`` (off otherwise); returns whether it is profiled."""
+        start, end = self._window
+        profiling = self.runtime is not None and start <= iteration < end
+        if self.runtime is not None:
+            self.runtime.options.time_actions = profiling
+        return profiling
+
+    def end_iteration(self, iteration: int, *, profiling: bool, seconds: float) -> bool:
+        """Record a profiled iteration (``seconds``: wall time of its ``forward_backward_func`` call).
+
+        Returns whether the window is over and :meth:`replan` is due now.
+        """
+        if profiling and self.runtime.last_timing is not None:
+            self.profile.add(self.runtime.last_timing, seconds)
+            self.profiled_iterations.append(iteration)
+        end = self._window[1]
+        return profiling and iteration == min(end - 1, self.args.train_iters) and bool(self.profiled_iterations)
+
+    # ------------------------------------------------------------------ re-planning
+    def replan(self) -> dict[str, Any] | None:
+        """After the window: measure T_comm, agree on the costs, re-plan (cost-aware schedules), report.
+
+        Returns the cost model the new schedule was built from, as checkpoints store it
+        (:attr:`~megatron_zb.training.state.TrainState.schedule_costs`), or ``None`` when the
+        schedule was kept. Collective.
+        """
+        args = self.args
+        self.runtime.options.time_actions = False
+        tp = args.tensor_model_parallel_size
+        seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
+        t_comm = measure_t_comm(shape=(seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
+                                device=self._dist.device, group=self._dist.pp_group)
+        agreed = agree_on_profile(self.profile, t_comm, pp_group=self._dist.pp_group)
+        stages = args.num_pipeline_stages
+        try:
+            costs = cost_model(agreed, num_stages=stages, hidden_size=args.hidden_size,
+                               num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                               memory_limit=args.schedule_memory_limit)
+        except ValueError as e:
+            print_rank_0(f"WARNING: profiling gave no usable costs ({e}); keeping the schedule")
+            return None
+        before = simulate(self._current(), costs, enforce_memory=False)
+        replanned: dict[str, Any] | None = None
+        if args.schedule_cost_aware:
+            status, payload, seconds = self._replan_on_rank0(costs)
+            if status == "ok":
+                note = (f"    re-planned {args.schedule!r} from the measured costs in {seconds:.2f} s; the "
+                        f"unit-cost schedule would have a predicted bubble rate of {100 * before.bubble_rate:.1f}% "
+                        f"under them")
+                replanned = dataclasses.asdict(costs)
+            else:  # the unit-cost schedule stays
+                note = f"    WARNING: re-planning failed ({payload}); keeping the unit-cost schedule"
+        else:
+            note = f"    schedule {args.schedule!r} is not cost-aware: kept as is"
+        sim = simulate(self._current(), costs, enforce_memory=False)
+        first, last = self.profiled_iterations[0], self.profiled_iterations[-1]
+        report = format_schedule_report(
+            schedule=args.schedule, num_ranks=args.pipeline_model_parallel_size,
+            num_microbatches=args.num_microbatches, predicted_bubble_rate=sim.bubble_rate,
+            peak_activation_memory=sim.peak_memory, memory_limit=args.schedule_memory_limit,
+            measured_idle_fraction=agreed.idle_fraction, measured_costs=agreed.report_costs(stages),
+            title=f"schedule report after profiling iterations {first}-{last} "
+                  f"(costs: mean over stages, ms; idle: 1 - busy/elapsed per pipeline rank)")
+        per_stage = "    measured per stage (ms): " + "; ".join(
+            f"{name}=[{', '.join(f'{v:.3f}' for v in vals)}]"
+            for name, op in (("T_F", "F"), ("T_B", "B"), ("T_W", "W"), ("T_BW", "BW"))
+            if (vals := agreed.per_stage(op, stages)) is not None)
+        print_rank_0(report + "\n" + per_stage + "\n" + note)
+        dist.barrier()
+        return replanned
+
+    def restore(self, saved: dict[str, Any] | None, *, iteration: int) -> None:
+        """On ``--load``: rebuild the schedule from the checkpoint's profiled ``saved`` costs
+        (``dataclasses.asdict`` of a ``CostModel``) when the window is over at ``iteration``. Collective."""
+        args = self.args
+        if (saved is None or self.runtime is None or not args.schedule_cost_aware
+                or iteration < args.zero_bubble_pipeline_timers_end_iter - 1):
+            return
+        costs = CostModel(**saved)
+        status, payload, _ = self._replan_on_rank0(costs)
+        if status == "ok":
+            self.restored_costs = costs
+        else:
+            print_rank_0(f"WARNING: cannot rebuild the schedule from the checkpoint's profiled costs "
+                         f"({payload}); using the unit-cost schedule")
+
+    def _replan_on_rank0(self, costs: CostModel) -> tuple[str, Any, float]:
+        """Rebuild the schedule from ``costs`` on global rank 0 and install it on every rank.
+
+        Returns ``("ok", schedule, seconds)`` or ``("error", message, seconds)`` (then nothing changes).
+        Collective.
+        """
+        args = self.args
+        old = self._current()
+        outcome: list[Any] = [None]
+        if dist.get_rank() == 0:
+            t0 = time.perf_counter()
+            try:
+                self.runtime.replan(costs, memory_limit=args.schedule_memory_limit)
+                outcome = [("ok", self._current(), time.perf_counter() - t0)]
+            except ScheduleError as e:
+                outcome = [("error", str(e), time.perf_counter() - t0)]
+        dist.broadcast_object_list(outcome, src=0)
+        status, payload, seconds = outcome[0]
+        if status == "ok":
+            self.runtime.replan(costs, memory_limit=args.schedule_memory_limit)
+            self.runtime.install_schedule(self._rank0_schedule(payload))
+        else:
+            self.runtime.install_schedule(old)
+        return status, payload, seconds
+
+    def _rank0_schedule(self, mine: Schedule) -> Schedule:
+        """Global rank 0's schedule (broadcast); the placement must be the one the model was built for."""
+        holder = [mine]
+        dist.broadcast_object_list(holder, src=0)
+        sched = holder[0]
+        if list(sched.stage_to_rank) != self._stage_to_rank:
+            raise RuntimeError(f"rank 0's schedule places stages as {sched.stage_to_rank}, this rank built "
+                               f"{self._stage_to_rank}")
+        return sched
+
+    def _current(self) -> Schedule:
+        """The schedule the next iteration runs."""
+        if self.runtime is None:
+            return self._initial
+        return self.runtime.schedule_for(self.args.pipeline_model_parallel_size, self.args.num_microbatches)
+
+    # ------------------------------------------------------------------ the first report
+    def report_initial(self) -> None:
+        """Rank 0 prints the schedule report before training (unit costs, or the restored costs)."""
+        args = self.args
+        ratio = mem_w_ratio(hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                            seq_length=args.seq_length)
+        sched = self._current()
+        sim = simulate(sched, CostModel(mem_w=ratio), enforce_memory=False)
+        name = args.schedule + (" (megatron-core's own forward_backward_func)" if args.use_megatron_core_schedule
+                                else "")
+        title = "schedule report (unit costs T_F = T_B = T_W = 1, before profiling)"
+        measured = None
+        if self.restored_costs is not None:
+            title = "schedule report (rebuilt from the profiled costs stored in the checkpoint)"
+            sim = simulate(sched, self.restored_costs, enforce_memory=False)
+            sc = self.restored_costs.resolve(args.num_pipeline_stages)
+            measured = {"T_F": sum(sc.t_f) / len(sc.t_f), "T_B": sum(sc.t_b) / len(sc.t_b),
+                        "T_W": sum(sc.t_w) / len(sc.t_w), "T_comm": sc.t_comm}
+        print_rank_0(format_schedule_report(
+            schedule=name, num_ranks=args.pipeline_model_parallel_size, num_microbatches=args.num_microbatches,
+            predicted_bubble_rate=sim.bubble_rate, peak_activation_memory=sim.peak_memory,
+            memory_limit=args.schedule_memory_limit, measured_costs=measured, title=title))

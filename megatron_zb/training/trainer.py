@@ -1,0 +1,285 @@
+"""The Trainer of ``pretrain_gpt_zb.py``: Megatron's GPT pretraining loop with zero-bubble schedules.
+
+:class:`Trainer` coordinates parts that each do one job:
+
+========================  ===========================================================================
+:mod:`.distributed`       process groups, ranks, device, Megatron's seeds (:class:`DistributedContext`)
+:mod:`.model_setup`       this rank's GPT chunks, wrapped (:class:`ModelBundle`)
+:mod:`.optimizer_setup`   optimizer, post-validation wrapper, LR scheduler (:class:`OptimizerBundle`)
+:mod:`.replanning`        the ``forward_backward_func``, its schedule, profiling and re-planning
+:mod:`.checkpointing`     save / load, with the :class:`~megatron_zb.training.state.TrainState`
+:mod:`.data_setup`        train / validation / test iterators per chunk (:class:`DataBundle`)
+:mod:`.gpt_step`          GPT's ``forward_step`` / ``loss_func``, one batch through the pipeline
+:mod:`.training_log`      the log interval, Megatron's lines, TensorBoard, ``--loss-log-json``
+:mod:`.evaluation`        forward-only evaluation
+========================  ===========================================================================
+
+Construction sets the run up (collective, in this order, each step printing on rank 0 as it
+starts): process groups and seeds; the model for the schedule's placement; the optimizer and LR
+scheduler; the ``forward_backward_func`` with global rank 0's schedule; ``--load``; the data; the
+first schedule report. :meth:`Trainer.run` then trains. One iteration (:meth:`Trainer._train_step`):
+post-validation validates the previous step, gradient buffers are zeroed, one
+``forward_backward_func`` call runs the global batch's micro batches (profiled inside the
+window), the optimizer steps and the LR scheduler follows a successful step. Then, as Megatron:
+re-planning at the end of the profiling window, the log line every ``--log-interval``,
+evaluation every ``--eval-interval``, a checkpoint every ``--save-interval``, the
+``--exit-interval`` check. After the last iteration: a checkpoint (if not just saved), the
+validation and the test set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_zb.schedules.ir import Schedule
+from megatron_zb.training.arguments import initial_schedule
+from megatron_zb.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_zb.training.data_setup import DataBundle, build_data
+from megatron_zb.training.distributed import DistributedContext, init_distributed, shutdown_distributed
+from megatron_zb.training.evaluation import evaluate
+from megatron_zb.training.gpt_step import run_batch, sum_lm_loss
+from megatron_zb.training.logging_utils import print_rank_0, tensorboard_writer
+from megatron_zb.training.model_setup import ModelBundle, build_model
+from megatron_zb.training.optimizer_setup import OptimizerBundle, build_optimizer
+from megatron_zb.training.replanning import SchedulePlanner
+from megatron_zb.training.state import TrainState
+from megatron_zb.training.training_log import IterationRecord, TrainingLog
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """One run of ``pretrain_gpt_zb.py`` (see the module docstring).
+
+    Attributes:
+        args: the validated command line.
+        dist: process groups and ranks of this process.
+        model: this rank's chunks.
+        optim: optimizer and LR scheduler.
+        planner: the ``forward_backward_func`` and its schedule.
+        state: iteration, consumed samples, profiled costs (what checkpoints carry).
+        data: this rank's iterators.
+        log: the current log interval and the run's history.
+        last_saved: the iteration of the last checkpoint this run saved or loaded (``None``: none).
+        t_start: ``time.perf_counter()`` when the run started [s].
+    """
+
+    def __init__(self, args: argparse.Namespace, *, schedule: Schedule | None = None) -> None:
+        """Set the run up (collective). ``schedule``: the unit-cost schedule validation built
+        (:attr:`~megatron_zb.training.arguments.ValidatedArgs.schedule`); ``None`` builds it again."""
+        self.args = args
+        self.t_start = time.perf_counter()
+        self._iteration_of_step: dict[int, int] = {}  # post-validation: optimizer step index -> iteration
+        self.dist: DistributedContext = init_distributed(args)
+        try:
+            schedule = schedule if schedule is not None else initial_schedule(args)
+            self.model: ModelBundle = build_model(args, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
+            self.optim: OptimizerBundle = build_optimizer(args, model=self.model,
+                                                          on_validation_report=self._on_validation_report)
+            self.planner = SchedulePlanner(args, schedule=schedule, dist_ctx=self.dist)
+            self.state: TrainState = self._load() if args.load else TrainState()
+            self.last_saved: int | None = self.state.iteration if args.load else None
+            self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state)
+            self.planner.report_initial()
+            self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
+                                   tensorboard=tensorboard_writer(args.tensorboard_dir))
+        except BaseException:
+            shutdown_distributed(self.dist)
+            raise
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer the loop steps (the post-validation wrapper with post-validation)."""
+        return self.optim.optimizer
+
+    def run(self) -> int:
+        """Train to ``--train-iters`` (or ``--exit-interval``), then finish; returns the exit status 0."""
+        if not self._train():
+            self._finish()
+        return 0
+
+    def close(self) -> None:
+        """Close the TensorBoard writer; destroy the process groups this run started."""
+        self.log.close()
+        shutdown_distributed(self.dist)
+
+    # ------------------------------------------------------------------ the loop
+    def _train(self) -> bool:
+        """The loop; returns True when it stopped at ``--exit-interval``."""
+        args = self.args
+        for m in self.model.modules:
+            m.train()
+        self.log.start_interval()
+        start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
+        print_rank_0(f"> training: iterations {self.state.iteration + 1} to {args.train_iters}, "
+                     f"{args.num_microbatches} micro batches of {args.micro_batch_size} per iteration per "
+                     f"data-parallel rank"
+                     + (f"; profiling iterations {start}-{end - 1}, then re-planning"
+                        if self.planner.profiles_after(self.state.iteration) else ""))
+        while self.state.iteration < args.train_iters:
+            it = self.state.iteration + 1
+            record, replan_due = self._train_step(it)
+            self.state.advance(global_batch_size=args.global_batch_size)
+            self.log.records.append(record)
+            if replan_due:
+                with self.log.excluding_time():
+                    costs = self.planner.replan()
+                    if costs is not None:
+                        self.state.schedule_costs = costs
+            if self._after_iteration(it):
+                return True
+        return False
+
+    def _train_step(self, it: int) -> tuple[IterationRecord, bool]:
+        """Iteration ``it``: its record, and whether the profiling window ended with it (re-plan due)."""
+        args, opt = self.args, self.optim
+        profiling = self.planner.begin_iteration(it)
+        if opt.post_validation:
+            opt.optimizer.begin_iteration()  # validates the previous step (reports to _on_validation_report)
+        for m in self.model.modules:
+            m.zero_grad_buffer()
+        opt.optimizer.zero_grad()
+        t0 = time.perf_counter()
+        out = run_batch(self.planner.forward_backward, model=self.model.modules, iterators=self.data.train,
+                        args=args, device=self.dist.device, forward_only=False)
+        replan_due = self.planner.end_iteration(it, profiling=profiling, seconds=time.perf_counter() - t0)
+        if opt.post_validation:
+            self._iteration_of_step[opt.optimizer.iteration] = it
+        update_successful, grad_norm, _ = opt.optimizer.step()
+        if opt.post_validation and not opt.optimizer.pending:
+            self._iteration_of_step.pop(opt.optimizer.iteration - 1, None)  # final already (synchronous step)
+        if update_successful:
+            opt.scheduler.step(increment=args.global_batch_size)
+        loss = None
+        if out:
+            total = sum_lm_loss(out)
+            loss = (float(total[0]), float(total[1]))
+        record = IterationRecord(iteration=it, loss=loss, skipped=not update_successful,
+                                 grad_norm=None if grad_norm is None else float(grad_norm),
+                                 lr=opt.learning_rate(), loss_scale=opt.loss_scale())
+        return record, replan_due
+
+    def _after_iteration(self, it: int) -> bool:
+        """Megatron's interval actions after iteration ``it``; returns True when the run exits here."""
+        args = self.args
+        if it % args.log_interval == 0:
+            self._log_interval()
+        if args.eval_iters > 0 and self.data.has_valid and it % args.eval_interval == 0:
+            with self.log.excluding_time():
+                self._evaluate(f"iteration {it}", self.data.valid, valid=True)
+        if args.save and args.save_interval and it % args.save_interval == 0:
+            with self.log.excluding_time():
+                self._finalize_optimizer()
+                self._save()
+        if args.exit_interval and it % args.exit_interval == 0:
+            if self.log.records:
+                self._log_interval(print_line=False)
+            self._finalize_optimizer()
+            if args.save and self.last_saved != it:
+                self._save()
+            dist.barrier()
+            print_rank_0(f"> exiting program at iteration {it} (--exit-interval {args.exit_interval})")
+            self.log.write_json()
+            return True
+        return False
+
+    def _finish(self) -> None:
+        """After the last iteration: exact values of the last interval, a checkpoint, validation and test."""
+        args, it = self.args, self.state.iteration
+        if self.log.records:
+            self._log_interval(print_line=False)  # the last iterations' exact values (no log line: as Megatron)
+        self._finalize_optimizer()
+        if args.save and self.last_saved != it:
+            self._save()
+        if args.eval_iters > 0:
+            if self.data.has_valid:
+                self._evaluate(f"iteration {it} on validation set", self.data.valid, valid=True)
+            if self.data.has_test:
+                self._evaluate(f"iteration {it} on test set", self.data.test, valid=False)
+        self.log.write_json()
+        if self.optim.post_validation:
+            c = self.optim.optimizer.counters()
+            print_rank_0(f"> optimizer post-validation (rank 0): {c.eager_steps} eager steps, {c.sync_steps} "
+                         f"synchronous steps, {c.rollbacks} rollbacks, {c.clipped_iterations} clipped, "
+                         f"{c.skipped_iterations} skipped iterations")
+        dist.barrier()
+        print_rank_0(f"> training done: {it} iterations, {self.log.total_skipped} skipped, "
+                     f"{time.perf_counter() - self.t_start:.1f} s in all")
+
+    # ------------------------------------------------------------------ post-validation
+    def _finalize_optimizer(self) -> None:
+        if self.optim.post_validation:
+            self.optim.optimizer.finalize()  # reports through _on_validation_report
+
+    def _on_validation_report(self, report: Any) -> None:
+        """A post-validation report of an earlier step: fix the LR schedule and that iteration's record."""
+        it = self._iteration_of_step.pop(report.iteration, None)
+        if it is None:
+            return
+        gbs = self.args.global_batch_size
+        if report.changed:  # the step was redone or undone: the scheduler follows the validated outcome
+            self.optim.scheduler.step(increment=gbs if report.result.update_successful else -gbs)
+        record = self.log.find(it)
+        if record is not None:
+            record.skipped = not report.result.update_successful
+            record.grad_norm = report.result.grad_norm
+            record.lr = self.optim.learning_rate()
+            record.loss_scale = self.optim.loss_scale()
+
+    # ------------------------------------------------------------------ logging, evaluation, checkpoints
+    def _log_interval(self, print_line: bool = True) -> None:
+        opt = self.optim
+        if opt.post_validation:
+            opt.optimizer.validate()  # the line reports validated values (reports to _on_validation_report)
+        now = time.perf_counter()
+        rollbacks = None
+        if opt.post_validation:  # the most any rank rolled back in the interval
+            c = torch.tensor([opt.optimizer.reset_interval_counters().rollbacks], dtype=torch.float64,
+                             device=self.dist.device)
+            dist.all_reduce(c, op=dist.ReduceOp.MAX)
+            rollbacks = int(c.item())
+        self.log.close_interval(now=now, consumed_samples=self.state.consumed_train_samples, rollbacks=rollbacks,
+                                print_line=print_line)
+
+    def _evaluate(self, prefix: str, iterators: Sequence[Any], *, valid: bool) -> float:
+        args = self.args
+        if self.optim.post_validation:
+            self.optim.optimizer.validate()  # evaluate the validated parameters
+        loss = evaluate(args, forward_backward=self.planner.forward_backward, modules=self.model.modules,
+                        iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist)
+        if valid:
+            self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+        self.log.add_validation(prefix, iteration=self.state.iteration, loss=loss, tensorboard=valid)
+        return loss
+
+    def _load(self) -> TrainState:
+        """``--load``: the latest checkpoint into model, optimizer and scheduler; its state. Collective."""
+        args = self.args
+        t0 = time.perf_counter()
+        print_rank_0(f"> loading checkpoint from {args.load} ...")
+        loaded = load_checkpoint(args.load, chunks=self.model.gpt_models, optimizer=self.optim.optimizer,
+                                 scheduler=self.optim.scheduler, args=args)
+        if loaded is None:
+            print_rank_0(f"WARNING: no checkpoint in {args.load} (no latest_checkpointed_iteration.txt); "
+                         f"training from scratch")
+            return TrainState()
+        if not loaded.rng_restored:
+            print_rank_0("WARNING: the checkpoint was saved with another (pipeline, tensor, data)-parallel layout; "
+                         "random states are not restored (dropout streams start afresh)")
+        self.planner.restore(loaded.state.schedule_costs, iteration=loaded.state.iteration)
+        print_rank_0(f"  successfully loaded checkpoint from {loaded.path} at iteration {loaded.state.iteration} "
+                     f"({time.perf_counter() - t0:.1f} s)")
+        return loaded.state
+
+    def _save(self) -> None:
+        t0 = time.perf_counter()
+        path = save_checkpoint(self.args.save, state=self.state, chunks=self.model.gpt_models,
+                               optimizer=self.optim.optimizer, scheduler=self.optim.scheduler, args=self.args)
+        self.last_saved = self.state.iteration
+        print_rank_0(f"  successfully saved checkpoint from iteration {self.state.iteration:7d} to {path} "
+                     f"({time.perf_counter() - t0:.1f} s)")

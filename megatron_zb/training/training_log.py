@@ -1,0 +1,181 @@
+"""What a run reports: Megatron's iteration line per ``--log-interval``, validation lines,
+TensorBoard scalars and the exact values of ``--loss-log-json``.
+
+:class:`TrainingLog` keeps the records of the current log interval (one :class:`IterationRecord`
+per iteration) and the time to leave out of it (evaluation, checkpointing, re-planning); at the
+end of an interval it gathers the losses from the last pipeline stage and prints the line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_zb.training.distributed import DistributedContext
+from megatron_zb.training.logging_utils import format_iteration_line, is_last_rank, print_rank_last
+
+__all__ = ["IterationRecord", "TrainingLog", "gather_losses"]
+
+
+@dataclass
+class IterationRecord:
+    """One training iteration's reported values.
+
+    Attributes:
+        iteration: the iteration number (1-based).
+        loss: ``(masked loss sum, tokens)`` over this rank's micro batches on ranks holding the
+            last stage, ``None`` elsewhere.
+        skipped: whether the optimizer skipped the update (inf/nan gradients).
+        grad_norm: the global gradient norm, ``None`` when megatron-core computed none.
+        lr: the learning rate after the step.
+        loss_scale: the loss scale after the step.
+    """
+
+    iteration: int
+    loss: tuple[float, float] | None
+    skipped: bool
+    grad_norm: float | None
+    lr: float
+    loss_scale: float
+
+
+def gather_losses(values: Sequence[tuple[float, float] | None], *, stage_to_rank: Sequence[int],
+                  dist_ctx: DistributedContext) -> list[tuple[float, float]]:
+    """``(masked sum, tokens)`` pairs from the last stage, summed over DP, on every rank. Collective."""
+    from megatron.core import parallel_state
+
+    count = len(values)
+    holder_pp = stage_to_rank[-1]
+    buf = torch.zeros(2 * count, dtype=torch.float64, device=dist_ctx.device)
+    if dist_ctx.pp_rank == holder_pp:
+        buf.copy_(torch.tensor([x for v in values for x in (v if v is not None else (0.0, 0.0))],
+                               dtype=torch.float64))
+        if parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(buf, group=parallel_state.get_data_parallel_group())
+    if dist.get_world_size(dist_ctx.pp_group) > 1:
+        dist.broadcast(buf, src=dist.get_global_rank(dist_ctx.pp_group, holder_pp), group=dist_ctx.pp_group)
+    vals = buf.cpu().tolist()
+    return [(vals[2 * i], vals[2 * i + 1]) for i in range(count)]
+
+
+class TrainingLog:
+    """The current log interval, the run's exact history and the TensorBoard writer.
+
+    Attributes:
+        records: this interval's iterations.
+        interval_start: ``time.perf_counter()`` at the interval's start [s].
+        excluded: seconds inside the interval not counted as iteration time.
+        total_skipped: skipped iterations over the run.
+        history: every iteration's exact values (for ``--loss-log-json``).
+        valid_history: every evaluation's loss and perplexity.
+    """
+
+    def __init__(self, args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist_ctx: DistributedContext,
+                 tensorboard: Any) -> None:
+        self.args = args
+        self._stage_to_rank = list(stage_to_rank)
+        self._dist = dist_ctx
+        self.tb = tensorboard
+        self.records: list[IterationRecord] = []
+        self.interval_start = time.perf_counter()
+        self.excluded = 0.0
+        self.total_skipped = 0
+        self.history: list[dict[str, Any]] = []
+        self.valid_history: list[dict[str, Any]] = []
+
+    @contextlib.contextmanager
+    def excluding_time(self) -> Iterator[None]:
+        """Leave the time spent inside out of the interval's iteration time."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - t0
+
+    def start_interval(self) -> None:
+        """Start a new, empty interval now."""
+        self.records = []
+        self.interval_start = time.perf_counter()
+        self.excluded = 0.0
+
+    def find(self, iteration: int) -> IterationRecord | None:
+        """This interval's record of ``iteration`` (``None`` when it was logged already)."""
+        return next((r for r in self.records if r.iteration == iteration), None)
+
+    def close_interval(self, *, now: float, consumed_samples: int, rollbacks: int | None, print_line: bool) -> None:
+        """End the interval at ``now``: Megatron's line (when ``print_line``), TensorBoard, the JSON. Collective.
+
+        As Megatron: skipped iterations do not enter the average; a skipped iteration whose loss is
+        inf/nan counts as a nan iteration; the loss field is left out when nothing is averaged.
+        """
+        args, records = self.args, self.records
+        losses = gather_losses([r.loss for r in records], stage_to_rank=self._stage_to_rank, dist_ctx=self._dist)
+        per_iter = []
+        for r, (num, den) in zip(records, losses):
+            value = num / den if den > 0 else float("nan")
+            per_iter.append(value)
+            self.history.append({"iteration": r.iteration, "lm loss": value, "skipped": r.skipped,
+                                 "learning rate": r.lr, "grad norm": r.grad_norm, "loss scale": r.loss_scale})
+        kept = [v for r, v in zip(records, per_iter) if not r.skipped]
+        nan_iters = sum(1 for r, v in zip(records, per_iter) if r.skipped and not math.isfinite(v))
+        skipped = sum(1 for r in records if r.skipped)
+        self.total_skipped += skipped
+        elapsed = max(0.0, now - self.interval_start - self.excluded) / max(1, len(records))
+        last = records[-1]
+        if print_line:
+            print_rank_last(format_iteration_line(
+                iteration=last.iteration, train_iters=args.train_iters, consumed_samples=consumed_samples,
+                elapsed_ms=1e3 * elapsed, throughput=args.global_batch_size / elapsed if elapsed > 0 else None,
+                learning_rate=last.lr, global_batch_size=args.global_batch_size,
+                losses={"lm loss": sum(kept) / len(kept)} if kept else {},
+                loss_scale=last.loss_scale, grad_norm=last.grad_norm, skipped_iterations=skipped,
+                nan_iterations=nan_iters, rollbacks=rollbacks))
+            self._tensorboard_interval(last, kept, elapsed)
+        self.write_json()
+        self.start_interval()
+
+    def _tensorboard_interval(self, last: IterationRecord, kept: list[float], elapsed: float) -> None:
+        if self.tb is None or not self.tb.enabled:
+            return
+        scalars = {"learning-rate": last.lr, "loss-scale": last.loss_scale, "iteration-time": elapsed}
+        if kept:
+            scalars["lm loss"] = sum(kept) / len(kept)
+        if last.grad_norm is not None:
+            scalars["grad-norm"] = last.grad_norm
+        self.tb.add_scalars(scalars, last.iteration)
+        self.tb.flush()
+
+    def add_validation(self, prefix: str, *, iteration: int, loss: float, tensorboard: bool) -> None:
+        """Print Megatron's validation lines for ``loss`` (lm loss, perplexity) and record them."""
+        ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
+        string = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        bar = "-" * (len(string) + 1)
+        print_rank_last(bar + "\n" + string + "\n" + bar)
+        self.valid_history.append({"prefix": prefix, "iteration": iteration, "lm loss": loss, "ppl": ppl})
+        if self.tb is not None and self.tb.enabled and tensorboard:
+            self.tb.add_scalars({"lm loss validation": loss, "lm loss validation ppl": ppl}, iteration)
+
+    def write_json(self) -> None:
+        """Rewrite ``--loss-log-json`` (last rank only) with the history so far."""
+        path = self.args.loss_log_json
+        if not path or not is_last_rank():
+            return
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"schedule": self.args.schedule, "megatron_core_schedule": self.args.use_megatron_core_schedule,
+                       "train": self.history, "valid": self.valid_history}, f, indent=1)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        """Close the TensorBoard writer."""
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,260 @@
+"""Tests of ``megatron-zb plan`` (megatron_zb/planning): estimates against the zero-bubble paper,
+the command line, the JSON document and the profile file.
+
+Expected values come from the paper's tables as copied into tests/data/ (zb_paper_costs.json:
+Table 9 profiled T_F/T_B/T_W; zb_paper_throughput.json: Table 4 throughput, Table 3 shapes) or
+from formulas written out here, never from the code under test. Pure Python (no GPU, no
+process group). The paper does not state its vocabulary; the settings use 32000 (the
+SentencePiece tokenizer of the paper-era example script of its implementation).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_zb.cli import main
+from megatron_zb.planning.hardware import GPUS, resolve_hardware
+from megatron_zb.planning.layout import stage_shapes
+from megatron_zb.planning.flops import layer_cost, stage_costs
+from megatron_zb.planning.memory import layer_activations
+from megatron_zb.planning.model import PlanError, make_model, make_parallel
+from megatron_zb.planning.planner import plan
+from megatron_zb.planning.profile import StageProfile, read_profile, write_profile
+
+DATA = Path(__file__).resolve().parent / "data"
+COSTS = json.loads((DATA / "zb_paper_costs.json").read_text())
+THROUGHPUT = json.loads((DATA / "zb_paper_throughput.json").read_text())
+VOCAB = 32000
+TABLE9_TOLERANCE = 0.25  # estimated / published within 1 +- 0.25
+RATIO_TOLERANCE = 0.1  # predicted ZB-2p/1F1B throughput ratio within 0.1 of Table 4's
+
+
+def paper_model(name: str, m: int):
+    """The paper's Table 3 shape ``name`` with ``m`` microbatches, on A100s (fp16, as the paper)."""
+    md = THROUGHPUT["models"][name]
+    model = make_model(num_layers=md["layers"], hidden_size=md["hidden"], num_attention_heads=md["heads"],
+                       seq_length=md["seq"], micro_batch_size=md["b"], vocab_size=VOCAB, precision="fp16")
+    par = make_parallel(model, pp=md["p"], num_microbatches=m, allow_padding_num_layers=True)
+    return model, par
+
+
+def paper_flags(name: str, m: int) -> list[str]:
+    md = THROUGHPUT["models"][name]
+    return ["plan", "--num-layers", md["layers"], "--hidden-size", md["hidden"], "--num-attention-heads",
+            md["heads"], "--seq-length", md["seq"], "--micro-batch-size", md["b"], "--vocab-size", VOCAB,
+            "--fp16", "--pipeline-model-parallel-size", md["p"], "--num-microbatches", m,
+            "--allow-padding-num-layers", "--gpu", "A100"]
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ------------------------------------------------------------------------------ paper validation
+@pytest.mark.parametrize("row", THROUGHPUT["throughput_samples_per_gpu_per_s"], ids=lambda r: f"{r['model']}-m{r['m']}")
+def test_paper_ranking_and_zb2p_over_1f1b_ratio(row):
+    """Table 4: ZB-2p > ZB-1p > 1F1B, and ZB-2p/1F1B throughput within 0.1 of the measured ratio."""
+    model, par = paper_model(row["model"], row["m"])
+    assert par.pp * par.tp == row["gpus"]
+    result = plan(model=model, parallel=par, hardware=resolve_hardware(gpu="A100"),
+                  schedules=["1f1b", "zb-1p", "zb-2p"])
+    fam = {f.name: f for f in result.families}
+    assert all(f.status == "ok" and f.fits for f in fam.values()), [(f.name, f.status, f.reason) for f in fam.values()]
+    assert fam["zb-2p"].throughput > fam["zb-1p"].throughput > fam["1f1b"].throughput
+    assert result.recommended == "zb-2p"
+    predicted = fam["zb-2p"].throughput / fam["1f1b"].throughput
+    measured = row["ZB-2p"] / row["1F1B"]
+    assert abs(predicted - measured) <= RATIO_TOLERANCE, (predicted, measured)
+
+
+@pytest.mark.parametrize("row", COSTS["rows"], ids=lambda r: f"{r['model']}-m{r['m']}")
+def test_estimated_costs_within_25_percent_of_table9(row):
+    """A full stage's (middle stage: transformer layers only) T_F, T_B, T_W vs the paper's Table 9."""
+    model, par = paper_model(row["model"], row["m"])
+    shapes = stage_shapes(num_layers=model.num_layers, pp=par.pp, placement="plain", allow_padding=True)
+    middle = stage_costs(model, par, resolve_hardware(gpu="A100"), shapes)[par.pp // 2]
+    assert not middle.shape.embedding and not middle.shape.loss
+    for est, key in ((middle.f, "TF"), (middle.b, "TB"), (middle.w, "TW")):
+        assert abs(est.time_ms / row[key] - 1) <= TABLE9_TOLERANCE, (key, est.time_ms, row[key])
+
+
+def test_memory_per_layer_is_the_papers_formula():
+    """M_B = 34sbh + 5as^2b and M_W = 32sbh bytes per layer for the paper's GPT (t = 1, MHA, f = 4h)."""
+    for name, md in COSTS["models"].items():
+        model, par = paper_model(name, 24)
+        s, b, h, a = md["seq"], md["b"], md["hidden"], md["heads"]
+        act = layer_activations(model, par)
+        assert act.mem_b == 34 * s * b * h + 5 * a * s * s * b
+        assert act.mem_w == 32 * s * b * h
+
+
+def test_flops_per_layer_are_the_papers():
+    """Per layer F = sbh(24h + 4s), B = sbh(24h + 8s), W = sbh(24h) FLOPs (the paper's Table 1)."""
+    model, par = paper_model("6.2B", 24)
+    s, b, h = 1024, 3, 4096
+    cost = layer_cost(model, par, GPUS["A100"])
+    assert cost["F"].flops == s * b * h * (24 * h + 4 * s)
+    assert cost["B"].flops == s * b * h * (24 * h + 8 * s)
+    assert cost["W"].flops == s * b * h * 24 * h
+
+
+def test_tensor_parallel_memory_follows_korthikanti():
+    """With TP t (no SP) a layer keeps sbh(10 + 24/t) + 5as^2b/t bytes; with SP (34sbh + 5as^2b)/t."""
+    md = THROUGHPUT["models"]["14.6B"]
+    model, _ = paper_model("14.6B", 48)
+    s, b, h, a, t = md["seq"], md["b"], md["hidden"], md["heads"], 4
+    plain = make_parallel(model, pp=16, tp=t, num_microbatches=48, allow_padding_num_layers=True)
+    sp = make_parallel(model, pp=16, tp=t, num_microbatches=48, allow_padding_num_layers=True, sequence_parallel=True)
+    assert layer_activations(model, plain).mem_b == pytest.approx(s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t)
+    assert layer_activations(model, sp).mem_b == pytest.approx((34 * s * b * h + 5 * a * s * s * b) / t)
+
+
+# ------------------------------------------------------------------------------ command line
+def test_cli_json_schema_and_plot(capsys, tmp_path):
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    rc, out, err = run(capsys, *paper_flags("6.2B", 32), "--schedules", "1f1b,zb-h1,zb-1p,zb-2p",
+                       "--json", out_json, "--plot", out_png)
+    assert rc == 0, err
+    doc = json.loads(out_json.read_text())
+    names = [s["name"] for s in doc["schedules"]]
+    assert names == ["1f1b", "zb-h1", "zb-1p", "zb-2p"]
+    for s in doc["schedules"]:
+        assert {"name", "iteration_time_ms", "bubble_rate", "peak_memory_gib", "fits"} <= set(s)
+        assert s["iteration_time_ms"] > 0 and 0 <= s["bubble_rate"] < 1 and s["peak_memory_gib"] > 0
+        assert isinstance(s["fits"], bool)
+    assert doc["recommended"] == "zb-2p"
+    best = min((s for s in doc["schedules"] if s["fits"]), key=lambda s: s["iteration_time_ms"])
+    assert best["name"] == doc["recommended"]
+    assert doc["not_planned"] == []  # --schedules plans exactly the named families
+    assert len(doc["stages"]) == 8 and doc["stages"][0]["embedding"] and doc["stages"][-1]["loss"]
+    assert out_png.stat().st_size > 0
+    assert "recommended: zb-2p" in out
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--gpu", "V100"], "--gpu"),
+    (["--pipeline-model-parallel-size", "30"], "--pipeline-model-parallel-size"),
+    (["--num-microbatches", None], "--num-microbatches"),
+    (["--global-batch-size", "100"], "--global-batch-size"),
+    (["--fp16", None], "--bf16"),
+    (["--schedules", "zb-3p"], "--schedules"),
+    (["--mfu", "1.5"], "--mfu"),
+    (["--plot", "x.jpg"], "--plot"),
+])
+def test_bad_input_exits_2_with_one_line_naming_the_flag(capsys, flags, flag):
+    """A user error: exit status 2 and exactly one stderr line, ``megatron-zb: error: <flag>...``."""
+    argv = [str(a) for a in paper_flags("1.5B", 24)]
+    name, value = flags
+    i = argv.index(name) if name in argv else None
+    if value is None:  # drop the flag (and its value, if it takes one)
+        del argv[i:i + (1 if argv[i] == "--fp16" else 2)]
+    elif i is not None:
+        argv[i + 1] = value
+    else:
+        argv += [name, value]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"megatron-zb: error: {flag}"), err
+
+
+def test_pp_not_dividing_layers_without_padding(capsys):
+    argv = [a for a in map(str, paper_flags("1.5B", 24)) if a != "--allow-padding-num-layers"]
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("megatron-zb: error: --pipeline-model-parallel-size: 8 stages cannot hold --num-layers 22")
+
+
+# ------------------------------------------------------------------------------ profile
+def _small():
+    model = make_model(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024, micro_batch_size=2,
+                       vocab_size=32000, swiglu=True, group_query_attention=True, num_query_groups=4,
+                       position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False)
+    return model, make_parallel(model, pp=4, num_microbatches=8)
+
+
+def _stages(n: int) -> list[StageProfile]:
+    return [StageProfile(t_f_ms=3.0 + 0.5 * i, t_b_ms=3.5, t_w_ms=2.0, mem_b_bytes=1.5e9, mem_w_bytes=0.5e9)
+            for i in range(n)]
+
+
+def test_profile_round_trip(tmp_path):
+    model, par = _small()
+    path = tmp_path / "p.json"
+    written = write_profile(path, model=model, parallel=par, schedule="1f1b", placement="plain",
+                            stage_to_rank=[0, 1, 2, 3], t_comm_ms=0.25, stages=_stages(4), device="test GPU")
+    back = read_profile(path)
+    assert back == written
+    assert back.model.ffn_hidden_size == int(4 * 1024 * 2 / 3 / 64) * 64  # Megatron's SwiGLU default
+    raw = json.loads(path.read_text())
+    assert raw["format"] == "megatron-zb-profile" and raw["version"] == 1
+    assert raw["stages"][3] == {"t_f_ms": 4.5, "t_b_ms": 3.5, "t_w_ms": 2.0, "mem_b_bytes": 1.5e9,
+                                "mem_w_bytes": 0.5e9}
+
+
+def test_profile_rejects_inconsistent_content(tmp_path):
+    model, par = _small()
+    with pytest.raises(PlanError, match="mem_w_bytes"):
+        write_profile(tmp_path / "p.json", model=model, parallel=par, schedule="1f1b", placement="plain",
+                      stage_to_rank=[0, 1, 2, 3], t_comm_ms=0.2,
+                      stages=[StageProfile(1.0, 1.0, 1.0, mem_b_bytes=1.0, mem_w_bytes=2.0)] * 4)
+    with pytest.raises(PlanError, match="not the v placement"):
+        write_profile(tmp_path / "p.json", model=model, parallel=par, schedule="zbv", placement="v",
+                      stage_to_rank=[0, 1, 2, 3, 0, 1, 2, 3], t_comm_ms=0.2, stages=_stages(8))
+
+
+def test_plan_from_profile_uses_the_measured_costs(capsys, tmp_path):
+    model, par = _small()
+    path, out_json = tmp_path / "p.json", tmp_path / "plan.json"
+    write_profile(path, model=model, parallel=par, schedule="1f1b", placement="plain", stage_to_rank=[0, 1, 2, 3],
+                  t_comm_ms=0.25, stages=_stages(4))
+    rc, out, err = run(capsys, "plan", "--profile", path, "--gpu", "H100", "--num-microbatches", 12,
+                       "--schedules", "1f1b,zb-2p,interleaved-1f1b", "--json", out_json)
+    assert rc == 0, err
+    doc = json.loads(out_json.read_text())
+    assert doc["inputs"]["parallel"]["num_microbatches"] == 12
+    assert [s["t_f_ms"] for s in doc["stages"]] == [3.0, 3.5, 4.0, 4.5]
+    assert doc["t_comm_ms"] == 0.25
+    src = {s["name"]: s["cost_source"] for s in doc["schedules"]}
+    assert src == {"1f1b": "profile", "zb-2p": "profile", "interleaved-1f1b": "scaled estimate"}
+    one = next(s for s in doc["schedules"] if s["name"] == "1f1b")
+    # 1F1B with a fused backward on 4 ranks: the last rank's chain is bounded below by its own work,
+    # 12 * (4.5 + 3.5 + 2.0) ms, plus the first microbatch's forward through stages 0-2 and 3 hops.
+    assert one["makespan_ms"] >= 12 * 10.0 + (3.0 + 3.5 + 4.0) + 3 * 0.25
+    rc, _, err = run(capsys, "plan", "--profile", path, "--gpu", "H100", "--hidden-size", 2048)
+    assert rc == 2 and err.startswith("megatron-zb: error: --hidden-size: 2048 disagrees with the profile")
+
+
+def test_default_families_progress_and_search_limit(capsys, tmp_path, monkeypatch):
+    """Default run: every family planned or listed with a reason; the search-based multi-chunk
+    generators are left out above the size limit unless named; a progress line per family once
+    planning passes the threshold."""
+    import megatron_zb.planning.command as command
+    import megatron_zb.planning.planner as planner
+    monkeypatch.setattr(command, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(planner, "SEARCH_LIMIT", 40)  # V: 8 stages x 8 microbatches = 64 > 40
+    base = ["plan", "--num-layers", 8, "--hidden-size", 1024, "--num-attention-heads", 16, "--seq-length", 1024,
+            "--micro-batch-size", 2, "--vocab-size", 32000, "--bf16", "--pipeline-model-parallel-size", 4,
+            "--num-microbatches", 8, "--gpu", "H100"]
+    out_json = tmp_path / "plan.json"
+    rc, out, err = run(capsys, *base, "--json", out_json)
+    assert rc == 0, err
+    doc = json.loads(out_json.read_text())
+    from megatron_zb.schedules.registry import schedule_names
+    planned = {s["name"] for s in doc["schedules"]}
+    left = {d["name"]: d["reason"] for d in doc["not_planned"]}
+    assert planned | set(left) == set(schedule_names()) and not planned & set(left)
+    assert {"1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb", "zb-1p", "zb-2p"} <= planned
+    for name in ("zbv", "v-half", "v-min", "interleaved-zb"):
+        assert f"--schedules {name}" in left[name]
+    assert "CP-SAT" in left["zb-optimal"]
+    progress = [line for line in err.splitlines() if line.startswith("megatron-zb plan: [")]
+    assert len(progress) == len(schedule_names())
+    rc, _, err = run(capsys, *base, "--schedules", "zbv", "--json", out_json)
+    assert rc == 0, err
+    assert [s["name"] for s in json.loads(out_json.read_text())["schedules"]] == ["zbv"]
