@@ -142,7 +142,7 @@ class _LinearFunction(torch.autograd.Function):
             wgrad, grad_bias = wgrad_gemm(x, dy)
         if fuse and hasattr(weight_object, "grad_added_to_main_grad"):  # megatron-core DDP
             weight_object.grad_added_to_main_grad = True
-            wgrad = torch.zeros(main_grad.shape, dtype=weight_object.dtype)
+            wgrad = torch.zeros(main_grad.shape, dtype=weight_object.dtype, device=main_grad.device)
         elif fuse:
             wgrad = None
         if not use_bias:
