@@ -281,3 +281,104 @@ def test_real_transformer_engine_delayed_matches_non_delayed(schedule):
                                                 schedule=schedule), world_size=2, timeout=300))
     _assert_bitwise(ref, got, f"real TE {schedule}")
     assert got["w_deferred"] > 0
+
+
+# ---------------------------------------------------------------------- the command line
+TINY_ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size",
+             "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--num-workers", "0", "--eval-iters", "0",
+             "--distributed-backend", "gloo", "--pipeline-model-parallel-size", "2", "--schedule", "zb-h1"]
+
+
+def _resolved(*flags: str):
+    from megatron_zb.training.arguments import build_parser
+    from megatron_zb.training.arguments.implementation import (resolve_gradient_accumulation_fusion,
+                                                               resolve_transformer_impl)
+
+    args = build_parser().parse_args(TINY_ARGV + list(flags))
+    resolve_transformer_impl(args)
+    resolve_gradient_accumulation_fusion(args)
+    return args
+
+
+def test_default_implementation_and_fusion_say_why():
+    args = _resolved()
+    assert (args.transformer_impl, args.transformer_impl_reason) == (
+        "local", "default: Transformer Engine is not installed")
+    assert args.gradient_accumulation_fusion is False and args.wgrad_kernel.startswith("off")
+    args = _resolved("--gradient-accumulation-fusion")
+    assert args.wgrad_kernel == ("on: megatron-zb's matmul wgrad_gemm_accum_fp32/fp16 "
+                                 "(fused_weight_gradient_mlp_cuda not importable)")
+    assert _resolved("--no-gradient-accumulation-fusion").gradient_accumulation_fusion is False
+
+
+@pytest.mark.parametrize("version, cuda, message", [
+    (None, True, "transformer_engine needs Transformer Engine >= 2.3 (pip package transformer-engine with its "
+                 "PyTorch extension); Transformer Engine is not installed"),
+    ("2.2.1", True, "transformer_engine needs Transformer Engine >= 2.3 (pip package transformer-engine with its "
+                    "PyTorch extension); found 2.2.1"),
+    ("2.7.0", False, "transformer_engine needs CUDA, which is not available here"),
+])
+def test_transformer_engine_refused_when_missing_old_or_without_cuda(monkeypatch, version, cuda, message):
+    from megatron_zb.runtime import te_route
+    from megatron_zb.training.arguments import ArgumentError
+
+    monkeypatch.setattr(te_route, "transformer_engine_version", lambda: version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with pytest.raises(ArgumentError, match=r"^--transformer-impl: ") as err:
+        _resolved("--transformer-impl", "transformer_engine")
+    assert message in str(err.value)
+    if version == "2.7.0":  # found, but no CUDA: the default is local, saying why
+        args = _resolved()
+        assert (args.transformer_impl, args.transformer_impl_reason) == ("local", "default: CUDA is not available")
+
+
+def test_pretrain_without_transformer_engine_exits_2_with_one_line():
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "pretrain_gpt_zb.py", "--transformer-impl", "transformer_engine",
+                          *TINY_ARGV], cwd=root, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=root, WORLD_SIZE="2"))
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 2
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert errors == ["pretrain_gpt_zb.py: error: --transformer-impl: transformer_engine needs Transformer Engine "
+                      ">= 2.3 (pip package transformer-engine with its PyTorch extension); Transformer Engine is "
+                      "not installed; or use --transformer-impl local"], res.stderr
+    assert "building model" not in res.stdout  # refused before any process group or model
+    print(f"refused after {elapsed:.1f} s (interpreter, torch and megatron-core imports included)")
+
+
+def _train_fused(argv: list[str]) -> dict:
+    """One rank of pretrain_gpt_zb.py's Trainer (2 iterations); what the start-up log said."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_zb.training.pretrain import parse_and_validate
+    from megatron_zb.training.trainer import Trainer
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer = Trainer(parse_and_validate(argv, dist.get_world_size()))
+        try:
+            assert trainer.run() == 0
+            fused = [m.config.gradient_accumulation_fusion for m in trainer.model.gpt_models]
+        finally:
+            trainer.close()
+    return {"log": out.getvalue(), "fused": fused}
+
+
+def test_gradient_accumulation_fusion_flag_reaches_the_model_and_the_log():
+    ranks = run_distributed(_train_fused, world_size=2, args=(TINY_ARGV + ["--gradient-accumulation-fusion"],),
+                            timeout=240)
+    assert all(r["fused"] == [True] for r in ranks)
+    log = ranks[0]["log"]
+    assert "> transformer implementation: local (default: Transformer Engine is not installed)" in log
+    assert ("> gradient accumulation fusion: on: megatron-zb's matmul wgrad_gemm_accum_fp32/fp16 "
+            "(fused_weight_gradient_mlp_cuda not importable)") in log

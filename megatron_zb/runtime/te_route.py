@@ -87,22 +87,20 @@ def transformer_engine_version() -> str | None:
 
 
 def require_transformer_engine(*, min_version: str = TE_MIN_VERSION) -> str:
-    """Return the installed TE version; raise :class:`TransformerEngineUnavailable` (one line
-    naming the package and the version needed) when it is absent or older than ``min_version``."""
+    """Return the installed TE version; raise :class:`TransformerEngineUnavailable` -- one line,
+    ``"needs Transformer Engine >= 2.3 (...); <what was found>"`` -- when it is absent or older."""
     from packaging.version import InvalidVersion, Version
 
     found = transformer_engine_version()
-    need = f"Transformer Engine >= {min_version} (package transformer-engine, with its PyTorch extension)"
+    need = f"needs Transformer Engine >= {min_version} (pip package transformer-engine with its PyTorch extension)"
     if found is None:
-        raise TransformerEngineUnavailable(f"--transformer-impl transformer_engine needs {need}; "
-                                           f"Transformer Engine is not installed")
+        raise TransformerEngineUnavailable(f"{need}; Transformer Engine is not installed")
     try:
         too_old = Version(found).release < Version(min_version).release
     except InvalidVersion:
-        raise TransformerEngineUnavailable(f"--transformer-impl transformer_engine needs {need}; the installed "
-                                           f"version {found!r} cannot be read") from None
+        raise TransformerEngineUnavailable(f"{need}; the installed version {found!r} cannot be read") from None
     if too_old:
-        raise TransformerEngineUnavailable(f"--transformer-impl transformer_engine needs {need}; found {found}")
+        raise TransformerEngineUnavailable(f"{need}; found {found}")
     return found
 
 

@@ -14,7 +14,7 @@ from megatron_zb.model import GPTChunk
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import print_rank_0
 
-__all__ = ["ModelBundle", "build_model", "gpt_config"]
+__all__ = ["ModelBundle", "build_model", "gpt_config", "layer_spec_for"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,18 @@ def gpt_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel, params_dtype=args.params_dtype,
-        pipeline_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16, init_method_std=0.02)
+        pipeline_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16, init_method_std=0.02,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion)
+
+
+def layer_spec_for(args: argparse.Namespace) -> Any:
+    """The ``TransformerLayer`` spec of ``--transformer-impl``: ``None`` (megatron-core's local spec,
+    :func:`~megatron_zb.model.build_gpt_chunks`' default) or megatron-core's Transformer Engine spec."""
+    if args.transformer_impl != "transformer_engine":
+        return None
+    from megatron_zb.runtime.te_route import te_layer_spec
+
+    return te_layer_spec()
 
 
 def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist: DistributedContext) -> ModelBundle:
@@ -77,9 +88,20 @@ def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist:
                  f"{args.padded_vocab_size} (padded); schedule {args.schedule} "
                  f"({args.schedule_placement} placement, {args.num_pipeline_stages} stages, layers per "
                  f"stage {args.num_layers_per_stage}) ...")
-    chunks = build_gpt_chunks(config=gpt_config(args), vocab_size=args.padded_vocab_size,
+    print_rank_0(f"> transformer implementation: {args.transformer_impl} ({args.transformer_impl_reason})")
+    print_rank_0(f"> gradient accumulation fusion: {args.wgrad_kernel}")
+    config, layer_spec = gpt_config(args), layer_spec_for(args)
+    if layer_spec is not None and args.split_backward:  # TE modules queue their weight gradients for W
+        from megatron_zb.runtime.te_route import enable_delayed_wgrad
+
+        enable_delayed_wgrad(config)
+    if args.gradient_accumulation_fusion:  # apex's kernels, or megatron-zb's matmul ones where apex is absent
+        from megatron_zb.runtime.wgrad_kernels import install_megatron_fallback
+
+        install_megatron_fallback()
+    chunks = build_gpt_chunks(config=config, vocab_size=args.padded_vocab_size,
                               max_sequence_length=args.max_position_embeddings, stage_to_rank=list(stage_to_rank),
-                              seed=args.seed, layers_per_stage=args.num_layers_per_stage)
+                              seed=args.seed, layers_per_stage=args.num_layers_per_stage, layer_spec=layer_spec)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     modules = []

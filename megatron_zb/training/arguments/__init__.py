@@ -13,7 +13,8 @@ command keeps working with ``--enable-zero-bubble`` added. Entry points:
 
 One module per flag group, each holding the group's flags (``add_*_args``), its checks and its
 derived values: :mod:`.model` (network size), :mod:`.training` (batch, iterations, optimizer,
-learning rate, mixed precision), :mod:`.parallel` (distributed), :mod:`.data` (data and
+learning rate, mixed precision), :mod:`.implementation` (``--transformer-impl``, gradient-accumulation
+fusion), :mod:`.parallel` (distributed), :mod:`.data` (data and
 tokenizer), :mod:`.checkpointing_logging`, :mod:`.zero_bubble` (schedule, memory limit, profiling,
 post-validation) and :mod:`.developer` (``pretrain_gpt_zb.py``'s extra flags). :mod:`.validation`
 orders the checks and holds the numeric ranges of all flags.
@@ -59,6 +60,11 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``tokenizer_vocab_size``            the tokenizer's vocabulary (NullTokenizer: ``--vocab-size`` + 1, EOD)
 ``padded_vocab_size``               embedding rows: the larger of the two above, rounded up to
                                     ``make_vocab_size_divisible_by * TP`` (what the model uses)
+``transformer_impl``                ``"local"`` or ``"transformer_engine"`` (default resolved)
+``transformer_impl_reason``         why that implementation (one phrase for the start-up log)
+``transformer_engine_version``      installed Transformer Engine >= 2.3, or ``None``
+``gradient_accumulation_fusion``    resolved (default: apex's fused kernels importable with CUDA)
+``wgrad_kernel``                    which kernel accumulates weight gradients (start-up log)
 ==================================  ===========================================================
 """
 
@@ -72,6 +78,7 @@ from megatron_zb.model.gpt_chunks import split_layers
 from .checkpointing_logging import add_checkpointing_args, add_validation_and_logging_args
 from .common import ArgumentError
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
+from .implementation import add_implementation_args
 from .model import add_network_args
 from .parallel import add_distributed_args
 from .training import add_learning_rate_args, add_mixed_precision_args, add_training_args
@@ -98,8 +105,8 @@ __all__ = [
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
-    add_network_args, add_training_args, add_learning_rate_args, add_mixed_precision_args, add_distributed_args,
-    add_data_args, add_checkpointing_args, add_validation_and_logging_args, add_zero_bubble_args)
+    add_network_args, add_implementation_args, add_training_args, add_learning_rate_args, add_mixed_precision_args,
+    add_distributed_args, add_data_args, add_checkpointing_args, add_validation_and_logging_args, add_zero_bubble_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
 
 

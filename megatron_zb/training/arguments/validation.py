@@ -16,6 +16,7 @@ from megatron_zb.schedules.ir import Schedule
 
 from .common import ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
+from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
 from .model import check_attention_heads, check_position_embeddings, fill_model_sizes
 from .parallel import check_batch_sizes, check_sequence_parallel, check_world_size, resolve_backend
 from .training import check_learning_rate, check_precision, fill_training_values
@@ -66,6 +67,8 @@ def validate_args_and_schedule(args: argparse.Namespace, *, world_size: int) -> 
         raise ArgumentError("world_size", f"must be >= 1, got {world_size}")
     args.world_size = world_size
     check_ranges(args)
+    resolve_transformer_impl(args)
+    resolve_gradient_accumulation_fusion(args)
     check_world_size(args, world_size)
     check_attention_heads(args)
     check_sequence_parallel(args)
