@@ -240,10 +240,12 @@ class _ChunkModules:
 
 
 _CHUNKS: "weakref.WeakKeyDictionary[torch.nn.Module, _ChunkModules]" = weakref.WeakKeyDictionary()
+_STATE_ATTR = "_megatron_zb_te_route"  # the module's _TEModule, kept on the module (lives and dies with it)
 
 
 def chunk_te_modules(chunk: torch.nn.Module) -> _ChunkModules:
-    """The TE modules of ``chunk`` (found once per chunk, then cached)."""
+    """The TE modules of ``chunk`` (found once per chunk, then cached; one bookkeeping object per
+    TE module, whichever wrapper of it is passed as the chunk)."""
     found = _CHUNKS.get(chunk)
     if found is None:
         delayed, undelayed = [], []
@@ -252,7 +254,11 @@ def chunk_te_modules(chunk: torch.nn.Module) -> _ChunkModules:
             if ws is None:
                 continue
             if ws.delay_wgrad_compute():
-                delayed.append(_TEModule(m, name))
+                te = m.__dict__.get(_STATE_ATTR)
+                if te is None:
+                    te = _TEModule(m, name)
+                    m.__dict__[_STATE_ATTR] = te
+                delayed.append(te)
             else:
                 undelayed.append(name)
         found = _CHUNKS[chunk] = _ChunkModules(tuple(delayed), tuple(undelayed))

@@ -60,10 +60,12 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``tokenizer_vocab_size``            the tokenizer's vocabulary (NullTokenizer: ``--vocab-size`` + 1, EOD)
 ``padded_vocab_size``               embedding rows: the larger of the two above, rounded up to
                                     ``make_vocab_size_divisible_by * TP`` (what the model uses)
-``transformer_impl``                ``"local"`` or ``"transformer_engine"`` (default resolved)
+``transformer_impl``                ``"local"`` or ``"transformer_engine"`` (default resolved);
+                                    the flag itself is ``transformer_impl_requested``
 ``transformer_impl_reason``         why that implementation (one phrase for the start-up log)
 ``transformer_engine_version``      installed Transformer Engine >= 2.3, or ``None``
-``gradient_accumulation_fusion``    resolved (default: apex's fused kernels importable with CUDA)
+``gradient_accumulation_fusion``    resolved (default: apex's fused kernels importable with CUDA);
+                                    the flag itself is ``gradient_accumulation_fusion_requested``
 ``wgrad_kernel``                    which kernel accumulates weight gradients (start-up log)
 ==================================  ===========================================================
 """

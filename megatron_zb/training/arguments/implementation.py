@@ -11,9 +11,11 @@
   with apex's signature run instead (:mod:`megatron_zb.runtime.wgrad_kernels`); the start-up
   log names the kernel either way.
 
-Derived values: ``transformer_impl`` (resolved), ``transformer_impl_reason`` (one phrase for
-the log), ``transformer_engine_version`` (or ``None``), ``gradient_accumulation_fusion``
-(resolved), ``wgrad_kernel`` (one phrase for the log: which kernel accumulates weight gradients).
+Derived values: ``transformer_impl`` (resolved; the flag itself is kept as
+``transformer_impl_requested``), ``transformer_impl_reason`` (one phrase for the log),
+``transformer_engine_version`` (or ``None``), ``gradient_accumulation_fusion`` (resolved; the
+flag: ``gradient_accumulation_fusion_requested``), ``wgrad_kernel`` (one phrase for the log:
+which kernel accumulates weight gradients). Resolving twice gives the same values.
 """
 
 from __future__ import annotations
@@ -59,14 +61,18 @@ def resolve_transformer_impl(args: argparse.Namespace) -> None:
         version, missing = None, str(e)
     cuda = torch.cuda.is_available()
     args.transformer_engine_version = version
-    if args.transformer_impl == "transformer_engine":
+    if not hasattr(args, "transformer_impl_requested"):
+        args.transformer_impl_requested = args.transformer_impl
+    requested = args.transformer_impl_requested
+    args.transformer_impl = requested
+    if requested == "transformer_engine":
         if missing is not None:
             raise ArgumentError("--transformer-impl", f"transformer_engine {missing}; or use --transformer-impl local")
         if not cuda:
             raise ArgumentError("--transformer-impl", "transformer_engine needs CUDA, which is not available here; "
                                                       "use --transformer-impl local")
         args.transformer_impl_reason = f"--transformer-impl (Transformer Engine {version})"
-    elif args.transformer_impl == "local":
+    elif requested == "local":
         args.transformer_impl_reason = "--transformer-impl"
     elif missing is None and cuda:
         args.transformer_impl = "transformer_engine"
@@ -81,8 +87,10 @@ def resolve_gradient_accumulation_fusion(args: argparse.Namespace) -> None:
     """Fill ``gradient_accumulation_fusion`` (default: apex's kernels importable with CUDA) and
     ``wgrad_kernel``, the phrase the start-up log prints (call after :func:`resolve_transformer_impl`)."""
     apex = torch.cuda.is_available() and importlib.util.find_spec(APEX_WGRAD_MODULE) is not None
-    if args.gradient_accumulation_fusion is None:
-        args.gradient_accumulation_fusion = apex
+    if not hasattr(args, "gradient_accumulation_fusion_requested"):
+        args.gradient_accumulation_fusion_requested = args.gradient_accumulation_fusion
+    requested = args.gradient_accumulation_fusion_requested
+    args.gradient_accumulation_fusion = apex if requested is None else requested
     if not args.gradient_accumulation_fusion:
         args.wgrad_kernel = "off: weight gradients go through autograd and megatron-core DDP's hook into main_grad"
         return
