@@ -318,7 +318,8 @@ class TEColumnParallelLinear(_MegatronTEWrapper, Linear):
                  bias: bool, skip_bias_add: bool, is_expert: bool, skip_weight_param_allocation: bool = False,
                  tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None, stride: int = 1) -> None:
         if gather_output or skip_weight_param_allocation:
-            raise ValueError("Transformer Engine linear layers do not support gather_output / skip_weight_param_allocation")
+            raise ValueError("Transformer Engine linear layers do not support gather_output / "
+                             "skip_weight_param_allocation")
         Linear.__init__(self, input_size, output_size,
                         **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add, init_method=init_method))
         self._megatron_init(config, tp_group)
@@ -344,7 +345,8 @@ class TELayerNormColumnParallelLinear(_MegatronTEWrapper, LayerNormLinear):
                  bias: bool, skip_bias_add: bool, is_expert: bool, skip_weight_param_allocation: bool = False,
                  tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None, stride: int = 1) -> None:
         if gather_output or skip_weight_param_allocation:
-            raise ValueError("Transformer Engine linear layers do not support gather_output / skip_weight_param_allocation")
+            raise ValueError("Transformer Engine linear layers do not support gather_output / "
+                             "skip_weight_param_allocation")
         LayerNormLinear.__init__(self, input_size, output_size, eps=config.layernorm_epsilon,
                                  normalization=config.normalization,
                                  **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add,

@@ -301,7 +301,26 @@ def _resolved(*flags: str):
     return args
 
 
-def test_default_implementation_and_fusion_say_why():
+def _no_te_no_cuda(monkeypatch) -> None:
+    """This machine's situation anywhere: no Transformer Engine, no CUDA (hence no apex kernels)."""
+    from megatron_zb.runtime import te_route
+
+    monkeypatch.setattr(te_route, "transformer_engine_version", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _cpu_without_te_or_apex() -> None:
+    import importlib.util
+
+    from megatron_zb.runtime.te_route import transformer_engine_version
+
+    if os.environ.get("MEGATRON_ZB_TEST_DEVICE", "cpu") != "cpu" or transformer_engine_version() is not None \
+            or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
+        pytest.skip("checks the CPU machine's defaults (no Transformer Engine, no apex, CPU device)")
+
+
+def test_default_implementation_and_fusion_say_why(monkeypatch):
+    _no_te_no_cuda(monkeypatch)
     args = _resolved()
     assert (args.transformer_impl, args.transformer_impl_reason) == (
         "local", "default: Transformer Engine is not installed")
@@ -338,6 +357,7 @@ def test_pretrain_without_transformer_engine_exits_2_with_one_line():
     import sys
     import time
 
+    _cpu_without_te_or_apex()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "pretrain_gpt_zb.py", "--transformer-impl", "transformer_engine",
@@ -375,6 +395,7 @@ def _train_fused(argv: list[str]) -> dict:
 
 
 def test_gradient_accumulation_fusion_flag_reaches_the_model_and_the_log():
+    _cpu_without_te_or_apex()
     ranks = run_distributed(_train_fused, world_size=2, args=(TINY_ARGV + ["--gradient-accumulation-fusion"],),
                             timeout=240)
     assert all(r["fused"] == [True] for r in ranks)

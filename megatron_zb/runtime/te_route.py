@@ -120,8 +120,9 @@ def enable_delayed_wgrad(config: Any) -> None:
     ``backward_dw()``) and ``tp_comm_overlap`` (TE's userbuffers refuse delayed weight gradients).
     """
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        raise ValueError("delayed Transformer Engine weight gradients under a megatron-zb schedule cannot be combined "
-                         "with overlap_moe_expert_parallel_comm (megatron-core's combined 1F1B runs backward_dw itself)")
+        raise ValueError("delayed Transformer Engine weight gradients under a megatron-zb schedule cannot be "
+                         "combined with overlap_moe_expert_parallel_comm (megatron-core's combined 1F1B runs "
+                         "backward_dw itself)")
     if getattr(config, "tp_comm_overlap", False):
         raise ValueError("delayed Transformer Engine weight gradients cannot be combined with tp_comm_overlap "
                          "(TE: delayed weight grad computation is not supported with userbuffers)")
