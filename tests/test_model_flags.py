@@ -14,14 +14,18 @@ Two levels:
 
 from __future__ import annotations
 
-import argparse
+import json
+import os
+import subprocess
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from megatron_zb.model import pipeline_split
+from megatron_zb.schedules.registry import get_spec
 from megatron_zb.testing import run_distributed
 from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
 
@@ -74,7 +78,8 @@ def check_schedules(cfg: TinyGPT, what: str, schedules: tuple[str, ...] = ("zb",
     for schedule in schedules:
         got = run(cfg, schedule)
         assert_same(ref, got, bitwise=schedule != "zbv", what=f"{what} {schedule}")
-        assert got["w_deferred"] > 0, f"{what} {schedule}: no weight gradient was deferred to W"
+        if get_spec(schedule).split_backward:
+            assert got["w_deferred"] > 0, f"{what} {schedule}: no weight gradient was deferred to W"
         counts[schedule] = got["w_deferred"]
     return counts
 
@@ -121,8 +126,11 @@ def test_interleaved_tied_uneven():
 
 
 def test_selective_recompute_zbv_activation_peak_within_1f1b():
-    """ZB-V's measured activation peak (bytes saved for backward) stays within 1F1B's."""
-    cfg = llama(num_layers=8, num_microbatches=8,
+    """ZB-V's measured activation peak (bytes saved for backward, max over ranks) stays within 1F1B's,
+    with the loss counted as a layer of the last stage (``--account-for-loss-in-pipeline-split``,
+    the same flag for both). Without it, V's rank 0 -- which also holds the loss stage -- peaks one
+    micro batch's loss-head activations above 1F1B's rank 0 (+4.6% at these tiny sizes)."""
+    cfg = llama(num_layers=7, num_microbatches=8, split=dict(account_for_loss=True),
                 recompute=dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]))
     peaks = {}
     for schedule in ("1f1b", "zbv"):
@@ -166,3 +174,92 @@ def test_pipeline_split_v_is_per_stage_any_layer_count():
     assert pipeline_split(num_layers=5, stage_to_rank=v, first_stage_layers=1, last_stage_layers=0) == [1, 2, 2, 0]
     with pytest.raises(ValueError, match="do not divide evenly"):
         pipeline_split(num_layers=8, stage_to_rank=v, first_stage_layers=1)
+
+
+# ---------------------------------------------------------------------------- pretrain_gpt_zb.py
+REPO = Path(__file__).resolve().parents[1]
+CPU_EXAMPLE = REPO / "scripts" / "examples" / "llama3_8b_zb_cpu.sh"
+SCHEDULE_FLAGS = {"mcore": "--use-megatron-core-schedule", "zb": "--enable-zero-bubble", "zb-2p": "--schedule zb-2p",
+                  "zbv": "--zero-bubble-v-schedule"}
+
+
+def _example_run(name: str, tmp: Path) -> list[dict]:
+    out = tmp / f"{name}.json"
+    proc = subprocess.run(["bash", str(CPU_EXAMPLE), "--loss-log-json", str(out)], cwd=tmp, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, SCHEDULE=SCHEDULE_FLAGS[name], ITERS="4"))
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(out.read_text())["train"]
+
+
+def test_llama_example_cpu_loss_curves_equal_megatron_core(tmp_path):
+    """scripts/examples/llama3_8b_zb_cpu.sh (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied, selective
+    recomputation of core_attn+mlp+layernorm, uneven split, per-token loss): 4 iterations of every
+    schedule; lm loss and grad norm of each iteration equal megatron-core 1F1B's (V: 1e-6 relative)."""
+    ref = _example_run("mcore", tmp_path)
+    assert [r["iteration"] for r in ref] == [1, 2, 3, 4]
+    for name in ("zb", "zb-2p", "zbv"):
+        got = _example_run(name, tmp_path)
+        assert [r["iteration"] for r in got] == [1, 2, 3, 4], name
+        for a, b in zip(got, ref):
+            for key in ("lm loss", "grad norm"):
+                if name == "zbv":
+                    assert a[key] == pytest.approx(b[key], rel=1e-6), (name, a["iteration"], key)
+                else:
+                    assert a[key] == b[key], (name, a["iteration"], key, a[key], b[key])
+
+
+# ---------------------------------------------------------------------------- bad input
+MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+              "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
+              "--pipeline-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], "--rotary-percent"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent"),
+    (["--decoder-first-pipeline-num-layers", "5"], "--decoder-first-pipeline-num-layers"),
+    (["--zero-bubble-v-schedule", "--decoder-first-pipeline-num-layers", "2"], "--decoder-first-pipeline-num-layers"),
+    (["--decoder-last-pipeline-num-layers", "1", "--account-for-loss-in-pipeline-split"],
+     "--decoder-last-pipeline-num-layers"),
+    (["--recompute-granularity", "full"], "--recompute-method"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], "--recompute-modules"),
+    (["--recompute-method", "uniform"], "--recompute-method"),
+], ids=["gqa", "rotary-above-1", "rotary-0", "split-sum", "v-split-sum", "split-and-account", "full-no-method",
+        "bad-module", "method-without-granularity"])
+def test_bad_model_flags_exit_2_with_one_line(extra, flag, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from megatron_zb.training.pretrain import main
+
+    for k, v in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(k, v)
+    assert main(MODEL_ARGS + extra) == 2
+    assert not dist.is_initialized()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt_zb.py: error: {flag}:"), lines
+
+
+def test_flags_reach_megatron_core_config():
+    """Each flag lands in megatron-core's TransformerConfig / GPTModel arguments under Megatron-LM's meaning."""
+    from megatron_zb.training.arguments import parse_args, validate_args
+    from megatron_zb.training.model_setup import gpt_config, gpt_model_kwargs
+
+    args = validate_args(parse_args(MODEL_ARGS + [
+        "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--group-query-attention",
+        "--num-query-groups", "2", "--disable-bias-linear", "--qk-layernorm", "--init-method-std", "0.01",
+        "--attention-softmax-in-fp32", "--position-embedding-type", "rope", "--rotary-base", "500000",
+        "--rotary-percent", "0.5", "--recompute-granularity", "full", "--recompute-method", "block",
+        "--recompute-num-layers", "1", "--calculate-per-token-loss", "--hidden-size", "192",
+        "--num-attention-heads", "4"]), world_size=2)
+    cfg = gpt_config(args)
+    assert (cfg.normalization, cfg.layernorm_epsilon, cfg.gated_linear_unit, cfg.activation_func) == \
+        ("RMSNorm", 1e-6, True, torch.nn.functional.silu)
+    assert (cfg.num_query_groups, cfg.add_bias_linear, cfg.qk_layernorm, cfg.init_method_std) == (2, False, True, 0.01)
+    assert cfg.attention_softmax_in_fp32 and cfg.calculate_per_token_loss
+    assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "block", 1)
+    assert cfg.ffn_hidden_size == 512  # Megatron-LM's SwiGLU default: int(4 * 192 * 2 / 3 / 64) * 64
+    assert gpt_model_kwargs(args) == dict(position_embedding_type="rope", rotary_percent=0.5, rotary_base=500000,
+                                          share_embeddings_and_output_weights=True)
+    untied = validate_args(parse_args(MODEL_ARGS + ["--untie-embeddings-and-output-weights"]), world_size=2)
+    assert gpt_model_kwargs(untied)["share_embeddings_and_output_weights"] is False
