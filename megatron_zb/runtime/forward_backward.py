@@ -190,6 +190,10 @@ class ZeroBubbleForwardBackward:
                 for f, c in zip(sync if isinstance(sync, list) else [sync] * len(chunks), chunks):
                     f(c.parameters())
             if config.finalize_model_grads_func is not None:
+                if config.calculate_per_token_loss and sched.stage_to_rank[-1] != p - 1:
+                    # megatron-core broadcasts the token count from the last pipeline rank; here the
+                    # loss stage sits elsewhere (V: rank 0), so give every rank the count first.
+                    torch.distributed.all_reduce(total_tokens, group=pp_group)
                 config.finalize_model_grads_func(
                     chunks, total_tokens if config.calculate_per_token_loss else None,
                     pg_collection=pg_collection, force_all_reduce=force_all_reduce)

@@ -14,7 +14,7 @@ from megatron_zb.model import GPTChunk
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import print_rank_0
 
-__all__ = ["ModelBundle", "build_model", "gpt_config"]
+__all__ = ["ModelBundle", "build_model", "gpt_config", "gpt_layer_spec", "gpt_model_kwargs"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,14 @@ class ModelBundle:
 
 
 def gpt_config(args: argparse.Namespace) -> TransformerConfig:
-    """megatron-core's ``TransformerConfig`` for validated ``args`` (CPU initialisation)."""
+    """megatron-core's ``TransformerConfig`` for validated ``args`` (CPU initialisation).
+
+    Maps Megatron-LM's flags as its ``core_transformer_config_from_args`` does: ``--swiglu`` is a
+    gated linear unit with SiLU, ``--num-query-groups`` counts only with ``--group-query-attention``,
+    ``--norm-epsilon`` is ``layernorm_epsilon``, ``--disable-bias-linear`` clears ``add_bias_linear``.
+    """
+    import torch.nn.functional as F
+
     from megatron_zb.model import cpu_gpt_config
 
     return cpu_gpt_config(
@@ -56,7 +63,30 @@ def gpt_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel, params_dtype=args.params_dtype,
-        pipeline_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16, init_method_std=0.02)
+        pipeline_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16, init_method_std=args.init_method_std,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        add_bias_linear=args.add_bias_linear, qk_layernorm=args.qk_layernorm,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=list(args.recompute_modules) if args.recompute_modules is not None else None,
+        calculate_per_token_loss=args.calculate_per_token_loss)
+
+
+def gpt_layer_spec(args: argparse.Namespace) -> Any:
+    """The transformer layer spec: megatron-core's local spec for ``--qk-layernorm`` / ``--normalization``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+
+
+def gpt_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``GPTModel`` arguments beyond the config: position embeddings and embedding tying."""
+    return dict(position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                rotary_base=args.rotary_base,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
 
 
 def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist: DistributedContext) -> ModelBundle:
@@ -79,7 +109,8 @@ def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist:
                  f"stage {args.num_layers_per_stage}) ...")
     chunks = build_gpt_chunks(config=gpt_config(args), vocab_size=args.padded_vocab_size,
                               max_sequence_length=args.max_position_embeddings, stage_to_rank=list(stage_to_rank),
-                              seed=args.seed, layers_per_stage=args.num_layers_per_stage)
+                              seed=args.seed, layers_per_stage=args.num_layers_per_stage,
+                              layer_spec=gpt_layer_spec(args), **gpt_model_kwargs(args))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     modules = []
