@@ -61,4 +61,3 @@ def test_overlapped_reduce_matches_megatron_1f1b(references, schedule, post_vali
             rep = r["reports"][0][-1]
             assert rep.num_buckets > 3
             assert rep.launched_before_last_w() >= 1, f"DP rank {dp}: no bucket launched before the last W"
-            assert sum(1 for w in rep.hidden_window() if w > 0) >= rep.num_buckets // 2
