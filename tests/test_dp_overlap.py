@@ -10,7 +10,12 @@ so they are compared with a tolerance relative to each tensor's magnitude.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +66,59 @@ def test_overlapped_reduce_matches_megatron_1f1b(references, schedule, post_vali
             rep = r["reports"][0][-1]
             assert rep.num_buckets > 3
             assert rep.launched_before_last_w() >= 1, f"DP rank {dp}: no bucket launched before the last W"
+
+
+# ---------------------------------------------------------------------------- pretrain_gpt_zb.py
+REPO = Path(__file__).resolve().parents[1]
+DP_FLAGS = ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather",
+            "--ddp-bucket-size", "2000"]
+PRETRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2",
+            "--global-batch-size", "16", "--train-iters", "6", "--lr", "2e-3", "--clip-grad", "5.0", "--mock-data",
+            "--num-workers", "0", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
+            "--distributed-backend", "gloo", "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2",
+            "--pipeline-model-parallel-size", "2"]
+
+
+def _pretrain(tmp: Path, name: str, argv: list[str]) -> tuple[list[float], str]:
+    out = tmp / name
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           str(REPO / "pretrain_gpt_zb.py"), *argv, "--loss-log-json", str(out / "values.json")]
+    proc = subprocess.run(cmd, cwd=out, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=400)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    values = json.loads((out / "values.json").read_text())
+    return [r["lm loss"] for r in values["train"]], log
+
+
+def test_pretrain_loss_curve_with_dp_overlap_equals_megatron_core_schedule(tmp_path):
+    """PP=2 x DP=2 through pretrain_gpt_zb.py: greedy ZB with every DP overlap flag on gives
+    exactly the loss curve of megatron-core's own 1F1B with the same flags."""
+    ref, ref_log = _pretrain(tmp_path, "mcore", PRETRAIN + DP_FLAGS + ["--use-megatron-core-schedule"])
+    got, log = _pretrain(tmp_path, "zb", PRETRAIN + DP_FLAGS + ["--schedule", "zb"])
+    assert len(ref) == 6 and got == ref
+    line = ("> data parallel: size 2, distributed optimizer on, overlap-grad-reduce on, overlap-param-gather on, "
+            "average-in-collective off, bucket size 2000")
+    assert line in log and line in ref_log
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--overlap-param-gather", "--overlap-grad-reduce"], "--overlap-param-gather: is only supported with the "
+                                                          "distributed optimizer"),
+    (["--overlap-param-gather", "--use-distributed-optimizer"], "--overlap-param-gather: needs --overlap-grad-reduce"),
+    (["--ddp-bucket-size", "0", "--overlap-grad-reduce"], "--ddp-bucket-size: must be a positive number"),
+], ids=["param-gather-without-distopt", "param-gather-without-grad-overlap", "bucket-size"])
+def test_refused_dp_flag_combinations_exit_2(flags, message, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from megatron_zb.training.pretrain import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(PRETRAIN + flags) == 2
+    assert not dist.is_initialized()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt_zb.py: error: {message}"), lines
