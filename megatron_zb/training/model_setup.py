@@ -111,8 +111,13 @@ def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist:
                               max_sequence_length=args.max_position_embeddings, stage_to_rank=list(stage_to_rank),
                               seed=args.seed, layers_per_stage=args.num_layers_per_stage,
                               layer_spec=gpt_layer_spec(args), **gpt_model_kwargs(args))
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    from megatron_zb.training.arguments.parallel import data_parallel_summary
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size, average_in_collective=args.ddp_average_in_collective)
+    print_rank_0(data_parallel_summary(args))
     modules = []
     for i, chunk in enumerate(chunks):
         module: Any = chunk.module
@@ -124,9 +129,12 @@ def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist:
         modules.append(DistributedDataParallel(config=chunk.module.config, ddp_config=ddp_config, module=module,
                                                disable_bucketing=i > 0))
     no_sync = [m.no_sync for m in modules] if len(modules) > 1 else modules[0].no_sync
+    grad_sync = [m.start_grad_sync for m in modules] if len(modules) > 1 else modules[0].start_grad_sync
     for chunk in chunks:
         chunk.module.config.no_sync_func = no_sync
         chunk.module.config.finalize_model_grads_func = finalize_model_grads
+        if args.overlap_grad_reduce:  # Megatron's --align-grad-reduce (its default) for its own schedules
+            chunk.module.config.grad_sync_func = grad_sync
     n = sum(p.numel() for c in chunks for p in c.module.parameters())
     if dist.dp_rank == 0:
         print(f" > model built: {n} parameters on this rank (tensor rank {dist.tp_rank}, pipeline rank "

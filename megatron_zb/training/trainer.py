@@ -278,6 +278,9 @@ class Trainer:
 
     def _save(self) -> None:
         t0 = time.perf_counter()
+        if self.args.overlap_param_gather:  # as Megatron: gather the stepped parameters before saving them
+            for m in self.model.modules:
+                m.start_param_sync(force_sync=True)
         path = save_checkpoint(self.args.save, state=self.state, chunks=self.model.gpt_models,
                                optimizer=self.optim.optimizer, scheduler=self.optim.scheduler, args=self.args)
         self.last_saved = self.state.iteration
