@@ -73,6 +73,7 @@ from .checkpointing_logging import add_checkpointing_args, add_validation_and_lo
 from .common import ArgumentError
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
 from .model import add_network_args
+from .moe import add_moe_args
 from .parallel import add_distributed_args
 from .training import add_learning_rate_args, add_mixed_precision_args, add_training_args
 from .validation import ValidatedArgs, validate_args, validate_args_and_schedule
@@ -99,7 +100,7 @@ ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_network_args, add_training_args, add_learning_rate_args, add_mixed_precision_args, add_distributed_args,
-    add_data_args, add_checkpointing_args, add_validation_and_logging_args, add_zero_bubble_args)
+    add_data_args, add_moe_args, add_checkpointing_args, add_validation_and_logging_args, add_zero_bubble_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
 
 
