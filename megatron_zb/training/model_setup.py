@@ -13,6 +13,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_zb.model import GPTChunk
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import print_rank_0
+from megatron_zb.training.moe_setup import moe_config, moe_layer_spec
 
 __all__ = ["ModelBundle", "build_model", "gpt_config"]
 
@@ -56,7 +57,8 @@ def gpt_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel, params_dtype=args.params_dtype,
-        pipeline_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16, init_method_std=0.02)
+        pipeline_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16, init_method_std=0.02,
+        **moe_config(args))
 
 
 def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist: DistributedContext) -> ModelBundle:
@@ -79,7 +81,8 @@ def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist:
                  f"stage {args.num_layers_per_stage}) ...")
     chunks = build_gpt_chunks(config=gpt_config(args), vocab_size=args.padded_vocab_size,
                               max_sequence_length=args.max_position_embeddings, stage_to_rank=list(stage_to_rank),
-                              seed=args.seed, layers_per_stage=args.num_layers_per_stage)
+                              seed=args.seed, layers_per_stage=args.num_layers_per_stage,
+                              layer_spec=moe_layer_spec(args))
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     modules = []

@@ -17,6 +17,7 @@ from megatron_zb.schedules.ir import Schedule
 from .common import ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
 from .model import check_attention_heads, check_position_embeddings, fill_model_sizes
+from .logging_flags import check_logging
 from .moe import check_moe
 from .parallel import check_batch_sizes, check_sequence_parallel, check_world_size, resolve_backend
 from .training import check_learning_rate, check_precision, fill_training_values
@@ -81,6 +82,7 @@ def validate_args_and_schedule(args: argparse.Namespace, *, world_size: int) -> 
     resolve_tokenizer_vocab(args)
     fill_model_sizes(args)
     check_moe(args)
+    check_logging(args)
     fill_training_values(args)
     resolve_backend(args)
     return ValidatedArgs(args=args, schedule=schedule)
