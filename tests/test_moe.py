@@ -15,7 +15,11 @@ that expert weights depend on the global expert index only (not on the expert-pa
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
+import subprocess
+import sys
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,8 +58,6 @@ class MoERuns:
     def get(self, layout: str, schedule: str) -> dict:
         key = f"{layout}-{schedule}"
         if key not in self.done:
-            import json
-
             d = self.root / key
             d.mkdir()
             nproc, argv = (2, PP2) if layout == "pp2" else (4, PP2_EP2)
@@ -199,9 +201,6 @@ def test_moe_with_biases_at_ep1_asks_for_disable_bias_linear():
 
 
 def test_grouped_gemm_on_cpu_exits_2_with_one_line(tmp_path):
-    import subprocess
-    import sys
-
     from test_pretrain import SCRIPT
 
     proc = subprocess.run([sys.executable, str(SCRIPT), *shlex.split(BASE), "--moe-grouped-gemm"], cwd=tmp_path,
@@ -209,3 +208,16 @@ def test_grouped_gemm_on_cpu_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and "--moe-grouped-gemm: grouped-GEMM experts need CUDA" in errors[0]
+
+
+# ---------------------------------------------------------------------------- the Mixtral example
+def test_mixtral_example_cpu_scale_down_trains(tmp_path):
+    """scripts/examples/mixtral_8x7b_zb_cpu.sh (the GPU script's flags at tiny sizes, PP=2 x EP=2)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "examples" / "mixtral_8x7b_zb_cpu.sh"
+    proc = subprocess.run(["bash", str(script), "--loss-log-json", str(tmp_path / "values.json")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, ITERS="3"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    values = json.loads((tmp_path / "values.json").read_text())["train"]
+    assert [r["iteration"] for r in values] == [1, 2, 3]
+    assert all(r["lm loss"] == r["lm loss"] and r["grad norm"] > 0 for r in values)  # finite, trained
+    assert "throughput per GPU (TFLOP/s/GPU):" in proc.stdout
