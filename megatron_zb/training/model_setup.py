@@ -13,6 +13,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_zb.model import GPTChunk
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import print_rank_0
+from megatron_zb.training.moe_setup import moe_config, moe_layer_spec
 
 __all__ = ["ModelBundle", "build_model", "gpt_config", "gpt_layer_spec", "gpt_model_kwargs"]
 
@@ -72,14 +73,16 @@ def gpt_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         recompute_modules=list(args.recompute_modules) if args.recompute_modules is not None else None,
-        calculate_per_token_loss=args.calculate_per_token_loss)
+        calculate_per_token_loss=args.calculate_per_token_loss, **moe_config(args))
 
 
 def gpt_layer_spec(args: argparse.Namespace) -> Any:
-    """The transformer layer spec: megatron-core's local spec for ``--qk-layernorm`` / ``--normalization``."""
+    """The transformer layer spec: megatron-core's local spec for ``--qk-layernorm`` / ``--normalization``,
+    with MoE MLPs on the layers ``--moe-layer-freq`` selects when ``--num-experts`` is set."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    kwargs = dict(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    return moe_layer_spec(args, local_spec_kwargs=kwargs) or get_gpt_layer_local_spec(**kwargs)
 
 
 def gpt_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:

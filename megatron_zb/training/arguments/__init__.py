@@ -72,8 +72,11 @@ from megatron_zb.model.gpt_chunks import split_layers
 
 from .checkpointing_logging import add_checkpointing_args, add_validation_and_logging_args
 from .common import ArgumentError
+from .flags import MegatronZBArgumentParser
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
+from .logging_flags import add_logging_extra_args
 from .model import add_network_args
+from .moe import add_moe_args
 from .parallel import add_distributed_args
 from .recompute import add_pipeline_split_args, add_recompute_args
 from .training import add_learning_rate_args, add_mixed_precision_args, add_training_args
@@ -101,13 +104,14 @@ ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_network_args, add_training_args, add_learning_rate_args, add_mixed_precision_args, add_recompute_args,
-    add_distributed_args, add_pipeline_split_args, add_data_args, add_checkpointing_args, add_validation_and_logging_args, add_zero_bubble_args)
+    add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args, add_checkpointing_args,
+    add_validation_and_logging_args, add_logging_extra_args, add_zero_bubble_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
 
 
 def build_parser(*, extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
     """The ``pretrain_gpt_zb.py`` parser; ``extra_args_provider(parser)`` may add more flags."""
-    parser = argparse.ArgumentParser(
+    parser = MegatronZBArgumentParser(
         prog="pretrain_gpt_zb.py",
         description="Megatron GPT pretraining with zero-bubble pipeline schedules. Accepts Megatron's "
                     "GPT flags; add --enable-zero-bubble (or --zero-bubble-v-schedule) to switch schedule.",

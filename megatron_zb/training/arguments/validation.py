@@ -16,7 +16,9 @@ from megatron_zb.schedules.ir import Schedule
 
 from .common import ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
+from .logging_flags import check_logging
 from .model import check_architecture, check_attention_heads, check_position_embeddings, fill_model_sizes
+from .moe import check_moe
 from .parallel import (check_batch_sizes, check_data_parallel_overlap, check_sequence_parallel, check_world_size,
                        resolve_backend)
 from .recompute import check_recompute
@@ -84,6 +86,8 @@ def validate_args_and_schedule(args: argparse.Namespace, *, world_size: int) -> 
     check_data(args)
     resolve_tokenizer_vocab(args)
     fill_model_sizes(args)
+    check_moe(args)
+    check_logging(args)
     fill_training_values(args)
     resolve_backend(args)
     return ValidatedArgs(args=args, schedule=schedule)
