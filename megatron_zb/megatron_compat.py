@@ -111,6 +111,22 @@ RNG_STATE_HELPERS: tuple[str, str] = ("_get_cuda_rng_state", "_set_cuda_rng_stat
 """Private (get, set) CUDA RNG state helpers of :data:`RNG_MODULE` the shim replaces."""
 
 
+MOE_TE_NAMES: tuple[str, tuple[str, ...]] = ("megatron.core.transformer.moe.moe_utils", ("te_general_gemm",))
+"""(module, names): Transformer Engine functions ``moe_utils`` tests with ``is not None`` but only
+defines when TE imports (the router's ``RouterGatingLinearFunction``); the shim sets them to ``None``."""
+
+CUDA_STREAM_MODULES: tuple[str, ...] = (
+    "megatron.core.transformer.moe.token_dispatcher",  # alltoall: torch.cuda.Stream() at construction
+)
+"""megatron-core modules whose module-global ``torch`` the CPU shim replaces by a stand-in whose
+``torch.cuda`` has CPU streams (``Stream``, ``current_stream``, ``stream``: one synchronous stream)."""
+
+MOE_HOST_COPY: tuple[str, str] = ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu")
+"""(module, name) of the alltoall dispatcher's device-to-host copy of its split sizes. It converts
+to NumPy only tensors that are on CUDA, so on CPU the split sizes stay tensors, which
+``all_to_all_single`` rejects; the shim's version converts CPU tensors too when asked for NumPy."""
+
+
 def torch_norm_class() -> type:
     """``WrappedTorchNorm`` (the local spec's norm without apex); the shim wraps its ``__new__``."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm

@@ -230,3 +230,39 @@ def test_two_ranks_build_on_rank_0_then_share_the_cache(corpus, tmp_path):
     # V, PP=2: rank 0 holds the first and the last stage, rank 1 reads nothing; same samples
     assert torch.equal(r0["zbv"], r0["1f1b"]) and r1["zbv"] is None
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".megatron_zb_visible")]
+
+
+# ---------------------------------------------------------------------------- per-split paths
+@pytest.fixture(scope="module")
+def second_corpus(tmp_path_factory) -> str:
+    """Another corpus (different documents) for the validation split."""
+    d = tmp_path_factory.mktemp("corpus2")
+    jsonl = d / "valid.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": f"validation text {i} " * 9}) + "\n" for i in range(30)))
+    [prefix] = load_preprocess().main(["--input", str(jsonl), "--output-prefix", str(d / "out" / "valid")])
+    return prefix
+
+
+def test_train_valid_test_data_paths_build_one_dataset_per_split(corpus, second_corpus, tmp_path):
+    args = resolve(f"--train-data-path 0.3 {corpus} 0.7 {corpus} --valid-data-path {second_corpus} "
+                   f"--data-cache-path {tmp_path / 'cache'}")
+    assert args.data_blend is None
+    assert args.data_blend_per_split == [([corpus, corpus], [0.3, 0.7]), ([second_corpus], None), None]
+    train, valid, test = data.build_datasets(args)
+    assert isinstance(train, BlendedDataset) and isinstance(valid, GPTDataset) and test is None
+    text = bytes(t for t in valid[0]["tokens"].tolist() if t < 256).decode("utf-8", errors="ignore")
+    assert "validation text" in text  # the validation split reads its own corpus, not a slice of the train one
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("extra,flag", [
+    ("--mock-data --train-data-path {c}", "--mock-data"),
+    ("--data-path {c} --train-data-path {c}", "--data-path"),
+    ("--valid-data-path {c}", "--train-data-path"),
+    ("--train-data-path {c} --test-data-path {c}_missing", "--test-data-path"),
+    ("--train-data-path 0.5 {c} 0.5", "--train-data-path"),
+])
+def test_per_split_data_path_errors_name_the_flag(corpus, extra, flag):
+    with pytest.raises(ArgumentError) as e:
+        resolve(extra.format(c=corpus))
+    assert e.value.flag == flag

@@ -101,9 +101,12 @@ def test_config_checks():
     bad = cpu_gpt_config(num_layers=8, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=False)
     with pytest.raises(ValueError, match="use_cpu_initialization"):
         build_gpt_chunks(config=bad, vocab_size=VOCAB, max_sequence_length=SEQ, stage_to_rank=[0], seed=1, stages=[0])
-    with pytest.raises(NotImplementedError, match="plain placement"):
-        build_gpt_chunks(config=_config(), vocab_size=VOCAB, max_sequence_length=SEQ, stage_to_rank=v_placement(2),
+    with pytest.raises(NotImplementedError, match="embedding group"):  # first stage not on rank 0
+        build_gpt_chunks(config=_config(), vocab_size=VOCAB, max_sequence_length=SEQ, stage_to_rank=[1, 0],
                          seed=1, stages=[0], share_embeddings_and_output_weights=True)
+    with pytest.raises(ValueError, match="build the first stage together"):  # V: the head needs stage 0's weight
+        build_gpt_chunks(config=_config(), vocab_size=VOCAB, max_sequence_length=SEQ, stage_to_rank=v_placement(2),
+                         seed=1, stages=[3], share_embeddings_and_output_weights=True)
 
 
 # ---------------------------------------------------------------------- in a harness process

@@ -49,17 +49,19 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from megatron_zb.planning.layout import split_layers  # the layer-split rule lives with the planner (no torch)
+from megatron_zb.planning.layout import pipeline_split, split_layers  # layer-split rules live with the planner (no torch)
 
 __all__ = [
     "ChunkPlan",
     "GPTChunk",
     "SeededTransformerLayer",
+    "TiedHeadGPTModel",
     "build_gpt_chunks",
     "cpu_gpt_config",
     "derive_seed",
     "global_param_name",
     "named_global_parameters",
+    "pipeline_split",
     "plan_chunks",
     "split_layers",
 ]
@@ -230,13 +232,19 @@ def build_gpt_chunks(
         stages: build exactly these stages instead (e.g. all of them, in one process).
         layers_per_stage, allow_padding: see :func:`plan_chunks`.
         layer_spec: a ``TransformerLayer`` spec; default ``get_gpt_layer_local_spec()``.
-        gpt_kwargs: passed to ``GPTModel`` (e.g. ``position_embedding_type="rope"``,
-            ``share_embeddings_and_output_weights=True`` -- plain placements only).
+        gpt_kwargs: passed to ``GPTModel`` (e.g. ``position_embedding_type="rope"``).
+            ``share_embeddings_and_output_weights=True`` ties the output layer to the word
+            embedding: across ranks as megatron-core does (a copy on the last stage, kept in sync
+            by the embedding group's all-reduce in ``finalize_model_grads``; plain and interleaved
+            placements), or -- first and last stage on one rank (V) -- one parameter serving both
+            (:class:`TiedHeadGPTModel`).
 
     Returns:
         The chunks in ascending stage order (= the rank's local chunk order).
     """
     _check_config(config)
+    if config.recompute_granularity == "selective" and "layernorm" in (config.recompute_modules or ()):
+        _fix_checkpoint_without_output()
     plans = plan_chunks(num_layers=config.num_layers, stage_to_rank=stage_to_rank,
                         layers_per_stage=layers_per_stage, allow_padding=allow_padding)
     num_ranks = max(p.rank for p in plans) + 1
@@ -254,9 +262,11 @@ def build_gpt_chunks(
             raise ValueError(f"stages {bad} do not exist in a {len(plans)}-stage placement")
         wanted = [plans[s] for s in sorted(set(stages))]
     tied = bool(gpt_kwargs.get("share_embeddings_and_output_weights", False))
-    if tied and len(plans) > 1 and [p.rank for p in plans] != list(range(len(plans))):
-        raise NotImplementedError("tied embeddings across stages follow megatron's first/last-rank embedding group "
-                                  "and need the plain placement [0, 1, .., p-1]")
+    # V-like placements hold the first and the last stage on one rank: one parameter serves both.
+    tied_on_one_rank = tied and len(plans) > 1 and plans[0].rank == plans[-1].rank
+    if tied and len(plans) > 1 and not tied_on_one_rank and (plans[0].rank, plans[-1].rank) != (0, num_ranks - 1):
+        raise NotImplementedError("tied embeddings across ranks use megatron's embedding group (first and last "
+                                  "pipeline rank): the first stage must be on rank 0 and the last on the last rank")
 
     spec = copy.copy(layer_spec if layer_spec is not None else get_gpt_layer_local_spec())
     if not (isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
@@ -268,16 +278,80 @@ def build_gpt_chunks(
                          "layout-independent init needs it (subclass SeededTransformerLayer instead)")
     spec.params = {**spec.params, "init_seed": seed}
 
-    chunks = []
+    chunks: list[GPTChunk] = []
     for plan in wanted:
         cfg = _chunk_config(config, plan, num_ranks)
-        module = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
-                          max_sequence_length=max_sequence_length, pre_process=plan.pre_process,
-                          post_process=plan.post_process, **gpt_kwargs)
+        common = dict(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
+                      max_sequence_length=max_sequence_length, pre_process=plan.pre_process,
+                      post_process=plan.post_process)
+        if tied_on_one_rank and (plan.pre_process or plan.post_process):
+            kwargs = {**gpt_kwargs, "share_embeddings_and_output_weights": False}
+            if plan.post_process:
+                if not chunks or not chunks[0].plan.pre_process:
+                    raise ValueError("tied embeddings in a V-like placement: build the first stage together with "
+                                     "the last (they share the word-embedding parameter)")
+                word = chunks[0].module.embedding.word_embeddings.weight
+                module: GPTModel = TiedHeadGPTModel(**common, **kwargs, tied_weight=word)
+            else:
+                module = GPTModel(**common, **kwargs)
+        else:
+            module = GPTModel(**common, **gpt_kwargs)
         if cfg.perform_initialization:
             _init_embedding_and_output(module, seed)
         chunks.append(GPTChunk(plan=plan, module=module))
     return chunks
+
+
+class TiedHeadGPTModel(GPTModel):
+    """The last-stage ``GPTModel`` chunk whose output layer uses the first stage's word embedding
+    *parameter* (same rank, V-like placements): no weight of its own, no copy to keep in sync.
+
+    Its output layer's weight gradient lands on that parameter (B/W of the linear route, or
+    autograd + DDP's hook into the first chunk's ``main_grad``); megatron's embedding-group
+    all-reduce has nothing to do (neither chunk reports a duplicated weight). Checkpoints hold
+    the weight once, under the first stage's ``embedding.word_embeddings.weight``.
+    """
+
+    def __init__(self, *args: Any, tied_weight: torch.nn.Parameter, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if tied_weight.shape != self.output_layer.weight.shape:
+            raise ValueError(f"tied weight of shape {tuple(tied_weight.shape)} does not fit the output layer "
+                             f"{tuple(self.output_layer.weight.shape)}")
+        del self.output_layer.weight
+        self.output_layer.weight = None
+        self._tied_weight = (tied_weight,)  # a tuple: not registered as this module's parameter
+        self.share_embeddings_and_output_weights = True  # forward passes the shared weight
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        """The first stage's word-embedding parameter."""
+        return self._tied_weight[0]
+
+    def tie_embeddings_and_output_weights_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to add: the first stage's chunk saves the shared weight."""
+
+
+def _fix_checkpoint_without_output() -> None:
+    """Make megatron-core's ``CheckpointWithoutOutput`` (selective ``layernorm`` recomputation) run
+    without Transformer Engine.
+
+    megatron-core 0.16.1 sets ``self.fp8 = fp8 is not None``, true for its default ``fp8=False``,
+    and then calls Transformer Engine's ``FP8GlobalStateManager`` -- a ``NameError`` on any
+    install without TE. Without TE there is no fp8, so the object's ``fp8`` is set to False
+    (idempotent; nothing changes when TE is installed).
+    """
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    cls = mcore_random.CheckpointWithoutOutput
+    if mcore_random.HAVE_TE or getattr(cls, "_megatron_zb_no_te", False):
+        return
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.fp8 = False
+
+    cls.__init__ = __init__
+    cls._megatron_zb_no_te = True
 
 
 def _check_config(config: TransformerConfig) -> None:

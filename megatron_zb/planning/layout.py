@@ -11,6 +11,7 @@ library's placement (:class:`megatron_zb.schedules.Placement`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from megatron_zb.schedules import Placement, interleaved_placement, plain_placement, v_placement
 
@@ -46,6 +47,66 @@ def split_layers(num_layers: int, num_stages: int, *, allow_padding: bool = Fals
                          f"first/last stage: the middle stages take {per} each, leaving {left} "
                          f"for the first and last stage (each needs at least one)")
     return [first] + [per] * (num_stages - 2) + [last]
+
+
+def pipeline_split(*, num_layers: int, stage_to_rank: Sequence[int], first_stage_layers: int | None = None,
+                   last_stage_layers: int | None = None, account_for_embedding: bool = False,
+                   account_for_loss: bool = False) -> list[int]:
+    """Transformer layers per stage for Megatron's uneven-split flags, stage order.
+
+    * ``first_stage_layers`` / ``last_stage_layers`` (``--decoder-first/last-pipeline-num-layers``):
+      plain and interleaved placements follow megatron-core (``get_num_layers_to_build``): the
+      count is that of the first (last) *pipeline rank*, split evenly over its model chunks; the
+      other ranks share the remaining layers evenly. In a placement whose first and last stage
+      sit on the same rank (V) the counts are those of the first (embedding) and last (loss)
+      *stage*, and the other stages share the rest evenly -- so any layer count has a split
+      (e.g. 7 layers over the 4 stages of a PP=2 V: ``first_stage_layers=1`` gives ``[1, 2, 2, 2]``).
+    * ``account_for_embedding`` / ``account_for_loss``: the embedding (loss) counts as one layer of
+      the first (last) stage; ``num_layers + embedding + loss`` must divide evenly over the stages
+      (as megatron-core's virtual stages), and the first (last) stage builds one layer fewer.
+
+    Raises:
+        ValueError: the counts do not add up (the message says which and how).
+    """
+    s2r = [int(r) for r in stage_to_rank]
+    num_stages = len(s2r)
+    uneven = first_stage_layers is not None or last_stage_layers is not None
+    if uneven and (account_for_embedding or account_for_loss):
+        raise ValueError("the first/last stage layer counts cannot be combined with accounting for the "
+                         "embedding or loss in the split (megatron-core does not support it either)")
+    if not uneven:
+        total = num_layers + int(account_for_embedding) + int(account_for_loss)
+        if total % num_stages:
+            raise ValueError(f"{num_layers} layers + {total - num_layers} (embedding/loss) = {total} do not divide "
+                             f"evenly over {num_stages} pipeline stages")
+        counts = [total // num_stages] * num_stages
+        counts[0] -= int(account_for_embedding)
+        counts[-1] -= int(account_for_loss)
+        if min(counts) < 0:
+            raise ValueError(f"{total // num_stages} layer(s) per stage leave none for the embedding or loss")
+        return counts
+    if num_stages > 1 and s2r[0] == s2r[-1]:  # V-like: the counts are per stage
+        units = [[s] for s in range(num_stages)]
+    else:  # megatron-core: per pipeline rank, split evenly over the rank's chunks
+        units = [[s for s in range(num_stages) if s2r[s] == r] for r in sorted(set(s2r))]
+    fixed = {0: first_stage_layers, len(units) - 1: last_stage_layers}
+    fixed = {u: n for u, n in fixed.items() if n is not None}
+    if any(n < 0 for n in fixed.values()):
+        raise ValueError(f"layer counts must be >= 0, got {sorted(fixed.values())}")
+    rest = num_layers - sum(fixed.values())
+    middle = [u for u in range(len(units)) if u not in fixed]
+    what = "stage" if len(units) == num_stages else "pipeline rank"
+    if rest < 0 or (not middle and rest) or (middle and rest % len(middle)):
+        raise ValueError(f"{num_layers} layers minus the first/last {what}'s {sum(fixed.values())} leave {rest}, "
+                         f"which do not divide evenly over the other {len(middle)} {what}(s)")
+    per_unit = [fixed.get(u, rest // len(middle) if middle else 0) for u in range(len(units))]
+    counts = [0] * num_stages
+    for unit, n in zip(units, per_unit):
+        if n % len(unit):
+            raise ValueError(f"{n} layers of a pipeline rank do not divide evenly over its {len(unit)} model chunks")
+        for s in unit:
+            counts[s] = n // len(unit)
+    return counts
 
 
 @dataclass(frozen=True)

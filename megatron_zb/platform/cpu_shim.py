@@ -11,10 +11,18 @@ The patches, narrowest first (``docs/cpu_support.md`` has the why and what is ve
   ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` use the CPU
   generator; ``WrappedTorchNorm`` accepts sequence parallelism (its parameters are marked
   ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their grads over TP);
-  ``ShardedTensor.init_data("cuda")`` allocates on CPU.
+  ``ShardedTensor.init_data("cuda")`` allocates on CPU; the Transformer Engine names MoE's
+  ``moe_utils`` references without defining them (``te_general_gemm``) are set to ``None``, as
+  they would be without TE on a GPU machine (the router's GEMM then runs in torch).
 * module-scoped ``torch``: inside the modules of :data:`CUDA_FACTORY_MODULES` the name
   ``torch`` is a thin stand-in whose tensor factories (``torch.zeros(..., device="cuda")``
   and friends) allocate on CPU; every other attribute is the real ``torch``.
+* module-scoped ``torch.cuda`` streams: inside the modules of :data:`CUDA_STREAM_MODULES` (MoE's
+  alltoall token dispatcher) ``torch.cuda.Stream()`` and ``torch.cuda.current_stream()`` return one
+  synchronous CPU stream whose ``wait_stream``, ``record_event`` and event ``synchronize`` do
+  nothing, and ``torch.cuda.stream(s)`` is a no-op context (CPU work is synchronous); the same
+  dispatcher's host copy of its split sizes returns NumPy arrays for CPU tensors too (as it does
+  for CUDA tensors), which ``all_to_all_single`` needs.
 * caller-scoped tensor methods: ``Tensor.cuda()`` called *from megatron-core code* returns
   the CPU tensor; ``Tensor.type()`` called from megatron-core's optimizer modules reports
   the ``torch.cuda.*`` name those modules test for. Calls from anywhere else are untouched
@@ -35,6 +43,7 @@ section of :mod:`megatron_zb.megatron_compat` (reviewed at each megatron-core up
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import sys
@@ -43,10 +52,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..megatron_compat import (CUDA_FACTORY_MODULES, RNG_MODULE, RNG_STATE_HELPERS, TYPE_NAME_CALLERS,
-                               sharded_tensor_class, torch_norm_class)
+from ..megatron_compat import (CUDA_FACTORY_MODULES, CUDA_STREAM_MODULES, MOE_HOST_COPY, MOE_TE_NAMES, RNG_MODULE,
+                               RNG_STATE_HELPERS, TYPE_NAME_CALLERS, sharded_tensor_class, torch_norm_class)
 
-__all__ = ["CUDA_FACTORY_MODULES", "install_cpu_shim", "is_installed"]
+__all__ = ["CUDA_FACTORY_MODULES", "CUDA_STREAM_MODULES", "install_cpu_shim", "is_installed"]
 
 _TENSOR_FACTORIES: tuple[str, ...] = ("empty", "empty_like", "full", "ones", "tensor", "zeros", "zeros_like")
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
@@ -78,6 +87,8 @@ def install_cpu_shim() -> bool:
     _patch_tensor_methods()
     _patch_torch_norm()
     _patch_sharded_tensor_init()
+    _patch_moe_te_names()
+    _patch_stream_modules()
     logging.getLogger(RNG_MODULE).addFilter(_drop_rng_fork_warning)
     _installed = True
     return True
@@ -258,3 +269,100 @@ def _patch_sharded_tensor_init() -> None:
         return real_init_data(self, _CPU if _is_cuda(device) else device, init_fn)
 
     ShardedTensor.init_data = init_data
+
+
+# ---------------------------------------------------------------------- MoE
+def _patch_moe_te_names() -> None:
+    import importlib
+
+    module_name, names = MOE_TE_NAMES
+    module = importlib.import_module(module_name)
+    for name in names:
+        if not hasattr(module, name):  # without Transformer Engine the import that defines it failed
+            setattr(module, name, None)
+
+
+class _CpuEvent:
+    """A CUDA event on CPU: work is synchronous, so it is always complete."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """The one CPU "stream": every ``torch.cuda.Stream()`` and ``current_stream()`` is this object."""
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for (CPU work is synchronous)."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+class _CpuStreamCuda(types.ModuleType):
+    """Stand-in for ``torch.cuda`` inside one megatron-core module: streams are :data:`_CPU_STREAM`;
+    every other attribute is the real ``torch.cuda``'s (looked up at access time)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda", "megatron_zb CPU shim stand-in for torch.cuda (one synchronous stream)")
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:  # noqa: N802 (torch's name)
+        """``torch.cuda.Stream()`` on CPU: the synchronous CPU stream."""
+        return _CPU_STREAM
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        """``torch.cuda.current_stream()`` on CPU: the synchronous CPU stream."""
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        """``torch.cuda.stream(s)`` on CPU: nothing to switch."""
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _cpu_host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's ``maybe_move_tensor_to_cpu`` on CPU: the tensor is on the host already; NumPy if asked."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_stream_modules() -> None:
+    import importlib
+
+    module_name, name = MOE_HOST_COPY
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, name, None)):
+        raise RuntimeError(f"megatron_zb CPU shim: {module_name}.{name} is missing; megatron-core changed?")
+    setattr(module, name, _cpu_host_copy)
+
+    stand_in = _CpuFactoryTorch()
+    stand_in.cuda = _CpuStreamCuda()  # type: ignore[attr-defined]
+    for name in CUDA_STREAM_MODULES:
+        module = importlib.import_module(name)
+        if module.__dict__.get("torch") is not torch:
+            raise RuntimeError(f"megatron_zb CPU shim: {name}.torch is not the torch module; megatron-core changed?")
+        module.torch = stand_in

@@ -33,6 +33,7 @@ import torch
 
 from ..schedules import Action, Op, Schedule
 from ..schedules.lowering import check_lowered, lower
+from .grad_sync import GradSync
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
 from .routes import backward_window
@@ -221,14 +222,16 @@ class RecvPoster:
 def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, forward_step_func: Callable,
             config: Any, comm: PipeComm, collect_non_loss_data: bool = False, cp_group_size: int = 1,
             first_val_step: bool | None = None, recv_lookahead: int = 8, recv_behind_sends: bool = True,
-            timing: ActionTiming | None = None,
-            memory: ActivationMemoryTracker | None = None) -> tuple[list[Any], torch.Tensor]:
+            timing: ActionTiming | None = None, memory: ActivationMemoryTracker | None = None,
+            grad_sync: GradSync | None = None) -> tuple[list[Any], torch.Tensor]:
     """Run one iteration of ``plan`` (see :func:`plan_rank`); return (forward data store, total tokens).
 
     The forward data store holds what megatron-core's schedules return: the reduced losses of
     the last stage, in microbatch order. ``store`` receives the weight-gradient work of every B
     and runs it at the matching W (it must be empty; it is empty again on return).
     ``recv_lookahead`` and ``recv_behind_sends`` set when receives are posted (:class:`RecvPoster`).
+    ``grad_sync`` (``--overlap-grad-reduce``) is told after every compute action, and reports
+    parameters ready to megatron-core's DDP buckets (:mod:`megatron_zb.runtime.grad_sync`).
     """
     it = _Iteration(plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func,
                     config=config, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size,
@@ -238,6 +241,10 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
     acts = plan.actions
     if not plan.forward_only:
         store.begin_iteration(plan.w_per_stage)
+        if grad_sync is not None:
+            grad_sync.begin(actions=acts, store=store)
+    else:
+        grad_sync = None
     # One branch per action kind, handlers as methods: per action this costs one method call and
     # two Op properties, no allocation beyond the (mb, stage) key (the runtime's overhead budget
     # is tens of microseconds per compute action).
@@ -267,6 +274,8 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
             it.backward(a, key, deferred=op is Op.B)
         if timing is not None:
             (timing.comm if is_recv or is_send else timing.records).append((a, t0, time.perf_counter()))
+        if grad_sync is not None and not (is_recv or is_send):
+            grad_sync.after_compute(a, t0)
     comm.finish()
     if not plan.forward_only:
         store.assert_empty()

@@ -12,6 +12,7 @@ from ..schedules.costs import CostModel
 from ..schedules.ir import Schedule
 from ..schedules.registry import build_schedule, get_spec
 from .executor import ActionTiming, RankPlan, StageRuntime, execute, plan_rank
+from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
 from .routes import check_schedule, install_routes
@@ -66,13 +67,15 @@ class ZeroBubbleForwardBackward:
     Holds the schedule (rebuilt when ``num_microbatches`` or the costs change), its lowered and
     checked per-rank plan (built on the first call for a ``(p, m)``, reused by every later
     call), its weight-gradient ``store`` (every call's B's queue into it, its W's run it), and,
-    after each call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for.
+    after each call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for, and
+    with megatron-core DDP's ``overlap_grad_reduce`` the bucket launches in ``last_grad_sync``.
     """
 
     options: ZeroBubbleOptions
     store: WeightGradStore = field(default_factory=WeightGradStore)
     last_timing: ActionTiming | None = None
     last_peak_bytes: int | None = None
+    last_grad_sync: GradSyncReport | None = None
     _cache: dict[tuple[int, int], Schedule] = field(default_factory=dict)
     _plans: dict[tuple[int, int, int, bool], RankPlan] = field(default_factory=dict)
 
@@ -169,29 +172,42 @@ class ZeroBubbleForwardBackward:
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         no_sync = config.no_sync_func
+        store = self.store
+        grad_sync = None
+        if not forward_only and overlapping_ddp_chunks(chunks):
+            grad_sync = GradSync(dict(zip(stages, chunks)))
+            no_sync = [c.no_sync for c in chunks]  # every chunk, whatever config says: GradSync reports
         if isinstance(no_sync, list):  # one per chunk, as megatron-core's interleaved schedule takes
             sync_ctx: contextlib.AbstractContextManager = contextlib.ExitStack()
             for f in no_sync:
                 sync_ctx.enter_context(f())
         else:
             sync_ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
-        store = self.store
         try:
             with sync_ctx:  # no gradient reduction while W may still add to the gradients
                 data, total_tokens = execute(
                     plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func, config=config,
                     comm=comm, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
                     first_val_step=first_val_step, recv_lookahead=self.options.recv_lookahead,
-                    recv_behind_sends=behind_sends, timing=timing, memory=memory)
+                    recv_behind_sends=behind_sends, timing=timing, memory=memory, grad_sync=grad_sync)
+            self.last_grad_sync = grad_sync.end() if grad_sync is not None else None
         except BaseException:
             store.clear()
+            if grad_sync is not None:
+                grad_sync.end_failed()
             raise
         if not forward_only:
-            if config.grad_sync_func is not None:  # one function, or one per chunk
+            # with overlap, the buckets were launched as they became ready (GradSync): calling
+            # grad_sync_func (megatron-core's start_grad_sync) again would launch them twice
+            if config.grad_sync_func is not None and grad_sync is None:  # one function, or one per chunk
                 sync = config.grad_sync_func
                 for f, c in zip(sync if isinstance(sync, list) else [sync] * len(chunks), chunks):
                     f(c.parameters())
             if config.finalize_model_grads_func is not None:
+                if config.calculate_per_token_loss and sched.stage_to_rank[-1] != p - 1:
+                    # megatron-core broadcasts the token count from the last pipeline rank; here the
+                    # loss stage sits elsewhere (V: rank 0), so give every rank the count first.
+                    torch.distributed.all_reduce(total_tokens, group=pp_group)
                 config.finalize_model_grads_func(
                     chunks, total_tokens if config.calculate_per_token_loss else None,
                     pg_collection=pg_collection, force_all_reduce=force_all_reduce)

@@ -53,6 +53,21 @@ def _accumulate_wgrad(weight: torch.Tensor, main_grad: torch.Tensor | None, fusi
         weight.grad += grad_weight
 
 
+def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor | None:
+    """What B returns as the weight gradient of a megatron-core DDP parameter: a dummy, with
+    ``grad_added_to_main_grad`` set, exactly as megatron-core's fused-accumulation backward does.
+
+    DDP's gradient-accumulator hook then adds nothing (W adds the real gradient later) and, with
+    ``overlap_grad_reduce``, finds the ``param.grad`` it asserts on. Parameters outside DDP get
+    ``None`` (their ``.grad`` is written by W).
+    """
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
+
+
 def build_zb_linear_function(base: Any) -> Any:
     """A subclass of megatron-core's linear autograd function ``base`` whose weight gradient is
     deferred to W inside a B window (see the module docstring). Reads the ``ctx`` fields listed
@@ -79,6 +94,8 @@ def build_zb_linear_function(base: Any) -> Any:
         def backward(ctx, grad_output):  # noqa: D401 - autograd signature
             store = current_store()
             if store is None or ctx.grad_output_buffer is not None:
+                if not ctx.gradient_accumulation_fusion and hasattr(ctx.zb_weight, "grad_added_to_main_grad"):
+                    ctx.zb_weight.grad_added_to_main_grad = False  # a B of this iteration may have set it
                 return base.backward(ctx, grad_output)
             input, weight = ctx.saved_tensors
             param = ctx.zb_weight
@@ -121,7 +138,7 @@ def build_zb_linear_function(base: Any) -> Any:
             if handle is not None:
                 handle.wait()
             grad_input = sub_grad_input if ctx.sequence_parallel else grad_input
-            return grad_input, None, grad_bias, None, None, None, None, None, None
+            return grad_input, _dummy_wgrad(param), grad_bias, None, None, None, None, None, None
 
     ZBLinearFunction.__qualname__ = "ZBLinearFunction"
     return ZBLinearFunction

@@ -57,6 +57,13 @@ class WeightGradStore:
             :meth:`begin_iteration`) with the parameters whose weight-gradient work that chunk
             queued in the iteration, in first-queued order; ``None``: nobody is told. Setting it
             requires :meth:`begin_iteration` before every iteration.
+        report_per_entry: when ``True``, ``on_params_done`` is called in pieces during the
+            chunk's last W instead of once after it: first with the parameters that W does not
+            touch (their work ran in earlier W's), then after each queued entry with the
+            parameters whose last entry that was -- every parameter once, as soon as nothing
+            more is added into its gradient (the contract of Transformer Engine's
+            ``register_wgrad_accumulation_and_reduce_hooks``: a hook per weight right after its
+            delayed wgrad accumulation). Used by :mod:`megatron_zb.runtime.grad_sync`.
     """
 
     def __init__(self) -> None:
@@ -66,6 +73,7 @@ class WeightGradStore:
         self._params: dict[int, dict[int, torch.Tensor]] = {}  # chunk -> {id(param): param} queued
         self.executed = 0
         self.on_params_done: Callable[[tuple[torch.Tensor, ...]], None] | None = None
+        self.report_per_entry = False
 
     # ------------------------------------------------------------------ B: queue
     @contextlib.contextmanager
@@ -123,6 +131,11 @@ class WeightGradStore:
             raise WeightGradStoreError(f"W of chunk {chunk} ran with on_params_done set but no W count for "
                                        f"chunk {chunk}: call begin_iteration first")
         del self._queues[key]
+        if left == 1 and self.on_params_done is not None and self.report_per_entry:
+            self._w_left[chunk] = 0
+            self._run_reporting(chunk, queue, self.on_params_done)
+            self.executed += len(queue)
+            return len(queue)
         with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
             for fn, _ in queue:
                 fn()
@@ -134,6 +147,23 @@ class WeightGradStore:
                 if done:
                     self.on_params_done(done)
         return len(queue)
+
+    def _run_reporting(self, chunk: int, queue: list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]],
+                       report: Callable[[tuple[torch.Tensor, ...]], None]) -> None:
+        """The chunk's last W with per-entry reports (see :attr:`report_per_entry`)."""
+        last_entry: dict[int, int] = {}
+        for i, (_, params) in enumerate(queue):
+            for p in params:
+                last_entry[id(p)] = i
+        untouched = tuple(p for k, p in self._params.get(chunk, {}).items() if k not in last_entry)
+        if untouched:
+            report(untouched)
+        for i, (fn, params) in enumerate(queue):
+            with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
+                fn()
+            done = {id(p): p for p in params if last_entry[id(p)] == i}
+            if done:
+                report(tuple(done.values()))
 
     # ------------------------------------------------------------------ per-iteration bookkeeping
     def begin_iteration(self, w_per_chunk: Mapping[int, int]) -> None:

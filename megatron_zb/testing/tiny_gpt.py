@@ -24,12 +24,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TinyGPT:
-    """Shape and parallel layout of the tiny model (sizes in elements, counts in microbatches).
-
-    ``layer_spec``: ``"module:function"`` returning the ``TransformerLayer`` spec (default
-    megatron-core's local spec). ``delay_wgrad``: build Transformer Engine modules with
-    delayed weight gradients (:func:`megatron_zb.runtime.te_route.enable_delayed_wgrad`).
-    """
+    """Shape and parallel layout of the tiny model (sizes in elements, counts in microbatches)."""
 
     pp: int = 2
     tp: int = 1
@@ -46,8 +41,22 @@ class TinyGPT:
     num_microbatches: int = 4
     seed: int = 1234
     schedule_options: dict[str, Any] = field(default_factory=dict)
+    config_options: dict[str, Any] = field(default_factory=dict)
+    """Extra ``TransformerConfig`` fields, e.g. ``normalization="RMSNorm"``, ``recompute_granularity="full"``,
+    ``calculate_per_token_loss=True`` (then the loss is the token sum, normalised by megatron-core)."""
+    model_options: dict[str, Any] = field(default_factory=dict)
+    """Extra ``GPTModel`` arguments, e.g. ``position_embedding_type="rope"``,
+    ``share_embeddings_and_output_weights=True``."""
+    spec_options: dict[str, Any] = field(default_factory=dict)
+    """Arguments of ``get_gpt_layer_local_spec``, e.g. ``qk_layernorm=True``, ``normalization="RMSNorm"``."""
+    split: dict[str, Any] = field(default_factory=dict)
+    """Arguments of :func:`megatron_zb.model.pipeline_split` (``first_stage_layers=1``, ...); empty: even split."""
     layer_spec: str | None = None
+    """``"module:function"`` returning the ``TransformerLayer`` spec (then ``spec_options`` must be
+    empty); default: megatron-core's local spec with ``spec_options``."""
     delay_wgrad: bool = False
+    """Build Transformer Engine modules with delayed weight gradients
+    (:func:`megatron_zb.runtime.te_route.enable_delayed_wgrad`)."""
 
     def microbatches(self) -> list[dict[str, torch.Tensor]]:
         """The fixed data: ``num_microbatches`` micro batches of random tokens (per DP rank)."""
@@ -93,14 +102,24 @@ def loss_func(output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
+def per_token_loss_func(output_tensor: torch.Tensor):
+    """Sum of the per-token losses and the token count (``calculate_per_token_loss``: megatron-core
+    divides the gradients by the tokens of the whole batch)."""
+    loss = output_tensor.float().sum()
+    tokens = torch.tensor(output_tensor.numel(), dtype=torch.int)
+    return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
+
+
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
     """megatron-core forward step: every stage draws its micro batch (only the ends use it)."""
+    from megatron.core.utils import get_model_config
+
     batch = next(data_iterator)
     device = next(model.parameters()).device
     if device.type != "cpu":
         batch = {k: v.to(device) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, loss_func
+    return output, per_token_loss_func if get_model_config(model).calculate_per_token_loss else loss_func
 
 
 def forward_backward(fb: Any, modules: list[Any], data: list[dict[str, torch.Tensor]], *, seq: int,
@@ -147,23 +166,31 @@ def build_chunks(cfg: TinyGPT, stage_to_rank: list[int]) -> list[Any]:
     parallel state must be initialised."""
     import importlib
 
-    from ..model import build_gpt_chunks, cpu_gpt_config
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from ..model import build_gpt_chunks, cpu_gpt_config, pipeline_split
     from .distributed import device_from_env
 
     config = cpu_gpt_config(num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
                             hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=cfg.tp,
                             pipeline_model_parallel_size=cfg.pp, sequence_parallel=cfg.sequence_parallel,
-                            gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
-    spec = None
+                            gradient_accumulation_fusion=cfg.gradient_accumulation_fusion, **cfg.config_options)
+    layers = (pipeline_split(num_layers=cfg.num_layers, stage_to_rank=stage_to_rank, **cfg.split)
+              if cfg.split else None)
     if cfg.layer_spec is not None:
+        if cfg.spec_options:
+            raise ValueError("TinyGPT: give layer_spec or spec_options, not both")
         module, _, function = cfg.layer_spec.partition(":")
         spec = getattr(importlib.import_module(module), function)()
+    else:
+        spec = get_gpt_layer_local_spec(**cfg.spec_options)
     if cfg.delay_wgrad:
         from ..runtime.te_route import enable_delayed_wgrad
 
         enable_delayed_wgrad(config)
     chunks = build_gpt_chunks(config=config, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
-                              stage_to_rank=stage_to_rank, seed=cfg.seed, layer_spec=spec)
+                              stage_to_rank=stage_to_rank, seed=cfg.seed, layers_per_stage=layers,
+                              layer_spec=spec, **cfg.model_options)
     device = device_from_env()
     if device.type != "cpu":
         for c in chunks:

@@ -300,11 +300,13 @@ def gpt_dataset_config(args: argparse.Namespace, tokenizer: MegatronTokenizerBas
                        cache_dir: str | None) -> GPTDatasetConfig:
     """The megatron-core ``GPTDatasetConfig`` for validated ``args`` (mock when ``args.mock_data``)."""
     blend = None if args.mock_data else args.data_blend
+    per_split = None if args.mock_data else getattr(args, "data_blend_per_split", None)
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=blend,
-        split=args.split,
+        blend_per_split=per_split,
+        split=None if per_split else args.split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
         reset_position_ids=args.reset_position_ids,
@@ -402,7 +404,8 @@ def build_datasets(args: argparse.Namespace, *, tokenizer: MegatronTokenizerBase
     config = gpt_dataset_config(args, tokenizer, cache_dir=cache_dir)
     cls = MockGPTDataset if args.mock_data else GPTDataset
     builder = BlendedMegatronDatasetBuilder(cls, list(train_valid_test_num_samples(args)), lambda: consumes, config)
-    blended = args.data_blend is not None and (len(args.data_blend[0]) > 1 or args.data_blend[1] is not None)
+    blends = [args.data_blend] + list(getattr(args, "data_blend_per_split", None) or [])
+    blended = any(b is not None and (len(b[0]) > 1 or b[1] is not None) for b in blends)
     with single_process_group() if blended and cache_dir is not None else contextlib.nullcontext():
         train, valid, test = builder.build()
     if not consumes:

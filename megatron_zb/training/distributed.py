@@ -69,6 +69,7 @@ def init_distributed(args: argparse.Namespace) -> DistributedContext:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     ctx = DistributedContext(
         pp_group=parallel_state.get_pipeline_model_parallel_group(),

@@ -27,6 +27,7 @@ __all__ = [
     "print_rank_0",
     "print_rank_last",
     "tensorboard_writer",
+    "WandbWriter",
 ]
 
 TIMESTAMP_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -79,6 +80,7 @@ def format_iteration_line(
     loss_scale: float,
     grad_norm: float | None = None,
     throughput: float | None = None,
+    tflops_per_gpu: float | None = None,
     num_zeros_in_grad: float | None = None,
     params_norm: float | None = None,
     skipped_iterations: int = 0,
@@ -99,6 +101,8 @@ def format_iteration_line(
         loss_scale: current loss scale (1.0 without fp16).
         grad_norm / num_zeros_in_grad / params_norm: printed when not ``None``.
         throughput: samples per second; printed as ``throughput (samples/s)`` when not ``None``.
+        tflops_per_gpu: model TFLOP/s per process (``--log-throughput``); printed as Megatron's
+            ``throughput per GPU (TFLOP/s/GPU)`` when not ``None``.
         skipped_iterations: iterations skipped (inf/NaN gradients) since the last line.
         nan_iterations: Megatron's ``number of nan iterations``, printed when not ``None``.
         rollbacks: optimizer post-validation rollbacks since the last line, printed when not ``None``.
@@ -114,6 +118,8 @@ def format_iteration_line(
     s += " elapsed time per iteration (ms): {:.1f} |".format(elapsed_ms)
     if throughput is not None:
         s += " throughput (samples/s): {:.1f} |".format(throughput)
+    if tflops_per_gpu is not None:
+        s += " throughput per GPU (TFLOP/s/GPU): {:.1f} |".format(tflops_per_gpu)
     s += " learning rate: {:.6E} |".format(learning_rate)
     s += " global batch size: {:5d} |".format(global_batch_size)
     for name, value in losses.items():
@@ -275,3 +281,54 @@ def tensorboard_writer(log_dir: str | None, *, only_last_rank: bool = True) -> T
     if log_dir is not None and not w.enabled:
         print(f"WARNING: {w.reason}", file=sys.stderr, flush=True)
     return w
+
+
+# ---------------------------------------------------------------------------- Weights & Biases
+def _wandb_reachable(timeout: float = 3.0) -> bool:
+    """Whether W&B's server answers a TCP connection (else the run logs offline)."""
+    import socket
+
+    try:
+        with socket.create_connection(("api.wandb.ai", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class WandbWriter:
+    """Weights & Biases run of ``--wandb-project`` on the last rank (as Megatron); no-op elsewhere.
+
+    Mode: ``WANDB_MODE`` when set, else ``offline`` when ``api.wandb.ai`` is unreachable, else
+    online. Files go to ``--wandb-save-dir`` (default ``SAVE/wandb`` with ``--save``, else
+    ``./wandb``). ``wandb`` is an optional dependency; validation refuses ``--wandb-project``
+    without it.
+    """
+
+    def __init__(self, args: Any) -> None:
+        self._run: Any = None
+        self.mode = ""
+        if args.wandb_project is None or not is_last_rank():
+            return
+        import os
+
+        import wandb
+
+        save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
+        os.makedirs(save_dir, exist_ok=True)
+        self.mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_reachable() else "offline")
+        self._run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=save_dir, mode=self.mode,
+                               config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
+        print(f"> wandb: project {args.wandb_project!r}, {self.mode} mode, files in {save_dir}", flush=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self._run is not None
+
+    def log(self, values: Mapping[str, float], step: int) -> None:
+        if self._run is not None:
+            self._run.log(dict(values), step=step)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None

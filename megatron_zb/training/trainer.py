@@ -147,10 +147,13 @@ class Trainer:
         t0 = time.perf_counter()
         out = run_batch(self.planner.forward_backward, model=self.model.modules, iterators=self.data.train,
                         args=args, device=self.dist.device, forward_only=False)
-        replan_due = self.planner.end_iteration(it, profiling=profiling, seconds=time.perf_counter() - t0)
+        fb_seconds = time.perf_counter() - t0
+        replan_due = self.planner.end_iteration(it, profiling=profiling, seconds=fb_seconds)
         if opt.post_validation:
             self._iteration_of_step[opt.optimizer.iteration] = it
+        t1 = time.perf_counter()
         update_successful, grad_norm, _ = opt.optimizer.step()
+        timers = {"forward-backward": fb_seconds, "optimizer": time.perf_counter() - t1}
         if opt.post_validation and not opt.optimizer.pending:
             self._iteration_of_step.pop(opt.optimizer.iteration - 1, None)  # final already (synchronous step)
         if update_successful:
@@ -161,7 +164,7 @@ class Trainer:
             loss = (float(total[0]), float(total[1]))
         record = IterationRecord(iteration=it, loss=loss, skipped=not update_successful,
                                  grad_norm=None if grad_norm is None else float(grad_norm),
-                                 lr=opt.learning_rate(), loss_scale=opt.loss_scale())
+                                 lr=opt.learning_rate(), loss_scale=opt.loss_scale(), timers=timers)
         return record, replan_due
 
     def _after_iteration(self, it: int) -> bool:
@@ -278,6 +281,9 @@ class Trainer:
 
     def _save(self) -> None:
         t0 = time.perf_counter()
+        if self.args.overlap_param_gather:  # as Megatron: gather the stepped parameters before saving them
+            for m in self.model.modules:
+                m.start_param_sync(force_sync=True)
         path = save_checkpoint(self.args.save, state=self.state, chunks=self.model.gpt_models,
                                optimizer=self.optim.optimizer, scheduler=self.optim.scheduler, args=self.args)
         self.last_saved = self.state.iteration

@@ -14,14 +14,15 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_zb.training.distributed import DistributedContext
-from megatron_zb.training.logging_utils import format_iteration_line, is_last_rank, print_rank_last
+from megatron_zb.training.flops import tflops_per_gpu
+from megatron_zb.training.logging_utils import WandbWriter, format_iteration_line, is_last_rank, print_rank_last
 
 __all__ = ["IterationRecord", "TrainingLog", "gather_losses"]
 
@@ -38,6 +39,8 @@ class IterationRecord:
         grad_norm: the global gradient norm, ``None`` when megatron-core computed none.
         lr: the learning rate after the step.
         loss_scale: the loss scale after the step.
+        timers: seconds spent in named parts of the iteration (``"forward-backward"``,
+            ``"optimizer"``), for ``--log-timers-to-tensorboard``.
     """
 
     iteration: int
@@ -46,6 +49,7 @@ class IterationRecord:
     grad_norm: float | None
     lr: float
     loss_scale: float
+    timers: dict[str, float] = field(default_factory=dict)
 
 
 def gather_losses(values: Sequence[tuple[float, float] | None], *, stage_to_rank: Sequence[int],
@@ -85,6 +89,7 @@ class TrainingLog:
         self._stage_to_rank = list(stage_to_rank)
         self._dist = dist_ctx
         self.tb = tensorboard
+        self.wandb = WandbWriter(args)
         self.records: list[IterationRecord] = []
         self.interval_start = time.perf_counter()
         self.excluded = 0.0
@@ -131,28 +136,40 @@ class TrainingLog:
         self.total_skipped += skipped
         elapsed = max(0.0, now - self.interval_start - self.excluded) / max(1, len(records))
         last = records[-1]
+        tflops = tflops_per_gpu(args, seconds_per_iteration=elapsed) if args.log_throughput and elapsed > 0 else None
         if print_line:
             print_rank_last(format_iteration_line(
                 iteration=last.iteration, train_iters=args.train_iters, consumed_samples=consumed_samples,
                 elapsed_ms=1e3 * elapsed, throughput=args.global_batch_size / elapsed if elapsed > 0 else None,
+                tflops_per_gpu=tflops,
                 learning_rate=last.lr, global_batch_size=args.global_batch_size,
                 losses={"lm loss": sum(kept) / len(kept)} if kept else {},
                 loss_scale=last.loss_scale, grad_norm=last.grad_norm, skipped_iterations=skipped,
                 nan_iterations=nan_iters, rollbacks=rollbacks))
-            self._tensorboard_interval(last, kept, elapsed)
+            self._tensorboard_interval(last, kept, elapsed, tflops)
         self.write_json()
         self.start_interval()
 
-    def _tensorboard_interval(self, last: IterationRecord, kept: list[float], elapsed: float) -> None:
-        if self.tb is None or not self.tb.enabled:
+    def _tensorboard_interval(self, last: IterationRecord, kept: list[float], elapsed: float,
+                              tflops: float | None) -> None:
+        """TensorBoard and W&B scalars of the interval (Megatron's names; timers in seconds per iteration)."""
+        tb = self.tb is not None and self.tb.enabled
+        if not tb and not self.wandb.enabled:
             return
         scalars = {"learning-rate": last.lr, "loss-scale": last.loss_scale, "iteration-time": elapsed}
         if kept:
             scalars["lm loss"] = sum(kept) / len(kept)
         if last.grad_norm is not None:
             scalars["grad-norm"] = last.grad_norm
-        self.tb.add_scalars(scalars, last.iteration)
-        self.tb.flush()
+        if tflops is not None:
+            scalars["throughput"] = tflops
+        if self.args.log_timers_to_tensorboard:
+            for name in sorted({n for r in self.records for n in r.timers}):
+                scalars[f"{name}-time"] = sum(r.timers.get(name, 0.0) for r in self.records) / len(self.records)
+        if tb:
+            self.tb.add_scalars(scalars, last.iteration)
+            self.tb.flush()
+        self.wandb.log(scalars, last.iteration)
 
     def add_validation(self, prefix: str, *, iteration: int, loss: float, tensorboard: bool) -> None:
         """Print Megatron's validation lines for ``loss`` (lm loss, perplexity) and record them."""
@@ -179,3 +196,4 @@ class TrainingLog:
         """Close the TensorBoard writer."""
         if self.tb is not None:
             self.tb.close()
+        self.wandb.close()

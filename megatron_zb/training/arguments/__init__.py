@@ -14,7 +14,8 @@ command keeps working with ``--enable-zero-bubble`` added. Entry points:
 One module per flag group, each holding the group's flags (``add_*_args``), its checks and its
 derived values: :mod:`.model` (network size), :mod:`.training` (batch, iterations, optimizer,
 learning rate, mixed precision), :mod:`.implementation` (``--transformer-impl``, gradient-accumulation
-fusion), :mod:`.parallel` (distributed), :mod:`.data` (data and
+fusion), :mod:`.recompute` (activation recomputation, uneven pipeline split), :mod:`.parallel`
+(distributed), :mod:`.data` (data and
 tokenizer), :mod:`.checkpointing_logging`, :mod:`.zero_bubble` (schedule, memory limit, profiling,
 post-validation) and :mod:`.developer` (``pretrain_gpt_zb.py``'s extra flags). :mod:`.validation`
 orders the checks and holds the numeric ranges of all flags.
@@ -46,9 +47,9 @@ Derived values set by :func:`validate_args` (units in brackets):
                                     or ``None`` (the schedule's own default)
 ``schedule_memory_limit``           the same limit in the schedule library's unit (one stage's
                                     activation ``M_B``; ``N * num_model_chunks``) or ``None``
-``ffn_hidden_size``                 default ``4 * hidden_size``
+``ffn_hidden_size``                 default ``4 * hidden_size`` (``--swiglu``: ``int(8h / 3 / 64) * 64``)
 ``max_position_embeddings``         default ``seq_length``
-``kv_channels``                     ``hidden_size / num_attention_heads``
+``kv_channels``                     ``--kv-channels``, default ``hidden_size / num_attention_heads``
 ``params_dtype``                    ``torch.float16`` / ``torch.bfloat16`` / ``torch.float32``
 ``lr_decay_iters``                  default ``train_iters`` [iterations]
 ``distributed_backend``             ``"nccl"`` or ``"gloo"`` (``auto`` resolved)
@@ -79,10 +80,14 @@ from megatron_zb.model.gpt_chunks import split_layers
 
 from .checkpointing_logging import add_checkpointing_args, add_validation_and_logging_args
 from .common import ArgumentError
+from .flags import MegatronZBArgumentParser
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
 from .implementation import add_implementation_args
+from .logging_flags import add_logging_extra_args
 from .model import add_network_args
+from .moe import add_moe_args
 from .parallel import add_distributed_args
+from .recompute import add_pipeline_split_args, add_recompute_args
 from .training import add_learning_rate_args, add_mixed_precision_args, add_training_args
 from .validation import ValidatedArgs, validate_args, validate_args_and_schedule
 from .zero_bubble import (POST_VALIDATION_FALLBACK_CLEAN_ITERS, POST_VALIDATION_WARMUP_ITERS,
@@ -108,13 +113,14 @@ ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_network_args, add_implementation_args, add_training_args, add_learning_rate_args, add_mixed_precision_args,
-    add_distributed_args, add_data_args, add_checkpointing_args, add_validation_and_logging_args, add_zero_bubble_args)
+    add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
+    add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_zero_bubble_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
 
 
 def build_parser(*, extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
     """The ``pretrain_gpt_zb.py`` parser; ``extra_args_provider(parser)`` may add more flags."""
-    parser = argparse.ArgumentParser(
+    parser = MegatronZBArgumentParser(
         prog="pretrain_gpt_zb.py",
         description="Megatron GPT pretraining with zero-bubble pipeline schedules. Accepts Megatron's "
                     "GPT flags; add --enable-zero-bubble (or --zero-bubble-v-schedule) to switch schedule.",

@@ -21,6 +21,13 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="Dataset prefix(es) written by tools/preprocess_data.py (PREFIX.bin and PREFIX.idx). "
                         "One prefix, several prefixes (weighted by size), or a blend 'W1 PREFIX1 W2 PREFIX2 ...'.")
+    g.add_argument("--train-data-path", nargs="*", default=None,
+                   help="Training dataset prefix(es) or blend, used instead of --data-path and --split (as "
+                        "Megatron); --valid-data-path and --test-data-path then give the other splits (optional).")
+    g.add_argument("--valid-data-path", nargs="*", default=None,
+                   help="Validation dataset prefix(es) or blend (with --train-data-path).")
+    g.add_argument("--test-data-path", nargs="*", default=None,
+                   help="Test dataset prefix(es) or blend (with --train-data-path).")
     g.add_argument("--mock-data", action="store_true",
                    help="Train on megatron-core's synthetic MockGPTDataset instead of --data-path.")
     g.add_argument("--split", type=str, default="969,30,1",
@@ -44,14 +51,15 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="Local directory of a HuggingFace tokenizer (for --tokenizer-type HuggingFaceTokenizer).")
 
 
-def parse_data_blend(values: Sequence[str]) -> tuple[list[str], list[float] | None]:
+def parse_data_blend(values: Sequence[str], *, flag: str = "--data-path") -> tuple[list[str], list[float] | None]:
     """``--data-path`` values -> ``(prefixes, weights)``; weights ``None`` means "by dataset size".
 
-    Accepts ``PREFIX [PREFIX ...]`` or ``W1 PREFIX1 W2 PREFIX2 ...`` (weights > 0, any scale).
+    Accepts ``PREFIX [PREFIX ...]`` or ``W1 PREFIX1 W2 PREFIX2 ...`` (weights > 0, any scale);
+    errors name ``flag`` (the per-split flags share the format).
     """
     values = [v.strip() for v in values if v.strip()]
     if not values:
-        raise ArgumentError("--data-path", "needs at least one dataset prefix")
+        raise ArgumentError(flag, "needs at least one dataset prefix")
 
     def number(s: str) -> float | None:
         try:
@@ -63,14 +71,14 @@ def parse_data_blend(values: Sequence[str]) -> tuple[list[str], list[float] | No
     if len(values) % 2 == 0 and all(w is not None for w in weights):
         prefixes = values[1::2]
         if any(number(p) is not None for p in prefixes):
-            raise ArgumentError("--data-path", f"blend {values} has a number where a prefix belongs; "
+            raise ArgumentError(flag, f"blend {values} has a number where a prefix belongs; "
                                                f"write it as 'W1 PREFIX1 W2 PREFIX2 ...'")
         bad = [w for w in weights if not (w > 0 and math.isfinite(w))]
         if bad:
-            raise ArgumentError("--data-path", f"blend weights must be positive, got {bad[0]}")
+            raise ArgumentError(flag, f"blend weights must be positive, got {bad[0]}")
         return prefixes, [float(w) for w in weights]
     if any(number(v) is not None for v in values):
-        raise ArgumentError("--data-path", f"{values} mixes weights and prefixes; give either PREFIX [PREFIX ...] "
+        raise ArgumentError(flag, f"{values} mixes weights and prefixes; give either PREFIX [PREFIX ...] "
                                            f"or 'W1 PREFIX1 W2 PREFIX2 ...' (a weight before every prefix)")
     return values, None
 
@@ -88,25 +96,41 @@ def check_split(split: str) -> None:
         raise ArgumentError("--split", f"{split!r} gives the training set no data; make the first weight positive")
 
 
+PER_SPLIT_FLAGS: tuple[str, ...] = ("--train-data-path", "--valid-data-path", "--test-data-path")
+
+
 def check_data(args: argparse.Namespace) -> None:
-    """``--mock-data`` or ``--data-path`` (files present), ``--split``; sets ``data_blend``."""
-    if args.mock_data and args.data_path:
-        raise ArgumentError("--mock-data", "--mock-data and --data-path are mutually exclusive; keep one")
-    if not args.mock_data and not args.data_path:
+    """One data source: ``--mock-data``, ``--data-path`` (+ ``--split``) or the per-split paths (files
+    present, as Megatron); sets ``data_blend`` and ``data_blend_per_split`` (``None`` when unused)."""
+    per_split = [getattr(args, f[2:].replace("-", "_")) for f in PER_SPLIT_FLAGS]
+    sources = [name for name, given in (("--mock-data", args.mock_data), ("--data-path", bool(args.data_path)),
+                                        ("--train-data-path", any(v is not None for v in per_split))) if given]
+    if len(sources) > 1:
+        raise ArgumentError(sources[0], f"{' and '.join(sources)} are mutually exclusive (one data source, as "
+                                        f"Megatron); keep one")
+    if not sources:
         raise ArgumentError("--data-path", "no training data: give --data-path PREFIX (files PREFIX.bin and PREFIX.idx "
-                                           "from tools/preprocess_data.py) or --mock-data")
+                                           "from tools/preprocess_data.py), --train-data-path PREFIX or --mock-data")
     check_split(args.split)
-    if args.mock_data:
-        args.data_blend = None
-        return
-    prefixes, weights = parse_data_blend(args.data_path)
+    args.data_blend = args.data_blend_per_split = None
+    if sources[0] == "--data-path":
+        args.data_blend = _checked_blend(args.data_path, "--data-path")
+    elif sources[0] == "--train-data-path":
+        if not per_split[0]:
+            raise ArgumentError("--train-data-path", "is required with --valid-data-path / --test-data-path")
+        args.data_blend_per_split = [_checked_blend(v, f) if v else None for v, f in zip(per_split, PER_SPLIT_FLAGS)]
+
+
+def _checked_blend(values: Sequence[str], flag: str) -> tuple[list[str], list[float] | None]:
+    """:func:`parse_data_blend` whose every prefix has its ``.bin`` and ``.idx`` file."""
+    prefixes, weights = parse_data_blend(values, flag=flag)
     for prefix in prefixes:
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
-            raise ArgumentError("--data-path", f"dataset prefix {prefix!r}: missing {' and '.join(missing)}; pass the "
-                                               f"prefix without extension, as written by tools/preprocess_data.py "
-                                               f"--output-prefix")
-    args.data_blend = (prefixes, weights)
+            raise ArgumentError(flag, f"dataset prefix {prefix!r}: missing {' and '.join(missing)}; pass the "
+                                      f"prefix without extension, as written by tools/preprocess_data.py "
+                                      f"--output-prefix")
+    return prefixes, weights
 
 
 def resolve_tokenizer_vocab(args: argparse.Namespace) -> None:

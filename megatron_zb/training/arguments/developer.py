@@ -32,9 +32,6 @@ def add_developer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-opt_param-scheduler", dest="use_checkpoint_opt_param_scheduler",
                    action="store_true",
                    help="On --load, take the learning-rate schedule from the checkpoint (as Megatron).")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="Accepted for compatibility: megatron-zb always unties the input embedding and the "
-                        "output layer (Megatron ties them unless this flag is given).")
 
 
 def validate_developer_args(args: argparse.Namespace) -> None:

@@ -6,7 +6,8 @@ import argparse
 
 from .common import ArgumentError
 
-__all__ = ["add_network_args", "check_attention_heads", "check_position_embeddings", "fill_model_sizes"]
+__all__ = ["add_network_args", "check_architecture", "check_attention_heads", "check_position_embeddings",
+           "fill_model_sizes"]
 
 
 def add_network_args(parser: argparse.ArgumentParser) -> None:
@@ -29,15 +30,49 @@ def add_network_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP (default 0.1).")
     g.add_argument("--attention-dropout", type=float, default=0.1,
                    help="Dropout on the attention probabilities (default 0.1).")
+    _add_architecture_args(g)
+
+
+def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
+    """Megatron-LM's architecture flags (names, defaults and meanings as in its ``arguments.py``)."""
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
+                   help="Which normalization technique to use (default LayerNorm).")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the normalization (default 1e-5).")
+    g.add_argument("--swiglu", action="store_true",
+                   help="Use gated linear units and SiLU activation instead of the default GeLU; "
+                        "--ffn-hidden-size then defaults to int(4 * hidden * 2 / 3 / 64) * 64.")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
+                   default="learned_absolute", help="Position embedding type (default learned_absolute).")
+    g.add_argument("--rotary-base", type=int, default=10000, help="Base of the rotary embeddings (default 10000).")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Fraction of each head's channels that rotary embeddings rotate, in (0, 1] (default 1.0).")
+    g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="Number of key/value groups with --group-query-attention (default 1); must divide "
+                        "--num-attention-heads.")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="Projection dimension of each attention head. Default: hidden size / heads.")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="Disable the bias of the linear layers.")
+    g.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys (the --normalization type).")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="Standard deviation of the zero-mean normal weight initialisation (default 0.02).")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="Compute the attention softmax in fp32 (with fp16/bf16).")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="Give the output layer its own weight instead of sharing the word embedding's.")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Normalise the loss by the number of non-padded tokens of the global batch instead of "
+                        "averaging per micro batch (megatron-core's per-token loss).")
 
 
 def check_attention_heads(args: argparse.Namespace) -> None:
     """The heads divide the hidden size, and the tensor-parallel size divides the heads."""
     tp = args.tensor_model_parallel_size
-    if args.hidden_size % args.num_attention_heads:
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ArgumentError("--num-attention-heads",
                             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-                            f"{args.num_attention_heads}; pick a head count that divides the hidden size")
+                            f"{args.num_attention_heads}; pick a head count that divides the hidden size or set --kv-channels")
     if args.num_attention_heads % tp:
         raise ArgumentError("--tensor-model-parallel-size",
                             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
@@ -51,10 +86,42 @@ def check_position_embeddings(args: argparse.Namespace) -> None:
                             f"{mp} is smaller than --seq-length {args.seq_length}; raise it or omit it")
 
 
+def check_architecture(args: argparse.Namespace) -> None:
+    """Grouped-query attention, rotary embeddings, the SwiGLU default width, positive sizes."""
+    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if groups < 1 or heads % groups:
+            raise ArgumentError("--num-query-groups",
+                                f"{groups} does not divide --num-attention-heads {heads}; pick a divisor of {heads}")
+        if groups % tp:
+            raise ArgumentError("--num-query-groups",
+                                f"{groups} is not divisible by --tensor-model-parallel-size {tp}; use a multiple of "
+                                f"the TP size")
+    if args.position_embedding_type == "rope" and not 0.0 < args.rotary_percent <= 1.0:
+        raise ArgumentError("--rotary-percent", f"must be in (0, 1] with --position-embedding-type rope, got "
+                                                f"{args.rotary_percent}")
+    for flag_, value in (("--kv-channels", args.kv_channels), ("--rotary-base", args.rotary_base)):
+        if value is not None and value < 1:
+            raise ArgumentError(flag_, f"must be a positive integer, got {value}")
+    for flag_, value in (("--norm-epsilon", args.norm_epsilon), ("--init-method-std", args.init_method_std)):
+        if not value > 0:
+            raise ArgumentError(flag_, f"must be > 0, got {value}")
+    if args.swiglu and args.ffn_hidden_size is None and _swiglu_ffn(args.hidden_size) < 1:
+        raise ArgumentError("--ffn-hidden-size", f"the SwiGLU default int(4 * {args.hidden_size} * 2 / 3 / 64) * 64 "
+                                                 f"is 0 for this hidden size; set --ffn-hidden-size")
+
+
+def _swiglu_ffn(hidden_size: int) -> int:
+    """Megatron-LM's default MLP width with ``--swiglu`` (a multiple of 64 near 8h/3)."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
 def fill_model_sizes(args: argparse.Namespace) -> None:
-    """``ffn_hidden_size``, ``max_position_embeddings`` (defaults) and ``kv_channels`` (derived)."""
+    """``ffn_hidden_size``, ``max_position_embeddings``, ``kv_channels`` (defaults, as Megatron-LM)."""
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+        args.ffn_hidden_size = _swiglu_ffn(args.hidden_size) if args.swiglu else 4 * args.hidden_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads

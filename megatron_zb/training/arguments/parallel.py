@@ -9,8 +9,8 @@ import torch
 
 from .common import ArgumentError
 
-__all__ = ["add_distributed_args", "check_batch_sizes", "check_sequence_parallel", "check_world_size",
-           "resolve_backend"]
+__all__ = ["add_distributed_args", "check_batch_sizes", "check_data_parallel_overlap", "check_sequence_parallel",
+           "check_world_size", "data_parallel_summary", "resolve_backend"]
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +24,19 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="Megatron sequence parallelism (needs --tensor-model-parallel-size > 1).")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state over data-parallel ranks (Megatron distributed optimizer).")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Overlap the data-parallel gradient reduce (all-reduce, or reduce-scatter with "
+                        "--use-distributed-optimizer) with the pipeline: a bucket is reduced as soon as every "
+                        "parameter in it has its final gradient (a weight: after its last W).")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="Overlap the distributed optimizer's parameter all-gather with the next iteration's "
+                        "forwards (needs --use-distributed-optimizer and --overlap-grad-reduce, as Megatron).")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="Elements per data-parallel bucket (default: megatron-core's, max(40M, 1M x DP size)); "
+                        "only with --overlap-grad-reduce, and only on the first pipeline stage, as Megatron.")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="Average the gradients in the data-parallel collective instead of scaling them by "
+                        "1/DP before a sum (as Megatron).")
     g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="torch.distributed backend. auto (default): nccl when CUDA is available, else gloo.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
@@ -66,3 +79,27 @@ def resolve_backend(args: argparse.Namespace) -> None:
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     elif args.distributed_backend == "nccl" and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend", "nccl needs CUDA, which is not available here; use gloo or auto")
+
+
+def check_data_parallel_overlap(args: argparse.Namespace) -> None:
+    """The combinations of the data-parallel flags that Megatron (and megatron-core's DDP) refuse."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather", "is only supported with the distributed optimizer; add "
+                                                      "--use-distributed-optimizer or drop --overlap-param-gather")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ArgumentError("--overlap-param-gather", "needs --overlap-grad-reduce (as Megatron); add it")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise ArgumentError("--ddp-bucket-size", f"must be a positive number of elements, got {args.ddp_bucket_size}")
+
+
+def data_parallel_summary(args: argparse.Namespace) -> str:
+    """One log line naming the data-parallel settings and which overlaps are on."""
+    def on(x: bool) -> str:
+        return "on" if x else "off"
+
+    bucket = args.ddp_bucket_size if args.ddp_bucket_size is not None else "megatron-core default"
+    return (f"> data parallel: size {args.data_parallel_size}, distributed optimizer "
+            f"{on(args.use_distributed_optimizer)}, overlap-grad-reduce {on(args.overlap_grad_reduce)}, "
+            f"overlap-param-gather {on(args.overlap_param_gather)}, average-in-collective "
+            f"{on(args.ddp_average_in_collective)}, bucket size "
+            f"{bucket if args.overlap_grad_reduce else 'one bucket (no overlap)'}")

@@ -17,8 +17,12 @@ from megatron_zb.schedules.ir import Schedule
 from .common import ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
 from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
-from .model import check_attention_heads, check_position_embeddings, fill_model_sizes
-from .parallel import check_batch_sizes, check_sequence_parallel, check_world_size, resolve_backend
+from .logging_flags import check_logging
+from .model import check_architecture, check_attention_heads, check_position_embeddings, fill_model_sizes
+from .moe import check_moe
+from .parallel import (check_batch_sizes, check_data_parallel_overlap, check_sequence_parallel, check_world_size,
+                       resolve_backend)
+from .recompute import check_recompute
 from .training import check_learning_rate, check_precision, fill_training_values
 from .zero_bubble import check_layers, check_schedule_builds, check_zero_bubble_options, resolve_schedule
 
@@ -71,7 +75,10 @@ def validate_args_and_schedule(args: argparse.Namespace, *, world_size: int) -> 
     resolve_gradient_accumulation_fusion(args)
     check_world_size(args, world_size)
     check_attention_heads(args)
+    check_architecture(args)
+    check_recompute(args)
     check_sequence_parallel(args)
+    check_data_parallel_overlap(args)
     check_precision(args)
     check_position_embeddings(args)
     check_batch_sizes(args)
@@ -82,6 +89,8 @@ def validate_args_and_schedule(args: argparse.Namespace, *, world_size: int) -> 
     check_data(args)
     resolve_tokenizer_vocab(args)
     fill_model_sizes(args)
+    check_moe(args)
+    check_logging(args)
     fill_training_values(args)
     resolve_backend(args)
     return ValidatedArgs(args=args, schedule=schedule)

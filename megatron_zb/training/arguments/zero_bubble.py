@@ -11,6 +11,7 @@ from megatron_zb.schedules.ir import Schedule, ScheduleError
 from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spec, schedule_names
 
 from .common import ArgumentError, flag
+from .recompute import uneven_layers_per_stage, uneven_split_requested
 
 __all__ = [
     "POST_VALIDATION_FALLBACK_CLEAN_ITERS",
@@ -146,6 +147,9 @@ def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
 def check_layers(args: argparse.Namespace) -> None:
     """Split ``--num-layers`` over the pipeline stages; sets ``num_layers_per_stage`` (stage order)."""
     stages = args.num_pipeline_stages
+    if uneven_split_requested(args):  # --decoder-first/last-pipeline-num-layers, --account-for-*
+        args.num_layers_per_stage = uneven_layers_per_stage(args)
+        return
     try:
         args.num_layers_per_stage = split_layers(args.num_layers, stages, allow_padding=args.allow_padding_num_layers)
     except ValueError as e:

@@ -1,0 +1,57 @@
+"""Flags the parser does not know: a Megatron-LM flag not supported yet, or a typo.
+
+:class:`MegatronZBArgumentParser` is ``pretrain_gpt_zb.py``'s parser. Where ``argparse`` would
+print "unrecognized arguments", it raises :class:`UnsupportedFlagError` (an
+:class:`~.common.ArgumentError`, so ``pretrain_gpt_zb.py`` prints one line and exits 2 before
+any process group starts) naming the first unknown flag:
+
+* a flag of Megatron-LM's parser (:data:`~.megatron_flags.MEGATRON_LM_FLAGS`):
+  "--context-parallel-size is a Megatron-LM flag megatron-zb does not support yet; ...";
+* anything else: "--flag is not a flag of pretrain_gpt_zb.py; did you mean --closest?" (the
+  closest supported flag by ``difflib`` similarity, when one is similar enough).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from typing import Sequence
+
+from .common import ArgumentError
+from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_VERSION
+
+__all__ = ["MegatronZBArgumentParser", "UnsupportedFlagError", "unknown_flag_error"]
+
+
+class UnsupportedFlagError(ArgumentError):
+    """An unknown flag on the command line; the message starts with the flag itself."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        ValueError.__init__(self, message)
+        self.flag = flag
+
+
+def unknown_flag_error(flag: str, supported: Sequence[str]) -> UnsupportedFlagError:
+    """The error for ``flag`` (``--name``, no value), which is not among ``supported``."""
+    if flag in MEGATRON_LM_FLAGS:
+        return UnsupportedFlagError(flag, f"{flag} is a Megatron-LM flag megatron-zb does not support yet "
+                                          f"(Megatron-LM {MEGATRON_LM_VERSION.split()[0]}); remove it "
+                                          f"(docs/training.md lists the supported flags)")
+    close = difflib.get_close_matches(flag, list(supported), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "see pretrain_gpt_zb.py --help for the supported flags"
+    return UnsupportedFlagError(flag, f"{flag} is not a flag of pretrain_gpt_zb.py; {hint}")
+
+
+class MegatronZBArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose unknown flags raise :class:`UnsupportedFlagError`."""
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            flags = [e.split("=", 1)[0] for e in extras if e.startswith("--")]
+            if not flags:
+                self.error(f"unrecognized arguments: {' '.join(extras)}")
+            supported = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            raise unknown_flag_error(flags[0], supported)
+        return parsed

@@ -1,0 +1,166 @@
+"""Mixture-of-experts flags (Megatron's "moe" group plus ``--expert-model-parallel-size``): names,
+defaults and value forms as Megatron-LM's; their checks and derived values.
+
+Experts are megatron-core's ``SequentialMLP`` of the local layer spec (one
+``ColumnParallelLinear``/``RowParallelLinear`` pair per expert), so their weight gradients go
+through the runtime's ``linear`` route into W like every dense linear layer; the router's weight
+gradient is computed in B (megatron-core's own ``RouterGatingLinearFunction``). Expert parallelism
+(``--expert-model-parallel-size``) spreads the experts over the data-parallel ranks of a pipeline
+stage, as megatron-core's ``parallel_state`` does.
+
+Derived values: ``moe_ffn_hidden_size`` (default ``--ffn-hidden-size``), ``moe_layer_pattern``
+(one 0/1 per transformer layer, 1 = MoE layer; ``None`` without ``--num-experts``);
+``moe_router_load_balancing_type`` and ``moe_aux_loss_coeff`` collapse one-element lists to the
+element (as Megatron-LM's ``validate_args``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+import torch
+
+from .common import ArgumentError
+
+__all__ = ["LOAD_BALANCING_TYPES", "TOKEN_DISPATCHERS", "add_moe_args", "check_moe", "moe_freq_type"]
+
+LOAD_BALANCING_TYPES: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+"""``--moe-router-load-balancing-type`` choices (Megatron-LM's)."""
+
+TOKEN_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
+"""``--moe-token-dispatcher-type`` choices; Megatron-LM's third, ``flex`` (DeepEP / HybridEP
+kernels, GPU only), is not supported."""
+
+
+def moe_freq_type(value: str | int) -> int | list[int]:
+    """``--moe-layer-freq``: an integer N (every N-th layer is MoE, starting with layer 0) or a Python
+    list expression of 0/1 such as ``"([1]*3+[0]*1)*3"`` (1 = MoE layer), as Megatron-LM's."""
+    if isinstance(value, int):
+        return value
+    if "[" not in value:
+        return int(value)
+    if re.search(r"[^,\d\[\]\(\)\+\*\s]", value):
+        raise argparse.ArgumentTypeError(f"invalid pattern {value!r}: only digits, ',', '[', ']', '(', ')', "
+                                         f"'+' and '*' are allowed")
+    pattern = eval(value, {"__builtins__": {}}, {})  # noqa: S307 -- characters checked above, as Megatron-LM
+    if not isinstance(pattern, list):
+        raise argparse.ArgumentTypeError(f"pattern {value!r} does not evaluate to a list")
+    return pattern
+
+
+def add_moe_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("moe")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="Number of experts per MoE layer (default: none, a dense model).")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to (default 2).")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="Hidden size of each expert's MLP. Default: --ffn-hidden-size.")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                   help="Scaling coefficient of the load-balancing loss (one per load-balancing type; "
+                        "default 0.0; 1e-2 is a common start).")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, choices=LOAD_BALANCING_TYPES,
+                   default="aux_loss", help="Load-balancing strategy of the router (default aux_loss).")
+    g.add_argument("--moe-token-dispatcher-type", type=str, choices=TOKEN_DISPATCHERS, default="allgather",
+                   help="How tokens reach their experts: allgather (default) or alltoall.")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="Expert-parallel size: the experts of a layer are split over this many data-parallel "
+                        "ranks of a pipeline stage (must divide the data-parallel size and --num-experts; "
+                        "default 1).")
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                   help="Which layers are MoE layers: an integer N (one MoE layer every N layers, starting with "
+                        "the first) or a list expression of 0/1 per layer, e.g. \"([1]*3+[0]*1)*2\" (default 1: "
+                        "every layer).")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="Grouped-GEMM experts (GPU only; not available on CPU, where experts are SequentialMLP).")
+
+
+def check_moe(args: argparse.Namespace) -> None:
+    """Check the MoE flags against each other and the parallel layout; fill the derived values.
+
+    Needs ``data_parallel_size`` and ``ffn_hidden_size`` (run after the parallel sizes and
+    :func:`~.model.fill_model_sizes`).
+    """
+    ep = args.expert_model_parallel_size
+    if ep < 1:
+        raise ArgumentError("--expert-model-parallel-size", f"must be a positive integer, got {ep}")
+    if args.num_experts is None:
+        if ep > 1:
+            raise ArgumentError("--expert-model-parallel-size", f"{ep} needs --num-experts (a MoE model); "
+                                                                "drop it for a dense model")
+        if args.moe_ffn_hidden_size is not None or args.moe_grouped_gemm:
+            flag = "--moe-ffn-hidden-size" if args.moe_ffn_hidden_size is not None else "--moe-grouped-gemm"
+            raise ArgumentError(flag, "only applies to a MoE model; add --num-experts N or drop it")
+        args.moe_layer_pattern = None
+        return
+    n = args.num_experts
+    if n < 1:
+        raise ArgumentError("--num-experts", f"must be a positive integer, got {n}")
+    if not 1 <= args.moe_router_topk <= n:
+        raise ArgumentError("--moe-router-topk", f"must be in [1, --num-experts {n}], got {args.moe_router_topk}")
+    if n % ep:
+        raise ArgumentError("--expert-model-parallel-size", f"{ep} does not divide --num-experts {n}; pick a "
+                                                            f"divisor of the expert count")
+    if args.data_parallel_size % ep:
+        raise ArgumentError("--expert-model-parallel-size",
+                            f"{ep} does not divide the data-parallel size {args.data_parallel_size} (experts are "
+                            f"spread over the data-parallel ranks of a stage); launch a multiple of "
+                            f"{ep * args.tensor_model_parallel_size * args.pipeline_model_parallel_size} processes")
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise ArgumentError("--sequence-parallel", "MoE with --tensor-model-parallel-size > 1 needs sequence "
+                                                   "parallelism (as Megatron-LM); add --sequence-parallel")
+    if getattr(args, "add_bias_linear", True) and ep * args.tensor_model_parallel_size == 1:
+        raise ArgumentError("--disable-bias-linear",
+                            "experts with linear biases fail in megatron-core 0.16.1 at expert-parallel x "
+                            "tensor-parallel size 1 (in-place bias add on a view in MLP.forward); add "
+                            "--disable-bias-linear (as MoE recipes do)")
+    if args.moe_grouped_gemm:
+        _check_grouped_gemm(args)
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    elif args.moe_ffn_hidden_size < 1:
+        raise ArgumentError("--moe-ffn-hidden-size", f"must be a positive integer, got {args.moe_ffn_hidden_size}")
+    args.moe_router_load_balancing_type = _single(args.moe_router_load_balancing_type)
+    args.moe_aux_loss_coeff = _single(args.moe_aux_loss_coeff)
+    _check_load_balancing(args)
+    args.moe_layer_pattern = _layer_pattern(args.moe_layer_freq, args.num_layers)
+
+
+def _single(value: Any) -> Any:
+    """A one-element list becomes its element (Megatron-LM's ``validate_args`` does the same)."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def _check_load_balancing(args: argparse.Namespace) -> None:
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    if isinstance(types, list) != isinstance(coeffs, list) or (isinstance(types, list) and len(types) != len(coeffs)):
+        raise ArgumentError("--moe-aux-loss-coeff", f"give one coefficient per --moe-router-load-balancing-type "
+                                                    f"({types}), got {coeffs}")
+    for c in coeffs if isinstance(coeffs, list) else [coeffs]:
+        if c < 0:
+            raise ArgumentError("--moe-aux-loss-coeff", f"must be >= 0, got {c}")
+
+
+def _check_grouped_gemm(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        raise ArgumentError("--moe-grouped-gemm", "grouped-GEMM experts need CUDA, which is not available here; "
+                                                  "drop --moe-grouped-gemm (experts then run as SequentialMLP)")
+    if getattr(args, "split_backward", False):
+        raise ArgumentError("--moe-grouped-gemm", f"grouped-GEMM experts have no route deferring their weight "
+                                                  f"gradient to W, which schedule {args.schedule!r} needs; drop "
+                                                  f"--moe-grouped-gemm (SequentialMLP experts defer it)")
+
+
+def _layer_pattern(freq: int | list[int], num_layers: int) -> list[int]:
+    """One 0/1 per layer (1 = MoE) from ``--moe-layer-freq`` (megatron-core's rule for an integer)."""
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ArgumentError("--moe-layer-freq", f"must be a positive integer or a 0/1 list, got {freq}")
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    if len(freq) != num_layers or any(v not in (0, 1) for v in freq):
+        raise ArgumentError("--moe-layer-freq", f"a pattern needs one 0 or 1 per layer ({num_layers} layers), "
+                                                f"got {freq}")
+    if not any(freq):
+        raise ArgumentError("--moe-layer-freq", "the pattern has no MoE layer; drop --num-experts for a dense model")
+    return list(freq)

@@ -1,0 +1,121 @@
+"""Activation recomputation and pipeline-split flags (Megatron-LM's names, defaults and meanings).
+
+Recomputation is megatron-core's own (``TransformerConfig.recompute_*``: full layers through
+``tensor_parallel.checkpoint``, selective submodules through its checkpoint helpers); the
+zero-bubble runtime's B still queues every linear layer's weight gradient for W when the
+recomputed forward runs inside B (see ``docs/training.md``).
+
+The uneven split flags decide ``num_layers_per_stage``
+(:func:`megatron_zb.model.pipeline_split`: megatron-core's rule for plain and interleaved
+placements, per stage for V).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_zb.model.gpt_chunks import pipeline_split
+
+from .common import ArgumentError
+
+__all__ = ["RECOMPUTE_MODULES", "add_pipeline_split_args", "add_recompute_args", "check_recompute",
+           "uneven_layers_per_stage", "uneven_split_requested"]
+
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
+"""``--recompute-modules`` choices of megatron-core 0.16.1 that this build can run (its other
+choices, ``moe_act`` and ``mla_up_proj``, need grouped-GEMM experts and multi-latent attention)."""
+
+
+def add_recompute_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("activation recomputation")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="Recompute activations in backward: 'full' recomputes whole transformer layers (with "
+                        "--recompute-method and --recompute-num-layers), 'selective' the submodules of "
+                        "--recompute-modules. Default: no recomputation.")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="With --recompute-granularity full: 'uniform' recomputes every group of "
+                        "--recompute-num-layers layers, 'block' the first --recompute-num-layers layers of "
+                        "each pipeline stage.")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="Layers per recomputed group (uniform) or recomputed layers per stage (block).")
+    g.add_argument("--recompute-modules", nargs="*", type=str, default=None,
+                   help=f"With --recompute-granularity selective: submodules to recompute, of "
+                        f"{', '.join(RECOMPUTE_MODULES)} (default: core_attn).")
+
+
+def add_pipeline_split_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("pipeline split")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Transformer layers on the first pipeline stage (interleaved: the first rank, split "
+                        "over its chunks; V: the first stage). The other stages share the rest evenly.")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Transformer layers on the last pipeline stage (interleaved: the last rank; V: the "
+                        "last stage, which sits on the first rank).")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="Count the embedding as one layer of the first stage when splitting the layers evenly.")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="Count the loss as one layer of the last stage when splitting the layers evenly.")
+
+
+def check_recompute(args: argparse.Namespace) -> None:
+    """The recompute flags form one of megatron-core's valid combinations."""
+    gran, method, n = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if gran is None:
+        for dest, flag_ in (("recompute_method", "--recompute-method"), ("recompute_num_layers",
+                                                                        "--recompute-num-layers"),
+                            ("recompute_modules", "--recompute-modules")):
+            if getattr(args, dest) is not None:
+                raise ArgumentError(flag_, "has no effect without --recompute-granularity; add "
+                                           "--recompute-granularity full|selective or drop it")
+        return
+    if gran == "full":
+        if method is None or n is None:
+            raise ArgumentError("--recompute-method", "--recompute-granularity full needs --recompute-method "
+                                                      "uniform|block and --recompute-num-layers N")
+        if n < 1 or (method == "uniform" and n > args.num_layers):
+            raise ArgumentError("--recompute-num-layers", f"must be in [1, --num-layers {args.num_layers}], got {n}")
+        if args.recompute_modules is not None:
+            raise ArgumentError("--recompute-modules", "only applies to --recompute-granularity selective; drop it")
+        return
+    if method is not None or n is not None:
+        raise ArgumentError("--recompute-method" if method is not None else "--recompute-num-layers",
+                            "only applies to --recompute-granularity full; drop it (selective recomputes the "
+                            "--recompute-modules of every layer)")
+    bad = sorted(set(args.recompute_modules or ()) - set(RECOMPUTE_MODULES))
+    if bad:
+        raise ArgumentError("--recompute-modules", f"{', '.join(bad)} not supported; choose from "
+                                                   f"{', '.join(RECOMPUTE_MODULES)}")
+
+
+def uneven_split_requested(args: argparse.Namespace) -> bool:
+    """Whether a pipeline-split flag decides the layers per stage."""
+    return (args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+            or args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split)
+
+
+def uneven_layers_per_stage(args: argparse.Namespace) -> list[int]:
+    """Layers per stage (stage order) of the schedule's placement from the pipeline-split flags.
+
+    Needs ``schedule_placement`` and ``num_model_chunks`` (set by the schedule's resolution);
+    raises :class:`ArgumentError`.
+    """
+    from megatron_zb.schedules.ir import interleaved_placement, plain_placement, v_placement
+
+    pp, kind = args.pipeline_model_parallel_size, args.schedule_placement
+    stage_to_rank = (v_placement(pp) if kind == "v" else
+                     interleaved_placement(pp, args.num_model_chunks) if kind == "interleaved" else plain_placement(pp))
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if args.pipeline_model_parallel_size == 1:
+        raise ArgumentError("--decoder-first-pipeline-num-layers" if first is not None else
+                            "--account-for-embedding-in-pipeline-split",
+                            "the pipeline-split flags need --pipeline-model-parallel-size > 1; drop them")
+    flag_ = "--decoder-first-pipeline-num-layers" if first is not None else (
+        "--decoder-last-pipeline-num-layers" if last is not None else "--account-for-embedding-in-pipeline-split")
+    try:
+        return pipeline_split(num_layers=args.num_layers, stage_to_rank=stage_to_rank, first_stage_layers=first,
+                              last_stage_layers=last,
+                              account_for_embedding=args.account_for_embedding_in_pipeline_split,
+                              account_for_loss=args.account_for_loss_in_pipeline_split)
+    except ValueError as e:
+        raise ArgumentError(flag_, f"{e}; change the split flags so they add up to --num-layers "
+                                   f"{args.num_layers}") from None

@@ -1,0 +1,109 @@
+"""The mixture-of-experts part of the model: ``TransformerConfig`` fields and the layer spec.
+
+* :func:`moe_config` -- the MoE fields of megatron-core's ``TransformerConfig`` from validated
+  ``args`` (empty for a dense model); :func:`~megatron_zb.training.model_setup.gpt_config` adds them.
+* :func:`moe_layer_spec` -- the transformer-layer spec of a MoE model (``None`` for a dense one):
+  megatron-core's local spec with ``num_experts`` (SequentialMLP experts, built from
+  ``ColumnParallelLinear``/``RowParallelLinear``, whose weight gradients the runtime's ``linear``
+  route defers to W), built as :class:`MoETransformerLayer`.
+
+:class:`MoETransformerLayer` does two things a per-layer spec list would otherwise do:
+
+* ``--moe-layer-freq``: a layer whose entry in ``args.moe_layer_pattern`` is 0 gets the dense MLP
+  (megatron-core's ``get_gpt_decoder_block_spec`` picks per-layer specs the same way, by global
+  layer number; one spec class is enough here because megatron-zb's chunks number layers
+  globally);
+* layout-independent expert weights: expert ``e`` (global index) of layer ``i`` is initialised
+  from ``derive_seed(seed, "layer", i, "expert", e, "fc1" | "fc2")``, so the experts differ from
+  one another and do not depend on the expert-parallel size (without this every expert-parallel
+  rank would draw its local experts from the same per-layer stream, giving copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any, Mapping
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+from megatron_zb.model.gpt_chunks import ChunkPlan, SeededTransformerLayer, derive_seed
+
+__all__ = ["MoETransformerLayer", "moe_config", "moe_layer_spec"]
+
+
+def moe_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``TransformerConfig`` keyword arguments for the MoE flags of validated ``args`` (``{}`` when dense)."""
+    if args.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        moe_layer_freq=args.moe_layer_pattern, moe_grouped_gemm=args.moe_grouped_gemm)
+
+
+def moe_layer_spec(args: argparse.Namespace, *, local_spec_kwargs: Mapping[str, Any] | None = None
+                   ) -> ModuleSpec | None:
+    """The layer spec of a MoE model (``None`` for a dense model: the caller's default spec).
+
+    ``local_spec_kwargs`` go to every ``get_gpt_layer_local_spec`` call (e.g. ``normalization``,
+    ``qk_layernorm``), so the MoE and the dense layers share everything but the MLP.
+    """
+    if args.num_experts is None:
+        return None
+    kwargs = dict(local_spec_kwargs or {})
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, **kwargs)
+    dense_mlp = get_gpt_layer_local_spec(**kwargs).submodules.mlp
+    spec = copy.copy(spec)
+    spec.module = MoETransformerLayer
+    spec.params = {**spec.params, "moe_pattern": tuple(args.moe_layer_pattern), "dense_mlp": dense_mlp}
+    return spec
+
+
+class MoETransformerLayer(SeededTransformerLayer):
+    """A :class:`~megatron_zb.model.SeededTransformerLayer` with a MoE or dense MLP by layer pattern,
+    and expert weights seeded per global expert (see the module docstring).
+
+    Args (beyond ``TransformerLayer``'s): ``moe_pattern`` -- one 0/1 per global layer (1 = MoE);
+    ``dense_mlp`` -- the MLP spec of a dense layer; ``init_seed`` -- as
+    :class:`~megatron_zb.model.SeededTransformerLayer`.
+    """
+
+    def __init__(self, config: Any, submodules: Any, layer_number: int = 1, *args: Any, init_seed: int,
+                 moe_pattern: tuple[int, ...], dense_mlp: ModuleSpec, **kwargs: Any) -> None:
+        plan = config.pipeline_model_parallel_layout
+        global_index = (plan.layer_offset if isinstance(plan, ChunkPlan) else 0) + layer_number - 1
+        if not moe_pattern[global_index]:
+            submodules = copy.copy(submodules)
+            submodules.mlp = dense_mlp
+        super().__init__(config, submodules, layer_number, *args, init_seed=init_seed, **kwargs)
+        if moe_pattern[global_index] and config.perform_initialization:
+            _seed_experts(self.mlp, config, init_seed, global_index)
+
+
+@torch.no_grad()
+def _seed_experts(moe: Any, config: Any, seed: int, layer: int) -> None:
+    """Re-draw each local expert's fc1/fc2 weights from its global expert index (megatron's CPU init)."""
+    experts = getattr(moe, "experts", None)
+    local = getattr(experts, "local_experts", None)
+    if local is None:  # grouped-GEMM experts (GPU): one weight for all local experts, megatron's own init
+        return
+    first = moe.local_expert_indices[0]
+    for i, expert in enumerate(local):
+        for name, linear, init, dim in (("fc1", expert.linear_fc1, config.init_method, 0),
+                                        ("fc2", expert.linear_fc2, config.output_layer_init_method, 1)):
+            weight = linear.weight
+            per_partition = weight.shape[dim]
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(seed, "layer", layer, "expert", first + i, name))
+                _initialize_affine_weight_cpu(
+                    weight, linear.output_size, linear.input_size, per_partition, dim, init,
+                    params_dtype=config.params_dtype, rank=get_pg_rank(linear.tp_group),
+                    world_size=get_pg_size(linear.tp_group), skip_set_tensor_parallel_attributes=True)
