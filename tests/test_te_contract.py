@@ -112,6 +112,28 @@ def test_te_2_3_without_hooks_api(reference):
     assert got["backward_dw"] == TINY["num_microbatches"] * TE_MODULES_PER_LAYER * TINY["num_layers"]
 
 
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["ddp", "distopt"])
+def test_dp_overlapped_reduce_sees_te_weights_ready_after_their_last_w(distributed_optimizer):
+    """PP=2 x DP=2, --overlap-grad-reduce (and the distributed optimizer): the store entries of the
+    TE route name their module's parameters, so megatron-zb's GradSync reports TE weights ready
+    after their last W; three iterations with Adam equal megatron-core's 1F1B without delaying."""
+    from dataclasses import replace
+
+    from megatron_zb.testing.dp_overlap import DPCase, assert_equal_runs, merge, run_dp_iterations
+
+    cfg = TinyGPT(**dict(TINY, dp=2), layer_spec=SPEC)
+    case = DPCase(overlap_grad_reduce=True, overlap_param_gather=distributed_optimizer,
+                  use_distributed_optimizer=distributed_optimizer)
+    ref = merge(run_distributed(partial(run_dp_iterations, cfg, case, schedule=None), world_size=4, timeout=300))
+    got = merge(run_distributed(partial(run_dp_iterations, replace(cfg, delay_wgrad=True), case, schedule="zb"),
+                                world_size=4, timeout=300))
+    assert_equal_runs(ref, got, bitwise=True, what=f"TE double, zb, DP overlap, distopt={distributed_optimizer}")
+    for dp, r in got.items():
+        for pp, reports in r["reports"].items():
+            for rep in reports[1:]:  # megatron-core launches from its second iteration on
+                assert len(rep.launches) == rep.num_buckets, (dp, pp)
+
+
 # ---------------------------------------------------------------------- refusals
 def _w_out_of_order(name: str = "zb-h1", p: int = 2, m: int = 4) -> Schedule:
     """``name`` with the last stage's W of microbatch 0 moved to the end of its rank's list."""

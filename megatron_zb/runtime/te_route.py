@@ -31,6 +31,8 @@ puts it. TE assigns ``.grad`` (it does not add), so before each ``backward_dw()`
 left in ``.grad`` is added into ``main_grad`` -- what megatron-core DDP's gradient hook does --
 or onto the set-aside ``.grad`` -- what autograd's accumulation does. With
 ``gradient_accumulation_fusion`` TE accumulates the weight gradient into ``main_grad`` itself.
+Under megatron-core DDP with ``overlap_grad_reduce`` the B-time gradients TE does not return get
+a zero placeholder (:meth:`_TEModule.guard_ddp_overlap`).
 
 :func:`enable_delayed_wgrad` switches delaying on in a megatron-core ``TransformerConfig``
 before the model is built (megatron-core 0.16.1 otherwise asserts it is used only with MoE
@@ -43,6 +45,7 @@ import importlib.metadata
 import importlib.util
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -152,10 +155,30 @@ class _TEModule:
         self._returned = te_returned_bias_params(module)
         self._placeholders: tuple[torch.Tensor, ...] | None = None
         self._stash: list[torch.Tensor | None] | None = None
+        self._guarded_nodes: list[Any] | None = None
         register = getattr(module, "register_wgrad_accumulation_and_reduce_hooks", None)
         self.hooked = callable(register)
         if self.hooked:
             register(self._settle)
+
+    def guard_ddp_overlap(self) -> None:
+        """For megatron-core DDP with ``overlap_grad_reduce`` (idempotent).
+
+        DDP's gradient hook then asserts ``param.grad is not None``, but TE's delayed backward
+        returns no gradient for the weights (unless fused) and for a bias inside its GEMM. A
+        pre-hook on each such parameter's gradient accumulator puts a zero placeholder in
+        ``.grad`` when no gradient arrives, with ``grad_added_to_main_grad`` set -- what TE's own
+        fused path returns (``get_dummy_wgrad``) -- so the hook adds nothing; W adds the real
+        gradient (:meth:`_settle`) and megatron-zb's gradient sync reports it ready.
+        """
+        if self._guarded_nodes is not None:
+            return
+        self._guarded_nodes = []
+        for p in self.params:
+            if p.requires_grad and hasattr(p, "grad_added_to_main_grad"):
+                node = p.expand_as(p).grad_fn.next_functions[0][0]  # the accumulator DDP hooks (kept alive)
+                node.register_prehook(partial(_placeholder_if_no_grad, p))
+                self._guarded_nodes.append(node)
 
     # -- W: the module's backward_dw(), gradients settled where the non-delayed path puts them
     def run(self, entries: int) -> None:
@@ -204,9 +227,8 @@ class _TEModule:
                 p.grad = old
                 continue
             main = getattr(p, "main_grad", None)
-            if main is not None:
-                if not getattr(p, "grad_added_to_main_grad", False) or getattr(p, "zero_out_wgrad", False):
-                    main.add_(new)
+            if main is not None:  # what TE left in .grad is never in main_grad yet (fused weights leave none)
+                main.add_(new)
                 p.grad = old
             else:
                 p.grad = new if old is None else old.add_(new)
@@ -215,6 +237,21 @@ class _TEModule:
         """Drop every queued entry (the store dropped its W's after a failed iteration)."""
         te_drop_queued_wgrad(self.module)
         self.outstanding = 0
+
+
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _placeholder_if_no_grad(param: torch.nn.Parameter, grads: tuple[torch.Tensor | None, ...]) -> None:
+    """Gradient-accumulator pre-hook (see :meth:`_TEModule.guard_ddp_overlap`): when no gradient
+    arrives, a zero placeholder (a read-only broadcast view, shared) goes into ``.grad``."""
+    if grads[0] is None:
+        key = (param.dtype, param.device)
+        zero = _ZEROS.get(key)
+        if zero is None:
+            zero = _ZEROS[key] = torch.zeros((), dtype=param.dtype, device=param.device)
+        param.grad = zero.expand(param.shape)
+        param.grad_added_to_main_grad = True
 
 
 class _DeferredDW:
@@ -249,6 +286,7 @@ def chunk_te_modules(chunk: torch.nn.Module) -> _ChunkModules:
     TE module, whichever wrapper of it is passed as the chunk)."""
     found = _CHUNKS.get(chunk)
     if found is None:
+        overlap = bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False))
         delayed, undelayed = [], []
         for name, m in chunk.named_modules():
             ws = _te_wgrad_store(m)
@@ -259,6 +297,8 @@ def chunk_te_modules(chunk: torch.nn.Module) -> _ChunkModules:
                 if te is None:
                     te = _TEModule(m, name)
                     m.__dict__[_STATE_ATTR] = te
+                if overlap:
+                    te.guard_ddp_overlap()
                 delayed.append(te)
             else:
                 undelayed.append(name)
