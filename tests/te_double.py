@@ -311,15 +311,18 @@ def _te_kwargs(config: Any, *, bias: bool, skip_bias_add: bool, init_method: Any
                 delay_wgrad_compute=config.delay_wgrad_compute, params_dtype=config.params_dtype)
 
 
+def _refuse_gather(gather_output: bool, skip_weight_param_allocation: bool) -> None:
+    if gather_output or skip_weight_param_allocation:
+        raise ValueError("Transformer Engine linear layers do not support gather_output / skip_weight_param_allocation")
+
+
 class TEColumnParallelLinear(_MegatronTEWrapper, Linear):
     """megatron-core's ``TEColumnParallelLinear`` over the double."""
 
     def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable, gather_output: bool,
                  bias: bool, skip_bias_add: bool, is_expert: bool, skip_weight_param_allocation: bool = False,
                  tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None, stride: int = 1) -> None:
-        if gather_output or skip_weight_param_allocation:
-            raise ValueError("Transformer Engine linear layers do not support gather_output / "
-                             "skip_weight_param_allocation")
+        _refuse_gather(gather_output, skip_weight_param_allocation)
         Linear.__init__(self, input_size, output_size,
                         **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add, init_method=init_method))
         self._megatron_init(config, tp_group)
@@ -344,9 +347,7 @@ class TELayerNormColumnParallelLinear(_MegatronTEWrapper, LayerNormLinear):
     def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable, gather_output: bool,
                  bias: bool, skip_bias_add: bool, is_expert: bool, skip_weight_param_allocation: bool = False,
                  tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None, stride: int = 1) -> None:
-        if gather_output or skip_weight_param_allocation:
-            raise ValueError("Transformer Engine linear layers do not support gather_output / "
-                             "skip_weight_param_allocation")
+        _refuse_gather(gather_output, skip_weight_param_allocation)
         LayerNormLinear.__init__(self, input_size, output_size, eps=config.layernorm_epsilon,
                                  normalization=config.normalization,
                                  **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add,
