@@ -74,7 +74,10 @@ class Feature:
         iterations: optimizer steps per arm.
         loss_multipliers: per iteration, a factor on the loss (forces clipping or an fp16
             overflow on chosen iterations; ``()`` = all 1).
-        clip_grad: megatron-core's gradient clipping threshold (global L2 norm).
+        clip_grad: megatron-core's gradient clipping threshold (global L2 norm; 0 = off). Off
+            unless the feature is about clipping: the V placement's reference (PP=1) sums the
+            squared norm in another grouping than any PP=2 layout, so a clip factor would differ
+            in its last bit from the reference's for reasons that are not the schedule's.
         config_overrides: extra ``TransformerConfig`` fields (issue 13's features).
         gpt_kwargs: extra ``GPTModel`` arguments (e.g. ``share_embeddings_and_output_weights``).
         tolerance: per placement (``"plain"``, ``"interleaved"``, ``"v"``), the accepted
@@ -93,7 +96,7 @@ class Feature:
     per_token_loss: bool = False
     iterations: int = 2
     loss_multipliers: tuple[float, ...] = ()
-    clip_grad: float = 1.0
+    clip_grad: float = 0.0
     config_overrides: dict[str, Any] = field(default_factory=dict)
     gpt_kwargs: dict[str, Any] = field(default_factory=dict)
     tolerance: dict[str, Tolerance] = field(default_factory=dict)
@@ -107,8 +110,12 @@ class Feature:
         return self.loss_multipliers[iteration] if iteration < len(self.loss_multipliers) else 1.0
 
 
+_INPLACE = ("in-place rollback inverts Adam algebraically: the redone step starts from parameters and moments "
+            "recovered to fp32 round-off (docs/post_validation.md); later Adam steps amplify that on elements whose "
+            "gradient is near zero, e.g. a bias initialised to 0 (measured max |diff| / max |param| about 2e-4)")
+
 FEATURES: list[Feature] = [
-    Feature("fp32", "fp32, PP=2 only"),
+    Feature("fp32", "fp32, TP=1, DP=1"),
     Feature("bf16", "bf16 params (Float16Module), mixed-precision optimizer, grads reduced in fp32", precision="bf16"),
     Feature("fp16", "fp16, dynamic loss scale (hysteresis 1); iteration 2's loss x1e8 forces an overflow: "
                     "skipped step, scale halved", precision="fp16", iterations=3, loss_multipliers=(1.0, 1e8, 1.0)),
@@ -119,13 +126,11 @@ FEATURES: list[Feature] = [
     Feature("wgrad-fusion", "gradient_accumulation_fusion (CPU fallback kernel) vs megatron-core's unfused path",
             grad_fusion=True),
     Feature("pv-exact", "optimizer post-validation, exact rollback; iteration 2's loss x50 forces a clip "
-                        "(rollback and redo)", post_validation="exact", iterations=3,
+                        "(rollback and redo)", post_validation="exact", iterations=3, clip_grad=1.0,
             loss_multipliers=(1.0, 50.0, 1.0)),
     Feature("pv-inplace", "optimizer post-validation, in-place (algebraic) rollback; iteration 2's loss x50 "
                           "forces a clip", post_validation="in-place", iterations=3, loss_multipliers=(1.0, 50.0, 1.0),
-            tolerance={p: Tolerance(1e-5, "in-place rollback inverts Adam algebraically "
-                                                    "(fp32 round-off, docs/post_validation.md)")
-                                 for p in ("plain", "interleaved", "v")}),
+            clip_grad=1.0, tolerance={p: Tolerance(1e-3, _INPLACE) for p in ("plain", "interleaved", "v")}),
     Feature("per-token-loss", "calculate_per_token_loss (loss sums, gradients scaled by 1/total tokens)",
             per_token_loss=True),
 ]

@@ -28,7 +28,7 @@ import torch
 from .compat_features import FAMILIES, Feature, ModelShape, Tolerance
 from .compat_rank import FP16_INITIAL_SCALE, REFERENCE, ArmResult, GroupSpec, run_arms
 
-__all__ = ["Cell", "Launch", "compare", "merge_ranks", "plan_launches", "run_matrix"]
+__all__ = ["Cell", "Launch", "classify", "compare", "merge_ranks", "plan_launches", "run_launches", "run_matrix"]
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], 
     steps = {tuple(s) for s in got["steps"]} | {tuple(s) for s in ref["steps"]}
     if len(steps) != 1:
         return cell("failed", f"FAILED: step results (update_successful, loss scale) differ: {sorted(steps)}")
-    worst, where = 0.0, ""
+    worst: dict[str, tuple[float, str]] = {}  # category -> (largest relative difference, where)
     for key in ("losses", "grads", "params"):
         if got[key].keys() != ref[key].keys():
             extra = sorted(got[key].keys() ^ ref[key].keys(), key=str)[:3]
@@ -151,18 +151,20 @@ def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], 
                 return cell("failed", f"FAILED: {key} {k}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
             if not torch.equal(a, b):
                 rel = _rel_diff(a, b)
-                if rel >= worst:
-                    worst, where = rel, f"{key} {k}"
+                if rel >= worst.get(key, (0.0, ""))[0]:
+                    worst[key] = (rel, f"{k}")
     why = _vacuous(family, feature, got, ref)
     if why:
         return cell("failed", f"FAILED: vacuous: {why}")
-    if not where:
+    if not worst:
         return cell("bitwise", "equal (bitwise)", 0.0)
+    largest = max(rel for rel, _ in worst.values())
     tol = feature.tolerance.get(placement)
-    if tol is not None and worst <= tol.rtol:
-        return cell("tolerance", f"equal (<= {tol.rtol:g}, {tol.reason})", worst, tol)
+    if tol is not None and largest <= tol.rtol:
+        return cell("tolerance", f"equal (<= {tol.rtol:g}, {tol.reason})", largest, tol)
     allowed = f"tolerance {tol.rtol:g}" if tol else "bitwise required"
-    return cell("failed", f"FAILED: max relative difference {worst:.3g} ({allowed}) at {where}", worst, tol)
+    where = "; ".join(f"{key} {rel:.3g} at {at}" for key, (rel, at) in worst.items())
+    return cell("failed", f"FAILED: max relative difference ({allowed}): {where}", largest, tol)
 
 
 def _run_launch(launch: Launch, timeout: float) -> list[dict[str, ArmResult]]:
@@ -171,32 +173,36 @@ def _run_launch(launch: Launch, timeout: float) -> list[dict[str, ArmResult]]:
     return run_distributed(partial(run_arms, launch.spec), world_size=launch.world_size, timeout=timeout)
 
 
-def run_matrix(*, features: list[Feature], families: list[str], model: ModelShape = ModelShape(),
-               timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> list[Cell]:
-    """Run and classify every cell of ``features`` x ``families`` (see the module docstring).
+def run_launches(launches: list[Launch], *, timeout: float = 300.0, progress: Callable[[str], None] | None = None
+                 ) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[tuple[str, str], str]]:
+    """Run ``launches``; return ``(results, errors)`` keyed by ``(feature, arm)`` where the
+    reference arm is ``"ref:<placement>"`` (merged results; the error text of a failed launch).
 
     ``progress`` gets one line per launch (index, label, elapsed and estimated remaining seconds).
-    A launch that raises makes each of its cells ``FAILED`` with the error; the others still run.
     """
-    launches = plan_launches(features, families, model)
-    results: dict[tuple[str, str], dict[str, Any]] = {}  # (feature, arm or "ref:placement") -> merged
+    results: dict[tuple[str, str], dict[str, Any]] = {}
     errors: dict[tuple[str, str], str] = {}
     t0 = time.monotonic()
     for i, launch in enumerate(launches):
         spec = launch.spec
+        keys = {arm: (spec.feature.name, f"ref:{spec.placement}" if arm == REFERENCE else arm) for arm in spec.arms}
         try:
             per_rank = _run_launch(launch, timeout)
-            for arm in spec.arms:
-                key = f"ref:{spec.placement}" if arm == REFERENCE else arm
-                results[(spec.feature.name, key)] = merge_ranks(per_rank, arm)
+            for arm, key in keys.items():
+                results[key] = merge_ranks(per_rank, arm)
         except Exception as e:  # noqa: BLE001 -- reported in every cell of the launch
-            for arm in spec.arms:
-                errors[(spec.feature.name, f"ref:{spec.placement}" if arm == REFERENCE else arm)] = \
-                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            for key in keys.values():
+                errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if progress is not None:
             elapsed = time.monotonic() - t0
             eta = elapsed / (i + 1) * (len(launches) - i - 1)
             progress(f"[{i + 1}/{len(launches)}] {launch.label}: {elapsed:.0f} s elapsed, ~{eta:.0f} s left")
+    return results, errors
+
+
+def classify(features: list[Feature], families: list[str], results: dict[tuple[str, str], dict[str, Any]],
+             errors: dict[tuple[str, str], str]) -> list[Cell]:
+    """The cells of ``features`` x ``families`` from :func:`run_launches`' output, in table order."""
     cells = []
     for f in features:
         for placement, names in FAMILIES.items():
@@ -208,3 +214,13 @@ def run_matrix(*, features: list[Feature], families: list[str], model: ModelShap
                 else:
                     cells.append(compare(family, f, placement, results[refkey], results[famkey]))
     return cells
+
+
+def run_matrix(*, features: list[Feature], families: list[str], model: ModelShape = ModelShape(),
+               timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> list[Cell]:
+    """Run and classify every cell of ``features`` x ``families`` (see the module docstring).
+
+    A launch that raises makes each of its cells ``FAILED`` with the error; the others still run.
+    """
+    results, errors = run_launches(plan_launches(features, families, model), timeout=timeout, progress=progress)
+    return classify(features, families, results, errors)

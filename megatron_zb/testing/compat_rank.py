@@ -60,8 +60,9 @@ class ArmResult:
     Attributes:
         refused: the refusal message, or None.
         losses: ``(iteration, tp_rank, dp_rank) -> [loss of each microbatch]`` (last stage only).
-        grads: ``(iteration, name, tp_rank, dp_rank) -> this rank's gradient`` (``main_grad``
-            under DDP; the local tensor-parallel shard).
+        grads: ``(iteration, name, tp_rank, dp_rank) -> this rank's gradient``: ``main_grad``
+            after ``finalize_model_grads`` (before it, with the distributed optimizer), the
+            local tensor-parallel shard.
         params: ``(name, tp_rank, dp_rank) -> parameter`` after the last step.
         steps: ``(update_successful, loss scale)`` per iteration.
         w_deferred: weight-gradient computations megatron-zb's store ran (0 for the reference).
@@ -251,6 +252,8 @@ def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
     store = getattr(fb, "store", None)
     before = 0 if store is None else store.executed
     index = {id(mod): i for i, mod in enumerate(modules)}
+    if f.distributed_optimizer:
+        _record_before_finalize(chunks, res, tp, dp)
     for it in range(f.iterations):
         if hasattr(opt, "begin_iteration"):
             opt.begin_iteration()
@@ -267,9 +270,10 @@ def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
                  micro_batch_size=m.micro_batch)
         if out:
             res.losses[(it, tp, dp)] = [d["lm loss"] for d in out]
-        for c in chunks:
-            for n, p in named_global_parameters(c):
-                res.grads[(it, n, tp, dp)] = p.main_grad.detach().clone()
+        if not f.distributed_optimizer:
+            for c in chunks:
+                for n, p in named_global_parameters(c):
+                    res.grads[(it, n, tp, dp)] = p.main_grad.detach().clone()
         ok, _, _ = opt.step()
         # The wrapper's own get_loss_scale() would validate the step at once: read the inner one.
         res.steps.append((bool(ok), float(getattr(opt, "wrapped", opt).get_loss_scale())))
@@ -279,6 +283,30 @@ def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
     res.params = {(n, tp, dp): p.detach().clone() for c in chunks for n, p in named_global_parameters(c)}
     res.w_deferred = 0 if store is None else store.executed - before
     return res
+
+
+def _record_before_finalize(chunks: list[Any], res: ArmResult, tp: int, dp: int) -> None:
+    """Record each iteration's local gradients just before ``finalize_model_grads``.
+
+    With the distributed optimizer, DDP reduce-scatters the gradient buffer: afterwards only
+    this rank's shard of ``main_grad`` is reduced and the shard boundaries depend on the chunk
+    layout (V: two buffers per rank), so the raw buffer does not compare across placements. The
+    local gradients before the reduction do; the reduced ones are checked through the
+    parameters after the step.
+    """
+    from ..model import named_global_parameters
+
+    finalize = chunks[0].module.config.finalize_model_grads_func
+
+    def recording_finalize(*args: Any, **kwargs: Any) -> Any:
+        it = len(res.steps)
+        for c in chunks:
+            for n, p in named_global_parameters(c):
+                res.grads[(it, n, tp, dp)] = p.main_grad.detach().clone()
+        return finalize(*args, **kwargs)
+
+    for c in chunks:
+        c.module.config.finalize_model_grads_func = recording_finalize
 
 
 def run_arms(spec: GroupSpec) -> dict[str, ArmResult]:
