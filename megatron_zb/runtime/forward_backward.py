@@ -201,6 +201,10 @@ class ZeroBubbleForwardBackward:
                 sync = config.grad_sync_func
                 for f, c in zip(sync if isinstance(sync, list) else [sync] * len(chunks), chunks):
                     f(c.parameters())
+            if config.calculate_per_token_loss and sched.stage_to_rank[-1] != p - 1:
+                # megatron-core's finalize_model_grads broadcasts the token count from the last
+                # pipeline rank; in a V the loss stage is on rank 0 (the others count 0 tokens).
+                torch.distributed.all_reduce(total_tokens, group=pp_group)
             if config.finalize_model_grads_func is not None:
                 if config.calculate_per_token_loss and sched.stage_to_rank[-1] != p - 1:
                     # megatron-core broadcasts the token count from the last pipeline rank; here the
