@@ -75,6 +75,7 @@ class ZeroBubbleForwardBackward:
     store: WeightGradStore = field(default_factory=WeightGradStore)
     last_timing: ActionTiming | None = None
     last_peak_bytes: int | None = None
+    last_memory: ActivationMemoryTracker | None = None  # the last call's tracker (per-action bytes)
     last_grad_sync: GradSyncReport | None = None
     _cache: dict[tuple[int, int], Schedule] = field(default_factory=dict)
     _plans: dict[tuple[int, int, int, bool], RankPlan] = field(default_factory=dict)
@@ -217,6 +218,7 @@ class ZeroBubbleForwardBackward:
             config.timers("forward-backward").stop()
         self.last_timing = timing
         self.last_peak_bytes = memory.peak_bytes if memory is not None else None
+        self.last_memory = memory
         return data
 
 
