@@ -78,7 +78,23 @@ def test_global_param_name_and_seed():
     assert global_param_name("decoder.layers.1.mlp.linear_fc1.weight", plan) == "decoder.layers.5.mlp.linear_fc1.weight"
     assert global_param_name("decoder.final_layernorm.weight", plan) == "decoder.final_layernorm.weight"
     assert global_param_name("output_layer.weight", plan) == "output_layer.weight"
-    assert derive_seed(1, "layer", 3) == derive_seed(1, "layer", 3) != derive_seed(1, "layer", 4)
+    seeds = {derive_seed(s, *key) for s in (1, 2) for key in (("layer", 3), ("layer", 4), ("word_embeddings",))}
+    assert len(seeds) == 6 and all(0 <= x < 2 ** 63 for x in seeds)  # distinct per seed and key, 63-bit
+
+
+def test_derive_seed_is_the_same_in_another_process():
+    """Deterministic across processes (not Python's salted hash()): a fresh interpreter with
+    another hash seed gives the same values as this one."""
+    import os
+    import subprocess
+    import sys
+
+    keys = [(1234, "layer", 0), (1234, "layer", 7), (1, "word_embeddings")]
+    code = f"from megatron_zb.model.gpt_chunks import derive_seed; print([derive_seed(*k) for k in {keys!r}])"
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         check=True).stdout
+    assert out.strip() == str([derive_seed(*k) for k in keys])
 
 
 def test_offsets_agree_with_megatron_for_plain_and_interleaved():

@@ -36,7 +36,8 @@ got = run_distributed(partial(run_step_with_env, cfg, env={"MEGATRON_ZB_SCHEDULE
 ref, got = TinyGPT.merge(ref), TinyGPT.merge(got)
 print(json.dumps({
     "files": sorted({r for r in [megatron.core.__file__]}),
-    "losses_equal": all(torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])) and len(ref["losses"]) == 4,
+    "num_losses": [len(ref["losses"]), len(got["losses"])],
+    "losses_equal": all(torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])),
     "grads_equal": ref["grads"].keys() == got["grads"].keys() and all(torch.equal(got["grads"][k], v) for k, v in ref["grads"].items()),
     "w_deferred_ref": ref["w_deferred"], "w_deferred_got": got["w_deferred"],
 }))
@@ -57,5 +58,6 @@ def test_patch_applies_and_routes_megatron_core_into_megatron_zb(tmp_path, patch
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["num_losses"] == [4, 4], result  # every microbatch's loss, in both runs
     assert result["losses_equal"] and result["grads_equal"], result
     assert result["w_deferred_ref"] == 0 and result["w_deferred_got"] > 0, result

@@ -372,8 +372,10 @@ class _Iteration:
         inp = self.stage_inputs.pop(key, None)
         out = self.outputs.pop(key)
         out_grad = None if stage == self.last else self.output_grads.pop(key)
-        with backward_window(store=self.store, deferred=deferred, chunk=self.runtime.chunks[stage], stage=stage,
-                             microbatch=a.mb):
+        # tracked as in F: what a recomputed block saves in B (W closures may keep part of it)
+        ctx = self.memory.saving() if self.memory is not None else contextlib.nullcontext()
+        with ctx, backward_window(store=self.store, deferred=deferred, chunk=self.runtime.chunks[stage],
+                                  stage=stage, microbatch=a.mb):
             in_grad = self._backward_step(inp, out, out_grad, self.model_type, self.config)
         del out, out_grad
         if stage > 0:

@@ -75,6 +75,7 @@ class ZeroBubbleForwardBackward:
     store: WeightGradStore = field(default_factory=WeightGradStore)
     last_timing: ActionTiming | None = None
     last_peak_bytes: int | None = None
+    last_memory: ActivationMemoryTracker | None = None  # the last call's tracker (per-action bytes)
     last_grad_sync: GradSyncReport | None = None
     _cache: dict[tuple[int, int], Schedule] = field(default_factory=dict)
     _plans: dict[tuple[int, int, int, bool], RankPlan] = field(default_factory=dict)
@@ -203,6 +204,10 @@ class ZeroBubbleForwardBackward:
                 sync = config.grad_sync_func
                 for f, c in zip(sync if isinstance(sync, list) else [sync] * len(chunks), chunks):
                     f(c.parameters())
+            if config.calculate_per_token_loss and sched.stage_to_rank[-1] != p - 1:
+                # megatron-core's finalize_model_grads broadcasts the token count from the last
+                # pipeline rank; in a V the loss stage is on rank 0 (the others count 0 tokens).
+                torch.distributed.all_reduce(total_tokens, group=pp_group)
             if config.finalize_model_grads_func is not None:
                 if config.calculate_per_token_loss and sched.stage_to_rank[-1] != p - 1:
                     # megatron-core broadcasts the token count from the last pipeline rank; here the
@@ -215,6 +220,7 @@ class ZeroBubbleForwardBackward:
             config.timers("forward-backward").stop()
         self.last_timing = timing
         self.last_peak_bytes = memory.peak_bytes if memory is not None else None
+        self.last_memory = memory
         return data
 
 

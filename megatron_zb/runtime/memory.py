@@ -8,11 +8,18 @@ weight-gradient store's closures (freed by W), which hold tensors that ``ctx.sav
 rebuilt from the saved ones (new Python objects on the same storage). Parameters are excluded. The
 result is the measured counterpart of the simulator's ``peak_memory`` (``M_B`` held from F to B,
 ``M_W`` from B to W), in bytes. Works on CPU and GPU alike (no allocator statistics needed).
+
+Every change of the count is also logged with its ``time.perf_counter()`` time (``events``), so
+the bytes one action left allocated are :meth:`ActivationMemoryTracker.bytes_between` its start
+and end (the profiler's measured ``M_B`` / ``M_W``; one iteration's log, a few entries per saved
+tensor).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import time
 import weakref
 from typing import Iterable, Iterator
 
@@ -27,6 +34,8 @@ class ActivationMemoryTracker:
         self._sizes: dict[int, int] = {}      # storage pointer -> bytes, while the storage lives
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.events: list[tuple[float, int]] = []  # (time.perf_counter() [s], change of current_bytes [bytes])
+        self._times: list[float] = []
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
@@ -44,11 +53,21 @@ class ActivationMemoryTracker:
             return
         self._sizes[ptr] = storage.nbytes()
         self.current_bytes += self._sizes[ptr]
+        self.events.append((time.perf_counter(), self._sizes[ptr]))
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         weakref.finalize(storage, self._release, ptr)
 
     def _release(self, ptr: int) -> None:
-        self.current_bytes -= self._sizes.pop(ptr, 0)
+        n = self._sizes.pop(ptr, 0)
+        self.current_bytes -= n
+        self.events.append((time.perf_counter(), -n))
+
+    def bytes_between(self, t0: float, t1: float) -> int:
+        """Net change of the tracked bytes between ``time.perf_counter()`` times ``t0`` and ``t1`` [bytes]."""
+        if len(self._times) != len(self.events):  # events are in time order; keys cached for bisect
+            self._times = [t for t, _ in self.events]
+        lo, hi = bisect.bisect_left(self._times, t0), bisect.bisect_right(self._times, t1)
+        return sum(d for _, d in self.events[lo:hi])
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:

@@ -69,14 +69,26 @@ class TinyGPT:
 
     @staticmethod
     def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
-        """Combine per-rank results: losses from the rank that has them, all gradients."""
+        """Combine per-rank results: losses from the rank that has them, all gradients/params.
+
+        A name held by several ranks (tensor- or data-parallel replicas, or the TP-gathered full
+        tensor) keeps one copy when every rank's copy is equal, else all copies stacked in rank
+        order -- so no rank's copy goes uncompared (e.g. sequence-parallel layernorm gradients
+        before their TP all-reduce differ per rank).
+        """
         merged: dict[str, Any] = {"losses": [], "grads": {}, "params": {}, "w_deferred": 0, "peak_bytes": []}
+        copies: dict[str, dict[str, list[torch.Tensor]]] = {"grads": {}, "params": {}}
         for r in results:
             merged["losses"] = merged["losses"] or r["losses"]
-            merged["grads"].update(r["grads"])
-            merged["params"].update(r["params"])
+            for key in copies:
+                for n, t in r[key].items():
+                    copies[key].setdefault(n, []).append(t)
             merged["w_deferred"] += r["w_deferred"]
             merged["peak_bytes"].append(r.get("peak_bytes"))
+        for key, named in copies.items():
+            for n, ts in named.items():
+                same = all(torch.equal(t, ts[0]) for t in ts[1:])
+                merged[key][n] = ts[0] if same else torch.stack(ts)
         return merged
 
 

@@ -146,6 +146,47 @@ def _sharded_state_dict(chunks: Sequence[Any], optimizer: Any, *, is_loading: bo
     return sd
 
 
+def _materialize_adam_state(optimizer: Any) -> None:
+    """Give each parameter that has no Adam state yet the state torch's Adam creates at its first step.
+
+    Before the first *successful* step (e.g. fp16 iterations skipped for overflow) torch's Adam
+    has no state: a save would hold no ``exp_avg`` and loading it fails (megatron-core asks for
+    the state it initialises). ``step`` 0 and zero moments are exactly what Adam's first step
+    would create, so training continues bit for bit as without the save.
+    """
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        opt = getattr(part, "optimizer", None)
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    st = opt.state[p]
+                    st["step"] = torch.tensor(0.0, dtype=scalar)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _restore_zero_steps(optimizer_sd: Any) -> None:
+    """Put back Adam's ``step`` 0 that megatron-core 0.16.1 drops when saving.
+
+    megatron-core saves the shared per-parameter step as ``common_step`` only ``if step:`` -- not
+    when it is 0 (a checkpoint saved before any successful step, see
+    :func:`_materialize_adam_state`); torch's ``load_state_dict`` then fails on the missing key.
+    """
+    for part in optimizer_sd if isinstance(optimizer_sd, list) else [optimizer_sd]:
+        inner = part.get("optimizer") if isinstance(part, dict) else None
+        state = inner.get("state") if isinstance(inner, dict) else None
+        if not isinstance(state, dict) or "common_step" in state:
+            continue
+        for param_state in state.values():
+            if isinstance(param_state, dict) and "exp_avg" in param_state and "step" not in param_state:
+                param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
 def _zero_bubble_entry(state: TrainState, args: Any) -> dict[str, Any]:
     return {"schedule": args.schedule, "num_stages": args.num_pipeline_stages, "costs": state.schedule_costs}
 
@@ -172,6 +213,8 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
+    if optimizer is not None:
+        _materialize_adam_state(optimizer)
     sd = _sharded_state_dict(chunks, optimizer, is_loading=False,
                              use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
     sd.update({
@@ -237,6 +280,12 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
             for k in SHAPE_ARGS if k in saved and saved[k] != getattr(args, k, None)]
     if diff:
         raise CheckpointError(f"checkpoint {path} holds a different model: " + "; ".join(diff))
+    if optimizer is not None and getattr(args, "use_distributed_optimizer", False):
+        raise CheckpointError(
+            "--load with --use-distributed-optimizer is not supported: megatron-core 0.16.1's distributed "
+            "optimizer without apex/Transformer Engine cannot build the state dict to load into, and when made "
+            "to, it does not restore Adam's moments exactly (tests/test_pretrain.py); resume without "
+            "--use-distributed-optimizer from a checkpoint saved without it")
     sd = _sharded_state_dict(chunks, optimizer, is_loading=True,
                              use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
     if scheduler is not None and "opt_param_scheduler" in common:
@@ -249,7 +298,9 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     for i, module in enumerate(chunks):
         module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        _restore_zero_steps(loaded["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into its (leaf) main-param shards in place
+            optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "opt_param_scheduler" in loaded:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if rng:

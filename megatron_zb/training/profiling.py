@@ -11,9 +11,20 @@ together with each rank's busy time (sum of its compute actions) and the wall ti
 2. :func:`agree_on_profile`: every rank all-gathers its stages' means over its pipeline group;
    then the numbers of global rank 0's pipeline are broadcast to *every* rank, so all ranks
    (all pipelines, all tensor-parallel ranks) build the same schedule from identical inputs.
-3. :func:`cost_model`: the :class:`~megatron_zb.schedules.CostModel` in milliseconds, with
-   ``mem_b = 1`` per stage and ``mem_w / mem_b = 32h / (34h + 5as)`` (the share of a layer's
-   activations that W still needs: h = hidden size, a = attention heads, s = sequence length).
+3. :func:`cost_model`: the :class:`~megatron_zb.schedules.CostModel` in milliseconds and bytes.
+
+Memory is measured too (the runtime's activation tracker is on in the window, with recomputation
+as configured): per action the net change of the bytes autograd keeps saved for backward
+(:meth:`~megatron_zb.runtime.memory.ActivationMemoryTracker.bytes_between` its start and end).
+Per stage, ``M_B`` is the mean change over its F actions (what one microbatch's forward leaves
+allocated until its B) and ``M_W = M_B + (mean change over its B actions)`` (what B leaves for W:
+the weight-gradient closures' inputs, including tensors a recomputed block saved in B), capped at
+``M_B`` because the cost model needs ``M_W <= M_B`` (with full recomputation the uncapped value is
+larger; the report then prints a warning with both); with a fused ``BW`` ``M_W = 0``. The cost model then holds these bytes and the
+activation limit ``--zero-bubble-max-pending-backward N`` becomes ``N x chunks x max_s M_B``
+bytes (the registry's own limits, e.g. ZB-2p's ``2p x max M_B``, follow the measured ``mem_b``).
+Without measured bytes (a stage measured ``M_B <= 0``) the unit model of before is used, with a
+warning: ``mem_b = 1`` and ``mem_w / mem_b = 32h / (34h + 5as)`` (:func:`mem_w_ratio`).
 
 Fused ``BW`` actions (1F1B) are reported as ``T_BW`` (there is no separate T_W to measure);
 the cost model then uses ``t_b = T_BW`` and ``t_w = 0``, which simulates the fused backward exactly.
@@ -32,6 +43,8 @@ from ..schedules.costs import CostModel
 
 __all__ = ["ActionProfile", "AgreedProfile", "agree_on_profile", "cost_model", "mem_w_ratio", "measure_t_comm"]
 
+MemoryTracker = Any  # megatron_zb.runtime.memory.ActivationMemoryTracker (imported lazily with the runtime)
+
 
 def mem_w_ratio(*, hidden_size: int, num_attention_heads: int, seq_length: int) -> float:
     """``M_W / M_B = 32h / (34h + 5as)``: activation memory W still holds after B, per M_B."""
@@ -41,27 +54,38 @@ def mem_w_ratio(*, hidden_size: int, num_attention_heads: int, seq_length: int) 
 
 @dataclass
 class ActionProfile:
-    """Per-stage action times (seconds) and per-rank busy/elapsed time over the profiled iterations."""
+    """Per-stage action times (seconds), activation bytes per action, and per-rank busy/elapsed
+    time over the profiled iterations."""
 
     sums: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, stage) -> seconds
     counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    byte_sums: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, stage) -> net bytes kept
+    byte_counts: dict[tuple[str, int], int] = field(default_factory=dict)
     busy: float = 0.0      # seconds this rank spent in compute actions
     elapsed: float = 0.0   # seconds this rank spent in forward_backward_func calls
     iterations: int = 0
 
-    def add(self, timing: Any, elapsed: float) -> None:
-        """Add one iteration: ``timing`` is the runtime's ``last_timing`` (an ``ActionTiming``)."""
+    def add(self, timing: Any, elapsed: float, memory: MemoryTracker | None = None) -> None:
+        """Add one iteration: ``timing`` is the runtime's ``last_timing`` (an ``ActionTiming``),
+        ``memory`` its ``last_memory`` (the activation tracker, or ``None``: no bytes measured)."""
         for action, t0, t1 in timing.records:
             key = (action.op, action.stage)
             self.sums[key] = self.sums.get(key, 0.0) + (t1 - t0)
             self.counts[key] = self.counts.get(key, 0) + 1
             self.busy += t1 - t0
+            if memory is not None:
+                self.byte_sums[key] = self.byte_sums.get(key, 0.0) + memory.bytes_between(t0, t1)
+                self.byte_counts[key] = self.byte_counts.get(key, 0) + 1
         self.elapsed += elapsed
         self.iterations += 1
 
     def means_ms(self) -> dict[tuple[str, int], float]:
         """Mean duration per ``(op, stage)`` in milliseconds."""
         return {k: 1e3 * self.sums[k] / self.counts[k] for k in self.sums}
+
+    def mean_bytes(self) -> dict[tuple[str, int], float]:
+        """Mean net change of the saved-activation bytes per ``(op, stage)`` action [bytes]."""
+        return {k: self.byte_sums[k] / self.byte_counts[k] for k in self.byte_sums}
 
     @property
     def idle_fraction(self) -> float:
@@ -108,16 +132,41 @@ def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.de
 
 @dataclass(frozen=True)
 class AgreedProfile:
-    """The profile every rank uses (global rank 0's pipeline): per-stage means (ms), T_comm, idle."""
+    """The profile every rank uses (global rank 0's pipeline): per-stage means (ms), T_comm (ms),
+    idle fraction per pipeline rank, mean net activation bytes per action (``bytes``: empty when
+    memory was not measured)."""
 
     means: dict[tuple[str, int], float]
     t_comm: float
     idle_fraction: list[float]  # per pipeline rank
     iterations: int
+    bytes: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def per_stage(self, op: str, num_stages: int) -> list[float] | None:
         vals = [self.means.get((op, s)) for s in range(num_stages)]
         return None if any(v is None for v in vals) else [float(v) for v in vals]
+
+    def activation_bytes(self, num_stages: int) -> tuple[list[float], list[float]] | None:
+        """Measured ``(M_B, M_W)`` per stage [bytes] (module doc), or ``None`` when not measured
+        (or a stage's ``M_B`` is not positive)."""
+        m_b = [self.bytes.get(("F", s)) for s in range(num_stages)]
+        if any(v is None or v <= 0 for v in m_b):
+            return None
+        m_w = self.bytes_held_for_w(num_stages)
+        if m_w is None:
+            return None
+        return [float(v) for v in m_b], [min(b, w) for b, w in zip(m_b, m_w)]  # type: ignore[type-var]
+
+    def bytes_held_for_w(self, num_stages: int) -> list[float] | None:
+        """``M_B + (mean change over B)`` per stage [bytes], *not* capped at ``M_B`` (0 with a fused BW;
+        ``None`` when not measured). With full recomputation it can exceed ``M_B``: B rebuilds the
+        activations and the W closures keep the linear layers' inputs, while F kept only block inputs."""
+        if not self.split_backward(num_stages):
+            return [0.0] * num_stages
+        vals = [(self.bytes.get(("F", s)), self.bytes.get(("B", s))) for s in range(num_stages)]
+        if any(f is None or b is None for f, b in vals):
+            return None
+        return [max(0.0, f + b) for f, b in vals]  # type: ignore[operator]
 
     def split_backward(self, num_stages: int) -> bool:
         return self.per_stage("B", num_stages) is not None and self.per_stage("W", num_stages) is not None
@@ -139,23 +188,30 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
     Collective over ``pp_group`` and then over the default group.
     """
     mine = {"means": profile.means_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
-            "iterations": profile.iterations}
+            "iterations": profile.iterations, "bytes": profile.mean_bytes()}
     gathered: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(gathered, mine, group=pp_group)
     means: dict[tuple[str, int], float] = {}
+    nbytes: dict[tuple[str, int], float] = {}
     for g in gathered:
         means.update(g["means"])
+        nbytes.update(g["bytes"])
     comms = [g["t_comm"] for g in gathered if g["t_comm"] is not None]
     agreed = [AgreedProfile(means=means, t_comm=sum(comms) / len(comms) if comms else 0.0,
                             idle_fraction=[float(g["idle"]) for g in gathered],
-                            iterations=min(int(g["iterations"]) for g in gathered))]
+                            iterations=min(int(g["iterations"]) for g in gathered), bytes=nbytes)]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
 
 
 def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num_attention_heads: int,
-               seq_length: int, memory_limit: float | None) -> CostModel:
-    """The schedule library's cost model (ms; memory in units of one stage's M_B) from ``profile``."""
+               seq_length: int, max_pending_microbatches: int | None, num_chunks: int = 1) -> CostModel:
+    """The schedule library's cost model from ``profile``: times in ms, memory in measured bytes
+    (or in units of one stage's M_B when bytes were not measured, see the module doc).
+
+    ``max_pending_microbatches``: ``--zero-bubble-max-pending-backward`` (``None``: the schedule's own
+    limit); ``num_chunks``: model chunks per pipeline rank.
+    """
     t_f = profile.per_stage("F", num_stages)
     if t_f is None:
         raise ValueError("no forward times were profiled for every stage")
@@ -166,6 +222,12 @@ def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num
         if t_b is None:
             raise ValueError("no backward times were profiled for every stage")
     floor = 1e-6  # the cost model needs t_f, t_b > 0
-    ratio = mem_w_ratio(hidden_size=hidden_size, num_attention_heads=num_attention_heads, seq_length=seq_length)
+    measured = profile.activation_bytes(num_stages)
+    if measured is not None:
+        mem_b, mem_w = measured
+    else:
+        ratio = mem_w_ratio(hidden_size=hidden_size, num_attention_heads=num_attention_heads, seq_length=seq_length)
+        mem_b, mem_w = [1.0] * num_stages, [ratio] * num_stages
+    limit = None if max_pending_microbatches is None else float(max_pending_microbatches * num_chunks * max(mem_b))
     return CostModel(t_f=[max(v, floor) for v in t_f], t_b=[max(v, floor) for v in t_b], t_w=list(t_w),  # type: ignore[arg-type]
-                     t_comm=profile.t_comm, mem_b=1.0, mem_w=ratio, memory_limit=memory_limit)
+                     t_comm=profile.t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=limit)

@@ -9,8 +9,10 @@ plan then). With megatron-zb's runtime:
   lists; the placement must be the one the model was built for;
 * iterations ``[--zero-bubble-pipeline-timers-start-iter, --zero-bubble-pipeline-timers-end-iter)``
   are profiled (:mod:`megatron_zb.training.profiling`); at the end of the window a cost-aware
-  schedule is re-planned from the measured costs on global rank 0 and installed everywhere, and
-  rank 0 prints the schedule report;
+  schedule is re-planned from the measured costs (times and activation bytes) on global rank 0
+  and installed everywhere, and rank 0 prints the schedule report; with ``--profile-out FILE``
+  global rank 0 also writes the measured costs as a planning profile
+  (:mod:`megatron_zb.planning.profile`, what ``megatron-zb plan --profile FILE`` reads);
 * a run resumed after the window rebuilds the schedule from the costs its checkpoint stored.
 """
 
@@ -24,11 +26,13 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_zb.schedules import ScheduleError, simulate
+from megatron_zb.schedules.registry import get_spec
 from megatron_zb.schedules.costs import CostModel
 from megatron_zb.schedules.ir import Schedule
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import format_schedule_report, print_rank_0
-from megatron_zb.training.profiling import ActionProfile, agree_on_profile, cost_model, measure_t_comm, mem_w_ratio
+from megatron_zb.training.profiling import (ActionProfile, AgreedProfile, agree_on_profile, cost_model,
+                                            measure_t_comm, mem_w_ratio)
 
 __all__ = ["SchedulePlanner"]
 
@@ -67,6 +71,7 @@ class SchedulePlanner:
         self._initial = self._rank0_schedule(schedule)
         self.runtime.install_schedule(self._initial)
         self.forward_backward = self.runtime
+        self._track_memory = self.runtime.options.track_memory  # outside the window
 
     # ------------------------------------------------------------------ the profiling window
     @property
@@ -83,6 +88,7 @@ class SchedulePlanner:
         profiling = self.runtime is not None and start <= iteration < end
         if self.runtime is not None:
             self.runtime.options.time_actions = profiling
+            self.runtime.options.track_memory = profiling or self._track_memory
         return profiling
 
     def end_iteration(self, iteration: int, *, profiling: bool, seconds: float) -> bool:
@@ -91,7 +97,7 @@ class SchedulePlanner:
         Returns whether the window is over and :meth:`replan` is due now.
         """
         if profiling and self.runtime.last_timing is not None:
-            self.profile.add(self.runtime.last_timing, seconds)
+            self.profile.add(self.runtime.last_timing, seconds, self.runtime.last_memory)
             self.profiled_iterations.append(iteration)
         end = self._window[1]
         return profiling and iteration == min(end - 1, self.args.train_iters) and bool(self.profiled_iterations)
@@ -106,6 +112,7 @@ class SchedulePlanner:
         """
         args = self.args
         self.runtime.options.time_actions = False
+        self.runtime.options.track_memory = self._track_memory
         tp = args.tensor_model_parallel_size
         seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
         t_comm = measure_t_comm(shape=(seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
@@ -115,10 +122,14 @@ class SchedulePlanner:
         try:
             costs = cost_model(agreed, num_stages=stages, hidden_size=args.hidden_size,
                                num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                               memory_limit=args.schedule_memory_limit)
+                               max_pending_microbatches=args.zero_bubble_max_pending_backward,
+                               num_chunks=args.num_model_chunks)
         except ValueError as e:
             print_rank_0(f"WARNING: profiling gave no usable costs ({e}); keeping the schedule")
             return None
+        if agreed.activation_bytes(stages) is None:
+            print_rank_0("WARNING: no activation bytes were measured for every stage; planning memory in units "
+                         "of M_B with M_W/M_B = 32h/(34h+5as)")
         before = simulate(self._current(), costs, enforce_memory=False)
         replanned: dict[str, Any] | None = None
         if args.schedule_cost_aware:
@@ -134,10 +145,11 @@ class SchedulePlanner:
             note = f"    schedule {args.schedule!r} is not cost-aware: kept as is"
         sim = simulate(self._current(), costs, enforce_memory=False)
         first, last = self.profiled_iterations[0], self.profiled_iterations[-1]
+        peak, limit, unit = _memory_in_report(costs, sim.peak_memory)
         report = format_schedule_report(
             schedule=args.schedule, num_ranks=args.pipeline_model_parallel_size,
             num_microbatches=args.num_microbatches, predicted_bubble_rate=sim.bubble_rate,
-            peak_activation_memory=sim.peak_memory, memory_limit=args.schedule_memory_limit,
+            peak_activation_memory=peak, memory_limit=limit, memory_unit=unit,
             measured_idle_fraction=agreed.idle_fraction, measured_costs=agreed.report_costs(stages),
             title=f"schedule report after profiling iterations {first}-{last} "
                   f"(costs: mean over stages, ms; idle: 1 - busy/elapsed per pipeline rank)")
@@ -145,9 +157,47 @@ class SchedulePlanner:
             f"{name}=[{', '.join(f'{v:.3f}' for v in vals)}]"
             for name, op in (("T_F", "F"), ("T_B", "B"), ("T_W", "W"), ("T_BW", "BW"))
             if (vals := agreed.per_stage(op, stages)) is not None)
+        if (acts := agreed.activation_bytes(stages)) is not None:
+            per_stage += "\n    measured activations per stage and micro batch (KiB): " + "; ".join(
+                f"{name}=[{', '.join(f'{v / 1024:.1f}' for v in vals)}]" for name, vals in zip(("M_B", "M_W"), acts))
+            held = agreed.bytes_held_for_w(stages) or []
+            over = [(s, w, b) for s, (w, b) in enumerate(zip(held, acts[0])) if w > b]
+            if over:
+                per_stage += ("\n    WARNING: B leaves more for W than F left for B on stage(s) " + ", ".join(
+                    f"{s} ({w / 1024:.1f} > {b / 1024:.1f} KiB)" for s, w, b in over)
+                    + " (full recomputation: B rebuilds what W needs); the schedule's memory model caps M_W "
+                      "at M_B and under-counts memory between B and W")
         print_rank_0(report + "\n" + per_stage + "\n" + note)
+        if args.profile_out:
+            self._write_profile(agreed, costs)
         dist.barrier()
         return replanned
+
+    def _write_profile(self, agreed: AgreedProfile, costs: CostModel) -> None:
+        """``--profile-out``: global rank 0 writes the measured costs as a planning profile."""
+        if dist.get_rank() != 0:
+            return
+        from megatron_zb.planning.model import PlanError
+        from megatron_zb.planning.profile import StageProfile, write_profile
+        args, stages = self.args, self.args.num_pipeline_stages
+        acts = agreed.activation_bytes(stages)
+        if acts is None or not agreed.split_backward(stages):
+            print_rank_0(f"WARNING: --profile-out {args.profile_out} not written: T_B, T_W and the activation "
+                         f"bytes were not measured for every stage")
+            return
+        sc = costs.resolve(stages)
+        rows = [StageProfile(t_f_ms=f, t_b_ms=b, t_w_ms=w, mem_b_bytes=mb, mem_w_bytes=mw)
+                for f, b, w, mb, mw in zip(sc.t_f, sc.t_b, sc.t_w, *acts)]
+        try:
+            write_profile(args.profile_out, model=profile_model(args), parallel=profile_parallel(args),
+                          schedule=args.schedule, placement=get_spec(args.schedule).placement,
+                          stage_to_rank=self._stage_to_rank, t_comm_ms=agreed.t_comm, stages=rows,
+                          device=self._dist.device.type)
+        except (OSError, PlanError) as e:
+            print_rank_0(f"WARNING: --profile-out {args.profile_out} not written: {e}")
+            return
+        print_rank_0(f"    wrote the measured costs to {args.profile_out} (--profile-out; "
+                     f"read by: megatron-zb plan --profile {args.profile_out})")
 
     def restore(self, saved: dict[str, Any] | None, *, iteration: int) -> None:
         """On ``--load``: rebuild the schedule from the checkpoint's profiled ``saved`` costs
@@ -170,20 +220,19 @@ class SchedulePlanner:
         Returns ``("ok", schedule, seconds)`` or ``("error", message, seconds)`` (then nothing changes).
         Collective.
         """
-        args = self.args
         old = self._current()
         outcome: list[Any] = [None]
         if dist.get_rank() == 0:
             t0 = time.perf_counter()
             try:
-                self.runtime.replan(costs, memory_limit=args.schedule_memory_limit)
+                self.runtime.replan(costs, memory_limit=costs.memory_limit)
                 outcome = [("ok", self._current(), time.perf_counter() - t0)]
             except ScheduleError as e:
                 outcome = [("error", str(e), time.perf_counter() - t0)]
         dist.broadcast_object_list(outcome, src=0)
         status, payload, seconds = outcome[0]
         if status == "ok":
-            self.runtime.replan(costs, memory_limit=args.schedule_memory_limit)
+            self.runtime.replan(costs, memory_limit=costs.memory_limit)
             self.runtime.install_schedule(self._rank0_schedule(payload))
         else:
             self.runtime.install_schedule(old)
@@ -217,13 +266,53 @@ class SchedulePlanner:
                                 else "")
         title = "schedule report (unit costs T_F = T_B = T_W = 1, before profiling)"
         measured = None
+        peak, limit, unit = sim.peak_memory, args.schedule_memory_limit, "M_B"
         if self.restored_costs is not None:
             title = "schedule report (rebuilt from the profiled costs stored in the checkpoint)"
             sim = simulate(sched, self.restored_costs, enforce_memory=False)
             sc = self.restored_costs.resolve(args.num_pipeline_stages)
             measured = {"T_F": sum(sc.t_f) / len(sc.t_f), "T_B": sum(sc.t_b) / len(sc.t_b),
                         "T_W": sum(sc.t_w) / len(sc.t_w), "T_comm": sc.t_comm}
+            peak, limit, unit = _memory_in_report(self.restored_costs, sim.peak_memory)
         print_rank_0(format_schedule_report(
             schedule=name, num_ranks=args.pipeline_model_parallel_size, num_microbatches=args.num_microbatches,
-            predicted_bubble_rate=sim.bubble_rate, peak_activation_memory=sim.peak_memory,
-            memory_limit=args.schedule_memory_limit, measured_costs=measured, title=title))
+            predicted_bubble_rate=sim.bubble_rate, peak_activation_memory=peak,
+            memory_limit=limit, memory_unit=unit, measured_costs=measured, title=title))
+
+
+def _memory_in_report(costs: CostModel, peak: Any) -> tuple[list[float], float | None, str]:
+    """Peak per rank and limit of ``costs`` for the report: in MiB when measured in bytes, else in
+    units of M_B (a cost model of unit memory: every ``mem_b`` exactly 1)."""
+    mem_b = [costs.mem_b] if isinstance(costs.mem_b, (int, float)) else list(costs.mem_b)
+    if all(v == 1.0 for v in mem_b):
+        return list(peak), costs.memory_limit, "M_B"
+    mib = float(2 ** 20)
+    return ([v / mib for v in peak], None if costs.memory_limit is None else costs.memory_limit / mib,
+            "MiB (measured bytes)")
+
+
+def profile_model(args: argparse.Namespace) -> Any:
+    """The planning :class:`~megatron_zb.planning.model.ModelConfig` of the run's model flags."""
+    from megatron_zb.planning.model import make_model
+    return make_model(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        group_query_attention=args.group_query_attention, kv_channels=args.kv_channels, swiglu=args.swiglu,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
+        normalization=args.normalization, add_bias_linear=args.add_bias_linear, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, precision="fp16" if args.fp16 else "bf16")
+
+
+def profile_parallel(args: argparse.Namespace) -> Any:
+    """The planning :class:`~megatron_zb.planning.model.ParallelConfig` of the run's layout."""
+    from megatron_zb.planning.model import make_parallel
+    return make_parallel(
+        profile_model(args), pp=args.pipeline_model_parallel_size, tp=args.tensor_model_parallel_size,
+        dp=args.data_parallel_size, num_microbatches=args.num_microbatches, sequence_parallel=args.sequence_parallel,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        allow_padding_num_layers=args.allow_padding_num_layers,
+        num_virtual_stages=args.num_model_chunks if get_spec(args.schedule).placement == "interleaved" else None)

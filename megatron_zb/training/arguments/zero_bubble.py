@@ -58,6 +58,11 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--zero-bubble-pipeline-timers-end-iter", type=int, default=4,
                    help="Profiling stops before this iteration; cost-aware schedules are then rebuilt from "
                         "the measured costs (default 4).")
+    g.add_argument("--profile-out", type=str, default=None, metavar="FILE",
+                   help="After the profiling window, global rank 0 writes the measured per-stage T_F/T_B/T_W, "
+                        "T_comm (ms) and activation bytes M_B/M_W with the model and parallel flags to FILE "
+                        "(JSON), the profile `megatron-zb plan --profile FILE` reads. Needs a schedule that "
+                        "splits the backward and --bf16 or --fp16 (the planner models 16-bit training).")
     g.add_argument("--enable-optimizer-post-validation", action="store_true",
                    help="Step the optimizer before the global gradient checks (NaN/inf, grad-norm clipping) "
                         "finish and roll back when they fail, removing the synchronisation bubble "
@@ -225,12 +230,35 @@ def check_zero_bubble_options(args: argparse.Namespace, spec: ScheduleSpec) -> N
         raise ArgumentError("--enable-exactly-numeric-match",
                             "only applies with --enable-optimizer-post-validation; add that flag or drop this one")
     _check_post_validation_tuning(args)
+    _check_profile_out(args, spec)
     start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
     if start < 1:
         raise ArgumentError("--zero-bubble-pipeline-timers-start-iter", f"must be >= 1, got {start}")
     if end <= start:
         raise ArgumentError("--zero-bubble-pipeline-timers-end-iter",
                             f"{end} must be greater than --zero-bubble-pipeline-timers-start-iter {start}")
+
+
+def _check_profile_out(args: argparse.Namespace, spec: ScheduleSpec) -> None:
+    """``--profile-out``: only what the planning profile can describe (measured B and W, 16-bit, dense, even split)."""
+    if args.profile_out is None:
+        return
+    mcore = getattr(args, "use_megatron_core_schedule", False)  # a developer flag (pretrain_gpt_zb.py has it)
+    if mcore or not spec.split_backward:
+        what = "megatron-core's schedule is not profiled" if mcore else (
+            f"schedule {args.schedule!r} fuses B and W, so T_W is not measured")
+        raise ArgumentError("--profile-out", f"{what}; profile a zero-bubble schedule (--enable-zero-bubble, "
+                                             f"--zero-bubble-v-schedule or a --schedule that splits the backward)")
+    if not (args.fp16 or args.bf16):
+        raise ArgumentError("--profile-out", "the planning profile models 16-bit mixed precision (activation and "
+                                             "parameter bytes); add --bf16 or --fp16")
+    if getattr(args, "num_experts", None):
+        raise ArgumentError("--profile-out", "the planner does not model MoE layers; drop --num-experts or "
+                                             "--profile-out")
+    if uneven_split_requested(args):
+        raise ArgumentError("--profile-out", "the planner splits the layers evenly (or with "
+                                             "--allow-padding-num-layers); drop the uneven split flags or "
+                                             "--profile-out")
 
 
 def _check_post_validation_tuning(args: argparse.Namespace) -> None:

@@ -1,0 +1,169 @@
+"""The rows and columns of the compatibility matrix: training features and schedule families.
+
+A :class:`Feature` is data: the parallel layout, precision, optimizer kind and model overrides
+of one training configuration, plus what the matrix accepts as "equal" for it. Adding a feature
+(e.g. RMSNorm, recompute, MoE) is adding a row to :data:`FEATURES`; the runner
+(:mod:`megatron_zb.testing.compat_matrix`) and the rank code (:mod:`megatron_zb.testing.compat_rank`)
+read only these fields.
+
+Every cell compares one schedule family of megatron-zb with megatron-core's own schedule on the
+same configuration (see :data:`REFERENCES`). Every arm wraps its chunks in megatron-core
+``DistributedDataParallel`` (``get_megatron_optimizer`` needs it; at DP=1 it is the contiguous
+``main_grad`` buffer) -- the bare ``param.grad`` path is covered by ``tests/test_runtime.py``.
+It compares the loss of every microbatch of every iteration,
+every rank's copy of every parameter's gradient (``main_grad`` under DDP), the parameters after
+the optimizer steps, and each step's ``(update_successful, loss scale)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FAMILIES", "FEATURES", "Feature", "ModelShape", "REFERENCES", "Tolerance", "feature", "placement_of"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """An accepted difference: ``max|got - ref| <= rtol * max|ref|`` per tensor, and why.
+
+    Attributes:
+        rtol: relative to the largest magnitude of the reference tensor (dimensionless).
+        reason: one line for docs/compatibility.md (why the results are not bitwise equal).
+    """
+
+    rtol: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The tiny GPT of the matrix (sizes in elements, counts in microbatches per iteration).
+
+    ``num_layers`` must split evenly over 4 stages (V and interleaved placements at PP=2).
+    """
+
+    num_layers: int = 4
+    hidden: int = 32
+    heads: int = 4
+    seq: int = 16
+    vocab: int = 64
+    micro_batch: int = 2
+    num_microbatches: int = 4
+    pp: int = 2
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One training configuration (a column of the matrix).
+
+    Attributes:
+        name: column name (``--features`` filter).
+        description: one line for the docs.
+        tp, dp: tensor- and data-parallel sizes (the pipeline size is :attr:`ModelShape.pp`).
+        sequence_parallel: megatron's sequence parallelism (needs ``tp > 1``).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (fp16: dynamic loss scaling, hysteresis 1).
+        distributed_optimizer: megatron-core's distributed optimizer (ZeRO-1 over DP).
+        grad_fusion: megatron-zb arms run ``gradient_accumulation_fusion`` (the matmul fallback
+            kernel on CPU); the reference runs megatron-core's *unfused* path.
+        post_validation: ``None``, ``"exact"`` or ``"in-place"``: megatron-zb arms wrap the
+            optimizer in ``PostValidationOptimizer`` (warm-up 0, no fallback, no local-clip
+            shortcut, so every clipped step is a real rollback); the reference does not.
+        per_token_loss: ``calculate_per_token_loss`` (loss sum and token count per microbatch).
+        iterations: optimizer steps per arm.
+        loss_multipliers: per iteration, a factor on the loss (forces clipping or an fp16
+            overflow on chosen iterations; ``()`` = all 1).
+        clip_grad: megatron-core's gradient clipping threshold (global L2 norm; 0 = off). Off
+            unless the feature is about clipping: the V placement's reference (PP=1) sums the
+            squared norm in another grouping than any PP=2 layout, so a clip factor would differ
+            in its last bit from the reference's for reasons that are not the schedule's.
+        config_overrides: extra ``TransformerConfig`` fields (issue 13's features).
+        gpt_kwargs: extra ``GPTModel`` arguments (e.g. ``share_embeddings_and_output_weights``).
+        tolerance: per placement (``"plain"``, ``"interleaved"``, ``"v"``), the accepted
+            difference; a placement not listed must be bitwise equal.
+    """
+
+    name: str
+    description: str
+    tp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    precision: str = "fp32"
+    distributed_optimizer: bool = False
+    grad_fusion: bool = False
+    post_validation: str | None = None
+    per_token_loss: bool = False
+    iterations: int = 2
+    loss_multipliers: tuple[float, ...] = ()
+    clip_grad: float = 0.0
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    gpt_kwargs: dict[str, Any] = field(default_factory=dict)
+    tolerance: dict[str, Tolerance] = field(default_factory=dict)
+
+    def world_size(self, pp: int) -> int:
+        """Processes of one launch at pipeline size ``pp``."""
+        return self.tp * pp * self.dp
+
+    def loss_multiplier(self, iteration: int) -> float:
+        """The factor on the loss in ``iteration`` (0-based)."""
+        return self.loss_multipliers[iteration] if iteration < len(self.loss_multipliers) else 1.0
+
+
+_INPLACE = ("in-place rollback inverts Adam algebraically: the redone step starts from parameters and moments "
+            "recovered to fp32 round-off (docs/post_validation.md); later Adam steps amplify that on elements whose "
+            "gradient is near zero, e.g. a bias initialised to 0 (measured max |diff| / max |param| about 2e-4)")
+
+FEATURES: list[Feature] = [
+    Feature("fp32", "fp32, TP=1, DP=1"),
+    Feature("bf16", "bf16 params (Float16Module), mixed-precision optimizer, grads reduced in fp32", precision="bf16"),
+    Feature("fp16", "fp16, dynamic loss scale (hysteresis 1); iteration 2's loss x1e8 forces an overflow: "
+                    "skipped step, scale halved", precision="fp16", iterations=3, loss_multipliers=(1.0, 1e8, 1.0)),
+    Feature("tp2", "tensor parallel 2", tp=2),
+    Feature("tp2-sp", "tensor parallel 2 with sequence parallelism", tp=2, sequence_parallel=True),
+    Feature("dp2-ddp", "data parallel 2, megatron-core DDP", dp=2),
+    Feature("dp2-distopt", "data parallel 2, distributed optimizer", dp=2, distributed_optimizer=True),
+    Feature("wgrad-fusion", "gradient_accumulation_fusion (CPU fallback kernel) vs megatron-core's unfused path",
+            grad_fusion=True),
+    Feature("pv-exact", "optimizer post-validation, exact rollback; iteration 2's loss x50 forces a clip "
+                        "(rollback and redo)", post_validation="exact", iterations=3, clip_grad=1.0,
+            loss_multipliers=(1.0, 50.0, 1.0)),
+    Feature("pv-inplace", "optimizer post-validation, in-place (algebraic) rollback; iteration 2's loss x50 "
+                          "forces a clip", post_validation="in-place", iterations=3, loss_multipliers=(1.0, 50.0, 1.0),
+            clip_grad=1.0, tolerance={p: Tolerance(1e-3, _INPLACE) for p in ("plain", "interleaved", "v")}),
+    Feature("per-token-loss", "calculate_per_token_loss (loss sums, gradients scaled by 1/total tokens)",
+            per_token_loss=True),
+]
+"""The columns, in table order."""
+
+FAMILIES: dict[str, list[str]] = {
+    "plain": ["1f1b", "zb-h1", "zb-h2", "zb", "zb-1p", "zb-2p"],
+    "interleaved": ["interleaved-1f1b", "interleaved-zb"],
+    "v": ["zbv", "v-half", "v-min"],
+}
+"""The rows, grouped by placement (one launch per feature and placement)."""
+
+REFERENCES: dict[str, str] = {
+    "plain": "megatron-core forward_backward_pipelining_without_interleaving (same PP, TP, DP)",
+    "interleaved": "megatron-core forward_backward_pipelining_with_interleaving (same PP, 2 virtual stages per "
+                   "rank, batch_p2p_comm=False)",
+    "v": "the unpipelined model: megatron-core forward_backward_no_pipelining (PP=1, same TP, DP)",
+}
+"""What each placement's cells are compared with."""
+
+
+def feature(name: str) -> Feature:
+    """The :class:`Feature` called ``name``; a clear error lists the known names."""
+    for f in FEATURES:
+        if f.name == name:
+            return f
+    raise ValueError(f"unknown feature {name!r}; choose from: {', '.join(f.name for f in FEATURES)}")
+
+
+def placement_of(family: str) -> str:
+    """The placement group (``"plain"``, ``"interleaved"``, ``"v"``) of a family of :data:`FAMILIES`."""
+    for placement, names in FAMILIES.items():
+        if family in names:
+            return placement
+    raise ValueError(f"unknown schedule family {family!r}; choose from: "
+                     f"{', '.join(n for names in FAMILIES.values() for n in names)}")

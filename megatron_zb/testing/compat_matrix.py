@@ -1,0 +1,226 @@
+"""The compatibility matrix runner: launch, compare, classify every cell (used by the script and the tests).
+
+A cell is (schedule family, feature). :func:`run_matrix` launches one
+:func:`~megatron_zb.testing.run_distributed` per (feature, placement group) running the
+reference and every selected family of that placement in the same processes
+(:func:`megatron_zb.testing.compat_rank.run_arms`; the V placement's reference, the unpipelined
+model, needs its own launch at PP=1), then compares each family's results with the reference's
+(:func:`compare`). A cell's status is exactly one of
+
+* ``equal (bitwise)`` -- every loss, gradient copy, parameter and step result identical;
+* ``equal (<= rtol, reason)`` -- within the feature's :class:`~.compat_features.Tolerance` for
+  that placement (relative to the largest magnitude of each reference tensor);
+* ``refused: message`` -- set-up raised a clear error on every rank before anything ran;
+* ``FAILED: ...`` -- anything else (a difference beyond the tolerance, an error while running,
+  or a vacuous run: no W deferred by a split-backward schedule, no rollback under
+  post-validation, no overflow under fp16).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .compat_features import FAMILIES, Feature, ModelShape, Tolerance
+from .compat_rank import FP16_INITIAL_SCALE, REFERENCE, ArmResult, GroupSpec, run_arms
+
+__all__ = ["Cell", "Launch", "classify", "compare", "merge_ranks", "plan_launches", "run_launches", "run_matrix"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The outcome of one (family, feature) cell.
+
+    Attributes:
+        family, feature: the cell's row and column.
+        kind: ``"bitwise"``, ``"tolerance"``, ``"refused"`` or ``"failed"``.
+        status: the full status text (see the module docstring).
+        max_rel: the largest relative difference seen (0.0 when bitwise; None if not compared).
+        tolerance: the accepted tolerance (kind ``"tolerance"`` only).
+    """
+
+    family: str
+    feature: str
+    kind: str
+    status: str
+    max_rel: float | None = None
+    tolerance: Tolerance | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.kind != "failed"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One ``run_distributed`` call: ``spec`` on ``world_size`` processes."""
+
+    spec: GroupSpec
+    world_size: int
+
+    @property
+    def label(self) -> str:
+        arms = ",".join(self.spec.arms)
+        return f"{self.spec.feature.name} / {self.spec.placement} (PP={self.spec.pp}, {self.world_size} ranks: {arms})"
+
+
+def plan_launches(features: Iterable[Feature], families: Iterable[str], model: ModelShape) -> list[Launch]:
+    """The launches that cover ``features`` x ``families`` (each placement group with its reference)."""
+    wanted = set(families)
+    out = []
+    for f in features:
+        for placement, names in FAMILIES.items():
+            arms = tuple(n for n in names if n in wanted)
+            if not arms:
+                continue
+            if placement == "v":  # the reference is the unpipelined model: PP=1, same TP and DP
+                out.append(Launch(GroupSpec(f, model, placement, (REFERENCE,), 1), f.world_size(1)))
+                out.append(Launch(GroupSpec(f, model, placement, arms, model.pp), f.world_size(model.pp)))
+            else:
+                out.append(Launch(GroupSpec(f, model, placement, (REFERENCE, *arms), model.pp),
+                                  f.world_size(model.pp)))
+    return out
+
+
+def merge_ranks(per_rank: list[dict[str, ArmResult]], arm: str) -> dict[str, Any]:
+    """One arm's results of every rank, in one dict (keys carry the TP/DP rank: nothing overwrites)."""
+    results = [r[arm] for r in per_rank]
+    merged: dict[str, Any] = {"refused": results[0].refused, "losses": {}, "grads": {}, "params": {},
+                              "steps": [r.steps for r in results], "order": [r.order for r in results],
+                              "w_deferred": sum(r.w_deferred for r in results),
+                              "rollbacks": sum(r.rollbacks for r in results)}
+    for r in results:
+        for key in ("losses", "grads", "params"):
+            dup = merged[key].keys() & getattr(r, key).keys()
+            if dup:
+                raise RuntimeError(f"{arm}: two ranks returned {key} {sorted(dup)[:3]}")
+            merged[key].update(getattr(r, key))
+    return merged
+
+
+def _rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|got - ref| / max|ref|`` in float64 (the absolute difference when ref is all zero)."""
+    diff = (got.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+    scale = ref.double().abs().max().item() if ref.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def _vacuous(family: str, feature: Feature, got: dict[str, Any], ref: dict[str, Any]) -> str | None:
+    """Why a cell proves nothing (a check that the feature's mechanism actually ran), or None."""
+    from ..schedules.registry import get_spec
+
+    if get_spec(family).split_backward and got["w_deferred"] == 0:
+        return "the split-backward schedule deferred no weight gradient"
+    if feature.post_validation and got["rollbacks"] == 0:
+        return "post-validation never rolled back (the forced clip did not happen)"
+    if feature.precision == "fp16":
+        steps, prev, halved = ref["steps"][0], FP16_INITIAL_SCALE, False
+        for ok, scale in steps:
+            halved |= not ok and scale == prev / 2
+            prev = scale
+        if not halved:
+            return f"fp16: no skipped step with a halved loss scale in the reference ({steps})"
+    return None
+
+
+def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], got: dict[str, Any]) -> Cell:
+    """Classify one cell from the merged results of the reference and the family (module docstring)."""
+    def cell(kind: str, status: str, max_rel: float | None = None, tol: Tolerance | None = None) -> Cell:
+        return Cell(family, feature.name, kind, status, max_rel, tol)
+
+    if got["refused"]:
+        return cell("refused", f"refused: {got['refused']}")
+    if ref["refused"]:
+        return cell("failed", f"FAILED: the reference was refused: {ref['refused']}")
+    steps = {tuple(s) for s in got["steps"]} | {tuple(s) for s in ref["steps"]}
+    if len(steps) != 1:
+        return cell("failed", f"FAILED: step results (update_successful, loss scale) differ: {sorted(steps)}")
+    worst: dict[str, tuple[float, str]] = {}  # category -> (largest relative difference, where)
+    for key in ("losses", "grads", "params"):
+        if got[key].keys() != ref[key].keys():
+            extra = sorted(got[key].keys() ^ ref[key].keys(), key=str)[:3]
+            return cell("failed", f"FAILED: {key} differ in their keys, e.g. {extra}")
+        for k, r in ref[key].items():
+            a = torch.stack(got[key][k]) if key == "losses" else got[key][k]
+            b = torch.stack(r) if key == "losses" else r
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return cell("failed", f"FAILED: {key} {k}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
+            if not torch.equal(a, b):
+                rel = _rel_diff(a, b)
+                if rel >= worst.get(key, (0.0, ""))[0]:
+                    worst[key] = (rel, f"{k}")
+    why = _vacuous(family, feature, got, ref)
+    if why:
+        return cell("failed", f"FAILED: vacuous: {why}")
+    if not worst:
+        return cell("bitwise", "equal (bitwise)", 0.0)
+    largest = max(rel for rel, _ in worst.values())
+    tol = feature.tolerance.get(placement)
+    if tol is not None and largest <= tol.rtol:
+        return cell("tolerance", f"equal (<= {tol.rtol:g}, {tol.reason})", largest, tol)
+    allowed = f"tolerance {tol.rtol:g}" if tol else "bitwise required"
+    where = "; ".join(f"{key} {rel:.3g} at {at}" for key, (rel, at) in worst.items())
+    return cell("failed", f"FAILED: max relative difference ({allowed}): {where}", largest, tol)
+
+
+def _run_launch(launch: Launch, timeout: float) -> list[dict[str, ArmResult]]:
+    from .distributed import run_distributed
+
+    return run_distributed(partial(run_arms, launch.spec), world_size=launch.world_size, timeout=timeout)
+
+
+def run_launches(launches: list[Launch], *, timeout: float = 300.0, progress: Callable[[str], None] | None = None
+                 ) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[tuple[str, str], str]]:
+    """Run ``launches``; return ``(results, errors)`` keyed by ``(feature, arm)`` where the
+    reference arm is ``"ref:<placement>"`` (merged results; the error text of a failed launch).
+
+    ``progress`` gets one line per launch (index, label, elapsed and estimated remaining seconds).
+    """
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    errors: dict[tuple[str, str], str] = {}
+    t0 = time.monotonic()
+    for i, launch in enumerate(launches):
+        spec = launch.spec
+        keys = {arm: (spec.feature.name, f"ref:{spec.placement}" if arm == REFERENCE else arm) for arm in spec.arms}
+        try:
+            per_rank = _run_launch(launch, timeout)
+            for arm, key in keys.items():
+                results[key] = merge_ranks(per_rank, arm)
+        except Exception as e:  # noqa: BLE001 -- reported in every cell of the launch
+            for key in keys.values():
+                errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if progress is not None:
+            elapsed = time.monotonic() - t0
+            eta = elapsed / (i + 1) * (len(launches) - i - 1)
+            progress(f"[{i + 1}/{len(launches)}] {launch.label}: {elapsed:.0f} s elapsed, ~{eta:.0f} s left")
+    return results, errors
+
+
+def classify(features: list[Feature], families: list[str], results: dict[tuple[str, str], dict[str, Any]],
+             errors: dict[tuple[str, str], str]) -> list[Cell]:
+    """The cells of ``features`` x ``families`` from :func:`run_launches`' output, in table order."""
+    cells = []
+    for f in features:
+        for placement, names in FAMILIES.items():
+            for family in (n for n in names if n in families):
+                refkey, famkey = (f.name, f"ref:{placement}"), (f.name, family)
+                err = errors.get(famkey) or errors.get(refkey)
+                if err:
+                    cells.append(Cell(family, f.name, "failed", f"FAILED: error while running: {err}"))
+                else:
+                    cells.append(compare(family, f, placement, results[refkey], results[famkey]))
+    return cells
+
+
+def run_matrix(*, features: list[Feature], families: list[str], model: ModelShape = ModelShape(),
+               timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> list[Cell]:
+    """Run and classify every cell of ``features`` x ``families`` (see the module docstring).
+
+    A launch that raises makes each of its cells ``FAILED`` with the error; the others still run.
+    """
+    results, errors = run_launches(plan_launches(features, families, model), timeout=timeout, progress=progress)
+    return classify(features, families, results, errors)

@@ -1,0 +1,328 @@
+"""The rank side of the compatibility matrix: run several *arms* in the same processes.
+
+An arm is megatron-core's reference schedule (``"megatron-core"``) or one schedule family of
+megatron-zb. :func:`run_arms` runs inside a rank of :func:`megatron_zb.testing.run_distributed`:
+it initialises ``parallel_state`` once, then for every arm builds the chunks (layout-independent
+weights: the same global layer gets the same weights in every placement), wraps them
+(``Float16Module`` for bf16/fp16, megatron-core DDP), builds megatron-core's optimizer
+(``get_megatron_optimizer``; the post-validation wrapper for megatron-zb arms when the feature
+asks for it), and trains ``feature.iterations`` iterations on fixed data. It returns, per arm,
+this rank's raw results (no comparison happens here): see :class:`ArmResult`.
+
+Refusals: anything raised while *setting an arm up* (building, wrapping, the optimizer, the
+schedule and this rank's lowered plan) of type ``ValueError`` / ``NotImplementedError`` /
+``ScheduleError`` / ``ArgumentError`` / ``PostValidationError`` is a refusal; the ranks agree on
+it (an all-reduce) and skip the arm. Anything raised while running is an error (re-raised).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .compat_features import Feature, ModelShape
+
+__all__ = ["FP16_INITIAL_SCALE", "REFERENCE", "ArmResult", "GroupSpec", "run_arms"]
+
+REFERENCE = "megatron-core"
+"""The name of the reference arm."""
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_INITIAL_SCALE = 2.0 ** 12
+"""fp16 features: the dynamic loss scaler's initial scale (hysteresis 1: the first overflow halves it)."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One launch: a feature, a placement group and the arms to run in order.
+
+    Attributes:
+        feature: the configuration.
+        model: the model shape (``model.pp`` is the pipeline size of the megatron-zb arms).
+        placement: ``"plain"``, ``"interleaved"`` or ``"v"``.
+        arms: arm names (:data:`REFERENCE` and/or family names).
+        pp: pipeline size of this launch (``model.pp``; 1 for the V reference launch).
+    """
+
+    feature: Feature
+    model: ModelShape
+    placement: str
+    arms: tuple[str, ...]
+    pp: int
+
+
+@dataclass
+class ArmResult:
+    """One rank's results of one arm (keys carry the rank's TP and DP rank: every copy compares).
+
+    Attributes:
+        refused: the refusal message, or None.
+        losses: ``(iteration, tp_rank, dp_rank) -> [loss of each microbatch]`` (last stage only).
+        grads: ``(iteration, name, tp_rank, dp_rank) -> this rank's gradient``: ``main_grad``
+            after ``finalize_model_grads`` (before it, with the distributed optimizer), the
+            local tensor-parallel shard.
+        params: ``(name, tp_rank, dp_rank) -> parameter`` after the last step.
+        steps: ``(update_successful, loss scale)`` per iteration.
+        w_deferred: weight-gradient computations megatron-zb's store ran (0 for the reference).
+        rollbacks: post-validation rollbacks on this rank.
+        order: ``(op, local chunk, microbatch)`` of every forward and backward, in execution order.
+    """
+
+    refused: str | None = None
+    losses: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
+    grads: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    params: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    steps: list[tuple[bool, float]] = field(default_factory=list)
+    w_deferred: int = 0
+    rollbacks: int = 0
+    order: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+def _refusal_types() -> tuple[type[BaseException], ...]:
+    from ..optimizer import PostValidationError
+    from ..schedules import ScheduleError
+    from ..training.arguments.common import ArgumentError
+
+    return (ValueError, NotImplementedError, ScheduleError, ArgumentError, PostValidationError)
+
+
+# ---------------------------------------------------------------------- data and steps
+def _microbatches(model: ModelShape, iteration: int, dp_rank: int) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(7 + 1000 * dp_rank + 100_000 * iteration)
+    out = []
+    for mb in range(model.num_microbatches):
+        tokens = torch.randint(0, model.vocab, (model.micro_batch, model.seq), generator=g)
+        out.append(dict(tokens=tokens, labels=torch.roll(tokens, -1, dims=1), mb=mb,
+                        position_ids=torch.arange(model.seq).unsqueeze(0).expand(model.micro_batch, model.seq)))
+    return out
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward logs that a chunk's backward for a microbatch started."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, log: list, event: tuple) -> torch.Tensor:
+        ctx.log, ctx.event = log, event
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.log.append(ctx.event)
+        return grad, None, None
+
+
+def _forward_step(*, chunk_index: dict[int, int], order: list, multiplier: float, per_token: bool) -> Callable:
+    """megatron-core forward step over :func:`_microbatches`, logging F and B (see :class:`_Mark`)."""
+
+    def loss_func(output: torch.Tensor):
+        losses = output.float() * multiplier
+        if per_token:
+            total, count = losses.sum(), torch.tensor(losses.numel(), dtype=torch.int)
+            return total, count, {"lm loss": torch.stack([total.detach(), count.float()])}
+        loss = losses.mean()
+        return loss, {"lm loss": loss.detach()}
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module):
+        batch = next(data_iterator)
+        chunk = chunk_index[id(model)]
+        order.append(("F", chunk, batch["mb"]))
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return _Mark.apply(output, order, ("B", chunk, batch["mb"])), loss_func
+
+    return forward_step
+
+
+# ---------------------------------------------------------------------- building an arm
+def _stage_to_rank(placement: str, pp: int) -> list[int]:
+    from ..schedules import interleaved_placement, plain_placement, v_placement
+
+    if pp == 1:
+        return [0]
+    return {"plain": plain_placement, "v": v_placement,
+            "interleaved": lambda p: interleaved_placement(p, 2)}[placement](pp)
+
+
+def _build_modules(spec: GroupSpec, arm: str) -> tuple[list[Any], list[Any]]:
+    """This rank's chunks and the modules to run (wrapped), hooks set as Megatron's loop does."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from ..megatron_compat import chunk_float16_module
+    from ..model import build_gpt_chunks, cpu_gpt_config
+
+    f, m = spec.feature, spec.model
+    dtype = _DTYPES[f.precision]
+    fused = f.grad_fusion and arm != REFERENCE
+    config = cpu_gpt_config(
+        num_layers=m.num_layers, hidden_size=m.hidden, num_attention_heads=m.heads, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=f.tp, pipeline_model_parallel_size=spec.pp,
+        sequence_parallel=f.sequence_parallel, gradient_accumulation_fusion=fused, params_dtype=dtype,
+        pipeline_dtype=dtype, bf16=f.precision == "bf16", fp16=f.precision == "fp16",
+        calculate_per_token_loss=f.per_token_loss, batch_p2p_comm=False, **f.config_overrides)
+    chunks = build_gpt_chunks(config=config, vocab_size=m.vocab, max_sequence_length=m.seq,
+                              stage_to_rank=_stage_to_rank(spec.placement, spec.pp), seed=m.seed, **f.gpt_kwargs)
+    modules = [c.module for c in chunks]
+    if f.precision != "fp32":
+        modules = [chunk_float16_module(c.module.config, c.module, first=c.plan.pre_process,
+                                        last=c.plan.post_process) for c in chunks]
+    # Every arm: get_megatron_optimizer needs DDP-wrapped chunks (at DP=1 just the main_grad buffer).
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=f.precision != "fp32",
+                                               use_distributed_optimizer=f.distributed_optimizer)
+    modules = [DistributedDataParallel(config=c.module.config, module=mod, ddp_config=ddp_config,
+                                       disable_bucketing=i > 0) for i, (c, mod) in enumerate(zip(chunks, modules))]
+    for c in chunks:
+        c.module.config.no_sync_func = [x.no_sync for x in modules] if len(modules) > 1 else modules[0].no_sync
+        c.module.config.finalize_model_grads_func = finalize_model_grads
+    if arm == REFERENCE and spec.placement == "interleaved" and spec.pp > 1:
+        # megatron-core's interleaved schedule reads the virtual size from the first chunk's config.
+        for c in chunks:
+            c.module.config.virtual_pipeline_model_parallel_size = len(chunks)
+            c.module.config.microbatch_group_size_per_vp_stage = spec.pp
+    return chunks, modules
+
+
+def _build_optimizer(spec: GroupSpec, arm: str, chunks: list[Any], modules: list[Any]) -> Any:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    f = spec.feature
+    cfg = OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=f.clip_grad, bf16=f.precision == "bf16",
+                          fp16=f.precision == "fp16", params_dtype=_DTYPES[f.precision],
+                          initial_loss_scale=FP16_INITIAL_SCALE, hysteresis=1, min_loss_scale=1.0,
+                          use_distributed_optimizer=f.distributed_optimizer)
+    opt = get_megatron_optimizer(cfg, modules, use_gloo_process_groups=False)
+    if f.post_validation and arm != REFERENCE:
+        from ..optimizer import PostValidationOptimizer
+
+        opt = PostValidationOptimizer(opt, exact=f.post_validation == "exact", warmup_iters=0,
+                                      clean_iters_required=0, sync_on_local_clip=False, timeout=120.0)
+    for c in chunks:
+        c.module.config.grad_scale_func = opt.scale_loss
+    return opt
+
+
+def _forward_backward_func(spec: GroupSpec, arm: str) -> Any:
+    if arm == REFERENCE:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()
+    from ..runtime import get_forward_backward_func as zb_func
+
+    fb = zb_func(arm, num_chunks=2, timeout=60.0)
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    fb.plan_for(group.size(), spec.model.num_microbatches, group.rank())  # validate the schedule up front
+    return fb
+
+
+def _setup(spec: GroupSpec, arm: str) -> tuple[Any, str | None]:
+    """Build the arm; ``(parts, None)`` or ``(None, refusal message)`` agreed by every rank."""
+    import torch.distributed as dist
+
+    parts, message = None, None
+    try:
+        if spec.feature.grad_fusion and arm != REFERENCE:
+            from ..runtime.wgrad_kernels import install_megatron_fallback
+
+            install_megatron_fallback()
+        chunks, modules = _build_modules(spec, arm)
+        opt = _build_optimizer(spec, arm, chunks, modules)
+        parts = (chunks, modules, opt, _forward_backward_func(spec, arm))
+    except _refusal_types() as e:
+        message = f"{type(e).__name__}: {e}"
+    flag = torch.tensor([0 if message is None else 1])
+    dist.all_reduce(flag)
+    if int(flag) and message is None:
+        message = "refused on another rank"
+    return (None, message) if int(flag) else (parts, None)
+
+
+# ---------------------------------------------------------------------- running an arm
+def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
+    from megatron.core import parallel_state
+
+    from ..model import named_global_parameters
+    from .tiny_gpt import forward_backward
+
+    chunks, modules, opt, fb = parts
+    f, m = spec.feature, spec.model
+    tp, dp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    res = ArmResult()
+    store = getattr(fb, "store", None)
+    before = 0 if store is None else store.executed
+    index = {id(mod): i for i, mod in enumerate(modules)}
+    if f.distributed_optimizer:
+        _record_before_finalize(chunks, res, tp, dp)
+    for it in range(f.iterations):
+        if hasattr(opt, "begin_iteration"):
+            opt.begin_iteration()
+        for mod in modules:
+            if hasattr(mod, "zero_grad_buffer"):
+                mod.zero_grad_buffer()
+        opt.zero_grad()
+        step = _forward_step(chunk_index=index, order=res.order, multiplier=f.loss_multiplier(it),
+                             per_token=f.per_token_loss)
+        data = _microbatches(m, it, dp)
+        iters = [iter(data) for _ in modules]
+        out = fb(forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0],
+                 model=modules if len(modules) > 1 else modules[0], num_microbatches=len(data), seq_length=m.seq,
+                 micro_batch_size=m.micro_batch)
+        if out:
+            res.losses[(it, tp, dp)] = [d["lm loss"] for d in out]
+        if not f.distributed_optimizer:
+            for c in chunks:
+                for n, p in named_global_parameters(c):
+                    res.grads[(it, n, tp, dp)] = p.main_grad.detach().clone()
+        ok, _, _ = opt.step()
+        # The wrapper's own get_loss_scale() would validate the step at once: read the inner one.
+        res.steps.append((bool(ok), float(getattr(opt, "wrapped", opt).get_loss_scale())))
+    if hasattr(opt, "finalize"):
+        opt.finalize()
+        res.rollbacks = opt.counters().rollbacks
+    res.params = {(n, tp, dp): p.detach().clone() for c in chunks for n, p in named_global_parameters(c)}
+    res.w_deferred = 0 if store is None else store.executed - before
+    return res
+
+
+def _record_before_finalize(chunks: list[Any], res: ArmResult, tp: int, dp: int) -> None:
+    """Record each iteration's local gradients just before ``finalize_model_grads``.
+
+    With the distributed optimizer, DDP reduce-scatters the gradient buffer: afterwards only
+    this rank's shard of ``main_grad`` is reduced and the shard boundaries depend on the chunk
+    layout (V: two buffers per rank), so the raw buffer does not compare across placements. The
+    local gradients before the reduction do; the reduced ones are checked through the
+    parameters after the step.
+    """
+    from ..model import named_global_parameters
+
+    finalize = chunks[0].module.config.finalize_model_grads_func
+
+    def recording_finalize(*args: Any, **kwargs: Any) -> Any:
+        it = len(res.steps)
+        for c in chunks:
+            for n, p in named_global_parameters(c):
+                res.grads[(it, n, tp, dp)] = p.main_grad.detach().clone()
+        return finalize(*args, **kwargs)
+
+    for c in chunks:
+        c.module.config.finalize_model_grads_func = recording_finalize
+
+
+def run_arms(spec: GroupSpec) -> dict[str, ArmResult]:
+    """Run every arm of ``spec`` on this rank (see the module docstring); results by arm name."""
+    from megatron.core import parallel_state
+
+    from .distributed import init_parallel_state
+
+    vp = 2 if spec.placement == "interleaved" and spec.pp > 1 else None
+    init_parallel_state(tensor_model_parallel_size=spec.feature.tp, pipeline_model_parallel_size=spec.pp,
+                        virtual_pipeline_model_parallel_size=vp, seed=spec.model.seed)
+    out: dict[str, ArmResult] = {}
+    try:
+        for arm in spec.arms:
+            parts, refused = _setup(spec, arm)
+            out[arm] = ArmResult(refused=refused) if refused else _train(spec, arm, parts)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
