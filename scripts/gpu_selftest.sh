@@ -10,9 +10,9 @@
 #   1. environment: GPUs, torch / CUDA / NCCL versions, Transformer Engine and apex presence;
 #   2. the numerical test suite on CUDA: the tests that build models take their device and backend
 #      from MEGATRON_ZB_TEST_DEVICE / MEGATRON_ZB_TEST_BACKEND, so the CPU suite's equality tests
-#      (every schedule against megatron-core's 1F1B, TP/SP, DDP, fused accumulation, the
-#      Transformer Engine contract) run here on GPUs with NCCL; tests that need more GPUs than the
-#      node has are reported as skipped;
+#      (every schedule against megatron-core's 1F1B, TP/SP, DDP and its overlapped reduce, model
+#      flags, fused accumulation, the Transformer Engine contract) run here on GPUs with NCCL;
+#      tests that need more GPUs than the node has are reported as skipped;
 #   3. with Transformer Engine >= 2.3 installed: the real-TE parity tests (delayed weight gradients
 #      under zb-h1 / zb-2p / zbv equal the non-delayed path of megatron-core's 1F1B);
 #   4. with 2 or more GPUs: a short benchmark, megatron-core's 1F1B against zb, zb-2p and zbv at
@@ -61,7 +61,7 @@ fi
 
 CUDA_ENV="env MEGATRON_ZB_TEST_DEVICE=cuda MEGATRON_ZB_TEST_BACKEND=nccl CUBLAS_WORKSPACE_CONFIG=:4096:8"
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rs"
-NUMERIC_TESTS="tests/test_runtime.py tests/test_routes.py tests/test_te_contract.py"
+NUMERIC_TESTS="tests/test_runtime.py tests/test_routes.py tests/test_te_contract.py tests/test_dp_overlap.py tests/test_model_flags.py"
 
 declare -a SUMMARY=()
 FAILED=0
