@@ -267,3 +267,62 @@ def chunk_float16_module(config: "TransformerConfig", module: "torch.nn.Module",
             return outputs
 
     return ChunkFloat16Module(config, module)
+
+
+# ------------------------------------------------------------------------ transformer engine
+# (what the Transformer Engine route reads inside TE modules and megatron-core's TE config;
+# see megatron_zb/runtime/te_route.py and docs/transformer_engine.md). TE's public API used
+# directly there: ``module.wgrad_store.delay_wgrad_compute()``, ``module.backward_dw()``,
+# ``module.register_wgrad_accumulation_and_reduce_hooks(hook)`` (TE >= 2.7).
+
+
+def te_queued_wgrad(module: Any) -> int:
+    """Entries queued in a TE module's deferred weight-gradient FIFO.
+
+    Private to TE: ``WeightGradStore.context`` is the ``queue.Queue`` that ``put`` fills and
+    ``pop`` drains (``transformer_engine/pytorch/module/_common.py``, unchanged from TE 2.3 to
+    2.18). One ``backward_dw()`` pops one entry (``LayerNormMLP``: two, fc2 then fc1);
+    ``need_backward_dw()`` (TE >= 2.10) only says whether delaying is switched on.
+    """
+    context = module.wgrad_store.context
+    return 0 if context is None else context.qsize()
+
+
+def te_drop_queued_wgrad(module: Any) -> None:
+    """Empty a TE module's deferred weight-gradient FIFO without running it (after a failed
+    iteration; see :func:`te_queued_wgrad` for the private ``WeightGradStore.context``)."""
+    context = module.wgrad_store.context
+    while context is not None and not context.empty():
+        context.get_nowait()
+
+
+def te_returned_bias_params(module: Any) -> tuple[Any, ...]:
+    """The bias parameters a TE module returns to its caller (``return_bias=True``; megatron-core's
+    ``skip_bias_add``) instead of adding them: their gradient comes from autograd in B.
+
+    TE's ``backward_dw()`` still assigns them ``bgrad.to(dtype)`` when their ``.grad`` is
+    ``None`` although the delayed GEMM computed no bias gradient (``bgrad is None``):
+    ``TransformerEngineBaseModule.backward_dw`` (``Linear``, ``LayerNormLinear``; bias names in
+    the module's ``bias_names``) and ``LayerNormMLP.backward_dw`` (``fc2_bias``), TE 2.3 to 2.18.
+    """
+    if not (getattr(module, "return_bias", False) and getattr(module, "use_bias", False)):
+        return ()
+    names = getattr(module, "bias_names", None)
+    if names is not None:
+        return tuple(getattr(module, n) for n in names)
+    fc2_bias = getattr(module, "fc2_bias", None)
+    return () if fc2_bias is None else (fc2_bias,)
+
+
+def set_delay_wgrad_compute(config: Any) -> None:
+    """Set ``config.delay_wgrad_compute = True`` on an already validated ``TransformerConfig``.
+
+    megatron-core 0.16.1 accepts ``delay_wgrad_compute`` only together with
+    ``overlap_moe_expert_parallel_comm`` (an assertion in ``TransformerConfig.__post_init__``,
+    ``megatron/core/transformer/transformer_config.py``); its TE wrappers
+    (``megatron/core/extensions/transformer_engine.py``) read the field when they build a TE
+    module (``delay_wgrad_compute=`` for TE >= 2.3) and in their ``backward_dw()``. Setting the
+    field after validation -- before the model is built -- passes it to TE without the MoE-only
+    check; no megatron-core file changes.
+    """
+    config.delay_wgrad_compute = True

@@ -3,11 +3,11 @@
 from .forward_backward import ZeroBubbleForwardBackward, ZeroBubbleOptions, get_forward_backward_func
 from .memory import ActivationMemoryTracker
 from .p2p import PipelineTimeoutError
-from .routes import ROUTES, LayerRoute, install_routes, uninstall_routes
+from .routes import ROUTES, LayerRoute, ModuleRoute, install_routes, uninstall_routes
 from .wgrad_store import WeightGradStore, WeightGradStoreError, current_store
 
 __all__ = [
-    "ActivationMemoryTracker", "LayerRoute", "PipelineTimeoutError", "ROUTES", "WeightGradStore",
+    "ActivationMemoryTracker", "LayerRoute", "ModuleRoute", "PipelineTimeoutError", "ROUTES", "WeightGradStore",
     "WeightGradStoreError", "ZeroBubbleForwardBackward", "ZeroBubbleOptions", "current_store",
     "get_forward_backward_func", "install_routes", "uninstall_routes",
 ]

@@ -7,9 +7,10 @@ The schedule is lowered (:func:`megatron_zb.schedules.lower`) and checked once p
   the data iterator, the last stage computes the loss);
 * ``B``  -- megatron-core's ``backward_step`` inside :meth:`WeightGradStore.deferring` of the
   store passed in: input gradients now, the weight-gradient work of every routed layer queued
-  (:mod:`megatron_zb.runtime.routes`);
+  (:mod:`megatron_zb.runtime.routes`, :func:`~megatron_zb.runtime.routes.backward_window`);
 * ``W``  -- runs the queue of that (stage, microbatch);
-* ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does);
+* ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does; layers that queue
+  their weight gradients themselves, e.g. Transformer Engine's, run them right after);
 * ``RECV_*`` / ``SEND_*`` -- p2p via :class:`PipeComm`, matched by order as on NCCL: the
   receives from each peer are posted in the order that peer sends them (:attr:`RankPlan.recv_order`),
   up to ``recv_lookahead`` actions ahead (on NCCL never ahead of one of this rank's own earlier
@@ -35,6 +36,7 @@ from ..schedules.lowering import check_lowered, lower
 from .grad_sync import GradSync
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
+from .routes import backward_window
 from .wgrad_store import WeightGradStore
 
 
@@ -372,12 +374,9 @@ class _Iteration:
         out_grad = None if stage == self.last else self.output_grads.pop(key)
         # tracked as in F: what a recomputed block saves in B (W closures may keep part of it)
         ctx = self.memory.saving() if self.memory is not None else contextlib.nullcontext()
-        with ctx:
-            if deferred:
-                with self.store.deferring(stage, a.mb):
-                    in_grad = self._backward_step(inp, out, out_grad, self.model_type, self.config)
-            else:
-                in_grad = self._backward_step(inp, out, out_grad, self.model_type, self.config)
+        with ctx, backward_window(store=self.store, deferred=deferred, chunk=self.runtime.chunks[stage],
+                                  stage=stage, microbatch=a.mb):
+            in_grad = self._backward_step(inp, out, out_grad, self.model_type, self.config)
         del out, out_grad
         if stage > 0:
             if self.stage_to_rank[stage - 1] == self.rank:  # previous stage on this rank

@@ -15,7 +15,7 @@ from .executor import ActionTiming, RankPlan, StageRuntime, execute, plan_rank
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
-from .routes import install_routes
+from .routes import check_schedule, install_routes
 from .wgrad_store import WeightGradStore
 
 
@@ -142,6 +142,8 @@ class ZeroBubbleForwardBackward:
         p, rank = pp_group.size(), pp_group.rank()
         sched = self.schedule_for(p, num_microbatches)
         plan = self.plan_for(p, num_microbatches, rank, forward_only=forward_only)
+        if not forward_only:
+            check_schedule(sched, chunks)  # e.g. TE modules need W's in B order on every stage
         stages = sched.stages_of(rank)
         if len(chunks) != len(stages):
             raise ValueError(f"schedule {sched.name or '(given)'} places stages {stages} on pipeline rank {rank}, "

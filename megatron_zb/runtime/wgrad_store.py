@@ -201,8 +201,17 @@ class WeightGradStore:
                                        f"{self._pending_text()}")
 
     def clear(self) -> None:
-        """Drop every queue and the iteration's bookkeeping (after a failed iteration)."""
+        """Drop every queue and the iteration's bookkeeping (after a failed iteration).
+
+        A queued ``fn`` with a ``discard()`` method is told (e.g. the Transformer Engine route
+        then empties the TE module's own queue, whose work this W would have run).
+        """
         global _CURRENT
+        for queue in self._queues.values():
+            for fn, _ in queue:
+                discard = getattr(fn, "discard", None)
+                if discard is not None:
+                    discard()
         self._queues.clear()
         self._w_left.clear()
         self._params.clear()

@@ -1,8 +1,14 @@
-"""Run a function on N local processes joined by a gloo process group (tests and benchmarks).
+"""Run a function on N local processes joined by a process group (tests and benchmarks).
 
 :func:`run_distributed` starts ``world_size`` processes, initialises ``torch.distributed``
-(gloo, rendezvous through a TCPStore the parent hosts on 127.0.0.1 on a free port), calls the
-function in each and returns the results in rank order. It never hangs:
+(rendezvous through a TCPStore the parent hosts on 127.0.0.1 on a free port), calls the
+function in each and returns the results in rank order.
+
+Device and backend come from the environment, so the same tests run on CPU and on GPUs:
+``MEGATRON_ZB_TEST_DEVICE`` (``cpu``, the default, or ``cuda``: rank ``r`` uses GPU ``r``) and
+``MEGATRON_ZB_TEST_BACKEND`` (default ``gloo`` on CPU, ``nccl`` on CUDA); see
+:func:`device_from_env` and :func:`backend_from_env`. A run needing more GPUs than the node has raises
+:class:`NotEnoughDevices`, which pytest reports as a skip. It never hangs:
 
 * a hard ``timeout`` (seconds, whole run): when it passes, every process is killed and
   :class:`DistributedTimeout` names the ranks that had not finished, with the Python stack
@@ -38,15 +44,21 @@ import signal
 import tempfile
 import time
 import traceback
+import unittest
 from typing import Any, Callable, Sequence, TypeVar
 
 __all__ = [
     "DEFAULT_PRELOAD",
+    "DEVICE_ENV",
+    "BACKEND_ENV",
     "DistributedError",
+    "NotEnoughDevices",
     "DistributedTimeout",
     "RemoteTraceback",
     "init_parallel_state",
     "run_distributed",
+    "backend_from_env",
+    "device_from_env",
 ]
 
 T = TypeVar("T")
@@ -56,11 +68,40 @@ DEFAULT_PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "megatron.core
 
 _HOST = "127.0.0.1"
 _TIMEOUT_ENV = "MEGATRON_ZB_COLLECTIVE_TIMEOUT_S"
+DEVICE_ENV = "MEGATRON_ZB_TEST_DEVICE"
+"""Environment variable naming the device tests run on: ``cpu`` (default) or ``cuda``."""
+BACKEND_ENV = "MEGATRON_ZB_TEST_BACKEND"
+"""Environment variable naming the process-group backend (default: gloo on CPU, nccl on CUDA)."""
+
+
+def device_from_env() -> "torch.device":
+    """The device tests and benchmarks run on (``MEGATRON_ZB_TEST_DEVICE``; inside a rank of
+    :func:`run_distributed` on CUDA, the rank's own GPU)."""
+    import torch
+
+    name = os.environ.get(DEVICE_ENV, "cpu").strip().lower() or "cpu"
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={name!r}: expected cpu or cuda")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{DEVICE_ENV}=cuda but torch sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend_from_env() -> str:
+    """The process-group backend (``MEGATRON_ZB_TEST_BACKEND``; default by :func:`device_from_env`)."""
+    default = "nccl" if os.environ.get(DEVICE_ENV, "cpu").strip().lower() == "cuda" else "gloo"
+    return os.environ.get(BACKEND_ENV, default).strip().lower() or default
 _context: Any = None
 
 
 class DistributedError(RuntimeError):
     """A distributed run failed (a rank died, raised an unpicklable exception, or timed out)."""
+
+
+class NotEnoughDevices(unittest.SkipTest):
+    """The run needs more GPUs than the node has (pytest reports it as a skipped test)."""
 
 
 class DistributedTimeout(DistributedError):
@@ -105,11 +146,12 @@ def run_distributed(
     threads: int = 1,
     preload: Sequence[str] = DEFAULT_PRELOAD,
 ) -> list[T]:
-    """Call ``fn(*args, **kwargs)`` in ``world_size`` gloo-connected processes; return per-rank results.
+    """Call ``fn(*args, **kwargs)`` in ``world_size`` connected processes; return per-rank results.
 
     Args:
         fn: module-level function (pickled by reference); inside it ``torch.distributed`` is
-            initialised (backend gloo, ranks ``0..world_size-1``).
+            initialised (backend :func:`backend_from_env`, ranks ``0..world_size-1``; on CUDA rank
+            ``r`` has GPU ``r`` as its current device).
         world_size: number of processes.
         args, kwargs: arguments for ``fn``, identical in every rank (use
             ``torch.distributed.get_rank()`` to specialise).
@@ -138,6 +180,12 @@ def run_distributed(
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     coll_timeout = timeout if collective_timeout is None else collective_timeout
+    if os.environ.get(DEVICE_ENV, "cpu").strip().lower() == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < world_size:
+            raise NotEnoughDevices(f"needs {world_size} CUDA devices (one per rank), this node has {have}")
     ctx = _get_context(preload)
     name = f"run_distributed({getattr(fn, '__qualname__', repr(fn))}, world_size={world_size})"
     deadline = time.monotonic() + timeout
@@ -305,7 +353,10 @@ def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         os.environ[_TIMEOUT_ENV] = repr(coll_timeout)  # read by init_parallel_state
         td = datetime.timedelta(seconds=coll_timeout)
         store = dist.TCPStore(_HOST, port, world_size, False, timeout=td)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=td)
+        backend = backend_from_env()
+        if os.environ.get(DEVICE_ENV, "cpu").strip().lower() == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
         msg, ok = ("ok", fn(*args, **kwargs)), True
     except BaseException as e:  # report everything, SystemExit and KeyboardInterrupt included
         tb = traceback.format_exc()

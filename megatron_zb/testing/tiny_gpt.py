@@ -6,6 +6,9 @@ runs one forward/backward over fixed data -- with megatron-core's own
 ``get_forward_backward_func()`` when ``schedule is None``, else with megatron-zb's -- and
 returns the losses and every parameter's full (tensor-parallel-gathered) gradient keyed by its
 global name, so results of different layouts compare directly.
+
+The model runs on :func:`~megatron_zb.testing.distributed.device_from_env` (CPU by default,
+``MEGATRON_ZB_TEST_DEVICE=cuda`` on a GPU node); results come back on CPU.
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ class TinyGPT:
     """Arguments of ``get_gpt_layer_local_spec``, e.g. ``qk_layernorm=True``, ``normalization="RMSNorm"``."""
     split: dict[str, Any] = field(default_factory=dict)
     """Arguments of :func:`megatron_zb.model.pipeline_split` (``first_stage_layers=1``, ...); empty: even split."""
+    layer_spec: str | None = None
+    """``"module:function"`` returning the ``TransformerLayer`` spec (then ``spec_options`` must be
+    empty); default: megatron-core's local spec with ``spec_options``."""
+    delay_wgrad: bool = False
+    """Build Transformer Engine modules with delayed weight gradients
+    (:func:`megatron_zb.runtime.te_route.enable_delayed_wgrad`)."""
 
     def microbatches(self) -> list[dict[str, torch.Tensor]]:
         """The fixed data: ``num_microbatches`` micro batches of random tokens (per DP rank)."""
@@ -118,6 +127,9 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     from megatron.core.utils import get_model_config
 
     batch = next(data_iterator)
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        batch = {k: v.to(device) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, per_token_loss_func if get_model_config(model).calculate_per_token_loss else loss_func
 
@@ -134,16 +146,16 @@ def forward_backward(fb: Any, modules: list[Any], data: list[dict[str, torch.Ten
 
 
 def full_tensor(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
-    """Gather a tensor-parallel shard back to the full tensor (a copy at TP=1)."""
+    """Gather a tensor-parallel shard back to the full tensor (a copy at TP=1), on CPU."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return t.detach().clone()
+        return t.detach().cpu().clone()
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=param.partition_dim)
+    return torch.cat(parts, dim=param.partition_dim).cpu()
 
 
 def placement_for(schedule: "str | Schedule | None", pp: int, num_chunks: int = 2) -> list[int]:
@@ -162,10 +174,14 @@ def placement_for(schedule: "str | Schedule | None", pp: int, num_chunks: int = 
 
 
 def build_chunks(cfg: TinyGPT, stage_to_rank: list[int]) -> list[Any]:
-    """This rank's GPT chunks of ``cfg`` (no dropout) for a placement; parallel state must be initialised."""
+    """This rank's GPT chunks of ``cfg`` (no dropout) for a placement, on the test device;
+    parallel state must be initialised."""
+    import importlib
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from ..model import build_gpt_chunks, cpu_gpt_config, pipeline_split
+    from .distributed import device_from_env
 
     config = cpu_gpt_config(num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
                             hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=cfg.tp,
@@ -173,9 +189,25 @@ def build_chunks(cfg: TinyGPT, stage_to_rank: list[int]) -> list[Any]:
                             gradient_accumulation_fusion=cfg.gradient_accumulation_fusion, **cfg.config_options)
     layers = (pipeline_split(num_layers=cfg.num_layers, stage_to_rank=stage_to_rank, **cfg.split)
               if cfg.split else None)
-    return build_gpt_chunks(config=config, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
-                            stage_to_rank=stage_to_rank, seed=cfg.seed, layers_per_stage=layers,
-                            layer_spec=get_gpt_layer_local_spec(**cfg.spec_options), **cfg.model_options)
+    if cfg.layer_spec is not None:
+        if cfg.spec_options:
+            raise ValueError("TinyGPT: give layer_spec or spec_options, not both")
+        module, _, function = cfg.layer_spec.partition(":")
+        spec = getattr(importlib.import_module(module), function)()
+    else:
+        spec = get_gpt_layer_local_spec(**cfg.spec_options)
+    if cfg.delay_wgrad:
+        from ..runtime.te_route import enable_delayed_wgrad
+
+        enable_delayed_wgrad(config)
+    chunks = build_gpt_chunks(config=config, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
+                              stage_to_rank=stage_to_rank, seed=cfg.seed, layers_per_stage=layers,
+                              layer_spec=spec, **cfg.model_options)
+    device = device_from_env()
+    if device.type != "cpu":
+        for c in chunks:
+            c.module.to(device)
+    return chunks
 
 
 def build(cfg: TinyGPT, schedule: str | None) -> tuple[list[Any], list[Any]]:
@@ -228,7 +260,7 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
                 g = p.main_grad if use_main else p.grad
                 grads[n] = full_tensor(g, p)
     w_deferred = 0 if store is None else store.executed - before
-    out = {"losses": [d["lm loss"] for d in losses], "grads": grads, "w_deferred": w_deferred,
+    out = {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": w_deferred,
            "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}}
     if optimizer_step:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -73,13 +73,20 @@ def gpt_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         recompute_modules=list(args.recompute_modules) if args.recompute_modules is not None else None,
-        calculate_per_token_loss=args.calculate_per_token_loss, **moe_config(args))
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion, **moe_config(args))
 
 
 def gpt_layer_spec(args: argparse.Namespace) -> Any:
-    """The transformer layer spec: megatron-core's local spec for ``--qk-layernorm`` / ``--normalization``,
-    with MoE MLPs on the layers ``--moe-layer-freq`` selects when ``--num-experts`` is set."""
+    """The transformer layer spec: with ``--transformer-impl transformer_engine`` megatron-core's
+    Transformer Engine spec, else its local spec for ``--qk-layernorm`` / ``--normalization``, with
+    MoE MLPs on the layers ``--moe-layer-freq`` selects when ``--num-experts`` is set."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if args.transformer_impl == "transformer_engine":
+        from megatron_zb.runtime.te_route import te_layer_spec
+
+        return te_layer_spec(qk_layernorm=args.qk_layernorm)
 
     kwargs = dict(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     return moe_layer_spec(args, local_spec_kwargs=kwargs) or get_gpt_layer_local_spec(**kwargs)
@@ -110,7 +117,18 @@ def build_model(args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist:
                  f"{args.padded_vocab_size} (padded); schedule {args.schedule} "
                  f"({args.schedule_placement} placement, {args.num_pipeline_stages} stages, layers per "
                  f"stage {args.num_layers_per_stage}) ...")
-    chunks = build_gpt_chunks(config=gpt_config(args), vocab_size=args.padded_vocab_size,
+    print_rank_0(f"> transformer implementation: {args.transformer_impl} ({args.transformer_impl_reason})")
+    print_rank_0(f"> gradient accumulation fusion: {args.wgrad_kernel}")
+    config = gpt_config(args)
+    if args.transformer_impl == "transformer_engine" and args.split_backward:  # TE queues weight gradients for W
+        from megatron_zb.runtime.te_route import enable_delayed_wgrad
+
+        enable_delayed_wgrad(config)
+    if args.gradient_accumulation_fusion:  # apex's kernels, or megatron-zb's matmul ones where apex is absent
+        from megatron_zb.runtime.wgrad_kernels import install_megatron_fallback
+
+        install_megatron_fallback()
+    chunks = build_gpt_chunks(config=config, vocab_size=args.padded_vocab_size,
                               max_sequence_length=args.max_position_embeddings, stage_to_rank=list(stage_to_rank),
                               seed=args.seed, layers_per_stage=args.num_layers_per_stage,
                               layer_spec=gpt_layer_spec(args), **gpt_model_kwargs(args))

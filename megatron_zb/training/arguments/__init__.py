@@ -13,8 +13,9 @@ command keeps working with ``--enable-zero-bubble`` added. Entry points:
 
 One module per flag group, each holding the group's flags (``add_*_args``), its checks and its
 derived values: :mod:`.model` (network size), :mod:`.training` (batch, iterations, optimizer,
-learning rate, mixed precision), :mod:`.recompute` (activation recomputation, uneven pipeline
-split), :mod:`.parallel` (distributed), :mod:`.data` (data and
+learning rate, mixed precision), :mod:`.implementation` (``--transformer-impl``, gradient-accumulation
+fusion), :mod:`.recompute` (activation recomputation, uneven pipeline split), :mod:`.parallel`
+(distributed), :mod:`.data` (data and
 tokenizer), :mod:`.checkpointing_logging`, :mod:`.zero_bubble` (schedule, memory limit, profiling,
 post-validation) and :mod:`.developer` (``pretrain_gpt_zb.py``'s extra flags). :mod:`.validation`
 orders the checks and holds the numeric ranges of all flags.
@@ -60,6 +61,13 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``tokenizer_vocab_size``            the tokenizer's vocabulary (NullTokenizer: ``--vocab-size`` + 1, EOD)
 ``padded_vocab_size``               embedding rows: the larger of the two above, rounded up to
                                     ``make_vocab_size_divisible_by * TP`` (what the model uses)
+``transformer_impl``                ``"local"`` or ``"transformer_engine"`` (default resolved);
+                                    the flag itself is ``transformer_impl_requested``
+``transformer_impl_reason``         why that implementation (one phrase for the start-up log)
+``transformer_engine_version``      installed Transformer Engine >= 2.3, or ``None``
+``gradient_accumulation_fusion``    resolved (default: apex's fused kernels importable with CUDA);
+                                    the flag itself is ``gradient_accumulation_fusion_requested``
+``wgrad_kernel``                    which kernel accumulates weight gradients (start-up log)
 ==================================  ===========================================================
 """
 
@@ -74,6 +82,7 @@ from .checkpointing_logging import add_checkpointing_args, add_validation_and_lo
 from .common import ArgumentError
 from .flags import MegatronZBArgumentParser
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
+from .implementation import add_implementation_args
 from .logging_flags import add_logging_extra_args
 from .model import add_network_args
 from .moe import add_moe_args
@@ -103,9 +112,9 @@ __all__ = [
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
-    add_network_args, add_training_args, add_learning_rate_args, add_mixed_precision_args, add_recompute_args,
-    add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args, add_checkpointing_args,
-    add_validation_and_logging_args, add_logging_extra_args, add_zero_bubble_args)
+    add_network_args, add_implementation_args, add_training_args, add_learning_rate_args, add_mixed_precision_args,
+    add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
+    add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_zero_bubble_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
 
 

@@ -16,6 +16,7 @@ from megatron_zb.schedules.ir import Schedule
 
 from .common import ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
+from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
 from .logging_flags import check_logging
 from .model import check_architecture, check_attention_heads, check_position_embeddings, fill_model_sizes
 from .moe import check_moe
@@ -70,6 +71,8 @@ def validate_args_and_schedule(args: argparse.Namespace, *, world_size: int) -> 
         raise ArgumentError("world_size", f"must be >= 1, got {world_size}")
     args.world_size = world_size
     check_ranges(args)
+    resolve_transformer_impl(args)
+    resolve_gradient_accumulation_fusion(args)
     check_world_size(args, world_size)
     check_attention_heads(args)
     check_architecture(args)

@@ -1,0 +1,427 @@
+"""The Transformer Engine route, verified by contract on CPU.
+
+Transformer Engine does not run here. ``tests/te_double.py`` reproduces, on CPU, what the route
+relies on in TE's source (v2.18, checked against v2.3 and v2.7; see its docstring) and
+megatron-core's TE wrappers; GPT chunks are built from megatron-core's own
+``get_gpt_layer_with_transformer_engine_spec()`` with the double's classes, and run through the
+same runtime code as TE modules (:mod:`megatron_zb.runtime.te_route`).
+
+* every schedule family with TE's delayed weight gradients gives the gradients of the
+  non-delayed path -- megatron-core's own 1F1B with delaying off -- bit for bit (fp32), and
+  ``backward_dw()`` really ran once per module and microbatch;
+* the same with megatron-core DDP (``main_grad``) and with ``gradient_accumulation_fusion``;
+  and for TE 2.3-2.6 (no hooks API, ``weight.grad`` assigned only when empty);
+* a schedule whose W's leave their B's order, or a split schedule on TE modules built without
+  delaying, is refused before anything runs.
+
+The last test runs real Transformer Engine modules when TE and CUDA are present
+(``scripts/gpu_selftest.sh``); here it is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import pytest
+import torch
+
+import megatron_zb  # noqa: F401  (CPU shim)
+import te_double
+from megatron_zb.runtime import WeightGradStore, WeightGradStoreError
+from megatron_zb.runtime.routes import backward_window, check_schedule, install_routes
+from megatron_zb.schedules import Action, Op, Schedule, ScheduleError
+from megatron_zb.schedules.order import w_order_matches_b
+from megatron_zb.schedules.registry import build_schedule, schedule_names
+from megatron_zb.testing import run_distributed
+from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
+
+SPEC = "te_double:gpt_layer_spec"
+TE_SPEC = "megatron_zb.runtime.te_route:te_layer_spec"
+TINY = dict(pp=2, num_layers=4, hidden=32, heads=4, seq=16, vocab=64, num_microbatches=4)
+TE_MODULES_PER_LAYER = 4  # linear_qkv, linear_proj, linear_fc1, linear_fc2
+FAMILIES = ["1f1b", "zb-h1", "zb", "zb-2p", "zbv", "interleaved-zb"]
+
+
+# ---------------------------------------------------------------------- helpers (rank side)
+def _run(cfg: TinyGPT, **kwargs) -> dict:
+    """:func:`run_step` plus what the TE double saw in this rank."""
+    before = dict(te_double.CALLS)
+    out = run_step(cfg, **kwargs)
+    out["backward_dw"] = te_double.CALLS["backward_dw"] - before["backward_dw"]
+    out["te_queued"] = te_double.CALLS["queued"] - before["queued"]
+    out["te_queues_empty"] = te_double.queues_empty()
+    return out
+
+
+def _merged(cfg: TinyGPT, schedule, **kwargs) -> dict:
+    ranks = run_distributed(partial(_run, cfg, schedule=schedule, **kwargs), world_size=cfg.pp, timeout=120)
+    out = TinyGPT.merge(ranks)
+    for key in ("backward_dw", "te_queued"):
+        out[key] = sum(r[key] for r in ranks)
+    out["te_queues_empty"] = all(r["te_queues_empty"] for r in ranks)
+    return out
+
+
+def _assert_bitwise(ref: dict, got: dict, what: str) -> None:
+    assert len(got["losses"]) == len(ref["losses"]) > 0
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert torch.equal(a, b), f"{what}: loss {a} != {b}"
+    assert got["grads"].keys() == ref["grads"].keys()
+    for n, g in ref["grads"].items():
+        assert torch.equal(got["grads"][n], g), f"{what}: gradient of {n} differs"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """megatron-core's own 1F1B, PP=2, the double with delaying off: the non-delayed path."""
+    ref = _merged(TinyGPT(**TINY, layer_spec=SPEC), None)
+    assert ref["backward_dw"] == 0 and ref["te_queued"] == 0  # nothing was delayed
+    return ref
+
+
+# ---------------------------------------------------------------------- every schedule family
+@pytest.mark.parametrize("schedule", FAMILIES)
+def test_delayed_te_gradients_equal_the_non_delayed_path_bitwise(reference, schedule):
+    got = _merged(TinyGPT(**TINY, layer_spec=SPEC, delay_wgrad=True), schedule)
+    _assert_bitwise(reference, got, schedule)
+    m, te_modules = TINY["num_microbatches"], TE_MODULES_PER_LAYER * TINY["num_layers"]
+    assert got["te_queued"] == got["backward_dw"] == m * te_modules, "one delayed W per TE module and microbatch"
+    assert got["te_queues_empty"]
+    if schedule == "1f1b":  # fused BW: TE's queued work runs right after each backward, not in the store
+        assert got["w_deferred"] == 0
+    else:  # one store entry per TE module and microbatch, plus the output layer's (linear route)
+        assert got["w_deferred"] == m * (te_modules + 1)
+
+
+@pytest.mark.parametrize("fusion", [False, True], ids=["ddp", "ddp-fused-accumulation"])
+def test_ddp_main_grad_with_and_without_fused_accumulation(fusion):
+    """megatron-core DDP: TE's weight gradient lands in main_grad (added by the route after W, or
+    accumulated by the fused GEMM into main_grad, the first microbatch overwriting it)."""
+    base = dict(TINY, ddp=True, gradient_accumulation_fusion=fusion)
+    ref = _merged(TinyGPT(**base, layer_spec=SPEC), None)
+    got = _merged(TinyGPT(**base, layer_spec=SPEC, delay_wgrad=True), "zb-2p")
+    _assert_bitwise(ref, got, f"DDP fusion={fusion}")
+    assert got["backward_dw"] > 0 and got["te_queues_empty"]
+
+
+def test_te_2_3_without_hooks_api(reference):
+    """TE 2.3-2.6: no register_wgrad_accumulation_and_reduce_hooks, weight.grad only assigned when empty."""
+    got = _merged(TinyGPT(**TINY, layer_spec="te_double:gpt_layer_spec_te23", delay_wgrad=True), "zb")
+    _assert_bitwise(reference, got, "TE 2.3 flavour")
+    assert got["backward_dw"] == TINY["num_microbatches"] * TE_MODULES_PER_LAYER * TINY["num_layers"]
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["ddp", "distopt"])
+def test_dp_overlapped_reduce_sees_te_weights_ready_after_their_last_w(distributed_optimizer):
+    """PP=2 x DP=2, --overlap-grad-reduce (and the distributed optimizer): the store entries of the
+    TE route name their module's parameters, so megatron-zb's GradSync reports TE weights ready
+    after their last W; three iterations with Adam equal megatron-core's 1F1B without delaying."""
+    from dataclasses import replace
+
+    from megatron_zb.testing.dp_overlap import DPCase, assert_equal_runs, merge, run_dp_iterations
+
+    cfg = TinyGPT(**dict(TINY, dp=2), layer_spec=SPEC)
+    case = DPCase(overlap_grad_reduce=True, overlap_param_gather=distributed_optimizer,
+                  use_distributed_optimizer=distributed_optimizer)
+    ref = merge(run_distributed(partial(run_dp_iterations, cfg, case, schedule=None), world_size=4, timeout=300))
+    got = merge(run_distributed(partial(run_dp_iterations, replace(cfg, delay_wgrad=True), case, schedule="zb"),
+                                world_size=4, timeout=300))
+    assert_equal_runs(ref, got, bitwise=True, what=f"TE double, zb, DP overlap, distopt={distributed_optimizer}")
+    for dp, r in got.items():
+        for pp, reports in r["reports"].items():
+            for rep in reports[1:]:  # megatron-core launches from its second iteration on
+                assert len(rep.launches) == rep.num_buckets, (dp, pp)
+
+
+# ---------------------------------------------------------------------- refusals
+def _w_out_of_order(name: str = "zb-h1", p: int = 2, m: int = 4) -> Schedule:
+    """``name`` with the last stage's W of microbatch 0 moved to the end of its rank's list."""
+    s = build_schedule(name, num_ranks=p, num_microbatches=m)
+    last = s.num_stages - 1
+    acts = s.ranks[s.stage_to_rank[last]]
+    w0 = next(a for a in acts if a.op is Op.W and a.stage == last and a.mb == 0)
+    acts.remove(w0)
+    acts.append(w0)
+    s.name = f"{name} with W(0) last"
+    return s
+
+
+def test_order_breaking_schedule_is_refused_before_running():
+    schedule = _w_out_of_order()
+    with pytest.raises(ScheduleError, match=r"first-in first-out") as err:
+        _merged(TinyGPT(**TINY, layer_spec=SPEC, delay_wgrad=True), schedule)
+    msg = str(err.value)
+    assert "transformer-engine route" in msg and "stage 1 (rank 1): W #0 is for microbatch 1" in msg
+
+
+def test_split_schedule_on_te_modules_built_without_delay_is_refused():
+    with pytest.raises(ScheduleError, match=r"built without delay_wgrad_compute.*te_route.enable_delayed_wgrad"):
+        _merged(TinyGPT(**TINY, layer_spec=SPEC), "zb-h1")
+
+
+# ---------------------------------------------------------------------- the route, one process
+def _chunk(cls=te_double.Linear, **kwargs) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(cls(8, 8, **kwargs), cls(8, 8, **kwargs), te_double.LayerNormMLP(8, 16, **{
+        k: v for k, v in kwargs.items() if k == "delay_wgrad_compute"}))
+
+
+def _grads(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.main_grad if hasattr(p, "main_grad") else p.grad).clone() for n, p in chunk.named_parameters()}
+
+
+def _backward(chunk: torch.nn.Sequential, mb: int, skip_last: bool = False) -> torch.Tensor:
+    x = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(mb))
+    h = x
+    for i, m in enumerate(chunk):
+        if skip_last and i == len(chunk) - 1:
+            break
+        h = m(h)
+        h = h[0] + h[1] if isinstance(h, tuple) else h  # a returned bias is added by the caller
+    return (h * h).sum()
+
+
+@pytest.mark.parametrize("cls", [te_double.Linear, te_double.TE23Linear], ids=["te2.18", "te2.3"])
+@pytest.mark.parametrize("bias", ["no-bias", "bias-in-gemm", "returned-bias"])
+def test_w_runs_backward_dw_of_exactly_the_modules_that_queued(cls, bias):
+    install_routes()
+    kw = dict(bias=bias != "no-bias", return_bias=bias == "returned-bias")
+    ref = _chunk(cls, **kw)
+    for mb in range(3):
+        _backward(ref, mb, skip_last=(mb == 1)).backward()
+    chunk = _chunk(cls, delay_wgrad_compute=True, **kw)
+    store = WeightGradStore()
+    store.begin_iteration({0: 3})
+    for mb in range(3):  # B, B, B; microbatch 1 does not use the MLP module
+        with backward_window(store=store, deferred=True, chunk=chunk, stage=0, microbatch=mb):
+            _backward(chunk, mb, skip_last=(mb == 1)).backward()
+    assert [len(store._queues[(0, mb)]) for mb in range(3)] == [3, 2, 3]
+    calls = te_double.CALLS["backward_dw"]
+    for mb in range(3):
+        store.run(0, mb)
+    assert te_double.CALLS["backward_dw"] - calls == 8  # LayerNormMLP: one call pops its two entries
+    assert te_double.queues_empty(chunk)
+    got, want = _grads(chunk), _grads(ref)
+    assert got.keys() == want.keys()
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+
+
+def test_fused_bw_runs_the_queued_work_right_after_the_backward():
+    install_routes()
+    ref, chunk = _chunk(), _chunk(delay_wgrad_compute=True)
+    _backward(ref, 0).backward()
+    store = WeightGradStore()
+    with backward_window(store=store, deferred=False, chunk=chunk, stage=0, microbatch=0):
+        _backward(chunk, 0).backward()
+    assert store.pending() == [] and te_double.queues_empty(chunk)
+    for n, g in _grads(ref).items():
+        assert torch.equal(_grads(chunk)[n], g), n
+
+
+def test_returned_bias_would_break_te_backward_dw_without_the_route():
+    """The double reproduces TE's backward_dw on a returned bias whose .grad is empty (megatron
+    DDP clears it): bgrad is None. The route gives it a placeholder (tested above)."""
+    m = te_double.Linear(4, 4, bias=True, return_bias=True, delay_wgrad_compute=True)
+    out, _ = m(torch.randn(2, 4))
+    out.sum().backward()
+    m.bias.grad = None
+    with pytest.raises(AttributeError):
+        m.backward_dw()
+
+
+def test_work_queued_outside_the_runtime_is_refused_and_clear_discards():
+    install_routes()
+    chunk = _chunk(delay_wgrad_compute=True)
+    _backward(chunk, 0).backward()  # e.g. megatron-core's own schedule on a delayed model
+    store = WeightGradStore()
+    with pytest.raises(WeightGradStoreError, match=r"holds 1 queued weight gradient\(s\) but megatron-zb queued 0"):
+        with backward_window(store=store, deferred=True, chunk=chunk, stage=0, microbatch=0):
+            pass
+    store.clear()
+    chunk = _chunk(delay_wgrad_compute=True)
+    with backward_window(store=store, deferred=True, chunk=chunk, stage=0, microbatch=0):
+        _backward(chunk, 0).backward()
+    assert not te_double.queues_empty(chunk)
+    store.clear()  # a failed iteration: the TE queues are emptied with the store
+    assert te_double.queues_empty(chunk)
+    with backward_window(store=store, deferred=True, chunk=chunk, stage=0, microbatch=0):
+        _backward(chunk, 1).backward()
+    store.run(0, 0)
+    assert te_double.queues_empty(chunk)
+
+
+def test_check_schedule_names_the_problem():
+    install_routes()
+    good = build_schedule("zb-h1", num_ranks=2, num_microbatches=4)
+    delayed, undelayed = _chunk(delay_wgrad_compute=True), _chunk()
+    check_schedule(good, [delayed])
+    check_schedule(build_schedule("1f1b", num_ranks=2, num_microbatches=4), [undelayed])  # no split: fine
+    check_schedule(_w_out_of_order(), [torch.nn.Linear(2, 2)])  # no TE module: any order
+    with pytest.raises(ScheduleError, match="W #0 is for microbatch 1 but B #0 was for microbatch 0"):
+        check_schedule(_w_out_of_order(), [delayed])
+    with pytest.raises(ScheduleError, match=r"3 Transformer Engine module\(s\) \(e.g. 0\)"):
+        check_schedule(good, [undelayed])
+
+
+# ---------------------------------------------------------------------- schedule library
+def test_every_library_schedule_keeps_w_in_b_order():
+    for name in schedule_names():
+        if name.endswith("-optimal"):
+            continue  # needs the CP-SAT solver; checked by the distributed tests' callers when used
+        for p, m in ((2, 1), (2, 4), (3, 5), (4, 8)):
+            s = build_schedule(name, num_ranks=p, num_microbatches=m)
+            assert w_order_matches_b(s) == [], (name, p, m)
+
+
+def test_order_violation_reports_stage_rank_orders_and_position():
+    (v,) = w_order_matches_b(_w_out_of_order())
+    assert (v.stage, v.rank, v.position) == (1, 1, 0)
+    assert v.b_order == (0, 1, 2, 3) and v.w_order == (1, 2, 3, 0)
+    # a BW counts as both a B and a W at its position
+    s = Schedule(2, [0], [[Action(Op.F, 0, 0), Action(Op.F, 1, 0), Action(Op.B, 0, 0), Action(Op.BW, 1, 0),
+                           Action(Op.W, 0, 0)]])
+    (v,) = w_order_matches_b(s)
+    assert v.b_order == (0, 1) and v.w_order == (1, 0)
+
+
+# ---------------------------------------------------------------------- real Transformer Engine
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-2p", "zbv"])
+def test_real_transformer_engine_delayed_matches_non_delayed(schedule):
+    """Run by scripts/gpu_selftest.sh on a GPU node with TE installed; skipped elsewhere."""
+    from megatron_zb.runtime.te_route import transformer_engine_version
+
+    if transformer_engine_version() is None:
+        pytest.skip("Transformer Engine is not installed")
+    if os.environ.get("MEGATRON_ZB_TEST_DEVICE", "cpu") != "cuda":
+        pytest.skip("Transformer Engine needs CUDA: set MEGATRON_ZB_TEST_DEVICE=cuda")
+    base = dict(TINY, hidden=64, heads=4)
+    ref = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(**base, layer_spec=TE_SPEC), schedule=None),
+                                        world_size=2, timeout=300))
+    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(**base, layer_spec=TE_SPEC, delay_wgrad=True),
+                                                schedule=schedule), world_size=2, timeout=300))
+    _assert_bitwise(ref, got, f"real TE {schedule}")
+    assert got["w_deferred"] > 0
+
+
+# ---------------------------------------------------------------------- the command line
+TINY_ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size",
+             "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--num-workers", "0", "--eval-iters", "0",
+             "--distributed-backend", "gloo", "--pipeline-model-parallel-size", "2", "--schedule", "zb-h1"]
+
+
+def _resolved(*flags: str):
+    from megatron_zb.training.arguments import build_parser
+    from megatron_zb.training.arguments.implementation import (resolve_gradient_accumulation_fusion,
+                                                               resolve_transformer_impl)
+
+    args = build_parser().parse_args(TINY_ARGV + list(flags))
+    resolve_transformer_impl(args)
+    resolve_gradient_accumulation_fusion(args)
+    return args
+
+
+def _no_te_no_cuda(monkeypatch) -> None:
+    """This machine's situation anywhere: no Transformer Engine, no CUDA (hence no apex kernels)."""
+    from megatron_zb.runtime import te_route
+
+    monkeypatch.setattr(te_route, "transformer_engine_version", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _cpu_without_te_or_apex() -> None:
+    import importlib.util
+
+    from megatron_zb.runtime.te_route import transformer_engine_version
+
+    if os.environ.get("MEGATRON_ZB_TEST_DEVICE", "cpu") != "cpu" or transformer_engine_version() is not None \
+            or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
+        pytest.skip("checks the CPU machine's defaults (no Transformer Engine, no apex, CPU device)")
+
+
+def test_default_implementation_and_fusion_say_why(monkeypatch):
+    _no_te_no_cuda(monkeypatch)
+    args = _resolved()
+    assert (args.transformer_impl, args.transformer_impl_reason) == (
+        "local", "default: Transformer Engine is not installed")
+    assert args.gradient_accumulation_fusion is False and args.wgrad_kernel.startswith("off")
+    args = _resolved("--gradient-accumulation-fusion")
+    assert args.wgrad_kernel == ("on: megatron-zb's matmul wgrad_gemm_accum_fp32/fp16 "
+                                 "(fused_weight_gradient_mlp_cuda not importable)")
+    assert _resolved("--no-gradient-accumulation-fusion").gradient_accumulation_fusion is False
+
+
+@pytest.mark.parametrize("version, cuda, message", [
+    (None, True, "transformer_engine needs Transformer Engine >= 2.3 (pip package transformer-engine with its "
+                 "PyTorch extension); Transformer Engine is not installed"),
+    ("2.2.1", True, "transformer_engine needs Transformer Engine >= 2.3 (pip package transformer-engine with its "
+                    "PyTorch extension); found 2.2.1"),
+    ("2.7.0", False, "transformer_engine needs CUDA, which is not available here"),
+])
+def test_transformer_engine_refused_when_missing_old_or_without_cuda(monkeypatch, version, cuda, message):
+    from megatron_zb.runtime import te_route
+    from megatron_zb.training.arguments import ArgumentError
+
+    monkeypatch.setattr(te_route, "transformer_engine_version", lambda: version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with pytest.raises(ArgumentError, match=r"^--transformer-impl: ") as err:
+        _resolved("--transformer-impl", "transformer_engine")
+    assert message in str(err.value)
+    if version == "2.7.0":  # found, but no CUDA: the default is local, saying why
+        args = _resolved()
+        assert (args.transformer_impl, args.transformer_impl_reason) == ("local", "default: CUDA is not available")
+
+
+def test_pretrain_without_transformer_engine_exits_2_with_one_line():
+    import subprocess
+    import sys
+    import time
+
+    _cpu_without_te_or_apex()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "pretrain_gpt_zb.py", "--transformer-impl", "transformer_engine",
+                          *TINY_ARGV], cwd=root, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=root, WORLD_SIZE="2"))
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 2
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert errors == ["pretrain_gpt_zb.py: error: --transformer-impl: transformer_engine needs Transformer Engine "
+                      ">= 2.3 (pip package transformer-engine with its PyTorch extension); Transformer Engine is "
+                      "not installed; or use --transformer-impl local"], res.stderr
+    assert "building model" not in res.stdout  # refused before any process group or model
+    print(f"refused after {elapsed:.1f} s (interpreter, torch and megatron-core imports included)")
+
+
+def _train_fused(argv: list[str]) -> dict:
+    """One rank of pretrain_gpt_zb.py's Trainer (2 iterations); what the start-up log said."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_zb.training.pretrain import parse_and_validate
+    from megatron_zb.training.trainer import Trainer
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer = Trainer(parse_and_validate(argv, dist.get_world_size()))
+        try:
+            assert trainer.run() == 0
+            fused = [m.config.gradient_accumulation_fusion for m in trainer.model.gpt_models]
+        finally:
+            trainer.close()
+    return {"log": out.getvalue(), "fused": fused}
+
+
+def test_gradient_accumulation_fusion_flag_reaches_the_model_and_the_log():
+    _cpu_without_te_or_apex()
+    ranks = run_distributed(_train_fused, world_size=2, args=(TINY_ARGV + ["--gradient-accumulation-fusion"],),
+                            timeout=240)
+    assert all(r["fused"] == [True] for r in ranks)
+    log = ranks[0]["log"]
+    assert "> transformer implementation: local (default: Transformer Engine is not installed)" in log
+    assert ("> gradient accumulation fusion: on: megatron-zb's matmul wgrad_gemm_accum_fp32/fp16 "
+            "(fused_weight_gradient_mlp_cuda not importable)") in log
