@@ -320,6 +320,11 @@ class TiedHeadGPTModel(GPTModel):
         del self.output_layer.weight
         self.output_layer.weight = None
         self._tied_weight = (tied_weight,)  # a tuple: not registered as this module's parameter
+        # Two layers on one rank share the parameter: as megatron-core does for tied embeddings at
+        # PP=1, a weight-gradient placeholder must be zeros and DDP's hook must always add .grad
+        # (otherwise the output layer's `grad_added_to_main_grad` would drop the embedding's
+        # gradient, which arrives in another backward pass).
+        tied_weight.zero_out_wgrad = True
         self.share_embeddings_and_output_weights = True  # forward passes the shared weight
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:

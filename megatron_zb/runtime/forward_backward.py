@@ -209,10 +209,6 @@ class ZeroBubbleForwardBackward:
                 # pipeline rank; in a V the loss stage is on rank 0 (the others count 0 tokens).
                 torch.distributed.all_reduce(total_tokens, group=pp_group)
             if config.finalize_model_grads_func is not None:
-                if config.calculate_per_token_loss and sched.stage_to_rank[-1] != p - 1:
-                    # megatron-core broadcasts the token count from the last pipeline rank; here the
-                    # loss stage sits elsewhere (V: rank 0), so give every rank the count first.
-                    torch.distributed.all_reduce(total_tokens, group=pp_group)
                 config.finalize_model_grads_func(
                     chunks, total_tokens if config.calculate_per_token_loss else None,
                     pg_collection=pg_collection, force_all_reduce=force_all_reduce)
