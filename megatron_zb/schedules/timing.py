@@ -154,6 +154,16 @@ class Timeline:
         """
         return self.ready_of[op][stage](mb)
 
+    def reset(self) -> None:
+        """Forget every action run so far (the tables stay), ready for another pass."""
+        unset = [math.inf] * self.num_microbatches
+        for row in self.f_end + self.b_end:
+            row[:] = unset
+        p = len(self.clock)
+        self.clock[:], self.first[:] = [0.0] * p, [math.inf] * p
+        self.mem[:], self.peak[:] = [0.0] * p, [0.0] * p
+        self.count[:], self.over[:] = [0] * p, [-1] * p
+
     def _runner(self) -> Callable[[int, int, int, int, float], float]:
         """Build :attr:`run` (a closure over the state lists: hot loops call it for every action)."""
         clock, first, mem, peak, count, over = self.clock, self.first, self.mem, self.peak, self.count, self.over

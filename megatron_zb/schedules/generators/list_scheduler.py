@@ -250,8 +250,14 @@ def list_schedule(stage_to_rank: Sequence[int], num_microbatches: int, sc: Stage
 
 
 def _asap_codes(s2r: Sequence[int], m: int, sc: StageCosts, orders: Sequence[Sequence[Code]],
-                spans: list[float] | None = None) -> tuple[float, float, float]:
-    tl = Timeline(s2r, m, sc, num_ranks=len(orders))
+                spans: list[float] | None = None, timeline: Timeline | None = None) -> tuple[float, float, float]:
+    """:func:`asap_times` of integer-coded orders (``timeline``: one built for ``s2r``, ``m``, ``sc``
+    and ``len(orders)`` ranks to reuse)."""
+    if timeline is None:
+        tl = Timeline(s2r, m, sc, num_ranks=len(orders))
+    else:
+        tl = timeline
+        tl.reset()
     tl.play(orders)
     if spans is not None:
         spans[:] = tl.spans()
@@ -279,11 +285,12 @@ def improve(s2r: Sequence[int], m: int, sc: StageCosts, limit: float | None, ord
     """
     lim = math.inf if limit is None else limit * (1 + 1e-12) + 1e-12
     codes = [[encode(a) for a in row] for row in orders]
+    timeline = Timeline(s2r, m, sc, num_ranks=len(codes))
 
     def score() -> tuple | None:
         spans: list[float] = []
         try:
-            ms, pk, tot = _asap_codes(s2r, m, sc, codes, spans)
+            ms, pk, tot = _asap_codes(s2r, m, sc, codes, spans, timeline)
         except DeadlockError:
             return None
         if pk > lim:
