@@ -32,7 +32,7 @@ from typing import NoReturn, Sequence
 from .planning.command import add_plan_parser
 from .schedules import registry
 from .schedules.costs import CostModel
-from .schedules.ir import Schedule, ScheduleError, dump, validate
+from .schedules.ir import Placement, Schedule, ScheduleError, dump, validate
 from .schedules.lowering import check_lowered, lower
 from .schedules.simulator import DeadlockError, MemoryLimitError, SimResult, simulate
 from .schedules.text import summary_table, timeline_text
@@ -187,7 +187,7 @@ def build_and_simulate(name: str, *, pp: int, microbatches: int, chunks: int | N
     v = spec.chunks_per_rank(num_chunks)
     model, limit = costs.for_uniform(v)
     where = f"--schedule {name} --pp {pp} --microbatches {microbatches}"
-    if spec.placement == "interleaved":
+    if spec.placement is Placement.INTERLEAVED:
         where += f" --chunks {num_chunks}"
     try:
         sched = registry.build_schedule(name, num_ranks=pp, num_microbatches=microbatches, costs=model,
@@ -323,7 +323,7 @@ def schedule_table() -> list[tuple[str, str, str, str, str]]:
     rows = []
     for name in registry.schedule_names():
         s = registry.get_spec(name)
-        rows.append((name, s.placement, "yes" if s.split_backward else "no", "yes" if s.cost_aware else "no",
+        rows.append((name, s.placement.value, "yes" if s.split_backward else "no", "yes" if s.cost_aware else "no",
                      s.description))
     return rows
 
@@ -332,7 +332,7 @@ def schedule_table() -> list[tuple[str, str, str, str, str]]:
 def _cmd_schedule(args: argparse.Namespace) -> int:
     costs = _costs_from_args(args)
     spec = registry.get_spec(args.schedule)
-    if args.chunks is not None and spec.placement != "interleaved":
+    if args.chunks is not None and spec.placement is not Placement.INTERLEAVED:
         print(f"{PROG}: note: --chunks is ignored by {args.schedule} ({spec.placement} placement, "
               f"{spec.chunks_per_rank(args.chunks)} chunk(s) per rank)", file=sys.stderr)
     sched, result = build_and_simulate(args.schedule, pp=args.pp, microbatches=args.microbatches,

@@ -17,7 +17,7 @@ import sys
 import time
 
 from megatron_zb.schedules import CostModel, simulate
-from megatron_zb.schedules.greedy import zb_greedy
+from megatron_zb.schedules.generators.greedy import zb_greedy
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from megatron_zb.schedules import CostModel, ScheduleError, simulate  # noqa: E402
+from megatron_zb.schedules import CostModel, Placement, ScheduleError, simulate  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names  # noqa: E402
 from megatron_zb.schedules.torch_import import (TORCH_SCHEDULES, TorchImportError,  # noqa: E402
                                                 import_torch_schedule, torch_schedule_names)
@@ -122,8 +122,8 @@ def _measure(row: Row, sched, costs: CostModel) -> Row:
     return row
 
 
-def _placement_label(kind: str, chunks: int) -> str:
-    return {"plain": "plain", "v": "V", "interleaved": f"interleaved v={chunks}"}.get(kind, kind)
+def _placement_label(kind: Placement, chunks: int) -> str:
+    return {Placement.PLAIN: "plain", Placement.V: "V", Placement.INTERLEAVED: f"interleaved v={chunks}"}[kind]
 
 
 def _short(msg: str, limit: int = 200) -> str:

@@ -24,10 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_zb.schedules import CostModel, simulate  # noqa: E402
-from megatron_zb.schedules.baselines import interleaved_1f1b, one_f_one_b  # noqa: E402
-from megatron_zb.schedules.interleaved_zb import interleaved_zb  # noqa: E402
-from megatron_zb.schedules.ir import plain_placement, v_placement  # noqa: E402
-from megatron_zb.schedules.vshape import v_half, v_min, v_schedule, zbv  # noqa: E402
+from megatron_zb.schedules.generators.baselines import interleaved_1f1b, one_f_one_b  # noqa: E402
+from megatron_zb.schedules.generators.greedy import zb_greedy  # noqa: E402
+from megatron_zb.schedules.generators.interleaved_zb import interleaved_zb  # noqa: E402
+from megatron_zb.schedules.generators.vshape import v_half, v_min, v_schedule, zbv  # noqa: E402
+from megatron_zb.schedules.ir import Placement  # noqa: E402
 
 # Zero-bubble paper, Table 9, 6.2B row (ms per full stage); Table 8 lists ZB-V for three model sizes,
 # which we model with these same T ratios (per chunk: times halved; T_comm is per transfer, kept).
@@ -117,11 +118,7 @@ EXACT_COSTS = {
 
 
 def exact(time_limit: float) -> None:
-    from megatron_zb.schedules.exact import solve_exact
-    try:
-        from megatron_zb.schedules.greedy import zb_greedy
-    except ImportError:
-        zb_greedy = None
+    from megatron_zb.schedules.generators.exact import solve_exact
     print(f"## Heuristics vs the exact solver (CP-SAT, {time_limit:g} s per instance, 2 workers; "
           f"memory limit = 1F1B's peak)\n")
     print("gap = (heuristic - optimum) / optimum, over instances the solver proved optimal.\n")
@@ -129,20 +126,19 @@ def exact(time_limit: float) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     gaps: dict[str, list[float]] = {}
     unproven: list[str] = []
-    for placement in ("v", "plain"):
-        if placement == "plain" and zb_greedy is None:
-            continue
+    for placement in (Placement.V, Placement.PLAIN):
         for cname, t in EXACT_COSTS.items():
             for p in (2, 3, 4):
                 for m in range(2, 7):
-                    if placement == "v":
+                    if placement is Placement.V:
                         c = per_chunk(**t)
                         heur = zbv(num_ranks=p, num_microbatches=m, costs=c)
-                        s2r, hname = v_placement(p), "zbv"
+                        hname = "zbv"
                     else:
                         c = CostModel(**t)
                         heur = zb_greedy(num_ranks=p, num_microbatches=m, costs=c, memory_limit=float(p))
-                        s2r, hname = plain_placement(p), "zb_greedy"
+                        hname = "zb_greedy"
+                    s2r = placement.stage_to_rank(p)
                     lim = heur.meta["memory_limit"]
                     hm = simulate(heur, c.with_limit(lim)).makespan
                     res = solve_exact(stage_to_rank=s2r, num_microbatches=m, costs=c, memory_limit=lim,

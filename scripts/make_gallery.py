@@ -4,7 +4,7 @@
 For each name in the schedule registry this builds the schedule at p=4, m=8 with unit costs
 (tf = tb = tw = 1, tcomm = 0, mem-b = 1, mem-w = mem-b/2) through the CLI's own functions, saves
 ``docs/gallery/<name>.png`` and writes ``docs/schedules.md`` (schedule table, gallery with bubble
-rate and peak memory, units convention, JSON format). A schedule whose generator cannot be built
+rate and peak memory, units convention, adding a generator, JSON format). A schedule whose generator cannot be built
 here is listed as missing instead of failing the whole run.
 
 Usage: python scripts/make_gallery.py [--pp 4] [--microbatches 8] [--docs DIR] [--only NAME ...]
@@ -49,11 +49,34 @@ a rank holds `v` chunks. For example with `--mem-b 1`, `--schedule zb --memory-l
 schedule fits below 1. A cost-aware schedule plans under the limit; any other schedule is checked
 against it, and a limit that is too small is an error (exit status 2) naming `--memory-limit`.
 
+Without `--memory-limit`, the V schedules use a limit relative to `R`, 1F1B's peak for the same
+layers (`megatron_zb.schedules.generators.vshape.one_f_one_b_memory`; `R = p` stage `M_B` for
+uniform stages): `zbv` R, `v-half` (p/2 + 1)/p x R (the published V-Half memory, (p+2)//2 of 1F1B's
+p microbatches), `v-min` (p/3 + 1.5)/p x R, never below what one microbatch needs. With per-chunk
+memory measured on a real GPT (the last chunk holds the logits, and the V puts it on rank 0 next
+to the first chunk) this keeps ZB-V within 1F1B's peak: docs/benchmarks.md measures 0.94-1.005.
+
 Reported peak memory is always in the unit of `--mem-b` (`M_B` of a whole rank's share), so the
 peaks of all schedules compare directly. Bubble rate is `(makespan - busiest rank's work) /
 makespan`, and the makespan is the largest per-rank span (first start to last end on one rank), the
 zero-bubble paper's cost; the report also shows the isolated-iteration time (first start to last
 end over all ranks), which is larger when ranks start or finish at different times.
+"""
+
+ADDING = """\
+Generators live in `megatron_zb/schedules/generators/`, one module per family (`baselines`,
+`handcrafted`, `greedy`, `vshape` with `list_scheduler` and `search`, `interleaved_zb`, `exact`).
+A module registers each schedule it makes with the `register` decorator of
+`megatron_zb.schedules.catalog`; the builder takes exactly the keyword arguments `num_ranks`,
+`num_microbatches`, `costs` (a `CostModel`, per stage), `memory_limit` (`None`: the schedule's
+default; unit of `costs.mem_b`) and `num_chunks`, and returns a validated `Schedule`
+(`make_schedule`). Add the module's import to `generators/__init__.py`: its position there is the
+name's position in `megatron-zb list`. Timing always comes from the kernel in
+`megatron_zb.schedules.timing` (`Timeline`: the simulator's dependency, duration and memory rules),
+which `simulate`, the greedy scheduler and the list scheduler share; a cost-aware generator that
+builds orders step by step places each action with `Timeline.run` so its times are the simulator's.
+tests/test_schedules_layout.py registers a toy schedule this way and checks that the package has no
+import cycle.
 """
 
 JSON_FORMAT = """\
@@ -164,6 +187,7 @@ def write_markdown(docs: Path, pp: int, microbatches: int, done: list[dict], mis
                 f"Bubble rate {100 * d['bubble']:.2f}%, makespan {d['makespan']:.4g}, peak memory "
                 f"{d['peak']:g} M_B (per rank {_fmt_peaks(d['peaks'])}).", "",
                 f"![{d['name']} timeline, p={pp}, m={microbatches}]({d['png']})"]
+    out += ["", "## Adding a generator", "", ADDING.rstrip()]
     out += ["", "## JSON format", "", JSON_FORMAT.rstrip(), ""]
     path = docs / "schedules.md"
     path.write_text("\n".join(out))

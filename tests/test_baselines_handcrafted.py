@@ -7,8 +7,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_zb.schedules import CostModel, ScheduleError, lower, simulate
-from megatron_zb.schedules.baselines import interleaved_1f1b, one_f_one_b
-from megatron_zb.schedules.handcrafted import zb_h1, zb_h2
+from megatron_zb.schedules.generators.baselines import interleaved_1f1b, one_f_one_b
+from megatron_zb.schedules.generators.handcrafted import zb_h1, zb_h2
 from megatron_zb.schedules.registry import build_schedule, schedule_names
 
 from conftest import paper_costs

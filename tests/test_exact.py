@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("ortools")
 
 from megatron_zb.schedules import CostModel, Schedule, ScheduleError, simulate, validate  # noqa: E402
-from megatron_zb.schedules.exact import solve_exact, zb_optimal, zbv_optimal  # noqa: E402
+from megatron_zb.schedules.generators.exact import solve_exact, zb_optimal, zbv_optimal  # noqa: E402
 from megatron_zb.schedules.ir import Action, plain_placement, v_placement  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule, schedule_names  # noqa: E402
 from megatron_zb.schedules.simulator import DeadlockError, MemoryLimitError  # noqa: E402
-from megatron_zb.schedules.vshape import zbv  # noqa: E402
+from megatron_zb.schedules.generators.vshape import zbv  # noqa: E402
 
 TIME_LIMIT = 60.0   # generous: the tiny cases below are proven optimal in well under a second
 

@@ -1,4 +1,4 @@
-"""Tests of the automatic zero-bubble scheduler (megatron_zb.schedules.greedy)."""
+"""Tests of the automatic zero-bubble scheduler (megatron_zb.schedules.generators.greedy)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_zb.schedules import CostModel, ScheduleError, lower, simulate, validate
-from megatron_zb.schedules.greedy import _run, _to_schedule, _variants, min_memory_limit, zb_greedy
+from megatron_zb.schedules.generators.greedy import _run, _to_schedule, _variants, min_memory_limit, zb_greedy
 from megatron_zb.schedules.ir import Action, Schedule
 
 DATA = Path(__file__).parent / "data" / "zb_paper_costs.json"

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from megatron_zb.schedules import (Action, Schedule, ScheduleError, check_lowered, dump, load, lower,
                                    simulate, validate, CostModel)
-from megatron_zb.schedules.baselines import interleaved_1f1b, one_f_one_b
-from megatron_zb.schedules.handcrafted import zb_h1, zb_h2
+from megatron_zb.schedules.generators.baselines import interleaved_1f1b, one_f_one_b
+from megatron_zb.schedules.generators.handcrafted import zb_h1, zb_h2
 from megatron_zb.schedules.ir import B, BW, F, W
 
 GENERATORS = {

@@ -11,8 +11,8 @@ import pytest
 
 from megatron_zb.cli import Costs, build_and_simulate
 from megatron_zb.schedules import CostModel, simulate
-from megatron_zb.schedules.baselines import one_f_one_b
-from megatron_zb.schedules.handcrafted import zb_h1
+from megatron_zb.schedules.generators.baselines import one_f_one_b
+from megatron_zb.schedules.generators.handcrafted import zb_h1
 from megatron_zb.schedules.plot import OP_COLORS, plot_timeline, shade
 from megatron_zb.schedules.registry import schedule_names
 from megatron_zb.schedules.text import auto_width, summary_table, timeline_rows, timeline_text

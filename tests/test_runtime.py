@@ -102,7 +102,7 @@ def test_forward_only_every_schedule(pp2_reference):
 
 
 def _zb_h1_pp2():
-    from megatron_zb.schedules.handcrafted import zb_h1
+    from megatron_zb.schedules.generators.handcrafted import zb_h1
 
     return zb_h1(num_ranks=2, num_microbatches=4)
 

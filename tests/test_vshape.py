@@ -9,13 +9,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_zb.schedules import CostModel, Schedule, ScheduleError, check_lowered, lower, simulate, validate
-from megatron_zb.schedules.baselines import interleaved_1f1b, one_f_one_b
-from megatron_zb.schedules.interleaved_zb import interleaved_zb
+from megatron_zb.schedules.generators.baselines import interleaved_1f1b, one_f_one_b
+from megatron_zb.schedules.generators.interleaved_zb import interleaved_zb
 from megatron_zb.schedules.ir import interleaved_placement, v_placement
 from megatron_zb.schedules.registry import build_schedule, get_spec
 from megatron_zb.schedules.simulator import deadlocks
-from megatron_zb.schedules.vshape import (Knobs, _list_schedule, one_f_one_b_memory, v_full_memory, v_half, v_min,
-                                          v_min_memory, v_schedule, zbv)
+from megatron_zb.schedules.generators.list_scheduler import Knobs, _list_schedule
+from megatron_zb.schedules.generators.vshape import (one_f_one_b_memory, v_full_memory, v_half, v_min, v_min_memory,
+                                                     v_schedule, zbv)
 
 UNIT = CostModel(t_f=0.5, t_b=0.5, t_w=0.5)          # T = 1 per full stage, 0.5 per chunk
 GENERATORS = {"zbv": zbv, "v-half": v_half, "v-min": v_min}

@@ -1,4 +1,6 @@
-"""Schedule library: one IR, a simulator, generators, lowering, plots."""
+"""Schedule library: one IR (:mod:`.ir`), one timing kernel (:mod:`.timing`) behind the simulator
+and the cost-aware generators, the generators (:mod:`.generators`, looked up by name in
+:mod:`.registry`), lowering, plots."""
 
 from .costs import CostModel, StageCosts
 from .ir import (Action, Op, Placement, Schedule, ScheduleError, dump, interleaved_placement, load, plain_placement,

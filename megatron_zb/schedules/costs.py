@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
-from .ir import ScheduleError
+from .ir import Op, ScheduleError
 
 PerStage = Union[float, Sequence[float]]
 """A scalar (the same value for every stage) or one value per pipeline stage."""
@@ -90,26 +90,26 @@ class StageCosts:
     mem_w: tuple[float, ...]
     memory_limit: float | None
 
-    def duration(self, op: str, stage: int) -> float:
+    def duration(self, op: Op | str, stage: int) -> float:
         """Time of one compute action ``op`` on ``stage``."""
-        if op == "F":
+        if op == Op.F:
             return self.t_f[stage]
-        if op == "B":
+        if op == Op.B:
             return self.t_b[stage]
-        if op == "W":
+        if op == Op.W:
             return self.t_w[stage]
-        if op == "BW":
+        if op == Op.BW:
             return self.t_b[stage] + self.t_w[stage]
         raise ScheduleError(f"{op} is not a compute action")
 
-    def memory_delta(self, op: str, stage: int) -> float:
+    def memory_delta(self, op: Op | str, stage: int) -> float:
         """Change of held activation memory when ``op`` on ``stage`` runs."""
-        if op == "F":
+        if op == Op.F:
             return self.mem_b[stage]
-        if op == "B":
+        if op == Op.B:
             return self.mem_w[stage] - self.mem_b[stage]
-        if op == "W":
+        if op == Op.W:
             return -self.mem_w[stage]
-        if op == "BW":
+        if op == Op.BW:
             return -self.mem_b[stage]
         return 0.0

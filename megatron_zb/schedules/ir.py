@@ -226,7 +226,7 @@ class Schedule:
     @property
     def splits_backward(self) -> bool:
         """True when any backward is split into B and W."""
-        return any(a.op == "W" for _, _, a in self.actions())
+        return any(a.op is Op.W for _, _, a in self.actions())
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -307,42 +307,47 @@ def validate(schedule: Schedule) -> None:
     for s, r in enumerate(s2r):
         if not 0 <= r < p:
             raise ScheduleError(f"stage {s} is placed on rank {r}, but the schedule has ranks 0..{p - 1}")
-    seen: dict[tuple[str, int, int], tuple[int, int]] = {}
+    seen: dict[tuple[Op, int, int], tuple[int, int]] = {}
     for r, i, a in schedule.actions():
-        where = f"rank {r} action #{i}: {a}"
         if not a.is_compute:
             continue
-        if not 0 <= a.stage < len(s2r):
-            raise ScheduleError(f"{where} names stage {a.stage}, but there are {len(s2r)} stages")
-        if not 0 <= a.mb < m:
-            raise ScheduleError(f"{where} names microbatch {a.mb}, but there are {m} microbatches")
-        if s2r[a.stage] != r:
-            raise ScheduleError(f"{where} runs on rank {r}, but stage {a.stage} belongs to rank {s2r[a.stage]}")
-        key = (a.op, a.mb, a.stage)
+        op, mb, stage = a.op, a.mb, a.stage
+        if not 0 <= stage < len(s2r):
+            raise ScheduleError(f"{_where(r, i, a)} names stage {stage}, but there are {len(s2r)} stages")
+        if not 0 <= mb < m:
+            raise ScheduleError(f"{_where(r, i, a)} names microbatch {mb}, but there are {m} microbatches")
+        if s2r[stage] != r:
+            raise ScheduleError(f"{_where(r, i, a)} runs on rank {r}, but stage {stage} belongs to rank {s2r[stage]}")
+        key = (op, mb, stage)
         if key in seen:
             r0, i0 = seen[key]
-            raise ScheduleError(f"{where} duplicates rank {r0} action #{i0}")
-        if a.op in ("B", "W", "BW") and ("F", a.mb, a.stage) not in seen:
-            raise ScheduleError(f"{where} comes before its forward F(mb={a.mb}, stage={a.stage})")
-        if a.op == "W" and ("B", a.mb, a.stage) not in seen:
-            raise ScheduleError(f"{where} comes before its input-gradient backward B(mb={a.mb}, stage={a.stage})")
-        if a.op == "BW" and ("B", a.mb, a.stage) in seen or a.op == "B" and ("BW", a.mb, a.stage) in seen:
-            raise ScheduleError(f"{where}: a (microbatch, stage) takes either BW or B+W, not both")
+            raise ScheduleError(f"{_where(r, i, a)} duplicates rank {r0} action #{i0}")
+        if op is not Op.F and (Op.F, mb, stage) not in seen:
+            raise ScheduleError(f"{_where(r, i, a)} comes before its forward F(mb={mb}, stage={stage})")
+        if op is Op.W and (Op.B, mb, stage) not in seen:
+            raise ScheduleError(f"{_where(r, i, a)} comes before its input-gradient backward B(mb={mb}, stage={stage})")
+        if op is Op.BW and (Op.B, mb, stage) in seen or op is Op.B and (Op.BW, mb, stage) in seen:
+            raise ScheduleError(f"{_where(r, i, a)}: a (microbatch, stage) takes either BW or B+W, not both")
         seen[key] = (r, i)
     for s in range(len(s2r)):
         for mb in range(m):
-            if ("F", mb, s) not in seen:
+            if (Op.F, mb, s) not in seen:
                 raise ScheduleError(f"rank {s2r[s]} lacks F(mb={mb}, stage={s})")
-            has_bw = ("BW", mb, s) in seen
-            has_b, has_w = ("B", mb, s) in seen, ("W", mb, s) in seen
+            has_bw = (Op.BW, mb, s) in seen
+            has_b, has_w = (Op.B, mb, s) in seen, (Op.W, mb, s) in seen
             if not has_bw and not (has_b and has_w):
                 missing = "W" if has_b else ("B" if has_w else "BW (or B and W)")
                 raise ScheduleError(f"rank {s2r[s]} lacks {missing}(mb={mb}, stage={s})")
 
 
-def backward_kinds(schedule: Schedule) -> set[str]:
-    """The backward kinds a schedule uses (``{"BW"}``, ``{"B", "W"}`` or both)."""
-    return {a.op for _, _, a in schedule.actions() if a.op in ("B", "W", "BW")}
+def _where(rank: int, position: int, a: Action) -> str:
+    """How errors name an action: ``rank R action #i: OP(mb, stage)``."""
+    return f"rank {rank} action #{position}: {a}"
+
+
+def backward_kinds(schedule: Schedule) -> set[Op]:
+    """The backward kinds a schedule uses (``{Op.BW}``, ``{Op.B, Op.W}`` or both)."""
+    return {a.op for _, _, a in schedule.actions() if a.op in (Op.B, Op.W, Op.BW)}
 
 
 def make_schedule(

@@ -14,19 +14,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .ir import COMPUTE_OPS, Op
 from .simulator import SimResult
 
-OP_COLORS: dict[str, str] = {
-    "F": "#0072B2",   # blue
-    "B": "#E69F00",   # orange
-    "W": "#009E73",   # bluish green
-    "BW": "#CC79A7",  # reddish purple
+OP_COLORS: dict[Op, str] = {
+    Op.F: "#0072B2",   # blue
+    Op.B: "#E69F00",   # orange
+    Op.W: "#009E73",   # bluish green
+    Op.BW: "#CC79A7",  # reddish purple
 }
-OP_NAMES: dict[str, str] = {
-    "F": "F  forward",
-    "B": "B  input-gradient backward",
-    "W": "W  weight-gradient backward",
-    "BW": "BW  fused backward",
+OP_NAMES: dict[Op, str] = {
+    Op.F: "F  forward",
+    Op.B: "B  input-gradient backward",
+    Op.W: "W  weight-gradient backward",
+    Op.BW: "BW  fused backward",
 }
 _LIGHTEST = 0.5  # how far the last chunk's shade is mixed towards white
 
@@ -153,7 +154,7 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     fig.text(left_in / width_inches, 1 - 0.52 / height, stats, ha="left", va="top", fontsize=9,
              color="#333333")
 
-    order = [op for op in ("F", "B", "W", "BW") if op in ops_present]
+    order = [op for op in COMPUTE_OPS if op in ops_present]
     handles = [Patch(facecolor=OP_COLORS[op], edgecolor="#333333", linewidth=0.4, label=OP_NAMES[op])
                for op in order]
     if num_chunks > 1:

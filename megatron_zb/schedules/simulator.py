@@ -1,14 +1,11 @@
 """A cost- and memory-aware simulator for schedules in the IR.
 
-Semantics (the zero-bubble paper's model):
-
-* each rank runs its actions in list order, one at a time;
-* ``F(i, s)`` waits for ``F(i, s-1)``;
-* ``B(i, s)`` / ``BW(i, s)`` wait for ``F(i, s)`` and for the input-gradient backward of
-  ``(i, s+1)`` (the last stage only for its own ``F``);
-* ``W(i, s)`` waits for ``B(i, s)``;
-* a dependency between two different ranks adds ``t_comm`` (latency; it does not occupy either
-  rank). Communication actions of a lowered schedule are ignored: transfers are modelled this way.
+Semantics (the zero-bubble paper's model, implemented once in :mod:`.timing`): each rank runs its
+actions in list order, one at a time, each as soon as its inputs are done; ``F(i, s)`` waits for
+``F(i, s-1)``; ``B(i, s)`` / ``BW(i, s)`` wait for ``F(i, s)`` and for the input-gradient backward
+of ``(i, s+1)``; ``W(i, s)`` waits for ``B(i, s)``; a dependency between two different ranks adds
+``t_comm`` (latency; it does not occupy either rank). Communication actions of a lowered schedule
+are ignored: transfers are modelled this way.
 
 Memory: ``F`` allocates ``mem_b``; ``B`` frees ``mem_b - mem_w``; ``W`` frees ``mem_w``; ``BW``
 frees ``mem_b``. The peak is taken over each rank's action order.
@@ -19,11 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .costs import CostModel, StageCosts
-from .ir import Action, Schedule, ScheduleError, validate
+from .ir import Schedule, ScheduleError, validate
+from .timing import DeadlockError, Timeline, encode
 
-
-class DeadlockError(ScheduleError):
-    """The schedule can never finish: every unfinished rank waits on something that never happens."""
+__all__ = ["DeadlockError", "MemoryLimitError", "SimResult", "deadlocks", "simulate"]
 
 
 class MemoryLimitError(ScheduleError):
@@ -86,35 +82,6 @@ class SimResult:
                 f"bubble rate {self.bubble_rate:.4f}, peak activation memory per rank [{mem}]")
 
 
-def peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[list[float], tuple[int, int] | None]:
-    """Per-rank peak activation memory, and the first ``(rank, position)`` over the limit (if any)."""
-    peaks: list[float] = []
-    first_violation: tuple[int, int] | None = None
-    eps = 1e-9
-    for r, acts in enumerate(schedule.ranks):
-        cur = peak = 0.0
-        for i, a in enumerate(acts):
-            cur += costs.memory_delta(a.op, a.stage)
-            peak = max(peak, cur)
-            if (costs.memory_limit is not None and first_violation is None
-                    and cur > costs.memory_limit * (1 + eps) + eps):
-                first_violation = (r, i)
-        peaks.append(peak)
-    return peaks, first_violation
-
-
-def _deps(a: Action, num_stages: int) -> list[tuple[str, int, int]]:
-    """Keys of the events ``a`` waits for. ``("B", i, s)`` stands for either B or BW done."""
-    if a.op == "F":
-        return [("F", a.mb, a.stage - 1)] if a.stage > 0 else []
-    if a.op in ("B", "BW"):
-        d = [("F", a.mb, a.stage)]
-        if a.stage < num_stages - 1:
-            d.append(("B", a.mb, a.stage + 1))
-        return d
-    return [("B", a.mb, a.stage)]  # W
-
-
 def simulate(schedule: Schedule, costs: CostModel | StageCosts, *, enforce_memory: bool = True,
              check: bool = True) -> SimResult:
     """Simulate one iteration of ``schedule`` under ``costs``.
@@ -136,59 +103,18 @@ def simulate(schedule: Schedule, costs: CostModel | StageCosts, *, enforce_memor
     sc = costs.resolve(sched.num_stages) if isinstance(costs, CostModel) else costs
     if len(sc.t_f) != sched.num_stages:
         raise ScheduleError(f"costs are resolved for {len(sc.t_f)} stages, schedule has {sched.num_stages}")
-    s2r = sched.stage_to_rank
-    n_stages = sched.num_stages
-    done: dict[tuple[str, int, int], float] = {}
-    start = [[0.0] * len(acts) for acts in sched.ranks]
-    end = [[0.0] * len(acts) for acts in sched.ranks]
-    ptr = [0] * sched.num_ranks
-    clock = [0.0] * sched.num_ranks
-    deps = [[_deps(a, n_stages) for a in acts] for acts in sched.ranks]
-    remaining = sum(len(acts) for acts in sched.ranks)
-    while remaining:
-        progressed = False
-        for r, acts in enumerate(sched.ranks):
-            i = ptr[r]
-            while i < len(acts):
-                a = acts[i]
-                ready = clock[r]
-                for key in deps[r][i]:
-                    t = done.get(key)
-                    if t is None:
-                        break
-                    if s2r[key[2]] != r:
-                        t += sc.t_comm
-                    if t > ready:
-                        ready = t
-                else:
-                    t_end = ready + sc.duration(a.op, a.stage)
-                    start[r][i], end[r][i] = ready, t_end
-                    clock[r] = t_end
-                    done[("B" if a.op == "BW" else a.op, a.mb, a.stage)] = t_end
-                    i += 1
-                    remaining -= 1
-                    progressed = True
-                    continue
-                break
-            ptr[r] = i
-        if not progressed:
-            blocked = []
-            for r, acts in enumerate(sched.ranks):
-                if ptr[r] < len(acts):
-                    a = acts[ptr[r]]
-                    waits = [k for k in deps[r][ptr[r]] if k not in done]
-                    what = ", ".join(f"{op}(mb={mb}, stage={st})" for op, mb, st in waits)
-                    blocked.append(f"rank {r} blocked at action #{ptr[r]} {a} waiting for {what}")
-                else:
-                    blocked.append(f"rank {r} finished")
-            raise DeadlockError("schedule deadlocks:\n  " + "\n  ".join(blocked))
-    peaks, violation = peak_memory(sched, sc)
-    if enforce_memory and violation is not None:
-        r, i = violation
+    timeline = Timeline(sched.stage_to_rank, sched.num_microbatches, sc, num_ranks=sched.num_ranks)
+    orders = [[encode(a) for a in acts] for acts in sched.ranks]
+    start, end = timeline.play(orders, record=True)
+    peaks = timeline.peak
+    over = [(r, i) for r, i in enumerate(timeline.over) if i >= 0]
+    if enforce_memory and over:
+        r, i = over[0]
         raise MemoryLimitError(
             f"rank {r} action #{i} {sched.ranks[r][i]} brings activation memory above the limit "
             f"{sc.memory_limit:g} (peak on that rank {peaks[r]:g})")
-    busy = [sum(sc.duration(a.op, a.stage) for a in acts) for acts in sched.ranks]
+    dur = timeline.duration
+    busy = [sum(dur[op][s] for op, _, s in seq) for seq in orders]
     total_time = max((e[-1] for e in end if e), default=0.0)
     return SimResult(sched, sc, start, end, total_time, busy, peaks)
 

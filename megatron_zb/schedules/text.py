@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from .ir import Op
 from .simulator import SimResult
 
-OP_SYMBOLS: dict[str, str] = {"F": "F", "B": "B", "W": "W", "BW": "X"}
+OP_SYMBOLS: dict[Op, str] = {Op.F: "F", Op.B: "B", Op.W: "W", Op.BW: "X"}
 """One character per compute op in the ``"op"`` style. ``BW`` gets ``X``: it must not read as B or W."""
 
 IDLE = "."

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .ir import Action, Schedule, ScheduleError, interleaved_placement, plain_placement, v_placement, validate
+from .ir import Action, Op, Placement, Schedule, ScheduleError, validate
 
 
 class TorchImportError(ScheduleError):
@@ -48,10 +48,10 @@ class TorchImportError(ScheduleError):
 
 
 _KIND = {
-    "FORWARD": "F",
-    "BACKWARD_INPUT": "B",
-    "BACKWARD_WEIGHT": "W",
-    "FULL_BACKWARD": "BW",
+    "FORWARD": Op.F,
+    "BACKWARD_INPUT": Op.B,
+    "BACKWARD_WEIGHT": Op.W,
+    "FULL_BACKWARD": Op.BW,
 }
 """PyTorch computation type name -> our compute op."""
 
@@ -62,7 +62,7 @@ class TorchScheduleInfo:
 
     Attributes:
         cls_name: attribute name in ``torch.distributed.pipelining.schedules``.
-        placement: ``"plain"``, ``"interleaved"`` (stage ``s`` on rank ``s % p``) or ``"v"``.
+        placement: :class:`~.ir.Placement` (``INTERLEAVED``: stage ``s`` on rank ``s % p``).
         multi_stage: whether the constructor takes a list of local stages (else one stage).
         fixed_chunks: chunks per rank the class requires (2 for the V ones), or ``None`` when it
             takes any number (``num_chunks`` argument).
@@ -70,29 +70,27 @@ class TorchScheduleInfo:
     """
 
     cls_name: str
-    placement: str
+    placement: Placement
     multi_stage: bool
     fixed_chunks: int | None
     constraints: str
 
     def chunks(self, num_chunks: int) -> int:
-        if self.placement == "plain":
-            return 1
-        return self.fixed_chunks if self.fixed_chunks is not None else num_chunks
+        return self.placement.chunks_per_rank(self.fixed_chunks if self.fixed_chunks is not None else num_chunks)
 
 
 TORCH_SCHEDULES: dict[str, TorchScheduleInfo] = {
     info.cls_name: info for info in [
-        TorchScheduleInfo("ScheduleGPipe", "plain", False, None, "any m >= 1"),
-        TorchScheduleInfo("Schedule1F1B", "plain", False, None,
+        TorchScheduleInfo("ScheduleGPipe", Placement.PLAIN, False, None, "any m >= 1"),
+        TorchScheduleInfo("Schedule1F1B", Placement.PLAIN, False, None,
                           "m >= p; last rank's list lacks F(mb=0) (see module doc)"),
-        TorchScheduleInfo("ScheduleInterleaved1F1B", "interleaved", True, None,
+        TorchScheduleInfo("ScheduleInterleaved1F1B", Placement.INTERLEAVED, True, None,
                           "m % max(1, m // p) == 0"),
-        TorchScheduleInfo("ScheduleLoopedBFS", "interleaved", True, None, "any m >= 1"),
-        TorchScheduleInfo("ScheduleInterleavedZeroBubble", "interleaved", True, None,
+        TorchScheduleInfo("ScheduleLoopedBFS", Placement.INTERLEAVED, True, None, "any m >= 1"),
+        TorchScheduleInfo("ScheduleInterleavedZeroBubble", Placement.INTERLEAVED, True, None,
                           "m % max(1, m // p) == 0"),
-        TorchScheduleInfo("ScheduleZBVZeroBubble", "v", True, 2, "exactly 2 stages per rank"),
-        TorchScheduleInfo("ScheduleDualPipeV", "v", True, 2, "exactly 2 stages per rank; m >= 2p"),
+        TorchScheduleInfo("ScheduleZBVZeroBubble", Placement.V, True, 2, "exactly 2 stages per rank"),
+        TorchScheduleInfo("ScheduleDualPipeV", Placement.V, True, 2, "exactly 2 stages per rank; m >= 2p"),
     ]
 }
 """The PyTorch schedule classes we import, by class name."""
@@ -110,11 +108,7 @@ def torch_schedule_names() -> list[str]:
 def placement_of(cls_name: str, num_ranks: int, num_chunks: int = 2) -> list[int]:
     """Our ``stage_to_rank`` for PyTorch schedule class ``cls_name``."""
     info = _info(cls_name)
-    if info.placement == "plain":
-        return plain_placement(num_ranks)
-    if info.placement == "v":
-        return v_placement(num_ranks)
-    return interleaved_placement(num_ranks, info.chunks(num_chunks))
+    return info.placement.stage_to_rank(num_ranks, info.chunks(num_chunks))
 
 
 class _StandInStage:
@@ -279,10 +273,10 @@ def _repair_1f1b_last_rank(sched: Schedule) -> str:
     """
     m, last = sched.num_microbatches, sched.num_ranks - 1
     acts = sched.ranks[last]
-    fwd = [a.mb for a in acts if a.op == "F"]
-    bwd = [a.mb for a in acts if a.op == "BW"]
+    fwd = [a.mb for a in acts if a.op is Op.F]
+    bwd = [a.mb for a in acts if a.op is Op.BW]
     if fwd != list(range(1, m + 1)) or bwd != list(range(m)) or len(fwd) + len(bwd) != len(acts):
         return ""
-    sched.ranks[last] = [Action("F", a.mb - 1, a.stage) if a.op == "F" else a for a in acts]
+    sched.ranks[last] = [Action(Op.F, a.mb - 1, a.stage) if a.op is Op.F else a for a in acts]
     return (f"rank {last}: forward microbatch indices 1..{m} renumbered to 0..{m - 1} "
             f"(PyTorch's list lacked F(mb=0) and named F(mb={m}))")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from .ir import BW, F, Action, Schedule, ScheduleError, interleaved_placement, make_schedule, plain_placement
-from .simulator import deadlocks
+from ..catalog import register
+from ..costs import CostModel
+from ..ir import BW, F, Action, Placement, Schedule, ScheduleError, interleaved_placement, make_schedule, plain_placement
+from ..simulator import deadlocks
+
+__all__ = ["check_shape", "interleaved_1f1b", "interleaved_order", "one_f_one_b"]
 
 
 def check_shape(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> None:
@@ -86,3 +90,18 @@ def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int =
         if m % p == 0 or not deadlocks(sched):
             return sched
     raise AssertionError("unreachable: with every forward in warm-up the order cannot deadlock")
+
+
+# ---------------------------------------------------------------------------- registration
+@register("1f1b", "Megatron's 1F1B, fused backward: peak p*M_B, bubble (p-1)(T_F+T_B+T_W)",
+          placement=Placement.PLAIN, split_backward=False, cost_aware=False)
+def _build_1f1b(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
+                num_chunks: int) -> Schedule:
+    return one_f_one_b(num_ranks=num_ranks, num_microbatches=num_microbatches)
+
+
+@register("interleaved-1f1b", "Megatron's interleaved 1F1B with v chunks per rank (--chunks)",
+          placement=Placement.INTERLEAVED, split_backward=False, cost_aware=False)
+def _build_interleaved_1f1b(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
+                            num_chunks: int) -> Schedule:
+    return interleaved_1f1b(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)

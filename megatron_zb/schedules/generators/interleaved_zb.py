@@ -9,12 +9,12 @@ Two kinds of candidates are built and the fastest one within the memory limit is
 by the project's simulator):
 
 * *pattern*: Megatron's interleaved 1F1B order (warm-up, one-forward-one-backward, cool-down;
-  :func:`~megatron_zb.schedules.baselines.interleaved_1f1b`) with every fused backward split
+  :func:`~.baselines.interleaved_1f1b`) with every fused backward split
   into ``B`` followed by its ``W``, where rank ``r`` may hold back its ``W`` by up to ``d_r``
   backwards (run later, or at the end). Tried delays: none (same timing and memory as
   interleaved 1F1B), ZB-H1-like ``d_r = r``, and ``d_r = 2r``, ``d_r = v*r`` -- kept only when
   they fit the limit;
-* *list scheduler*: :func:`~megatron_zb.schedules.vshape.search` on the interleaved placement
+* *list scheduler*: :func:`~.search.search` on the interleaved placement
   (the same event-driven scheduler as ZB-V), which reorders forwards and backwards as well.
 
 Default memory limit: the peak of interleaved 1F1B under the same costs (so the comparison with
@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import math
 
+from ..catalog import register
+from ..costs import CostModel
+from ..ir import Action, Op, Placement, Schedule, ScheduleError, interleaved_placement, make_schedule
+from ..simulator import simulate
 from .baselines import check_shape, interleaved_1f1b
-from .costs import CostModel
-from .ir import Action, Schedule, ScheduleError, interleaved_placement, make_schedule
-from .simulator import simulate
-from .vshape import search
+from .common import check_cost_model, parse_memory_limit
+from .search import search
 
 __all__ = ["interleaved_zb", "split_with_delay"]
 
@@ -41,9 +43,9 @@ def split_with_delay(base: Schedule, delays: list[int]) -> list[list[Action]]:
         out: list[Action] = []
         pending: list[Action] = []
         for a in acts:
-            if a.op == "BW":
-                out.append(Action("B", a.mb, a.stage))
-                pending.append(Action("W", a.mb, a.stage))
+            if a.op is Op.BW:
+                out.append(Action(Op.B, a.mb, a.stage))
+                pending.append(Action(Op.W, a.mb, a.stage))
                 while len(pending) > delays[r]:
                     out.append(pending.pop(0))
             else:
@@ -69,8 +71,7 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
             (``sum of mem_b over the rank's chunks``, the minimum for any schedule).
     """
     check_shape(num_ranks, num_microbatches, num_chunks)
-    if not isinstance(costs, CostModel):
-        raise ScheduleError(f"costs must be a CostModel, got {type(costs).__name__}")
+    check_cost_model(costs)
     p, m, v = num_ranks, num_microbatches, num_chunks
     s2r = interleaved_placement(p, v)
     n = p * v
@@ -81,9 +82,7 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
         memory_limit = costs.memory_limit
     if memory_limit is None:
         memory_limit = base_peak if base_peak > 0 else math.inf
-    limit = float(memory_limit)
-    if math.isnan(limit) or limit <= 0:
-        raise ScheduleError(f"memory_limit is {memory_limit!r}; it must be > 0")
+    limit = parse_memory_limit(memory_limit)
     need = [sum(base_sc.mem_b[s] for s in range(n) if s2r[s] == r) for r in range(p)]
     if max(need) > limit * (1 + 1e-12) + 1e-12:
         worst = max(range(p), key=lambda r: need[r])
@@ -116,3 +115,11 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
     _, name, ranks, makespan = best
     return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name="interleaved-zb",
                          num_chunks=v, memory_limit=limit, variant=name, makespan=makespan)
+
+
+@register("interleaved-zb", "interleaved placement (--chunks) with B/W split, W filling bubbles",
+          placement=Placement.INTERLEAVED, split_backward=True, cost_aware=True)
+def _build_interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
+                          num_chunks: int) -> Schedule:
+    return interleaved_zb(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
+                          memory_limit=memory_limit, num_chunks=num_chunks)

@@ -19,8 +19,12 @@ Bubbles are measured the paper's way (largest per-rank span, see :class:`SimResu
 
 from __future__ import annotations
 
+from ..catalog import register
+from ..costs import CostModel
+from ..ir import B, F, W, Action, Placement, Schedule, make_schedule, plain_placement
 from .baselines import check_shape
-from .ir import B, F, W, Action, Schedule, make_schedule, plain_placement
+
+__all__ = ["zb_h1", "zb_h2"]
 
 
 def _split_backward_1f1b(p: int, m: int, warmup: list[int], delay: list[int], name: str) -> Schedule:
@@ -56,3 +60,18 @@ def zb_h2(*, num_ranks: int, num_microbatches: int) -> Schedule:
     p = num_ranks
     return _split_backward_1f1b(p, num_microbatches, [2 * (p - r) - 1 for r in range(p)],
                                 [2 * r for r in range(p)], "zb-h2")
+
+
+# ---------------------------------------------------------------------------- registration
+@register("zb-h1", "handcrafted ZB-H1: 1F1B's peak memory, bubble (p-1)(T_F+T_B-T_W)",
+          placement=Placement.PLAIN, split_backward=True, cost_aware=False)
+def _build_zb_h1(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
+                 num_chunks: int) -> Schedule:
+    return zb_h1(num_ranks=num_ranks, num_microbatches=num_microbatches)
+
+
+@register("zb-h2", "handcrafted ZB-H2: peak (2p-1)*M_B, bubble (p-1)(T_F+T_B-2T_W)",
+          placement=Placement.PLAIN, split_backward=True, cost_aware=False)
+def _build_zb_h2(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
+                 num_chunks: int) -> Schedule:
+    return zb_h2(num_ranks=num_ranks, num_microbatches=num_microbatches)

@@ -1,0 +1,25 @@
+"""Schedule generators. Importing this package registers every built-in schedule.
+
+Each module registers its schedules with :func:`~megatron_zb.schedules.catalog.register` when it
+is imported; the imports below fix the order ``megatron-zb list`` shows. A new generator is a new
+module here plus one line below (see docs/schedules.md, "Adding a generator").
+
+==================  =====================================================================
+module              schedules
+==================  =====================================================================
+``baselines``       ``1f1b``, ``interleaved-1f1b``
+``handcrafted``     ``zb-h1``, ``zb-h2``
+``greedy``          ``zb``, ``zb-1p``, ``zb-2p`` (greedy list scheduler, plain placement)
+``vshape``          ``zbv``, ``v-half``, ``v-min`` (with ``list_scheduler`` and ``search``)
+``interleaved_zb``  ``interleaved-zb``
+``exact``           ``zb-optimal``, ``zbv-optimal`` (CP-SAT; OR-Tools imported on use)
+==================  =====================================================================
+"""
+
+# One import per line, in this order: it is the registration order (keep it when sorting imports).
+from . import baselines  # noqa: F401, I001
+from . import handcrafted  # noqa: F401
+from . import greedy  # noqa: F401
+from . import vshape  # noqa: F401
+from . import interleaved_zb  # noqa: F401
+from . import exact  # noqa: F401

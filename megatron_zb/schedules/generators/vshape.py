@@ -1,0 +1,260 @@
+"""V-shaped zero-bubble schedules: ZB-V, V-Half, V-Min, and any memory limit in between.
+
+Placement (:func:`~megatron_zb.schedules.ir.v_placement`): ``p`` ranks, ``2p`` stages; rank ``r``
+holds stage ``r`` (its *chunk 0*) and stage ``2p-1-r`` (its *chunk 1*), so rank 0 holds the first
+and the last stage and the middle of the V (stages ``p-1`` and ``p``) sits on rank ``p-1``.
+Costs are per stage, i.e. per chunk (``t_f[s]``, ``mem_b[s]``, ... for ``s`` in ``0..2p-1``);
+one rank's share of a whole microbatch is ``M = mem_b[r] + mem_b[2p-1-r]``.
+
+Units: times in any one unit; memory limits in the unit of ``costs.mem_b`` -- one *chunk's*
+``M_B``. For uniform chunks 1F1B's peak is ``p`` full rank-shares, ``p * M = 2p`` chunk units.
+
+The families differ only in the default per-rank activation-memory limit. The reference is
+``R``, 1F1B's peak for the same model (:func:`one_f_one_b_memory`): chunks ``2r`` and ``2r+1``
+form 1F1B's stage ``r`` and rank ``r`` of 1F1B holds ``p - r`` microbatches, so
+``R = max_r (p - r) * (mem_b[2r] + mem_b[2r+1])`` (``= p * M = 2p`` chunk units for uniform
+chunks). Measured on a real GPT the chunks are not uniform -- the last one carries the output
+layer and the logits -- and rank 0 of the V holds both the first and the last chunk, so a
+limit of ``p * M`` would let ZB-V exceed 1F1B's peak; ``R`` does not. A default is never below
+the feasible minimum ``M``:
+
+==========  ==============================  ========================================================
+name        default limit                   what it gives (unit costs, ``m >= 2p``)
+==========  ==============================  ========================================================
+``zbv``     ``R`` (1F1B's peak)              near-zero bubble
+``v-half``  ``(p/2 + 1) / p * R``            about half of 1F1B's memory (published V-Half:
+                                            ``(p+2)//2`` microbatches of 1F1B's ``p``), < 0.6x
+                                            its bubble
+``v-min``   ``(p/3 + 1.5) / p * R``          about a third of 1F1B's memory, bubble <= 1F1B's
+==========  ==============================  ========================================================
+
+Any explicit ``memory_limit`` from the feasible minimum ``M`` (one microbatch in flight per
+rank) upwards gives a valid schedule; below it :class:`ScheduleError` states the minimum.
+
+The algorithm: the event-driven list scheduler of :mod:`.list_scheduler` (any placement;
+:mod:`.interleaved_zb` uses it too) whose knobs are tuned per problem by the coordinate-descent
+search of :mod:`.search`, every candidate scored by its simulated makespan (ties: lower peak
+memory); small problems (<= 200 actions) then get a local search that moves single actions while
+the simulated makespan improves (:func:`~.list_scheduler.improve`). The knobs that matter on the V:
+the warm-up depth (how many microbatches may be between the rank's first chunk and its last chunk:
+as many first-chunk forwards as fit before microbatch 0 comes back to the rank's second chunk), a
+cap on microbatches in flight (for tight limits), and *pacing*: microbatch ``i`` enters stage 0 no
+earlier than ``(i - burst) * period`` with ``period`` the busiest rank's work per microbatch -- with
+little memory this keeps microbatches from travelling in convoys that leave every rank idle
+between the waves.
+
+The search also builds orders under simplified costs (no ``T_comm``; equal times) and times them
+under the real costs (:func:`~.search.proxy_costs`): on long pipelines the scheduler's reaction to small
+communication delays can drift into an irregular steady state, while the order built without them
+stays regular and is better under the real costs too.
+
+Monotonicity in the limit: the search also runs at the grid limit ``k*M/2`` just below the
+requested one (a schedule that fits a smaller limit fits a larger one), so the bubble does not
+grow when the limit rises, up to the heuristic noise between grid points.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ..catalog import register
+from ..costs import CostModel, StageCosts
+from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement
+from ..simulator import simulate
+from .common import check_cost_model, check_count, parse_memory_limit
+from .list_scheduler import asap_times, improve
+from .search import proxy_costs, search
+
+__all__ = ["one_f_one_b_memory", "v_default_limit", "v_full_memory", "v_half", "v_min", "v_min_memory", "v_schedule",
+           "zbv"]
+
+_IMPROVE_MAX_ACTIONS = 200
+"""Problems with at most this many actions get a local-search pass after the knob search."""
+
+
+# ---------------------------------------------------------------------------- the V family
+def check_v_chunks(num_chunks: object) -> None:
+    """The V placement has exactly two chunks per rank; anything else is a :class:`ScheduleError`."""
+    if num_chunks != 2:
+        kind = "an odd" if isinstance(num_chunks, int) and num_chunks % 2 else "a"
+        raise ScheduleError(f"the V placement has exactly 2 chunks per rank (stage r and stage 2p-1-r); "
+                            f"got {kind} chunk count {num_chunks!r}")
+
+
+def v_full_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
+    """``M``: the largest per-rank share of one microbatch's activations, ``mem_b[r] + mem_b[2p-1-r]``."""
+    sc = costs.resolve(2 * num_ranks) if isinstance(costs, CostModel) else costs
+    p = num_ranks
+    return max(sc.mem_b[r] + sc.mem_b[2 * p - 1 - r] for r in range(p))
+
+
+def one_f_one_b_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
+    """``R``: 1F1B's peak activation memory for the model whose ``2p`` chunks these costs describe.
+
+    1F1B places chunks ``2r`` and ``2r+1`` (the same layers, in order) on rank ``r``, which holds
+    ``p - r`` microbatches in flight at its peak (``m >= p``), so
+    ``R = max_r (p - r) * (mem_b[2r] + mem_b[2r+1])`` in units of ``mem_b``.
+    """
+    sc = costs.resolve(2 * num_ranks) if isinstance(costs, CostModel) else costs
+    p = num_ranks
+    return max((p - r) * (sc.mem_b[2 * r] + sc.mem_b[2 * r + 1]) for r in range(p))
+
+
+def v_default_limit(num_ranks: int, costs: CostModel | StageCosts, fraction: float) -> float:
+    """``max(M, min(fraction, p) / p * R)``: a family's default limit (see the module docstring)."""
+    p = num_ranks
+    return max(v_full_memory(p, costs), min(fraction, p) / p * one_f_one_b_memory(p, costs))
+
+
+def v_min_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
+    """The smallest feasible per-rank limit on the V placement (unit of ``mem_b``).
+
+    Rank ``r`` must hold microbatch ``i``'s chunk-0 activation until ``B(i, r)``, which needs
+    ``B(i, 2p-1-r)``, which needs ``F(i, 2p-1-r)``: both chunks at once, ``mem_b[r] + mem_b[2p-1-r]``.
+    Running one microbatch at a time needs no more, so this is the minimum (= :func:`v_full_memory`).
+    """
+    return v_full_memory(num_ranks, costs)
+
+
+def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None,
+               name: str = "v", default_fraction: Callable[[int], float] | None = None) -> Schedule:
+    """A V-placement zero-bubble schedule under a per-rank activation-memory limit.
+
+    Args:
+        num_ranks: ``p`` (>= 1); the model has ``2p`` stages.
+        num_microbatches: ``m`` (>= 1).
+        costs: per-stage (per-chunk) costs for ``2p`` stages; times in any unit.
+        memory_limit: per-rank peak activation limit in units of ``costs.mem_b`` (one chunk's
+            ``M_B``). ``None``: ``costs.memory_limit``, else :func:`v_default_limit` with
+            ``default_fraction(p)`` (1F1B's peak ``R`` when no fraction is given).
+        name: the schedule's name.
+
+    Raises:
+        ScheduleError: bad sizes or costs, or a limit below :func:`v_min_memory`.
+    """
+    p = check_count("num_ranks", num_ranks)
+    m = check_count("num_microbatches", num_microbatches)
+    s2r = v_placement(p)
+    base = check_cost_model(costs).resolve(2 * p)
+    full = v_full_memory(p, base)
+    if memory_limit is None:
+        memory_limit = costs.memory_limit
+    if memory_limit is None:
+        frac = default_fraction(p) if default_fraction is not None else float(p)
+        memory_limit = v_default_limit(p, base, frac) if full > 0 else math.inf
+    limit = parse_memory_limit(memory_limit)
+    if limit * (1 + 1e-12) + 1e-12 < full:
+        worst = max(range(p), key=lambda r: base.mem_b[r] + base.mem_b[2 * p - 1 - r])
+        raise ScheduleError(
+            f"memory_limit {limit:g} is below the minimum {full:g} for the V placement: rank {worst} must hold "
+            f"both of its chunks' activations of one microbatch (mem_b[{worst}] + mem_b[{2 * p - 1 - worst}]) "
+            f"at once, so no schedule fits")
+    sc = costs.with_limit(limit).resolve(2 * p)
+    best = search(s2r, m, sc, limit)
+    if math.isfinite(limit) and full > 0:
+        # also the grid limit k*M/2 just below: a schedule that fits it fits this limit too, which
+        # keeps the bubble from rising with the limit (up to the noise between grid points)
+        g = math.ceil(limit / (full / 2) - 1e-9) - 1
+        if g >= 2:
+            lower = search(s2r, m, sc, g * full / 2, max_sweeps=1)
+            if lower is not None and (best is None or lower[1] < best[1]):
+                best = (lower[0], lower[1], lower[2] + f" (limit {g * full / 2:g})")
+    for tag, proxy in proxy_costs(sc):
+        # orders built under simplified costs, timed under the real ones: on large pipelines the
+        # scheduler's reaction to T_comm or uneven T's can drift into irregular steady states
+        got = search(s2r, m, proxy, limit, max_sweeps=1)
+        if got is not None:
+            ms, pk, tot = asap_times(s2r, m, sc, got[0])
+            score = (round(ms, 9), round(pk, 9), round(tot, 9))
+            if best is None or score < best[1]:
+                best = (got[0], score, f"built with {tag}: {got[2]}")
+    for cls_name, ranks_ in _library_v_orders(p, m):
+        # orders of PyTorch's own V schedules, re-timed under our costs: kept when they fit the
+        # memory limit and beat the search (so the result is never worse than them)
+        try:
+            res = simulate(Schedule(m, s2r, ranks_, cls_name), sc)
+        except ScheduleError:
+            continue
+        score = (round(res.makespan, 9), round(res.max_peak_memory, 9), round(res.total_time, 9))
+        if best is None or score < best[1]:
+            best = (ranks_, score, f"torch.distributed.pipelining {cls_name} order")
+    if best is None:  # pragma: no cover - the memory-only knobs cannot get stuck on the V
+        raise ScheduleError(f"no V schedule found for p={p}, m={m}, memory_limit={limit:g}")
+    ranks, score, variant = best
+    if 6 * p * m <= _IMPROVE_MAX_ACTIONS:
+        better = improve(s2r, m, sc, limit, ranks)
+        if better != ranks:
+            ranks, variant = better, variant + " + local search"
+    res = simulate(Schedule(m, s2r, ranks, name), sc)    # validates; checks memory and deadlock
+    return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name,
+                         memory_limit=limit, variant=variant, makespan=res.makespan)
+
+
+def _library_v_orders(p: int, m: int) -> list[tuple[str, list[list[Action]]]]:
+    """Per-rank orders of PyTorch's V schedules (ZBV, DualPipeV) for ``p`` ranks, ``m`` microbatches.
+
+    Built offline by :mod:`megatron_zb.schedules.torch_import` (PyTorch is a dependency anyway);
+    a class that refuses the shape or yields an invalid order is skipped.
+    """
+    from ..torch_import import import_torch_schedule
+
+    out = []
+    for cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        try:
+            sched = import_torch_schedule(cls_name, num_ranks=p, num_microbatches=m)
+        except Exception:  # noqa: BLE001 - any refusal (shape constraint, defect, old torch) just skips it
+            continue
+        if sched.splits_backward and all(a.op is not Op.BW for _, _, a in sched.actions()):
+            out.append((cls_name, sched.ranks))
+    return out
+
+
+def zbv(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None) -> Schedule:
+    """ZB-V: near-zero bubble at 1F1B's peak activation memory (default limit ``R``).
+
+    Memory in units of ``costs.mem_b`` (one chunk's ``M_B``); ``R`` is 1F1B's peak for the same
+    model (:func:`one_f_one_b_memory`, ``2p`` chunk units for uniform chunks). See
+    :func:`v_schedule` for the arguments.
+    """
+    return v_schedule(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
+                      memory_limit=memory_limit, name="zbv", default_fraction=float)
+
+
+def v_half(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None) -> Schedule:
+    """V-Half: about half of 1F1B's activation memory (default limit ``(p/2 + 1) / p * R``).
+
+    Memory in units of ``costs.mem_b`` (one chunk's ``M_B``); see :func:`v_schedule`.
+    """
+    return v_schedule(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
+                      memory_limit=memory_limit, name="v-half", default_fraction=lambda p: p / 2 + 1)
+
+
+def v_min(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None) -> Schedule:
+    """V-Min: about a third of 1F1B's activation memory (default limit ``(p/3 + 1.5) / p * R``).
+
+    Memory in units of ``costs.mem_b`` (one chunk's ``M_B``); see :func:`v_schedule`.
+    """
+    return v_schedule(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
+                      memory_limit=memory_limit, name="v-min", default_fraction=lambda p: p / 3 + 1.5)
+
+
+# ---------------------------------------------------------------------------- registration
+def _v_builder(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
+    def build(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
+              num_chunks: int) -> Schedule:
+        check_count("num_ranks", num_ranks)
+        check_count("num_microbatches", num_microbatches)
+        check_cost_model(costs)
+        check_v_chunks(num_chunks)
+        return fn(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs, memory_limit=memory_limit)
+    return build
+
+
+_SPECS = (
+    ("zbv", "ZB-V: V placement, near-zero bubble at 1F1B's peak memory (p full stages)", zbv),
+    ("v-half", "V-Half: V placement, about 1/2 of 1F1B's activation memory", v_half),
+    ("v-min", "V-Min: V placement, about 1/3 of 1F1B's activation memory", v_min),
+)
+for _name, _description, _fn in _SPECS:
+    register(_name, _description, placement=Placement.V, split_backward=True, cost_aware=True)(_v_builder(_fn))

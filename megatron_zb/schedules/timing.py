@@ -1,0 +1,256 @@
+"""The timing kernel: when every action of a schedule runs and how much memory a rank holds.
+
+These rules exist once, here; the simulator, the greedy scheduler, the list scheduler and the
+exact solver's model all use them (the zero-bubble paper's model):
+
+* dependencies (:func:`inputs`): ``F(i, s)`` waits for ``F(i, s-1)``; ``B(i, s)`` and ``BW(i, s)``
+  wait for ``F(i, s)`` and for the input-gradient backward (``B`` or ``BW``) of ``(i, s+1)`` (the
+  last stage only for its own ``F``); ``W(i, s)`` waits for ``B(i, s)``. A dependency between two
+  different ranks adds ``t_comm`` (a latency that occupies neither rank);
+* durations and memory deltas: :meth:`~.costs.StageCosts.duration` and
+  :meth:`~.costs.StageCosts.memory_delta` (``F`` allocates ``mem_b``, ``B`` frees ``mem_b - mem_w``,
+  ``W`` frees ``mem_w``, ``BW`` frees ``mem_b``), tabulated per stage by :class:`Timeline`;
+* a rank runs its actions in order, one at a time, each as soon as the rank is free and its inputs
+  are done (:meth:`Timeline.run`, :meth:`Timeline.play`).
+
+Actions are integer-coded for speed: a :data:`Code` is ``(op, mb, stage)`` with ``op`` one of
+:data:`F`, :data:`B`, :data:`W`, :data:`BW`; :func:`encode` / :func:`decode` convert from and to
+:class:`~.ir.Action`. Units: times in the unit of the costs, memory in the unit of ``mem_b``.
+
+Example (two stages on two ranks, unit costs)::
+
+    tl = Timeline([0, 1], 1, CostModel().resolve(2))
+    tl.play([[(F, 0, 0), (B, 0, 0), (W, 0, 0)], [(F, 0, 1), (B, 0, 1), (W, 0, 1)]])
+    tl.clock  # [5.0, 4.0]: rank 0 ends at 5 (F 0-1, B 3-4, W 4-5), rank 1 at 4
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from .costs import StageCosts
+from .ir import Action, Op, ScheduleError
+
+__all__ = ["B", "BW", "Code", "DeadlockError", "F", "OPS", "Timeline", "W", "decode", "encode", "inputs"]
+
+F, B, W, BW = 0, 1, 2, 3
+"""Integer op codes of the compute actions."""
+
+OPS: tuple[Op, ...] = (Op.F, Op.B, Op.W, Op.BW)
+"""Op code -> :class:`~.ir.Op`."""
+
+_MEM_SLACK = 1e-9
+"""Relative (and absolute) slack of the memory-limit check, for float summation noise."""
+
+_CODE_OF: dict[Op, int] = {op: k for k, op in enumerate(OPS)}
+
+Code = tuple[int, int, int]
+"""An integer-coded compute action ``(op code, microbatch, stage)``."""
+
+
+class DeadlockError(ScheduleError):
+    """The schedule can never finish: every unfinished rank waits on something that never happens."""
+
+
+def encode(a: Action) -> Code:
+    """The :data:`Code` of a compute action."""
+    return _CODE_OF[a.op], a.mb, a.stage
+
+
+def decode(code: Code) -> Action:
+    """The :class:`~.ir.Action` of a :data:`Code`."""
+    op, mb, stage = code
+    return Action(OPS[op], mb, stage)
+
+
+def inputs(op: int, stage: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """The events ``(op code, stage)`` of the same microbatch that ``op`` on ``stage`` waits for.
+
+    ``B`` in a result stands for the input-gradient backward, ``B`` or ``BW`` (whichever the schedule
+    runs). This is the dependency rule of every schedule (see the module docstring).
+    """
+    if op == F:
+        return ((F, stage - 1),) if stage > 0 else ()
+    if op == W:
+        return ((B, stage),)
+    return ((F, stage),) + (((B, stage + 1),) if stage < num_stages - 1 else ())
+
+
+def _ready_fn(ins: tuple[tuple[list[float], float], ...]) -> Callable[[int], float]:
+    """``mb ->`` the latest ``end + latency`` over the inputs ``(end times by mb, latency)`` (0 if none)."""
+    if not ins:
+        return lambda mb: 0.0
+    if len(ins) == 1:
+        ((row, lat),) = ins
+        return lambda mb: row[mb] + lat
+    ((row1, lat1), (row2, lat2)) = ins   # inputs() gives at most two
+
+    def ready(mb: int) -> float:
+        a, b = row1[mb] + lat1, row2[mb] + lat2
+        return a if a > b else b
+    return ready
+
+
+class Timeline:
+    """One timing pass over a placement: event end times, per-rank clocks and held memory.
+
+    Drive it with :meth:`play` (whole per-rank orders, every action as soon as possible) or action by
+    action with :meth:`ready` and :meth:`run` (what a list scheduler does while it builds an order).
+
+    Attributes:
+        stage_to_rank: the placement.
+        num_microbatches: ``m``.
+        duration: ``duration[op][stage]``, time of one action (unit of the costs).
+        delta: ``delta[op][stage]``, change of the rank's held activation memory (unit of ``mem_b``).
+        f_end / b_end: ``[stage][mb]``, end of ``F`` / of the input-gradient backward (``B`` or
+            ``BW``); ``inf`` until it has run.
+        ready_of: ``ready_of[op][stage](mb)``, the :meth:`ready` time (a function per op and stage,
+            built from :func:`inputs`).
+        run: ``run(rank, op, mb, stage, ready) -> start``: run ``op`` on ``(mb, stage)`` as
+            ``rank``'s next action, starting at ``max(ready, clock[rank])``, and update the ends,
+            clock, memory and peak. ``ready`` is normally :meth:`ready`'s value (a list scheduler may
+            pass a later one to hold an action back).
+        clock: per rank, end of its last action so far (0 before the first).
+        first: per rank, start of its first action (``inf`` before it).
+        mem / peak: per rank, activation memory held now / at most so far.
+        count: per rank, actions run so far.
+        over: per rank, the position (in the rank's order) of the first action that brought its
+            memory above ``costs.memory_limit`` (relative slack 1e-9), or -1.
+    """
+
+    def __init__(self, stage_to_rank: Sequence[int], num_microbatches: int, costs: StageCosts, *,
+                 num_ranks: int | None = None) -> None:
+        s2r = list(stage_to_rank)
+        n, m = len(s2r), num_microbatches
+        if len(costs.t_f) != n:
+            raise ScheduleError(f"costs are resolved for {len(costs.t_f)} stages, the placement has {n}")
+        p = num_ranks if num_ranks is not None else max(s2r, default=-1) + 1
+        self.stage_to_rank = s2r
+        self.num_microbatches = m
+        self.duration = tuple(tuple(costs.duration(op, s) for s in range(n)) for op in OPS)
+        self.delta = tuple(tuple(costs.memory_delta(op, s) for s in range(n)) for op in OPS)
+        self.f_end = [[math.inf] * m for _ in range(n)]
+        self.b_end = [[math.inf] * m for _ in range(n)]
+        ends = (self.f_end, self.b_end)
+        self.ready_of = tuple(
+            tuple(_ready_fn(tuple((ends[q_op][q], costs.t_comm if s2r[q] != s2r[s] else 0.0)
+                                  for q_op, q in inputs(op, s, n))) for s in range(n))
+            for op in range(len(OPS)))
+        self.clock = [0.0] * p
+        self.first = [math.inf] * p
+        self.mem = [0.0] * p
+        self.peak = [0.0] * p
+        self.count = [0] * p
+        self.over = [-1] * p
+        lim = costs.memory_limit
+        self._limit = math.inf if lim is None else lim * (1 + _MEM_SLACK) + _MEM_SLACK
+        self.run = self._runner()
+
+    def ready(self, op: int, mb: int, stage: int) -> float:
+        """Earliest start of ``op`` on ``(mb, stage)`` as far as its inputs go (``inf``: not all done).
+
+        The same as ``ready_of[op][stage](mb)``, which hot loops call directly.
+        """
+        return self.ready_of[op][stage](mb)
+
+    def reset(self) -> None:
+        """Forget every action run so far (the tables stay), ready for another pass."""
+        unset = [math.inf] * self.num_microbatches
+        for row in self.f_end + self.b_end:
+            row[:] = unset
+        p = len(self.clock)
+        self.clock[:], self.first[:] = [0.0] * p, [math.inf] * p
+        self.mem[:], self.peak[:] = [0.0] * p, [0.0] * p
+        self.count[:], self.over[:] = [0] * p, [-1] * p
+
+    def _runner(self) -> Callable[[int, int, int, int, float], float]:
+        """Build :attr:`run` (a closure over the state lists: hot loops call it for every action)."""
+        clock, first, mem, peak, count, over = self.clock, self.first, self.mem, self.peak, self.count, self.over
+        duration, delta, f_end, b_end, limit = self.duration, self.delta, self.f_end, self.b_end, self._limit
+
+        def run(rank: int, op: int, mb: int, stage: int, ready: float) -> float:
+            """Run ``op`` on ``(mb, stage)`` as ``rank``'s next action, not before ``ready``; return its start."""
+            clk = clock[rank]
+            start = ready if ready > clk else clk
+            end = start + duration[op][stage]
+            if op == F:
+                f_end[stage][mb] = end
+            elif op != W:
+                b_end[stage][mb] = end
+            clock[rank] = end
+            if start < first[rank]:
+                first[rank] = start
+            held = mem[rank] + delta[op][stage]
+            mem[rank] = held
+            if held > peak[rank]:   # memory first exceeds the limit at a new peak
+                peak[rank] = held
+                if held > limit and over[rank] < 0:
+                    over[rank] = count[rank]
+            count[rank] += 1
+            return start
+        return run
+
+    def play(self, orders: Sequence[Sequence[Code]], *,
+             record: bool = False) -> tuple[list[list[float]], list[list[float]]] | None:
+        """Run every rank's order (rank ``r`` = ``orders[r]``), each action as soon as possible.
+
+        Returns ``(start, end)`` per rank and action when ``record``, else ``None`` (the results are
+        in the attributes). Raises :class:`DeadlockError` naming each rank's blocked action and what
+        it waits for when the orders can never all finish.
+        """
+        ready_of, run, inf = self.ready_of, self.run, math.inf
+        ptr = [0] * len(orders)
+        starts = [[0.0] * len(o) for o in orders] if record else None
+        remaining = sum(len(o) for o in orders)
+        while remaining:
+            progressed = False
+            for r, seq in enumerate(orders):
+                k = ptr[r]
+                while k < len(seq):
+                    op, mb, stage = seq[k]
+                    t = ready_of[op][stage](mb)
+                    if t == inf:
+                        break
+                    t = run(r, op, mb, stage, t)
+                    if starts is not None:
+                        starts[r][k] = t
+                    k += 1
+                if k != ptr[r]:
+                    remaining -= k - ptr[r]
+                    ptr[r] = k
+                    progressed = True
+            if not progressed:
+                raise DeadlockError(self._deadlock_message(orders, ptr))
+        if starts is None:
+            return None
+        dur = self.duration
+        ends = [[t + dur[op][s] for t, (op, _, s) in zip(row, seq)] for row, seq in zip(starts, orders)]
+        return starts, ends
+
+    def _deadlock_message(self, orders: Sequence[Sequence[Code]], ptr: list[int]) -> str:
+        n = len(self.stage_to_rank)
+        ends = (self.f_end, self.b_end)
+        lines = []
+        for r, seq in enumerate(orders):
+            if ptr[r] == len(seq):
+                lines.append(f"rank {r} finished")
+                continue
+            op, mb, stage = seq[ptr[r]]
+            waits = ", ".join(f"{OPS[q_op]}(mb={mb}, stage={q})" for q_op, q in inputs(op, stage, n)
+                              if ends[q_op][q][mb] == math.inf)
+            lines.append(f"rank {r} blocked at action #{ptr[r]} {decode(seq[ptr[r]])} waiting for {waits}")
+        return "schedule deadlocks:\n  " + "\n  ".join(lines)
+
+    # ------------------------------------------------------------------ results
+    def spans(self) -> list[float]:
+        """Per rank, end of its last action minus start of its first (0 for a rank without actions)."""
+        return [c - f if f != math.inf else 0.0 for c, f in zip(self.clock, self.first)]
+
+    def makespan(self) -> float:
+        """The longest per-rank span (the zero-bubble paper's cost)."""
+        return max(self.spans(), default=0.0)
+
+    def total_time(self) -> float:
+        """End of the last action on any rank (one isolated iteration)."""
+        return max(self.clock, default=0.0)

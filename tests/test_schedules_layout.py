@@ -1,0 +1,130 @@
+"""Layout of megatron_zb.schedules: no import cycle, and every generator registers the same way."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import megatron_zb.schedules as schedules_pkg
+from megatron_zb.schedules import CostModel, Placement, Schedule, ScheduleError, simulate
+from megatron_zb.schedules.catalog import SCHEDULES, register
+from megatron_zb.schedules.ir import BW, F, make_schedule, plain_placement
+from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
+
+PKG_DIR = Path(schedules_pkg.__file__).parent
+PKG = schedules_pkg.__name__
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file of every module of the package (a package is its ``__init__``)."""
+    out = {}
+    for path in PKG_DIR.rglob("*.py"):
+        parts = list(path.relative_to(PKG_DIR).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join([PKG, *parts])] = path
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (anywhere in the file, lazy imports included)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+                # `from pkg import name` imports the module pkg.name when there is one, else pkg
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            graph[name] |= {t for t in targets if t in mods and t != name}
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}          # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(u: str) -> list[str] | None:
+        state[u] = 1
+        path.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                return path[path.index(v):] + [v]
+            if v not in state and (found := visit(v)):
+                return found
+        path.pop()
+        state[u] = 2
+        return None
+
+    for u in sorted(graph):
+        if u not in state and (found := visit(u)):
+            return found
+    return None
+
+
+def test_import_graph_is_read_correctly():
+    graph = _import_graph()
+    assert f"{PKG}.generators" in graph[f"{PKG}.registry"]
+    assert f"{PKG}.catalog" in graph[f"{PKG}.generators.greedy"]
+    assert f"{PKG}.timing" in graph[f"{PKG}.simulator"]
+    assert f"{PKG}.torch_import" in graph[f"{PKG}.generators.vshape"]          # a lazy import counts
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_schedules_package_has_no_import_cycle():
+    assert _find_cycle(_import_graph()) is None
+
+
+def test_registration_order_is_the_documented_list_order():
+    assert schedule_names() == ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb", "zb-1p", "zb-2p", "zbv", "v-half",
+                                "v-min", "interleaved-zb", "zb-optimal", "zbv-optimal"]
+
+
+def test_every_builder_takes_the_same_keyword_arguments():
+    want = ["num_ranks", "num_microbatches", "costs", "memory_limit", "num_chunks"]
+    for name in schedule_names():
+        spec = get_spec(name)
+        params = inspect.signature(spec.build).parameters.values()
+        assert [p.name for p in params] == want, name
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params), name
+        assert isinstance(spec.placement, Placement), name
+
+
+def test_a_new_module_registers_a_schedule_by_decorator():
+    """The documented way to add a schedule: a builder decorated with ``register``."""
+
+    @register("test-gpipe", "all forwards, then all backwards", placement=Placement.PLAIN,
+              split_backward=False, cost_aware=False)
+    def gpipe(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
+              num_chunks: int) -> Schedule:
+        ranks = [[F(i, r) for i in range(num_microbatches)] + [BW(i, r) for i in range(num_microbatches)]
+                 for r in range(num_ranks)]
+        return make_schedule(num_microbatches=num_microbatches, stage_to_rank=plain_placement(num_ranks),
+                             ranks=ranks)
+
+    try:
+        assert schedule_names()[-1] == "test-gpipe"
+        sched = build_schedule("test-gpipe", num_ranks=3, num_microbatches=4)
+        assert sched.name == "test-gpipe"
+        res = simulate(sched, CostModel())
+        # unit costs, p=3, m=4: the forwards end at 4 + 2 = 6 on the last rank, the backwards (2 each)
+        # take 8 per rank and the last one reaches rank 0 after 2 * 2 more: 6 + 8 + 4 = 18
+        assert res.total_time == 18.0
+        assert res.peak_memory == [4.0, 4.0, 4.0]
+        try:
+            register("test-gpipe", "again", placement=Placement.PLAIN, split_backward=False,
+                     cost_aware=False)(gpipe)
+        except ScheduleError as e:
+            assert "registered twice" in str(e)
+        else:
+            raise AssertionError("a second registration of one name must fail")
+    finally:
+        SCHEDULES.pop("test-gpipe", None)
