@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
-python -m pytest -q -p no:cacheprovider tests "$@"
+python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"

@@ -16,19 +16,14 @@ import torch
 
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.testing import run_distributed
-from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
+from megatron_zb.testing.tiny_gpt import TinyGPT, assert_bitwise_equal, run_step
 
 PP2_SCHEDULES = ["1f1b", "zb-h1", "zb-h2", "zb", "zb-2p"]
 
 
 def _assert_same(ref: dict, got: dict, *, what: str) -> None:
     """Losses and every gradient (every rank's copy, see TinyGPT.merge) bitwise equal."""
-    assert len(got["losses"]) == len(ref["losses"]) > 0
-    for a, b in zip(got["losses"], ref["losses"]):
-        assert torch.equal(a, b), f"{what}: loss {a} != {b}"
-    assert got["grads"].keys() == ref["grads"].keys()
-    for n, g in ref["grads"].items():
-        assert torch.equal(got["grads"][n], g), f"{what}: gradient of {n} differs"
+    assert_bitwise_equal(ref, got, what=what)
 
 
 @pytest.fixture(scope="module")

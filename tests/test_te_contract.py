@@ -34,7 +34,7 @@ from megatron_zb.schedules import Action, Op, Schedule, ScheduleError
 from megatron_zb.schedules.order import w_order_matches_b
 from megatron_zb.schedules.registry import build_schedule, schedule_names
 from megatron_zb.testing import run_distributed
-from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
+from megatron_zb.testing.tiny_gpt import TinyGPT, assert_bitwise_equal, run_step
 
 SPEC = "te_double:gpt_layer_spec"
 TE_SPEC = "megatron_zb.runtime.te_route:te_layer_spec"
@@ -64,12 +64,7 @@ def _merged(cfg: TinyGPT, schedule, **kwargs) -> dict:
 
 
 def _assert_bitwise(ref: dict, got: dict, what: str) -> None:
-    assert len(got["losses"]) == len(ref["losses"]) > 0
-    for a, b in zip(got["losses"], ref["losses"]):
-        assert torch.equal(a, b), f"{what}: loss {a} != {b}"
-    assert got["grads"].keys() == ref["grads"].keys()
-    for n, g in ref["grads"].items():
-        assert torch.equal(got["grads"][n], g), f"{what}: gradient of {n} differs"
+    assert_bitwise_equal(ref, got, what=what)
 
 
 @pytest.fixture(scope="module")

@@ -92,6 +92,17 @@ class TinyGPT:
         return merged
 
 
+def assert_bitwise_equal(ref: dict[str, Any], got: dict[str, Any], *, what: str) -> None:
+    """Assert two merged :func:`run_step` results have bitwise-equal losses and gradients (every
+    gradient key of both, every rank's copy as :meth:`TinyGPT.merge` keeps them)."""
+    assert len(got["losses"]) == len(ref["losses"]) > 0, f"{what}: {len(got['losses'])} losses, want {len(ref['losses'])}"
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert torch.equal(a, b), f"{what}: loss {a} != {b}"
+    assert got["grads"].keys() == ref["grads"].keys(), f"{what}: gradient names differ"
+    for n, g in ref["grads"].items():
+        assert torch.equal(got["grads"][n], g), f"{what}: gradient of {n} differs"
+
+
 def random_microbatches(n: int, *, vocab: int, micro_batch: int, seq: int,
                         seed: int) -> list[dict[str, torch.Tensor]]:
     """``n`` micro batches of random tokens from a CPU generator seeded with ``seed``.
