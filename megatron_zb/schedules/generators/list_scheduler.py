@@ -210,7 +210,6 @@ class _ListScheduler:
         return not any(left)
 
 
-
 def _schedule_codes(stage_to_rank: Sequence[int], m: int, sc: StageCosts, limit: float | None,
                     knobs: Knobs) -> tuple[list[list[Code]], float, float, float] | None:
     """One pass: ``(per-rank orders, makespan, peak memory, total time)`` or ``None`` if stuck."""
