@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_zb.schedules import ScheduleError, simulate
 from megatron_zb.schedules.registry import get_spec
 from megatron_zb.schedules.costs import CostModel
-from megatron_zb.schedules.ir import Schedule
+from megatron_zb.schedules.ir import Placement, Schedule
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import format_schedule_report, print_rank_0
 from megatron_zb.training.profiling import (ActionProfile, AgreedProfile, agree_on_profile, cost_model,
@@ -315,4 +315,4 @@ def profile_parallel(args: argparse.Namespace) -> Any:
         dp=args.data_parallel_size, num_microbatches=args.num_microbatches, sequence_parallel=args.sequence_parallel,
         use_distributed_optimizer=args.use_distributed_optimizer,
         allow_padding_num_layers=args.allow_padding_num_layers,
-        num_virtual_stages=args.num_model_chunks if get_spec(args.schedule).placement == "interleaved" else None)
+        num_virtual_stages=args.num_model_chunks if get_spec(args.schedule).placement == Placement.INTERLEAVED else None)

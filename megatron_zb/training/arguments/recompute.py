@@ -99,11 +99,11 @@ def uneven_layers_per_stage(args: argparse.Namespace) -> list[int]:
     Needs ``schedule_placement`` and ``num_model_chunks`` (set by the schedule's resolution);
     raises :class:`ArgumentError`.
     """
-    from megatron_zb.schedules.ir import interleaved_placement, plain_placement, v_placement
+    from megatron_zb.schedules.ir import Placement, interleaved_placement, plain_placement, v_placement
 
     pp, kind = args.pipeline_model_parallel_size, args.schedule_placement
-    stage_to_rank = (v_placement(pp) if kind == "v" else
-                     interleaved_placement(pp, args.num_model_chunks) if kind == "interleaved" else plain_placement(pp))
+    stage_to_rank = (v_placement(pp) if kind == Placement.V else
+                     interleaved_placement(pp, args.num_model_chunks) if kind == Placement.INTERLEAVED else plain_placement(pp))
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if args.pipeline_model_parallel_size == 1:
         raise ArgumentError("--decoder-first-pipeline-num-layers" if first is not None else

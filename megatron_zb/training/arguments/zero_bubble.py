@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_zb.model.gpt_chunks import split_layers
-from megatron_zb.schedules.ir import Schedule, ScheduleError
+from megatron_zb.schedules.ir import Placement, Schedule, ScheduleError
 from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spec, schedule_names
 
 from .common import ArgumentError, flag
@@ -122,12 +122,12 @@ def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
     if args.enable_zero_bubble and not spec.split_backward:
         raise ArgumentError("--schedule", f"{name!r} is not a zero-bubble schedule (it does not split the backward); "
                                           f"drop --enable-zero-bubble or choose a zero-bubble schedule")
-    if spec.placement == "v" and pp == 1:
+    if spec.placement == Placement.V and pp == 1:
         raise ArgumentError(selected_by, f"the V schedule {name!r} needs --pipeline-model-parallel-size > 1 "
                                          f"(it places two model chunks per pipeline rank); raise PP or use "
                                          f"--enable-zero-bubble")
     chunks_flag = args.num_virtual_stages_per_pipeline_rank
-    if spec.placement == "interleaved":
+    if spec.placement == Placement.INTERLEAVED:
         chunks = chunks_flag if chunks_flag is not None else 2
         if chunks < 2:
             raise ArgumentError("--num-virtual-stages-per-pipeline-rank",
