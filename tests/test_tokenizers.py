@@ -19,6 +19,7 @@ rank   merge        id      "hello"  -> h e l l o -> he l l o -> he ll o -> hell
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 import sys
@@ -34,7 +35,9 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron_zb.training import data, tokenizers
 from megatron_zb.training.arguments import ArgumentError, parse_args, validate_args
 
-pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e .[test])")
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (it is in the test extra: pip install "
+                                               "-e .[test])")
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1 "
@@ -81,6 +84,7 @@ def gpt2_flags(files: tuple[str, str]) -> str:
 
 
 # ---------------------------------------------------------------------------- GPT2BPETokenizer
+@needs_transformers
 def test_the_test_vocabulary_is_gpt2_byte_level():
     """The hand-written table agrees with the byte-level alphabet of the ``tokenizers`` library."""
     from tokenizers.pre_tokenizers import ByteLevel
@@ -89,6 +93,7 @@ def test_the_test_vocabulary_is_gpt2_byte_level():
     assert (symbols[32], symbols[ord("h")], symbols[0xC3], symbols[0xA9]) == ("Ġ", "h", "Ã", "©")
 
 
+@needs_transformers
 def test_gpt2_bpe_ids_by_hand(gpt2_files):
     tok = data.build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0], merge_file=gpt2_files[1])
     assert isinstance(tok, MegatronTokenizerBase) and isinstance(tok, tokenizers.GPT2BPETokenizer)
@@ -104,6 +109,7 @@ def test_gpt2_bpe_ids_by_hand(gpt2_files):
     assert tok.vocab["Ġw"] == 260 and tok.unique_identifiers["vocab_size"] == 263
 
 
+@needs_transformers
 def test_gpt2_bpe_round_trip(gpt2_files):
     tok = data.build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0], merge_file=gpt2_files[1])
     text = "hello world. It's 3 héllo  wörld\tzero bubble ,  spaces \n\nnew line 😀"
@@ -112,12 +118,14 @@ def test_gpt2_bpe_round_trip(gpt2_files):
     assert all(0 <= i < 262 for i in ids) and 259 in ids  # no EOD, the merges applied
 
 
+@needs_transformers
 def test_gpt2_bpe_through_validate_args(gpt2_files):
     args = resolve(f"--mock-data {gpt2_flags(gpt2_files)}")
     assert (args.vocab_size, args.tokenizer_vocab_size, args.padded_vocab_size) == (263, 263, 384)  # 3 * 128
     assert data.tokenizer_from_args(args).tokenize("hello world") == HELLO_WORLD
 
 
+@needs_transformers
 @pytest.mark.parametrize("extra, flag, also", [
     ("--tokenizer-type GPT2BPETokenizer --merge-file {m}", "--vocab-file", "is required with --tokenizer-type "
                                                                            "GPT2BPETokenizer"),
@@ -138,6 +146,7 @@ def test_gpt2_bpe_bad_flags_name_the_flag(gpt2_files, extra, flag, also):
     assert info.value.flag == flag and str(info.value).startswith(flag + ": ") and also in str(info.value)
 
 
+@needs_transformers
 @pytest.mark.parametrize("edit, also", [
     (lambda v: v.pop("<|endoftext|>"), "has no '<|endoftext|>' token"),
     (lambda v: v.pop("Ġ"), "lacks 1 of the 256 byte-level symbols"),
@@ -181,6 +190,7 @@ def hf_dir(tmp_path) -> Path:
     return tmp_path / "tok"
 
 
+@needs_transformers
 def test_hf_tokenizer_from_a_local_directory(hf_dir):
     args = resolve(f"--mock-data --tokenizer-type HuggingFaceTokenizer --tokenizer-model {hf_dir}")
     assert (args.tokenizer_vocab_size, args.padded_vocab_size) == (7, 128)
@@ -194,6 +204,7 @@ def test_hf_tokenizer_from_a_local_directory(hf_dir):
 
 
 # ---------------------------------------------------------------------------- end to end
+@needs_transformers
 def test_preprocess_with_gpt2_bpe_then_train_data(gpt2_files, tmp_path):
     """tools/preprocess_data.py -> .bin/.idx with the hand-worked ids -> the GPTDataset pretraining reads."""
     from test_data import load_preprocess  # the tool loaded as a module
