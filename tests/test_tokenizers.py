@@ -157,6 +157,14 @@ def test_gpt2_bpe_refuses_an_unusable_vocabulary(tmp_path, edit, also):
         tokenizers.build_tokenizer("GPT2BPETokenizer", vocab_file=v, merge_file=m)
 
 
+@needs_transformers
+@pytest.mark.parametrize("merges, also", [("h e\nabc\n", "invalid at line 2"), ("x q\n", "`xq` out of vocabulary")])
+def test_gpt2_bpe_refuses_a_malformed_merges_file(gpt2_files, merges, also):
+    Path(gpt2_files[1]).write_text("#version: 0.2\n" + merges, encoding="utf-8")
+    with pytest.raises(tokenizers.TokenizerError, match="^--merge-file: cannot build a GPT-2 BPE tokenizer .*" + also):
+        tokenizers.build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_files[0], merge_file=gpt2_files[1])
+
+
 @pytest.mark.parametrize("tokenizer_flags", ["gpt2", "hf"])
 def test_missing_transformers_exits_2_naming_the_flag(gpt2_files, tmp_path, monkeypatch, capsys, tokenizer_flags):
     """pretrain_gpt_zb.py's ``main`` in-process: exit status 2, one error line, no process group."""
@@ -218,7 +226,8 @@ def test_preprocess_with_gpt2_bpe_then_train_data(gpt2_files, tmp_path):
     expected = [HELLO_WORLD + [EOD], [256, 108, 100, 32, 259, EOD], [104, 195, 169, 257, 111, EOD]]
     assert [ds[i].tolist() for i in range(3)] == expected
 
-    args = resolve(f"--data-path {prefix} --split 1,1,1 --data-cache-path {tmp_path / 'cache'} {gpt2_flags(gpt2_files)}")
+    args = resolve(f"--data-path {prefix} --split 1,1,1 --data-cache-path {tmp_path / 'cache'} "
+                   f"{gpt2_flags(gpt2_files)}")
     train, _, _ = data.build_datasets(args)
     assert isinstance(train, GPTDataset)
     corpus_ids = {i for doc in expected for i in doc}

@@ -279,7 +279,9 @@ class GPT2BPETokenizer(_TransformersTokenizer):
 
     Refused with :class:`TokenizerError`: a missing file, a vocab file that is not a JSON object,
     lacks ``<|endoftext|>`` or lacks one of the 256 byte-level symbols (text would silently lose
-    characters), and a tokenizer whose size differs from the vocab file's.
+    characters), a merges file ``tokenizers`` rejects (a malformed line, a merge whose result is
+    not in the vocabulary), and a tokenizer whose size differs from the vocab file's (a guard
+    against a ``transformers`` API change silently ignoring the files; not triggered by the tests).
     """
 
     EOD_TOKEN: str = "<|endoftext|>"
@@ -316,7 +318,8 @@ class GPT2BPETokenizer(_TransformersTokenizer):
             with open(vocab_file, encoding="utf-8") as f:
                 vocab = json.load(f)
         except (OSError, ValueError) as e:
-            raise TokenizerError(f"cannot read {vocab_file!r} as a GPT-2 vocab.json: {e}", flag="--vocab-file") from None
+            raise TokenizerError(f"cannot read {vocab_file!r} as a GPT-2 vocab.json: {e}",
+                                 flag="--vocab-file") from None
         if not isinstance(vocab, dict):
             raise TokenizerError(f"{vocab_file!r} is not a GPT-2 vocab.json (a JSON object token -> id)",
                                  flag="--vocab-file")
