@@ -23,7 +23,8 @@ setup(
         "ortools>=9.10",  # exact schedule solver (CP-SAT)
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        # transformers: the GPT2BPETokenizer / HuggingFaceTokenizer tests (tests/test_tokenizers.py)
+        "test": ["pytest>=8", "hypothesis>=6", "transformers"],
         # GPU only: fused wgrad_gemm_accum kernels and TE layers. Neither runs on a CPU machine;
         # apex is not on PyPI (the "apex" there is an unrelated project): build NVIDIA apex from
         # source with --cpp_ext --cuda_ext.

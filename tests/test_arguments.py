@@ -80,7 +80,8 @@ def test_megatron_defaults_and_choices():
     by_flag = {s: x for x in build_parser()._actions for s in x.option_strings}
     assert list(by_flag["--schedule"].choices) == schedule_names()
     assert set(by_flag["--lr-decay-style"].choices) == {"constant", "linear", "cosine"}
-    assert set(by_flag["--tokenizer-type"].choices) == {"ByteLevel", "HuggingFaceTokenizer", "NullTokenizer"}
+    assert set(by_flag["--tokenizer-type"].choices) == {"ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                                                            "NullTokenizer"}
     assert set(by_flag["--distributed-backend"].choices) == {"auto", "gloo", "nccl"}
     with pytest.raises(SystemExit):
         parse_args(shlex.split(BASE + " --schedule no-such-schedule"))
@@ -269,6 +270,8 @@ BAD = [
     ("--tokenizer-type HuggingFaceTokenizer", 1, "--tokenizer-model", "local directory"),
     ("--tokenizer-type HuggingFaceTokenizer --tokenizer-model /no/such/tokenizer/dir", 1, "--tokenizer-model",
      "does not exist"),
+    ("--tokenizer-type GPT2BPETokenizer", 1, "--vocab-file", "is required with --tokenizer-type GPT2BPETokenizer"),
+    ("--merge-file merges.txt", 1, "--merge-file", "only read by --tokenizer-type GPT2BPETokenizer"),
     ("--post-validation-warmup-iters 3", 1, "--post-validation-warmup-iters",
      "add --enable-optimizer-post-validation or drop --post-validation-warmup-iters"),
     ("--pipeline-model-parallel-size 2 --enable-zero-bubble --post-validation-fallback-clean-iters 3", 2,

@@ -12,7 +12,13 @@ Examples::
     # -> data/corpus_text_document.bin / .idx  (byte-level tokenizer, nothing downloaded)
 
     python tools/preprocess_data.py --input book.txt --output-prefix data/book \\
-        --tokenizer-type HuggingFaceTokenizer --tokenizer-model /models/gpt2-tokenizer --workers 4
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model /models/llama-tokenizer --workers 4
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+
+The tokenizer flags are ``pretrain_gpt_zb.py``'s (:func:`megatron_zb.training.tokenizers.add_tokenizer_args`);
+pass the same ones to both.
 """
 
 from __future__ import annotations
@@ -24,9 +30,6 @@ import os
 import sys
 import time
 from typing import Iterator, Sequence
-
-_TOKENIZER_TYPES = ("ByteLevel", "HuggingFaceTokenizer", "NullTokenizer")
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -40,12 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="JSON keys to extract; one output dataset per key. For text input only the first key is "
                         "used (in the output name).")
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", choices=_TOKENIZER_TYPES, default="ByteLevel",
-                   help="ByteLevel: UTF-8 bytes + EOD (no download). HuggingFaceTokenizer: local directory given "
-                        "by --tokenizer-model (needs transformers). NullTokenizer: whitespace-separated integer ids.")
-    g.add_argument("--tokenizer-model", default=None, help="Local HuggingFace tokenizer directory.")
-    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer.")
+    from megatron_zb.training.tokenizers import add_tokenizer_args  # the flags of pretrain_gpt_zb.py
+
+    g = p.add_argument_group("tokenizer (the flags of pretrain_gpt_zb.py)")
+    add_tokenizer_args(g)
+    g.add_argument("--vocab-size", type=int, default=None, help="Number of ids for --tokenizer-type NullTokenizer.")
     g.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                    help="Append the end-of-document id to every document.")
     g = p.add_argument_group("output")
@@ -64,11 +66,10 @@ _KEYS: Sequence[str] = ()
 _APPEND_EOD = True
 
 
-def _init_worker(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None,
-                 keys: Sequence[str], append_eod: bool) -> None:
+def _init_worker(tokenizer_args: argparse.Namespace, keys: Sequence[str], append_eod: bool) -> None:
     global _TOKENIZER, _KEYS, _APPEND_EOD
-    from megatron_zb.training.data import build_tokenizer
-    _TOKENIZER = build_tokenizer(tokenizer_type, tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+    from megatron_zb.training.tokenizers import tokenizer_from_args
+    _TOKENIZER = tokenizer_from_args(tokenizer_args)
     _KEYS, _APPEND_EOD = tuple(keys), append_eod
 
 
@@ -113,27 +114,35 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
-    """Run the tool; returns the dataset prefixes written (one per JSON key)."""
-    args = build_parser().parse_args(argv)
+    """Run the tool; returns the dataset prefixes written (one per JSON key).
+
+    Bad flags (including an unusable tokenizer: missing files, ``transformers`` not installed)
+    exit with status 2 and one ``error:`` line naming the flag, before any input is read.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.workers < 1:
-        raise SystemExit("--workers must be >= 1")
+        parser.error("--workers must be >= 1")
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
+        parser.error(f"--vocab-size is only read by --tokenizer-type NullTokenizer, not {args.tokenizer_type}; drop it")
     fmt = args.input_format
     if fmt == "auto":
         fmt = "jsonl" if args.input.endswith((".jsonl", ".json")) else "text"
     keys = args.json_keys[:1] if fmt == "text" else args.json_keys
     if not os.path.isfile(args.input):
-        raise SystemExit(f"--input {args.input!r} does not exist")
+        parser.error(f"--input {args.input!r} does not exist")
 
     import numpy
     import torch
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-    from megatron_zb.training.data import TokenizerError, build_tokenizer
+    from megatron_zb.training.tokenizers import TokenizerError, tokenizer_from_args
 
+    tokenizer_args = argparse.Namespace(**{k: getattr(args, k) for k in (
+        "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")})
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                    vocab_size=args.vocab_size)
+        tokenizer = tokenizer_from_args(tokenizer_args)
     except TokenizerError as e:
-        raise SystemExit(f"error: {e}") from None
+        parser.error(str(e))
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -142,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     print(f"> tokenizing {args.input} ({fmt}) with {args.tokenizer_type} (vocab {tokenizer.vocab_size}, "
           f"eod {tokenizer.eod}, dtype {numpy.dtype(dtype).name}), {args.workers} worker(s)", file=sys.stderr, flush=True)
 
-    init = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, keys, args.append_eod)
+    init = (tokenizer_args, keys, args.append_eod)
     docs = _read_documents(args.input, fmt, keys)
     pool = None
     if args.workers == 1:

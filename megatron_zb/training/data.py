@@ -1,17 +1,7 @@
-"""Tokenizers, GPT datasets and micro-batch iterators, built with megatron-core 0.16.1.
+"""GPT datasets and micro-batch iterators, built with megatron-core 0.16.1 (tokenizers re-exported).
 
-Tokenizers (:func:`build_tokenizer`), all implementing megatron-core's
-``megatron.core.tokenizers.MegatronTokenizerBase`` as far as ``GPTDatasetConfig`` and the
-datasets use it (``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``), plus ``tokenize`` /
-``detokenize`` for :mod:`tools.preprocess_data`:
-
-* ``ByteLevel`` (:class:`ByteLevelTokenizer`): UTF-8 bytes are ids 0-255, ``EOD = 256``,
-  ``PAD = 257``; vocabulary 258. Nothing to download.
-* ``HuggingFaceTokenizer`` (:class:`HuggingFaceLocalTokenizer`): ``AutoTokenizer`` loaded from a
-  local directory with ``local_files_only=True`` (never downloads); EOD is the tokenizer's EOS.
-  Needs ``transformers``; a missing path or package is a :class:`TokenizerError`.
-* ``NullTokenizer`` (:class:`NullTokenizer`): text is whitespace-separated integer ids
-  ``0..N-1``; ``EOD = N``; vocabulary ``N + 1`` (Megatron's meaning of ``--vocab-size``).
+Tokenizers (:func:`build_tokenizer`, ``--tokenizer-type``) live in
+:mod:`megatron_zb.training.tokenizers` and are re-exported here.
 
 Datasets (:func:`build_datasets`): ``MockGPTDataset`` for ``--mock-data``, else ``GPTDataset``
 (one prefix) or ``BlendedDataset`` over ``GPTDataset`` (several prefixes / weights) split by
@@ -56,8 +46,7 @@ import contextlib
 import os
 import tempfile
 import uuid
-from collections import OrderedDict
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 
@@ -66,10 +55,13 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_zb.megatron_compat import fix_gpt_dataset_mask_cache
+from megatron_zb.training.tokenizers import (ByteLevelTokenizer, GPT2BPETokenizer, HuggingFaceLocalTokenizer,
+                                             NullTokenizer, TokenizerError, build_tokenizer, tokenizer_from_args)
 
 __all__ = [
     "BATCH_KEYS",
     "ByteLevelTokenizer",
+    "GPT2BPETokenizer",
     "HuggingFaceLocalTokenizer",
     "MicroBatchSampler",
     "NullTokenizer",
@@ -93,188 +85,6 @@ BATCH_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "attention_mask"
 
 # megatron-core 0.16.1's GPTDataset mask cache leaks the first sample's padding into later samples.
 fix_gpt_dataset_mask_cache()
-
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be built (missing local files, missing package, bad options)."""
-
-
-# ---------------------------------------------------------------------------- tokenizers
-class ByteLevelTokenizer(MegatronTokenizerBase):
-    """UTF-8 bytes as token ids 0-255, plus ``EOD = 256`` and ``PAD = 257`` (vocabulary 258).
-
-    Unlike megatron-core's own byte-level tokenizer (EOS/EOD = 0, PAD = 1, i.e. colliding with
-    the bytes 0 and 1), the special ids here never occur in tokenized text.
-    """
-
-    EOD: int = 256
-    PAD: int = 257
-
-    def __init__(self) -> None:
-        super().__init__("", {"library": "megatron-zb-byte-level"})
-
-    def tokenize(self, text: str) -> list[int]:
-        """Text -> byte ids (no EOD appended)."""
-        return list(text.encode("utf-8"))
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Ids -> text; special ids are dropped, invalid UTF-8 is replaced."""
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, *_: Any, **__: Any) -> Any:
-        raise NotImplementedError("the byte-level tokenizer has no chat template")
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return {**{bytes([i]).decode("latin-1"): i for i in range(256)}, "<eod>": self.EOD, "<pad>": self.PAD}
-
-    @property
-    def vocab_size(self) -> int:
-        return 258
-
-    @property
-    def eod(self) -> int:
-        return self.EOD
-
-    @property
-    def eos(self) -> int:
-        return self.EOD
-
-    @property
-    def pad(self) -> int:
-        return self.PAD
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        """Identifies the tokenizer in megatron-core's dataset cache keys."""
-        return OrderedDict(self=f"{type(self).__module__}.{type(self).__qualname__}", vocab_size=258, eod=256, pad=257)
-
-
-class NullTokenizer(MegatronTokenizerBase):
-    """Whitespace-separated integer ids ``0..N-1`` (``N = vocab_size``); ``EOD = N``; vocabulary ``N + 1``."""
-
-    def __init__(self, vocab_size: int) -> None:
-        if vocab_size is None or int(vocab_size) < 1:
-            raise TokenizerError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size}")
-        super().__init__("", {"library": "megatron-zb-null"})
-        self._n = int(vocab_size)
-
-    def tokenize(self, text: str) -> list[int]:
-        ids = [int(t) for t in text.split()]
-        bad = [i for i in ids if not 0 <= i < self._n]
-        if bad:
-            raise TokenizerError(f"NullTokenizer: id {bad[0]} is outside 0..{self._n - 1} (--vocab-size {self._n})")
-        return ids
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return " ".join(str(int(i)) for i in ids)
-
-    def apply_chat_template(self, *_: Any, **__: Any) -> Any:
-        raise NotImplementedError("the null tokenizer has no chat template")
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return {str(i): i for i in range(self._n + 1)}
-
-    @property
-    def vocab_size(self) -> int:
-        return self._n + 1
-
-    @property
-    def eod(self) -> int:
-        return self._n
-
-    @property
-    def eos(self) -> int:
-        return self._n
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(self=f"{type(self).__module__}.{type(self).__qualname__}", vocab_size=self._n)
-
-
-class HuggingFaceLocalTokenizer(MegatronTokenizerBase):
-    """A HuggingFace tokenizer read from a local directory (``local_files_only=True``).
-
-    ``eod`` is the tokenizer's EOS id; ``pad`` its PAD id when it has one (megatron-core masks
-    the loss on padding). ``vocab_size`` is ``len(tokenizer)`` (base vocabulary plus added tokens).
-    """
-
-    def __init__(self, path: str) -> None:
-        if not path:
-            raise TokenizerError("HuggingFaceTokenizer needs --tokenizer-model: the local directory holding the "
-                                 "tokenizer files (tokenizer.json / tokenizer_config.json ...)")
-        if not os.path.exists(path):
-            raise TokenizerError(f"tokenizer path {path!r} does not exist; pass --tokenizer-model with a local "
-                                 f"directory holding the tokenizer files (models are never downloaded)")
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as e:
-            raise TokenizerError(f"--tokenizer-type HuggingFaceTokenizer needs the 'transformers' package, which is "
-                                 f"not importable ({e}); pip install transformers, or use --tokenizer-type ByteLevel"
-                                 ) from None
-        try:
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as e:  # transformers raises OSError/ValueError/... for unusable directories
-            raise TokenizerError(f"cannot load a HuggingFace tokenizer from {path!r}: {e}") from None
-        if tok.eos_token_id is None:
-            raise TokenizerError(f"the tokenizer in {path!r} has no EOS token to use as the end-of-document token")
-        super().__init__(path, {"library": "huggingface-local"})
-        self._tok = tok
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids])
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tok.apply_chat_template(*args, **kwargs)
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return self._tok.get_vocab()
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tok)
-
-    @property
-    def eod(self) -> int:
-        return int(self._tok.eos_token_id)
-
-    @property
-    def eos(self) -> int:
-        return int(self._tok.eos_token_id)
-
-    @property
-    def pad(self) -> int:
-        if self._tok.pad_token_id is None:
-            raise AttributeError("this tokenizer has no pad token")
-        return int(self._tok.pad_token_id)
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(self=f"{type(self).__module__}.{type(self).__qualname__}", path=os.path.abspath(self.path),
-                           vocab_size=len(self._tok))
-
-
-def build_tokenizer(tokenizer_type: str, *, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None) -> MegatronTokenizerBase:
-    """The tokenizer named by ``--tokenizer-type`` (see the module docstring); :class:`TokenizerError` if unusable."""
-    if tokenizer_type == "ByteLevel":
-        return ByteLevelTokenizer()
-    if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceLocalTokenizer(tokenizer_model or "")
-    if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(vocab_size)  # type: ignore[arg-type]
-    raise TokenizerError(f"unknown tokenizer type {tokenizer_type!r}; choose ByteLevel, HuggingFaceTokenizer or "
-                         f"NullTokenizer")
-
-
-def tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizerBase:
-    """:func:`build_tokenizer` from ``--tokenizer-type``, ``--tokenizer-model`` and ``--vocab-size``."""
-    return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
 
 
 # ---------------------------------------------------------------------------- datasets

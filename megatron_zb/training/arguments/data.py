@@ -8,12 +8,12 @@ import math
 import os
 from typing import Sequence
 
+from megatron_zb.training.tokenizers import TOKENIZER_TYPES, TokenizerError, add_tokenizer_args, tokenizer_from_args
+
 from .common import ArgumentError
 
 __all__ = ["TOKENIZER_TYPES", "add_data_args", "check_data", "check_split", "parse_data_blend",
            "resolve_tokenizer_vocab"]
-
-TOKENIZER_TYPES: tuple[str, ...] = ("ByteLevel", "HuggingFaceTokenizer", "NullTokenizer")
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -42,13 +42,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="Do not attend across EOD tokens (per-document attention mask).")
     g.add_argument("--eod-mask-loss", action="store_true", help="Do not compute the loss on EOD tokens.")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteLevel",
-                   help="ByteLevel (default): UTF-8 bytes 0-255 plus EOD and PAD, nothing to download. "
-                        "HuggingFaceTokenizer: a tokenizer saved on local disk (--tokenizer-model DIR; needs "
-                        "transformers; never downloads). NullTokenizer: whitespace-separated integer ids "
-                        "(needs --vocab-size).")
-    g.add_argument("--tokenizer-model", type=str, default=None,
-                   help="Local directory of a HuggingFace tokenizer (for --tokenizer-type HuggingFaceTokenizer).")
+    add_tokenizer_args(g)
 
 
 def parse_data_blend(values: Sequence[str], *, flag: str = "--data-path") -> tuple[list[str], list[float] | None]:
@@ -135,19 +129,10 @@ def _checked_blend(values: Sequence[str], flag: str) -> tuple[list[str], list[fl
 
 def resolve_tokenizer_vocab(args: argparse.Namespace) -> None:
     """Build the tokenizer once to check it; sets ``vocab_size``, ``tokenizer_vocab_size``, ``padded_vocab_size``."""
-    from megatron_zb.training import data  # lazy: data imports megatron-core's dataset stack
-
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise ArgumentError("--vocab-size", "is required with --tokenizer-type NullTokenizer")
-    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        raise ArgumentError("--tokenizer-model", "is required with --tokenizer-type HuggingFaceTokenizer: pass the "
-                                                 "local directory holding the tokenizer files")
     try:
-        tok = data.build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                   vocab_size=args.vocab_size)
-    except data.TokenizerError as e:
-        flag = "--tokenizer-model" if args.tokenizer_type == "HuggingFaceTokenizer" else "--tokenizer-type"
-        raise ArgumentError(flag, str(e)) from None
+        tok = tokenizer_from_args(args)
+    except TokenizerError as e:  # names its flag: a missing or unused file flag, transformers not installed ...
+        raise ArgumentError(e.flag, e.message) from None
     args.tokenizer_vocab_size = tok.vocab_size
     if args.tokenizer_type == "NullTokenizer":
         vocab = tok.vocab_size  # --vocab-size ids plus the EOD id; args.vocab_size keeps the flag's value
