@@ -24,6 +24,7 @@
 #   DATA_PATH        dataset prefix(es) from tools/preprocess_data.py, or a blend "W1 P1 W2 P2"
 #   MOCK_DATA        1 trains on synthetic data instead (no DATA_PATH needed)
 #   TOKENIZER_TYPE TOKENIZER_MODEL  ByteLevel (default; no download) or HuggingFaceTokenizer + local dir
+#   VOCAB_FILE MERGE_FILE           with TOKENIZER_TYPE=GPT2BPETokenizer: local vocab.json / merges.txt
 #   CHECKPOINT_PATH  --save directory (default ./checkpoints/gpt_zb); also --load when it exists (resume)
 #   TENSORBOARD_DIR  TensorBoard directory (empty: none; needs the tensorboard package)
 #

@@ -37,6 +37,7 @@
 #   MOCK_DATA        1 trains on synthetic data instead
 #   DATA_CACHE_PATH  dataset index cache, shared by all nodes (default CHECKPOINT_PATH/data_cache)
 #   TOKENIZER_TYPE TOKENIZER_MODEL  ByteLevel (default; no download) or HuggingFaceTokenizer + local dir
+#   VOCAB_FILE MERGE_FILE           with TOKENIZER_TYPE=GPT2BPETokenizer: local vocab.json / merges.txt
 #   CHECKPOINT_PATH  --save directory on shared storage (default ./checkpoints/gpt_zb_slurm);
 #                    also --load when it exists (resume)
 #   TENSORBOARD_DIR  TensorBoard directory (empty: none)

@@ -409,6 +409,15 @@ def test_single_node_script_passes_valid_flags(tmp_path, schedule, expect):
     assert a.params_dtype is torch.bfloat16 and a.distributed_backend == "gloo"  # the appended flag wins
 
 
+def test_single_node_script_passes_gpt2_tokenizer_files(tmp_path):
+    _, flags = _launch(tmp_path, "pretrain_gpt_single_node.sh", **SMALL_GPT, SCHEDULE="zb",
+                       CHECKPOINT_PATH=str(tmp_path / "ckpt"), TOKENIZER_TYPE="GPT2BPETokenizer",
+                       VOCAB_FILE="/data/gpt2-vocab.json", MERGE_FILE="/data/gpt2-merges.txt")
+    given = {flags[k]: flags[k + 1] for k in range(len(flags) - 1) if flags[k].startswith("--")}
+    assert given["--tokenizer-type"] == "GPT2BPETokenizer"
+    assert (given["--vocab-file"], given["--merge-file"]) == ("/data/gpt2-vocab.json", "/data/gpt2-merges.txt")
+
+
 def test_slurm_script_passes_valid_flags(tmp_path):
     launcher, flags = _launch(tmp_path, "pretrain_gpt_slurm.sh", **_slurm_env(tmp_path, 2), **SMALL_GPT,
                               SCHEDULE="zb", CHECKPOINT_PATH=str(tmp_path / "ckpt"))

@@ -10,7 +10,7 @@
 # them first, the environment normally does):
 #   MICRO_BATCH=1 PP=8 SCHEDULE=zb MAX_PENDING_BACKWARD= POST_VALIDATION=0 PRECISION=bf16
 #   TRAIN_ITERS=500000 WARMUP_ITERS=2000 DATA_PATH= MOCK_DATA=0 TOKENIZER_TYPE=ByteLevel
-#   TOKENIZER_MODEL= TENSORBOARD_DIR=
+#   TOKENIZER_MODEL= VOCAB_FILE= MERGE_FILE= TENSORBOARD_DIR=
 # (the launchers' header comments document what each variable means).
 #
 # pretrain_gpt_build_args [DATA_FLAG...]
@@ -49,6 +49,8 @@ DATA_PATH=${DATA_PATH:-}
 MOCK_DATA=${MOCK_DATA:-0}
 TOKENIZER_TYPE=${TOKENIZER_TYPE:-ByteLevel}
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
+VOCAB_FILE=${VOCAB_FILE:-}
+MERGE_FILE=${MERGE_FILE:-}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-}
 
 pretrain_gpt_build_args() {
@@ -79,6 +81,12 @@ pretrain_gpt_build_args() {
     DATA_ARGS=(--tokenizer-type "${TOKENIZER_TYPE}" --split 949,50,1 "$@")
     if [[ -n "${TOKENIZER_MODEL}" ]]; then
         DATA_ARGS+=(--tokenizer-model "${TOKENIZER_MODEL}")
+    fi
+    if [[ -n "${VOCAB_FILE}" ]]; then
+        DATA_ARGS+=(--vocab-file "${VOCAB_FILE}")
+    fi
+    if [[ -n "${MERGE_FILE}" ]]; then
+        DATA_ARGS+=(--merge-file "${MERGE_FILE}")
     fi
     if [[ "${MOCK_DATA}" == 1 ]]; then
         DATA_ARGS+=(--mock-data)
