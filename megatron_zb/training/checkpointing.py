@@ -146,6 +146,11 @@ def _sharded_state_dict(chunks: Sequence[Any], optimizer: Any, *, is_loading: bo
     return sd
 
 
+def _adam_step_dtype() -> torch.dtype:
+    """The dtype torch's Adam gives its per-parameter ``step`` tensor (float64 only when that is the default)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
 def _materialize_adam_state(optimizer: Any) -> None:
     """Give each parameter that has no Adam state yet the state torch's Adam creates at its first step.
 
@@ -154,7 +159,7 @@ def _materialize_adam_state(optimizer: Any) -> None:
     the state it initialises). ``step`` 0 and zero moments are exactly what Adam's first step
     would create, so training continues bit for bit as without the save.
     """
-    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    scalar = _adam_step_dtype()
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         opt = getattr(part, "optimizer", None)
         if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
@@ -185,6 +190,54 @@ def _restore_zero_steps(optimizer_sd: Any) -> None:
         for param_state in state.values():
             if isinstance(param_state, dict) and "exp_avg" in param_state and "step" not in param_state:
                 param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
+def _saved_adam_steps(optimizer: Any, optimizer_sd: Any) -> list[float]:
+    """Per part of a distributed ``optimizer``, the Adam step its checkpoint holds.
+
+    megatron-core's ``DistributedOptimizer.state_dict()`` (torch Adam) keeps the step once per
+    parameter group, as ``param_groups[i]["step"]``; the groups of one part agree.
+    """
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    sds = [optimizer_sd] if len(parts) == 1 else [v for _, v in sorted(optimizer_sd.items())]
+    steps = []
+    for sd in sds:
+        found = {g["step"] for g in sd["optimizer"]["param_groups"] if "step" in g}
+        if len(found) != 1:
+            raise CheckpointError(f"the distributed optimizer's checkpoint should hold one Adam step per part, "
+                                  f"found {sorted(found)}")
+        steps.append(float(found.pop()))
+    return steps
+
+
+def _give_each_param_its_step(optimizer: Any, steps: Sequence[float]) -> None:
+    """Set every parameter's Adam ``step`` to its part's saved step, as a tensor of its own.
+
+    megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (torch Adam, no apex/TE)
+    gives *one* step tensor to every parameter, and then ``load_parameter_state_from_dp_reshardable``
+    copies into it the step the optimizer had *before* the load (the ``dp_reshardable`` format
+    keeps ``step`` as a local, non-persistent object). torch's Adam increments ``state["step"]``
+    in place once per parameter, so a shared tensor grows by the number of parameters per
+    iteration; both wrong the bias correction from the first resumed step on.
+    """
+    dtype = _adam_step_dtype()
+    for part, step in zip(getattr(optimizer, "chained_optimizers", [optimizer]), steps):
+        opt = part.optimizer
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue  # apex/TE FusedAdam: the step lives in the param groups
+        for param_state in opt.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step, dtype=dtype)
+
+
+def _load_optimizer_state(optimizer: Any, optimizer_sd: Any, *, distributed: bool) -> None:
+    """``optimizer.load_state_dict(optimizer_sd)`` with the repairs megatron-core 0.16.1 needs with torch's Adam."""
+    _restore_zero_steps(optimizer_sd)
+    steps = _saved_adam_steps(optimizer, optimizer_sd) if distributed else None
+    with torch.no_grad():  # the distributed optimizer copies into its (leaf) main-param shards in place
+        optimizer.load_state_dict(optimizer_sd)
+    if steps is not None:
+        _give_each_param_its_step(optimizer, steps)
 
 
 def _zero_bubble_entry(state: TrainState, args: Any) -> dict[str, Any]:
@@ -280,14 +333,12 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
             for k in SHAPE_ARGS if k in saved and saved[k] != getattr(args, k, None)]
     if diff:
         raise CheckpointError(f"checkpoint {path} holds a different model: " + "; ".join(diff))
-    if optimizer is not None and getattr(args, "use_distributed_optimizer", False):
-        raise CheckpointError(
-            "--load with --use-distributed-optimizer is not supported: megatron-core 0.16.1's distributed "
-            "optimizer without apex/Transformer Engine cannot build the state dict to load into, and when made "
-            "to, it does not restore Adam's moments exactly (tests/test_pretrain.py); resume without "
-            "--use-distributed-optimizer from a checkpoint saved without it")
-    sd = _sharded_state_dict(chunks, optimizer, is_loading=True,
-                             use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    distributed = bool(getattr(args, "use_distributed_optimizer", False))
+    if optimizer is not None and distributed:
+        # megatron-core's DistributedOptimizer.sharded_state_dict(is_loading=True) reads the step of
+        # torch Adam's state, which a fresh optimizer does not have yet (apex/TE FusedAdam need none).
+        _materialize_adam_state(optimizer)
+    sd = _sharded_state_dict(chunks, optimizer, is_loading=True, use_distributed_optimizer=distributed)
     if scheduler is not None and "opt_param_scheduler" in common:
         sd["opt_param_scheduler"] = common["opt_param_scheduler"]
     same_layout = tuple(common.get("parallel_layout", ())) == _layout()[0]
@@ -298,9 +349,7 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     for i, module in enumerate(chunks):
         module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
     if optimizer is not None:
-        _restore_zero_steps(loaded["optimizer"])
-        with torch.no_grad():  # the distributed optimizer copies into its (leaf) main-param shards in place
-            optimizer.load_state_dict(loaded["optimizer"])
+        _load_optimizer_state(optimizer, loaded["optimizer"], distributed=distributed)
     if scheduler is not None and "opt_param_scheduler" in loaded:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if rng:
