@@ -151,3 +151,25 @@ def test_fp16_resume_with_distributed_optimizer_restores_the_loss_scaler(tmp_pat
     assert _values(second) == values[K:], (_values(second), values)
     for rank in range(WORLD):
         _assert_same_adam_state(second[rank]["end"], whole[rank]["end"], f"rank {rank} at iteration {N}")
+
+
+def test_optimizer_format_mismatch_is_refused():
+    """Loading the distributed optimizer's state into a run without it (or the reverse), or at
+    another (PP, TP) layout, is refused with one message; DP may differ; old checkpoints (no
+    flag recorded) are not checked."""
+    from megatron_zb.training.checkpointing import CheckpointError, check_optimizer_format
+
+    def common(distopt: bool | None, layout: tuple[int, int, int]) -> dict:
+        args = {} if distopt is None else {"use_distributed_optimizer": distopt}
+        return {"args": args, "parallel_layout": layout}
+
+    check_optimizer_format(common(True, (2, 1, 2)), distributed=True, layout=(2, 1, 2), path="c")
+    check_optimizer_format(common(True, (2, 1, 2)), distributed=True, layout=(2, 1, 1), path="c")
+    check_optimizer_format(common(False, (2, 1, 2)), distributed=False, layout=(4, 1, 1), path="c")
+    check_optimizer_format(common(None, (2, 1, 2)), distributed=True, layout=(4, 1, 1), path="c")
+    with pytest.raises(CheckpointError, match="saved with --use-distributed-optimizer and this run is without it"):
+        check_optimizer_format(common(True, (2, 1, 2)), distributed=False, layout=(2, 1, 2), path="c")
+    with pytest.raises(CheckpointError, match="saved without --use-distributed-optimizer and this run is with it"):
+        check_optimizer_format(common(False, (2, 1, 2)), distributed=True, layout=(2, 1, 2), path="c")
+    with pytest.raises(CheckpointError, match=r"\(PP, TP\) = \(2, 1\); this run has \(4, 1\)"):
+        check_optimizer_format(common(True, (2, 1, 2)), distributed=True, layout=(4, 1, 1), path="c")

@@ -12,7 +12,10 @@ What one checkpoint holds:
   in the keys are global (``decoder.layers.{i}``, see :mod:`megatron_zb.model.gpt_chunks`),
   so a checkpoint loads into any placement and pipeline size (plain, V, interleaved);
 * ``optimizer``: ``optimizer.sharded_state_dict(model_sharded_state_dict)`` (Adam moments,
-  fp32 main params, loss scaler), keyed by the same global names;
+  fp32 main params, loss scaler), keyed by the same global names; with the distributed
+  optimizer in Megatron-LM's ``dp_reshardable`` format (per gradient bucket of one (PP, TP)
+  layout; loading it at another (PP, TP), or into a run without the distributed optimizer, is
+  refused by :func:`check_optimizer_format`);
 * ``opt_param_scheduler``: the LR/weight-decay scheduler's state;
 * the :class:`~megatron_zb.training.state.TrainState`: ``iteration``, ``consumed_train_samples``,
   ``consumed_valid_samples`` and ``zero_bubble`` (the schedule's name, its number of stages and
@@ -23,7 +26,10 @@ What one checkpoint holds:
   is the one saved (otherwise a warning says so and the run starts from fresh RNG streams).
 
 Resuming therefore continues bit for bit: the same parameters, optimizer state, LR, data
-position and random streams as an uninterrupted run (on CPU, fp32).
+position and random streams as an uninterrupted run (on CPU; fp32 and fp16, also with the
+distributed optimizer: ``tests/test_resume_distopt.py``). megatron-core 0.16.1's distributed
+optimizer with torch's Adam (no apex / Transformer Engine) needs two repairs on load, see
+:func:`_materialize_adam_state` and :func:`_give_each_param_its_step`.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ __all__ = [
     "CheckpointError",
     "LoadedCheckpoint",
     "TRACKER_FILENAME",
+    "check_optimizer_format",
     "checkpoint_dir",
     "collect_rng_state",
     "load_checkpoint",
@@ -158,7 +165,14 @@ def _materialize_adam_state(optimizer: Any) -> None:
     has no state: a save would hold no ``exp_avg`` and loading it fails (megatron-core asks for
     the state it initialises). ``step`` 0 and zero moments are exactly what Adam's first step
     would create, so training continues bit for bit as without the save.
+
+    A post-validation wrapper validates its pending step first: rolling back an eager first
+    step removes the state that step created.
     """
+    from megatron_zb.optimizer import PostValidationOptimizer
+
+    if isinstance(optimizer, PostValidationOptimizer):
+        optimizer.validate()
     scalar = _adam_step_dtype()
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         opt = getattr(part, "optimizer", None)
@@ -240,6 +254,28 @@ def _load_optimizer_state(optimizer: Any, optimizer_sd: Any, *, distributed: boo
         _give_each_param_its_step(optimizer, steps)
 
 
+def check_optimizer_format(common: dict[str, Any], *, distributed: bool, layout: Sequence[int], path: str) -> None:
+    """Refuse (:class:`CheckpointError`) an optimizer state this run cannot load exactly.
+
+    ``common``: the checkpoint's common state dict; ``distributed``: this run's
+    ``--use-distributed-optimizer``; ``layout``: this run's (PP, TP, DP) sizes. The distributed
+    optimizer's state and the other optimizers' are different formats; the distributed one
+    (``dp_reshardable``, Megatron-LM's) follows the gradient buckets of one (PP, TP) layout.
+    Checkpoints that do not record the flag are not checked.
+    """
+    saved = common.get("args", {}).get("use_distributed_optimizer")
+    if saved is not None and bool(saved) != distributed:
+        was, now = ("with", "without") if saved else ("without", "with")
+        raise CheckpointError(f"checkpoint {path} was saved {was} --use-distributed-optimizer and this run is {now} "
+                              f"it: the optimizer states differ in format; resume {was} --use-distributed-optimizer")
+    saved_layout = tuple(common.get("parallel_layout", ()))[:2]
+    if distributed and saved and saved_layout != tuple(layout)[:2]:
+        raise CheckpointError(f"checkpoint {path} holds the distributed optimizer's state of (PP, TP) = {saved_layout}; "
+                              f"this run has {tuple(layout)[:2]}: that format follows the gradient buckets of one "
+                              f"(PP, TP) layout (it reshards along data parallel only); resume with the saved "
+                              f"pipeline and tensor parallel sizes")
+
+
 def _zero_bubble_entry(state: TrainState, args: Any) -> dict[str, Any]:
     return {"schedule": args.schedule, "num_stages": args.num_pipeline_stages, "costs": state.schedule_costs}
 
@@ -275,7 +311,8 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
-        "args": {k: getattr(args, k, None) for k in SHAPE_ARGS},
+        "args": {**{k: getattr(args, k, None) for k in SHAPE_ARGS},
+                 "use_distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))},
         "parallel_layout": _layout()[0],
         "rng_state": _rng_sharded_object(collect_rng_state()),
     })
@@ -334,6 +371,8 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     if diff:
         raise CheckpointError(f"checkpoint {path} holds a different model: " + "; ".join(diff))
     distributed = bool(getattr(args, "use_distributed_optimizer", False))
+    if optimizer is not None:
+        check_optimizer_format(common, distributed=distributed, layout=_layout()[0], path=path)
     if optimizer is not None and distributed:
         # megatron-core's DistributedOptimizer.sharded_state_dict(is_loading=True) reads the step of
         # torch Adam's state, which a fresh optimizer does not have yet (apex/TE FusedAdam need none).
