@@ -206,25 +206,26 @@ def _restore_zero_steps(optimizer_sd: Any) -> None:
                 param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
 
 
-def _saved_adam_steps(optimizer: Any, optimizer_sd: Any) -> list[float]:
-    """Per part of a distributed ``optimizer``, the Adam step its checkpoint holds.
+def _saved_adam_steps(optimizer: Any, optimizer_sd: Any) -> list[float | None]:
+    """Per part of a distributed ``optimizer``, the Adam step its checkpoint holds (``None``: none saved).
 
-    megatron-core's ``DistributedOptimizer.state_dict()`` (torch Adam) keeps the step once per
-    parameter group, as ``param_groups[i]["step"]``; the groups of one part agree.
+    megatron-core's ``DistributedOptimizer.state_dict()`` keeps the step once per parameter
+    group, as ``param_groups[i]["step"]`` (torch Adam: always; apex/TE FusedAdam: once it stepped);
+    the groups of one part agree.
     """
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     sds = [optimizer_sd] if len(parts) == 1 else [v for _, v in sorted(optimizer_sd.items())]
-    steps = []
+    steps: list[float | None] = []
     for sd in sds:
-        found = {g["step"] for g in sd["optimizer"]["param_groups"] if "step" in g}
-        if len(found) != 1:
-            raise CheckpointError(f"the distributed optimizer's checkpoint should hold one Adam step per part, "
-                                  f"found {sorted(found)}")
-        steps.append(float(found.pop()))
+        found = {g["step"] for g in sd["optimizer"]["param_groups"] if g.get("step") is not None}
+        if len(found) > 1:
+            raise CheckpointError(f"the distributed optimizer's checkpoint holds different Adam steps in one part: "
+                                  f"{sorted(found)}")
+        steps.append(float(found.pop()) if found else None)
     return steps
 
 
-def _give_each_param_its_step(optimizer: Any, steps: Sequence[float]) -> None:
+def _give_each_param_its_step(optimizer: Any, steps: Sequence[float | None]) -> None:
     """Set every parameter's Adam ``step`` to its part's saved step, as a tensor of its own.
 
     megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (torch Adam, no apex/TE)
@@ -232,12 +233,12 @@ def _give_each_param_its_step(optimizer: Any, steps: Sequence[float]) -> None:
     copies into it the step the optimizer had *before* the load (the ``dp_reshardable`` format
     keeps ``step`` as a local, non-persistent object). torch's Adam increments ``state["step"]``
     in place once per parameter, so a shared tensor grows by the number of parameters per
-    iteration; both wrong the bias correction from the first resumed step on.
+    iteration; either makes the bias correction wrong from the first resumed step on.
     """
     dtype = _adam_step_dtype()
     for part, step in zip(getattr(optimizer, "chained_optimizers", [optimizer]), steps):
         opt = part.optimizer
-        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        if step is None or not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
             continue  # apex/TE FusedAdam: the step lives in the param groups
         for param_state in opt.state.values():
             if "step" in param_state:
