@@ -12,7 +12,10 @@ What one checkpoint holds:
   in the keys are global (``decoder.layers.{i}``, see :mod:`megatron_zb.model.gpt_chunks`),
   so a checkpoint loads into any placement and pipeline size (plain, V, interleaved);
 * ``optimizer``: ``optimizer.sharded_state_dict(model_sharded_state_dict)`` (Adam moments,
-  fp32 main params, loss scaler), keyed by the same global names;
+  fp32 main params, loss scaler), keyed by the same global names; with the distributed
+  optimizer in Megatron-LM's ``dp_reshardable`` format (per gradient bucket of one (PP, TP)
+  layout; loading it at another (PP, TP), or into a run without the distributed optimizer, is
+  refused by :func:`check_optimizer_format`);
 * ``opt_param_scheduler``: the LR/weight-decay scheduler's state;
 * the :class:`~megatron_zb.training.state.TrainState`: ``iteration``, ``consumed_train_samples``,
   ``consumed_valid_samples`` and ``zero_bubble`` (the schedule's name, its number of stages and
@@ -23,7 +26,10 @@ What one checkpoint holds:
   is the one saved (otherwise a warning says so and the run starts from fresh RNG streams).
 
 Resuming therefore continues bit for bit: the same parameters, optimizer state, LR, data
-position and random streams as an uninterrupted run (on CPU, fp32).
+position and random streams as an uninterrupted run (on CPU; fp32 and fp16, also with the
+distributed optimizer: ``tests/test_resume_distopt.py``). megatron-core 0.16.1's distributed
+optimizer with torch's Adam (no apex / Transformer Engine) needs two repairs on load, see
+:func:`_materialize_adam_state` and :func:`_give_each_param_its_step`.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ __all__ = [
     "CheckpointError",
     "LoadedCheckpoint",
     "TRACKER_FILENAME",
+    "check_optimizer_format",
     "checkpoint_dir",
     "collect_rng_state",
     "load_checkpoint",
@@ -146,6 +153,11 @@ def _sharded_state_dict(chunks: Sequence[Any], optimizer: Any, *, is_loading: bo
     return sd
 
 
+def _adam_step_dtype() -> torch.dtype:
+    """The dtype torch's Adam gives its per-parameter ``step`` tensor (float64 only when that is the default)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
 def _materialize_adam_state(optimizer: Any) -> None:
     """Give each parameter that has no Adam state yet the state torch's Adam creates at its first step.
 
@@ -153,8 +165,15 @@ def _materialize_adam_state(optimizer: Any) -> None:
     has no state: a save would hold no ``exp_avg`` and loading it fails (megatron-core asks for
     the state it initialises). ``step`` 0 and zero moments are exactly what Adam's first step
     would create, so training continues bit for bit as without the save.
+
+    A post-validation wrapper validates its pending step first: rolling back an eager first
+    step removes the state that step created.
     """
-    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    from megatron_zb.optimizer import PostValidationOptimizer
+
+    if isinstance(optimizer, PostValidationOptimizer):
+        optimizer.validate()
+    scalar = _adam_step_dtype()
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         opt = getattr(part, "optimizer", None)
         if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
@@ -185,6 +204,77 @@ def _restore_zero_steps(optimizer_sd: Any) -> None:
         for param_state in state.values():
             if isinstance(param_state, dict) and "exp_avg" in param_state and "step" not in param_state:
                 param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
+def _saved_adam_steps(optimizer: Any, optimizer_sd: Any) -> list[float | None]:
+    """Per part of a distributed ``optimizer``, the Adam step its checkpoint holds (``None``: none saved).
+
+    megatron-core's ``DistributedOptimizer.state_dict()`` keeps the step once per parameter
+    group, as ``param_groups[i]["step"]`` (torch Adam: always; apex/TE FusedAdam: once it stepped);
+    the groups of one part agree.
+    """
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    sds = [optimizer_sd] if len(parts) == 1 else [v for _, v in sorted(optimizer_sd.items())]
+    steps: list[float | None] = []
+    for sd in sds:
+        found = {g["step"] for g in sd["optimizer"]["param_groups"] if g.get("step") is not None}
+        if len(found) > 1:
+            raise CheckpointError(f"the distributed optimizer's checkpoint holds different Adam steps in one part: "
+                                  f"{sorted(found)}")
+        steps.append(float(found.pop()) if found else None)
+    return steps
+
+
+def _give_each_param_its_step(optimizer: Any, steps: Sequence[float | None]) -> None:
+    """Set every parameter's Adam ``step`` to its part's saved step, as a tensor of its own.
+
+    megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (torch Adam, no apex/TE)
+    gives *one* step tensor to every parameter, and then ``load_parameter_state_from_dp_reshardable``
+    copies into it the step the optimizer had *before* the load (the ``dp_reshardable`` format
+    keeps ``step`` as a local, non-persistent object). torch's Adam increments ``state["step"]``
+    in place once per parameter, so a shared tensor grows by the number of parameters per
+    iteration; either makes the bias correction wrong from the first resumed step on.
+    """
+    dtype = _adam_step_dtype()
+    for part, step in zip(getattr(optimizer, "chained_optimizers", [optimizer]), steps):
+        opt = part.optimizer
+        if step is None or not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            continue  # apex/TE FusedAdam: the step lives in the param groups
+        for param_state in opt.state.values():
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step, dtype=dtype)
+
+
+def _load_optimizer_state(optimizer: Any, optimizer_sd: Any, *, distributed: bool) -> None:
+    """``optimizer.load_state_dict(optimizer_sd)`` with the repairs megatron-core 0.16.1 needs with torch's Adam."""
+    _restore_zero_steps(optimizer_sd)
+    steps = _saved_adam_steps(optimizer, optimizer_sd) if distributed else None
+    with torch.no_grad():  # the distributed optimizer copies into its (leaf) main-param shards in place
+        optimizer.load_state_dict(optimizer_sd)
+    if steps is not None:
+        _give_each_param_its_step(optimizer, steps)
+
+
+def check_optimizer_format(common: dict[str, Any], *, distributed: bool, layout: Sequence[int], path: str) -> None:
+    """Refuse (:class:`CheckpointError`) an optimizer state this run cannot load exactly.
+
+    ``common``: the checkpoint's common state dict; ``distributed``: this run's
+    ``--use-distributed-optimizer``; ``layout``: this run's (PP, TP, DP) sizes. The distributed
+    optimizer's state and the other optimizers' are different formats; the distributed one
+    (``dp_reshardable``, Megatron-LM's) follows the gradient buckets of one (PP, TP) layout.
+    Checkpoints that do not record the flag are not checked.
+    """
+    saved = common.get("args", {}).get("use_distributed_optimizer")
+    if saved is not None and bool(saved) != distributed:
+        was, now = ("with", "without") if saved else ("without", "with")
+        raise CheckpointError(f"checkpoint {path} was saved {was} --use-distributed-optimizer and this run is {now} "
+                              f"it: the optimizer states differ in format; resume {was} --use-distributed-optimizer")
+    saved_layout = tuple(common.get("parallel_layout", ()))[:2]
+    if distributed and saved and saved_layout != tuple(layout)[:2]:
+        raise CheckpointError(f"checkpoint {path} holds the distributed optimizer's state of (PP, TP) = {saved_layout}; "
+                              f"this run has {tuple(layout)[:2]}: that format follows the gradient buckets of one "
+                              f"(PP, TP) layout (it reshards along data parallel only); resume with the saved "
+                              f"pipeline and tensor parallel sizes")
 
 
 def _zero_bubble_entry(state: TrainState, args: Any) -> dict[str, Any]:
@@ -222,7 +312,8 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
-        "args": {k: getattr(args, k, None) for k in SHAPE_ARGS},
+        "args": {**{k: getattr(args, k, None) for k in SHAPE_ARGS},
+                 "use_distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))},
         "parallel_layout": _layout()[0],
         "rng_state": _rng_sharded_object(collect_rng_state()),
     })
@@ -280,14 +371,14 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
             for k in SHAPE_ARGS if k in saved and saved[k] != getattr(args, k, None)]
     if diff:
         raise CheckpointError(f"checkpoint {path} holds a different model: " + "; ".join(diff))
-    if optimizer is not None and getattr(args, "use_distributed_optimizer", False):
-        raise CheckpointError(
-            "--load with --use-distributed-optimizer is not supported: megatron-core 0.16.1's distributed "
-            "optimizer without apex/Transformer Engine cannot build the state dict to load into, and when made "
-            "to, it does not restore Adam's moments exactly (tests/test_pretrain.py); resume without "
-            "--use-distributed-optimizer from a checkpoint saved without it")
-    sd = _sharded_state_dict(chunks, optimizer, is_loading=True,
-                             use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    distributed = bool(getattr(args, "use_distributed_optimizer", False))
+    if optimizer is not None:
+        check_optimizer_format(common, distributed=distributed, layout=_layout()[0], path=path)
+    if optimizer is not None and distributed:
+        # megatron-core's DistributedOptimizer.sharded_state_dict(is_loading=True) reads the step of
+        # torch Adam's state, which a fresh optimizer does not have yet (apex/TE FusedAdam need none).
+        _materialize_adam_state(optimizer)
+    sd = _sharded_state_dict(chunks, optimizer, is_loading=True, use_distributed_optimizer=distributed)
     if scheduler is not None and "opt_param_scheduler" in common:
         sd["opt_param_scheduler"] = common["opt_param_scheduler"]
     same_layout = tuple(common.get("parallel_layout", ())) == _layout()[0]
@@ -298,9 +389,7 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     for i, module in enumerate(chunks):
         module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
     if optimizer is not None:
-        _restore_zero_steps(loaded["optimizer"])
-        with torch.no_grad():  # the distributed optimizer copies into its (leaf) main-param shards in place
-            optimizer.load_state_dict(loaded["optimizer"])
+        _load_optimizer_state(optimizer, loaded["optimizer"], distributed=distributed)
     if scheduler is not None and "opt_param_scheduler" in loaded:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if rng:
