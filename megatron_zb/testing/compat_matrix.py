@@ -13,7 +13,11 @@ model, needs its own launch at PP=1), then compares each family's results with t
 * ``refused: message`` -- set-up raised a clear error on every rank before anything ran;
 * ``FAILED: ...`` -- anything else (a difference beyond the tolerance, an error while running,
   or a vacuous run: no W deferred by a split-backward schedule, no rollback under
-  post-validation, no overflow under fp16).
+  post-validation, no overflow under fp16, another number of deferred W computations than the
+  feature's :attr:`~.compat_features.Feature.same_w_as` column for the same family).
+
+A feature with ``same_w_as`` brings that feature's launches along (:func:`plan_launches`), so
+the count is always checked; the extra column is not reported unless selected.
 """
 
 from __future__ import annotations
@@ -69,8 +73,15 @@ class Launch:
 
 
 def plan_launches(features: Iterable[Feature], families: Iterable[str], model: ModelShape) -> list[Launch]:
-    """The launches that cover ``features`` x ``families`` (each placement group with its reference)."""
+    """The launches that cover ``features`` x ``families`` (each placement group with its reference),
+    and those of every ``same_w_as`` feature not among ``features`` (after them)."""
+    from .compat_features import feature as feature_named
+
     wanted = set(families)
+    features = list(features)
+    names = {f.name for f in features}
+    features += [feature_named(n) for n in dict.fromkeys(f.same_w_as for f in features if f.same_w_as)
+                 if n not in names]
     out = []
     for f in features:
         for placement, names in FAMILIES.items():
@@ -109,12 +120,16 @@ def _rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _vacuous(family: str, feature: Feature, got: dict[str, Any], ref: dict[str, Any]) -> str | None:
+def _vacuous(family: str, feature: Feature, got: dict[str, Any], ref: dict[str, Any],
+             w_baseline: int | None) -> str | None:
     """Why a cell proves nothing (a check that the feature's mechanism actually ran), or None."""
     from ..schedules.registry import get_spec
 
     if get_spec(family).split_backward and got["w_deferred"] == 0:
         return "the split-backward schedule deferred no weight gradient"
+    if feature.same_w_as and got["w_deferred"] != w_baseline:
+        return (f"{got['w_deferred']} deferred weight-gradient computations, {w_baseline} in the same family's "
+                f"{feature.same_w_as!r} cell")
     if feature.post_validation and got["rollbacks"] == 0:
         return "post-validation never rolled back (the forced clip did not happen)"
     if feature.precision == "fp16":
@@ -127,8 +142,10 @@ def _vacuous(family: str, feature: Feature, got: dict[str, Any], ref: dict[str, 
     return None
 
 
-def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], got: dict[str, Any]) -> Cell:
-    """Classify one cell from the merged results of the reference and the family (module docstring)."""
+def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], got: dict[str, Any], *,
+            w_baseline: int | None = None) -> Cell:
+    """Classify one cell from the merged results of the reference and the family (module docstring);
+    ``w_baseline``: the ``w_deferred`` of the same family's ``feature.same_w_as`` cell."""
     def cell(kind: str, status: str, max_rel: float | None = None, tol: Tolerance | None = None) -> Cell:
         return Cell(family, feature.name, kind, status, max_rel, tol)
 
@@ -153,7 +170,7 @@ def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], 
                 rel = _rel_diff(a, b)
                 if rel >= worst.get(key, (0.0, ""))[0]:
                     worst[key] = (rel, f"{k}")
-    why = _vacuous(family, feature, got, ref)
+    why = _vacuous(family, feature, got, ref, w_baseline)
     if why:
         return cell("failed", f"FAILED: vacuous: {why}")
     if not worst:
@@ -208,11 +225,13 @@ def classify(features: list[Feature], families: list[str], results: dict[tuple[s
         for placement, names in FAMILIES.items():
             for family in (n for n in names if n in families):
                 refkey, famkey = (f.name, f"ref:{placement}"), (f.name, family)
-                err = errors.get(famkey) or errors.get(refkey)
+                basekey = (f.same_w_as, family) if f.same_w_as else None
+                err = errors.get(famkey) or errors.get(refkey) or (basekey and errors.get(basekey))
                 if err:
                     cells.append(Cell(family, f.name, "failed", f"FAILED: error while running: {err}"))
                 else:
-                    cells.append(compare(family, f, placement, results[refkey], results[famkey]))
+                    base = results[basekey]["w_deferred"] if basekey else None
+                    cells.append(compare(family, f, placement, results[refkey], results[famkey], w_baseline=base))
     return cells
 
 
