@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import megatron_zb  # noqa: F401  (CPU shim)
+from megatron_zb.schedules.registry import get_spec
 from megatron_zb.testing.compat_features import FAMILIES, FEATURES, Feature, ModelShape, feature
 from megatron_zb.testing.compat_matrix import Cell, classify, compare, plan_launches, run_launches
 
@@ -26,18 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # B: equal (bitwise); T: equal within the feature's stated tolerance; R: refused up front.
 EXPECTED_TABLE = """
-family           fp32 bf16 fp16 tp2 tp2-sp dp2-ddp dp2-distopt wgrad-fusion pv-exact pv-inplace per-token-loss
-1f1b             B    B    B    B   B      B       B           B            B        T          B
-zb-h1            B    B    B    B   B      B       B           B            B        T          B
-zb-h2            B    B    B    B   B      B       B           B            B        T          B
-zb               B    B    B    B   B      B       B           B            B        T          B
-zb-1p            B    B    B    B   B      B       B           B            B        T          B
-zb-2p            B    B    B    B   B      B       B           B            B        T          B
-interleaved-1f1b B    B    B    B   B      B       B           B            B        T          B
-interleaved-zb   B    B    B    B   B      B       B           B            B        T          B
-zbv              B    B    B    B   B      B       B           B            B        T          B
-v-half           B    B    B    B   B      B       B           B            B        T          B
-v-min            B    B    B    B   B      B       B           B            B        T          B
+family           fp32 bf16 fp16 tp2 tp2-sp dp2-ddp dp2-distopt wgrad-fusion pv-exact pv-inplace per-token-loss llama recompute-full recompute-selective tied uneven-split moe
+1f1b             B    B    B    B   B      B       B           B            B        T          B              B     B              B                   B    B            B
+zb-h1            B    B    B    B   B      B       B           B            B        T          B              B     B              B                   B    B            B
+zb-h2            B    B    B    B   B      B       B           B            B        T          B              B     B              B                   B    B            B
+zb               B    B    B    B   B      B       B           B            B        T          B              B     B              B                   B    B            B
+zb-1p            B    B    B    B   B      B       B           B            B        T          B              B     B              B                   B    B            B
+zb-2p            B    B    B    B   B      B       B           B            B        T          B              B     B              B                   B    B            B
+interleaved-1f1b B    B    B    B   B      B       B           B            B        T          B              B     B              B                   B    B            B
+interleaved-zb   B    B    B    B   B      B       B           B            B        T          B              B     B              B                   B    B            B
+zbv              B    B    B    B   B      B       B           B            B        T          B              B     B              B                   T    B            B
+v-half           B    B    B    B   B      B       B           B            B        T          B              B     B              B                   T    B            B
+v-min            B    B    B    B   B      B       B           B            B        T          B              B     B              B                   T    B            B
 """
 _KIND = {"B": "bitwise", "T": "tolerance", "R": "refused"}
 
@@ -55,6 +56,12 @@ def test_expectation_table_covers_the_matrix():
     assert set(EXPECTED) == {(fam, f.name) for fam in ALL_FAMILIES for f in FEATURES}
 
 
+MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe"]
+"""Issue 13's model features: run together (``plan_launches(together=True)``: one launch per placement
+group for all six, plus the fp32 column their ``same_w_as`` check needs) -- every cell, with 4 process
+start-ups instead of 24 (about a minute on 2 idle cores instead of two)."""
+
+
 class Matrix:
     """Runs each feature's launches once (on first use) and keeps its cells and raw results."""
 
@@ -64,9 +71,12 @@ class Matrix:
 
     def column(self, f: Feature) -> dict[str, Cell]:
         if f.name not in self.cells:
-            results, errors = run_launches(plan_launches([f], ALL_FAMILIES, ModelShape()), timeout=300)
+            group = [feature(n) for n in MODEL_FEATURES] if f.name in MODEL_FEATURES else [f]
+            launches = plan_launches(group, ALL_FAMILIES, ModelShape(), together=f.name in MODEL_FEATURES)
+            results, errors = run_launches(launches, timeout=300)
             self.results.update(results)
-            self.cells[f.name] = {c.family: c for c in classify([f], ALL_FAMILIES, results, errors)}
+            for g in group:
+                self.cells[g.name] = {c.family: c for c in classify([g], ALL_FAMILIES, results, errors)}
         return self.cells[f.name]
 
 
@@ -87,6 +97,27 @@ def test_matrix_column(matrix, name):
             assert c.status == "equal (bitwise)" and c.max_rel == 0.0
         elif c.kind == "tolerance":
             assert 0.0 < c.max_rel <= c.tolerance.rtol and c.status.startswith(f"equal (<= {c.tolerance.rtol:g}, ")
+
+
+@pytest.mark.parametrize("name", ["recompute-full", "recompute-selective"])
+def test_recomputation_defers_every_w_once(matrix, name):
+    """W still deferred inside recomputed layers: each split-backward family queued exactly as many
+    weight-gradient computations as without recomputation (the fp32 column, same family)."""
+    matrix.column(feature(name))
+    for fam in ALL_FAMILIES:
+        got, base = matrix.results[(name, fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
+        assert got == base, f"{fam}: {got} W computations with {name}, {base} without"
+        assert (got > 0) == get_spec(fam).split_backward, fam
+
+
+def test_moe_defers_expert_weight_gradients(matrix):
+    """4 experts x (fc1, fc2) in each of the 3 MoE layers: a split-backward family queues those W's too,
+    so per microbatch a MoE layer has 2 + 8 routed linears (qkv, proj, experts; the router's gradient
+    comes in B) where a dense layer has 4 -- 35 W's per microbatch instead of fp32's 17 (+ output layer)."""
+    matrix.column(feature("moe"))
+    for fam in ALL_FAMILIES:
+        got, base = matrix.results[("moe", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
+        assert got * 17 == base * 35, f"{fam}: {got} W computations with MoE, {base} dense"
 
 
 # ---------------------------------------------------------------------- execution order vs megatron-core
@@ -154,6 +185,10 @@ def test_compare_classifies_each_failure():
     assert compare("zb", f, "plain", ref, _fake(steps=[[(False, 0.5)]])).status.startswith("FAILED: step results")
     assert compare("zb", f, "plain", ref, _fake(params={})).status.startswith("FAILED: params differ in their keys")
     assert compare("zb", f, "plain", ref, _fake(refused="ValueError: no")).status == "refused: ValueError: no"
+    recompute = dataclasses.replace(f, same_w_as="fp32")
+    assert compare("zb", recompute, "plain", ref, _fake(), w_baseline=8).kind == "bitwise"
+    c = compare("zb", recompute, "plain", ref, _fake(), w_baseline=9)
+    assert c.status == "FAILED: vacuous: 8 deferred weight-gradient computations, 9 in the same family's 'fp32' cell"
     pv = dataclasses.replace(f, post_validation="exact")
     assert "never rolled back" in compare("zb", pv, "plain", ref, _fake()).status
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .compat_features import FAMILIES, Feature, ModelShape, Tolerance
-from .compat_rank import FP16_INITIAL_SCALE, REFERENCE, ArmResult, GroupSpec, run_arms
+from .compat_rank import FP16_INITIAL_SCALE, REFERENCE, ArmResult, GroupSpec, run_specs
 
 __all__ = ["Cell", "Launch", "classify", "compare", "merge_ranks", "plan_launches", "run_launches", "run_matrix"]
 
@@ -61,20 +61,28 @@ class Cell:
 
 @dataclass(frozen=True)
 class Launch:
-    """One ``run_distributed`` call: ``spec`` on ``world_size`` processes."""
+    """One ``run_distributed`` call: each of ``specs`` in turn, in the same ``world_size`` processes."""
 
-    spec: GroupSpec
+    specs: tuple[GroupSpec, ...]
     world_size: int
 
     @property
     def label(self) -> str:
-        arms = ",".join(self.spec.arms)
-        return f"{self.spec.feature.name} / {self.spec.placement} (PP={self.spec.pp}, {self.world_size} ranks: {arms})"
+        first = self.specs[0]
+        names = "+".join(s.feature.name for s in self.specs)
+        arms = ",".join(dict.fromkeys(a for s in self.specs for a in s.arms))
+        return f"{names} / {first.placement} (PP={first.pp}, {self.world_size} ranks: {arms})"
 
 
-def plan_launches(features: Iterable[Feature], families: Iterable[str], model: ModelShape) -> list[Launch]:
+def plan_launches(features: Iterable[Feature], families: Iterable[str], model: ModelShape, *,
+                  together: bool = False) -> list[Launch]:
     """The launches that cover ``features`` x ``families`` (each placement group with its reference),
-    and those of every ``same_w_as`` feature not among ``features`` (after them)."""
+    and those of every ``same_w_as`` feature not among ``features`` (after them).
+
+    ``together``: features of equal world size share one launch per placement group (fewer
+    process start-ups: the test suite's budget); an error in one of them then fails all of that
+    launch's cells. Default: one launch per feature and placement group.
+    """
     from .compat_features import feature as feature_named
 
     wanted = set(families)
@@ -82,19 +90,25 @@ def plan_launches(features: Iterable[Feature], families: Iterable[str], model: M
     names = {f.name for f in features}
     features += [feature_named(n) for n in dict.fromkeys(f.same_w_as for f in features if f.same_w_as)
                  if n not in names]
-    out = []
+    single: list[Launch] = []
     for f in features:
-        for placement, names in FAMILIES.items():
-            arms = tuple(n for n in names if n in wanted)
+        for placement, fams in FAMILIES.items():
+            arms = tuple(n for n in fams if n in wanted)
             if not arms:
                 continue
             if placement == "v":  # the reference is the unpipelined model: PP=1, same TP and DP
-                out.append(Launch(GroupSpec(f, model, placement, (REFERENCE,), 1), f.world_size(1)))
-                out.append(Launch(GroupSpec(f, model, placement, arms, model.pp), f.world_size(model.pp)))
+                single.append(Launch((GroupSpec(f, model, placement, (REFERENCE,), 1),), f.world_size(1)))
+                single.append(Launch((GroupSpec(f, model, placement, arms, model.pp),), f.world_size(model.pp)))
             else:
-                out.append(Launch(GroupSpec(f, model, placement, (REFERENCE, *arms), model.pp),
-                                  f.world_size(model.pp)))
-    return out
+                single.append(Launch((GroupSpec(f, model, placement, (REFERENCE, *arms), model.pp),),
+                                     f.world_size(model.pp)))
+    if not together:
+        return single
+    groups: dict[tuple, list[GroupSpec]] = {}
+    for launch in single:
+        [spec] = launch.specs
+        groups.setdefault((spec.placement, spec.pp, launch.world_size), []).append(spec)
+    return [Launch(tuple(specs), world_size) for (_, _, world_size), specs in groups.items()]
 
 
 def merge_ranks(per_rank: list[dict[str, ArmResult]], arm: str) -> dict[str, Any]:
@@ -184,10 +198,12 @@ def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], 
     return cell("failed", f"FAILED: max relative difference ({allowed}): {where}", largest, tol)
 
 
-def _run_launch(launch: Launch, timeout: float) -> list[dict[str, ArmResult]]:
+def _run_launch(launch: Launch, timeout: float) -> list[list[dict[str, ArmResult]]]:
+    """Per rank, per spec of ``launch``: the arms' results (``timeout`` seconds per spec)."""
     from .distributed import run_distributed
 
-    return run_distributed(partial(run_arms, launch.spec), world_size=launch.world_size, timeout=timeout)
+    return run_distributed(partial(run_specs, launch.specs), world_size=launch.world_size,
+                           timeout=timeout * len(launch.specs))
 
 
 def run_launches(launches: list[Launch], *, timeout: float = 300.0, progress: Callable[[str], None] | None = None
@@ -201,15 +217,18 @@ def run_launches(launches: list[Launch], *, timeout: float = 300.0, progress: Ca
     errors: dict[tuple[str, str], str] = {}
     t0 = time.monotonic()
     for i, launch in enumerate(launches):
-        spec = launch.spec
-        keys = {arm: (spec.feature.name, f"ref:{spec.placement}" if arm == REFERENCE else arm) for arm in spec.arms}
+        keys = [{arm: (spec.feature.name, f"ref:{spec.placement}" if arm == REFERENCE else arm) for arm in spec.arms}
+                for spec in launch.specs]
         try:
             per_rank = _run_launch(launch, timeout)
-            for arm, key in keys.items():
-                results[key] = merge_ranks(per_rank, arm)
+            for j, spec_keys in enumerate(keys):
+                for arm, key in spec_keys.items():
+                    results[key] = merge_ranks([r[j] for r in per_rank], arm)
         except Exception as e:  # noqa: BLE001 -- reported in every cell of the launch
-            for key in keys.values():
-                errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            for spec_keys in keys:
+                for key in spec_keys.values():
+                    errors[key] = f"{type(e).__name__}: {first}"
         if progress is not None:
             elapsed = time.monotonic() - t0
             eta = elapsed / (i + 1) * (len(launches) - i - 1)
@@ -236,10 +255,13 @@ def classify(features: list[Feature], families: list[str], results: dict[tuple[s
 
 
 def run_matrix(*, features: list[Feature], families: list[str], model: ModelShape = ModelShape(),
-               timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> list[Cell]:
-    """Run and classify every cell of ``features`` x ``families`` (see the module docstring).
+               timeout: float = 300.0, together: bool = False,
+               progress: Callable[[str], None] | None = None) -> list[Cell]:
+    """Run and classify every cell of ``features`` x ``families`` (see the module docstring;
+    ``together``: see :func:`plan_launches`).
 
     A launch that raises makes each of its cells ``FAILED`` with the error; the others still run.
     """
-    results, errors = run_launches(plan_launches(features, families, model), timeout=timeout, progress=progress)
+    launches = plan_launches(features, families, model, together=together)
+    results, errors = run_launches(launches, timeout=timeout, progress=progress)
     return classify(features, families, results, errors)

@@ -24,7 +24,7 @@ import torch
 
 from .compat_features import Feature, ModelShape
 
-__all__ = ["FP16_INITIAL_SCALE", "REFERENCE", "ArmResult", "GroupSpec", "run_arms", "tiny_gpt_of"]
+__all__ = ["FP16_INITIAL_SCALE", "REFERENCE", "ArmResult", "GroupSpec", "run_arms", "run_specs", "tiny_gpt_of"]
 
 REFERENCE = "megatron-core"
 """The name of the reference arm."""
@@ -316,6 +316,11 @@ def _record_before_finalize(chunks: list[Any], res: ArmResult, tp: int, dp: int)
 
     for c in chunks:
         c.module.config.finalize_model_grads_func = recording_finalize
+
+
+def run_specs(specs: tuple[GroupSpec, ...]) -> list[dict[str, ArmResult]]:
+    """:func:`run_arms` of each spec in turn, in this rank (one launch for several features)."""
+    return [run_arms(spec) for spec in specs]
 
 
 def run_arms(spec: GroupSpec) -> dict[str, ArmResult]:
