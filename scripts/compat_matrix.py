@@ -8,6 +8,7 @@ refused up front.
 
     python scripts/compat_matrix.py                          # everything, writes docs/compatibility.md
     python scripts/compat_matrix.py --features fp32,bf16 --families zb,zbv --out /tmp/m.md
+    python scripts/compat_matrix.py --together               # fewer process start-ups (a shared machine)
 """
 
 from __future__ import annotations

@@ -182,9 +182,9 @@ FEATURES: list[Feature] = [
     Feature("tied", "share_embeddings_and_output_weights (plain/interleaved: megatron-core's embedding group; "
                     "V: one parameter on one rank); one iteration: a second Adam step would amplify V's 1e-7 "
                     "difference in that gradient on elements whose gradient is near zero (measured 8e-5 relative "
-                    "in the parameters after two steps) -- Adam's doing, not the schedule's", tiny_gpt=dict(model_options=dict(
-                        share_embeddings_and_output_weights=True)), tolerance={"v": Tolerance(1e-6, _TIED_V)},
-            iterations=1),
+                    "in the parameters after two steps) -- Adam's doing, not the schedule's",
+            tiny_gpt=dict(model_options=dict(share_embeddings_and_output_weights=True)),
+            tolerance={"v": Tolerance(1e-6, _TIED_V)}, iterations=1),
     Feature("uneven-split", "6 layers split unevenly: plain 2+4 (first_stage_layers=2), interleaved 1+2+1+2 "
                             "(first rank 2), V 3+1+1+1 (first_stage_layers=3)", num_layers=6,
             split={"plain": dict(first_stage_layers=2), "interleaved": dict(first_stage_layers=2),

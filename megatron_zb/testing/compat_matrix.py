@@ -4,7 +4,8 @@ A cell is (schedule family, feature). :func:`run_matrix` launches one
 :func:`~megatron_zb.testing.run_distributed` per (feature, placement group) running the
 reference and every selected family of that placement in the same processes
 (:func:`megatron_zb.testing.compat_rank.run_arms`; the V placement's reference, the unpipelined
-model, needs its own launch at PP=1), then compares each family's results with the reference's
+model, needs its own launch at PP=1; with ``together=True`` one launch runs every feature of the
+same world size in turn), then compares each family's results with the reference's
 (:func:`compare`). A cell's status is exactly one of
 
 * ``equal (bitwise)`` -- every loss, gradient copy, parameter and step result identical;

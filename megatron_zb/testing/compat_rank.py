@@ -7,7 +7,9 @@ weights: the same global layer gets the same weights in every placement), wraps 
 (``Float16Module`` for bf16/fp16, megatron-core DDP), builds megatron-core's optimizer
 (``get_megatron_optimizer``; the post-validation wrapper for megatron-zb arms when the feature
 asks for it), and trains ``feature.iterations`` iterations on fixed data. It returns, per arm,
-this rank's raw results (no comparison happens here): see :class:`ArmResult`.
+this rank's raw results (no comparison happens here): see :class:`ArmResult`. The model is the
+:class:`~megatron_zb.testing.tiny_gpt.TinyGPT` of :func:`tiny_gpt_of` (the feature's options);
+:func:`run_specs` runs several launches' worth of arms (features) one after another.
 
 Refusals: anything raised while *setting an arm up* (building, wrapping, the optimizer, the
 schedule and this rank's lowered plan) of type ``ValueError`` / ``NotImplementedError`` /

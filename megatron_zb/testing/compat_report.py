@@ -79,7 +79,8 @@ def render_report(*, cells: list[Cell], features: list[Feature], families: list[
         f"* command: `{command}`",
         f"* date: {date}; wall time {seconds:.0f} s; {len(cells)} cells, {failed} failed",
         f"* machine: {_machine()}",
-        f"* model: GPT, {model.num_layers} layers (unless the feature says otherwise), hidden {model.hidden}, {model.heads} heads, sequence {model.seq}, "
+        f"* model: GPT, {model.num_layers} layers (unless the feature says otherwise), hidden {model.hidden}, "
+        f"{model.heads} heads, sequence {model.seq}, "
         f"vocabulary {model.vocab}, micro batch {model.micro_batch}, {model.num_microbatches} microbatches per "
         f"iteration, PP={model.pp}; Adam (lr 0.01) through megatron-core's `get_megatron_optimizer`, chunks "
         "wrapped in megatron-core DDP",
