@@ -8,6 +8,7 @@ refused up front.
 
     python scripts/compat_matrix.py                          # everything, writes docs/compatibility.md
     python scripts/compat_matrix.py --features fp32,bf16 --families zb,zbv --out /tmp/m.md
+    python scripts/compat_matrix.py --together               # fewer process start-ups (a shared machine)
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated schedule families (default: all): " + ", ".join(all_families))
     ap.add_argument("--out", default=str(ROOT / "docs" / "compatibility.md"), help="markdown file to write")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launch (default 300)")
+    ap.add_argument("--together", action="store_true",
+                    help="features of equal world size share one launch per placement group (fewer process "
+                         "start-ups; an error then fails every cell of its launch)")
     args = ap.parse_args(argv)
     try:
         features = [feature(n) for n in args.features.split(",") if n]
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_zb.testing.compat_matrix import run_matrix
 
     t0 = time.monotonic()
-    cells = run_matrix(features=features, families=families, timeout=args.timeout,
+    cells = run_matrix(features=features, families=families, timeout=args.timeout, together=args.together,
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
     command = "python scripts/compat_matrix.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)

@@ -1,9 +1,12 @@
 """The compatibility matrix: every schedule family x every training feature against megatron-core.
 
 Runs the same runner code as ``scripts/compat_matrix.py`` (real megatron-core GPT chunks, DDP,
-optimizers, gloo processes; one launch per feature and placement group) over the *full* product
-(about 2.5 minutes on 2 idle cores), and asserts each cell's status from :data:`EXPECTED`,
-written here by hand -- not computed by the runner. Also: megatron-core's own execution order
+optimizers, gloo processes) over the *full* product of families and features, and asserts each
+cell's status from :data:`EXPECTED`, written here by hand -- not computed by the runner. The
+first eleven features run one launch per feature and placement group (about 2.5 minutes on 2
+idle cores); issue 13's six model features (:data:`MODEL_FEATURES`) share one launch per
+placement group (about 25 s of CPU time per rank). Also: recomputation and MoE queue the
+expected number of deferred weight-gradient computations; megatron-core's own execution order
 (instrumented forward and backward steps) equals ``1f1b``'s and ``interleaved-1f1b``'s, at PP=2
 and PP=4; a refused cell; the comparison's failure modes; the script end to end.
 """
@@ -19,6 +22,7 @@ import pytest
 import torch
 
 import megatron_zb  # noqa: F401  (CPU shim)
+from megatron_zb.schedules.registry import get_spec
 from megatron_zb.testing.compat_features import FAMILIES, FEATURES, Feature, ModelShape, feature
 from megatron_zb.testing.compat_matrix import Cell, classify, compare, plan_launches, run_launches
 
@@ -39,12 +43,30 @@ zbv              B    B    B    B   B      B       B           B            B   
 v-half           B    B    B    B   B      B       B           B            B        T          B
 v-min            B    B    B    B   B      B       B           B            B        T          B
 """
+EXPECTED_MODEL_TABLE = """
+family           llama recompute-full recompute-selective tied uneven-split moe
+1f1b             B     B              B                   B    B            B
+zb-h1            B     B              B                   B    B            B
+zb-h2            B     B              B                   B    B            B
+zb               B     B              B                   B    B            B
+zb-1p            B     B              B                   B    B            B
+zb-2p            B     B              B                   B    B            B
+interleaved-1f1b B     B              B                   B    B            B
+interleaved-zb   B     B              B                   B    B            B
+zbv              B     B              B                   T    B            B
+v-half           B     B              B                   T    B            B
+v-min            B     B              B                   T    B            B
+"""
+"""Issue 13's model features (one table per line width)."""
 _KIND = {"B": "bitwise", "T": "tolerance", "R": "refused"}
 
 
 def _expected() -> dict[tuple[str, str], str]:
-    header, *rows = [ln.split() for ln in EXPECTED_TABLE.strip().splitlines()]
-    return {(row[0], feat): _KIND[mark] for row in rows for feat, mark in zip(header[1:], row[1:])}
+    out = {}
+    for table in (EXPECTED_TABLE, EXPECTED_MODEL_TABLE):
+        header, *rows = [ln.split() for ln in table.strip().splitlines()]
+        out.update({(row[0], feat): _KIND[mark] for row in rows for feat, mark in zip(header[1:], row[1:])})
+    return out
 
 
 EXPECTED = _expected()
@@ -53,6 +75,12 @@ ALL_FAMILIES = [n for names in FAMILIES.values() for n in names]
 
 def test_expectation_table_covers_the_matrix():
     assert set(EXPECTED) == {(fam, f.name) for fam in ALL_FAMILIES for f in FEATURES}
+
+
+MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe"]
+"""Issue 13's model features: run together (``plan_launches(together=True)``: one launch per placement
+group for all six, plus the fp32 column their ``same_w_as`` check needs) -- every cell, with 4 process
+start-ups instead of 28; about 25 s of CPU time per rank)."""
 
 
 class Matrix:
@@ -64,9 +92,12 @@ class Matrix:
 
     def column(self, f: Feature) -> dict[str, Cell]:
         if f.name not in self.cells:
-            results, errors = run_launches(plan_launches([f], ALL_FAMILIES, ModelShape()), timeout=300)
+            group = [feature(n) for n in MODEL_FEATURES] if f.name in MODEL_FEATURES else [f]
+            launches = plan_launches(group, ALL_FAMILIES, ModelShape(), together=f.name in MODEL_FEATURES)
+            results, errors = run_launches(launches, timeout=300)
             self.results.update(results)
-            self.cells[f.name] = {c.family: c for c in classify([f], ALL_FAMILIES, results, errors)}
+            for g in group:
+                self.cells[g.name] = {c.family: c for c in classify([g], ALL_FAMILIES, results, errors)}
         return self.cells[f.name]
 
 
@@ -87,6 +118,27 @@ def test_matrix_column(matrix, name):
             assert c.status == "equal (bitwise)" and c.max_rel == 0.0
         elif c.kind == "tolerance":
             assert 0.0 < c.max_rel <= c.tolerance.rtol and c.status.startswith(f"equal (<= {c.tolerance.rtol:g}, ")
+
+
+@pytest.mark.parametrize("name", ["recompute-full", "recompute-selective"])
+def test_recomputation_defers_every_w_once(matrix, name):
+    """W still deferred inside recomputed layers: each split-backward family queued exactly as many
+    weight-gradient computations as without recomputation (the fp32 column, same family)."""
+    matrix.column(feature(name))
+    for fam in ALL_FAMILIES:
+        got, base = matrix.results[(name, fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
+        assert got == base, f"{fam}: {got} W computations with {name}, {base} without"
+        assert (got > 0) == get_spec(fam).split_backward, fam
+
+
+def test_moe_defers_expert_weight_gradients(matrix):
+    """4 experts x (fc1, fc2) in each of the 3 MoE layers: a split-backward family queues those W's too,
+    so per microbatch a MoE layer has 2 + 8 routed linears (qkv, proj, experts; the router's gradient
+    comes in B) where a dense layer has 4 -- 35 W's per microbatch instead of fp32's 17 (+ output layer)."""
+    matrix.column(feature("moe"))
+    for fam in ALL_FAMILIES:
+        got, base = matrix.results[("moe", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
+        assert got * 17 == base * 35, f"{fam}: {got} W computations with MoE, {base} dense"
 
 
 # ---------------------------------------------------------------------- execution order vs megatron-core
@@ -154,6 +206,10 @@ def test_compare_classifies_each_failure():
     assert compare("zb", f, "plain", ref, _fake(steps=[[(False, 0.5)]])).status.startswith("FAILED: step results")
     assert compare("zb", f, "plain", ref, _fake(params={})).status.startswith("FAILED: params differ in their keys")
     assert compare("zb", f, "plain", ref, _fake(refused="ValueError: no")).status == "refused: ValueError: no"
+    recompute = dataclasses.replace(f, same_w_as="fp32")
+    assert compare("zb", recompute, "plain", ref, _fake(), w_baseline=8).kind == "bitwise"
+    c = compare("zb", recompute, "plain", ref, _fake(), w_baseline=9)
+    assert c.status == "FAILED: vacuous: 8 deferred weight-gradient computations, 9 in the same family's 'fp32' cell"
     pv = dataclasses.replace(f, post_validation="exact")
     assert "never rolled back" in compare("zb", pv, "plain", ref, _fake()).status
 

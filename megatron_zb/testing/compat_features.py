@@ -1,10 +1,10 @@
 """The rows and columns of the compatibility matrix: training features and schedule families.
 
-A :class:`Feature` is data: the parallel layout, precision, optimizer kind and model overrides
-of one training configuration, plus what the matrix accepts as "equal" for it. Adding a feature
-(e.g. RMSNorm, recompute, MoE) is adding a row to :data:`FEATURES`; the runner
-(:mod:`megatron_zb.testing.compat_matrix`) and the rank code (:mod:`megatron_zb.testing.compat_rank`)
-read only these fields.
+A :class:`Feature` is data: the parallel layout, precision, optimizer kind and model options
+(:class:`~megatron_zb.testing.tiny_gpt.TinyGPT`'s) of one training configuration, plus what the
+matrix accepts as "equal" for it. Adding a feature (e.g. a new architecture flag) is adding a row
+to :data:`FEATURES`; the runner (:mod:`megatron_zb.testing.compat_matrix`) and the rank code
+(:mod:`megatron_zb.testing.compat_rank`) read only these fields.
 
 Every cell compares one schedule family of megatron-zb with megatron-core's own schedule on the
 same configuration (see :data:`REFERENCES`). Every arm wraps its chunks in megatron-core
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch.nn.functional as F
 
 __all__ = ["FAMILIES", "FEATURES", "Feature", "ModelShape", "REFERENCES", "Tolerance", "feature", "placement_of"]
 
@@ -40,7 +42,8 @@ class Tolerance:
 class ModelShape:
     """The tiny GPT of the matrix (sizes in elements, counts in microbatches per iteration).
 
-    ``num_layers`` must split evenly over 4 stages (V and interleaved placements at PP=2).
+    ``num_layers`` must split evenly over 4 stages (V and interleaved placements at PP=2) unless a
+    feature gives its own layer count and split (:attr:`Feature.num_layers`, :attr:`Feature.split`).
     """
 
     num_layers: int = 4
@@ -78,8 +81,18 @@ class Feature:
             unless the feature is about clipping: the V placement's reference (PP=1) sums the
             squared norm in another grouping than any PP=2 layout, so a clip factor would differ
             in its last bit from the reference's for reasons that are not the schedule's.
-        config_overrides: extra ``TransformerConfig`` fields (issue 13's features).
-        gpt_kwargs: extra ``GPTModel`` arguments (e.g. ``share_embeddings_and_output_weights``).
+        num_layers: the model's layer count when not :attr:`ModelShape.num_layers` (features whose
+            options depend on it, e.g. an uneven split or a MoE layer pattern, fix it themselves).
+        tiny_gpt: :class:`~megatron_zb.testing.tiny_gpt.TinyGPT` options of the model
+            (``config_options``: extra ``TransformerConfig`` fields; ``model_options``: ``GPTModel``
+            arguments; ``spec_options``: ``get_gpt_layer_local_spec`` arguments; ``moe_pattern``).
+            Every arm, the reference included, builds the same model.
+        split: per placement, :func:`megatron_zb.model.pipeline_split` arguments (an uneven layer
+            split; megatron-zb arms and the reference of that placement share it; the V
+            placement's reference is one stage and has no split). Missing: the even split.
+        same_w_as: a feature whose cells must show exactly as many deferred weight-gradient
+            computations for the same family (recomputation: W is queued once per linear per
+            microbatch, as without it -- not skipped, not duplicated). Checked when both columns run.
         tolerance: per placement (``"plain"``, ``"interleaved"``, ``"v"``), the accepted
             difference; a placement not listed must be bitwise equal.
     """
@@ -97,8 +110,10 @@ class Feature:
     iterations: int = 2
     loss_multipliers: tuple[float, ...] = ()
     clip_grad: float = 0.0
-    config_overrides: dict[str, Any] = field(default_factory=dict)
-    gpt_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_layers: int | None = None
+    tiny_gpt: dict[str, Any] = field(default_factory=dict)
+    split: dict[str, dict[str, Any]] = field(default_factory=dict)
+    same_w_as: str | None = None
     tolerance: dict[str, Tolerance] = field(default_factory=dict)
 
     def world_size(self, pp: int) -> int:
@@ -113,6 +128,25 @@ class Feature:
 _INPLACE = ("in-place rollback inverts Adam algebraically: the redone step starts from parameters and moments "
             "recovered to fp32 round-off (docs/post_validation.md); later Adam steps amplify that on elements whose "
             "gradient is near zero, e.g. a bias initialised to 0 (measured max |diff| / max |param| about 2e-4)")
+
+_LLAMA = dict(
+    config_options=dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, num_query_groups=2,
+                        add_bias_linear=False, qk_layernorm=True, layernorm_epsilon=1e-5),
+    model_options=dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000),
+    spec_options=dict(normalization="RMSNorm", qk_layernorm=True))
+"""A LLaMA-style block on the matrix's model: RMSNorm, SwiGLU, RoPE, grouped-query attention (2 groups
+for 4 heads), no linear biases, QK-layernorm."""
+
+_MOE = dict(
+    config_options=dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=1e-2,
+                        moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather",
+                        add_bias_linear=False),
+    moe_pattern=(1, 0, 1, 1))
+"""megatron-core MoE: 4 SequentialMLP experts, top-2, aux loss 1e-2, allgather dispatcher; layer 1 dense."""
+
+_TIED_V = ("on the V the first and last stage share one rank, so one parameter serves as embedding and output "
+           "layer and its gradient is one sum over both uses in another order than the unpipelined reference's "
+           "(measured: only that gradient differs, 1.2e-7 relative; the parameters after the step 5e-8)")
 
 FEATURES: list[Feature] = [
     Feature("fp32", "fp32, TP=1, DP=1"),
@@ -133,6 +167,30 @@ FEATURES: list[Feature] = [
             clip_grad=1.0, tolerance={p: Tolerance(1e-3, _INPLACE) for p in ("plain", "interleaved", "v")}),
     Feature("per-token-loss", "calculate_per_token_loss (loss sums, gradients scaled by 1/total tokens)",
             per_token_loss=True),
+    Feature("llama", "LLaMA-style layers: RMSNorm, SwiGLU, RoPE, grouped-query attention (2 groups for 4 heads), "
+                     "no linear biases, QK-layernorm", tiny_gpt=_LLAMA),
+    Feature("recompute-full", "full activation recomputation (uniform, 1 layer per checkpoint): W deferred inside "
+                              "recomputed layers, as many W computations as fp32's", same_w_as="fp32",
+            tiny_gpt=dict(config_options=dict(recompute_granularity="full", recompute_method="uniform",
+                                              recompute_num_layers=1))),
+    Feature("recompute-selective", "selective recomputation of core_attn, mlp and layernorm, no linear biases "
+                                   "(megatron-core 0.16.1's mlp recomputation recurses without end when the MLP "
+                                   "returns its bias: its own 1F1B hangs too); as many W computations as "
+                                   "fp32's", same_w_as="fp32",
+            tiny_gpt=dict(config_options=dict(recompute_granularity="selective", add_bias_linear=False,
+                                              recompute_modules=["core_attn", "mlp", "layernorm"]))),
+    Feature("tied", "share_embeddings_and_output_weights (plain/interleaved: megatron-core's embedding group; "
+                    "V: one parameter on one rank); one iteration: a second Adam step would amplify V's 1e-7 "
+                    "difference in that gradient on elements whose gradient is near zero (measured 8e-5 relative "
+                    "in the parameters after two steps) -- Adam's doing, not the schedule's",
+            tiny_gpt=dict(model_options=dict(share_embeddings_and_output_weights=True)),
+            tolerance={"v": Tolerance(1e-6, _TIED_V)}, iterations=1),
+    Feature("uneven-split", "6 layers split unevenly: plain 2+4 (first_stage_layers=2), interleaved 1+2+1+2 "
+                            "(first rank 2), V 3+1+1+1 (first_stage_layers=3)", num_layers=6,
+            split={"plain": dict(first_stage_layers=2), "interleaved": dict(first_stage_layers=2),
+                   "v": dict(first_stage_layers=3)}),
+    Feature("moe", "megatron-core MoE: 4 SequentialMLP experts, top-2, aux loss 1e-2, allgather dispatcher, "
+                   "layer 1 dense; expert weights deferred to W by the linear route", num_layers=4, tiny_gpt=_MOE),
 ]
 """The columns, in table order."""
 

@@ -4,7 +4,8 @@ A cell is (schedule family, feature). :func:`run_matrix` launches one
 :func:`~megatron_zb.testing.run_distributed` per (feature, placement group) running the
 reference and every selected family of that placement in the same processes
 (:func:`megatron_zb.testing.compat_rank.run_arms`; the V placement's reference, the unpipelined
-model, needs its own launch at PP=1), then compares each family's results with the reference's
+model, needs its own launch at PP=1; with ``together=True`` one launch runs every feature of the
+same world size in turn), then compares each family's results with the reference's
 (:func:`compare`). A cell's status is exactly one of
 
 * ``equal (bitwise)`` -- every loss, gradient copy, parameter and step result identical;
@@ -13,7 +14,11 @@ model, needs its own launch at PP=1), then compares each family's results with t
 * ``refused: message`` -- set-up raised a clear error on every rank before anything ran;
 * ``FAILED: ...`` -- anything else (a difference beyond the tolerance, an error while running,
   or a vacuous run: no W deferred by a split-backward schedule, no rollback under
-  post-validation, no overflow under fp16).
+  post-validation, no overflow under fp16, another number of deferred W computations than the
+  feature's :attr:`~.compat_features.Feature.same_w_as` column for the same family).
+
+A feature with ``same_w_as`` brings that feature's launches along (:func:`plan_launches`), so
+the count is always checked; the extra column is not reported unless selected.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .compat_features import FAMILIES, Feature, ModelShape, Tolerance
-from .compat_rank import FP16_INITIAL_SCALE, REFERENCE, ArmResult, GroupSpec, run_arms
+from .compat_rank import FP16_INITIAL_SCALE, REFERENCE, ArmResult, GroupSpec, run_specs
 
 __all__ = ["Cell", "Launch", "classify", "compare", "merge_ranks", "plan_launches", "run_launches", "run_matrix"]
 
@@ -57,33 +62,54 @@ class Cell:
 
 @dataclass(frozen=True)
 class Launch:
-    """One ``run_distributed`` call: ``spec`` on ``world_size`` processes."""
+    """One ``run_distributed`` call: each of ``specs`` in turn, in the same ``world_size`` processes."""
 
-    spec: GroupSpec
+    specs: tuple[GroupSpec, ...]
     world_size: int
 
     @property
     def label(self) -> str:
-        arms = ",".join(self.spec.arms)
-        return f"{self.spec.feature.name} / {self.spec.placement} (PP={self.spec.pp}, {self.world_size} ranks: {arms})"
+        first = self.specs[0]
+        names = "+".join(s.feature.name for s in self.specs)
+        arms = ",".join(dict.fromkeys(a for s in self.specs for a in s.arms))
+        return f"{names} / {first.placement} (PP={first.pp}, {self.world_size} ranks: {arms})"
 
 
-def plan_launches(features: Iterable[Feature], families: Iterable[str], model: ModelShape) -> list[Launch]:
-    """The launches that cover ``features`` x ``families`` (each placement group with its reference)."""
+def plan_launches(features: Iterable[Feature], families: Iterable[str], model: ModelShape, *,
+                  together: bool = False) -> list[Launch]:
+    """The launches that cover ``features`` x ``families`` (each placement group with its reference),
+    and those of every ``same_w_as`` feature not among ``features`` (after them).
+
+    ``together``: features of equal world size share one launch per placement group (fewer
+    process start-ups: the test suite's budget); an error in one of them then fails all of that
+    launch's cells. Default: one launch per feature and placement group.
+    """
+    from .compat_features import feature as feature_named
+
     wanted = set(families)
-    out = []
+    features = list(features)
+    names = {f.name for f in features}
+    features += [feature_named(n) for n in dict.fromkeys(f.same_w_as for f in features if f.same_w_as)
+                 if n not in names]
+    single: list[Launch] = []
     for f in features:
-        for placement, names in FAMILIES.items():
-            arms = tuple(n for n in names if n in wanted)
+        for placement, fams in FAMILIES.items():
+            arms = tuple(n for n in fams if n in wanted)
             if not arms:
                 continue
             if placement == "v":  # the reference is the unpipelined model: PP=1, same TP and DP
-                out.append(Launch(GroupSpec(f, model, placement, (REFERENCE,), 1), f.world_size(1)))
-                out.append(Launch(GroupSpec(f, model, placement, arms, model.pp), f.world_size(model.pp)))
+                single.append(Launch((GroupSpec(f, model, placement, (REFERENCE,), 1),), f.world_size(1)))
+                single.append(Launch((GroupSpec(f, model, placement, arms, model.pp),), f.world_size(model.pp)))
             else:
-                out.append(Launch(GroupSpec(f, model, placement, (REFERENCE, *arms), model.pp),
-                                  f.world_size(model.pp)))
-    return out
+                single.append(Launch((GroupSpec(f, model, placement, (REFERENCE, *arms), model.pp),),
+                                     f.world_size(model.pp)))
+    if not together:
+        return single
+    groups: dict[tuple, list[GroupSpec]] = {}
+    for launch in single:
+        [spec] = launch.specs
+        groups.setdefault((spec.placement, spec.pp, launch.world_size), []).append(spec)
+    return [Launch(tuple(specs), world_size) for (_, _, world_size), specs in groups.items()]
 
 
 def merge_ranks(per_rank: list[dict[str, ArmResult]], arm: str) -> dict[str, Any]:
@@ -109,12 +135,16 @@ def _rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _vacuous(family: str, feature: Feature, got: dict[str, Any], ref: dict[str, Any]) -> str | None:
+def _vacuous(family: str, feature: Feature, got: dict[str, Any], ref: dict[str, Any],
+             w_baseline: int | None) -> str | None:
     """Why a cell proves nothing (a check that the feature's mechanism actually ran), or None."""
     from ..schedules.registry import get_spec
 
     if get_spec(family).split_backward and got["w_deferred"] == 0:
         return "the split-backward schedule deferred no weight gradient"
+    if feature.same_w_as and got["w_deferred"] != w_baseline:
+        return (f"{got['w_deferred']} deferred weight-gradient computations, {w_baseline} in the same family's "
+                f"{feature.same_w_as!r} cell")
     if feature.post_validation and got["rollbacks"] == 0:
         return "post-validation never rolled back (the forced clip did not happen)"
     if feature.precision == "fp16":
@@ -127,8 +157,10 @@ def _vacuous(family: str, feature: Feature, got: dict[str, Any], ref: dict[str, 
     return None
 
 
-def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], got: dict[str, Any]) -> Cell:
-    """Classify one cell from the merged results of the reference and the family (module docstring)."""
+def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], got: dict[str, Any], *,
+            w_baseline: int | None = None) -> Cell:
+    """Classify one cell from the merged results of the reference and the family (module docstring);
+    ``w_baseline``: the ``w_deferred`` of the same family's ``feature.same_w_as`` cell."""
     def cell(kind: str, status: str, max_rel: float | None = None, tol: Tolerance | None = None) -> Cell:
         return Cell(family, feature.name, kind, status, max_rel, tol)
 
@@ -153,7 +185,7 @@ def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], 
                 rel = _rel_diff(a, b)
                 if rel >= worst.get(key, (0.0, ""))[0]:
                     worst[key] = (rel, f"{k}")
-    why = _vacuous(family, feature, got, ref)
+    why = _vacuous(family, feature, got, ref, w_baseline)
     if why:
         return cell("failed", f"FAILED: vacuous: {why}")
     if not worst:
@@ -167,10 +199,12 @@ def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], 
     return cell("failed", f"FAILED: max relative difference ({allowed}): {where}", largest, tol)
 
 
-def _run_launch(launch: Launch, timeout: float) -> list[dict[str, ArmResult]]:
+def _run_launch(launch: Launch, timeout: float) -> list[list[dict[str, ArmResult]]]:
+    """Per rank, per spec of ``launch``: the arms' results (``timeout`` seconds per spec)."""
     from .distributed import run_distributed
 
-    return run_distributed(partial(run_arms, launch.spec), world_size=launch.world_size, timeout=timeout)
+    return run_distributed(partial(run_specs, launch.specs), world_size=launch.world_size,
+                           timeout=timeout * len(launch.specs))
 
 
 def run_launches(launches: list[Launch], *, timeout: float = 300.0, progress: Callable[[str], None] | None = None
@@ -184,15 +218,18 @@ def run_launches(launches: list[Launch], *, timeout: float = 300.0, progress: Ca
     errors: dict[tuple[str, str], str] = {}
     t0 = time.monotonic()
     for i, launch in enumerate(launches):
-        spec = launch.spec
-        keys = {arm: (spec.feature.name, f"ref:{spec.placement}" if arm == REFERENCE else arm) for arm in spec.arms}
+        keys = [{arm: (spec.feature.name, f"ref:{spec.placement}" if arm == REFERENCE else arm) for arm in spec.arms}
+                for spec in launch.specs]
         try:
             per_rank = _run_launch(launch, timeout)
-            for arm, key in keys.items():
-                results[key] = merge_ranks(per_rank, arm)
+            for j, spec_keys in enumerate(keys):
+                for arm, key in spec_keys.items():
+                    results[key] = merge_ranks([r[j] for r in per_rank], arm)
         except Exception as e:  # noqa: BLE001 -- reported in every cell of the launch
-            for key in keys.values():
-                errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            for spec_keys in keys:
+                for key in spec_keys.values():
+                    errors[key] = f"{type(e).__name__}: {first}"
         if progress is not None:
             elapsed = time.monotonic() - t0
             eta = elapsed / (i + 1) * (len(launches) - i - 1)
@@ -208,19 +245,24 @@ def classify(features: list[Feature], families: list[str], results: dict[tuple[s
         for placement, names in FAMILIES.items():
             for family in (n for n in names if n in families):
                 refkey, famkey = (f.name, f"ref:{placement}"), (f.name, family)
-                err = errors.get(famkey) or errors.get(refkey)
+                basekey = (f.same_w_as, family) if f.same_w_as else None
+                err = errors.get(famkey) or errors.get(refkey) or (basekey and errors.get(basekey))
                 if err:
                     cells.append(Cell(family, f.name, "failed", f"FAILED: error while running: {err}"))
                 else:
-                    cells.append(compare(family, f, placement, results[refkey], results[famkey]))
+                    base = results[basekey]["w_deferred"] if basekey else None
+                    cells.append(compare(family, f, placement, results[refkey], results[famkey], w_baseline=base))
     return cells
 
 
 def run_matrix(*, features: list[Feature], families: list[str], model: ModelShape = ModelShape(),
-               timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> list[Cell]:
-    """Run and classify every cell of ``features`` x ``families`` (see the module docstring).
+               timeout: float = 300.0, together: bool = False,
+               progress: Callable[[str], None] | None = None) -> list[Cell]:
+    """Run and classify every cell of ``features`` x ``families`` (see the module docstring;
+    ``together``: see :func:`plan_launches`).
 
     A launch that raises makes each of its cells ``FAILED`` with the error; the others still run.
     """
-    results, errors = run_launches(plan_launches(features, families, model), timeout=timeout, progress=progress)
+    launches = plan_launches(features, families, model, together=together)
+    results, errors = run_launches(launches, timeout=timeout, progress=progress)
     return classify(features, families, results, errors)

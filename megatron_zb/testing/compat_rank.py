@@ -7,7 +7,9 @@ weights: the same global layer gets the same weights in every placement), wraps 
 (``Float16Module`` for bf16/fp16, megatron-core DDP), builds megatron-core's optimizer
 (``get_megatron_optimizer``; the post-validation wrapper for megatron-zb arms when the feature
 asks for it), and trains ``feature.iterations`` iterations on fixed data. It returns, per arm,
-this rank's raw results (no comparison happens here): see :class:`ArmResult`.
+this rank's raw results (no comparison happens here): see :class:`ArmResult`. The model is the
+:class:`~megatron_zb.testing.tiny_gpt.TinyGPT` of :func:`tiny_gpt_of` (the feature's options);
+:func:`run_specs` runs several launches' worth of arms (features) one after another.
 
 Refusals: anything raised while *setting an arm up* (building, wrapping, the optimizer, the
 schedule and this rank's lowered plan) of type ``ValueError`` / ``NotImplementedError`` /
@@ -24,7 +26,7 @@ import torch
 
 from .compat_features import Feature, ModelShape
 
-__all__ = ["FP16_INITIAL_SCALE", "REFERENCE", "ArmResult", "GroupSpec", "run_arms"]
+__all__ = ["FP16_INITIAL_SCALE", "REFERENCE", "ArmResult", "GroupSpec", "run_arms", "run_specs", "tiny_gpt_of"]
 
 REFERENCE = "megatron-core"
 """The name of the reference arm."""
@@ -144,24 +146,33 @@ def _stage_to_rank(placement: str, pp: int) -> list[int]:
             "interleaved": lambda p: interleaved_placement(p, 2)}[placement](pp)
 
 
+def tiny_gpt_of(spec: GroupSpec, arm: str) -> Any:
+    """The :class:`~megatron_zb.testing.tiny_gpt.TinyGPT` one arm of ``spec`` builds: the matrix's
+    shape, the feature's parallel layout, precision and model options, and the placement's split."""
+    from .tiny_gpt import TinyGPT
+
+    f, m = spec.feature, spec.model
+    dtype = _DTYPES[f.precision]
+    options = dict(f.tiny_gpt)
+    config = dict(params_dtype=dtype, pipeline_dtype=dtype, bf16=f.precision == "bf16", fp16=f.precision == "fp16",
+                  calculate_per_token_loss=f.per_token_loss, batch_p2p_comm=False,
+                  **options.pop("config_options", {}))
+    return TinyGPT(pp=spec.pp, tp=f.tp, dp=f.dp, sequence_parallel=f.sequence_parallel,
+                   gradient_accumulation_fusion=f.grad_fusion and arm != REFERENCE,
+                   num_layers=f.num_layers or m.num_layers, hidden=m.hidden, heads=m.heads, seq=m.seq, vocab=m.vocab,
+                   micro_batch=m.micro_batch, num_microbatches=m.num_microbatches, seed=m.seed,
+                   config_options=config, split=f.split.get(spec.placement, {}) if spec.pp > 1 else {}, **options)
+
+
 def _build_modules(spec: GroupSpec, arm: str) -> tuple[list[Any], list[Any]]:
     """This rank's chunks and the modules to run (wrapped), hooks set as Megatron's loop does."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from ..megatron_compat import chunk_float16_module
-    from ..model import build_gpt_chunks, cpu_gpt_config
+    from .tiny_gpt import build_chunks
 
-    f, m = spec.feature, spec.model
-    dtype = _DTYPES[f.precision]
-    fused = f.grad_fusion and arm != REFERENCE
-    config = cpu_gpt_config(
-        num_layers=m.num_layers, hidden_size=m.hidden, num_attention_heads=m.heads, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=f.tp, pipeline_model_parallel_size=spec.pp,
-        sequence_parallel=f.sequence_parallel, gradient_accumulation_fusion=fused, params_dtype=dtype,
-        pipeline_dtype=dtype, bf16=f.precision == "bf16", fp16=f.precision == "fp16",
-        calculate_per_token_loss=f.per_token_loss, batch_p2p_comm=False, **f.config_overrides)
-    chunks = build_gpt_chunks(config=config, vocab_size=m.vocab, max_sequence_length=m.seq,
-                              stage_to_rank=_stage_to_rank(spec.placement, spec.pp), seed=m.seed, **f.gpt_kwargs)
+    f = spec.feature
+    chunks = build_chunks(tiny_gpt_of(spec, arm), _stage_to_rank(spec.placement, spec.pp))
     modules = [c.module for c in chunks]
     if f.precision != "fp32":
         modules = [chunk_float16_module(c.module.config, c.module, first=c.plan.pre_process,
@@ -307,6 +318,11 @@ def _record_before_finalize(chunks: list[Any], res: ArmResult, tp: int, dp: int)
 
     for c in chunks:
         c.module.config.finalize_model_grads_func = recording_finalize
+
+
+def run_specs(specs: tuple[GroupSpec, ...]) -> list[dict[str, ArmResult]]:
+    """:func:`run_arms` of each spec in turn, in this rank (one launch for several features)."""
+    return [run_arms(spec) for spec in specs]
 
 
 def run_arms(spec: GroupSpec) -> dict[str, ArmResult]:

@@ -13,16 +13,26 @@ from .compat_matrix import Cell
 __all__ = ["TEST_BUDGET", "render_report", "write_report"]
 
 TEST_BUDGET = """\
-`tests/test_compat_matrix.py` runs every cell of this table -- the full product, no pairing:
-one launch per (feature, placement group) runs the reference and every family of that placement
-in the same processes, about 2.5 minutes on 2 idle cores -- through the same runner code, and
-asserts each cell's status from a table written in the test (not computed by the runner). It
+`tests/test_compat_matrix.py` runs every cell of this table -- the full product of families and
+features, no pairing of features -- through the same runner code, and asserts each cell's status
+from a table written in the test (not computed by the runner). The first eleven features run one
+launch per (feature, placement group), each launch running the reference and every family of
+that placement in the same processes (about 2.5 minutes on 2 idle cores). The six model features
+(`llama`, `recompute-full`, `recompute-selective`, `tied`, `uneven-split`, `moe`) run *together*:
+one launch per placement group runs all six (and the `fp32` column their W-count check needs)
+one after another in the same processes (`plan_launches(together=True)`), which keeps their
+share to about 25 s of CPU time per rank (4 process groups instead of 28); the price is that an
+error in one of them fails all cells of that launch, which the script's default (one launch per
+feature) avoids. The test also checks that recomputation queues exactly as many weight-gradient
+computations as the `fp32` column for every family (W deferred inside recomputed layers, not
+skipped, not duplicated) and that MoE queues 35 per microbatch where the dense model queues 17
+(each of the 4 experts' two linears in the 3 MoE layers; the router's gradient comes in B). It
 also compares megatron-core's execution order (instrumented forward and backward steps) with
 `1f1b`'s and `interleaved-1f1b`'s at PP=2 and PP=4, and checks a refused cell (6 layers cannot
-fill the V's 4 stages). Clipping is off except in the post-validation columns: with the V the
-reference is PP=1, whose gradient norm sums the squares in another grouping than any PP=2
-layout, so a clip factor would differ from the reference's in its last bit for reasons that are
-not the schedule's.
+fill the V's 4 stages with the even split). Clipping is off except in the post-validation
+columns: with the V the reference is PP=1, whose gradient norm sums the squares in another
+grouping than any PP=2 layout, so a clip factor would differ from the reference's in its last
+bit for reasons that are not the schedule's.
 """
 """The paragraph on what the test suite runs (kept next to the table it describes)."""
 
@@ -69,7 +79,8 @@ def render_report(*, cells: list[Cell], features: list[Feature], families: list[
         f"* command: `{command}`",
         f"* date: {date}; wall time {seconds:.0f} s; {len(cells)} cells, {failed} failed",
         f"* machine: {_machine()}",
-        f"* model: GPT, {model.num_layers} layers, hidden {model.hidden}, {model.heads} heads, sequence {model.seq}, "
+        f"* model: GPT, {model.num_layers} layers (unless the feature says otherwise), hidden {model.hidden}, "
+        f"{model.heads} heads, sequence {model.seq}, "
         f"vocabulary {model.vocab}, micro batch {model.micro_batch}, {model.num_microbatches} microbatches per "
         f"iteration, PP={model.pp}; Adam (lr 0.01) through megatron-core's `get_megatron_optimizer`, chunks "
         "wrapped in megatron-core DDP",
@@ -80,7 +91,8 @@ def render_report(*, cells: list[Cell], features: list[Feature], families: list[
         "(update_successful, loss scale). A cell is `equal (bitwise)`, `equal (<= rtol, ...)` (max "
         "|difference| / max |reference| per tensor), or `refused` (a clear error before anything ran). "
         "A cell also fails when it would prove nothing: a split-backward schedule deferred no weight "
-        "gradient, post-validation never rolled back, or fp16 never overflowed.",
+        "gradient, post-validation never rolled back, fp16 never overflowed, or recomputation queued another "
+        "number of weight-gradient computations than the same family without it (the `fp32` column).",
         "",
         "| family | " + " | ".join(f"`{f.name}`" for f in features) + " |",
         "|---|" + "---|" * len(features),

@@ -57,6 +57,11 @@ class TinyGPT:
     delay_wgrad: bool = False
     """Build Transformer Engine modules with delayed weight gradients
     (:func:`megatron_zb.runtime.te_route.enable_delayed_wgrad`)."""
+    moe_pattern: tuple[int, ...] = ()
+    """Mixture of experts: one 0/1 per global layer (1 = MoE MLP), with ``config_options``' MoE fields
+    (``num_moe_experts``, ``moe_router_topk``, ...); the layer spec is
+    :func:`megatron_zb.training.moe_setup.moe_layer_spec` with ``spec_options`` for every layer (SequentialMLP
+    experts, seeded per global expert). Empty: dense."""
 
     def microbatches(self) -> list[dict[str, torch.Tensor]]:
         """The fixed data: ``num_microbatches`` micro batches of random tokens (per DP rank)."""
@@ -201,10 +206,22 @@ def build_chunks(cfg: TinyGPT, stage_to_rank: list[int]) -> list[Any]:
     layers = (pipeline_split(num_layers=cfg.num_layers, stage_to_rank=stage_to_rank, **cfg.split)
               if cfg.split else None)
     if cfg.layer_spec is not None:
-        if cfg.spec_options:
-            raise ValueError("TinyGPT: give layer_spec or spec_options, not both")
+        if cfg.spec_options or cfg.moe_pattern:
+            raise ValueError("TinyGPT: give layer_spec or spec_options / moe_pattern, not both")
         module, _, function = cfg.layer_spec.partition(":")
         spec = getattr(importlib.import_module(module), function)()
+    elif cfg.moe_pattern:
+        from types import SimpleNamespace
+
+        from ..training.moe_setup import moe_layer_spec
+
+        if len(cfg.moe_pattern) != cfg.num_layers or not config.num_moe_experts:
+            raise ValueError(f"TinyGPT: moe_pattern needs one entry per layer ({cfg.num_layers}) and "
+                             "config_options' num_moe_experts")
+        spec = moe_layer_spec(SimpleNamespace(num_experts=config.num_moe_experts,
+                                              moe_grouped_gemm=config.moe_grouped_gemm,
+                                              moe_layer_pattern=list(cfg.moe_pattern)),
+                              local_spec_kwargs=cfg.spec_options)
     else:
         spec = get_gpt_layer_local_spec(**cfg.spec_options)
     if cfg.delay_wgrad:
