@@ -272,6 +272,8 @@ BAD = [
      "does not exist"),
     ("--tokenizer-type GPT2BPETokenizer", 1, "--vocab-file", "is required with --tokenizer-type GPT2BPETokenizer"),
     ("--merge-file merges.txt", 1, "--merge-file", "only read by --tokenizer-type GPT2BPETokenizer"),
+    ("--recompute-granularity selective --recompute-modules core_attn mlp", 1, "--recompute-modules",
+     "add --disable-bias-linear or drop mlp"),
     ("--post-validation-warmup-iters 3", 1, "--post-validation-warmup-iters",
      "add --enable-optimizer-post-validation or drop --post-validation-warmup-iters"),
     ("--pipeline-model-parallel-size 2 --enable-zero-bubble --post-validation-fallback-clean-iters 3", 2,

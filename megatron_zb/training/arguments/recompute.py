@@ -85,6 +85,12 @@ def check_recompute(args: argparse.Namespace) -> None:
     if bad:
         raise ArgumentError("--recompute-modules", f"{', '.join(bad)} not supported; choose from "
                                                    f"{', '.join(RECOMPUTE_MODULES)}")
+    if "mlp" in (args.recompute_modules or ()) and getattr(args, "add_bias_linear", True):
+        # megatron-core 0.16.1's MLP returns fc2's bias parameter out of its checkpoint; the backward
+        # then recurses in CheckpointFunction.backward until the stack overflows, under its own
+        # schedules too (seen on CPU, docs/training.md)
+        raise ArgumentError("--recompute-modules", "mlp with linear biases fails in megatron-core 0.16.1's "
+                                                   "recompute backward; add --disable-bias-linear or drop mlp")
 
 
 def uneven_split_requested(args: argparse.Namespace) -> bool:
