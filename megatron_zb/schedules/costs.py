@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 from .ir import Op, ScheduleError
+
+if TYPE_CHECKING:
+    from .dp_reduce import DPReduceModel
 
 PerStage = Union[float, Sequence[float]]
 """A scalar (the same value for every stage) or one value per pipeline stage."""
@@ -41,6 +44,11 @@ class CostModel:
         mem_b: activation memory allocated by ``F`` and held until ``B`` (or ``BW``).
         mem_w: part of it still held after ``B`` until ``W`` (``0 <= mem_w <= mem_b``).
         memory_limit: peak activation memory allowed on every rank, or ``None`` for no limit.
+        dp_reduce: the data-parallel gradient reduce (:class:`~.dp_reduce.DPReduceModel`: bytes
+            per stage, bucket size, bandwidth, overlap on or off), or ``None`` (default): no reduce
+            is modelled and every predicted time is the compute's alone. When given, the simulator
+            and the generators' timing kernel add each rank's reduce to its end (see
+            :mod:`.timing`).
     """
 
     t_f: PerStage = 1.0
@@ -50,6 +58,7 @@ class CostModel:
     mem_b: PerStage = 1.0
     mem_w: PerStage | None = None
     memory_limit: float | None = None
+    dp_reduce: "DPReduceModel | None" = None
 
     def with_limit(self, memory_limit: float | None) -> "CostModel":
         return replace(self, memory_limit=memory_limit)
@@ -75,6 +84,7 @@ class CostModel:
             t_b=_expand("t_b", self.t_b, num_stages, positive=True),
             t_w=_expand("t_w", self.t_w, num_stages, positive=False),
             t_comm=t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=self.memory_limit,
+            dp_reduce=None if self.dp_reduce is None else self.dp_reduce.resolve(num_stages),
         )
 
 
@@ -89,6 +99,7 @@ class StageCosts:
     mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
     memory_limit: float | None
+    dp_reduce: "DPReduceModel | None" = None  # resolved: one byte count per stage
 
     def duration(self, op: Op | str, stage: int) -> float:
         """Time of one compute action ``op`` on ``stage``."""
