@@ -50,7 +50,7 @@ from megatron_zb.bench.report import (Row, action_gaps, hop_latencies, iteration
 from megatron_zb.schedules import CostModel, simulate  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule  # noqa: E402
 
-SECTIONS = ("real", "memory", "emulated", "postval")
+SECTIONS = ("real", "memory", "emulated", "postval", "dp")  # dp: megatron_zb.bench.dp (its docstring)
 LABEL = {"megatron-1f1b": "megatron-core 1F1B", "1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-2p": "ZB-2p",
          "zbv": "ZB-V", "v-half": "V-Half"}
 PAPER_15B = dict(t_f=18.522, t_b=18.086, t_w=9.337, hidden=2304, heads=24, seq=1024)
@@ -625,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
     if "postval" in which:
         section_postval(cfg, real_info, rows, body, args.timeout)
         mark("postval")
+    if "dp" in which:
+        from megatron_zb.bench.dp import dp_section
+        dp_section(quick=args.quick, timeout=args.timeout, rows=rows, md=body, log=log)
+        mark("dp")
 
     load_line = sampler.stop()
     elapsed = time.perf_counter() - t_start

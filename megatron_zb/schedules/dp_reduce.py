@@ -46,8 +46,8 @@ class DPReduceModel:
     Attributes:
         stage_bytes: gradient bytes of each stage: one value per stage, or one for every stage.
         bucket_bytes: bucket size in bytes (``--ddp-bucket-size`` x element size); ``None``: one
-            bucket per stage. Every stage is split alike here (megatron-core keeps one bucket on
-            pipeline ranks after the first: model those with ``None``).
+            bucket per stage. One value for every stage, or one per stage (megatron-core keeps one
+            bucket on pipeline ranks after the first: give those ``None``).
         bandwidth: bytes per time unit of the data-parallel collective (algorithm bandwidth).
         latency: fixed time per bucket collective (time unit of the costs).
         overlap: ``True``: a bucket is reduced as soon as it is ready (``--overlap-grad-reduce``);
@@ -55,7 +55,7 @@ class DPReduceModel:
     """
 
     stage_bytes: PerStage
-    bucket_bytes: float | None
+    bucket_bytes: float | Sequence[float | None] | None
     bandwidth: float
     latency: float = 0.0
     overlap: bool = True
@@ -67,26 +67,34 @@ class DPReduceModel:
         if len(vals) != num_stages:
             raise ScheduleError(f"dp_reduce.stage_bytes has {len(vals)} values but the schedule has {num_stages} "
                                 f"stages; give one value per stage or a single scalar")
+        buckets = (self.bucket_bytes if isinstance(self.bucket_bytes, (int, float)) or self.bucket_bytes is None
+                   else tuple(self.bucket_bytes))
+        if isinstance(buckets, tuple) and len(buckets) != num_stages:
+            raise ScheduleError(f"dp_reduce.bucket_bytes has {len(buckets)} values but the schedule has {num_stages} "
+                                f"stages; give one value per stage or a single one")
         checks = [(f"stage_bytes[{s}]", b, False) for s, b in enumerate(vals)] + [
             ("bandwidth", self.bandwidth, True), ("latency", self.latency, False)]
-        if self.bucket_bytes is not None:
-            checks.append(("bucket_bytes", self.bucket_bytes, True))
+        checks += [(f"bucket_bytes[{s}]", b, True) for s, b in enumerate(buckets if isinstance(buckets, tuple) else
+                                                                           [buckets]) if b is not None]
         for name, v, positive in checks:
             if not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise ScheduleError(f"dp_reduce.{name} is {v}; it must be finite and {'> 0' if positive else '>= 0'}")
-        return dataclasses.replace(self, stage_bytes=tuple(vals))
+        return dataclasses.replace(self, stage_bytes=tuple(vals), bucket_bytes=buckets)
 
     def buckets(self, stage: int) -> list[float]:
         """Bucket sizes (bytes) of ``stage``, in the order they become ready (none for 0 bytes)."""
         total = float(self.stage_bytes if isinstance(self.stage_bytes, (int, float)) else self.stage_bytes[stage])
+        size = self.bucket_bytes
+        if size is not None and not isinstance(size, (int, float)):
+            size = size[stage]
         if total == 0:
             return []
-        if self.bucket_bytes is None or self.bucket_bytes >= total:
+        if size is None or size >= total:
             return [total]
-        n = int(total // self.bucket_bytes)
-        sizes = [float(self.bucket_bytes)] * n
-        if total - n * self.bucket_bytes > 0:
-            sizes.append(total - n * self.bucket_bytes)
+        n = int(total // size)
+        sizes = [float(size)] * n
+        if total - n * size > 0:
+            sizes.append(total - n * size)
         return sizes
 
     def ready_fractions(self, stage: int) -> list[tuple[float, float]]:
