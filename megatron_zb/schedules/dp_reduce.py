@@ -1,6 +1,6 @@
 """The data-parallel gradient reduce of one iteration: its model, and predictions built on it.
 
-:class:`DPReduceModel` describes what megatron-zb's runtime does with ``--overlap-grad-reduce``
+:class:`DPReduceModel` (defined in :mod:`.costs`, whose :class:`~.costs.CostModel` holds it) describes what megatron-zb's runtime does with ``--overlap-grad-reduce``
 (:mod:`megatron_zb.runtime.grad_sync`): each stage's gradient buffer is split into buckets; a
 stage's buckets become ready during its last weight-gradient action, in bucket order and in
 proportion to their bytes -- the runtime reports each weight right after its last W entry, and
@@ -27,88 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .costs import CostModel, PerStage, StageCosts
+from .costs import CostModel, DPReduceModel, StageCosts
 from .ir import Action, Op, Schedule, ScheduleError
 from .simulator import SimResult, simulate
 from .timing import Bucket
 
 __all__ = ["DPReduceModel", "DPReduceResult", "RankReduce", "reduce_aware_tail", "simulate_dp_reduce"]
-
-
-@dataclass(frozen=True)
-class DPReduceModel:
-    """Sizes and speed of the data-parallel gradient reduce (a :class:`~.costs.CostModel` field).
-
-    Attributes:
-        stage_bytes: gradient bytes of each stage: one value per stage, or one for every stage.
-        bucket_bytes: bucket size in bytes (``--ddp-bucket-size`` x element size); ``None``: one
-            bucket per stage. One value for every stage, or one per stage (megatron-core keeps one
-            bucket on pipeline ranks after the first: give those ``None``).
-        bandwidth: bytes per time unit of the data-parallel collective (algorithm bandwidth).
-        latency: fixed time per bucket collective (time unit of the costs).
-        overlap: ``True``: a bucket is reduced as soon as it is ready (``--overlap-grad-reduce``);
-            ``False``: a rank's buckets are reduced after its last compute action.
-    """
-
-    stage_bytes: PerStage
-    bucket_bytes: float | Sequence[float | None] | None
-    bandwidth: float
-    latency: float = 0.0
-    overlap: bool = True
-
-    def resolve(self, num_stages: int) -> "DPReduceModel":
-        """Check the values; the same model with one byte count per stage."""
-        vals = ([float(self.stage_bytes)] * num_stages if isinstance(self.stage_bytes, (int, float))
-                else [float(b) for b in self.stage_bytes])
-        if len(vals) != num_stages:
-            raise ScheduleError(f"dp_reduce.stage_bytes has {len(vals)} values but the schedule has {num_stages} "
-                                f"stages; give one value per stage or a single scalar")
-        buckets = (self.bucket_bytes if isinstance(self.bucket_bytes, (int, float)) or self.bucket_bytes is None
-                   else tuple(self.bucket_bytes))
-        if isinstance(buckets, tuple) and len(buckets) != num_stages:
-            raise ScheduleError(f"dp_reduce.bucket_bytes has {len(buckets)} values but the schedule has {num_stages} "
-                                f"stages; give one value per stage or a single one")
-        checks = [(f"stage_bytes[{s}]", b, False) for s, b in enumerate(vals)] + [
-            ("bandwidth", self.bandwidth, True), ("latency", self.latency, False)]
-        checks += [(f"bucket_bytes[{s}]", b, True) for s, b in enumerate(buckets if isinstance(buckets, tuple) else
-                                                                           [buckets]) if b is not None]
-        for name, v, positive in checks:
-            if not math.isfinite(v) or v < 0 or (positive and v == 0):
-                raise ScheduleError(f"dp_reduce.{name} is {v}; it must be finite and {'> 0' if positive else '>= 0'}")
-        return dataclasses.replace(self, stage_bytes=tuple(vals), bucket_bytes=buckets)
-
-    def buckets(self, stage: int) -> list[float]:
-        """Bucket sizes (bytes) of ``stage``, in the order they become ready (none for 0 bytes)."""
-        total = float(self.stage_bytes if isinstance(self.stage_bytes, (int, float)) else self.stage_bytes[stage])
-        size = self.bucket_bytes
-        if size is not None and not isinstance(size, (int, float)):
-            size = size[stage]
-        if total == 0:
-            return []
-        if size is None or size >= total:
-            return [total]
-        n = int(total // size)
-        sizes = [float(size)] * n
-        if total - n * size > 0:
-            sizes.append(total - n * size)
-        return sizes
-
-    def ready_fractions(self, stage: int) -> list[tuple[float, float]]:
-        """``(fraction of the last weight-gradient action done when ready, bytes)`` per bucket."""
-        sizes = self.buckets(stage)
-        total, done, out = sum(sizes), 0.0, []
-        for size in sizes:
-            done += size
-            out.append((done / total, size))
-        return out
-
-    def reduce_time(self, nbytes: float) -> float:
-        """Time of one bucket's collective."""
-        return self.latency + nbytes / self.bandwidth
 
 
 @dataclass
