@@ -13,6 +13,9 @@ the model, i.e. what a plain pipeline stage holds. A placement with ``v`` chunks
 taking ``1/v`` of the time and memory. ``--memory-limit X`` is in units of ONE STAGE's ``M_B``
 (a chunk's ``M_B`` when a rank holds several chunks). Peak memory is reported in the unit of
 ``--mem-b``. ``--tcomm`` is the latency of one transfer between two ranks, whatever the placement.
+``--dp-reduce-bytes`` (off by default) adds the data-parallel gradient reduce: bytes of one rank's
+share (split alike over its chunks), reduced at ``--dp-bandwidth`` bytes per time unit in buckets
+of ``--dp-bucket-bytes``, overlapped with the pipeline unless ``--no-dp-overlap``.
 
 Every user error prints one line ``megatron-zb: error: ...`` on stderr and exits with status 2.
 """
@@ -32,6 +35,7 @@ from typing import NoReturn, Sequence
 from .planning.command import add_plan_parser
 from .schedules import registry
 from .schedules.costs import CostModel
+from .schedules.dp_reduce import DPReduceModel
 from .schedules.ir import Placement, Schedule, ScheduleError, dump, validate
 from .schedules.lowering import check_lowered, lower
 from .schedules.simulator import DeadlockError, MemoryLimitError, SimResult, simulate
@@ -121,6 +125,26 @@ class Costs:
     mem_b: float = 1.0
     mem_w: float | None = None  # default mem_b / 2
     memory_limit: float | None = None  # units of one stage's M_B
+    dp_bytes: float | None = None  # gradient bytes of one rank's share; None: no DP reduce
+    dp_bandwidth: float | None = None  # bytes per time unit
+    dp_bucket_bytes: float | None = None  # None: one bucket per stage
+    dp_latency: float = 0.0
+    dp_overlap: bool = True
+
+    def _dp(self, chunks: int | Sequence[int]) -> DPReduceModel | None:
+        """The reduce model for stages whose ranks hold ``chunks`` (per stage, or for all) stages
+        (None: not asked for)."""
+        if self.dp_bytes is None:
+            if self.dp_bandwidth is not None or self.dp_bucket_bytes is not None:
+                raise CLIError("--dp-bandwidth and --dp-bucket-bytes need --dp-reduce-bytes (the gradient bytes "
+                               "of one rank's share)")
+            return None
+        if self.dp_bandwidth is None:
+            raise CLIError("--dp-reduce-bytes needs --dp-bandwidth (bytes per time unit of the data-parallel "
+                           "collective)")
+        per_stage = self.dp_bytes / chunks if isinstance(chunks, int) else [self.dp_bytes / k for k in chunks]
+        return DPReduceModel(stage_bytes=per_stage, bucket_bytes=self.dp_bucket_bytes,
+                             bandwidth=self.dp_bandwidth, latency=self.dp_latency, overlap=self.dp_overlap)
 
     def check(self) -> None:
         """Reject values no schedule can use, naming the flag."""
@@ -148,7 +172,8 @@ class Costs:
         v = float(chunks)
         limit = None if self.memory_limit is None else self.memory_limit * self.mem_b / v
         return CostModel(t_f=self.tf / v, t_b=self.tb / v, t_w=self.tw / v, t_comm=self.tcomm,
-                         mem_b=self.mem_b / v, mem_w=self.mem_w_value / v, memory_limit=limit), limit
+                         mem_b=self.mem_b / v, mem_w=self.mem_w_value / v, memory_limit=limit,
+                         dp_reduce=self._dp(chunks)), limit
 
     def for_placement(self, stage_to_rank: Sequence[int]) -> CostModel:
         """Per-stage cost model for any placement: a stage gets ``1/k`` of its rank's share when its
@@ -160,12 +185,13 @@ class Costs:
         limit = None if self.memory_limit is None else self.memory_limit * min(mem_b)
         return CostModel(t_f=[self.tf / n for n in k], t_b=[self.tb / n for n in k], t_w=[self.tw / n for n in k],
                          t_comm=self.tcomm, mem_b=mem_b, mem_w=[self.mem_w_value / n for n in k],
-                         memory_limit=limit)
+                         memory_limit=limit, dp_reduce=self._dp(k))
 
 
 def _costs_from_args(args: argparse.Namespace) -> Costs:
     return Costs(tf=args.tf, tb=args.tb, tw=args.tw, tcomm=args.tcomm, mem_b=args.mem_b, mem_w=args.mem_w,
-                 memory_limit=args.memory_limit)
+                 memory_limit=args.memory_limit, dp_bytes=args.dp_reduce_bytes, dp_bandwidth=args.dp_bandwidth,
+                 dp_bucket_bytes=args.dp_bucket_bytes, dp_latency=args.dp_latency, dp_overlap=not args.no_dp_overlap)
 
 
 # ------------------------------------------------------------------------------------ operations
@@ -300,12 +326,24 @@ def report(result: SimResult, costs: Costs, *, timeline: bool = True, width: int
                  f"mem-b={costs.mem_b:g} mem-w={costs.mem_w_value:g}; memory limit: {limit}")
     if note:
         lines.append(note)
+    if result.reduce is not None:
+        lines.append(_dp_line(result, costs))
     lines.append("")
     lines.append(summary_table(result, memory_unit=MEMORY_UNIT))
     if timeline:
         lines.append("")
         lines.append(timeline_text(result, width, style=style))  # type: ignore[arg-type]
     return "\n".join(lines)
+
+
+def _dp_line(result: SimResult, costs: Costs) -> str:
+    """The report's line on the data-parallel reduce (the times include it)."""
+    buckets = "one per stage" if costs.dp_bucket_bytes is None else f"{costs.dp_bucket_bytes:g} bytes"
+    exposed = ", ".join(f"{x:.4g}" for x in result.exposed_reduce)
+    return (f"DP reduce: {costs.dp_bytes:g} bytes per rank's share at {costs.dp_bandwidth:g} bytes/unit, buckets "
+            f"{buckets}, latency {costs.dp_latency:g}, {'overlapped' if costs.dp_overlap else 'after the compute'}; "
+            f"compute ends at {result.compute_time:.4g}, iteration at {result.total_time:.4g}; exposed per rank "
+            f"[{exposed}] (the times below include it)")
 
 
 def _plot(result: SimResult, path: str) -> None:
@@ -396,6 +434,17 @@ def _add_cost_flags(p: argparse.ArgumentParser, *, limit_help: str) -> None:
     g.add_argument("--mem-w", type=_non_negative, default=None, metavar="M",
                    help="part of it still held after B until W (default mem-b/2)")
     g.add_argument("--memory-limit", type=_positive, default=None, metavar="X", help=limit_help)
+    d = p.add_argument_group("data-parallel gradient reduce (off unless --dp-reduce-bytes is given)")
+    d.add_argument("--dp-reduce-bytes", type=_non_negative, default=None, metavar="BYTES",
+                   help="gradient bytes of one rank's share (split alike over its chunks); turns the reduce on")
+    d.add_argument("--dp-bandwidth", type=_positive, default=None, metavar="BYTES_PER_T",
+                   help="bytes per time unit of the data-parallel collective (needed with --dp-reduce-bytes)")
+    d.add_argument("--dp-bucket-bytes", type=_positive, default=None, metavar="BYTES",
+                   help="bucket size (default: one bucket per stage)")
+    d.add_argument("--dp-latency", type=_non_negative, default=0.0, metavar="T",
+                   help="fixed time of one bucket's collective (default 0)")
+    d.add_argument("--no-dp-overlap", action="store_true",
+                   help="reduce after each rank's last compute action (no --overlap-grad-reduce)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:

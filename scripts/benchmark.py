@@ -50,7 +50,8 @@ from megatron_zb.bench.report import (Row, action_gaps, hop_latencies, iteration
 from megatron_zb.schedules import CostModel, simulate  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule  # noqa: E402
 
-SECTIONS = ("real", "memory", "emulated", "postval")
+SECTIONS = ("real", "memory", "emulated", "postval", "dp")  # dp: megatron_zb.bench.dp (its docstring)
+DEFAULT_SECTIONS = SECTIONS[:4]  # dp runs only when asked for (8 processes, 1-2 minutes even with --quick)
 LABEL = {"megatron-1f1b": "megatron-core 1F1B", "1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-2p": "ZB-2p",
          "zbv": "ZB-V", "v-half": "V-Half"}
 PAPER_15B = dict(t_f=18.522, t_b=18.086, t_w=9.337, hidden=2304, heads=24, seq=1024)
@@ -561,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--out", default="out/bench", help="output directory (default out/bench)")
     ap.add_argument("--quick", action="store_true", help="1-2 minute smoke run (tiny sizes, few repeats)")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                    help=f"comma list of {', '.join(SECTIONS)} (default all but dp)")
     ap.add_argument("--ms", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16],
                     help="microbatch counts of the real PP=2 timing (default 4,8,16)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up rounds of the real timing (default 2)")
@@ -625,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
     if "postval" in which:
         section_postval(cfg, real_info, rows, body, args.timeout)
         mark("postval")
+    if "dp" in which:
+        from megatron_zb.bench.dp import dp_section
+        dp_section(quick=args.quick, timeout=args.timeout, rows=rows, md=body, log=log)
+        mark("dp")
 
     load_line = sampler.stop()
     elapsed = time.perf_counter() - t_start

@@ -23,6 +23,40 @@ sys.path.insert(0, str(ROOT))
 from megatron_zb.cli import CLIError, Costs, build_and_simulate, schedule_table  # noqa: E402
 from megatron_zb.schedules.plot import plot_timeline  # noqa: E402
 
+DP_REDUCE = """\
+Off by default. `--dp-reduce-bytes BYTES --dp-bandwidth BYTES_PER_T` add the data-parallel
+gradient reduce to every predicted time (`--dp-bucket-bytes` splits each stage's gradients into
+buckets, default one per stage; `--dp-latency T` is the fixed time of one bucket's collective;
+`--no-dp-overlap` reduces after each rank's last compute action, as without
+`--overlap-grad-reduce`). `BYTES` are one rank's share, split alike over its chunks. In Python
+the same model is `CostModel(..., dp_reduce=DPReduceModel(stage_bytes=..., bucket_bytes=...,
+bandwidth=..., latency=..., overlap=True))` (`megatron_zb.schedules.dp_reduce`; `stage_bytes` and
+`bucket_bytes` take one value per stage or one for all, `None` buckets = one bucket, as
+megatron-core keeps on every pipeline rank but the first).
+
+The rule (one place: `megatron_zb.schedules.timing.Timeline`, used by the simulator and by every
+generator that times candidates): a stage's buckets become ready during its last weight-gradient
+action (its last `W`, or `BW`), in order and in proportion to their bytes -- the runtime reports
+each weight ready right after its last W entry (`docs/runtime.md`); each rank reduces its ready
+buckets one after the other on one channel (`latency + bytes / bandwidth` each). A rank's
+iteration ends when its compute and its reduce are done, so the isolated iteration, the makespan
+and the bubble rate include the exposed reduce; the report adds a `DP reduce:` line (where
+compute ends, where the iteration ends, the exposed reduce per rank) and `--plot` draws each
+bucket's reduce as a hatched vermillion bar in the lower half of its rank's row.
+
+Reduce-aware scheduling: the greedy generator (`zb`, `zb-1p`, `zb-2p`) scores its candidate
+variants through the same kernel, so with the reduce in the costs it keeps the variant with the
+shortest iteration *including* the exposed reduce -- for example (`tests/test_dp_reduce_model.py`,
+worked by hand) at p=2, m=3, `T_W` = (1, 2) and 4 units of reduce on stage 0 only, it defers the
+last rank's W's to its tail so that stage 0's last W, and with it its reduce, ends one unit
+earlier: 14 instead of 15. On the plain placement a rank holds one stage, so the order of its own
+tail W's does not change when its buckets are ready; on V and interleaved ranks
+`megatron_zb.schedules.dp_reduce.reduce_aware_tail(schedule, costs)` regroups each rank's trailing
+W's chunk by chunk when that shortens the predicted iteration (a Python function; not called by
+the V list scheduler or the CLI). Measured against the runtime: `docs/benchmarks.md`, section
+"Data-parallel reduce".
+"""
+
 UNITS = """\
 All commands take the costs of **one microbatch through one rank's share of the model** -- what a
 plain (non-interleaved) pipeline stage holds:
@@ -159,6 +193,8 @@ def write_markdown(docs: Path, pp: int, microbatches: int, done: list[dict], mis
             "megatron-zb schedule --schedule zb-h1 --pp 4 --microbatches 8 [--tf 1 --tb 1 --tw 1 --tcomm 0]",
             "                     [--mem-b 1 --mem-w 0.5] [--memory-limit X] [--chunks V]",
             "                     [--json zb-h1.json [--lowered]] [--plot zb-h1.png|.svg] [--no-timeline]",
+            "                     [--dp-reduce-bytes B --dp-bandwidth BW [--dp-bucket-bytes B] [--dp-latency T]",
+            "                      [--no-dp-overlap]]",
             "megatron-zb simulate zb-h1.json [same cost flags] [--plot FILE] [--no-timeline]",
             "python -m megatron_zb ...   # the same",
             "```", "",
@@ -168,6 +204,7 @@ def write_markdown(docs: Path, pp: int, microbatches: int, done: list[dict], mis
             "columns). User errors print one line `megatron-zb: error: ...` naming the flag or file and exit "
             "with status 2.", "",
             "## Units", "", UNITS.rstrip(), "",
+            "## Data-parallel reduce", "", DP_REDUCE.rstrip(), "",
             f"## Gallery (p={pp}, m={microbatches}, unit costs)", "",
             f"Each schedule at `--pp {pp} --microbatches {microbatches}` with the default costs "
             "(`tf = tb = tw = 1`, `tcomm = 0`, `mem-b = 1`, `mem-w = mem-b/2`; interleaved placements with "

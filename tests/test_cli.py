@@ -324,3 +324,34 @@ def test_python_dash_m_entry_point(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert parse_report(ok.stdout)["makespan"] == 27
     assert "Traceback" not in ok.stderr
+
+
+# ---------------------------------------------------------------------------------- DP reduce
+def test_dp_reduce_flags_add_the_reduce_to_the_reported_times(capsys, tmp_path):
+    """1F1B, p=2, m=2, unit costs: rank 0's last BW runs 7-9 (rank 1's 5-7). 4 bytes per rank in
+    buckets of 1 byte at 4 bytes/unit: 0.25 each. Overlapped, rank 0's buckets are ready at 7.5,
+    8, 8.5, 9 and end at 9.25 (rank 1's at 7.25); without overlap rank 0 reduces 9-10."""
+    base = ["schedule", "--schedule", "1f1b", "--pp", 2, "--microbatches", 2, "--no-timeline",
+            "--dp-reduce-bytes", 4, "--dp-bandwidth", 4, "--dp-bucket-bytes", 1]
+    rc, out, err = run(capsys, *base, "--plot", tmp_path / "dp.png")
+    assert rc == 0, err
+    rep = parse_report(out)
+    assert rep["total"] == pytest.approx(9.25) and rep["makespan"] == pytest.approx(9.25)
+    assert "compute ends at 9, iteration at 9.25; exposed per rank [0.25, 0.25]" in out
+    assert (tmp_path / "dp.png").stat().st_size > 10_000
+    rc, out, err = run(capsys, *base, "--no-dp-overlap")
+    assert rc == 0, err
+    assert parse_report(out)["total"] == pytest.approx(10.0)
+    assert "after the compute" in out and "exposed per rank [1, 1]" in out
+    rc, out, _ = run(capsys, "schedule", "--schedule", "1f1b", "--pp", 2, "--microbatches", 2, "--no-timeline")
+    assert parse_report(out)["total"] == pytest.approx(9.0) and "DP reduce" not in out
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--dp-reduce-bytes", "4"], "--dp-reduce-bytes needs --dp-bandwidth"),
+    (["--dp-bandwidth", "4"], "--dp-bandwidth and --dp-bucket-bytes need --dp-reduce-bytes"),
+    (["--dp-reduce-bytes", "4", "--dp-bandwidth", "0"], "--dp-bandwidth"),
+], ids=["no-bandwidth", "no-bytes", "zero-bandwidth"])
+def test_dp_reduce_flag_errors_are_one_line(flags, needle, capsys):
+    rc, _, err = run(capsys, "schedule", "--schedule", "zb", "--pp", 2, "--microbatches", 2, *flags)
+    assert_one_line_error(rc, err, needle)

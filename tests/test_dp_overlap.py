@@ -71,7 +71,7 @@ def test_overlapped_reduce_matches_megatron_1f1b(references, schedule, post_vali
 # ---------------------------------------------------------------------------- pretrain_gpt_zb.py
 REPO = Path(__file__).resolve().parents[1]
 DP_FLAGS = ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather",
-            "--ddp-bucket-size", "2000"]
+            "--ddp-bucket-size", "2000", "--ddp-average-in-collective"]
 PRETRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2",
             "--global-batch-size", "16", "--train-iters", "6", "--lr", "2e-3", "--clip-grad", "5.0", "--mock-data",
@@ -95,12 +95,13 @@ def _pretrain(tmp: Path, name: str, argv: list[str]) -> tuple[list[float], str]:
 
 def test_pretrain_loss_curve_with_dp_overlap_equals_megatron_core_schedule(tmp_path):
     """PP=2 x DP=2 through pretrain_gpt_zb.py: greedy ZB with every DP overlap flag on gives
-    exactly the loss curve of megatron-core's own 1F1B with the same flags."""
+    exactly the loss curve of megatron-core's own 1F1B with the same flags -- including
+    --ddp-average-in-collective (megatron-core's ReduceOp.AVG reduce-scatter, which gloo runs)."""
     ref, ref_log = _pretrain(tmp_path, "mcore", PRETRAIN + DP_FLAGS + ["--use-megatron-core-schedule"])
     got, log = _pretrain(tmp_path, "zb", PRETRAIN + DP_FLAGS + ["--schedule", "zb"])
     assert len(ref) == 6 and got == ref
     line = ("> data parallel: size 2, distributed optimizer on, overlap-grad-reduce on, overlap-param-gather on, "
-            "average-in-collective off, bucket size 2000")
+            "average-in-collective on, bucket size 2000")
     assert line in log and line in ref_log
 
 
@@ -109,7 +110,9 @@ def test_pretrain_loss_curve_with_dp_overlap_equals_megatron_core_schedule(tmp_p
                                                           "distributed optimizer"),
     (["--overlap-param-gather", "--use-distributed-optimizer"], "--overlap-param-gather: needs --overlap-grad-reduce"),
     (["--ddp-bucket-size", "0", "--overlap-grad-reduce"], "--ddp-bucket-size: must be a positive number"),
-], ids=["param-gather-without-distopt", "param-gather-without-grad-overlap", "bucket-size"])
+    (["--ddp-average-in-collective", "--calculate-per-token-loss"], "--ddp-average-in-collective: cannot be "
+                                                                   "combined with --calculate-per-token-loss"),
+], ids=["param-gather-without-distopt", "param-gather-without-grad-overlap", "bucket-size", "average-per-token"])
 def test_refused_dp_flag_combinations_exit_2(flags, message, monkeypatch, capsys):
     import torch.distributed as dist
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_zb.schedules.costs import CostModel
 from megatron_zb.schedules.dp_reduce import DPReduceModel, reduce_aware_tail, simulate_dp_reduce
-from megatron_zb.schedules.ir import Action, Op, Schedule
+from megatron_zb.schedules.ir import Action, Op, Schedule, ScheduleError
 from megatron_zb.schedules.registry import build_schedule
 from megatron_zb.schedules.simulator import simulate
 
@@ -49,3 +51,82 @@ def test_reduce_aware_tail_runs_the_big_stage_w_first():
     # the reordering is kept only when it helps: equal stage sizes leave the schedule as it is
     same, _ = reduce_aware_tail(s, UNIT, DPReduceModel(stage_bytes=[4.0, 4.0], bucket_bytes=None, bandwidth=4.0))
     assert same is s
+
+
+# ------------------------------------------------------------------ the kernel (CostModel.dp_reduce)
+def _with(costs: CostModel, **model) -> CostModel:
+    return dataclasses.replace(costs, dp_reduce=DPReduceModel(**model))
+
+
+def test_default_off_leaves_the_times_alone_and_reports_no_reduce():
+    s = build_schedule("zb", num_ranks=4, num_microbatches=8, costs=UNIT)
+    plain = simulate(s, UNIT)
+    assert plain.reduce is None and plain.exposed_reduce == [0.0] * 4
+    assert plain.compute_time == plain.total_time == pytest.approx(27.0)
+
+
+def test_one_rank_f_b_w_then_two_buckets_overlapped_and_serial():
+    """One stage, one microbatch, unit costs: F 0-1, B 1-2, W 2-3. 4 bytes in buckets of 3 at 2
+    bytes/unit plus latency 0.5: bucket 1 (3 B) ready at 2 + 3/4 = 2.75, runs 2.75-4.75; bucket 2
+    (1 B) ready at 3, runs 4.75-5.75. Serial: 3-5, 5-6."""
+    s = Schedule(num_microbatches=1, stage_to_rank=[0], name="one",
+                 ranks=[[Action(Op.F, 0, 0), Action(Op.B, 0, 0), Action(Op.W, 0, 0)]])
+    over = simulate(s, _with(UNIT, stage_bytes=4.0, bucket_bytes=3.0, bandwidth=2.0, latency=0.5))
+    assert over.reduce == [[(0, 2.75, 2.75, 4.75), (0, 3.0, 4.75, 5.75)]]
+    assert over.total_time == pytest.approx(5.75) and over.compute_time == pytest.approx(3.0)
+    assert over.span == [pytest.approx(5.75)] and over.exposed_reduce == [pytest.approx(2.75)]
+    assert over.bubble_rate == pytest.approx((5.75 - 3.0) / 5.75)
+    serial = simulate(s, _with(UNIT, stage_bytes=4.0, bucket_bytes=3.0, bandwidth=2.0, latency=0.5, overlap=False))
+    assert serial.reduce == [[(0, 2.75, 3.0, 5.0), (0, 3.0, 5.0, 6.0)]]
+    assert serial.total_time == pytest.approx(6.0)
+
+
+def test_fused_bw_and_mixed_stages_ready_at_their_last_weight_gradient():
+    """1F1B (fused BW), p=2, m=2, unit costs (BW = 2): rank 1 runs F0 1-2, BW0 2-4, F1 4-5, BW1
+    5-7; rank 0 runs F0 0-1, F1 1-2, BW0 4-6, BW1 7-9, so its single bucket (1 byte at 1
+    byte/unit) is ready at 9 and ends at 10 (rank 1's: 7-8). A stage whose
+    last weight gradient is a BW after a W: the BW decides (ready at its end, not at the W's)."""
+    s = build_schedule("1f1b", num_ranks=2, num_microbatches=2, costs=UNIT)
+    r = simulate(s, _with(UNIT, stage_bytes=1.0, bucket_bytes=None, bandwidth=1.0))
+    assert r.reduce == [[(0, 9.0, 9.0, 10.0)], [(1, 7.0, 7.0, 8.0)]]
+    assert r.total_time == pytest.approx(10.0)
+    mixed = Schedule(num_microbatches=2, stage_to_rank=[0], name="mixed", ranks=[[
+        Action(Op.F, 0, 0), Action(Op.B, 0, 0), Action(Op.W, 0, 0), Action(Op.F, 1, 0), Action(Op.BW, 1, 0)]])
+    # F 0-1, B 1-2, W 2-3, F 3-4, BW 4-6: ready at 6
+    r = simulate(mixed, _with(UNIT, stage_bytes=1.0, bucket_bytes=None, bandwidth=1.0))
+    assert r.reduce == [[(0, 6.0, 6.0, 7.0)]]
+
+
+def test_per_stage_buckets_and_bad_values_are_refused():
+    m = DPReduceModel(stage_bytes=[4.0, 4.0], bucket_bytes=[1.0, None], bandwidth=1.0)
+    assert m.buckets(0) == [1.0] * 4 and m.buckets(1) == [4.0]
+    assert DPReduceModel(stage_bytes=0.0, bucket_bytes=None, bandwidth=1.0).buckets(0) == []
+    for bad in (dict(stage_bytes=[1.0], bucket_bytes=None, bandwidth=1.0),
+                dict(stage_bytes=1.0, bucket_bytes=[1.0], bandwidth=1.0),
+                dict(stage_bytes=1.0, bucket_bytes=None, bandwidth=0.0),
+                dict(stage_bytes=-1.0, bucket_bytes=None, bandwidth=1.0),
+                dict(stage_bytes=1.0, bucket_bytes=0.0, bandwidth=1.0)):
+        with pytest.raises(ScheduleError, match="dp_reduce"):
+            _with(UNIT, **bad).resolve(2)
+
+
+def test_greedy_scores_its_candidates_with_the_reduce():
+    """zb, p=2, m=3, T_F = T_B = 1, T_W = (1, 2); stage 0 reduces 4 bytes at 1 byte/unit in one
+    bucket (4 units), stage 1 nothing.
+
+    Built without the reduce, greedy fills rank 1's gaps with its W's: rank 1 runs F0 1-2, B0 2-3,
+    F1 3-4, B1 4-5, W0 5-7, F2 7-8, B2 8-9, W1 9-11, W2 11-13, so B2 of stage 0 waits until 9: rank 0
+    ends its last W at 11 and its reduce at 15 -- the iteration is 15 (compute alone 13).
+    Built with the reduce in the costs, greedy keeps a variant that defers rank 1's W's to its tail:
+    F2 6-7, B2 7-8, then W0 8-10, W1 10-12, W2 12-14; rank 0 runs B2 8-9, W2 9-10 and reduces 10-14:
+    the iteration is 14 (compute 14), one unit shorter."""
+    base = CostModel(t_f=1.0, t_b=1.0, t_w=[1.0, 2.0])
+    with_dp = _with(base, stage_bytes=[4.0, 0.0], bucket_bytes=None, bandwidth=1.0)
+    blind = simulate(build_schedule("zb", num_ranks=2, num_microbatches=3, costs=base), with_dp)
+    assert blind.compute_time == pytest.approx(13.0) and blind.reduce[0] == [(0, 11.0, 11.0, 15.0)]
+    assert blind.total_time == pytest.approx(15.0)
+    aware_sched = build_schedule("zb", num_ranks=2, num_microbatches=3, costs=with_dp)
+    aware = simulate(aware_sched, with_dp)
+    assert aware.reduce[0] == [(0, 10.0, 10.0, 14.0)]
+    assert aware.total_time == pytest.approx(14.0) and aware.compute_time == pytest.approx(14.0)
+    assert [(a.op, a.mb) for a in aware_sched.ranks[1][-3:]] == [(Op.W, 0), (Op.W, 1), (Op.W, 2)]

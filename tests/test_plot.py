@@ -139,3 +139,19 @@ def test_gallery_script_writes_images_and_page(tmp_path):
     assert f"Bubble rate {100 * res.bubble_rate:.2f}%" in page
     assert ('{"num_microbatches": m, "stage_to_rank": [...], '
             '"ranks": [[{"op": "F", "mb": 0, "stage": 0}, ...], ...]}') in page
+
+
+def test_dp_reduce_is_drawn_only_when_modelled(tmp_path):
+    import dataclasses
+
+    import matplotlib.image as mpimg
+
+    from megatron_zb.schedules.dp_reduce import DPReduceModel
+    from megatron_zb.schedules.plot import REDUCE_COLOR
+    sched = one_f_one_b(num_ranks=2, num_microbatches=2)
+    with_dp = dataclasses.replace(CostModel(), dp_reduce=DPReduceModel(stage_bytes=4.0, bucket_bytes=1.0,
+                                                                       bandwidth=1.0))
+    for costs, name in ((CostModel(), "plain.png"), (with_dp, "dp.png")):
+        plot_timeline(simulate(sched, costs), tmp_path / name)
+    assert not _has_color(mpimg.imread(tmp_path / "plain.png"), _hex(REDUCE_COLOR), 1)
+    assert _has_color(mpimg.imread(tmp_path / "dp.png"), _hex(REDUCE_COLOR))

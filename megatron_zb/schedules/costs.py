@@ -1,4 +1,5 @@
-"""The cost model shared by the simulator and every cost-aware generator."""
+"""The cost model shared by the simulator and every cost-aware generator (compute, memory and,
+optionally, the data-parallel gradient reduce)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,76 @@ def _expand(name: str, value: PerStage, num_stages: int, *, positive: bool) -> t
 
 
 @dataclass(frozen=True)
+class DPReduceModel:
+    """Sizes and speed of the data-parallel gradient reduce (the :attr:`CostModel.dp_reduce` field).
+
+    The timing rule that uses it lives in :mod:`.timing`; :mod:`.dp_reduce` compares overlap on
+    and off and reorders tails. Sizes in bytes, times in the unit of the costs.
+
+    Attributes:
+        stage_bytes: gradient bytes of each stage: one value per stage, or one for every stage.
+        bucket_bytes: bucket size in bytes (``--ddp-bucket-size`` x element size); ``None``: one
+            bucket per stage. One value for every stage, or one per stage (megatron-core keeps one
+            bucket on pipeline ranks after the first: give those ``None``).
+        bandwidth: bytes per time unit of the data-parallel collective (algorithm bandwidth).
+        latency: fixed time per bucket collective (time unit of the costs).
+        overlap: ``True``: a bucket is reduced as soon as it is ready (``--overlap-grad-reduce``);
+            ``False``: a rank's buckets are reduced after its last compute action.
+    """
+
+    stage_bytes: PerStage
+    bucket_bytes: float | Sequence[float | None] | None
+    bandwidth: float
+    latency: float = 0.0
+    overlap: bool = True
+
+    def resolve(self, num_stages: int) -> "DPReduceModel":
+        """Check the values; the same model with one byte count per stage."""
+        vals = _expand("dp_reduce.stage_bytes", self.stage_bytes, num_stages, positive=False)
+        buckets = (self.bucket_bytes if isinstance(self.bucket_bytes, (int, float)) or self.bucket_bytes is None
+                   else tuple(self.bucket_bytes))
+        if isinstance(buckets, tuple) and len(buckets) != num_stages:
+            raise ScheduleError(f"dp_reduce.bucket_bytes has {len(buckets)} values but the schedule has {num_stages} "
+                                f"stages; give one value per stage or a single one")
+        checks = [("bandwidth", self.bandwidth, True), ("latency", self.latency, False)]
+        checks += [(f"bucket_bytes[{s}]", b, True) for s, b in enumerate(buckets if isinstance(buckets, tuple) else
+                                                                           [buckets]) if b is not None]
+        for name, v, positive in checks:
+            if not math.isfinite(v) or v < 0 or (positive and v == 0):
+                raise ScheduleError(f"dp_reduce.{name} is {v}; it must be finite and {'> 0' if positive else '>= 0'}")
+        return replace(self, stage_bytes=vals, bucket_bytes=buckets)
+
+    def buckets(self, stage: int) -> list[float]:
+        """Bucket sizes (bytes) of ``stage``, in the order they become ready (none for 0 bytes)."""
+        total = float(self.stage_bytes if isinstance(self.stage_bytes, (int, float)) else self.stage_bytes[stage])
+        size = self.bucket_bytes
+        if size is not None and not isinstance(size, (int, float)):
+            size = size[stage]
+        if total == 0:
+            return []
+        if size is None or size >= total:
+            return [total]
+        n = int(total // size)
+        sizes = [float(size)] * n
+        if total - n * size > 0:
+            sizes.append(total - n * size)
+        return sizes
+
+    def ready_fractions(self, stage: int) -> list[tuple[float, float]]:
+        """``(fraction of the last weight-gradient action done when ready, bytes)`` per bucket."""
+        sizes = self.buckets(stage)
+        total, done, out = sum(sizes), 0.0, []
+        for size in sizes:
+            done += size
+            out.append((done / total, size))
+        return out
+
+    def reduce_time(self, nbytes: float) -> float:
+        """Time of one bucket's collective."""
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Per-stage costs of one microbatch, and the activation memory it holds.
 
@@ -41,6 +112,11 @@ class CostModel:
         mem_b: activation memory allocated by ``F`` and held until ``B`` (or ``BW``).
         mem_w: part of it still held after ``B`` until ``W`` (``0 <= mem_w <= mem_b``).
         memory_limit: peak activation memory allowed on every rank, or ``None`` for no limit.
+        dp_reduce: the data-parallel gradient reduce (:class:`DPReduceModel`: bytes
+            per stage, bucket size, bandwidth, overlap on or off), or ``None`` (default): no reduce
+            is modelled and every predicted time is the compute's alone. When given, the simulator
+            and the generators' timing kernel add each rank's reduce to its end (see
+            :mod:`.timing`).
     """
 
     t_f: PerStage = 1.0
@@ -50,6 +126,7 @@ class CostModel:
     mem_b: PerStage = 1.0
     mem_w: PerStage | None = None
     memory_limit: float | None = None
+    dp_reduce: DPReduceModel | None = None
 
     def with_limit(self, memory_limit: float | None) -> "CostModel":
         return replace(self, memory_limit=memory_limit)
@@ -75,6 +152,7 @@ class CostModel:
             t_b=_expand("t_b", self.t_b, num_stages, positive=True),
             t_w=_expand("t_w", self.t_w, num_stages, positive=False),
             t_comm=t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=self.memory_limit,
+            dp_reduce=None if self.dp_reduce is None else self.dp_reduce.resolve(num_stages),
         )
 
 
@@ -89,6 +167,7 @@ class StageCosts:
     mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
     memory_limit: float | None
+    dp_reduce: DPReduceModel | None = None  # resolved: one byte count per stage
 
     def duration(self, op: Op | str, stage: int) -> float:
         """Time of one compute action ``op`` on ``stage``."""

@@ -6,12 +6,17 @@ stays distinguishable under the common colour-vision deficiencies; a rank's late
 second model chunk of an interleaved or V placement) use lighter shades of the same colours.
 The output format follows the file extension (``.png``, ``.svg``, ``.pdf``).
 
+When the simulation models the data-parallel reduce (``costs.dp_reduce``), each rank's bucket
+reduces are drawn as a hatched vermillion bar in the lower part of its row, from each bucket's
+start to its end -- under the last W when the reduce is overlapped, after it otherwise.
+
 The figure is drawn on a bare :class:`matplotlib.figure.Figure`, never through ``pyplot``, so
 plotting neither needs a display nor changes the caller's matplotlib backend.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from .ir import COMPUTE_OPS, Op
@@ -30,6 +35,8 @@ OP_NAMES: dict[Op, str] = {
     Op.BW: "BW  fused backward",
 }
 _LIGHTEST = 0.5  # how far the last chunk's shade is mixed towards white
+REDUCE_COLOR = "#D55E00"  # vermillion (Okabe-Ito): the data-parallel reduce
+REDUCE_NAME = "DP gradient reduce"
 
 
 def _hex_to_rgb(color: str) -> tuple[float, float, float]:
@@ -71,6 +78,8 @@ def default_title(result: SimResult, *, memory_unit: str = "M_B") -> tuple[str, 
     peaks = ", ".join(f"{x:g}" for x in result.peak_memory)
     stats = (f"bubble rate {100 * result.bubble_rate:.1f}%   makespan {result.makespan:.4g}   "
              f"peak memory {result.max_peak_memory:.4g} {memory_unit} (per rank {peaks})")
+    if result.reduce is not None:
+        stats += f"   DP reduce exposed {max(result.exposed_reduce):.4g} (compute ends {result.compute_time:.4g})"
     return head, stats
 
 
@@ -101,10 +110,11 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     if width_inches is None:
         width_inches = min(24.0, max(9.0, 2.5 + 0.17 * n_actions))
     row_h = 0.5
-    height = 1.9 + row_h * p
+    legend_rows = 2 if result.reduce is not None else 1
+    height = 1.9 + 0.25 * (legend_rows - 1) + row_h * p
     fig = Figure(figsize=(width_inches, height), dpi=dpi)
     # Fixed margins in inches, so rows keep their height whatever p is.
-    left_in, right_in, top_in, bottom_in = 1.25, 1.05, 0.9, 0.95
+    left_in, right_in, top_in, bottom_in = 1.25, 1.05, 0.9, 0.95 + 0.25 * (legend_rows - 1)
     ax = fig.add_axes((left_in / width_inches, bottom_in / height,
                        1 - (left_in + right_in) / width_inches, 1 - (top_in + bottom_in) / height))
 
@@ -129,6 +139,7 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
                 ax.text((s + e) / 2, r, label, ha="center", va="center", fontsize=font,
                         color=_text_color(rgb))
 
+    _draw_reduce(ax, result)
     ax.set_xlim(0, total)
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_yticks(range(p))
@@ -161,13 +172,27 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
         for c in range(1, num_chunks):
             handles.append(Patch(facecolor=shade("#555555", c, num_chunks), edgecolor="#333333",
                                  linewidth=0.4, label=f"lighter: chunk {c + 1} of a rank"))
+    if result.reduce is not None:
+        handles.append(Patch(facecolor=REDUCE_COLOR, edgecolor="#333333", linewidth=0.4, hatch="///",
+                             label=REDUCE_NAME))
     handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", linewidth=0.4, label="idle"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.0, -0.42 / (height - top_in - bottom_in)),
-              ncol=len(handles), fontsize=8, frameon=False, handlelength=1.6, columnspacing=1.4,
+              ncol=math.ceil(len(handles) / legend_rows), fontsize=8, frameon=False, handlelength=1.6, columnspacing=1.4,
               borderaxespad=0.0)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
+
+
+def _draw_reduce(ax, result: SimResult) -> None:
+    """One hatched bar per bucket reduce, in the lower part of its rank's row (over the W boxes)."""
+    from matplotlib.patches import Rectangle
+
+    for r, buckets in enumerate(result.reduce or []):
+        for _stage, _ready, start, end in buckets:
+            ax.add_patch(Rectangle((start, r + 0.08), end - start, 0.32, facecolor=REDUCE_COLOR,
+                                   edgecolor="#333333", linewidth=0.4, hatch="///", zorder=3,
+                                   label=REDUCE_NAME))
 
 
 def _rank_label(sched, r: int) -> str:

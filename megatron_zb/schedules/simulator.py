@@ -9,6 +9,12 @@ are ignored: transfers are modelled this way.
 
 Memory: ``F`` allocates ``mem_b``; ``B`` frees ``mem_b - mem_w``; ``W`` frees ``mem_w``; ``BW``
 frees ``mem_b``. The peak is taken over each rank's action order.
+
+Data-parallel reduce (opt-in: ``costs.dp_reduce``, a :class:`~.dp_reduce.DPReduceModel`; default
+``None`` models none): each rank's gradient buckets are reduced as :mod:`.timing` describes, and a
+rank's iteration ends when its compute and its reduce are both done, so ``total_time``, ``span``,
+``makespan`` and ``bubble_rate`` include the exposed reduce; :attr:`SimResult.reduce` lists the
+buckets and :attr:`SimResult.compute_time` is the compute's end alone.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 
 from .costs import CostModel, StageCosts
 from .ir import Schedule, ScheduleError, validate
-from .timing import DeadlockError, Timeline, encode
+from .timing import Bucket, DeadlockError, Timeline, encode
 
 __all__ = ["DeadlockError", "MemoryLimitError", "SimResult", "deadlocks", "simulate"]
 
@@ -34,14 +40,18 @@ class SimResult:
         schedule: the simulated (compute-only) schedule.
         start, end: per rank, start/end time of each action, aligned with ``schedule.ranks``.
         total_time: time from 0 (first action of rank 0) to the end of the last action on any
-            rank: one isolated iteration, as when an optimizer step synchronises all ranks.
-        span: per rank, end of its last action minus start of its first action.
+            rank: one isolated iteration, as when an optimizer step synchronises all ranks. With
+            ``costs.dp_reduce``: to the end of the last rank's compute *and* reduce.
+        span: per rank, end of its last action (or of its reduce, when later) minus start of its
+            first action.
         makespan: ``max(span)``, the zero-bubble paper's "cost" (the largest execution time of
             any stage): the iteration period once consecutive iterations may overlap across
             ranks, which optimizer post-validation allows. Equal to ``total_time`` for every
             schedule whose rank 0 starts first and finishes last (1F1B, ZB-H1, ...).
         busy: per rank, total compute time.
         peak_memory: per rank, peak held activation memory (units of ``mem_b``).
+        reduce: with ``costs.dp_reduce``, per rank its buckets ``(stage, ready, start, end)`` in
+            launch order (overlapped or serial, as the model says); ``None`` without.
         bubble_rate: ``(makespan - max(busy)) / makespan`` -- the zero-bubble paper's definition,
             with the busiest rank's work standing for ``m * (T_F + T_B + T_W)``.
     """
@@ -53,10 +63,30 @@ class SimResult:
     total_time: float
     busy: list[float]
     peak_memory: list[float]
+    reduce: list[list[Bucket]] | None = None
 
     @property
     def span(self) -> list[float]:
-        return [(e[-1] - s[0]) if e else 0.0 for s, e in zip(self.start, self.end)]
+        ends = self.rank_end
+        return [(t - s[0]) if s else 0.0 for s, t in zip(self.start, ends)]
+
+    @property
+    def rank_end(self) -> list[float]:
+        """Per rank, the end of its last action, or of its last bucket reduce when later."""
+        ends = [e[-1] if e else 0.0 for e in self.end]
+        if self.reduce is None:
+            return ends
+        return [max([t] + [b[3] for b in bs]) for t, bs in zip(ends, self.reduce)]
+
+    @property
+    def compute_time(self) -> float:
+        """End of the last compute action on any rank (``total_time`` without the reduce)."""
+        return max((e[-1] for e in self.end if e), default=0.0)
+
+    @property
+    def exposed_reduce(self) -> list[float]:
+        """Per rank, reduce time after its last compute action (zeros without ``dp_reduce``)."""
+        return [t - (e[-1] if e else 0.0) for t, e in zip(self.rank_end, self.end)]
 
     @property
     def makespan(self) -> float:
@@ -77,9 +107,11 @@ class SimResult:
 
     def summary(self) -> str:
         mem = ", ".join(f"{x:g}" for x in self.peak_memory)
+        dp = "" if self.reduce is None else (
+            f", DP reduce exposed up to {max(self.exposed_reduce):.4g} (compute alone {self.compute_time:.4g})")
         return (f"schedule {self.schedule.name or '?'}: makespan {self.makespan:.4g} "
                 f"(isolated iteration {self.total_time:.4g}), "
-                f"bubble rate {self.bubble_rate:.4f}, peak activation memory per rank [{mem}]")
+                f"bubble rate {self.bubble_rate:.4f}, peak activation memory per rank [{mem}]{dp}")
 
 
 def simulate(schedule: Schedule, costs: CostModel | StageCosts, *, enforce_memory: bool = True,
@@ -115,8 +147,8 @@ def simulate(schedule: Schedule, costs: CostModel | StageCosts, *, enforce_memor
             f"{sc.memory_limit:g} (peak on that rank {peaks[r]:g})")
     dur = timeline.duration
     busy = [sum(dur[op][s] for op, _, s in seq) for seq in orders]
-    total_time = max((e[-1] for e in end if e), default=0.0)
-    return SimResult(sched, sc, start, end, total_time, busy, peaks)
+    reduce = None if sc.dp_reduce is None else [timeline.reduce_buckets(r) for r in range(sched.num_ranks)]
+    return SimResult(sched, sc, start, end, timeline.total_time(), busy, peaks, reduce)
 
 
 def deadlocks(schedule: Schedule) -> bool:

@@ -11,7 +11,17 @@ exact solver's model all use them (the zero-bubble paper's model):
   :meth:`~.costs.StageCosts.memory_delta` (``F`` allocates ``mem_b``, ``B`` frees ``mem_b - mem_w``,
   ``W`` frees ``mem_w``, ``BW`` frees ``mem_b``), tabulated per stage by :class:`Timeline`;
 * a rank runs its actions in order, one at a time, each as soon as the rank is free and its inputs
-  are done (:meth:`Timeline.run`, :meth:`Timeline.play`).
+  are done (:meth:`Timeline.run`, :meth:`Timeline.play`);
+* the data-parallel gradient reduce, only when ``costs.dp_reduce`` is set (a
+  :class:`~.dp_reduce.DPReduceModel`; off by default): a stage's buckets become ready during its
+  last weight-gradient action (the ``m``-th ``W`` or ``BW`` of the stage, whichever runs last), in
+  bucket order and in proportion to their bytes; each rank reduces its ready buckets one after the
+  other on one channel (:func:`drain`, ``latency + bytes / bandwidth`` each), which neither delays
+  nor is delayed by compute. With ``overlap`` a bucket starts once ready; without, the rank's
+  buckets start after its last compute action. A rank's iteration then ends when its compute *and*
+  its reduce are done (:meth:`Timeline.rank_end`), and :meth:`~Timeline.spans`,
+  :meth:`~Timeline.makespan` and :meth:`~Timeline.total_time` count that end, so every generator
+  that scores candidates through this class sees the exposed reduce.
 
 Actions are integer-coded for speed: a :data:`Code` is ``(op, mb, stage)`` with ``op`` one of
 :data:`F`, :data:`B`, :data:`W`, :data:`BW`; :func:`encode` / :func:`decode` convert from and to
@@ -32,7 +42,8 @@ from typing import Callable, Sequence
 from .costs import StageCosts
 from .ir import Action, Op, ScheduleError
 
-__all__ = ["B", "BW", "Code", "DeadlockError", "F", "OPS", "Timeline", "W", "decode", "encode", "inputs"]
+__all__ = ["B", "BW", "Bucket", "Code", "DeadlockError", "F", "OPS", "Timeline", "W", "decode", "drain", "encode",
+           "inputs"]
 
 F, B, W, BW = 0, 1, 2, 3
 """Integer op codes of the compute actions."""
@@ -47,6 +58,21 @@ _CODE_OF: dict[Op, int] = {op: k for k, op in enumerate(OPS)}
 
 Code = tuple[int, int, int]
 """An integer-coded compute action ``(op code, microbatch, stage)``."""
+
+
+Bucket = tuple[int, float, float, float]
+"""One bucket's predicted reduce ``(stage, ready, start, end)`` (times in the unit of the costs)."""
+
+
+def drain(ready: Sequence[tuple[int, float, float]], free: float) -> list[Bucket]:
+    """Reduce ``ready`` buckets ``(stage, ready time, reduce time)`` one after the other on one
+    channel that is free from ``free`` on; each starts at ``max(its ready time, channel free)``."""
+    out = []
+    for stage, at, took in ready:
+        begin = at if at > free else free
+        free = begin + took
+        out.append((stage, at, begin, free))
+    return out
 
 
 class DeadlockError(ScheduleError):
@@ -117,6 +143,10 @@ class Timeline:
         count: per rank, actions run so far.
         over: per rank, the position (in the rank's order) of the first action that brought its
             memory above ``costs.memory_limit`` (relative slack 1e-9), or -1.
+        dp_reduce: ``costs.dp_reduce`` (``None``: no reduce modelled).
+        reduce_ready: per rank, ``(stage, ready time, reduce time)`` of each bucket that is ready
+            so far, in ready order (empty without ``dp_reduce``).
+        reduce_free: per rank, end of the overlapped channel's last bucket so far (0 before).
     """
 
     def __init__(self, stage_to_rank: Sequence[int], num_microbatches: int, costs: StageCosts, *,
@@ -145,7 +175,13 @@ class Timeline:
         self.over = [-1] * p
         lim = costs.memory_limit
         self._limit = math.inf if lim is None else lim * (1 + _MEM_SLACK) + _MEM_SLACK
-        self.run = self._runner()
+        self.dp_reduce = dp = costs.dp_reduce
+        self.reduce_ready: list[list[tuple[int, float, float]]] = [[] for _ in range(p)]
+        self.reduce_free = [0.0] * p
+        self._w_left = [m] * n
+        self.run = self._runner() if dp is None else self._reduce_runner(
+            self._runner(), [[(done, dp.reduce_time(size)) for done, size in dp.ready_fractions(s)]
+                             for s in range(n)])
 
     def ready(self, op: int, mb: int, stage: int) -> float:
         """Earliest start of ``op`` on ``(mb, stage)`` as far as its inputs go (``inf``: not all done).
@@ -163,6 +199,10 @@ class Timeline:
         self.clock[:], self.first[:] = [0.0] * p, [math.inf] * p
         self.mem[:], self.peak[:] = [0.0] * p, [0.0] * p
         self.count[:], self.over[:] = [0] * p, [-1] * p
+        self.reduce_free[:] = [0.0] * p
+        self._w_left[:] = [self.num_microbatches] * len(self._w_left)
+        for row in self.reduce_ready:
+            row.clear()
 
     def _runner(self) -> Callable[[int, int, int, int, float], float]:
         """Build :attr:`run` (a closure over the state lists: hot loops call it for every action)."""
@@ -190,6 +230,25 @@ class Timeline:
             count[rank] += 1
             return start
         return run
+
+    def _reduce_runner(self, run: Callable[[int, int, int, int, float], float],
+                       buckets: list[list[tuple[float, float]]]) -> Callable[[int, int, int, int, float], float]:
+        """:attr:`run` that also readies a stage's buckets during its last weight-gradient action;
+        ``buckets[stage]`` = ``(fraction of the stage's bytes done, reduce time)`` per bucket."""
+        left, duration, pending, free = self._w_left, self.duration, self.reduce_ready, self.reduce_free
+
+        def run_dp(rank: int, op: int, mb: int, stage: int, ready: float) -> float:
+            start = run(rank, op, mb, stage, ready)
+            if op == W or op == BW:
+                left[stage] -= 1
+                if left[stage] == 0:
+                    d = duration[op][stage]
+                    new = [(stage, start + d * done, took) for done, took in buckets[stage]]
+                    pending[rank] += new
+                    if new:
+                        free[rank] = drain(new, free[rank])[-1][3]
+            return start
+        return run_dp
 
     def play(self, orders: Sequence[Sequence[Code]], *,
              record: bool = False) -> tuple[list[list[float]], list[list[float]]] | None:
@@ -243,14 +302,36 @@ class Timeline:
         return "schedule deadlocks:\n  " + "\n  ".join(lines)
 
     # ------------------------------------------------------------------ results
+    def reduce_buckets(self, rank: int) -> list[Bucket]:
+        """``rank``'s buckets so far as ``dp_reduce`` runs them: overlapped (each once ready) or
+        after the rank's last compute action so far (empty without ``dp_reduce``)."""
+        dp = self.dp_reduce
+        if dp is None:
+            return []
+        return drain(self.reduce_ready[rank], 0.0 if dp.overlap else self.clock[rank])
+
+    def rank_end(self, rank: int) -> float:
+        """End of ``rank``'s last action, or of its last bucket reduce when that is later."""
+        clk = self.clock[rank]
+        if self.dp_reduce is None or not self.reduce_ready[rank]:
+            return clk
+        end = self.reduce_free[rank] if self.dp_reduce.overlap else self.reduce_buckets(rank)[-1][3]
+        return end if end > clk else clk
+
     def spans(self) -> list[float]:
-        """Per rank, end of its last action minus start of its first (0 for a rank without actions)."""
-        return [c - f if f != math.inf else 0.0 for c, f in zip(self.clock, self.first)]
+        """Per rank, :meth:`rank_end` minus the start of its first action (0 for a rank without
+        actions); without ``dp_reduce`` the end of its last action."""
+        if self.dp_reduce is None:
+            return [c - f if f != math.inf else 0.0 for c, f in zip(self.clock, self.first)]
+        return [self.rank_end(r) - f if f != math.inf else 0.0 for r, f in enumerate(self.first)]
 
     def makespan(self) -> float:
         """The longest per-rank span (the zero-bubble paper's cost)."""
         return max(self.spans(), default=0.0)
 
     def total_time(self) -> float:
-        """End of the last action on any rank (one isolated iteration)."""
-        return max(self.clock, default=0.0)
+        """The latest :meth:`rank_end` (one isolated iteration; without ``dp_reduce`` the end of
+        the last action on any rank)."""
+        if self.dp_reduce is None:
+            return max(self.clock, default=0.0)
+        return max((self.rank_end(r) for r in range(len(self.clock))), default=0.0)

@@ -43,7 +43,11 @@ simulator's own rules), so each candidate's makespan is the simulator's by const
 is simulated once more (validation, memory limit, deadlock) for its :class:`~..simulator.SimResult`.
 
 Objective: ``SimResult.makespan``, the longest per-rank span from its first start to its last end
-(the paper's "cost"), then the time to the last end overall.
+(the paper's "cost"), then the time to the last end overall. With ``costs.dp_reduce`` (the
+data-parallel reduce, see :mod:`~..timing`) a rank's end is the end of its reduce when that is
+later, so the search keeps the variant whose iteration *with* the exposed reduce is shortest (a
+reduce-aware choice of the tail: e.g. deferring another rank's W's so that the stage with the
+largest reduce finishes its last W earlier).
 
 Units: times (``t_f``, ``t_b``, ``t_w``, ``t_comm``) in any one unit; memory (``mem_b``,
 ``mem_w``, ``memory_limit``) in any one unit. See :class:`~megatron_zb.schedules.costs.CostModel`.

@@ -35,8 +35,9 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="Elements per data-parallel bucket (default: megatron-core's, max(40M, 1M x DP size)); "
                         "only with --overlap-grad-reduce, and only on the first pipeline stage, as Megatron.")
     g.add_argument("--ddp-average-in-collective", action="store_true",
-                   help="Average the gradients in the data-parallel collective instead of scaling them by "
-                        "1/DP before a sum (as Megatron).")
+                   help="Average the gradients in the data-parallel collective (ReduceOp.AVG, which gloo "
+                        "supports in torch >= 2.13, as NCCL does) instead of scaling them by 1/DP before a sum (as "
+                        "Megatron). Not with --calculate-per-token-loss.")
     g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="torch.distributed backend. auto (default): nccl when CUDA is available, else gloo.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
@@ -88,6 +89,11 @@ def check_data_parallel_overlap(args: argparse.Namespace) -> None:
                                                       "--use-distributed-optimizer or drop --overlap-param-gather")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise ArgumentError("--overlap-param-gather", "needs --overlap-grad-reduce (as Megatron); add it")
+    if args.ddp_average_in_collective and getattr(args, "calculate_per_token_loss", False):
+        # megatron-core's DDP asserts this deep in its constructor
+        raise ArgumentError("--ddp-average-in-collective", "cannot be combined with --calculate-per-token-loss "
+                                                           "(the gradients are summed over tokens, not averaged); "
+                                                           "drop one of them")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ArgumentError("--ddp-bucket-size", f"must be a positive number of elements, got {args.ddp_bucket_size}")
 
