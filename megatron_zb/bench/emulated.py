@@ -401,8 +401,9 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
 
     Returns per schedule, for this rank: number of losses returned, B passes whose W was
     deferred, W work executed by the store, pending W after the iteration, the weight
-    gradients of this rank's stages (each must equal ``m``), and the communication actions
-    ``time_actions`` timed next to those of the rank's plan.
+    gradients of this rank's stages (each must equal ``m``), the communication actions
+    ``time_actions`` timed next to those of the rank's plan, the plan's compute actions and the
+    executor's :class:`~megatron_zb.runtime.executor.LoopOverhead` of the call.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -433,5 +434,7 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
                          holds_loss=s2r[-1] == rank,
                          comm_timed=[(a.op, a.mb, a.stage, t1 >= t0) for a, t0, t1 in fb.last_timing.comm],
                          comm_planned=[(a.op, a.mb, a.stage, True) for a in fb.plan_for(p, m, rank).actions
-                                       if not a.is_compute])
+                                       if not a.is_compute],
+                         compute_planned=sum(a.is_compute for a in fb.plan_for(p, m, rank).actions),
+                         overhead=fb.last_overhead)
     return out

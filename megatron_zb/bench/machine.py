@@ -12,7 +12,7 @@ import statistics
 import threading
 import time
 
-__all__ = ["LoadSampler", "loadavg", "machine"]
+__all__ = ["LoadSampler", "OtherProcessesCpu", "loadavg", "machine"]
 
 
 def loadavg() -> tuple[float, float, float]:
@@ -69,24 +69,14 @@ class LoadSampler:
         self._t.start()
 
     def _run(self) -> None:
-        hz = os.sysconf("SC_CLK_TCK")
-        try:
-            last = (time.monotonic(), _busy_jiffies(), _own_jiffies(os.getpid()))
-        except OSError:
-            last = None
+        window = OtherProcessesCpu()
         while not self._stop.is_set():
             self.samples.append(loadavg()[0])
             self._stop.wait(self.period)
-            if last is None:
-                continue
-            try:
-                now = (time.monotonic(), _busy_jiffies(), _own_jiffies(os.getpid()))
-            except OSError:
-                continue
-            dt = now[0] - last[0]
-            if dt > 0:
-                self.others.append(max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / hz / dt))
-            last = now
+            cores = window.cores()
+            if cores == cores:  # not nan
+                self.others.append(cores)
+            window = OtherProcessesCpu()
 
     def mark(self, name: str) -> str:
         """Describe the other processes' CPU use since the previous mark (one line per section)."""
@@ -109,6 +99,14 @@ class LoadSampler:
                 f"{statistics.fmean(o):.2f} cores, max {max(o):.2f} of {os.cpu_count()}")
 
 
+def _snapshot() -> tuple[float, int, int] | None:
+    """(monotonic seconds, machine busy ticks, this process tree's ticks), or None without /proc."""
+    try:
+        return time.monotonic(), _busy_jiffies(), _own_jiffies(os.getpid())
+    except OSError:
+        return None
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:
@@ -126,3 +124,25 @@ def machine() -> str:
         mcore = "?"
     return (f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}, Python "
             f"{platform.python_version()}, torch {torch.__version__}, megatron-core {mcore}, gloo, CPU only")
+
+
+class OtherProcessesCpu:
+    """CPU time other processes used while this one ran something: machine busy time minus this
+    process tree's (children included once reaped), from /proc.
+
+    ``start`` on construction; :meth:`cores` = mean cores the others kept busy since then (``nan``
+    where /proc is not readable). This, not the load average, tells a quiet machine: the load
+    average counts the measured run's own processes too.
+    """
+
+    def __init__(self) -> None:
+        self._start = _snapshot()
+
+    def cores(self) -> float:
+        """Mean number of cores busy with other processes since construction."""
+        now = _snapshot()
+        if now is None or self._start is None or now[0] <= self._start[0]:
+            return float("nan")
+        hz = os.sysconf("SC_CLK_TCK")
+        others = (now[1] - self._start[1]) - (now[2] - self._start[2])
+        return max(0.0, others / hz / (now[0] - self._start[0]))
