@@ -184,6 +184,7 @@ def test_quick_benchmark_end_to_end(tmp_path):
     for v in ours:
         assert 0 < runtime[(v, "overhead_cpu_us_per_action")] < 1e5, (v, runtime)
         assert runtime[(v, "measured_over_simulated_achieved")] > 0, v
+        assert all(runtime[(v, f"cpu_ms_per_F_rank{r}")] > 0 for r in (0, 1)), v  # ActionTiming.cpu
     assert "runtime overhead" in proc.stderr and "| overhead us/action (CPU) |" in md
     try:
         import matplotlib  # noqa: F401

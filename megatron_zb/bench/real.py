@@ -272,12 +272,14 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     losses: dict[int, dict[str, list[float]]] = {}
     achieved: dict[int, dict[str, dict[str, dict[int, list[float]]]]] = {}  # m -> variant -> op -> stage -> s
     overhead: dict[int, dict[str, Any]] = {}  # m -> variant -> LoopOverhead of the timed rounds
+    cpu: dict[int, dict[str, dict[str, dict[int, list[float]]]]] = {}  # as achieved, CPU seconds
     data_all = _data(spec, max(cfg["ms"]))
     progress = RoundProgress("real", len(cfg["ms"]) * (cfg["warmup"] + cfg["repeats"]), enabled=rank == 0)
     for m in cfg["ms"]:
         data = data_all[:m]
         timings[m] = {v: [] for v in variants}
         achieved[m] = {v: {} for v in variants if v != MEGATRON_1F1B}
+        cpu[m] = {v: {} for v in achieved[m]}
         losses[m] = {}
         for rnd in range(cfg["warmup"] + cfg["repeats"]):
             timed = rnd >= cfg["warmup"]
@@ -298,6 +300,8 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                         for op in ("F", "B", "W", "BW"):
                             for st, xs in fbs[v].last_timing.durations(op).items():
                                 achieved[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
+                            for st, xs in fbs[v].last_timing.cpu_durations(op).items():
+                                cpu[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
                     if v not in losses[m] and out:
                         losses[m][v] = [float(d["lm loss"]) for d in out]
             progress.round(m=m, times_ms={v: this_round[v] for v in variants},
@@ -308,7 +312,7 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("memory_schedules"):
         memory = _memory(chunks, spec, measured, cfg["memory_schedules"], cfg["memory_m"])
     return dict(rank=rank, t_comm_ms=t_comm, comm_samples_ms=comm_samples, timings=timings, losses=losses,
-                achieved=achieved, overhead=overhead,
+                achieved=achieved, achieved_cpu=cpu, overhead=overhead,
                 measured={k: dict(times=v["times"], mem=v["mem"], bw=v["bw"]) for k, v in measured.items()},
                 costs={k: v["costs"] for k, v in measured.items()}, memory=memory)
 

@@ -181,6 +181,31 @@ def _realisation_table(res: list[dict[str, Any]], cfg: dict[str, Any], plan_cost
     md.append(markdown_table(["m", "schedule", "overhead us/action (CPU)", "(wall)", "<= 50 us", "achieved / planned "
                               "T_F", "T_B", "T_W", "sim ms", "sim (achieved) ms", "measured ms",
                               "measured / sim (achieved)"], trows))
+    _cpu_table(res, cfg, rows, md)
+
+
+def _cpu_table(res: list[dict[str, Any]], cfg: dict[str, Any], rows: list[Row], md: list[str]) -> None:
+    """CPU time (``thread_time``) per compute action of the timed rounds: median ms per action of each
+    kind and the kind's CPU ms per iteration, per rank -- comparable between schedules under load
+    (e.g. whether a W deferred further, as in ZB-2p, costs more than ZB-H1's)."""
+    crows = []
+    for m in cfg["ms"]:
+        for v in res[0]["achieved_cpu"][m]:
+            cells = []
+            for op in ("F", "B", "W", "BW"):
+                per_rank = [[x for xs in r["achieved_cpu"][m][v].get(op, {}).values() for x in xs] for r in res]
+                if not any(per_rank):
+                    cells.append("-")
+                    continue
+                med = [1e3 * median(xs) if xs else float("nan") for xs in per_rank]
+                per_iter = [1e3 * sum(xs) / cfg["repeats"] for xs in per_rank]
+                cells.append(" / ".join(f"{a:.2f} ({b:.0f})" for a, b in zip(med, per_iter)))
+                rows += [Row("real-runtime", 2, m, v, f"cpu_ms_per_{op}_rank{r}", x, "ms") for r, x in enumerate(med)]
+            crows.append([m, LABEL.get(v, v)] + cells)
+    md.append("\nCPU time per compute action during the timed rounds (`ActionTiming.cpu`, `time.thread_time` of "
+              "the rank's thread; not inflated by other processes): median ms per action, in brackets the "
+              "kind's ms per iteration, rank 0 / rank 1:\n")
+    md.append(markdown_table(["m", "schedule", "F", "B", "W", "BW (fused)"], crows))
 
 
 def memory_table(res: list[dict[str, Any]], costs: dict[str, CostModel], p: int, m: int, rows: list[Row],

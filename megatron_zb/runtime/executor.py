@@ -44,13 +44,25 @@ from .wgrad_store import WeightGradStore
 class ActionTiming:
     """Wall-clock seconds (``time.perf_counter``) of one iteration's actions on this rank.
 
-    ``records``: every compute action ``(action, start, end)``. ``comm``: every communication
-    action -- for a ``SEND_*`` the ``isend`` call (the copy into the transport), for a ``RECV_*``
-    the posting of the receives it needs plus the wait for its data.
+    ``records``: every compute action ``(action, start, end)``. ``cpu``: the CPU seconds of the
+    executing thread (``time.thread_time``) of each record, same order -- unlike wall time not
+    inflated by other processes. ``comm``: every communication action -- for a ``SEND_*`` the
+    ``isend`` call (the copy into the transport), for a ``RECV_*`` the posting of the receives it
+    needs plus the wait for its data.
     """
 
     records: list[tuple[Action, float, float]] = field(default_factory=list)
     comm: list[tuple[Action, float, float]] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+    def cpu_durations(self, op: Op | str) -> dict[int, list[float]]:
+        """Per stage, the CPU seconds of the compute actions of kind ``op``."""
+        op = Op(op)
+        out: dict[int, list[float]] = {}
+        for (a, _, _), c in zip(self.records, self.cpu):
+            if a.op is op:
+                out.setdefault(a.stage, []).append(c)
+        return out
 
     def durations(self, op: Op | str) -> dict[int, list[float]]:
         """Per stage, the durations (seconds) of actions of kind ``op`` (compute or communication)."""
@@ -365,6 +377,7 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
         n_compute += 1
         if timing is not None:
             timing.records.append((a, t0, t1))
+            timing.cpu.append(u1 - u0)
         if grad_sync is not None:
             grad_sync.after_compute(a, t0)
     p0, q0 = clock(), cpu()
