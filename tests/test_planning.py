@@ -153,8 +153,8 @@ def test_uneven_split_flags_follow_the_trainers_rule():
     model = make_model(num_layers=7, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1,
                        vocab_size=128, precision="bf16")
     hw = resolve_hardware(gpu="A100")
-    pars = {"padding": make_parallel(model, pp=2, num_microbatches=4, allow_padding_num_layers=True),
-            "first=1": make_parallel(model, pp=2, num_microbatches=4, decoder_first_pipeline_num_layers=1)}
+    pars = {"padding": make_parallel(model, pp=2, num_microbatches=2, allow_padding_num_layers=True),
+            "first=1": make_parallel(model, pp=2, num_microbatches=2, decoder_first_pipeline_num_layers=1)}
     layers = {k: [[s.num_layers for s in CostSource(model, par, hw).table(pl, c).shapes]
                   for pl, c in ((Placement.PLAIN, 1), (Placement.V, 2))] for k, par in pars.items()}
     assert layers == {"padding": [[4, 3], [2, 2, 2, 1]], "first=1": [[1, 6], [1, 2, 2, 2]]}
