@@ -5,6 +5,7 @@ per-stage activation measurement against the simulator, the report helpers, and
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from functools import partial
@@ -35,6 +36,14 @@ def test_emulated_stages_run_through_the_real_runtime(p):
         assert all(g == m for r in per_rank for g in r["weight_grads"]), name  # every W (or BW) ran once
         # time_actions timed every send and receive of the plan, in order, each with end >= start
         assert all(r["comm_timed"] == r["comm_planned"] for r in per_rank), name
+        # LoopOverhead: one call, every compute action counted; the stages sleep (wall, no CPU), so
+        # their wall time is at least the targets' and their CPU time well below it
+        for r in per_rank:
+            ov = r["overhead"]
+            assert ov.calls == 1 and ov.compute_actions == r["compute_planned"], name
+            assert ov.compute_wall >= 0.5e-3 * r["compute_planned"], name  # each sleeps >= 0.5 ms (V: half of 1 ms)
+            assert ov.compute_cpu < ov.compute_wall, name
+            assert ov.compute_wall + ov.comm_wall <= ov.wall and ov.overhead_cpu >= 0, name
         deferred = sum(r["deferred"] for r in per_rank)
         executed = sum(r["w_executed"] for r in per_rank)
         if name == "1f1b":
@@ -120,6 +129,19 @@ def test_verdict_and_markdown_table():
         markdown_table(["a"], [[1, 2]])
 
 
+def test_round_progress_line_counts_rounds_and_estimates_what_is_left(monkeypatch):
+    from megatron_zb.bench import progress
+
+    clock = iter([100.0, 110.0, 130.0])  # start, after round 1, after round 2
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    rp = progress.RoundProgress("real", 4, enabled=False)
+    assert rp.line(m=8, times_ms={"1f1b": 12.34, "zbv": 10.0}) == \
+        "real m=8 round 1/4: 1f1b 12.3, zbv 10.0 ms; elapsed 10 s, ETA 30 s"
+    # 30 s for 2 rounds: 15 s per round, 2 left
+    assert rp.line(m=None, times_ms={}, what="warm-up round").endswith("warm-up round 2/4: - ms; elapsed 30 s, ETA 30 s")
+    assert [progress.duration(x) for x in (59.4, 410, 3725)] == ["59 s", "6 min 50 s", "1 h 02 min"]
+
+
 def test_csv_round_trip(tmp_path):
     rows = [Row("real-timing", 2, 8, "zb-2p", "ratio_vs_megatron_1f1b", 0.9123456789),
             Row("emulated", 8, 24, "zbv", "measured_ms", 123.0, "ms")]
@@ -152,6 +174,18 @@ def test_quick_benchmark_end_to_end(tmp_path):
         base = medians[(m, "megatron-1f1b")]
         assert ms > 0 and timing[(m, v, "ratio_vs_megatron_1f1b")] == pytest.approx(ms / base, rel=1e-6), (m, v)
     assert "real:" in proc.stderr and "emulated" in proc.stderr  # progress on stderr
+    # one progress line per round of every section (--quick: m=4, 1 warm-up + 2 timed rounds), with ETA
+    for line in ("real m=4 warm-up round 1/3:", "real m=4 round 3/3:", "emulated p=4 m=12 round 4/4:",
+                 "postval m=4 round 2/2:", "memory PP=4 m=4 tracked iteration 5/5:"):
+        assert re.search(re.escape(line) + r" .* ms; elapsed (\d+ (h|min|s) ?)+, ETA (\d+ (h|min|s) ?)+", proc.stderr), line
+    # the runtime's own overhead per compute action, for each of our schedules (not megatron-core's)
+    runtime = {(r.variant, r.metric): r.value for r in rows if r.section == "real-runtime"}
+    ours = {v for (_, v) in medians} - {"megatron-1f1b"}
+    for v in ours:
+        assert 0 < runtime[(v, "overhead_cpu_us_per_action")] < 1e5, (v, runtime)
+        assert runtime[(v, "measured_over_simulated_achieved")] > 0, v
+        assert all(runtime[(v, f"cpu_ms_per_F_rank{r}")] > 0 for r in (0, 1)), v  # ActionTiming.cpu
+    assert "runtime overhead" in proc.stderr and "| overhead us/action (CPU) |" in md
     try:
         import matplotlib  # noqa: F401
     except ImportError:

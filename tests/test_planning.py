@@ -17,7 +17,7 @@ import pytest
 
 from megatron_zb.cli import main
 from megatron_zb.planning.hardware import GPUS, resolve_hardware
-from megatron_zb.planning.layout import stage_shapes
+from megatron_zb.planning.layout import LayerSplit, stage_shapes
 from megatron_zb.planning.flops import layer_cost, stage_costs
 from megatron_zb.planning.memory import layer_activations
 from megatron_zb.planning.model import PlanError, make_model, make_parallel
@@ -76,7 +76,8 @@ def test_paper_ranking_and_zb2p_over_1f1b_ratio(row):
 def test_estimated_costs_within_25_percent_of_table9(row):
     """A full stage's (middle stage: transformer layers only) T_F, T_B, T_W vs the paper's Table 9."""
     model, par = paper_model(row["model"], row["m"])
-    shapes = stage_shapes(num_layers=model.num_layers, pp=par.pp, placement="plain", allow_padding=True)
+    shapes = stage_shapes(num_layers=model.num_layers, pp=par.pp, placement="plain",
+                          split=LayerSplit(allow_padding=True))
     middle = stage_costs(model, par, resolve_hardware(gpu="A100"), shapes)[par.pp // 2]
     assert not middle.shape.embedding and not middle.shape.loss
     for est, key in ((middle.f, "TF"), (middle.b, "TB"), (middle.w, "TW")):
@@ -114,6 +115,57 @@ def test_tensor_parallel_memory_follows_korthikanti():
     assert layer_activations(model, sp).mem_b == pytest.approx((34 * s * b * h + 5 * a * s * s * b) / t)
 
 
+def test_fp32_model_counts_4_bytes_per_element_and_16_per_parameter(capsys, tmp_path):
+    """fp32 (Megatron's default, neither --bf16 nor --fp16): every activation element takes 4 bytes
+    (no dropout masks here, so a layer keeps exactly twice the fp16 bytes), Adam keeps 16 bytes per
+    parameter (weight 4, gradient 4, two moments 8; no master copy) against 18 in mixed precision,
+    and the plan needs the GPU's fp32 peak (the --gpu table's are 16-bit)."""
+    md = THROUGHPUT["models"]["1.5B"]
+    shape = dict(num_layers=md["layers"], hidden_size=md["hidden"], num_attention_heads=md["heads"],
+                 seq_length=md["seq"], micro_batch_size=md["b"], vocab_size=VOCAB, hidden_dropout=0.0,
+                 attention_dropout=0.0)
+    acts = {}
+    for precision in ("fp16", "fp32"):
+        model = make_model(**shape, precision=precision)
+        acts[precision] = layer_activations(model, make_parallel(model, pp=8, num_microbatches=8,
+                                                                 allow_padding_num_layers=True))
+    assert acts["fp32"].mem_b == 2 * acts["fp16"].mem_b and acts["fp32"].mem_w == 2 * acts["fp16"].mem_w
+    argv = [a for a in map(str, paper_flags("1.5B", 8)) if a != "--fp16"] + ["--schedules", "1f1b"]
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and err.startswith("megatron-zb: error: --gpu-tflops"), err
+    docs = {}
+    for precision, extra in (("fp16", ["--fp16"]), ("fp32", [])):
+        out = tmp_path / f"{precision}.json"
+        rc, _, err = run(capsys, *argv, *extra, "--gpu-tflops", "150", "--json", out)
+        assert rc == 0, err
+        docs[precision] = json.loads(out.read_text())["schedules"][0]
+    ratio = docs["fp32"]["param_optimizer_gib"] / docs["fp16"]["param_optimizer_gib"]
+    assert ratio == pytest.approx(16 / 18, rel=1e-9)
+
+
+def test_uneven_split_flags_follow_the_trainers_rule():
+    """--decoder-first-pipeline-num-layers decides the split (pretrain_gpt_zb.py's rule, one function
+    for planner and trainer): 7 layers on PP=2 are [1, 6] on the plain placement (per rank) and
+    [1, 2, 2, 2] on the V (per stage); --allow-padding-num-layers alone gives [4, 3] and [2, 2, 2, 1]."""
+    from megatron_zb.planning.planner import CostSource
+    from megatron_zb.schedules import Placement
+
+    model = make_model(num_layers=7, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1,
+                       vocab_size=128, precision="bf16")
+    hw = resolve_hardware(gpu="A100")
+    pars = {"padding": make_parallel(model, pp=2, num_microbatches=2, allow_padding_num_layers=True),
+            "first=1": make_parallel(model, pp=2, num_microbatches=2, decoder_first_pipeline_num_layers=1)}
+    layers = {k: [[s.num_layers for s in CostSource(model, par, hw).table(pl, c).shapes]
+                  for pl, c in ((Placement.PLAIN, 1), (Placement.V, 2))] for k, par in pars.items()}
+    assert layers == {"padding": [[4, 3], [2, 2, 2, 1]], "first=1": [[1, 6], [1, 2, 2, 2]]}
+    res = plan(model=model, parallel=pars["first=1"], hardware=hw, schedules=["zbv", "interleaved-1f1b"])
+    status = {f.name: f.status for f in res.families}
+    assert status["zbv"] == "ok"
+    # megatron-core's rule for interleaving: the first rank's 1 layer cannot be split over its chunks
+    skipped = next(f for f in res.families if f.name == "interleaved-1f1b")
+    assert skipped.status == "skipped" and "1 layers of a pipeline rank do not divide evenly" in skipped.reason
+
+
 # ------------------------------------------------------------------------------ command line
 def test_cli_json_schema_and_plot(capsys, tmp_path):
     out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
@@ -141,7 +193,7 @@ def test_cli_json_schema_and_plot(capsys, tmp_path):
     (["--pipeline-model-parallel-size", "30"], "--pipeline-model-parallel-size"),
     (["--num-microbatches", None], "--num-microbatches"),
     (["--global-batch-size", "100"], "--global-batch-size"),
-    (["--fp16", None], "--bf16"),
+    (["--fp16", None], "--gpu-tflops"),  # fp32: the table's peaks are 16-bit
     (["--schedules", "zb-3p"], "--schedules"),
     (["--mfu", "1.5"], "--mfu"),
     (["--plot", "x.jpg"], "--plot"),

@@ -1,11 +1,12 @@
 """``pretrain_gpt_zb.py --profile-out FILE``: the measured costs as a planning profile, and the plan
 from it against the run it was measured on (issue 15's CPU acceptance check).
 
-PP=2 runs under torchrun (gloo, CPU, bf16 -- the planner models 16-bit training), tiny GPT.
-``megatron-zb plan --profile FILE --schedules NAME`` rebuilds the run's schedule from the
-profile's costs and predicts its iteration time: the simulated makespan plus the optimizer step
-(46 bytes of memory traffic per parameter at ``--gpu-hbm-gbs``). The measured iteration time is
-the mean of Megatron's "elapsed time per iteration" lines.
+PP=2 runs under torchrun (gloo, CPU, fp32 -- Megatron's default precision, which the planner
+models as well as bf16/fp16), tiny GPT. ``megatron-zb plan --profile FILE --schedules NAME``
+rebuilds the run's schedule from the profile's costs and predicts its iteration time: the
+simulated makespan plus the optimizer step (36 bytes of memory traffic per fp32 parameter at
+``--gpu-hbm-gbs``). The measured iteration time is the mean of Megatron's "elapsed time per
+iteration" lines.
 
 Two comparisons:
 
@@ -15,14 +16,18 @@ Two comparisons:
 * ``zb1p``: ZB-1p profiled at 2-3, re-planned, measured after re-planning (the sequence issue 15
   describes).
 
-Both are asserted within 10% (issue 15's acceptance) **only when the machine is not oversubscribed**
-(1-minute load average at most the number of cores, before and after the run); otherwise they skip
-with the measured ratio in the reason. Why: this 2-core machine is shared with other test runs;
-at a load average of 7-12 both ranks wait to be scheduled after every transfer, iteration times
-of one run vary 2-10x from one iteration to the next (observed 167-1747 ms), and the gaps between
-actions -- which the simulator does not model -- dominate. Observed under such load: ZB-1p
-predicted/measured 1.01, 0.72, 0.76, 1.55 (four runs), ZB-H1 same-window 0.63. Not verified on an
-idle machine in the session that wrote this test (the machine never was one).
+Both are asserted within 10% (issue 15's acceptance) **only on a quiet machine**: other processes
+(machine busy time minus this test's process tree, from /proc) kept at most
+:data:`QUIET_OTHER_CORES` cores busy on average during the run; otherwise they skip with the
+measured ratio in the reason. Why: this 2-core machine is shared with other test runs; when both
+ranks wait to be scheduled after every transfer, iteration times of one run vary 2-10x from one
+iteration to the next (observed 167-1747 ms), and the gaps between actions -- which the simulator
+does not model -- dominate. Observed under such load: ZB-1p predicted/measured 1.01, 0.72, 0.76,
+1.55 (four runs), ZB-H1 same-window 0.63. (The criterion used to be the 1-minute load average <=
+cores, which the run's own two ranks nearly reach on an idle machine.) Not verified on an idle
+machine in the sessions that wrote this test (the machine never was one).
+
+Cost: four torchrun launches (the ZB-1p run is also the memory tests' no-recomputation run).
 """
 
 from __future__ import annotations
@@ -30,10 +35,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 
+from megatron_zb.bench.machine import OtherProcessesCpu
 from megatron_zb.cli import main as cli_main
 from megatron_zb.planning.profile import read_profile
 from test_pretrain import torchrun
@@ -47,7 +52,7 @@ ARGV_BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads"
         "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "16",
         "--lr", "1e-3", "--mock-data", "--num-workers", "0", "--log-interval", "1",
         "--eval-iters", "0", "--distributed-backend", "gloo", "--pipeline-model-parallel-size", "2",
-        "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2", "--bf16"]
+        "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
 ARGV = ARGV_BASE + ["--train-iters", str(ITERS), "--schedule", "zb-1p"]
 ARGV_H1 = ARGV_BASE + [
     "--train-iters", str(H1_WINDOW[1]), "--schedule", "zb-h1", "--zero-bubble-pipeline-timers-start-iter", str(H1_WINDOW[0]),
@@ -57,22 +62,27 @@ ARGV_H1 = ARGV_BASE + [
 HARDWARE = ["--gpu-tflops", "0.05", "--gpu-memory-gib", "16", "--gpu-hbm-gbs", "10"]
 
 
+QUIET_OTHER_CORES = 0.25
+"""Mean cores other processes may keep busy during a run whose timing is asserted (module doc)."""
+
+
 def _run(tmp_path_factory, name: str, argv: list[str]) -> dict:
     d = tmp_path_factory.mktemp(name)
-    load = os.getloadavg()[0]
+    others = OtherProcessesCpu()
     out = torchrun(2, argv + ["--profile-out", str(d / "profile.json")], cwd=d)
     out["dir"] = d
-    out["load"] = max(load, os.getloadavg()[0])
+    out["other_cores"] = others.cores()
     return out
 
 
 def assert_within_10_percent(run: dict, predicted: float, mean: float, measured: list[float]) -> None:
-    """The acceptance tolerance, on a machine that was not oversubscribed during the run (module doc)."""
+    """The acceptance tolerance, on a machine that was quiet during the run (module doc)."""
     ratio = predicted / mean
-    cores = os.cpu_count() or 1
-    if run["load"] > cores:
-        pytest.skip(f"load average {run['load']:.1f} on {cores} cores during the run: predicted/measured "
-                    f"{ratio:.3f} not checked (iteration times {min(measured):.0f}-{max(measured):.0f} ms)")
+    busy = run["other_cores"]
+    if not busy <= QUIET_OTHER_CORES:  # nan (no /proc) counts as not quiet
+        pytest.skip(f"other processes kept {busy:.2f} of {os.cpu_count()} cores busy during the run (quiet: <= "
+                    f"{QUIET_OTHER_CORES}): predicted/measured {ratio:.3f} not checked (iteration times "
+                    f"{min(measured):.0f}-{max(measured):.0f} ms)")
     assert abs(ratio - 1) <= 0.10, f"predicted/measured = {ratio:.3f}; times {measured}"
 
 
@@ -112,7 +122,7 @@ def test_profile_out_is_the_planning_profile_of_the_run(run):
     prof = read_profile(run["dir"] / "profile.json")
     assert prof.schedule == "zb-1p" and prof.placement == "plain" and prof.stage_to_rank == (0, 1)
     assert (prof.model.num_layers, prof.model.hidden_size, prof.model.seq_length, prof.model.precision) == \
-        (4, 64, 64, "bf16")
+        (4, 64, 64, "fp32")  # fp32 profiles are accepted (the planner models 4-byte elements)
     assert (prof.parallel.pp, prof.parallel.num_microbatches) == (2, 8)
     # the numbers are the ones the run's report printed (3 decimals there)
     log = run["log"]
@@ -145,9 +155,8 @@ BASE = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 
 
 @pytest.mark.parametrize("extra, fix", [
-    ("--enable-zero-bubble", "add --bf16 or --fp16"),
     ("--bf16", "T_W is not measured"),                                   # 1F1B fuses B and W
-    ("--bf16 --enable-zero-bubble --decoder-first-pipeline-num-layers 3", "uneven split"),
+    ("--enable-zero-bubble --num-experts 2", "does not model MoE"),
 ])
 def test_profile_out_refuses_what_the_profile_cannot_describe(extra, fix):
     import shlex
@@ -157,18 +166,35 @@ def test_profile_out_refuses_what_the_profile_cannot_describe(extra, fix):
         validate_args(parse_args(shlex.split(BASE + extra)), world_size=2)
 
 
+@pytest.mark.parametrize("extra", ["--enable-zero-bubble",  # fp32
+                                   "--bf16 --enable-zero-bubble --decoder-first-pipeline-num-layers 3"])
+def test_profile_out_accepts_fp32_and_uneven_splits(extra):
+    """fp32 and Megatron's uneven-split flags are modelled by the planner (its layer split is the
+    trainer's, megatron_zb.planning.layout.layers_per_stage), so --profile-out takes them."""
+    import shlex
+
+    from megatron_zb.training.arguments import parse_args, validate_args
+    args = parse_args(shlex.split(BASE + extra))
+    validate_args(args, world_size=2)
+    assert args.profile_out == "p.json"
+
+
 # ---------------------------------------------------------------------------- measured M_B / M_W
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
              "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]}
-MEM_ARGV = [a for a in ARGV_BASE if a != "--bf16"] + ["--train-iters", "3", "--enable-zero-bubble"]
+MEM_ARGV = ARGV_BASE + ["--train-iters", "3", "--enable-zero-bubble"]
 
 
 @pytest.fixture(scope="module")
-def memory_runs(tmp_path_factory) -> dict[str, str]:
-    logs = {}
+def memory_runs(tmp_path_factory, run) -> dict[str, str]:
+    """Logs of the no-recomputation run (the ZB-1p profile run: same model, same profiling window at
+    iterations 2-3, and ZB-1p's limit is p M_B as the greedy ZB's default) and of a greedy-ZB run with
+    each recomputation."""
+    logs = {"none": run["log"]}
     for name, flags in RECOMPUTE.items():
-        d = tmp_path_factory.mktemp(f"mem_{name}")
-        logs[name] = torchrun(2, MEM_ARGV + flags, cwd=d)["log"]
+        if flags:
+            d = tmp_path_factory.mktemp(f"mem_{name}")
+            logs[name] = torchrun(2, MEM_ARGV + flags, cwd=d)["log"]
     return logs
 
 
@@ -179,7 +205,7 @@ def measured_kib(log: str) -> tuple[list[float], list[float]]:
 
 
 def test_measured_activation_bytes_follow_recomputation(memory_runs):
-    """PP=2, fp32, greedy ZB (limit PP x M_B). M_B/M_W are measured per stage in the profiling window
+    """PP=2, fp32, greedy ZB (limit PP x M_B; ZB-1p for no recomputation). M_B/M_W are measured per stage in the profiling window
     (the runtime's saved-tensor tracker, B included so recomputed tensors that W keeps count):
     selective recomputation (core attention) lowers M_B and keeps M_W (attention scores have no
     weights); full recomputation keeps only the block inputs until B, and B leaves W more than
@@ -200,11 +226,19 @@ def test_measured_activation_bytes_follow_recomputation(memory_runs):
 
 
 def test_replanned_memory_limit_is_in_measured_bytes(memory_runs):
-    """The re-planned schedule's limit is --zero-bubble-max-pending-backward (PP = 2) x max_s M_B,
-    in MiB of the measured bytes; before profiling it is 2 M_B units."""
+    """The re-planned greedy schedule's limit is --zero-bubble-max-pending-backward (PP = 2) x max_s M_B,
+    in MiB of the measured bytes; before profiling it is 2 M_B units. ZB-1p (the no-recomputation
+    run) prints no limit line: its re-planned peak, in measured bytes, stays within its own limit
+    p x max_s M_B."""
     for name, log in memory_runs.items():
         m_b = measured_kib(log)[0]
         report = log[log.index("> schedule report after profiling"):]
+        if name == "none":  # ZB-1p
+            peak = re.search(r"predicted peak activation memory per rank \(MiB \(measured bytes\)\): \[([^\]]*)\]",
+                             report)
+            assert peak is not None, report[:2000]
+            assert 0 < max(float(v) for v in peak.group(1).split(",")) <= 2 * max(m_b) / 1024 + 0.006, (peak, m_b)
+            continue
         limit = re.search(r"activation memory limit per rank: ([0-9.]+) MiB \(measured bytes\)", report)
         assert limit is not None, report[:2000]
         assert float(limit.group(1)) == pytest.approx(2 * max(m_b) / 1024, abs=0.006), (name, m_b)

@@ -33,6 +33,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from .progress import RoundProgress
+
 __all__ = [
     "EmulatedConfig",
     "EmulatedCosts",
@@ -348,12 +350,16 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
         return out
 
     calibrate = spec.get("calibrate", True)
+    progress = RoundProgress(f"emulated p={p}", int(spec["warmup"]) + int(spec["repeats"]), enabled=rank == 0)
     for it in range(int(spec["warmup"])):
         errs: dict[str, list[float]] = {}
+        round_ms = {}
         for name in spec["schedules"]:
-            one_iteration(name)
+            t0, t1, _ = one_iteration(name)
+            round_ms[name] = 1e3 * (t1 - t0)
             for op, e in errors_of(name).items():
                 errs.setdefault(op, []).extend(e)
+        progress.round(m=m, times_ms=round_ms, what="warm-up (calibration) round")
         if calibrate and it >= 1:  # the first round pays one-time costs: do not learn from it
             clock.update(errs, gain=0.8)
 
@@ -381,6 +387,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
                     rec.setdefault(op, {}).setdefault(st, []).extend(ds)
             holds_loss = runs[name]["s2r"][-1] == rank
             losses_ok[name] = losses_ok.get(name, True) and len(losses) == (m if holds_loss else 0)
+        progress.round(m=m, times_ms={n: 1e3 * (times[n][-1][1] - times[n][-1][0]) for n in spec["schedules"]})
     return dict(rank=rank, t_comm=t_comm, comm_samples=comm_samples, times=times, startup=startup,
                 send_calls=send_calls,
                 records=records, achieved=achieved, offsets=dict(clock.offset),
@@ -394,8 +401,9 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
 
     Returns per schedule, for this rank: number of losses returned, B passes whose W was
     deferred, W work executed by the store, pending W after the iteration, the weight
-    gradients of this rank's stages (each must equal ``m``), and the communication actions
-    ``time_actions`` timed next to those of the rank's plan.
+    gradients of this rank's stages (each must equal ``m``), the communication actions
+    ``time_actions`` timed next to those of the rank's plan, the plan's compute actions and the
+    executor's :class:`~megatron_zb.runtime.executor.LoopOverhead` of the call.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -426,5 +434,7 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
                          holds_loss=s2r[-1] == rank,
                          comm_timed=[(a.op, a.mb, a.stage, t1 >= t0) for a, t0, t1 in fb.last_timing.comm],
                          comm_planned=[(a.op, a.mb, a.stage, True) for a in fb.plan_for(p, m, rank).actions
-                                       if not a.is_compute])
+                                       if not a.is_compute],
+                         compute_planned=sum(a.is_compute for a in fb.plan_for(p, m, rank).actions),
+                         overhead=fb.last_overhead)
     return out

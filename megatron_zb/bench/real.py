@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from ..runtime.executor import LoopOverhead
 from ..testing.tiny_gpt import TinyGPT, build_chunks, forward_backward, forward_step, random_microbatches
+from .progress import RoundProgress
 
 MEGATRON_1F1B = "megatron-1f1b"
 """Variant name of megatron-core's own 1F1B (not a schedule of the library)."""
@@ -167,13 +169,21 @@ def _measure_costs(chunks_by_kind: dict[str, list[Any]], spec: ModelSpec, m: int
     out: dict[str, Any] = {}
     data = _data(spec, m)
 
+    import torch.distributed as dist
+
+    runs = [("zb-h1" if kind == "plain" else "zbv") for kind in chunks_by_kind] + ["1f1b"] * ("plain" in chunks_by_kind)
+    progress = RoundProgress("cost measurement", len(runs) * (iters + 1), enabled=dist.get_rank() == 0)
+
     def timed(name: str, mods: list[Any]) -> Any:
         fb = get_forward_backward_func(name, time_actions=True)
         recs: list[Any] = []
         for it in range(iters + 1):
             for mod in mods:
                 mod.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
             forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch)
+            progress.round(m=m, times_ms={name: 1e3 * (time.perf_counter() - t0)},
+                           what="warm-up iteration" if it == 0 else "iteration")
             if it > 0:
                 recs.extend(fb.last_timing.records)
         fb.last_timing.records = recs
@@ -256,31 +266,53 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             from ..schedules.registry import get_spec
             costs = measured[kind]["costs"] if get_spec(v).cost_aware else None
-            fbs[v] = get_forward_backward_func(v, costs=costs)
+            fbs[v] = get_forward_backward_func(v, costs=costs, time_actions=True)
 
     timings: dict[int, dict[str, list[tuple[float, float]]]] = {}
     losses: dict[int, dict[str, list[float]]] = {}
+    achieved: dict[int, dict[str, dict[str, dict[int, list[float]]]]] = {}  # m -> variant -> op -> stage -> s
+    overhead: dict[int, dict[str, Any]] = {}  # m -> variant -> LoopOverhead of the timed rounds
+    cpu: dict[int, dict[str, dict[str, dict[int, list[float]]]]] = {}  # as achieved, CPU seconds
     data_all = _data(spec, max(cfg["ms"]))
+    progress = RoundProgress("real", len(cfg["ms"]) * (cfg["warmup"] + cfg["repeats"]), enabled=rank == 0)
     for m in cfg["ms"]:
         data = data_all[:m]
         timings[m] = {v: [] for v in variants}
+        achieved[m] = {v: {} for v in variants if v != MEGATRON_1F1B}
+        cpu[m] = {v: {} for v in achieved[m]}
         losses[m] = {}
         for rnd in range(cfg["warmup"] + cfg["repeats"]):
-            if rnd >= cfg["warmup"]:
+            timed = rnd >= cfg["warmup"]
+            if timed:
                 comm_samples.append(1e3 * measure_p2p_latency(shape, peer_pairs=pairs, rounds=10, warmup=2, passes=1))
+            if rnd == cfg["warmup"]:
+                for v in achieved[m]:
+                    fbs[v].overhead = LoopOverhead()
             order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]  # rotate the start
+            this_round = {}
             for v in order:
                 mods = [c.module for c in chunks[_placement_kind(v)]]
                 t0, t1, out = _iteration(fbs[v], mods, data, spec, ours=(v != MEGATRON_1F1B))
-                if rnd >= cfg["warmup"]:
+                this_round[v] = 1e3 * (t1 - t0)
+                if timed:
                     timings[m][v].append((t0, t1))
+                    if v in achieved[m]:
+                        for op in ("F", "B", "W", "BW"):
+                            for st, xs in fbs[v].last_timing.durations(op).items():
+                                achieved[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
+                            for st, xs in fbs[v].last_timing.cpu_durations(op).items():
+                                cpu[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
                     if v not in losses[m] and out:
                         losses[m][v] = [float(d["lm loss"]) for d in out]
+            progress.round(m=m, times_ms={v: this_round[v] for v in variants},
+                           what="warm-up round" if not timed else "round")
+        overhead[m] = {v: fbs[v].overhead for v in achieved[m]}
 
     memory = {}
     if cfg.get("memory_schedules"):
         memory = _memory(chunks, spec, measured, cfg["memory_schedules"], cfg["memory_m"])
     return dict(rank=rank, t_comm_ms=t_comm, comm_samples_ms=comm_samples, timings=timings, losses=losses,
+                achieved=achieved, achieved_cpu=cpu, overhead=overhead,
                 measured={k: dict(times=v["times"], mem=v["mem"], bw=v["bw"]) for k, v in measured.items()},
                 costs={k: v["costs"] for k, v in measured.items()}, memory=memory)
 
@@ -296,6 +328,7 @@ def _memory(chunks: dict[str, list[Any]], spec: ModelSpec, measured: dict[str, A
     install_routes()
     data = _data(spec, m)
     out: dict[str, Any] = {}
+    progress = RoundProgress(f"memory PP={dist.get_world_size()}", len(schedules), enabled=dist.get_rank() == 0)
     for name in schedules:
         kind = _placement_kind(name)
         costs = measured[kind]["costs"]
@@ -304,7 +337,9 @@ def _memory(chunks: dict[str, list[Any]], spec: ModelSpec, measured: dict[str, A
         for mod in mods:
             mod.zero_grad(set_to_none=True)
         gc.collect()
+        t0 = time.perf_counter()
         forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch)
+        progress.round(m=m, times_ms={name: 1e3 * (time.perf_counter() - t0)}, what="tracked iteration")
         out[name] = dict(peak_bytes=fb.last_peak_bytes, schedule=fb.schedule_for(dist.get_world_size(), m))
     return out
 
@@ -390,10 +425,14 @@ def post_validation_rank(cfg: dict[str, Any]) -> dict[str, Any]:
 
     times: dict[str, list[tuple[float, float]]] = {n: [] for n in variants}
     names = list(variants)
+    progress = RoundProgress("postval", cfg["warmup"] + cfg["repeats"], enabled=rank == 0)
     for rnd in range(cfg["warmup"] + cfg["repeats"]):
+        round_ms = {}
         for n in (names if rnd % 2 == 0 else names[::-1]):
             t = block(n)
+            round_ms[n] = 1e3 * (t[1] - t[0]) / cfg["block"]
             if rnd >= cfg["warmup"]:
                 times[n].append(t)
+        progress.round(m=m, times_ms=round_ms, what="warm-up round" if rnd < cfg["warmup"] else "round")
     counters = variants["post-validation"]["opt"].counters()
     return dict(rank=rank, times=times, counters=asdict(counters))

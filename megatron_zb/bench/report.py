@@ -1,6 +1,7 @@
 """Pure helpers of the benchmark: iteration times, medians, ratios, CSV rows, markdown, plots.
 
-Nothing here measures anything; ``scripts/benchmark.py`` feeds it the per-rank results of
+Nothing here measures anything; the sections (:mod:`megatron_zb.bench.sections_real`,
+:mod:`megatron_zb.bench.sections_emulated`) feed it the per-rank results of
 :mod:`megatron_zb.bench.real` and :mod:`megatron_zb.bench.emulated`.
 """
 
@@ -13,9 +14,57 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 __all__ = [
-    "Row", "action_gaps", "hop_latencies", "iteration_times", "median", "paired_ratios", "ratios", "verdict",
+    "LABEL", "PAPER_15B", "achieved_costs", "comm_range", "fmt_ratio", "ms", "Row", "action_gaps", "hop_latencies", "iteration_times", "median", "paired_ratios", "ratios", "verdict",
     "markdown_table", "write_csv", "read_csv", "plot_ratio_bars", "plot_measured_vs_simulated",
 ]
+
+
+LABEL = {"megatron-1f1b": "megatron-core 1F1B", "1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-2p": "ZB-2p",
+         "zbv": "ZB-V", "v-half": "V-Half"}
+"""How the tables name each variant."""
+
+PAPER_15B = dict(t_f=18.522, t_b=18.086, t_w=9.337, hidden=2304, heads=24, seq=1024)
+"""The zero-bubble paper's 1.5B model, p=8, m=24 row (ms per stage; arXiv 2401.10241 Table 9)."""
+
+
+def ms(x: float) -> str:
+    """Seconds as milliseconds with one decimal (``-`` for nan)."""
+    return f"{x * 1e3:.1f}" if x == x else "-"
+
+
+def comm_range(samples: list[float]) -> str:
+    """Median, min, max of p2p latency samples (ms)."""
+    if not samples:
+        return "not sampled"
+    return f"median {median(samples):.3f} ms (min {min(samples):.3f}, max {max(samples):.3f}, {len(samples)} samples)"
+
+
+def fmt_ratio(x: float) -> str:
+    return f"{x:.3f}" if x == x else "-"
+
+
+def achieved_costs(per_rank: Sequence[Mapping[str, Mapping[int, Sequence[float]]]], c: Any, num_stages: int) -> Any:
+    """``c`` (a CostModel, ms) with each stage's T_F / T_B / T_W replaced by the achieved median
+    action durations: ``per_rank`` holds, per rank, ``{op: {stage: [seconds, ...]}}`` of the
+    timed iterations (``ActionTiming.durations``). With a fused ``BW`` T_B is kept and the rest of
+    the achieved BW goes into T_W."""
+    from ..schedules import CostModel
+
+    ach: dict[str, dict[int, float]] = {}
+    for r in per_rank:
+        for op, d in r.items():
+            for st, xs in d.items():
+                if xs:
+                    ach.setdefault(op, {})[st] = statistics.median(xs) * 1e3
+    sc = c.resolve(num_stages)
+    tf = [ach.get("F", {}).get(st, sc.t_f[st]) for st in range(num_stages)]
+    if "BW" in ach:  # fused backward: keep T_B, put the rest of the achieved BW into T_W
+        tb = list(sc.t_b)
+        tw = [max(0.0, ach["BW"].get(st, tb[st] + sc.t_w[st]) - tb[st]) for st in range(num_stages)]
+    else:
+        tb = [ach.get("B", {}).get(st, sc.t_b[st]) for st in range(num_stages)]
+        tw = [ach.get("W", {}).get(st, sc.t_w[st]) for st in range(num_stages)]
+    return CostModel(t_f=tf, t_b=tb, t_w=tw, t_comm=c.t_comm, mem_b=c.mem_b, mem_w=c.mem_w)
 
 
 @dataclass(frozen=True)

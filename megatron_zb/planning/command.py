@@ -46,7 +46,13 @@ _MODEL_SWITCHES = {
     "swiglu": "SwiGLU MLP", "group_query_attention": "grouped-query attention (with --num-query-groups)",
     "untie_embeddings_and_output_weights": "separate output-layer weights",
     "disable_bias_linear": "no biases on linear layers", "use_flash_attn": "flash attention (no s x s scores kept)",
-    "fp16": "fp16 mixed precision", "bf16": "bf16 mixed precision",
+    "fp16": "fp16 mixed precision", "bf16": "bf16 mixed precision (neither: fp32, Megatron's default)",
+}
+_SPLIT_FLAGS = {  # pretrain_gpt_zb.py's uneven-split flags (ParallelConfig field names)
+    "decoder_first_pipeline_num_layers": "layers of the first stage (plain/interleaved: first rank; V: first stage)",
+    "decoder_last_pipeline_num_layers": "layers of the last stage (plain/interleaved: last rank; V: last stage)",
+    "account_for_embedding_in_pipeline_split": "count the embedding as a layer of the first stage",
+    "account_for_loss_in_pipeline_split": "count the loss as a layer of the last stage",
 }
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "vocab_size")
 
@@ -87,6 +93,11 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="first/last stage may take fewer layers (as pretrain_gpt_zb.py)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", dest="num_virtual_stages", type=int, default=None,
                    metavar="V", help="chunks per rank for interleaved schedules (default: smallest that splits)")
+    for dest, help_ in _SPLIT_FLAGS.items():
+        if dest.startswith("account"):
+            g.add_argument(_flag(dest), dest=dest, action="store_true", help=help_)
+        else:
+            g.add_argument(_flag(dest), dest=dest, type=int, default=None, metavar="N", help=help_)
     g = p.add_argument_group("hardware")
     g.add_argument("--gpu", metavar="NAME", help=f"one of {', '.join(gpu_names())} (docs/planning.md has the table)")
     g.add_argument("--gpu-tflops", type=float, metavar="X", help="dense 16-bit peak, TFLOP/s")
@@ -118,14 +129,17 @@ def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for dest in _REQUIRED:
         if getattr(args, dest) is None:
             raise PlanError(_flag(dest), "required (or plan from measured costs with --profile FILE)")
-    if not (args.fp16 or args.bf16):
-        raise PlanError("--bf16", "give --bf16 or --fp16 (the plan models 16-bit mixed precision)")
     kw = {dest: getattr(args, dest) for dest in _MODEL_FLAGS if getattr(args, dest) is not None}
     kw.update({dest: getattr(args, dest) for dest in ("swiglu", "group_query_attention",
                                                       "untie_embeddings_and_output_weights", "use_flash_attn")})
     kw.update(add_bias_linear=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
-              normalization=args.normalization, precision="fp16" if args.fp16 else "bf16")
+              normalization=args.normalization, precision=_precision(args))
     return kw
+
+
+def _precision(args: argparse.Namespace) -> str:
+    """``fp16``, ``bf16``, or Megatron's default ``fp32`` when neither flag is given."""
+    return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
 
 
 def _given_model_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,13 +172,18 @@ def _from_profile(args: argparse.Namespace, prof: Any) -> tuple[ModelConfig, Par
         value = getattr(args, dest)
         if value is not None and value != getattr(par0, dest):
             raise PlanError(flag, f"{value} disagrees with the profile's {getattr(par0, dest)}")
+    for dest in _SPLIT_FLAGS:  # the costs were measured with the profile's layers per stage
+        value = getattr(args, dest)
+        if value not in (None, False) and value != getattr(par0, dest):
+            raise PlanError(_flag(dest), f"{value} disagrees with the profile's {getattr(par0, dest)}")
     batch_given = args.num_microbatches is not None or args.global_batch_size is not None
     par = make_parallel(model, pp=par0.pp, tp=par0.tp, dp=args.dp if args.dp is not None else par0.dp,
                         num_microbatches=args.num_microbatches if batch_given else par0.num_microbatches,
                         global_batch_size=args.global_batch_size, sequence_parallel=par0.sequence_parallel,
                         use_distributed_optimizer=args.use_distributed_optimizer or par0.use_distributed_optimizer,
                         allow_padding_num_layers=par0.allow_padding_num_layers,
-                        num_virtual_stages=args.num_virtual_stages or par0.num_virtual_stages)
+                        num_virtual_stages=args.num_virtual_stages or par0.num_virtual_stages,
+                        **{dest: getattr(par0, dest) for dest in _SPLIT_FLAGS})
     return model, par
 
 
@@ -181,7 +200,12 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelConfig, ParallelConfig, Any]
                         global_batch_size=args.global_batch_size, sequence_parallel=args.sequence_parallel,
                         use_distributed_optimizer=args.use_distributed_optimizer,
                         allow_padding_num_layers=args.allow_padding_num_layers,
-                        num_virtual_stages=args.num_virtual_stages)
+                        num_virtual_stages=args.num_virtual_stages,
+                        **{dest: getattr(args, dest) for dest in _SPLIT_FLAGS})
+    if model.precision == "fp32" and args.gpu is not None and args.gpu_tflops is None:
+        raise PlanError("--gpu-tflops", f"the --gpu table holds dense 16-bit peaks; an fp32 model (neither --bf16 "
+                                        f"nor --fp16) needs the peak its matrix products reach on {args.gpu} "
+                                        f"(fp32 or TF32): give --gpu-tflops, or --bf16/--fp16")
     return model, par, None
 
 

@@ -23,7 +23,9 @@ sequence parallelism, the same bytes). Matrix products are usually compute bound
 ``s x s`` products (unfused attention) and all element-wise kernels are memory bound. The bytes of
 the element-wise kernels are counted from Megatron's local GPT layer (fused bias-GeLU/SwiGLU,
 fused bias-dropout-add, fused scale-mask-softmax, dropout keeping a 1-byte mask), the loss from
-megatron-core's ``VocabParallelCrossEntropy`` (fp32: 38 bytes per logit forward, 14 backward).
+megatron-core's ``VocabParallelCrossEntropy`` (fp32: 38 bytes per logit forward, 14 backward with 16-bit
+logits; 32 and 8 for an fp32 model, which has no casts). Element sizes follow the model's precision
+(:attr:`~.model.ModelConfig.element_bytes`: 2 for bf16/fp16, 4 for fp32).
 Not modelled: kernel launch gaps, overlap of communication with computation, the embedding
 gradient all-reduce of tied embeddings and the optimizer (counted per iteration by the planner).
 """
@@ -36,9 +38,8 @@ from .hardware import Hardware
 from .layout import StageShape
 from .model import ModelConfig, ParallelConfig
 
-ACT_BYTES = 2  # bf16/fp16 activations, parameters and their gradients
-CE_FORWARD_BYTES = 38  # per logit: .float() 2+4, max 4, subtract 8, exp 8, sum 4, divide 8
-CE_BACKWARD_BYTES = 14  # per logit: scale 8, cast back to 16 bit 4+2
+CE_FORWARD_BYTES = 32  # per logit: max 4, subtract 8, exp 8, sum 4, divide 8 (+ .float() e+4 if 16-bit)
+CE_BACKWARD_BYTES = 8  # per logit: scale 8 (+ cast back to 16 bit 4+e if 16-bit)
 FP32_ACCUMULATE = 8  # bytes per weight-gradient element: read + write of the fp32 main_grad
 
 
@@ -72,6 +73,7 @@ class _Kernels:
 
     hw: Hardware
     cost: PassCost = field(default_factory=PassCost)
+    e: int = 2  # bytes per activation / parameter element
 
     def mm(self, flops: float, nbytes: float) -> None:
         """A matrix product (or fused attention): roofline of its FLOPs and bytes."""
@@ -79,9 +81,10 @@ class _Kernels:
         self.cost.hbm_bytes += nbytes
         self.cost.time_ms += max(flops / self.hw.flops_per_ms, nbytes / self.hw.hbm_bytes_per_ms)
 
-    def gemm(self, m: float, k: float, n: float, *, out_bytes: float = ACT_BYTES) -> None:
-        """``(m x k) @ (k x n)`` with 16-bit operands; ``out_bytes`` per output element."""
-        self.mm(2.0 * m * k * n, ACT_BYTES * (m * k + k * n) + out_bytes * m * n)
+    def gemm(self, m: float, k: float, n: float, *, out_bytes: float | None = None) -> None:
+        """``(m x k) @ (k x n)`` with ``e``-byte operands; ``out_bytes`` per output element (default ``e``)."""
+        out = self.e if out_bytes is None else out_bytes
+        self.mm(2.0 * m * k * n, self.e * (m * k + k * n) + out * m * n)
 
     def ew(self, nbytes: float) -> None:
         """A memory-bound (element-wise or reduction) kernel moving ``nbytes``."""
@@ -109,6 +112,7 @@ class _Dims:
     s: float
     r: int  # sharding of the T x h element-wise work: t with sequence parallelism
     ar: float  # ring all-reduce factor 2(t-1)/t (0 without TP)
+    e: int  # bytes per element (precision)
 
     @staticmethod
     def of(model: ModelConfig, par: ParallelConfig) -> "_Dims":
@@ -116,11 +120,11 @@ class _Dims:
         return _Dims(T=T, h=float(model.hidden_size), q=model.query_size / t, kv=model.kv_size / t,
                      f=model.ffn_hidden_size / t, gl=2 if model.swiglu else 1,
                      S=T * model.seq_length * model.num_attention_heads / t, s=float(model.seq_length),
-                     r=t if par.sequence_parallel else 1, ar=2.0 * (t - 1) / t)
+                     r=t if par.sequence_parallel else 1, ar=2.0 * (t - 1) / t, e=model.element_bytes)
 
 
 def _layer_forward(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
-    e, A = ACT_BYTES, d.T * d.h / d.r
+    e, A = d.e, d.T * d.h / d.r
     drop = 1 if m.hidden_dropout > 0 else 0
     k.ew(2 * e * A)  # input norm
     k.gemm(d.T, d.h, d.q + 2 * d.kv)
@@ -151,7 +155,7 @@ def _layer_forward(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
 
 
 def _layer_backward_b(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
-    e, A = ACT_BYTES, d.T * d.h / d.r
+    e, A = d.e, d.T * d.h / d.r
     drop = 1 if m.hidden_dropout > 0 else 0
     bias = 1 if m.add_bias_linear else 0
     k.ew((2 * e + drop) * A + bias * e * d.T * d.h)  # dropout backward, output bias gradient
@@ -185,13 +189,13 @@ def _layer_backward_b(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
 
 def _layer_backward_w(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
     for n_in, n_out in ((d.h, d.q + 2 * d.kv), (d.q, d.h), (d.h, d.f * d.gl), (d.f, d.h)):
-        k.mm(2 * d.T * n_in * n_out, ACT_BYTES * d.T * (n_in + n_out) + FP32_ACCUMULATE * n_in * n_out)
+        k.mm(2 * d.T * n_in * n_out, d.e * d.T * (n_in + n_out) + FP32_ACCUMULATE * n_in * n_out)
     if d.r > 1:  # sequence parallel: the inputs of QKV and FC1 are all-gathered again
-        k.tp(2 * ACT_BYTES * d.T * d.h, ring_factor=d.ar / 2)
+        k.tp(2 * d.e * d.T * d.h, ring_factor=d.ar / 2)
 
 
 def _embedding(k: _Kernels, op: str, m: ModelConfig, d: _Dims) -> None:
-    e, A = ACT_BYTES, d.T * d.h / d.r
+    e, A = d.e, d.T * d.h / d.r
     drop = 1 if m.hidden_dropout > 0 else 0
     learned = m.position_embedding_type == "learned_absolute"
     if op == "F":
@@ -205,14 +209,15 @@ def _embedding(k: _Kernels, op: str, m: ModelConfig, d: _Dims) -> None:
 
 
 def _loss(k: _Kernels, op: str, m: ModelConfig, d: _Dims, vocab_per_gpu: float) -> None:
-    e, A, N = ACT_BYTES, d.T * d.h / d.r, d.T * vocab_per_gpu
+    e, A, N = d.e, d.T * d.h / d.r, d.T * vocab_per_gpu
+    cast = e + 4 if e < 4 else 0  # 16-bit logits: .float() in F, the cast back in B
     if op == "F":
         k.ew(2 * e * A)  # final norm
         k.tp(e * d.T * d.h, ring_factor=d.ar / 2 if d.r > 1 else 0)  # SP all-gather
         k.gemm(d.T, d.h, vocab_per_gpu)
-        k.ew(CE_FORWARD_BYTES * N)
+        k.ew((CE_FORWARD_BYTES + cast) * N)
     elif op == "B":
-        k.ew(CE_BACKWARD_BYTES * N)
+        k.ew((CE_BACKWARD_BYTES + cast) * N)
         k.gemm(d.T, vocab_per_gpu, d.h)
         k.tp(e * d.T * d.h, ring_factor=d.ar / (2 if d.r > 1 else 1))
         k.ew(6 * e * A)
@@ -240,7 +245,7 @@ def layer_cost(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> dict[st
     d = _Dims.of(model, par)
     out = {}
     for op, fn in (("F", _layer_forward), ("B", _layer_backward_b), ("W", _layer_backward_w)):
-        k = _Kernels(hw)
+        k = _Kernels(hw, e=d.e)
         fn(k, model, d)
         out[op] = k.cost
     return out
@@ -256,7 +261,7 @@ def stage_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware,
     for sh in shapes:
         passes = {}
         for op in ("F", "B", "W"):
-            k = _Kernels(hw, layer[op].scaled(sh.num_layers))
+            k = _Kernels(hw, layer[op].scaled(sh.num_layers), d.e)
             if sh.embedding:
                 _embedding(k, op, model, d)
             if sh.loss:
@@ -272,7 +277,7 @@ def p2p_time_ms(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> float:
     Each GPU of a TP group sends its own copy of the ``s x b x h`` activation (a ``1/t`` shard with
     sequence parallelism).
     """
-    nbytes = ACT_BYTES * model.seq_length * model.micro_batch_size * model.hidden_size
+    nbytes = model.element_bytes * model.seq_length * model.micro_batch_size * model.hidden_size
     if par.sequence_parallel:
         nbytes /= par.tp
     return hw.p2p_latency_ms + nbytes / hw.p2p_bytes_per_ms

@@ -1,9 +1,12 @@
 """Which transformer layers each pipeline stage holds, for every placement (no torch needed).
 
 A placement has ``p * v`` stages (``v = 1`` plain, ``v`` chunks interleaved, ``v = 2`` for the V);
-the layers are split over the stages in stage order by :func:`split_layers` -- the rule
-``pretrain_gpt_zb.py`` uses (``megatron_zb.model.gpt_chunks`` imports it from here), so a plan
-describes the model the trainer would build. Stage 0 also holds the embedding, the last stage the
+the layers are split over the stages in stage order by :func:`layers_per_stage` -- the rule
+``pretrain_gpt_zb.py`` uses (its ``check_layers``; ``megatron_zb.model.gpt_chunks`` imports both
+splits from here): with one of Megatron's uneven-split flags :func:`pipeline_split` (on a V any
+layer count splits, the first and last stage taking what the flags say), otherwise
+:func:`split_layers` (even, or with ``--allow-padding-num-layers`` fewer on the first/last
+stage). A plan therefore describes the model the trainer would build. Stage 0 also holds the embedding, the last stage the
 final norm, the output layer and the loss. Which rank runs a stage comes from the schedule
 library's placement (:class:`megatron_zb.schedules.Placement`).
 """
@@ -14,6 +17,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_zb.schedules import Placement, interleaved_placement, plain_placement, v_placement
+
+__all__ = ["LayerSplit", "StageShape", "layers_per_stage", "pipeline_split", "split_layers", "stage_shapes",
+           "stage_to_rank"]
 
 
 def split_layers(num_layers: int, num_stages: int, *, allow_padding: bool = False) -> list[int]:
@@ -110,6 +116,56 @@ def pipeline_split(*, num_layers: int, stage_to_rank: Sequence[int], first_stage
 
 
 @dataclass(frozen=True)
+class LayerSplit:
+    """The flags that decide how many layers each stage holds (Megatron's names in brackets).
+
+    Attributes:
+        allow_padding: ``--allow-padding-num-layers`` (even split otherwise).
+        first_stage_layers: ``--decoder-first-pipeline-num-layers``.
+        last_stage_layers: ``--decoder-last-pipeline-num-layers``.
+        account_for_embedding: ``--account-for-embedding-in-pipeline-split``.
+        account_for_loss: ``--account-for-loss-in-pipeline-split``.
+    """
+
+    allow_padding: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+
+    @property
+    def uneven(self) -> bool:
+        """Whether an uneven-split flag is set (then :func:`pipeline_split` decides)."""
+        return (self.first_stage_layers is not None or self.last_stage_layers is not None
+                or self.account_for_embedding or self.account_for_loss)
+
+    @property
+    def flag(self) -> str:
+        """The first uneven-split flag set (for error messages), else ``--num-layers``."""
+        for value, flag in ((self.first_stage_layers is not None, "--decoder-first-pipeline-num-layers"),
+                            (self.last_stage_layers is not None, "--decoder-last-pipeline-num-layers"),
+                            (self.account_for_embedding, "--account-for-embedding-in-pipeline-split"),
+                            (self.account_for_loss, "--account-for-loss-in-pipeline-split")):
+            if value:
+                return flag
+        return "--num-layers"
+
+
+def layers_per_stage(num_layers: int, stage_to_rank: Sequence[int], split: LayerSplit = LayerSplit()) -> list[int]:
+    """Transformer layers per stage (stage order) as ``pretrain_gpt_zb.py`` builds them: the one rule.
+
+    Raises:
+        ValueError: the layers do not split (the message of :func:`pipeline_split` or
+            :func:`split_layers`).
+    """
+    if split.uneven:
+        return pipeline_split(num_layers=num_layers, stage_to_rank=stage_to_rank,
+                              first_stage_layers=split.first_stage_layers, last_stage_layers=split.last_stage_layers,
+                              account_for_embedding=split.account_for_embedding, account_for_loss=split.account_for_loss)
+    return split_layers(num_layers, len(stage_to_rank), allow_padding=split.allow_padding)
+
+
+@dataclass(frozen=True)
 class StageShape:
     """What one pipeline stage holds.
 
@@ -139,15 +195,15 @@ def stage_to_rank(placement: Placement | str, pp: int, chunks: int) -> list[int]
 
 
 def stage_shapes(*, num_layers: int, pp: int, placement: Placement | str, chunks: int = 1,
-                 allow_padding: bool = False) -> list[StageShape]:
+                 split: LayerSplit = LayerSplit()) -> list[StageShape]:
     """Per-stage contents for ``placement`` on ``pp`` ranks (``chunks`` per rank if interleaved).
 
     Raises:
         ValueError: the layers cannot be split over the placement's stages (message from
-            :func:`split_layers`).
+            :func:`layers_per_stage`).
     """
     ranks = stage_to_rank(placement, pp, chunks)
-    layers = split_layers(num_layers, len(ranks), allow_padding=allow_padding)
+    layers = layers_per_stage(num_layers, ranks, split)
     last = len(ranks) - 1
     return [StageShape(stage=s, rank=r, num_layers=n, embedding=s == 0, loss=s == last)
             for s, (r, n) in enumerate(zip(ranks, layers))]

@@ -1,6 +1,7 @@
 """Activation memory ``M_B`` / ``M_W`` per stage and parameter + optimizer memory per rank (bytes).
 
-Activations (one microbatch, one GPU, 16-bit, no recomputation), counted tensor by tensor the way
+Activations (one microbatch, one GPU, no recomputation; ``e`` bytes per element: 2 in bf16/fp16,
+4 in fp32 -- the table's factors 2 are ``e``), counted tensor by tensor the way
 Korthikanti et al. (arXiv 2205.05198, section 4) count Megatron's GPT layer -- the count behind
 the zero-bubble paper's (arXiv 2401.10241, section 2) ``M_B = 34sbh + 5as^2b`` per layer. With
 ``T = sb``, ``A = Th / r`` (``r = t`` with sequence parallelism, else 1), per-GPU widths
@@ -33,14 +34,14 @@ to ``M_W``.
 
 Parameters and optimizer: Megatron's mixed-precision Adam keeps 18 bytes per parameter (16-bit
 weight 2, fp32 gradient 4, fp32 master weight 4, two fp32 moments 8); the distributed optimizer
-shards the 12 bytes of master weight and moments over the DP ranks (``6 + 12/dp``).
+shards the 12 bytes of master weight and moments over the DP ranks (``6 + 12/dp``). In fp32 there
+is no master copy: 16 bytes (weight 4, gradient 4, moments 8), ``8 + 8/dp`` distributed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .flops import ACT_BYTES
 from .layout import StageShape
 from .model import ModelConfig, ParallelConfig
 
@@ -66,7 +67,7 @@ def _sizes(model: ModelConfig, par: ParallelConfig) -> tuple[float, float, float
 
 def layer_activations(model: ModelConfig, par: ParallelConfig) -> ActivationBytes:
     """``M_B`` and ``M_W`` of one transformer layer on one GPU, bytes (table in the module doc)."""
-    e = ACT_BYTES
+    e = model.element_bytes
     T, A, q, kv, f, S, gl = _sizes(model, par)
     masks = (2 * A if model.hidden_dropout > 0 else 0.0)
     if model.use_flash_attn:
@@ -82,7 +83,7 @@ def layer_activations(model: ModelConfig, par: ParallelConfig) -> ActivationByte
 
 def stage_activations(model: ModelConfig, par: ParallelConfig, shape: StageShape) -> ActivationBytes:
     """``M_B`` and ``M_W`` of a whole stage (its layers, plus embedding / loss), bytes."""
-    e = ACT_BYTES
+    e = model.element_bytes
     T, A, *_ = _sizes(model, par)
     layer = layer_activations(model, par)
     mem_b, mem_w = layer.mem_b * shape.num_layers, layer.mem_w * shape.num_layers
@@ -121,6 +122,9 @@ def stage_parameters(model: ModelConfig, par: ParallelConfig, shape: StageShape)
     return n
 
 
-def bytes_per_parameter(par: ParallelConfig) -> float:
-    """Weights, gradients and Adam state per parameter: 18, or ``6 + 12/dp`` (distributed optimizer)."""
+def bytes_per_parameter(model: ModelConfig, par: ParallelConfig) -> float:
+    """Weights, gradients and Adam state per parameter (module doc): mixed precision 18, or
+    ``6 + 12/dp`` with the distributed optimizer; fp32 16, or ``8 + 8/dp``."""
+    if model.precision == "fp32":
+        return 8.0 + 8.0 / par.dp if par.use_distributed_optimizer else 16.0
     return 6.0 + 12.0 / par.dp if par.use_distributed_optimizer else 18.0

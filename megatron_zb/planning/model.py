@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .layout import LayerSplit
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-PRECISIONS = ("bf16", "fp16")
+PRECISIONS = ("bf16", "fp16", "fp32")
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes of one activation, parameter or parameter gradient element, per precision."""
 
 
 class PlanError(ValueError):
@@ -49,7 +54,9 @@ class ModelConfig:
         hidden_dropout: dropout after attention and MLP (a mask is kept when > 0).
         attention_dropout: dropout on the attention probabilities.
         use_flash_attn: fused (flash) attention: no ``s x s`` score tensors are kept.
-        precision: ``bf16`` or ``fp16`` (2-byte activations and parameters).
+        precision: ``bf16`` or ``fp16`` (mixed precision: 2-byte activations and parameters, fp32
+            main gradients and optimizer state) or ``fp32`` (Megatron's default without ``--bf16`` /
+            ``--fp16``: 4-byte everything, no master copy).
     """
 
     num_layers: int
@@ -72,6 +79,11 @@ class ModelConfig:
     attention_dropout: float = 0.1
     use_flash_attn: bool = False
     precision: str = "bf16"
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one activation, parameter or parameter-gradient element (2 or 4)."""
+        return ELEMENT_BYTES[self.precision]
 
     def padded_vocab_size(self, tp: int) -> int:
         """Embedding rows as Megatron builds them: rounded up to ``divisible_by * TP``."""
@@ -107,6 +119,10 @@ class ParallelConfig:
             (:func:`megatron_zb.planning.layout.split_layers`).
         num_virtual_stages: chunks per rank for interleaved schedules, or ``None`` for the
             smallest number >= 2 that splits the layers evenly.
+        decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split: Megatron's
+            uneven-split flags (:func:`megatron_zb.planning.layout.pipeline_split`); any of them
+            decides the layers per stage instead of the even split.
     """
 
     pp: int
@@ -117,6 +133,20 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     allow_padding_num_layers: bool = False
     num_virtual_stages: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    @property
+    def split(self) -> "LayerSplit":
+        """The flags that decide the layers per stage (:func:`~megatron_zb.planning.layout.layers_per_stage`)."""
+        from .layout import LayerSplit
+        return LayerSplit(allow_padding=self.allow_padding_num_layers,
+                          first_stage_layers=self.decoder_first_pipeline_num_layers,
+                          last_stage_layers=self.decoder_last_pipeline_num_layers,
+                          account_for_embedding=self.account_for_embedding_in_pipeline_split,
+                          account_for_loss=self.account_for_loss_in_pipeline_split)
 
     def to_flags(self) -> dict[str, Any]:
         """The fields under Megatron's argument names (``pp`` is ``pipeline_model_parallel_size``)."""
@@ -182,7 +212,7 @@ def check_model(m: ModelConfig) -> None:
     if m.normalization not in NORMALIZATIONS:
         raise PlanError("--normalization", f"one of {', '.join(NORMALIZATIONS)}")
     if m.precision not in PRECISIONS:
-        raise PlanError("--bf16", "the plan models 16-bit mixed precision only: pass --bf16 or --fp16")
+        raise PlanError("--bf16", f"precision {m.precision!r} is not one of {', '.join(PRECISIONS)}")
     if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < m.seq_length:
         raise PlanError("--max-position-embeddings", f"{m.max_position_embeddings} < --seq-length {m.seq_length}")
     for flag, p in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
@@ -196,7 +226,8 @@ def make_parallel(model: ModelConfig, *, pp: int, tp: int = 1, dp: int = 1, num_
 
     ``num_microbatches`` or ``global_batch_size`` (= ``m * micro_batch_size * dp``) is required;
     both may be given if they agree. Whether the layers split over the pipeline stages is checked
-    per placement (:mod:`megatron_zb.planning.layout`); the plain placement is checked here.
+    per placement (:mod:`megatron_zb.planning.layout`); the plain placement is checked here unless
+    an uneven-split flag is given (its split depends on the placement).
 
     Raises:
         PlanError: naming the flag.
@@ -216,9 +247,13 @@ def make_parallel(model: ModelConfig, *, pp: int, tp: int = 1, dp: int = 1, num_
         raise PlanError("--sequence-parallel", "needs --tensor-model-parallel-size > 1")
     if par.num_virtual_stages is not None and par.num_virtual_stages < 2:
         raise PlanError("--num-virtual-stages-per-pipeline-rank", f"must be >= 2, got {par.num_virtual_stages}")
-    from .layout import split_layers
+    if par.split.uneven:  # the split depends on the placement: families that cannot hold it are skipped
+        return par
+    from megatron_zb.schedules import plain_placement
+
+    from .layout import layers_per_stage
     try:
-        split_layers(model.num_layers, pp, allow_padding=par.allow_padding_num_layers)
+        layers_per_stage(model.num_layers, plain_placement(pp), par.split)
     except ValueError as e:
         hint = "" if par.allow_padding_num_layers else " (or add --allow-padding-num-layers)"
         raise PlanError("--pipeline-model-parallel-size", f"{pp} stages cannot hold --num-layers "

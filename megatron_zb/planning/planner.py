@@ -8,7 +8,7 @@ memory limit, and simulated. One iteration is predicted as::
     iteration_time = makespan (simulator; the zero-bubble paper's cost, the period of a training
                      loop whose optimizer step does not synchronise the pipeline)
                    + optimizer step (46 bytes of HBM traffic per parameter: mixed-precision Adam,
-                     grad-norm, unscale, 16-bit copy, zeroing)
+                     grad-norm, unscale, 16-bit copy, zeroing; 36 in fp32: no unscale, no copy)
                    + data-parallel gradient all-reduce (fp32, ring, not overlapped; 0 with DP 1)
 
 and throughput = ``m * micro_batch_size / iteration_time / (PP * TP)`` samples per second per
@@ -36,12 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from megatron_zb.schedules import CostModel, Placement, ScheduleError, SimResult, simulate
+from megatron_zb.schedules import CostModel, Placement, ScheduleError, SimResult, interleaved_placement, simulate
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
 
 from .flops import p2p_time_ms, stage_costs
 from .hardware import Hardware
-from .layout import StageShape, split_layers, stage_shapes
+from .layout import StageShape, layers_per_stage, stage_shapes
 from .memory import GIB, bytes_per_parameter, stage_activations, stage_parameters
 from .model import ModelConfig, ParallelConfig, PlanError
 from .profile import Profile
@@ -51,7 +51,8 @@ EXCLUDED_BY_DEFAULT = {
     "zbv-optimal": "exact CP-SAT solver: minutes beyond small p and m",
 }
 SEARCH_LIMIT = 2048  # stages * microbatches above which multi-chunk search generators take minutes
-OPTIMIZER_BYTES_PER_PARAM = 46.0
+OPTIMIZER_BYTES_PER_PARAM = {"bf16": 46.0, "fp16": 46.0, "fp32": 36.0}
+"""HBM traffic of one optimizer step per parameter, by precision (module doc)."""
 GRAD_ALLREDUCE_BYTES_PER_PARAM = 4.0
 DEFAULT_MEMORY_FRACTION = 0.9
 
@@ -98,7 +99,7 @@ class CostSource:
 
     def estimate(self, placement: Placement, chunks: int) -> StageTable:
         shapes = stage_shapes(num_layers=self.model.num_layers, pp=self.par.pp, placement=placement, chunks=chunks,
-                              allow_padding=self.par.allow_padding_num_layers)
+                              split=self.par.split)
         costs = stage_costs(self.model, self.par, self.hw, shapes)
         acts = [stage_activations(self.model, self.par, s) for s in shapes]
         return StageTable(tuple(shapes), tuple(c.f.time_ms for c in costs), tuple(c.b.time_ms for c in costs),
@@ -207,7 +208,7 @@ def _interleaved_chunks(model: ModelConfig, par: ParallelConfig) -> int:
         return par.num_virtual_stages
     for v in range(2, model.num_layers // par.pp + 1):
         try:
-            split_layers(model.num_layers, par.pp * v, allow_padding=par.allow_padding_num_layers)
+            layers_per_stage(model.num_layers, interleaved_placement(par.pp, v), par.split)
             return v
         except ValueError:
             continue
@@ -261,7 +262,7 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
     ranks = [r.rank for r in table.shapes]
     param_bytes = [0.0] * par.pp
     for sh, n in zip(table.shapes, table.params):
-        param_bytes[sh.rank] += n * bytes_per_parameter(par)
+        param_bytes[sh.rank] += n * bytes_per_parameter(source.model, par)
     limit, n_limit = None, None
     if name == "zb":
         free = source.usable_bytes - max(param_bytes)
@@ -288,7 +289,7 @@ def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], t
     params = [0.0] * par.pp
     for sh, n in zip(table.shapes, table.params):
         params[sh.rank] += n
-    optimizer_ms = max(params) * OPTIMIZER_BYTES_PER_PARAM / hw.hbm_bytes_per_ms
+    optimizer_ms = max(params) * OPTIMIZER_BYTES_PER_PARAM[model.precision] / hw.hbm_bytes_per_ms
     dp_ms = (0.0 if par.dp == 1 else
              max(params) * GRAD_ALLREDUCE_BYTES_PER_PARAM * 2 * (par.dp - 1) / par.dp / hw.p2p_bytes_per_ms)
     iteration = res.makespan + optimizer_ms + dp_ms

@@ -9,7 +9,11 @@ Format (JSON object, version 1)::
       "parallel": {"pipeline_model_parallel_size": 8, "tensor_model_parallel_size": 1,
                    "data_parallel_size": 1, "num_microbatches": 24, "sequence_parallel": false,
                    "use_distributed_optimizer": false, "allow_padding_num_layers": true,
-                   "num_virtual_stages_per_pipeline_rank": null},
+                   "num_virtual_stages_per_pipeline_rank": null,
+                   "decoder_first_pipeline_num_layers": null,     # the uneven-split flags
+                   "decoder_last_pipeline_num_layers": null,      # (optional: files written before
+                   "account_for_embedding_in_pipeline_split": false,  # they existed read as unset)
+                   "account_for_loss_in_pipeline_split": false},
       "schedule": "1f1b",            # schedule the costs were measured under
       "placement": "plain",          # "plain" | "interleaved" | "v"
       "stage_to_rank": [0, 1, ..., 7],

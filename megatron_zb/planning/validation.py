@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .flops import p2p_time_ms, stage_costs
 from .hardware import resolve_hardware
-from .layout import stage_shapes
+from .layout import LayerSplit, stage_shapes
 from .model import make_model, make_parallel
 from .planner import plan
 
@@ -36,7 +36,8 @@ def costs_table(costs: dict) -> list[str]:
            "| --- | --- | --- | --- | --- | --- |"]
     for row in costs["rows"]:
         model, par = _setting(costs["models"][row["model"]], row["m"])
-        shapes = stage_shapes(num_layers=model.num_layers, pp=par.pp, placement="plain", allow_padding=True)
+        shapes = stage_shapes(num_layers=model.num_layers, pp=par.pp, placement="plain",
+                              split=LayerSplit(allow_padding=True))
         mid = stage_costs(model, par, hw, shapes)[par.pp // 2]
         cells = [f"{e:.2f} / {row[k]:.2f} = **{e / row[k]:.3f}**" for e, k in
                  ((mid.f.time_ms, "TF"), (mid.b.time_ms, "TB"), (mid.w.time_ms, "TW"))]

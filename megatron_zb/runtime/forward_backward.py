@@ -11,7 +11,7 @@ import torch
 from ..schedules.costs import CostModel
 from ..schedules.ir import Schedule
 from ..schedules.registry import build_schedule, get_spec
-from .executor import ActionTiming, RankPlan, StageRuntime, execute, plan_rank
+from .executor import ActionTiming, LoopOverhead, RankPlan, StageRuntime, execute, plan_rank
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
@@ -69,6 +69,9 @@ class ZeroBubbleForwardBackward:
     call), its weight-gradient ``store`` (every call's B's queue into it, its W's run it), and,
     after each call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for, and
     with megatron-core DDP's ``overlap_grad_reduce`` the bucket launches in ``last_grad_sync``.
+    ``last_overhead`` (always measured) splits the last call's executor time into compute actions,
+    p2p calls and the runtime's own overhead; ``overhead`` sums it over every call so far (reset it
+    with ``fb.overhead = LoopOverhead()``).
     """
 
     options: ZeroBubbleOptions
@@ -77,6 +80,8 @@ class ZeroBubbleForwardBackward:
     last_peak_bytes: int | None = None
     last_memory: ActivationMemoryTracker | None = None  # the last call's tracker (per-action bytes)
     last_grad_sync: GradSyncReport | None = None
+    last_overhead: LoopOverhead | None = None
+    overhead: LoopOverhead = field(default_factory=LoopOverhead)
     _cache: dict[tuple[int, int], Schedule] = field(default_factory=dict)
     _plans: dict[tuple[int, int, int, bool], RankPlan] = field(default_factory=dict)
 
@@ -184,13 +189,15 @@ class ZeroBubbleForwardBackward:
                 sync_ctx.enter_context(f())
         else:
             sync_ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
+        overhead = LoopOverhead()
         try:
             with sync_ctx:  # no gradient reduction while W may still add to the gradients
                 data, total_tokens = execute(
                     plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func, config=config,
                     comm=comm, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
                     first_val_step=first_val_step, recv_lookahead=self.options.recv_lookahead,
-                    recv_behind_sends=behind_sends, timing=timing, memory=memory, grad_sync=grad_sync)
+                    recv_behind_sends=behind_sends, timing=timing, memory=memory, grad_sync=grad_sync,
+                    overhead=overhead)
             self.last_grad_sync = grad_sync.end() if grad_sync is not None else None
         except BaseException:
             store.clear()
@@ -215,6 +222,8 @@ class ZeroBubbleForwardBackward:
         if config.timers is not None:
             config.timers("forward-backward").stop()
         self.last_timing = timing
+        self.last_overhead = overhead
+        self.overhead.merge(overhead)
         self.last_peak_bytes = memory.peak_bytes if memory is not None else None
         self.last_memory = memory
         return data

@@ -304,7 +304,8 @@ def profile_model(args: argparse.Namespace) -> Any:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
         normalization=args.normalization, add_bias_linear=args.add_bias_linear, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, precision="fp16" if args.fp16 else "bf16")
+        attention_dropout=args.attention_dropout,
+        precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32")
 
 
 def profile_parallel(args: argparse.Namespace) -> Any:
@@ -315,4 +316,8 @@ def profile_parallel(args: argparse.Namespace) -> Any:
         dp=args.data_parallel_size, num_microbatches=args.num_microbatches, sequence_parallel=args.sequence_parallel,
         use_distributed_optimizer=args.use_distributed_optimizer,
         allow_padding_num_layers=args.allow_padding_num_layers,
-        num_virtual_stages=args.num_model_chunks if get_spec(args.schedule).placement == Placement.INTERLEAVED else None)
+        num_virtual_stages=args.num_model_chunks if get_spec(args.schedule).placement == Placement.INTERLEAVED else None,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)

@@ -240,7 +240,7 @@ def check_zero_bubble_options(args: argparse.Namespace, spec: ScheduleSpec) -> N
 
 
 def _check_profile_out(args: argparse.Namespace, spec: ScheduleSpec) -> None:
-    """``--profile-out``: only what the planning profile can describe (measured B and W, 16-bit, dense, even split)."""
+    """``--profile-out``: only what the planning profile can describe (measured B and W, a dense model)."""
     if args.profile_out is None:
         return
     mcore = getattr(args, "use_megatron_core_schedule", False)  # a developer flag (pretrain_gpt_zb.py has it)
@@ -249,15 +249,8 @@ def _check_profile_out(args: argparse.Namespace, spec: ScheduleSpec) -> None:
             f"schedule {args.schedule!r} fuses B and W, so T_W is not measured")
         raise ArgumentError("--profile-out", f"{what}; profile a zero-bubble schedule (--enable-zero-bubble, "
                                              f"--zero-bubble-v-schedule or a --schedule that splits the backward)")
-    if not (args.fp16 or args.bf16):
-        raise ArgumentError("--profile-out", "the planning profile models 16-bit mixed precision (activation and "
-                                             "parameter bytes); add --bf16 or --fp16")
     if getattr(args, "num_experts", None):
         raise ArgumentError("--profile-out", "the planner does not model MoE layers; drop --num-experts or "
-                                             "--profile-out")
-    if uneven_split_requested(args):
-        raise ArgumentError("--profile-out", "the planner splits the layers evenly (or with "
-                                             "--allow-padding-num-layers); drop the uneven split flags or "
                                              "--profile-out")
 
 
