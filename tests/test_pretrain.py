@@ -433,8 +433,8 @@ SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def _trainer_run(argv: list[str], json_path: str) -> dict:
-    """One rank of the trainer on ``argv`` (+ ``--loss-log-json json_path``): rank 0's log, the
-    last rank's loss log, the installed schedule and the costs the run re-planned from."""
+    """One rank of the trainer on ``argv`` (+ ``--loss-log-json json_path``): this rank's log, the
+    installed schedule and the costs the run re-planned from."""
     import contextlib
     import io
 
@@ -457,7 +457,6 @@ def _trainer_run(argv: list[str], json_path: str) -> dict:
         finally:
             trainer.close()
     out["log"] = log.getvalue()
-    out["values"] = json.loads(Path(json_path).read_text()) if Path(json_path).exists() else None
     return out
 
 
@@ -472,7 +471,9 @@ def in_process(tmp_path: Path, name: str, world: int, argv: list[str]) -> dict:
     ranks = run_distributed(_trainer_run, world_size=world, args=(argv, str(d / "values.json")), timeout=RUN_TIMEOUT)
     out = dict(ranks[0])
     out["log"] = "".join(r["log"] for r in ranks)
-    out["values"] = next(r["values"] for r in ranks if r["values"] is not None)
+    # Read here, every rank done: the last rank rewrites the file as it goes, so a rank that
+    # finished first could read an older version.
+    out["values"] = json.loads((d / "values.json").read_text())
     return out
 
 
