@@ -1,12 +1,14 @@
 """Mixture of experts: flags, layer pattern, expert seeding, W deferred in experts, loss parity.
 
-Loss curves: ``pretrain_gpt_zb.py`` under torchrun (gloo, CPU, fp32, mock data, a 4-layer MoE GPT
-with a dense layer among the MoE ones, top-2 of 4 experts, aux loss 1e-2). Every iteration's lm
-loss and grad norm of ``--enable-zero-bubble``, ``--schedule zb-2p`` and ``--zero-bubble-v-schedule``
-are compared with megatron-core's own 1F1B (``--use-megatron-core-schedule``) on the same flags: at
-PP=2 (allgather dispatcher) and at PP=2 x EP=2 (4 processes, alltoall dispatcher). Bitwise for
-the plain placement; for V within 1e-6 relative (the grad norm sums the same per-parameter norms
-in another order).
+Loss curves: the trainer of ``pretrain_gpt_zb.py`` on its command line, in-process
+(``test_pretrain.in_process``: gloo, CPU, fp32, mock data, a 4-layer MoE GPT with a dense layer
+among the MoE ones, top-2 of 4 experts, aux loss 1e-2; the Mixtral example below runs the script
+itself under torchrun). Every iteration's lm loss and grad norm of ``--enable-zero-bubble``,
+``--schedule zb-2p`` and ``--zero-bubble-v-schedule`` are compared with megatron-core's own 1F1B
+(``--use-megatron-core-schedule``) on the same flags: at PP=2 (allgather dispatcher, and
+``--position-embedding-type none``: that flag's parity test) and at PP=2 x EP=2 (4 processes,
+alltoall dispatcher). Bitwise for the plain placement; for V within 1e-6 relative (the grad norm
+sums the same per-parameter norms in another order).
 
 In-process (``run_distributed``): which parameters' weight gradients a split-backward schedule
 queues for W (expert and dense linear weights: yes; the router: no, its gradient comes in B), and
@@ -30,7 +32,7 @@ import torch
 from megatron_zb.testing import run_distributed
 from megatron_zb.training.arguments import ArgumentError, parse_args, validate_args
 
-from test_pretrain import losses, torchrun, train  # the torchrun harness of the end-to-end tests
+from test_pretrain import in_process, losses, train  # the end-to-end tests' harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -43,7 +45,7 @@ MOE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
        "--mock-data", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0",
        "--distributed-backend", "gloo", "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2",
        "--pipeline-model-parallel-size", "2"]
-PP2 = MOE + ["--global-batch-size", "8"]
+PP2 = MOE + ["--global-batch-size", "8", "--position-embedding-type", "none"]  # and no position embedding
 PP2_EP2 = MOE + ["--global-batch-size", "16", "--expert-model-parallel-size", "2",
                  "--moe-token-dispatcher-type", "alltoall"]
 SCHEDULES = {"zb": ["--enable-zero-bubble"], "zb-2p": ["--schedule", "zb-2p"], "zbv": ["--zero-bubble-v-schedule"]}
@@ -58,13 +60,9 @@ class MoERuns:
     def get(self, layout: str, schedule: str) -> dict:
         key = f"{layout}-{schedule}"
         if key not in self.done:
-            d = self.root / key
-            d.mkdir()
             nproc, argv = (2, PP2) if layout == "pp2" else (4, PP2_EP2)
             flags = ["--use-megatron-core-schedule"] if schedule == "ref" else SCHEDULES[schedule]
-            run = torchrun(nproc, argv + flags + ["--loss-log-json", str(d / "values.json")], cwd=d)
-            run["values"] = json.loads((d / "values.json").read_text())
-            self.done[key] = run
+            self.done[key] = in_process(self.root, key, nproc, argv + flags)
         return self.done[key]
 
 

@@ -1,23 +1,27 @@
-"""End to end: ``pretrain_gpt_zb.py`` under torchrun (gloo, CPU), tiny GPT, mock data.
+"""End to end: ``pretrain_gpt_zb.py`` (under torchrun, and its trainer in-process), tiny GPT, mock data.
 
 Every run writes its exact per-iteration values with ``--loss-log-json``; the loss curves of
 megatron-zb's schedules are compared with megatron-core's own 1F1B (``--use-megatron-core-schedule``)
 on the same flags. The model (8 layers) and the data are the same at PP=2 and PP=4, so one
-reference serves both. Runs are shared between tests (each starts once, on first use; ~20 s each
-on the 2-core machine, mostly process start-up):
+reference serves both. Runs are shared between tests (each starts once, on first use). The
+reference runs the script itself under torchrun (~20-30 s on the 2-core machine, mostly process
+start-up); the others run the same trainer on the same command line in-process
+(:func:`in_process`: ranks of ``run_distributed``, whose forkserver has torch and megatron-core
+already imported), a few seconds each:
 
 PP=2, 12 iterations, validation every 6 (1 batch), checkpoints:
-  ``ref2``          megatron-core 1F1B, saves at 6 and 12 -- the reference;
+  ``ref2``          megatron-core 1F1B, saves at 6 and 12 -- the reference (torchrun);
   ``1f1b2``         megatron-zb's runtime running 1F1B;
   ``zbh1_pv``       ZB-H1 with exact optimizer post-validation (eager steps after its 10 warm-up steps);
   ``zb_stop``       greedy zero-bubble (profiled at 2-3, re-planned), stopped by ``--exit-interval 6``;
   ``zb_resume``     greedy zero-bubble resuming ``zb_stop``'s checkpoint;
   ``zb_to_mcore``   megatron-core 1F1B resuming ``zb_stop``'s checkpoint;
-  ``mcore_to_zbv``  ZB-V resuming megatron-core's iteration-6 checkpoint (plain -> V placement).
+  ``mcore_to_zbv``  ZB-V resuming megatron-core's iteration-6 checkpoint (plain -> V placement), saving at 9;
+  ``zbv_to_zb``     greedy zero-bubble resuming ``mcore_to_zbv``'s iteration-9 checkpoint (V -> plain, tied).
 PP=4, same flags, stopped at 5 by ``--exit-interval``: ``zb4`` (greedy), ``vhalf4`` (V-Half).
 
 The post-validation flags test runs the trainer in-process on 2 ranks of ``run_distributed``
-(2 layers, 5 iterations; a few seconds each) instead of under torchrun.
+(2 layers, 5 iterations; a few seconds each).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ COMMON = MODEL + [
     "--distributed-backend", "gloo", "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
 PP2 = COMMON + ["--pipeline-model-parallel-size", "2"]
 PP4 = COMMON + ["--pipeline-model-parallel-size", "4", "--exit-interval", "5"]
-RUN_TIMEOUT = 240  # seconds per torchrun (2 shared cores; a PP=4 run takes ~30 s)
+RUN_TIMEOUT = 240  # seconds per run (2 shared cores; a PP=4 torchrun takes ~30 s)
 
 
 class Runs:
@@ -65,11 +69,17 @@ class Runs:
         d.mkdir(exist_ok=True)
         return d
 
-    def get(self, name: str, nproc: int, argv: list[str]) -> dict[str, Any]:
+    def get(self, name: str, nproc: int, argv: list[str], *, launch_torchrun: bool = False) -> dict[str, Any]:
+        """Run ``argv`` on ``nproc`` ranks once: in-process (:func:`in_process`) or, with
+        ``launch_torchrun``, ``pretrain_gpt_zb.py`` under torchrun."""
         if name not in self.done:
-            self.done[name] = torchrun(nproc, argv + ["--loss-log-json", str(self.dir(name) / "values.json")],
-                                       cwd=self.dir(name))
-            self.done[name]["values"] = json.loads((self.dir(name) / "values.json").read_text())
+            if launch_torchrun:
+                run = torchrun(nproc, argv + ["--loss-log-json", str(self.dir(name) / "values.json")],
+                               cwd=self.dir(name))
+                run["values"] = json.loads((self.dir(name) / "values.json").read_text())
+            else:
+                run = in_process(self.root, name, nproc, argv)
+            self.done[name] = run
         return self.done[name]
 
 
@@ -102,7 +112,7 @@ def runs(tmp_path_factory) -> Runs:
 # ---------------------------------------------------------------------------- run definitions
 def ref2(runs: Runs) -> dict:
     return runs.get("ref2", 2, PP2 + ["--use-megatron-core-schedule", "--save", str(runs.dir("ref2") / "ckpt"),
-                                      "--save-interval", "6"])
+                                      "--save-interval", "6"], launch_torchrun=True)
 
 
 def zb_stop(runs: Runs) -> dict:
@@ -129,7 +139,15 @@ def mcore_to_zbv(runs: Runs) -> dict:
     if not dst.exists():
         shutil.copytree(src / "iter_0000006", dst / "iter_0000006")
         (dst / "latest_checkpointed_iteration.txt").write_text("6")
-    return runs.get("mcore_to_zbv", 2, PP2 + ["--zero-bubble-v-schedule", "--load", str(dst)])
+    # It saves at 9 and 12 itself: a V-placement checkpoint of the tied embedding (zbv_to_zb loads it).
+    return runs.get("mcore_to_zbv", 2, PP2 + ["--zero-bubble-v-schedule", "--load", str(dst),
+                                              "--save", str(runs.dir("mcore_to_zbv") / "ckpt"), "--save-interval", "3"])
+
+
+def zbv_to_zb(runs: Runs) -> dict:
+    mcore_to_zbv(runs)
+    ckpt = _at(runs.dir("mcore_to_zbv") / "ckpt", 9, runs.dir("zbv_to_zb") / "ckpt9")
+    return runs.get("zbv_to_zb", 2, PP2 + ["--enable-zero-bubble", "--load", str(ckpt)])
 
 
 def pp2(runs: Runs, name: str, *flags: str) -> dict:
@@ -218,6 +236,21 @@ def test_megatron_core_checkpoint_loads_in_zero_bubble_v(runs):
     assert_curve(losses(got), losses(ref2(runs)), what="ZB-V from megatron-core's checkpoint", exact=False)
     assert "stages [0, 3]" in got["log"]
     assert "random states are not restored" not in got["log"]
+
+
+def test_zero_bubble_v_tied_checkpoint_loads_in_plain_placement(runs):
+    """The reverse direction: ZB-V's iteration-9 checkpoint (one tied embedding parameter on rank 0
+    serving stages 0 and 3) resumes in the plain placement (embedding on rank 0, its output-layer
+    copy on rank 1). Iterations 10-12 equal the uninterrupted megatron-core run's within 1e-6
+    relative: V sums the tied embedding's gradient per microbatch in another order (fp32)."""
+    got, ref = zbv_to_zb(runs), ref2(runs)
+    assert sorted(losses(got)) == [10, 11, 12]
+    assert "successfully loaded checkpoint" in got["log"] and "at iteration 9" in got["log"]
+    assert "random states are not restored" not in got["log"]
+    for a, b in zip(train(got), train(ref)[9:]):
+        assert a["iteration"] == b["iteration"]
+        for key in ("lm loss", "grad norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=0), (a["iteration"], key, a[key], b[key])
 
 
 # ---------------------------------------------------------------------------- PP=4
@@ -400,8 +433,8 @@ SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def _trainer_run(argv: list[str], json_path: str) -> dict:
-    """One rank of the trainer on ``argv`` (+ ``--loss-log-json json_path``): rank 0's log, the
-    last rank's loss log, the installed schedule and the costs the run re-planned from."""
+    """One rank of the trainer on ``argv`` (+ ``--loss-log-json json_path``): this rank's log, the
+    installed schedule and the costs the run re-planned from."""
     import contextlib
     import io
 
@@ -424,18 +457,23 @@ def _trainer_run(argv: list[str], json_path: str) -> dict:
         finally:
             trainer.close()
     out["log"] = log.getvalue()
-    out["values"] = json.loads(Path(json_path).read_text()) if Path(json_path).exists() else None
     return out
 
 
-def _in_process(tmp_path: Path, name: str, world: int, argv: list[str]) -> dict:
+def in_process(tmp_path: Path, name: str, world: int, argv: list[str]) -> dict:
+    """The trainer on ``argv`` in ``world`` ranks of ``run_distributed`` (its forkserver has torch and
+    megatron-core imported: no process start-up), writing ``tmp_path/name/values.json``. Rank 0's
+    results; ``log`` is every rank's stdout in rank order (as torchrun's log has them all)."""
     from megatron_zb.testing import run_distributed
 
     d = tmp_path / name
     d.mkdir(parents=True, exist_ok=True)
-    ranks = run_distributed(_trainer_run, world_size=world, args=(argv, str(d / "values.json")), timeout=300)
+    ranks = run_distributed(_trainer_run, world_size=world, args=(argv, str(d / "values.json")), timeout=RUN_TIMEOUT)
     out = dict(ranks[0])
-    out["values"] = next(r["values"] for r in ranks if r["values"] is not None)
+    out["log"] = "".join(r["log"] for r in ranks)
+    # Read here, every rank done: the last rank rewrites the file as it goes, so a rank that
+    # finished first could read an older version.
+    out["values"] = json.loads((d / "values.json").read_text())
     return out
 
 
@@ -447,7 +485,7 @@ def test_replanned_schedule_is_the_greedy_schedule_of_the_logged_costs(tmp_path)
     from megatron_zb.schedules import CostModel
     from megatron_zb.schedules.registry import build_schedule
 
-    run = _in_process(tmp_path, "replan", 2, SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "4",
+    run = in_process(tmp_path, "replan", 2, SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "4",
                                                       "--enable-zero-bubble"])
     assert run["costs"] is not None, run["log"][-2000:]
     costs = CostModel(**run["costs"])
@@ -476,7 +514,7 @@ def test_mixed_precision_curves_equal_megatron_core(tmp_path, precision, extra):
     within 1e-5 relative (tied embeddings, see below; clipping off: see docs/compatibility.md)."""
     argv = SMALL + [f"--{precision}", "--pipeline-model-parallel-size", "2", "--train-iters", "8",
                     "--clip-grad", "0", *extra]
-    ref = _curve(_in_process(tmp_path, "mcore", 2, argv + ["--use-megatron-core-schedule"]))
+    ref = _curve(in_process(tmp_path, "mcore", 2, argv + ["--use-megatron-core-schedule"]))
     assert [it for it, *_ in ref] == list(range(1, 9))
     if precision == "fp16":
         skipped = [i for i, (_, _, _, s) in enumerate(ref) if s]
@@ -484,7 +522,7 @@ def test_mixed_precision_curves_equal_megatron_core(tmp_path, precision, extra):
         scales = [scale for _, _, scale, _ in ref]
         assert any(b == a / 2 for a, b in zip(scales, scales[1:])), scales  # the loss scale was halved
     for name, flags in (("zb", ["--enable-zero-bubble"]), ("zbv", ["--zero-bubble-v-schedule"])):
-        got = _curve(_in_process(tmp_path, name, 2, argv + flags))
+        got = _curve(in_process(tmp_path, name, 2, argv + flags))
         if name == "zb":
             assert got == ref, f"{precision} {name}: {got} != {ref}"
             continue
@@ -521,21 +559,21 @@ def test_resume_identity_dp2_post_validation_and_distributed_optimizer_refused(t
     argv = SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "8", "--enable-zero-bubble",
                     "--enable-optimizer-post-validation", "--enable-exactly-numeric-match",
                     "--post-validation-warmup-iters", "2"]
-    whole = _in_process(tmp_path, "whole", 4, argv)
+    whole = in_process(tmp_path, "whole", 4, argv)
     ckpt = tmp_path / "ckpt"
-    first = _in_process(tmp_path, "first", 4, argv + ["--save", str(ckpt), "--save-interval", "4",
+    first = in_process(tmp_path, "first", 4, argv + ["--save", str(ckpt), "--save-interval", "4",
                                                       "--exit-interval", "4"])
-    second = _in_process(tmp_path, "second", 4, argv + ["--load", str(ckpt)])
+    second = in_process(tmp_path, "second", 4, argv + ["--load", str(ckpt)])
     assert [v[0] for v in _values(first)] == [1, 2, 3, 4] and [v[0] for v in _values(second)] == [5, 6, 7, 8]
     assert _values(first) + _values(second) == _values(whole)
     assert "eager steps" in whole["log"] and "rebuilt from the profiled costs stored in the checkpoint" in second["log"]
 
     dist_ckpt = tmp_path / "ckpt_distopt"
     distopt = argv + ["--use-distributed-optimizer"]
-    _in_process(tmp_path, "distopt", 4, distopt + ["--save", str(dist_ckpt), "--save-interval", "2",
+    in_process(tmp_path, "distopt", 4, distopt + ["--save", str(dist_ckpt), "--save-interval", "2",
                                                    "--exit-interval", "2"])
     with pytest.raises(CheckpointError, match="--load with --use-distributed-optimizer is not supported"):
-        _in_process(tmp_path, "distopt_resume", 4, distopt + ["--load", str(dist_ckpt)])
+        in_process(tmp_path, "distopt_resume", 4, distopt + ["--load", str(dist_ckpt)])
 
 
 @pytest.fixture(scope="module")
@@ -545,7 +583,7 @@ def pp2_saved(tmp_path_factory) -> tuple[dict, Path]:
     argv = SMALL + ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--train-iters", "8",
                     "--clip-grad", "0", "--use-megatron-core-schedule", "--save", str(tmp / "ckpt"),
                     "--save-interval", "4"]
-    return _in_process(tmp, "ref", 2, argv), _at(tmp / "ckpt", 4, tmp / "ckpt4")
+    return in_process(tmp, "ref", 2, argv), _at(tmp / "ckpt", 4, tmp / "ckpt4")
 
 
 @pytest.mark.parametrize("flags,stages", [(["--enable-zero-bubble"], "[0]"),
@@ -556,7 +594,7 @@ def test_pp2_checkpoint_loads_at_pp4_plain_and_v(tmp_path, pp2_saved, flags, sta
     ref, ckpt = pp2_saved
     argv = SMALL + ["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--train-iters", "8",
                     "--clip-grad", "0", "--load", str(ckpt), *flags]
-    got = _in_process(tmp_path, "pp4", 4, argv)
+    got = in_process(tmp_path, "pp4", 4, argv)
     want = _values(ref)[4:]
     # Everything bitwise but the reported grad norm: PP=4 sums the squares per pipeline rank in
     # another grouping than PP=2 (last-bit differences; clipping is off, so nothing uses it).
@@ -572,10 +610,10 @@ def test_fp16_checkpoint_before_any_successful_step_resumes(tmp_path):
     curve equals the uninterrupted run's (megatron-core would ask for exp_avg the save lacked)."""
     argv = SMALL + ["--fp16", "--initial-loss-scale", str(2.0 ** 22), "--pipeline-model-parallel-size", "2",
                     "--train-iters", "6", "--clip-grad", "0", "--enable-zero-bubble"]
-    whole = _in_process(tmp_path, "whole", 2, argv)
+    whole = in_process(tmp_path, "whole", 2, argv)
     assert [v[5] for v in _values(whole)][:2] == [True, True] and not _values(whole)[-1][5], _values(whole)
     ckpt = tmp_path / "ckpt"
-    first = _in_process(tmp_path, "first", 2, argv + ["--save", str(ckpt), "--save-interval", "2",
+    first = in_process(tmp_path, "first", 2, argv + ["--save", str(ckpt), "--save-interval", "2",
                                                       "--exit-interval", "2"])
-    second = _in_process(tmp_path, "second", 2, argv + ["--load", str(ckpt)])
+    second = in_process(tmp_path, "second", 2, argv + ["--load", str(ckpt)])
     assert _values(first) + _values(second) == _values(whole)
