@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import torch
+
+from .progress import RoundProgress
 
 __all__ = ["DPBenchSpec", "DPStage", "dp_bench_rank", "dp_prediction", "dp_section", "fit_reduce"]
 
@@ -251,19 +252,17 @@ def dp_bench_rank(spec_dict: dict[str, Any]) -> dict[str, Any]:
                                t_comm=t_comm, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                                times={k: [] for k in runs}, durations={k: {} for k in runs},
                                early={k: [] for k in runs}, buckets={})
-    t_start = time.perf_counter()
     rounds = spec.warmup + spec.repeats
+    progress = RoundProgress("dp", rounds, enabled=dist.get_rank() == 0)
     for rnd in range(rounds):
+        round_ms: dict[str, float] = {}
         keys = list(runs)
         if rnd % 2:   # off before on in even rounds, on before off in odd ones (drift cancels in pairs)
             keys = [k for pair in zip(keys[1::2], keys[0::2]) for k in pair]
         for key in keys:
             r = runs[key]
             t0, t1 = _iteration(r, spec.m, shape)
-            if dist.get_rank() == 0:
-                print(f"dp: round {rnd + 1}/{rounds} ({'warm-up' if rnd < spec.warmup else 'timed'}) {key}: "
-                      f"{(t1 - t0) * 1e3:.0f} ms, elapsed {time.perf_counter() - t_start:.1f} s",
-                      file=sys.stderr, flush=True)
+            round_ms[key] = (t1 - t0) * 1e3
             if rnd < spec.warmup:
                 continue
             out["times"][key].append((t0, t1))
@@ -273,6 +272,7 @@ def dp_bench_rank(spec_dict: dict[str, Any]) -> dict[str, Any]:
             if rep is not None:
                 out["early"][key].append(max(rep.hidden_window(), default=0.0))
                 out["buckets"][key] = rep.num_buckets
+        progress.round(m=spec.m, times_ms=round_ms, what="warm-up round" if rnd < spec.warmup else "round")
     return out
 
 
