@@ -22,7 +22,8 @@ from typing import Any
 
 import torch.nn.functional as F
 
-__all__ = ["FAMILIES", "FEATURES", "Feature", "ModelShape", "REFERENCES", "Tolerance", "feature", "placement_of"]
+__all__ = ["FAMILIES", "FEATURES", "Feature", "LLAMA", "ModelShape", "REFERENCES", "Tolerance", "feature",
+           "placement_of"]
 
 
 @dataclass(frozen=True)
@@ -129,13 +130,13 @@ _INPLACE = ("in-place rollback inverts Adam algebraically: the redone step start
             "recovered to fp32 round-off (docs/post_validation.md); later Adam steps amplify that on elements whose "
             "gradient is near zero, e.g. a bias initialised to 0 (measured max |diff| / max |param| about 2e-4)")
 
-_LLAMA = dict(
+LLAMA = dict(
     config_options=dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, num_query_groups=2,
                         add_bias_linear=False, qk_layernorm=True, layernorm_epsilon=1e-5),
     model_options=dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000),
     spec_options=dict(normalization="RMSNorm", qk_layernorm=True))
 """A LLaMA-style block on the matrix's model: RMSNorm, SwiGLU, RoPE, grouped-query attention (2 groups
-for 4 heads), no linear biases, QK-layernorm."""
+for 4 heads), no linear biases, QK-layernorm (TinyGPT's option dicts; tests/test_model_flags.py uses it too)."""
 
 _MOE = dict(
     config_options=dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=1e-2,
@@ -168,7 +169,7 @@ FEATURES: list[Feature] = [
     Feature("per-token-loss", "calculate_per_token_loss (loss sums, gradients scaled by 1/total tokens)",
             per_token_loss=True),
     Feature("llama", "LLaMA-style layers: RMSNorm, SwiGLU, RoPE, grouped-query attention (2 groups for 4 heads), "
-                     "no linear biases, QK-layernorm", tiny_gpt=_LLAMA),
+                     "no linear biases, QK-layernorm", tiny_gpt=LLAMA),
     Feature("recompute-full", "full activation recomputation (uniform, 1 layer per checkpoint): W deferred inside "
                               "recomputed layers, as many W computations as fp32's", same_w_as="fp32",
             tiny_gpt=dict(config_options=dict(recompute_granularity="full", recompute_method="uniform",
