@@ -150,13 +150,19 @@ def build_and_simulate(name: str, *, pp: int, microbatches: int, chunks: int | N
                            f"for {where}: {msg}") from None
         raise CLIError(f"cannot build {where}: {msg}") from None
     try:
-        result = simulate(sched, model)
-    except MemoryLimitError as e:
-        raise CLIError(f"--memory-limit {costs.memory_limit:g} (units of one stage's M_B) is too small for "
-                       f"{where}: {one_line(str(e))}") from None
+        result = _simulate(sched, model, costs, where)
     except ScheduleError as e:
         raise CLIError(f"{where} produced an invalid schedule (a generator bug): {one_line(str(e))}") from None
     return sched, result
+
+
+def _simulate(sched: Schedule, model: CostModel, costs: Costs, where: str) -> SimResult:
+    """:func:`simulate`; a schedule over the memory limit is the user's error naming ``--memory-limit``."""
+    try:
+        return simulate(sched, model)
+    except MemoryLimitError as e:
+        raise CLIError(f"--memory-limit {costs.memory_limit:g} (units of one stage's M_B) is too small for "
+                       f"{where}: {one_line(str(e))}") from None
 
 
 def load_schedule(path: str | Path) -> Schedule:
@@ -219,13 +225,8 @@ def simulate_file(path: str | Path, costs: Costs | None = None) -> tuple[Schedul
     note = check_schedule(sched, str(path))
     model = costs.for_placement(sched.stage_to_rank)
     try:
-        result = simulate(sched, model)
-    except MemoryLimitError as e:
-        raise CLIError(f"--memory-limit {costs.memory_limit:g} (units of one stage's M_B) is too small for "
-                       f"{path}: {one_line(str(e))}") from None
-    except DeadlockError as e:
-        raise CLIError(f"{path}: {one_line(str(e))}") from None
-    except ScheduleError as e:
+        result = _simulate(sched, model, costs, str(path))
+    except (DeadlockError, ScheduleError) as e:
         raise CLIError(f"{path}: {one_line(str(e))}") from None
     return sched, result, note
 
