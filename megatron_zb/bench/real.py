@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..runtime.executor import LoopOverhead
-from ..schedules.ir import Placement
+from ..schedules.ir import Op, Placement
 from ..testing.tiny_gpt import TinyGPT, build_chunks, forward_backward, forward_step, random_microbatches
 from .progress import RoundProgress
 
@@ -137,7 +137,7 @@ def measured_costs(fb: Any, stages: list[int]) -> dict[int, tuple[float, float, 
     out = {}
     for s in stages:
         vals = []
-        for op in ("F", "B", "W"):
+        for op in (Op.F, Op.B, Op.W):
             d = t.durations(op).get(s, [])
             vals.append(1e3 * statistics.median(d) if d else float("nan"))
         out[s] = tuple(vals)
@@ -197,7 +197,7 @@ def _measure_costs(chunks_by_kind: dict[Placement, list[Any]], spec: ModelSpec, 
         times = _stage_map(_gather(measured_costs(fb, stages)))
         bw: dict[int, float] = {}
         if kind == Placement.PLAIN:  # the fused backward of 1F1B, to compare with T_B + T_W
-            fused = timed("1f1b", mods).last_timing.durations("BW")
+            fused = timed("1f1b", mods).last_timing.durations(Op.BW)
             bw = _stage_map(_gather({s: 1e3 * statistics.median(fused[s]) for s in stages if fused.get(s)}))
         mem = _stage_map(_gather(measure_stage_memory(chunks, spec)))
         out[kind] = dict(times=times, mem=mem, bw=bw, costs=_cost_model(times, mem, t_comm_ms))
@@ -298,7 +298,7 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                 if timed:
                     timings[m][v].append((t0, t1))
                     if v in achieved[m]:
-                        for op in ("F", "B", "W", "BW"):
+                        for op in (Op.F, Op.B, Op.W, Op.BW):
                             for st, xs in fbs[v].last_timing.durations(op).items():
                                 achieved[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
                             for st, xs in fbs[v].last_timing.cpu_durations(op).items():

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schedules import CostModel, simulate
-from ..schedules.ir import Placement
+from ..schedules.ir import Op, Placement
 from ..schedules.registry import build_schedule
 from .progress import log
 from .report import (LABEL, Row, achieved_costs, comm_range, fmt_ratio, iteration_times, markdown_table, median, ms,
@@ -195,7 +195,7 @@ def _cpu_table(res: list[dict[str, Any]], cfg: dict[str, Any], rows: list[Row], 
     for m in cfg["ms"]:
         for v in res[0]["achieved_cpu"][m]:
             cells = []
-            for op in ("F", "B", "W", "BW"):
+            for op in (Op.F, Op.B, Op.W, Op.BW):
                 per_rank = [[x for xs in r["achieved_cpu"][m][v].get(op, {}).values() for x in xs] for r in res]
                 if not any(per_rank):
                     cells.append("-")
