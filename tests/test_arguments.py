@@ -242,6 +242,11 @@ BAD = [
     ("--global-batch-size 10", 2, "--global-batch-size", "multiple of 4"),
     ("--num-layers 6 --pipeline-model-parallel-size 4", 4, "--num-layers", "--allow-padding-num-layers"),
     ("--num-layers 5 --pipeline-model-parallel-size 4 --allow-padding-num-layers", 4, "--num-layers", "even with"),
+    # only the loss counted in the split: the message names that flag (8 + 1 layers over 2 stages)
+    ("--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split", 2,
+     "--account-for-loss-in-pipeline-split", "do not divide evenly"),
+    ("--decoder-last-pipeline-num-layers 2", 1, "--decoder-last-pipeline-num-layers",
+     "--pipeline-model-parallel-size > 1"),
     ("--enable-optimizer-post-validation", 1, "--enable-optimizer-post-validation", "--enable-zero-bubble"),
     ("--sequence-parallel", 1, "--sequence-parallel", "--tensor-model-parallel-size > 1"),
     ("--fp16 --bf16", 1, "--bf16", "--fp16"),

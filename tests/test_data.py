@@ -116,6 +116,26 @@ def test_preprocess_errors(tmp_path, capsys):
     assert "error: --tokenizer-model: tokenizer path" in capsys.readouterr().err
 
 
+def test_preprocess_help_does_not_import_megatron_core():
+    """``tools/preprocess_data.py --help`` lists the tokenizer flags and exits 0 without importing
+    megatron-core (a fresh interpreter: this one has imported it)."""
+    import subprocess
+    import sys
+
+    code = ("import runpy, sys\n"
+            "sys.argv = ['preprocess_data.py', '--help']\n"
+            "try:\n"
+            f"    runpy.run_path({str(REPO / 'tools' / 'preprocess_data.py')!r}, run_name='__main__')\n"
+            "except SystemExit as e:\n"
+            "    assert e.code == 0, e.code\n"
+            "print('MEGATRON_CORE_IMPORTED' if 'megatron.core' in sys.modules else 'MEGATRON_CORE_NOT_IMPORTED')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--tokenizer-type" in proc.stdout and "--output-prefix" in proc.stdout
+    assert proc.stdout.strip().endswith("MEGATRON_CORE_NOT_IMPORTED"), proc.stdout[-500:]
+
+
 # ---------------------------------------------------------------------------- datasets
 def test_gpt_dataset_from_preprocessed_corpus(corpus, tmp_path):
     args = resolve(f"--data-path {corpus} --split 8,1,1 --data-cache-path {tmp_path / 'cache'}")

@@ -27,24 +27,20 @@ import torch
 from megatron_zb.model import pipeline_split
 from megatron_zb.schedules.registry import get_spec
 from megatron_zb.testing import run_distributed
+from megatron_zb.testing.compat_features import LLAMA
 from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-
-LLAMA_CONFIG = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                    num_query_groups=2, add_bias_linear=False, qk_layernorm=True, layernorm_epsilon=1e-5)
-LLAMA_MODEL = dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000,
-                   share_embeddings_and_output_weights=True)
-LLAMA_SPEC = dict(qk_layernorm=True, normalization="RMSNorm")
 
 
 def llama(*, pp: int = 2, recompute: dict[str, Any] | None = None, split: dict[str, Any] | None = None,
           per_token: bool = False, tied: bool = True, num_layers: int = 6, **kw: Any) -> TinyGPT:
     """A tiny LLaMA-style model (RMSNorm, SwiGLU, RoPE, GQA, no biases, QK-norm), DDP + finalize_model_grads."""
-    config = {**LLAMA_CONFIG, **(recompute or {}), "calculate_per_token_loss": per_token}
-    model = {**LLAMA_MODEL, "share_embeddings_and_output_weights": tied}
+    config = {**LLAMA["config_options"], **(recompute or {}), "calculate_per_token_loss": per_token}
+    model = {**LLAMA["model_options"], "share_embeddings_and_output_weights": tied}
     return TinyGPT(pp=pp, ddp=True, num_layers=num_layers, hidden=32, heads=4, seq=16, vocab=64,
-                   config_options=config, model_options=model, spec_options=LLAMA_SPEC, split=split or {}, **kw)
+                   config_options=config, model_options=model, spec_options=LLAMA["spec_options"], split=split or {},
+                   **kw)
 
 
 _RUNS: dict[str, dict[str, Any]] = {}

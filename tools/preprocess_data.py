@@ -17,8 +17,8 @@ Examples::
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
 
-The tokenizer flags are ``pretrain_gpt_zb.py``'s (:func:`megatron_zb.training.tokenizers.add_tokenizer_args`);
-pass the same ones to both.
+The tokenizer flags are ``pretrain_gpt_zb.py``'s (:func:`megatron_zb.training.tokenizer_flags.add_tokenizer_args`);
+pass the same ones to both. ``--help`` does not import megatron-core (it is imported to tokenize).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="JSON keys to extract; one output dataset per key. For text input only the first key is "
                         "used (in the output name).")
-    from megatron_zb.training.tokenizers import add_tokenizer_args  # the flags of pretrain_gpt_zb.py
+    # the flags of pretrain_gpt_zb.py, from a module that does not import megatron-core (fast --help)
+    from megatron_zb.training.tokenizer_flags import add_tokenizer_args
 
     g = p.add_argument_group("tokenizer (the flags of pretrain_gpt_zb.py)")
     add_tokenizer_args(g)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..runtime.executor import LoopOverhead
+from ..schedules.ir import Op, Placement
 from ..testing.tiny_gpt import TinyGPT, build_chunks, forward_backward, forward_step, random_microbatches
 from .progress import RoundProgress
 
@@ -57,20 +58,19 @@ def _data(spec: ModelSpec, n: int) -> list[dict[str, torch.Tensor]]:
     return random_microbatches(n, vocab=spec.vocab, micro_batch=spec.micro_batch, seq=spec.seq, seed=spec.seed + 7)
 
 
-def _build(spec: ModelSpec, pp: int, placements: list[str]) -> dict[str, list[Any]]:
-    """This rank's chunks per placement kind ("plain", "v"); parallel state must be initialised."""
-    from ..schedules.ir import plain_placement, v_placement
-
-    return {kind: build_chunks(spec.tiny_gpt(pp), plain_placement(pp) if kind == "plain" else v_placement(pp))
-            for kind in placements}
+def _build(spec: ModelSpec, pp: int, placements: list[Placement]) -> dict[Placement, list[Any]]:
+    """This rank's chunks per placement kind (plain, V); parallel state must be initialised."""
+    return {kind: build_chunks(spec.tiny_gpt(pp), Placement(kind).stage_to_rank(pp)) for kind in placements}
 
 
-def _placement_kind(name: str) -> str:
+def placement_kind(name: str) -> Placement:
+    """The chunks a benchmark variant runs on: ``Placement.V`` for a V schedule, else ``Placement.PLAIN``
+    (megatron-core's own 1F1B included); its measured costs are those of that kind's chunks."""
     from ..schedules.registry import get_spec
 
     if name == MEGATRON_1F1B:
-        return "plain"
-    return "v" if get_spec(name).placement == "v" else "plain"
+        return Placement.PLAIN
+    return Placement.V if get_spec(name).placement is Placement.V else Placement.PLAIN
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -137,7 +137,7 @@ def measured_costs(fb: Any, stages: list[int]) -> dict[int, tuple[float, float, 
     out = {}
     for s in stages:
         vals = []
-        for op in ("F", "B", "W"):
+        for op in (Op.F, Op.B, Op.W):
             d = t.durations(op).get(s, [])
             vals.append(1e3 * statistics.median(d) if d else float("nan"))
         out[s] = tuple(vals)
@@ -156,7 +156,7 @@ def _cost_model(times: dict[int, tuple[float, float, float]], mem: dict[int, tup
                      t_w=[times[s][2] for s in range(n)], t_comm=t_comm_ms, **kw)
 
 
-def _measure_costs(chunks_by_kind: dict[str, list[Any]], spec: ModelSpec, m: int, iters: int,
+def _measure_costs(chunks_by_kind: dict[Placement, list[Any]], spec: ModelSpec, m: int, iters: int,
                    t_comm_ms: float, log: Any = None) -> dict[str, Any]:
     """Measure per-stage T_F/T_B/T_W (ms) with ``time_actions`` and M_B/M_W (bytes), per placement.
 
@@ -171,7 +171,8 @@ def _measure_costs(chunks_by_kind: dict[str, list[Any]], spec: ModelSpec, m: int
 
     import torch.distributed as dist
 
-    runs = [("zb-h1" if kind == "plain" else "zbv") for kind in chunks_by_kind] + ["1f1b"] * ("plain" in chunks_by_kind)
+    runs = ([("zb-h1" if kind == Placement.PLAIN else "zbv") for kind in chunks_by_kind]
+            + ["1f1b"] * (Placement.PLAIN in chunks_by_kind))
     progress = RoundProgress("cost measurement", len(runs) * (iters + 1), enabled=dist.get_rank() == 0)
 
     def timed(name: str, mods: list[Any]) -> Any:
@@ -192,11 +193,11 @@ def _measure_costs(chunks_by_kind: dict[str, list[Any]], spec: ModelSpec, m: int
     for kind, chunks in chunks_by_kind.items():
         mods = [c.module for c in chunks]
         stages = [c.plan.stage for c in chunks]
-        fb = timed("zb-h1" if kind == "plain" else "zbv", mods)
+        fb = timed("zb-h1" if kind == Placement.PLAIN else "zbv", mods)
         times = _stage_map(_gather(measured_costs(fb, stages)))
         bw: dict[int, float] = {}
-        if kind == "plain":  # the fused backward of 1F1B, to compare with T_B + T_W
-            fused = timed("1f1b", mods).last_timing.durations("BW")
+        if kind == Placement.PLAIN:  # the fused backward of 1F1B, to compare with T_B + T_W
+            fused = timed("1f1b", mods).last_timing.durations(Op.BW)
             bw = _stage_map(_gather({s: 1e3 * statistics.median(fused[s]) for s in stages if fused.get(s)}))
         mem = _stage_map(_gather(measure_stage_memory(chunks, spec)))
         out[kind] = dict(times=times, mem=mem, bw=bw, costs=_cost_model(times, mem, t_comm_ms))
@@ -249,8 +250,8 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     init_parallel_state(pipeline_model_parallel_size=pp, seed=spec.seed)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     variants = list(cfg["variants"])
-    kinds = sorted({_placement_kind(v) for v in variants}
-                   | {_placement_kind(s) for s in cfg.get("memory_schedules", [])})
+    kinds = sorted({placement_kind(v) for v in variants}
+                   | {placement_kind(s) for s in cfg.get("memory_schedules", [])})
     chunks = _build(spec, pp, kinds)
     shape = (spec.seq, spec.micro_batch, spec.hidden)
     pairs = [(i, i + 1) for i in range(pp - 1)]
@@ -260,7 +261,7 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
 
     fbs: dict[str, Any] = {}
     for v in variants:
-        kind = _placement_kind(v)
+        kind = placement_kind(v)
         if v == MEGATRON_1F1B:
             fbs[v] = megatron_fb()
         else:
@@ -291,13 +292,13 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]  # rotate the start
             this_round = {}
             for v in order:
-                mods = [c.module for c in chunks[_placement_kind(v)]]
+                mods = [c.module for c in chunks[placement_kind(v)]]
                 t0, t1, out = _iteration(fbs[v], mods, data, spec, ours=(v != MEGATRON_1F1B))
                 this_round[v] = 1e3 * (t1 - t0)
                 if timed:
                     timings[m][v].append((t0, t1))
                     if v in achieved[m]:
-                        for op in ("F", "B", "W", "BW"):
+                        for op in (Op.F, Op.B, Op.W, Op.BW):
                             for st, xs in fbs[v].last_timing.durations(op).items():
                                 achieved[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
                             for st, xs in fbs[v].last_timing.cpu_durations(op).items():
@@ -330,7 +331,7 @@ def _memory(chunks: dict[str, list[Any]], spec: ModelSpec, measured: dict[str, A
     out: dict[str, Any] = {}
     progress = RoundProgress(f"memory PP={dist.get_world_size()}", len(schedules), enabled=dist.get_rank() == 0)
     for name in schedules:
-        kind = _placement_kind(name)
+        kind = placement_kind(name)
         costs = measured[kind]["costs"]
         fb = get_forward_backward_func(name, costs=costs if get_spec(name).cost_aware else None, track_memory=True)
         mods = [c.module for c in chunks[kind]]
@@ -356,7 +357,7 @@ def memory_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     pp = dist.get_world_size()
     init_parallel_state(pipeline_model_parallel_size=pp, seed=spec.seed)
     rank = parallel_state.get_pipeline_model_parallel_rank()
-    kinds = sorted({_placement_kind(s) for s in cfg["memory_schedules"]})
+    kinds = sorted({placement_kind(s) for s in cfg["memory_schedules"]})
     chunks = _build(spec, pp, kinds)
     measured = _measure_costs(chunks, spec, cfg.get("measure_m", 2 * pp), cfg.get("measure_iters", 1), 0.0)
     memory = _memory(chunks, spec, measured, cfg["memory_schedules"], cfg["memory_m"])
@@ -394,7 +395,7 @@ def post_validation_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     data = _data(spec, m)
     variants = {}
     for name in ("sync", "post-validation"):
-        [chunk] = _build(spec, pp, ["plain"])["plain"]
+        [chunk] = _build(spec, pp, [Placement.PLAIN])[Placement.PLAIN]
         gpt = chunk.module
         ddp = DistributedDataParallel(config=gpt.config, module=gpt,
                                       ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schedules import CostModel, simulate
+from ..schedules.ir import Op, Placement
 from ..schedules.registry import build_schedule
 from .progress import log
 from .report import (LABEL, Row, achieved_costs, comm_range, fmt_ratio, iteration_times, markdown_table, median, ms,
@@ -61,7 +62,7 @@ def _measured_costs_table(res: list[dict[str, Any]], cfg: dict[str, Any], rcfg: 
               f"megatron-core's 1F1B runs with megatron-core's own linear autograd function (the "
               f"weight-gradient store is uninstalled for it).\n")
     mrows = []
-    for kind, label in (("plain", "plain (1F1B, ZB-H1, ZB-2p)"), ("v", "V (ZB-V), 2 chunks/rank")):
+    for kind, label in ((Placement.PLAIN, "plain (1F1B, ZB-H1, ZB-2p)"), (Placement.V, "V (ZB-V), 2 chunks/rank")):
         meas = res[0]["measured"][kind]
         for s in sorted(meas["times"]):
             tf, tb, tw = meas["times"][s]
@@ -89,7 +90,7 @@ def _measured_costs_table(res: list[dict[str, Any]], cfg: dict[str, Any], rcfg: 
 
 def _timing_tables(res: list[dict[str, Any]], cfg: dict[str, Any], variants: list[str], plan_costs: dict[str, Any],
                    costs: dict[str, Any], model: Any, rows: list[Row], md: list[str], out: Path) -> None:
-    from .real import MEGATRON_1F1B
+    from .real import MEGATRON_1F1B, placement_kind
 
     trows, grows = [], []
     ratio_by_m: dict[int, dict[str, float]] = {}
@@ -102,7 +103,7 @@ def _timing_tables(res: list[dict[str, Any]], cfg: dict[str, Any], variants: lis
         sim = {}
         for v in variants:
             name = "1f1b" if v == MEGATRON_1F1B else v
-            kind = "v" if name == "zbv" else "plain"
+            kind = placement_kind(name)
             sched = build_schedule(name, num_ranks=2, num_microbatches=m, costs=plan_costs[kind])  # as the ranks did
             sim[v] = simulate(sched, costs[kind], enforce_memory=False)
         for v in variants:
@@ -145,13 +146,15 @@ def _realisation_table(res: list[dict[str, Any]], cfg: dict[str, Any], plan_cost
                        costs: dict[str, Any], rows: list[Row], md: list[str]) -> None:
     """Per m and schedule of ours: the runtime's overhead per compute action, the achieved action
     durations against the planned costs, and the simulator with those achieved durations."""
+    from .real import placement_kind
+
     trows = []
     for m in cfg["ms"]:
         for v in res[0]["overhead"][m]:
             ovs = [r["overhead"][m][v] for r in res]
             cpu_us = max(o.per_action_us() for o in ovs)
             wall_us = max(o.per_action_us(cpu=False) for o in ovs)
-            kind = "v" if v in ("zbv", "v-half") else "plain"
+            kind = placement_kind(v)
             sched = build_schedule(v, num_ranks=2, num_microbatches=m, costs=plan_costs[kind])
             n = sched.num_stages
             ach = achieved_costs([r["achieved"][m][v] for r in res], costs[kind], n)
@@ -192,7 +195,7 @@ def _cpu_table(res: list[dict[str, Any]], cfg: dict[str, Any], rows: list[Row], 
     for m in cfg["ms"]:
         for v in res[0]["achieved_cpu"][m]:
             cells = []
-            for op in ("F", "B", "W", "BW"):
+            for op in (Op.F, Op.B, Op.W, Op.BW):
                 per_rank = [[x for xs in r["achieved_cpu"][m][v].get(op, {}).values() for x in xs] for r in res]
                 if not any(per_rank):
                     cells.append("-")
@@ -210,6 +213,8 @@ def _cpu_table(res: list[dict[str, Any]], cfg: dict[str, Any], rows: list[Row], 
 
 def memory_table(res: list[dict[str, Any]], costs: dict[str, CostModel], p: int, m: int, rows: list[Row],
                  md: list[str], heading: str) -> None:
+    from .real import placement_kind
+
     names = list(res[0]["memory"])
     if not names:
         return
@@ -217,7 +222,7 @@ def memory_table(res: list[dict[str, Any]], costs: dict[str, CostModel], p: int,
     for n in names:
         measured = [r["memory"][n]["peak_bytes"] for r in res]
         sched = res[0]["memory"][n]["schedule"]  # the very schedule the ranks ran
-        c = costs["v" if n in ("zbv", "v-half") else "plain"]
+        c = costs[placement_kind(n)]
         per[n] = (measured, simulate(sched, c, enforce_memory=False).peak_memory)
     base, base_sim = (max(per["1f1b"][0]), max(per["1f1b"][1])) if "1f1b" in per else (float("nan"),) * 2
     zbv = max(per["zbv"][0]) if "zbv" in per else float("nan")
@@ -286,7 +291,7 @@ def section_postval(cfg: dict[str, Any], real_info: dict[str, Any] | None, rows:
 
     pv = cfg["pv"]
     schedule = "zb-2p"
-    costs = real_info["costs"]["plain"] if real_info else None
+    costs = real_info["costs"][Placement.PLAIN] if real_info else None
     rcfg = dict(model=asdict(cfg["model"]), schedule=schedule, costs=costs, m=pv["m"], block=pv["block"],
                 warmup=pv["warmup"], repeats=pv["repeats"], clip_grad=1e4)
     log(f"post-validation: PP=2, {schedule}, m={pv['m']}, blocks of {pv['block']} iterations, "

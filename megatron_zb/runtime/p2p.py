@@ -5,7 +5,7 @@ is matched with that peer's sends to this rank in the order both were posted -- 
 NCCL has anyway (it ignores tags). Running the CPU tests on gloo with one tag therefore
 exercises exactly what a GPU run relies on. The executor keeps the orders equal: it posts the
 receives from each peer in the order that peer's action list sends them
-(:attr:`~megatron_zb.runtime.executor.RankPlan.recv_order`), which on a V or interleaved
+(:attr:`~megatron_zb.runtime.rank_plan.RankPlan.recv_order`), which on a V or interleaved
 placement can differ from the order in which this rank *needs* them (activations and gradients
 travel over the same pair of ranks). Receives are therefore identified by
 ``(op, microbatch, producing stage)`` here and posted ahead of use (:meth:`PipeComm.post_recv`);

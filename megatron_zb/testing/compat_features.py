@@ -22,7 +22,10 @@ from typing import Any
 
 import torch.nn.functional as F
 
-__all__ = ["FAMILIES", "FEATURES", "Feature", "ModelShape", "REFERENCES", "Tolerance", "feature", "placement_of"]
+from ..schedules.ir import Placement
+
+__all__ = ["FAMILIES", "FEATURES", "Feature", "LLAMA", "ModelShape", "REFERENCES", "Tolerance", "feature",
+           "placement_of"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ class Feature:
         same_w_as: a feature whose cells must show exactly as many deferred weight-gradient
             computations for the same family (recomputation: W is queued once per linear per
             microbatch, as without it -- not skipped, not duplicated). Checked when both columns run.
-        tolerance: per placement (``"plain"``, ``"interleaved"``, ``"v"``), the accepted
+        tolerance: per :class:`~megatron_zb.schedules.ir.Placement`, the accepted
             difference; a placement not listed must be bitwise equal.
     """
 
@@ -112,9 +115,9 @@ class Feature:
     clip_grad: float = 0.0
     num_layers: int | None = None
     tiny_gpt: dict[str, Any] = field(default_factory=dict)
-    split: dict[str, dict[str, Any]] = field(default_factory=dict)
+    split: dict[Placement, dict[str, Any]] = field(default_factory=dict)
     same_w_as: str | None = None
-    tolerance: dict[str, Tolerance] = field(default_factory=dict)
+    tolerance: dict[Placement, Tolerance] = field(default_factory=dict)
 
     def world_size(self, pp: int) -> int:
         """Processes of one launch at pipeline size ``pp``."""
@@ -129,13 +132,13 @@ _INPLACE = ("in-place rollback inverts Adam algebraically: the redone step start
             "recovered to fp32 round-off (docs/post_validation.md); later Adam steps amplify that on elements whose "
             "gradient is near zero, e.g. a bias initialised to 0 (measured max |diff| / max |param| about 2e-4)")
 
-_LLAMA = dict(
+LLAMA = dict(
     config_options=dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, num_query_groups=2,
                         add_bias_linear=False, qk_layernorm=True, layernorm_epsilon=1e-5),
     model_options=dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000),
     spec_options=dict(normalization="RMSNorm", qk_layernorm=True))
 """A LLaMA-style block on the matrix's model: RMSNorm, SwiGLU, RoPE, grouped-query attention (2 groups
-for 4 heads), no linear biases, QK-layernorm."""
+for 4 heads), no linear biases, QK-layernorm (TinyGPT's option dicts; tests/test_model_flags.py uses it too)."""
 
 _MOE = dict(
     config_options=dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=1e-2,
@@ -164,11 +167,11 @@ FEATURES: list[Feature] = [
             loss_multipliers=(1.0, 50.0, 1.0)),
     Feature("pv-inplace", "optimizer post-validation, in-place (algebraic) rollback; iteration 2's loss x50 "
                           "forces a clip", post_validation="in-place", iterations=3, loss_multipliers=(1.0, 50.0, 1.0),
-            clip_grad=1.0, tolerance={p: Tolerance(1e-3, _INPLACE) for p in ("plain", "interleaved", "v")}),
+            clip_grad=1.0, tolerance={p: Tolerance(1e-3, _INPLACE) for p in Placement}),
     Feature("per-token-loss", "calculate_per_token_loss (loss sums, gradients scaled by 1/total tokens)",
             per_token_loss=True),
     Feature("llama", "LLaMA-style layers: RMSNorm, SwiGLU, RoPE, grouped-query attention (2 groups for 4 heads), "
-                     "no linear biases, QK-layernorm", tiny_gpt=_LLAMA),
+                     "no linear biases, QK-layernorm", tiny_gpt=LLAMA),
     Feature("recompute-full", "full activation recomputation (uniform, 1 layer per checkpoint): W deferred inside "
                               "recomputed layers, as many W computations as fp32's", same_w_as="fp32",
             tiny_gpt=dict(config_options=dict(recompute_granularity="full", recompute_method="uniform",
@@ -184,28 +187,28 @@ FEATURES: list[Feature] = [
                     "difference in that gradient on elements whose gradient is near zero (measured 8e-5 relative "
                     "in the parameters after two steps) -- Adam's doing, not the schedule's",
             tiny_gpt=dict(model_options=dict(share_embeddings_and_output_weights=True)),
-            tolerance={"v": Tolerance(1e-6, _TIED_V)}, iterations=1),
+            tolerance={Placement.V: Tolerance(1e-6, _TIED_V)}, iterations=1),
     Feature("uneven-split", "6 layers split unevenly: plain 2+4 (first_stage_layers=2), interleaved 1+2+1+2 "
                             "(first rank 2), V 3+1+1+1 (first_stage_layers=3)", num_layers=6,
-            split={"plain": dict(first_stage_layers=2), "interleaved": dict(first_stage_layers=2),
-                   "v": dict(first_stage_layers=3)}),
+            split={Placement.PLAIN: dict(first_stage_layers=2), Placement.INTERLEAVED: dict(first_stage_layers=2),
+                   Placement.V: dict(first_stage_layers=3)}),
     Feature("moe", "megatron-core MoE: 4 SequentialMLP experts, top-2, aux loss 1e-2, allgather dispatcher, "
                    "layer 1 dense; expert weights deferred to W by the linear route", num_layers=4, tiny_gpt=_MOE),
 ]
 """The columns, in table order."""
 
-FAMILIES: dict[str, list[str]] = {
-    "plain": ["1f1b", "zb-h1", "zb-h2", "zb", "zb-1p", "zb-2p"],
-    "interleaved": ["interleaved-1f1b", "interleaved-zb"],
-    "v": ["zbv", "v-half", "v-min"],
+FAMILIES: dict[Placement, list[str]] = {
+    Placement.PLAIN: ["1f1b", "zb-h1", "zb-h2", "zb", "zb-1p", "zb-2p"],
+    Placement.INTERLEAVED: ["interleaved-1f1b", "interleaved-zb"],
+    Placement.V: ["zbv", "v-half", "v-min"],
 }
 """The rows, grouped by placement (one launch per feature and placement)."""
 
-REFERENCES: dict[str, str] = {
-    "plain": "megatron-core forward_backward_pipelining_without_interleaving (same PP, TP, DP)",
-    "interleaved": "megatron-core forward_backward_pipelining_with_interleaving (same PP, 2 virtual stages per "
-                   "rank, batch_p2p_comm=False)",
-    "v": "the unpipelined model: megatron-core forward_backward_no_pipelining (PP=1, same TP, DP)",
+REFERENCES: dict[Placement, str] = {
+    Placement.PLAIN: "megatron-core forward_backward_pipelining_without_interleaving (same PP, TP, DP)",
+    Placement.INTERLEAVED: "megatron-core forward_backward_pipelining_with_interleaving (same PP, 2 virtual "
+                           "stages per rank, batch_p2p_comm=False)",
+    Placement.V: "the unpipelined model: megatron-core forward_backward_no_pipelining (PP=1, same TP, DP)",
 }
 """What each placement's cells are compared with."""
 
@@ -218,8 +221,8 @@ def feature(name: str) -> Feature:
     raise ValueError(f"unknown feature {name!r}; choose from: {', '.join(f.name for f in FEATURES)}")
 
 
-def placement_of(family: str) -> str:
-    """The placement group (``"plain"``, ``"interleaved"``, ``"v"``) of a family of :data:`FAMILIES`."""
+def placement_of(family: str) -> Placement:
+    """The placement group of a family of :data:`FAMILIES`."""
     for placement, names in FAMILIES.items():
         if family in names:
             return placement

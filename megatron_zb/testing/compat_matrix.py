@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..schedules.ir import Placement
 from .compat_features import FAMILIES, Feature, ModelShape, Tolerance
 from .compat_rank import FP16_INITIAL_SCALE, REFERENCE, ArmResult, GroupSpec, run_specs
 
@@ -97,7 +98,7 @@ def plan_launches(features: Iterable[Feature], families: Iterable[str], model: M
             arms = tuple(n for n in fams if n in wanted)
             if not arms:
                 continue
-            if placement == "v":  # the reference is the unpipelined model: PP=1, same TP and DP
+            if placement == Placement.V:  # the reference is the unpipelined model: PP=1, same TP and DP
                 single.append(Launch((GroupSpec(f, model, placement, (REFERENCE,), 1),), f.world_size(1)))
                 single.append(Launch((GroupSpec(f, model, placement, arms, model.pp),), f.world_size(model.pp)))
             else:
@@ -157,7 +158,7 @@ def _vacuous(family: str, feature: Feature, got: dict[str, Any], ref: dict[str, 
     return None
 
 
-def compare(family: str, feature: Feature, placement: str, ref: dict[str, Any], got: dict[str, Any], *,
+def compare(family: str, feature: Feature, placement: Placement, ref: dict[str, Any], got: dict[str, Any], *,
             w_baseline: int | None = None) -> Cell:
     """Classify one cell from the merged results of the reference and the family (module docstring);
     ``w_baseline``: the ``w_deferred`` of the same family's ``feature.same_w_as`` cell."""

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..schedules.ir import Placement
 from .compat_features import Feature, ModelShape
 
 __all__ = ["FP16_INITIAL_SCALE", "REFERENCE", "ArmResult", "GroupSpec", "run_arms", "run_specs", "tiny_gpt_of"]
@@ -43,14 +44,14 @@ class GroupSpec:
     Attributes:
         feature: the configuration.
         model: the model shape (``model.pp`` is the pipeline size of the megatron-zb arms).
-        placement: ``"plain"``, ``"interleaved"`` or ``"v"``.
+        placement: the placement group (a key of :data:`~megatron_zb.testing.compat_features.FAMILIES`).
         arms: arm names (:data:`REFERENCE` and/or family names).
         pp: pipeline size of this launch (``model.pp``; 1 for the V reference launch).
     """
 
     feature: Feature
     model: ModelShape
-    placement: str
+    placement: Placement
     arms: tuple[str, ...]
     pp: int
 
@@ -137,13 +138,11 @@ def _forward_step(*, chunk_index: dict[int, int], order: list, multiplier: float
 
 
 # ---------------------------------------------------------------------- building an arm
-def _stage_to_rank(placement: str, pp: int) -> list[int]:
-    from ..schedules import interleaved_placement, plain_placement, v_placement
-
+def _stage_to_rank(placement: Placement, pp: int) -> list[int]:
+    """The placement's ``stage_to_rank`` on ``pp`` ranks (interleaved: 2 chunks per rank; PP=1: one stage)."""
     if pp == 1:
         return [0]
-    return {"plain": plain_placement, "v": v_placement,
-            "interleaved": lambda p: interleaved_placement(p, 2)}[placement](pp)
+    return Placement(placement).stage_to_rank(pp, 2)
 
 
 def tiny_gpt_of(spec: GroupSpec, arm: str) -> Any:
@@ -185,7 +184,7 @@ def _build_modules(spec: GroupSpec, arm: str) -> tuple[list[Any], list[Any]]:
     for c in chunks:
         c.module.config.no_sync_func = [x.no_sync for x in modules] if len(modules) > 1 else modules[0].no_sync
         c.module.config.finalize_model_grads_func = finalize_model_grads
-    if arm == REFERENCE and spec.placement == "interleaved" and spec.pp > 1:
+    if arm == REFERENCE and spec.placement == Placement.INTERLEAVED and spec.pp > 1:
         # megatron-core's interleaved schedule reads the virtual size from the first chunk's config.
         for c in chunks:
             c.module.config.virtual_pipeline_model_parallel_size = len(chunks)
@@ -331,7 +330,7 @@ def run_arms(spec: GroupSpec) -> dict[str, ArmResult]:
 
     from .distributed import init_parallel_state
 
-    vp = 2 if spec.placement == "interleaved" and spec.pp > 1 else None
+    vp = 2 if spec.placement == Placement.INTERLEAVED and spec.pp > 1 else None
     init_parallel_state(tensor_model_parallel_size=spec.feature.tp, pipeline_model_parallel_size=spec.pp,
                         virtual_pipeline_model_parallel_size=vp, seed=spec.model.seed)
     out: dict[str, ArmResult] = {}

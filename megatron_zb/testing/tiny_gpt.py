@@ -176,17 +176,13 @@ def full_tensor(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
 
 def placement_for(schedule: "str | Schedule | None", pp: int, num_chunks: int = 2) -> list[int]:
     """``stage_to_rank`` of the schedule's placement (megatron-core's own 1F1B: plain)."""
-    from ..schedules.ir import Schedule, interleaved_placement, plain_placement, v_placement
+    from ..schedules.ir import Placement, Schedule
     from ..schedules.registry import get_spec
 
     if isinstance(schedule, Schedule):
         return list(schedule.stage_to_rank)
-    kind = "plain" if schedule is None else get_spec(schedule).placement
-    if kind == "v":
-        return v_placement(pp)
-    if kind == "interleaved":
-        return interleaved_placement(pp, num_chunks)
-    return plain_placement(pp)
+    kind = Placement.PLAIN if schedule is None else get_spec(schedule).placement
+    return kind.stage_to_rank(pp, num_chunks)
 
 
 def build_chunks(cfg: TinyGPT, stage_to_rank: list[int]) -> list[Any]:

@@ -14,7 +14,8 @@ The run (:class:`.trainer.Trainer` coordinates the parts; each module does one j
 * :mod:`.optimizer_setup` -- megatron-core optimizer, post-validation, LR scheduler (``OptimizerBundle``);
 * :mod:`.replanning` -- the ``forward_backward_func`` and its schedule: rank 0's, profiled, re-planned;
 * :mod:`.profiling` -- measuring T_F/T_B/T_W/T_comm and the cost model built from them;
-* :mod:`.data` -- megatron-core datasets, micro-batch iterators; :mod:`.tokenizers` -- the tokenizers;
+* :mod:`.data` -- megatron-core datasets, micro-batch iterators; :mod:`.tokenizers` -- the tokenizers
+  (their flags: :mod:`.tokenizer_flags`);
 * :mod:`.data_setup` -- the run's train/valid/test iterators, one per model chunk (``DataBundle``);
 * :mod:`.gpt_step` -- GPT's ``forward_step`` / ``loss_func`` (as Megatron-LM's ``pretrain_gpt.py``);
 * :mod:`.state` -- ``TrainState``: iteration, consumed samples, profiled costs;

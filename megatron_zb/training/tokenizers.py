@@ -18,8 +18,8 @@ one, ``unique_identifiers``), plus ``tokenize`` / ``detokenize`` for :mod:`tools
 
 :func:`build_tokenizer` raises :class:`TokenizerError` naming the flag to fix; a file flag the
 chosen type does not read (e.g. ``--merge-file`` with ``ByteLevel``) is refused, not ignored.
-:func:`add_tokenizer_args` declares the tokenizer flags once for ``pretrain_gpt_zb.py`` and
-``tools/preprocess_data.py``.
+:func:`add_tokenizer_args` (from :mod:`megatron_zb.training.tokenizer_flags`, re-exported here)
+declares the tokenizer flags once for ``pretrain_gpt_zb.py`` and ``tools/preprocess_data.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from typing import Any, Sequence
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from .tokenizer_flags import TOKENIZER_TYPES, add_tokenizer_args  # re-exported (declared without megatron-core)
+
 __all__ = [
     "ByteLevelTokenizer",
     "GPT2BPETokenizer",
@@ -43,9 +45,6 @@ __all__ = [
     "build_tokenizer",
     "tokenizer_from_args",
 ]
-
-TOKENIZER_TYPES: tuple[str, ...] = ("ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
-"""The choices of ``--tokenizer-type``."""
 
 _FILE_FLAGS: dict[str, tuple[str, ...]] = {
     "--tokenizer-model": ("HuggingFaceTokenizer",),
@@ -66,22 +65,6 @@ class TokenizerError(ValueError):
         self.flag = flag
         self.message = message
         super().__init__(f"{flag}: {message}")
-
-
-def add_tokenizer_args(group: argparse._ArgumentGroup) -> None:
-    """``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-file``, ``--merge-file`` (Megatron's names)."""
-    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteLevel",
-                       help="ByteLevel (default): UTF-8 bytes 0-255 plus EOD and PAD, no files needed. "
-                            "GPT2BPETokenizer: GPT-2 byte-level BPE from local --vocab-file and --merge-file "
-                            "(needs transformers). HuggingFaceTokenizer: a tokenizer saved on local disk "
-                            "(--tokenizer-model DIR; needs transformers). NullTokenizer: whitespace-separated "
-                            "integer ids (needs --vocab-size). Nothing is ever downloaded.")
-    group.add_argument("--tokenizer-model", type=str, default=None,
-                       help="Local directory of a HuggingFace tokenizer (for --tokenizer-type HuggingFaceTokenizer).")
-    group.add_argument("--vocab-file", type=str, default=None,
-                       help="GPT-2 BPE vocabulary file, e.g. gpt2-vocab.json (for --tokenizer-type GPT2BPETokenizer).")
-    group.add_argument("--merge-file", type=str, default=None,
-                       help="GPT-2 BPE merges file, e.g. gpt2-merges.txt (for --tokenizer-type GPT2BPETokenizer).")
 
 
 def _import_transformers(tokenizer_type: str) -> Any:

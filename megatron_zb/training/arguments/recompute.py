@@ -6,20 +6,18 @@ zero-bubble runtime's B still queues every linear layer's weight gradient for W 
 recomputed forward runs inside B (see ``docs/training.md``).
 
 The uneven split flags decide ``num_layers_per_stage``
-(:func:`megatron_zb.model.pipeline_split`: megatron-core's rule for plain and interleaved
-placements, per stage for V).
+(:func:`~megatron_zb.training.arguments.zero_bubble.check_layers`, by the one split rule
+:func:`megatron_zb.planning.layout.layers_per_stage`: megatron-core's rule for plain and
+interleaved placements, per stage for V).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from megatron_zb.model.gpt_chunks import pipeline_split
-
 from .common import ArgumentError
 
-__all__ = ["RECOMPUTE_MODULES", "add_pipeline_split_args", "add_recompute_args", "check_recompute",
-           "uneven_layers_per_stage", "uneven_split_requested"]
+__all__ = ["RECOMPUTE_MODULES", "add_pipeline_split_args", "add_recompute_args", "check_recompute"]
 
 RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
 """``--recompute-modules`` choices of megatron-core 0.16.1 that this build can run (its other
@@ -91,37 +89,3 @@ def check_recompute(args: argparse.Namespace) -> None:
         # schedules too (seen on CPU, docs/training.md)
         raise ArgumentError("--recompute-modules", "mlp with linear biases fails in megatron-core 0.16.1's "
                                                    "recompute backward; add --disable-bias-linear or drop mlp")
-
-
-def uneven_split_requested(args: argparse.Namespace) -> bool:
-    """Whether a pipeline-split flag decides the layers per stage."""
-    return (args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
-            or args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split)
-
-
-def uneven_layers_per_stage(args: argparse.Namespace) -> list[int]:
-    """Layers per stage (stage order) of the schedule's placement from the pipeline-split flags.
-
-    Needs ``schedule_placement`` and ``num_model_chunks`` (set by the schedule's resolution);
-    raises :class:`ArgumentError`.
-    """
-    from megatron_zb.schedules.ir import Placement, interleaved_placement, plain_placement, v_placement
-
-    pp, kind = args.pipeline_model_parallel_size, args.schedule_placement
-    stage_to_rank = (v_placement(pp) if kind == Placement.V else
-                     interleaved_placement(pp, args.num_model_chunks) if kind == Placement.INTERLEAVED else plain_placement(pp))
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if args.pipeline_model_parallel_size == 1:
-        raise ArgumentError("--decoder-first-pipeline-num-layers" if first is not None else
-                            "--account-for-embedding-in-pipeline-split",
-                            "the pipeline-split flags need --pipeline-model-parallel-size > 1; drop them")
-    flag_ = "--decoder-first-pipeline-num-layers" if first is not None else (
-        "--decoder-last-pipeline-num-layers" if last is not None else "--account-for-embedding-in-pipeline-split")
-    try:
-        return pipeline_split(num_layers=args.num_layers, stage_to_rank=stage_to_rank, first_stage_layers=first,
-                              last_stage_layers=last,
-                              account_for_embedding=args.account_for_embedding_in_pipeline_split,
-                              account_for_loss=args.account_for_loss_in_pipeline_split)
-    except ValueError as e:
-        raise ArgumentError(flag_, f"{e}; change the split flags so they add up to --num-layers "
-                                   f"{args.num_layers}") from None

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_zb.model.gpt_chunks import split_layers
+from megatron_zb.planning.layout import LayerSplit, layers_per_stage
 from megatron_zb.schedules.ir import Placement, Schedule, ScheduleError
 from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spec, schedule_names
 
 from .common import ArgumentError, flag
-from .recompute import uneven_layers_per_stage, uneven_split_requested
 
 __all__ = [
     "POST_VALIDATION_FALLBACK_CLEAN_ITERS",
@@ -150,24 +149,40 @@ def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
 
 
 def check_layers(args: argparse.Namespace) -> None:
-    """Split ``--num-layers`` over the pipeline stages; sets ``num_layers_per_stage`` (stage order)."""
-    stages = args.num_pipeline_stages
-    if uneven_split_requested(args):  # --decoder-first/last-pipeline-num-layers, --account-for-*
-        args.num_layers_per_stage = uneven_layers_per_stage(args)
-        return
+    """Split ``--num-layers`` over the pipeline stages; sets ``num_layers_per_stage`` (stage order).
+
+    The split is the one rule, :func:`megatron_zb.planning.layout.layers_per_stage` (the planner's
+    too), on the schedule's placement: needs ``schedule_placement`` and ``num_model_chunks`` (set
+    by :func:`resolve_schedule`). Raises :class:`ArgumentError` naming the flag to change.
+    """
+    split = LayerSplit(allow_padding=args.allow_padding_num_layers,
+                       first_stage_layers=args.decoder_first_pipeline_num_layers,
+                       last_stage_layers=args.decoder_last_pipeline_num_layers,
+                       account_for_embedding=args.account_for_embedding_in_pipeline_split,
+                       account_for_loss=args.account_for_loss_in_pipeline_split)
+    pp = args.pipeline_model_parallel_size
+    if split.uneven and pp == 1:
+        raise ArgumentError(split.flag, "the pipeline-split flags need --pipeline-model-parallel-size > 1; drop them")
+    ranks = Placement(args.schedule_placement).stage_to_rank(pp, args.num_model_chunks)
     try:
-        args.num_layers_per_stage = split_layers(args.num_layers, stages, allow_padding=args.allow_padding_num_layers)
+        args.num_layers_per_stage = layers_per_stage(args.num_layers, ranks, split)
     except ValueError as e:
-        what = (f"{stages} pipeline stages (PP {args.pipeline_model_parallel_size} x "
-                f"{args.num_model_chunks} chunk(s) per rank for schedule {args.schedule!r})")
-        if args.num_layers % stages and not args.allow_padding_num_layers:
-            raise ArgumentError("--num-layers",
-                                f"{args.num_layers} layers cannot be split evenly over {what}; use a multiple of "
-                                f"{stages} or add --allow-padding-num-layers (first/last stage take fewer layers)"
-                                ) from None
-        raise ArgumentError("--num-layers", f"{args.num_layers} layers cannot be split over {what} even with "
-                                            f"--allow-padding-num-layers ({e}); use more layers or fewer stages"
-                            ) from None
+        raise _split_error(args, split, len(ranks), e) from None
+
+
+def _split_error(args: argparse.Namespace, split: LayerSplit, stages: int, e: ValueError) -> ArgumentError:
+    """The user's error when ``--num-layers`` does not split over ``stages`` (``e``: the rule's message)."""
+    if split.uneven:  # --decoder-first/last-pipeline-num-layers, --account-for-*
+        return ArgumentError(split.flag, f"{e}; change the split flags so they add up to --num-layers "
+                                         f"{args.num_layers}")
+    what = (f"{stages} pipeline stages (PP {args.pipeline_model_parallel_size} x "
+            f"{args.num_model_chunks} chunk(s) per rank for schedule {args.schedule!r})")
+    if args.num_layers % stages and not args.allow_padding_num_layers:
+        return ArgumentError("--num-layers",
+                             f"{args.num_layers} layers cannot be split evenly over {what}; use a multiple of "
+                             f"{stages} or add --allow-padding-num-layers (first/last stage take fewer layers)")
+    return ArgumentError("--num-layers", f"{args.num_layers} layers cannot be split over {what} even with "
+                                         f"--allow-padding-num-layers ({e}); use more layers or fewer stages")
 
 
 def check_schedule_builds(args: argparse.Namespace, spec: ScheduleSpec) -> Schedule:
