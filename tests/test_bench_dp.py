@@ -54,17 +54,23 @@ def _record(compute_end: float, synced: float, launches: tuple[float, ...] = ())
 
 
 def test_rank_figures_pair_off_and_on_of_the_same_round():
-    """Seconds in, ms out. Round 1: off exposes 0.100 s, on 0.040 s (hidden 60 ms); round 2:
-    0.200 and 0.180 (20 ms); round 3: 0.110 and 0.030 (80 ms). Hidden = median of the paired
-    differences (60), not the difference of the medians (110 - 40 = 70). Predicted: serial 90
-    exposed, overlapped 30 (hideable 60); the first bucket ready 25 ms and launched (median of
-    50, 10, 30 ms) 30 ms before the compute ended."""
-    pairs = [(_record(1.0, 1.100), _record(2.0, 2.040, (1.95,))),
-             (_record(3.0, 3.200), _record(4.0, 4.180, (3.99, 3.995))),
-             (_record(5.0, 5.110), _record(6.0, 6.030, (5.97,)))]
+    """Seconds in, ms out; two data-parallel replicas per round. The group's exposed reduce runs
+    from its later compute end to its later sync: round 1 off 1.100 - 1.000 = 100 ms (replica
+    2 ended its compute at 0.990 and waited), on 2.040 - 2.000 = 40; round 2 200 and 180; round
+    3 110 and 30. Hidden = median of the paired differences (60, 20, 80 -> 60), not the
+    difference of the medians (110 - 40 = 70). Lead = the group's compute end - the later
+    replica's first launch: 2.000 - 1.960 = 40, 4.000 - 3.990 = 10, 6.000 - 5.970 = 30 -> 30.
+    Predicted: serial 90 exposed, overlapped 30 (hideable 60); the first bucket ready 25 ms
+    before the compute ended."""
+    rounds = [([_record(1.0, 1.100), _record(0.990, 1.099)],
+               [_record(2.0, 2.040, (1.95,)), _record(1.998, 2.039, (1.96,))]),
+              ([_record(3.0, 3.200), _record(3.0, 3.200)],
+               [_record(4.0, 4.180, (3.99, 3.995)), _record(4.0, 4.180, (3.985,))]),
+              ([_record(5.0, 5.110), _record(4.9, 5.105)],
+               [_record(6.0, 6.030, (5.97,)), _record(5.95, 6.030, (5.9,))])]
     off = RankReduce(rank=0, compute_end=100.0, buckets=[(0, 100.0, 100.0, 190.0)])
     on = RankReduce(rank=0, compute_end=100.0, buckets=[(0, 75.0, 75.0, 100.0), (0, 100.0, 100.0, 130.0)])
-    f = rank_figures(0, pairs, off, on)
+    f = rank_figures(0, rounds, off, on)
     assert f.exposed_off == pytest.approx(110.0) and f.exposed_on == pytest.approx(40.0)
     assert f.hidden == pytest.approx(60.0) and f.hidden_range == pytest.approx((20.0, 80.0))
     assert (f.predicted_off, f.predicted_on, f.hideable) == pytest.approx((90.0, 30.0, 60.0))

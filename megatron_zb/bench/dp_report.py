@@ -2,10 +2,12 @@
 measured per rank, beside what the simulator says can be hidden.
 
 Per pipeline rank ``r`` and iteration, the *exposed reduce* is the wall time from the end of the
-rank's last compute action to the return of ``finalize_model_grads`` (every bucket reduced).
-Without overlap it is the whole reduce; with overlap what is left of it. The time the overlap
-hides on rank ``r`` is ``exposed_off - exposed_on`` of the off and on iterations of the same
-round (both data-parallel replicas of the rank pooled), median over the rounds. The simulator's
+last compute action of the rank's data-parallel replicas (the collective cannot finish before
+both have added their gradients) to the last return of ``finalize_model_grads`` (every bucket
+reduced; ``time.perf_counter`` is one clock for every process of the machine). Without overlap
+it is the whole reduce; with overlap what is left of it. The time the overlap hides on rank
+``r`` is ``exposed_off - exposed_on`` of the off and on iterations of the same round, median over
+the rounds. The simulator's
 counterpart is :attr:`~megatron_zb.schedules.dp_reduce.RankReduce.exposed` of the serial and the
 overlapped prediction of the schedule that ran (``hideable = serial - overlapped`` per rank),
 with the measured median F/B/W durations, p2p latency and fitted reduce latency and bandwidth.
@@ -115,25 +117,31 @@ def dp_prediction(schedule: Any, *, durations: Mapping[Op, float], t_comm: float
     return simulate_dp_reduce(simulate(schedule, costs, enforce_memory=False), model)
 
 
-def _lead(record: Mapping[str, Any]) -> float | None:
-    """ms from the first bucket launch to the end of the compute (None without launches)."""
-    times = [t for _, _, t in record["launches"]]
-    return (record["compute_end"] - min(times)) * 1e3 if times else None
+def _group(records: Sequence[Mapping[str, Any]]) -> tuple[float, float, float | None]:
+    """One pipeline rank's data-parallel group in one iteration (its replicas' records):
+    ``(exposed reduce, compute end, launch lead)`` in ms -- the group's reduce ends with its last
+    replica's ``synced`` and cannot start before its last replica's compute ends (a collective
+    waits for every member), and a bucket's collective starts when the last replica launches it."""
+    end = max(r["compute_end"] for r in records)
+    firsts = [min(t for _, _, t in r["launches"]) for r in records if r["launches"]]
+    lead = (end - max(firsts)) * 1e3 if firsts and len(firsts) == len(records) else None
+    return (max(r["synced"] for r in records) - end) * 1e3, end, lead
 
 
-def rank_figures(rank: int, pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]], predicted_off: Any,
-                 predicted_on: Any) -> RankFigures:
-    """Figures of pipeline rank ``rank`` from its ``(off, on)`` iteration records of the same rounds
-    (see :func:`megatron_zb.bench.dp.dp_bench_rank`) and the predicted
-    :class:`~megatron_zb.schedules.dp_reduce.RankReduce` without and with overlap."""
-    def exposed(rec: Mapping[str, Any]) -> float:
-        return (rec["synced"] - rec["compute_end"]) * 1e3
-
-    diffs = [exposed(off) - exposed(on) for off, on in pairs]
-    leads = [x for _, on in pairs if (x := _lead(on)) is not None]
+def rank_figures(rank: int, rounds: Sequence[tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]],
+                 predicted_off: Any, predicted_on: Any) -> RankFigures:
+    """Figures of pipeline rank ``rank`` from, per timed round, the iteration records (see
+    :func:`megatron_zb.bench.dp.dp_bench_rank`) of its data-parallel replicas without and with
+    overlap, and the predicted :class:`~megatron_zb.schedules.dp_reduce.RankReduce` without and
+    with overlap. The exposed reduce is the group's (:func:`_group`): the simulator models
+    replicas in lockstep, and a replica that finishes its compute early waits for the other
+    inside the collective -- time no overlap can hide."""
+    off = [_group(o)[0] for o, _ in rounds]
+    on = [_group(x) for _, x in rounds]
+    diffs = [a - b[0] for a, b in zip(off, on)]
+    leads = [x[2] for x in on if x[2] is not None]
     ready = [b[1] for b in predicted_on.buckets]
-    return RankFigures(rank=rank, exposed_off=statistics.median(exposed(off) for off, _ in pairs),
-                       exposed_on=statistics.median(exposed(on) for _, on in pairs),
+    return RankFigures(rank=rank, exposed_off=statistics.median(off), exposed_on=statistics.median(x[0] for x in on),
                        hidden=statistics.median(diffs), hidden_range=(min(diffs), max(diffs)),
                        predicted_off=predicted_off.exposed, predicted_on=predicted_on.exposed,
                        lead=statistics.median(leads) if leads else float("nan"),
@@ -158,9 +166,10 @@ def _figures(name: str, spec: Any, res: list[dict[str, Any]], index: int, t_comm
     pred = dp_prediction(s0["schedules"][name], durations=durations, t_comm=t_comm, model=model)
     ranks = []
     for pp in range(spec.pp):
-        pairs = [pair for r, s in zip(res, sizes) if r["pp_rank"] == pp
-                 for pair in zip(s["records"][f"{name}/off"], s["records"][f"{name}/on"])]
-        ranks.append(rank_figures(pp, pairs, pred.serial[pp], pred.overlapped[pp]))
+        replicas = [s["records"] for r, s in zip(res, sizes) if r["pp_rank"] == pp]
+        rounds = [([x[f"{name}/off"][i] for x in replicas], [x[f"{name}/on"][i] for x in replicas])
+                  for i in range(len(replicas[0][f"{name}/off"]))]
+        ranks.append(rank_figures(pp, rounds, pred.serial[pp], pred.overlapped[pp]))
     critical = max(range(spec.pp), key=lambda r: pred.overlapped[r].reduce_end)
     return DPFigures(name=name, reduce_tf=s0["reduce_tf"], reduce_ms=s0["t_full"] * 1e3, off=iteration["off"],
                      on=iteration["on"], predicted_off=pred.time_serial, predicted_on=pred.time_overlapped,
