@@ -35,8 +35,8 @@ The algorithm: the event-driven list scheduler of :mod:`.list_scheduler` (any pl
 :mod:`.interleaved_zb` uses it too) whose knobs are tuned per problem by the coordinate-descent
 search of :mod:`.search`, every candidate scored by its simulated makespan (ties: lower peak
 memory); small problems (<= 200 actions) then get a local search that moves single actions while
-the simulated makespan improves (:func:`~.list_scheduler.improve`). With a data-parallel reduce in
-the costs (``costs.dp_reduce``), the result's trailing W's are then regrouped chunk by chunk when
+the simulated makespan improves (:func:`~.list_scheduler.improve`). With an overlapped
+data-parallel reduce in the costs (``costs.dp_reduce``), the result's trailing W's are then regrouped chunk by chunk when
 that ends the predicted iteration sooner (:func:`~..dp_reduce.reduce_aware_tail`; a V rank's two
 chunks reduce separately, so finishing one chunk's W's first lets its buckets reduce under the
 other's). The knobs that matter on the V:
@@ -168,8 +168,8 @@ def _best_order(s2r: list[int], m: int, sc: StageCosts, limit: float, full: floa
     """The V order with the best ``(makespan, peak, total)`` under ``sc`` among the knob search's,
     its proxies' and PyTorch's, then locally improved (small problems); its variant description.
 
-    With ``sc.dp_reduce`` every finalist, and the result, has its tail's W's regrouped chunk by
-    chunk when the simulator says that ends the reduce sooner (:func:`~..dp_reduce.reduce_aware_tail`),
+    With ``sc.dp_reduce`` (overlapped) every finalist, and the result, has its tail's W's regrouped
+    chunk by chunk when the simulator says that ends the reduce sooner (:func:`~..dp_reduce.reduce_aware_tail`),
     and an order built without the reduce is one more finalist: the search sees only untouched
     tails, so a finalist that loses before the regrouping may win after it.
     """
@@ -177,7 +177,9 @@ def _best_order(s2r: list[int], m: int, sc: StageCosts, limit: float, full: floa
     best: tuple[list[list[Action]], tuple[float, ...], str] | None = None
 
     def tail(ranks: list[list[Action]]) -> list[list[Action]]:
-        return ranks if sc.dp_reduce is None else reduce_aware_tail(Schedule(m, s2r, ranks, name), sc)[0].ranks
+        if sc.dp_reduce is None or not sc.dp_reduce.overlap:   # a serial reduce starts after the compute anyway
+            return ranks
+        return reduce_aware_tail(Schedule(m, s2r, ranks, name), sc)[0].ranks
 
     def offer(ranks: list[list[Action]], variant: str, score: tuple[float, ...] | None = None) -> None:
         nonlocal best
