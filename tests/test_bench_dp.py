@@ -80,6 +80,9 @@ def test_rank_figures_pair_off_and_on_of_the_same_round():
     assert figs.fraction == pytest.approx(70.0 / 120.0) and figs.verdict(t_f=30.0) == "PASS"
     assert dataclasses.replace(figs, ranks=[dataclasses.replace(f, hidden=20.0)]).verdict(t_f=30.0) == "FAIL"
     assert dataclasses.replace(figs, ranks=[dataclasses.replace(f, predicted_on=89.0)]).verdict(t_f=30.0) == "-"
+    # a reduce slower in the run than at start-up: the larger hideable (200) counts, 70 < 100
+    assert dataclasses.replace(figs, hideable_in_run=200.0).verdict(t_f=30.0) == "FAIL"
+    assert dataclasses.replace(figs, hideable_in_run=100.0).verdict(t_f=30.0) == "PASS"
 
 
 def test_stage_defers_one_w_entry_per_weight_last_weight_first():

@@ -11,8 +11,11 @@ the rounds. The simulator's
 counterpart is :attr:`~megatron_zb.schedules.dp_reduce.RankReduce.exposed` of the serial and the
 overlapped prediction of the schedule that ran (``hideable = serial - overlapped`` per rank),
 with the measured median F/B/W durations, p2p latency and fitted reduce latency and bandwidth.
-The target of issue 14 -- the overlap hides at least half of what the simulator says can be
-hidden -- is checked on the sum over the pipeline ranks (``hidden / hideable >= 0.5``); the
+The reduce inside the running pipeline may be slower than the start-up fit says (other
+collectives and p2p on the same cores): the prediction is repeated with the reduce slowed down by
+the median over the ranks of measured / predicted exposed reduce without overlap. The target of
+issue 14 -- the overlap hides at least half of what the simulator says can be hidden -- is
+checked on the sum over the pipeline ranks against the larger of the two hideable times; the
 *critical* rank (the one whose compute and reduce end last in the overlapped prediction) is
 shown on its own. The iteration times (last rank's end - first rank's start) stay in the table,
 but their round-to-round spread is usually larger than the hideable time.
@@ -23,7 +26,7 @@ Times in ms in everything this module returns.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from ..schedules.ir import Op
@@ -71,6 +74,10 @@ class DPFigures:
         off, on: median measured iteration times; predicted_off, predicted_on: the simulator's.
         ranks: per pipeline rank (:class:`RankFigures`).
         critical: the rank whose compute and reduce end last in the overlapped prediction.
+        slowdown: median over the ranks of measured / predicted exposed reduce without overlap
+            (how much slower the reduce ran inside the pipeline than the start-up fit says).
+        hideable_in_run: the simulator's hideable time (sum over the ranks) with the reduce
+            ``slowdown`` times slower (latency and bytes / bandwidth alike).
     """
 
     name: str
@@ -82,6 +89,8 @@ class DPFigures:
     predicted_on: float
     ranks: list[RankFigures] = field(default_factory=list)
     critical: int = 0
+    slowdown: float = 1.0
+    hideable_in_run: float = float("nan")
 
     @property
     def hidden(self) -> float:
@@ -97,11 +106,13 @@ class DPFigures:
         return self.hidden / self.hideable if self.hideable > 0 else float("nan")
 
     def verdict(self, t_f: float) -> str:
-        """``PASS`` / ``FAIL`` against the target (hidden >= half the hideable); ``-`` when less
-        than a tenth of ``t_f`` (ms) is hideable."""
-        if not self.hideable >= 0.1 * t_f:
+        """``PASS`` / ``FAIL`` against the target: hidden >= half the hideable, with the start-up
+        fit and with the in-run reduce speed (the larger of the two counts); ``-`` when less than
+        a tenth of ``t_f`` (ms) is hideable."""
+        hideable = max(self.hideable, self.hideable_in_run if self.hideable_in_run == self.hideable_in_run else 0.0)
+        if not hideable >= 0.1 * t_f:
             return "-"
-        return "PASS" if self.fraction >= 0.5 else "FAIL"
+        return "PASS" if self.hidden >= 0.5 * hideable else "FAIL"
 
 
 def dp_prediction(schedule: Any, *, durations: Mapping[Op, float], t_comm: float, model: Any) -> Any:
@@ -171,9 +182,13 @@ def _figures(name: str, spec: Any, res: list[dict[str, Any]], index: int, t_comm
                   for i in range(len(replicas[0][f"{name}/off"]))]
         ranks.append(rank_figures(pp, rounds, pred.serial[pp], pred.overlapped[pp]))
     critical = max(range(spec.pp), key=lambda r: pred.overlapped[r].reduce_end)
+    slowdown = statistics.median(r.exposed_off / r.predicted_off for r in ranks if r.predicted_off > 0)
+    in_run = dp_prediction(s0["schedules"][name], durations=durations, t_comm=t_comm, model=replace(
+        model, latency=model.latency * slowdown, bandwidth=model.bandwidth / slowdown))
     return DPFigures(name=name, reduce_tf=s0["reduce_tf"], reduce_ms=s0["t_full"] * 1e3, off=iteration["off"],
                      on=iteration["on"], predicted_off=pred.time_serial, predicted_on=pred.time_overlapped,
-                     ranks=ranks, critical=critical)
+                     ranks=ranks, critical=critical, slowdown=slowdown,
+                     hideable_in_run=sum(a.exposed - b.exposed for a, b in zip(in_run.serial, in_run.overlapped)))
 
 
 def _markdown(spec: Any, res: list[dict[str, Any]], t_comm: float, figures: list[DPFigures]) -> list[str]:
@@ -187,18 +202,23 @@ def _markdown(spec: Any, res: list[dict[str, Any]], t_comm: float, figures: list
           f"rank's share; gradients per rank: {sizes}; p2p latency {t_comm:.2f} ms. {spec.warmup} warm-up and "
           f"{spec.repeats} timed rounds per size. 'exposed' = end of a rank's last compute action to the end "
           f"of its reduce; 'hidden' = median over rounds of exposed off - on (same round), summed over the "
-          f"pipeline ranks; 'hideable' = the same from the simulator; target: hidden >= half of hideable "
-          f"('-' when less than T_F/10 is hideable). Iteration times are medians (ms).\n",
+          f"pipeline ranks; 'hideable' = the same from the simulator (reduce speed fitted at start-up, and "
+          f"slowed down to the median measured/predicted exposed reduce without overlap: 'reduce in run'); "
+          f"target: hidden >= half of the larger hideable ('-' when less than T_F/10 is hideable). Iteration "
+          f"times are medians (ms).\n",
           "| schedule | reduce | iteration off / on (ms) | predicted off / on | exposed off / on, measured (sum over "
-          "ranks) | predicted | hidden (ms) | hideable (ms) | hidden / hideable | critical rank: hidden / hideable "
-          "| target |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "ranks) | predicted | hidden (ms) | hideable (ms) | hidden / hideable | reduce in run / fit: hideable, "
+          "hidden / hideable | critical rank: hidden / hideable | target |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in figures:
         c = f.ranks[f.critical]
         md.append(f"| {f.name} | {f.reduce_tf:g} T_F ({f.reduce_ms:.0f} ms) | {f.off:.1f} / {f.on:.1f} | "
                   f"{f.predicted_off:.1f} / {f.predicted_on:.1f} | {sum(r.exposed_off for r in f.ranks):.1f} / "
                   f"{sum(r.exposed_on for r in f.ranks):.1f} | {sum(r.predicted_off for r in f.ranks):.1f} / "
                   f"{sum(r.predicted_on for r in f.ranks):.1f} | {f.hidden:.1f} | {f.hideable:.1f} | "
-                  f"{f.fraction:.2f} | rank {f.critical}: {c.hidden:.1f} / {c.hideable:.1f} | {f.verdict(t_f)} |")
+                  f"{f.fraction:.2f} | {f.slowdown:.2f}x: {f.hideable_in_run:.1f}, "
+                  f"{f.hidden / f.hideable_in_run if f.hideable_in_run > 0 else float('nan'):.2f} | "
+                  f"rank {f.critical}: {c.hidden:.1f} / {c.hideable:.1f} | {f.verdict(t_f)} |")
     md += ["\nPer rank (ms; 'lead' = first bucket launched / ready before the end of the rank's compute):\n",
            "| schedule | reduce | rank | exposed off: measured / predicted | exposed on: measured / predicted | "
            "hidden [range] | hideable | lead: measured / predicted |", "|---|---|---|---|---|---|---|---|"]
