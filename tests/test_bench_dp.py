@@ -75,14 +75,15 @@ def test_rank_figures_pair_off_and_on_of_the_same_round():
     assert f.hidden == pytest.approx(60.0) and f.hidden_range == pytest.approx((20.0, 80.0))
     assert (f.predicted_off, f.predicted_on, f.hideable) == pytest.approx((90.0, 30.0, 60.0))
     assert f.lead == pytest.approx(30.0) and f.predicted_lead == pytest.approx(25.0)
+    assert f.target == pytest.approx(60.0)   # no in-run figure: the start-up fit's
+    # rank 1: nothing hideable at the in-run speed; its -10 ms change is reported apart
     figs = DPFigures(name="zbv", reduce_tf=1.0, reduce_ms=90.0, off=0.0, on=0.0, predicted_off=0.0, predicted_on=0.0,
-                     ranks=[f, dataclasses.replace(f, rank=1, hidden=10.0)])
-    assert figs.fraction == pytest.approx(70.0 / 120.0) and figs.verdict(t_f=30.0) == "PASS"
-    assert dataclasses.replace(figs, ranks=[dataclasses.replace(f, hidden=20.0)]).verdict(t_f=30.0) == "FAIL"
-    assert dataclasses.replace(figs, ranks=[dataclasses.replace(f, predicted_on=89.0)]).verdict(t_f=30.0) == "-"
-    # a reduce slower in the run than at start-up: the larger hideable (200) counts, 70 < 100
-    assert dataclasses.replace(figs, hideable_in_run=200.0).verdict(t_f=30.0) == "FAIL"
-    assert dataclasses.replace(figs, hideable_in_run=100.0).verdict(t_f=30.0) == "PASS"
+                     ranks=[dataclasses.replace(f, hideable_in_run=100.0),
+                            dataclasses.replace(f, rank=1, hidden=-10.0, hideable_in_run=0.0)])
+    assert (figs.hidden, figs.others, figs.hideable_in_run, figs.hideable) == pytest.approx((60.0, -10.0, 100.0, 120.0))
+    assert figs.fraction == pytest.approx(0.6) and figs.verdict(t_f=30.0) == "PASS"
+    assert dataclasses.replace(figs, ranks=[dataclasses.replace(f, hideable_in_run=130.0)]).verdict(t_f=30.0) == "FAIL"
+    assert dataclasses.replace(figs, ranks=[dataclasses.replace(f, hideable_in_run=2.0)]).verdict(t_f=30.0) == "-"
 
 
 def test_stage_defers_one_w_entry_per_weight_last_weight_first():

@@ -11,11 +11,14 @@ the rounds. The simulator's
 counterpart is :attr:`~megatron_zb.schedules.dp_reduce.RankReduce.exposed` of the serial and the
 overlapped prediction of the schedule that ran (``hideable = serial - overlapped`` per rank),
 with the measured median F/B/W durations, p2p latency and fitted reduce latency and bandwidth.
-The reduce inside the running pipeline may be slower than the start-up fit says (other
-collectives and p2p on the same cores): the prediction is repeated with the reduce slowed down by
-the median over the ranks of measured / predicted exposed reduce without overlap. The target of
-issue 14 -- the overlap hides at least half of what the simulator says can be hidden -- is
-checked on the sum over the pipeline ranks against the larger of the two hideable times; the
+The reduce inside the running pipeline need not run at the start-up fit's speed (the fit times
+every DP group reducing at once with nothing else running; in the pipeline the ranks' reduces are
+staggered and share the cores with p2p and compute): the prediction is repeated with the reduce
+scaled by the median over the ranks of measured / predicted exposed reduce without overlap (the
+*in-run* hideable time). The target of issue 14 -- the overlap hides at least half of what the
+simulator says can be hidden -- is checked on the ranks where the in-run prediction has something
+to hide (sum of hidden over sum of hideable); the other ranks' measured change is reported
+separately (``others``: noise, or the overlap's side effect on their reduce). The
 *critical* rank (the one whose compute and reduce end last in the overlapped prediction) is
 shown on its own. The iteration times (last rank's end - first rank's start) stay in the table,
 but their round-to-round spread is usually larger than the hideable time.
@@ -25,6 +28,7 @@ Times in ms in everything this module returns.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Sequence
@@ -46,6 +50,9 @@ class RankFigures:
         predicted_off, predicted_on: the simulator's exposed reduce without and with overlap.
         lead, predicted_lead: how long before the end of the rank's compute its first bucket was
             launched (measured, median; ``nan`` without launches) / became ready (predicted).
+        hideable_in_run: the simulator's hideable time on this rank with the reduce as slow as it
+            ran in the pipeline (see :attr:`DPFigures.slowdown`; ``nan``: not computed, then
+            :attr:`target` is the start-up fit's).
     """
 
     rank: int
@@ -57,11 +64,17 @@ class RankFigures:
     predicted_on: float
     lead: float
     predicted_lead: float
+    hideable_in_run: float = float("nan")
 
     @property
     def hideable(self) -> float:
-        """What the simulator says the overlap hides on this rank."""
+        """What the simulator says the overlap hides on this rank (reduce speed of the start-up fit)."""
         return self.predicted_off - self.predicted_on
+
+    @property
+    def target(self) -> float:
+        """The hideable time the target counts: at the in-run reduce speed when known."""
+        return self.hideable if math.isnan(self.hideable_in_run) else self.hideable_in_run
 
 
 @dataclass(frozen=True)
@@ -75,9 +88,8 @@ class DPFigures:
         ranks: per pipeline rank (:class:`RankFigures`).
         critical: the rank whose compute and reduce end last in the overlapped prediction.
         slowdown: median over the ranks of measured / predicted exposed reduce without overlap
-            (how much slower the reduce ran inside the pipeline than the start-up fit says).
-        hideable_in_run: the simulator's hideable time (sum over the ranks) with the reduce
-            ``slowdown`` times slower (latency and bytes / bandwidth alike).
+            (how much slower the reduce ran inside the pipeline than the start-up fit says; the
+            fit measures every DP group reducing at once and nothing else running).
     """
 
     name: str
@@ -90,29 +102,39 @@ class DPFigures:
     ranks: list[RankFigures] = field(default_factory=list)
     critical: int = 0
     slowdown: float = 1.0
-    hideable_in_run: float = float("nan")
-
-    @property
-    def hidden(self) -> float:
-        return sum(r.hidden for r in self.ranks)
 
     @property
     def hideable(self) -> float:
+        """Sum over the ranks of what the simulator says can be hidden, start-up fit."""
         return sum(r.hideable for r in self.ranks)
 
     @property
+    def hideable_in_run(self) -> float:
+        """Sum over the ranks of :attr:`RankFigures.target` (the target's hideable time)."""
+        return sum(r.target for r in self.ranks)
+
+    @property
+    def hidden(self) -> float:
+        """Measured hidden time summed over the ranks with something hideable."""
+        return sum(r.hidden for r in self.ranks if r.target > 0)
+
+    @property
+    def others(self) -> float:
+        """Measured ``exposed_off - exposed_on`` summed over the ranks with nothing hideable
+        (noise, or the overlap's side effects on their reduce: negative = slower with overlap)."""
+        return sum(r.hidden for r in self.ranks if not r.target > 0)
+
+    @property
     def fraction(self) -> float:
-        """``hidden / hideable`` over the ranks (``nan`` when nothing is hideable)."""
-        return self.hidden / self.hideable if self.hideable > 0 else float("nan")
+        """``hidden / hideable_in_run`` (``nan`` when nothing is hideable)."""
+        return self.hidden / self.hideable_in_run if self.hideable_in_run > 0 else float("nan")
 
     def verdict(self, t_f: float) -> str:
-        """``PASS`` / ``FAIL`` against the target: hidden >= half the hideable, with the start-up
-        fit and with the in-run reduce speed (the larger of the two counts); ``-`` when less than
-        a tenth of ``t_f`` (ms) is hideable."""
-        hideable = max(self.hideable, self.hideable_in_run if self.hideable_in_run == self.hideable_in_run else 0.0)
-        if not hideable >= 0.1 * t_f:
+        """``PASS`` / ``FAIL`` against the target (hidden >= half of :attr:`hideable_in_run`);
+        ``-`` when less than a tenth of ``t_f`` (ms) is hideable."""
+        if not self.hideable_in_run >= 0.1 * t_f:
             return "-"
-        return "PASS" if self.hidden >= 0.5 * hideable else "FAIL"
+        return "PASS" if self.fraction >= 0.5 else "FAIL"
 
 
 def dp_prediction(schedule: Any, *, durations: Mapping[Op, float], t_comm: float, model: Any) -> Any:
@@ -185,10 +207,11 @@ def _figures(name: str, spec: Any, res: list[dict[str, Any]], index: int, t_comm
     slowdown = statistics.median(r.exposed_off / r.predicted_off for r in ranks if r.predicted_off > 0)
     in_run = dp_prediction(s0["schedules"][name], durations=durations, t_comm=t_comm, model=replace(
         model, latency=model.latency * slowdown, bandwidth=model.bandwidth / slowdown))
+    ranks = [replace(r, hideable_in_run=a.exposed - b.exposed)
+             for r, a, b in zip(ranks, in_run.serial, in_run.overlapped)]
     return DPFigures(name=name, reduce_tf=s0["reduce_tf"], reduce_ms=s0["t_full"] * 1e3, off=iteration["off"],
                      on=iteration["on"], predicted_off=pred.time_serial, predicted_on=pred.time_overlapped,
-                     ranks=ranks, critical=critical, slowdown=slowdown,
-                     hideable_in_run=sum(a.exposed - b.exposed for a, b in zip(in_run.serial, in_run.overlapped)))
+                     ranks=ranks, critical=critical, slowdown=slowdown)
 
 
 def _markdown(spec: Any, res: list[dict[str, Any]], t_comm: float, figures: list[DPFigures]) -> list[str]:
@@ -200,33 +223,33 @@ def _markdown(spec: Any, res: list[dict[str, Any]], t_comm: float, figures: list
           f"`megatron_zb.bench.dp` (method: `megatron_zb.bench.dp_report`): PP={spec.pp} x DP={spec.dp}, m={spec.m}, "
           f"T_F = T_B = T_W = {t_f:g} ms per rank's share (half per chunk on the V), {spec.layers} weights per "
           f"rank's share; gradients per rank: {sizes}; p2p latency {t_comm:.2f} ms. {spec.warmup} warm-up and "
-          f"{spec.repeats} timed rounds per size. 'exposed' = end of a rank's last compute action to the end "
-          f"of its reduce; 'hidden' = median over rounds of exposed off - on (same round), summed over the "
-          f"pipeline ranks; 'hideable' = the same from the simulator (reduce speed fitted at start-up, and "
-          f"slowed down to the median measured/predicted exposed reduce without overlap: 'reduce in run'); "
-          f"target: hidden >= half of the larger hideable ('-' when less than T_F/10 is hideable). Iteration "
-          f"times are medians (ms).\n",
+          f"{spec.repeats} timed rounds per size. 'exposed' = end of the last compute action of a pipeline "
+          f"rank's DP replicas to the end of their reduce; 'predicted' = the simulator's, reduce speed of the "
+          f"start-up fit; 'in run / fit' = median measured / predicted exposed reduce without overlap, and "
+          f"'hideable' at that speed / at the fit's; 'hidden' = median over rounds of exposed off - on (same "
+          f"round), summed over the ranks with something hideable; 'others' = the same over the other ranks "
+          f"(negative: their reduce was slower with overlap). Target: hidden >= half of the in-run hideable "
+          f"('-' when less than T_F/10 is hideable). Iteration times are medians (ms).\n",
           "| schedule | reduce | iteration off / on (ms) | predicted off / on | exposed off / on, measured (sum over "
-          "ranks) | predicted | hidden (ms) | hideable (ms) | hidden / hideable | reduce in run / fit: hideable, "
-          "hidden / hideable | critical rank: hidden / hideable | target |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "ranks) | predicted | in run / fit | hideable: in run / fit | hidden | hidden / hideable (in run) | "
+          "others | critical rank: hidden / hideable | target |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in figures:
         c = f.ranks[f.critical]
         md.append(f"| {f.name} | {f.reduce_tf:g} T_F ({f.reduce_ms:.0f} ms) | {f.off:.1f} / {f.on:.1f} | "
                   f"{f.predicted_off:.1f} / {f.predicted_on:.1f} | {sum(r.exposed_off for r in f.ranks):.1f} / "
                   f"{sum(r.exposed_on for r in f.ranks):.1f} | {sum(r.predicted_off for r in f.ranks):.1f} / "
-                  f"{sum(r.predicted_on for r in f.ranks):.1f} | {f.hidden:.1f} | {f.hideable:.1f} | "
-                  f"{f.fraction:.2f} | {f.slowdown:.2f}x: {f.hideable_in_run:.1f}, "
-                  f"{f.hidden / f.hideable_in_run if f.hideable_in_run > 0 else float('nan'):.2f} | "
-                  f"rank {f.critical}: {c.hidden:.1f} / {c.hideable:.1f} | {f.verdict(t_f)} |")
+                  f"{sum(r.predicted_on for r in f.ranks):.1f} | {f.slowdown:.2f} | {f.hideable_in_run:.1f} / "
+                  f"{f.hideable:.1f} | {f.hidden:.1f} | {f.fraction:.2f} | {f.others:.1f} | "
+                  f"rank {f.critical}: {c.hidden:.1f} / {c.target:.1f} | {f.verdict(t_f)} |")
     md += ["\nPer rank (ms; 'lead' = first bucket launched / ready before the end of the rank's compute):\n",
            "| schedule | reduce | rank | exposed off: measured / predicted | exposed on: measured / predicted | "
-           "hidden [range] | hideable | lead: measured / predicted |", "|---|---|---|---|---|---|---|---|"]
+           "hidden [range] | hideable: in run / fit | lead: measured / predicted |", "|---|---|---|---|---|---|---|---|"]
     for f in figures:
         for r in f.ranks:
             md.append(f"| {f.name} | {f.reduce_tf:g} T_F | {r.rank} | {r.exposed_off:.1f} / {r.predicted_off:.1f} | "
                       f"{r.exposed_on:.1f} / {r.predicted_on:.1f} | {r.hidden:.1f} [{r.hidden_range[0]:.0f}, "
-                      f"{r.hidden_range[1]:.0f}] | {r.hideable:.1f} | {r.lead:.1f} / {r.predicted_lead:.1f} |")
+                      f"{r.hidden_range[1]:.0f}] | {r.target:.1f} / {r.hideable:.1f} | {r.lead:.1f} / {r.predicted_lead:.1f} |")
     return md
 
 
@@ -249,10 +272,11 @@ def dp_section(*, quick: bool, timeout: float, rows: list[Any], md: list[str], l
         variant = f"{f.name} reduce={f.reduce_tf:g}T_F"
         for metric, value in (("measured_off_ms", f.off), ("measured_on_ms", f.on),
                               ("predicted_off_ms", f.predicted_off), ("predicted_on_ms", f.predicted_on),
-                              ("hidden_ms", f.hidden), ("hideable_ms", f.hideable),
-                              ("hidden_over_hideable", f.fraction)):
+                              ("hidden_ms", f.hidden), ("hideable_ms", f.hideable_in_run),
+                              ("hideable_startup_fit_ms", f.hideable), ("others_ms", f.others),
+                              ("reduce_slowdown", f.slowdown), ("hidden_over_hideable", f.fraction)):
             rows.append(Row("dp", spec.pp, spec.m, variant, metric, value, "ms" if metric.endswith("ms") else ""))
         for r in f.ranks:
             rows.append(Row("dp", spec.pp, spec.m, variant, f"rank{r.rank}_hidden_ms", r.hidden, "ms"))
-            rows.append(Row("dp", spec.pp, spec.m, variant, f"rank{r.rank}_hideable_ms", r.hideable, "ms"))
+            rows.append(Row("dp", spec.pp, spec.m, variant, f"rank{r.rank}_hideable_ms", r.target, "ms"))
     return figures
