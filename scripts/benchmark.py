@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         section_postval(cfg, real_info, rows, body, args.timeout)
         mark("postval")
     if "dp" in which:
-        from megatron_zb.bench.dp import dp_section
+        from megatron_zb.bench.dp_report import dp_section
         dp_section(quick=args.quick, timeout=args.timeout, rows=rows, md=body, log=log)
         mark("dp")
 

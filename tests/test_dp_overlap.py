@@ -10,6 +10,7 @@ so they are compared with a tolerance relative to each tensor's magnitude.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,6 +21,9 @@ from pathlib import Path
 import pytest
 
 import megatron_zb  # noqa: F401  (CPU shim)
+from megatron_zb.schedules import CostModel, Op, Schedule
+from megatron_zb.schedules.dp_reduce import DPReduceModel
+from megatron_zb.schedules.registry import build_schedule
 from megatron_zb.testing import run_distributed
 from megatron_zb.testing.dp_overlap import DPCase, assert_equal_runs, merge, run_dp_iterations
 from megatron_zb.testing.tiny_gpt import TinyGPT
@@ -28,8 +32,8 @@ CFG = TinyGPT(pp=2, dp=2)
 PLAIN = ("zb", "zb-2p")
 
 
-def _run(case: DPCase, schedule: str | None) -> dict:
-    return merge(run_distributed(partial(run_dp_iterations, CFG, case, schedule=schedule), world_size=4,
+def _run(case: DPCase, schedule: str | None, **options) -> dict:
+    return merge(run_distributed(partial(run_dp_iterations, CFG, case, schedule=schedule, **options), world_size=4,
                                  timeout=300))
 
 
@@ -44,11 +48,21 @@ def references() -> dict[bool, dict]:
     return {d: _run(_case(d), None) for d in (False, True)}
 
 
+@pytest.fixture(scope="module")
+def zbv_ddp() -> dict:
+    """zbv with overlap, without the distributed optimizer (used by two tests)."""
+    return _run(_case(False), "zbv")
+
+
 @pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["ddp", "distopt"])
 @pytest.mark.parametrize("schedule,post_validation", [
     ("zb", False), ("zb-2p", False), ("zbv", False), ("interleaved-zb", False), ("zb", True), ("zbv", True)])
-def test_overlapped_reduce_matches_megatron_1f1b(references, schedule, post_validation, distributed_optimizer):
-    got = _run(_case(distributed_optimizer, post_validation), schedule)
+def test_overlapped_reduce_matches_megatron_1f1b(request, references, schedule, post_validation,
+                                                 distributed_optimizer):
+    if (schedule, post_validation, distributed_optimizer) == ("zbv", False, False):
+        got = request.getfixturevalue("zbv_ddp")
+    else:
+        got = _run(_case(distributed_optimizer, post_validation), schedule)
     plain = schedule in PLAIN
     # with the distributed optimizer only the rank's own shard of main_grad is reduced; the rest
     # holds local gradients laid out by the placement's buckets, comparable only for equal layouts
@@ -66,6 +80,29 @@ def test_overlapped_reduce_matches_megatron_1f1b(references, schedule, post_vali
             rep = r["reports"][0][-1]
             assert rep.num_buckets > 3
             assert rep.launched_before_last_w() >= 1, f"DP rank {dp}: no bucket launched before the last W"
+
+
+def test_reduce_aware_v_tail_runs_bitwise_equal(zbv_ddp):
+    """zbv built with a DPReduceModel (stage 1 reduces 4x the bytes of the others) regroups
+    pipeline rank 1's trailing W's stage by stage (tests/test_dp_reduce_model.py works a case out
+    by hand); every stage keeps its W's in microbatch order, so main_grad and the parameters
+    after the step equal the plain zbv run's bit for bit, and every bucket is launched early."""
+    unit = CostModel()
+    with_dp = dataclasses.replace(unit, dp_reduce=DPReduceModel(stage_bytes=[1.0, 4.0, 1.0, 1.0], bucket_bytes=None,
+                                                                bandwidth=1.0))
+    p, m = CFG.pp, CFG.num_microbatches
+    plain = build_schedule("zbv", num_ranks=p, num_microbatches=m, costs=unit)
+    aware = build_schedule("zbv", num_ranks=p, num_microbatches=m, costs=with_dp)
+    assert aware.ranks[0] == plain.ranks[0] and aware.ranks[1] != plain.ranks[1]
+
+    def w_order(s: Schedule, stage: int) -> list[int]:
+        return [a.mb for a in s.ranks[s.stage_to_rank[stage]] if a.op is Op.W and a.stage == stage]
+    assert all(w_order(aware, st) == w_order(plain, st) for st in range(2 * p))
+    got = _run(_case(False), "zbv", costs=with_dp)   # the runtime builds the reduce-aware V itself
+    assert_equal_runs(zbv_ddp, got, bitwise=True, grads=True, what="zbv with the reduce-aware tail")
+    for r in got.values():
+        for reports in r["reports"].values():
+            assert len(reports[-1].launches) == reports[-1].num_buckets
 
 
 # ---------------------------------------------------------------------------- pretrain_gpt_zb.py

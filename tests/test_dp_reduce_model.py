@@ -130,3 +130,36 @@ def test_greedy_scores_its_candidates_with_the_reduce():
     assert aware.reduce[0] == [(0, 10.0, 10.0, 14.0)]
     assert aware.total_time == pytest.approx(14.0) and aware.compute_time == pytest.approx(14.0)
     assert [(a.op, a.mb) for a in aware_sched.ranks[1][-3:]] == [(Op.W, 0), (Op.W, 1), (Op.W, 2)]
+
+
+def _order(text: str) -> list[tuple[Op, int, int]]:
+    """``"F0.1 B0.1"`` -> ``[(Op.F, 0, 1), (Op.B, 0, 1)]`` (op, microbatch, stage)."""
+    return [(Op(t[0]), int(t[1:].split(".")[0]), int(t.split(".")[1])) for t in text.split()]
+
+
+def test_v_generator_returns_the_reduce_aware_tail():
+    """zbv, p=2, m=2, unit costs, T_comm 0; stage 1 reduces 4 bytes, stages 0, 2 and 3 one byte
+    each, at 1 byte/unit (one bucket per stage).
+
+    Built without the reduce, rank 1 (stages 1 and 2) runs F0.1 1-2, F0.2 2-3, F1.1 3-4, F1.2 4-5,
+    B0.2 5-6, B0.1 6-7, B1.2 7-8, B1.1 8-9 and the tail W0.2 9-10, W0.1 10-11, W1.2 11-12, W1.1
+    12-13; rank 0 (stages 0 and 3) ends its W's at 13 too (stage 3's last at 11). With the reduce:
+    rank 1's stage 2 is ready at 12 (reduce 12-13), stage 1 at 13 (13-17): the iteration is 17
+    (rank 0: 11-12 and 13-14). Built with the reduce in the costs, rank 1's tail is regrouped
+    stage 1 first -- W0.1 9-10, W1.1 10-11, W0.2 11-12, W1.2 12-13 -- so stage 1
+    reduces 11-15 and stage 2 (ready 13) 15-16: the iteration is 16; rank 0's order is unchanged.
+    Without overlap every rank reduces after its compute: rank 1 13-18, so 18."""
+    with_dp = _with(UNIT, stage_bytes=[1.0, 4.0, 1.0, 1.0], bucket_bytes=None, bandwidth=1.0)
+    plain = build_schedule("zbv", num_ranks=2, num_microbatches=2, costs=UNIT)
+    r0 = "F0.0 F1.0 F0.3 B0.3 F1.3 B1.3 B0.0 W0.3 B1.0 W1.3 W0.0 W1.0"
+    r1 = "F0.1 F0.2 F1.1 F1.2 B0.2 B0.1 B1.2 B1.1 "
+    assert [[(a.op, a.mb, a.stage) for a in r] for r in plain.ranks] == [_order(r0), _order(r1 + "W0.2 W0.1 W1.2 W1.1")]
+    assert simulate(plain, with_dp).total_time == pytest.approx(17.0)
+    aware = build_schedule("zbv", num_ranks=2, num_microbatches=2, costs=with_dp)
+    assert [[(a.op, a.mb, a.stage) for a in r] for r in aware.ranks] == [_order(r0), _order(r1 + "W0.1 W1.1 W0.2 W1.2")]
+    assert "reduce-aware tail" in aware.meta["variant"]
+    res = simulate_dp_reduce(simulate(aware, with_dp))
+    assert res.overlapped[1].buckets == [(1, 11.0, 11.0, 15.0), (2, 13.0, 15.0, 16.0)]
+    assert res.time_overlapped == pytest.approx(16.0) and res.time_serial == pytest.approx(18.0)
+    # the pass finds nothing more to regroup in what the generator returns
+    assert reduce_aware_tail(aware, with_dp)[0] is aware

@@ -35,7 +35,11 @@ The algorithm: the event-driven list scheduler of :mod:`.list_scheduler` (any pl
 :mod:`.interleaved_zb` uses it too) whose knobs are tuned per problem by the coordinate-descent
 search of :mod:`.search`, every candidate scored by its simulated makespan (ties: lower peak
 memory); small problems (<= 200 actions) then get a local search that moves single actions while
-the simulated makespan improves (:func:`~.list_scheduler.improve`). The knobs that matter on the V:
+the simulated makespan improves (:func:`~.list_scheduler.improve`). With an overlapped
+data-parallel reduce in the costs (``costs.dp_reduce``), the result's trailing W's are then regrouped chunk by chunk when
+that ends the predicted iteration sooner (:func:`~..dp_reduce.reduce_aware_tail`; a V rank's two
+chunks reduce separately, so finishing one chunk's W's first lets its buckets reduce under the
+other's). The knobs that matter on the V:
 the warm-up depth (how many microbatches may be between the rank's first chunk and its last chunk:
 as many first-chunk forwards as fit before microbatch 0 comes back to the rank's second chunk), a
 cap on microbatches in flight (for tight limits), and *pacing*: microbatch ``i`` enters stage 0 no
@@ -56,10 +60,12 @@ grow when the limit rises, up to the heuristic noise between grid points.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable
 
 from ..catalog import register
 from ..costs import CostModel, StageCosts
+from ..dp_reduce import reduce_aware_tail
 from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement
 from ..simulator import simulate
 from .common import check_cost_model, check_count, parse_memory_limit
@@ -151,24 +157,59 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
             f"both of its chunks' activations of one microbatch (mem_b[{worst}] + mem_b[{2 * p - 1 - worst}]) "
             f"at once, so no schedule fits")
     sc = costs.with_limit(limit).resolve(2 * p)
-    best = search(s2r, m, sc, limit)
+    ranks, variant = _best_order(s2r, m, sc, limit, full, name)
+    res = simulate(Schedule(m, s2r, ranks, name), sc)    # validates; checks memory and deadlock
+    return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name,
+                         memory_limit=limit, variant=variant, makespan=res.makespan)
+
+
+def _best_order(s2r: list[int], m: int, sc: StageCosts, limit: float, full: float,
+                name: str) -> tuple[list[list[Action]], str]:
+    """The V order with the best ``(makespan, peak, total)`` under ``sc`` among the knob search's,
+    its proxies' and PyTorch's, then locally improved (small problems); its variant description.
+
+    With ``sc.dp_reduce`` (overlapped) every finalist, and the result, has its tail's W's regrouped
+    chunk by chunk when the simulator says that ends the reduce sooner (:func:`~..dp_reduce.reduce_aware_tail`),
+    and an order built without the reduce is one more finalist: the search sees only untouched
+    tails, so a finalist that loses before the regrouping may win after it.
+    """
+    p = len(s2r) // 2
+    best: tuple[list[list[Action]], tuple[float, ...], str] | None = None
+
+    def tail(ranks: list[list[Action]]) -> list[list[Action]]:
+        if sc.dp_reduce is None or not sc.dp_reduce.overlap:   # a serial reduce starts after the compute anyway
+            return ranks
+        return reduce_aware_tail(Schedule(m, s2r, ranks, name), sc)[0].ranks
+
+    def offer(ranks: list[list[Action]], variant: str, score: tuple[float, ...] | None = None) -> None:
+        nonlocal best
+        regrouped = tail(ranks)
+        if regrouped != ranks:
+            ranks, variant, score = regrouped, variant + " + reduce-aware tail", None
+        if score is None:
+            ms, pk, tot = asap_times(s2r, m, sc, ranks)
+            score = (round(ms, 9), round(pk, 9), round(tot, 9))
+        if best is None or score < best[1]:
+            best = (ranks, score, variant)
+
+    got = search(s2r, m, sc, limit)
+    if got is not None:
+        offer(got[0], got[2], got[1])
     if math.isfinite(limit) and full > 0:
         # also the grid limit k*M/2 just below: a schedule that fits it fits this limit too, which
         # keeps the bubble from rising with the limit (up to the noise between grid points)
         g = math.ceil(limit / (full / 2) - 1e-9) - 1
         if g >= 2:
             lower = search(s2r, m, sc, g * full / 2, max_sweeps=1)
-            if lower is not None and (best is None or lower[1] < best[1]):
-                best = (lower[0], lower[1], lower[2] + f" (limit {g * full / 2:g})")
-    for tag, proxy in proxy_costs(sc):
+            if lower is not None:
+                offer(lower[0], lower[2] + f" (limit {g * full / 2:g})", lower[1])
+    proxies = proxy_costs(sc) + ([("no DP reduce", replace(sc, dp_reduce=None))] if sc.dp_reduce is not None else [])
+    for tag, proxy in proxies:
         # orders built under simplified costs, timed under the real ones: on large pipelines the
         # scheduler's reaction to T_comm or uneven T's can drift into irregular steady states
         got = search(s2r, m, proxy, limit, max_sweeps=1)
         if got is not None:
-            ms, pk, tot = asap_times(s2r, m, sc, got[0])
-            score = (round(ms, 9), round(pk, 9), round(tot, 9))
-            if best is None or score < best[1]:
-                best = (got[0], score, f"built with {tag}: {got[2]}")
+            offer(got[0], f"built with {tag}: {got[2]}")
     for cls_name, ranks_ in _library_v_orders(p, m):
         # orders of PyTorch's own V schedules, re-timed under our costs: kept when they fit the
         # memory limit and beat the search (so the result is never worse than them)
@@ -176,19 +217,19 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
             res = simulate(Schedule(m, s2r, ranks_, cls_name), sc)
         except ScheduleError:
             continue
-        score = (round(res.makespan, 9), round(res.max_peak_memory, 9), round(res.total_time, 9))
-        if best is None or score < best[1]:
-            best = (ranks_, score, f"torch.distributed.pipelining {cls_name} order")
+        offer(ranks_, f"torch.distributed.pipelining {cls_name} order",
+              (round(res.makespan, 9), round(res.max_peak_memory, 9), round(res.total_time, 9)))
     if best is None:  # pragma: no cover - the memory-only knobs cannot get stuck on the V
         raise ScheduleError(f"no V schedule found for p={p}, m={m}, memory_limit={limit:g}")
-    ranks, score, variant = best
+    ranks, _, variant = best
     if 6 * p * m <= _IMPROVE_MAX_ACTIONS:
         better = improve(s2r, m, sc, limit, ranks)
         if better != ranks:
             ranks, variant = better, variant + " + local search"
-    res = simulate(Schedule(m, s2r, ranks, name), sc)    # validates; checks memory and deadlock
-    return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name,
-                         memory_limit=limit, variant=variant, makespan=res.makespan)
+        regrouped = tail(ranks)   # the local search may have moved W's of the tail
+        if regrouped != ranks:
+            ranks, variant = regrouped, variant + " + reduce-aware tail"
+    return ranks, variant
 
 
 def _library_v_orders(p: int, m: int) -> list[tuple[str, list[list[Action]]]]:
