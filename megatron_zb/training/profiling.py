@@ -32,6 +32,7 @@ the cost model then uses ``t_b = T_BW`` and ``t_w = 0``, which simulates the fus
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -64,10 +65,14 @@ class ActionProfile:
     busy: float = 0.0      # seconds this rank spent in compute actions
     elapsed: float = 0.0   # seconds this rank spent in forward_backward_func calls
     iterations: int = 0
+    overhead: list[float] = field(default_factory=list)  # per iteration: runtime seconds per compute action
+    outside: list[float] = field(default_factory=list)   # per sample: seconds outside the schedule's actions
 
     def add(self, timing: Any, elapsed: float, memory: MemoryTracker | None = None) -> None:
         """Add one iteration: ``timing`` is the runtime's ``last_timing`` (an ``ActionTiming``),
         ``memory`` its ``last_memory`` (the activation tracker, or ``None``: no bytes measured)."""
+        if timing.records:
+            self.overhead.append(runtime_seconds(timing) / len(timing.records))
         for action, t0, t1 in timing.records:
             key = (action.op, action.stage)
             self.sums[key] = self.sums.get(key, 0.0) + (t1 - t0)
@@ -87,10 +92,31 @@ class ActionProfile:
         """Mean net change of the saved-activation bytes per ``(op, stage)`` action [bytes]."""
         return {k: self.byte_sums[k] / self.byte_counts[k] for k in self.byte_sums}
 
+    def add_outside(self, seconds: float) -> None:
+        """Add one measured time from the end of an iteration's last compute action to the start of
+        the next iteration's ``forward_backward_func`` work (:func:`runtime_seconds`' complement)."""
+        self.outside.append(seconds)
+
     @property
     def idle_fraction(self) -> float:
         """``1 - busy / elapsed`` over the profiled iterations (0 when nothing was profiled)."""
         return max(0.0, 1.0 - self.busy / self.elapsed) if self.elapsed > 0 else 0.0
+
+
+def runtime_seconds(timing: Any) -> float:
+    """The runtime's own time in one iteration of one rank, seconds: from the start of the executor
+    call to the end of its last compute action, minus the compute actions and minus the receive
+    actions (posting plus waiting for a peer's data: the wait is what the simulator's dependencies
+    and ``T_comm`` model). What is left is the loop and its bookkeeping, the ``isend`` calls and the
+    receives posted ahead -- the time between compute actions the simulator does not see."""
+    last = max(t1 for _, _, t1 in timing.records)
+    compute = sum(t1 - t0 for _, t0, t1 in timing.records)
+    recv = sum(t1 - t0 for a, t0, t1 in timing.comm if a.op.is_recv and t1 <= last)
+    return max(0.0, last - timing.start - compute - recv)
+
+
+def _median_ms(values: Sequence[float]) -> float | None:
+    return 1e3 * statistics.median(values) if values else None
 
 
 def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.device, group: Any,
@@ -134,13 +160,16 @@ def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.de
 class AgreedProfile:
     """The profile every rank uses (global rank 0's pipeline): per-stage means (ms), T_comm (ms),
     idle fraction per pipeline rank, mean net activation bytes per action (``bytes``: empty when
-    memory was not measured)."""
+    memory was not measured), and the runtime's measured time per compute action and outside the
+    schedule's actions (ms, ``None`` when not measured; :func:`agree_on_profile`)."""
 
     means: dict[tuple[str, int], float]
     t_comm: float
     idle_fraction: list[float]  # per pipeline rank
     iterations: int
     bytes: dict[tuple[str, int], float] = field(default_factory=dict)
+    action_overhead_ms: float | None = None  # runtime time per compute action (mean over ranks of medians)
+    step_ms: float | None = None  # time outside the schedule's actions per iteration (min over ranks of medians)
 
     def per_stage(self, op: str, num_stages: int) -> list[float] | None:
         vals = [self.means.get((op, s)) for s in range(num_stages)]
@@ -188,7 +217,8 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
     Collective over ``pp_group`` and then over the default group.
     """
     mine = {"means": profile.means_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
-            "iterations": profile.iterations, "bytes": profile.mean_bytes()}
+            "iterations": profile.iterations, "bytes": profile.mean_bytes(),
+            "overhead": _median_ms(profile.overhead), "outside": _median_ms(profile.outside)}
     gathered: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(gathered, mine, group=pp_group)
     means: dict[tuple[str, int], float] = {}
@@ -197,9 +227,13 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
         means.update(g["means"])
         nbytes.update(g["bytes"])
     comms = [g["t_comm"] for g in gathered if g["t_comm"] is not None]
+    overheads = [g["overhead"] for g in gathered]
+    outside = [g["outside"] for g in gathered]
     agreed = [AgreedProfile(means=means, t_comm=sum(comms) / len(comms) if comms else 0.0,
                             idle_fraction=[float(g["idle"]) for g in gathered],
-                            iterations=min(int(g["iterations"]) for g in gathered), bytes=nbytes)]
+                            iterations=min(int(g["iterations"]) for g in gathered), bytes=nbytes,
+                            action_overhead_ms=None if None in overheads else sum(overheads) / len(overheads),
+                            step_ms=None if None in outside else min(outside))]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
 
