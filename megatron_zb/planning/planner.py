@@ -279,10 +279,9 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
     if not explicit and spec.cost_aware and placement != Placement.PLAIN and size > SEARCH_LIMIT:
         return FamilyResult(name, "skipped", f"search-based generator takes minutes at stages x m = {size} > "
                                              f"{SEARCH_LIMIT}; request it with --schedules {name}", chunks)
-    ov = source.action_overhead_ms  # per compute action; a fused BW (t_b + t_w) is one action
-    costs = CostModel(t_f=[t + ov for t in table.t_f], t_b=[t + ov for t in table.t_b],
-                      t_w=[t + ov if spec.split_backward else t for t in table.t_w], t_comm=source.t_comm_ms,
-                      mem_b=list(table.mem_b), mem_w=list(table.mem_w))
+    costs = CostModel(t_f=list(table.t_f), t_b=list(table.t_b), t_w=list(table.t_w), t_comm=source.t_comm_ms,
+                      mem_b=list(table.mem_b), mem_w=list(table.mem_w)).with_action_overhead(
+        source.action_overhead_ms, split_backward=spec.split_backward)
     ranks = [r.rank for r in table.shapes]
     param_bytes = [0.0] * par.pp
     for sh, n in zip(table.shapes, table.params):

@@ -28,8 +28,8 @@ Format (JSON object, version 1)::
       "action_overhead_ms": 0.35     # optional: measured runtime time per compute action
     }
 
-Units: times in milliseconds per microbatch through the stage (mean over the profiled
-microbatches), ``t_b`` the input-gradient backward and ``t_w`` the weight-gradient backward (for a
+Units: times in milliseconds per microbatch through the stage (``--profile-out`` writes the median
+over the profiled microbatches; the compute alone, the runtime's overhead is ``action_overhead_ms``), ``t_b`` the input-gradient backward and ``t_w`` the weight-gradient backward (for a
 fused backward, measure ``B`` + ``W`` and split it, or profile a zero-bubble schedule);
 ``mem_b_bytes`` the activation memory one microbatch's forward leaves allocated until its ``B``,
 ``mem_w_bytes`` the part still allocated from ``B`` until ``W``, bytes on one GPU.

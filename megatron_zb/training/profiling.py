@@ -2,13 +2,26 @@
 
 During the profiled iterations ``[--zero-bubble-pipeline-timers-start-iter,
 --zero-bubble-pipeline-timers-end-iter)`` the runtime records the wall-clock time of every
-compute action (``time_actions=True``). :class:`ActionProfile` accumulates them per stage,
-together with each rank's busy time (sum of its compute actions) and the wall time of its
-``forward_backward_func`` calls. After the window:
+compute action (``time_actions=True``). :class:`ActionProfile` collects them per stage (the
+profile's costs are the **medians** per ``(op, stage)``: one action the OS descheduled, or the
+first iterations' allocator warm-up, must not set a stage's cost), together with each rank's busy
+time (sum of its compute actions) and the wall time of its ``forward_backward_func`` calls, and two
+measured times the simulator does not produce itself (medians over the profiled iterations):
+
+* the runtime's own time per compute action (:func:`runtime_seconds`: the executor loop, ``isend``
+  calls, receives posted ahead; not the waits for a peer's data) -- the profile's
+  ``action_overhead_ms``, mean over pipeline ranks;
+* the time from an iteration's last compute action to the start of the next iteration
+  (``finalize_model_grads`` with the tied-embedding and DP reduces, the optimizer step, zeroing,
+  loss reduction, logging; one sample per pair of consecutive profiled iterations, so a window of
+  ``n`` iterations gives ``n - 1``) -- the profile's ``step_ms``, the minimum over pipeline ranks
+  (the rank that ends the pipeline last waits least in the reduces that follow).
+
+After the window:
 
 1. :func:`measure_t_comm`: a short ping-pong of one activation-sized tensor between every pair of
    neighbouring pipeline ranks (one pair at a time); ``T_comm`` is half the mean round trip.
-2. :func:`agree_on_profile`: every rank all-gathers its stages' means over its pipeline group;
+2. :func:`agree_on_profile`: every rank all-gathers its stages' medians over its pipeline group;
    then the numbers of global rank 0's pipeline are broadcast to *every* rank, so all ranks
    (all pipelines, all tensor-parallel ranks) build the same schedule from identical inputs.
 3. :func:`cost_model`: the :class:`~megatron_zb.schedules.CostModel` in milliseconds and bytes.
@@ -58,8 +71,7 @@ class ActionProfile:
     """Per-stage action times (seconds), activation bytes per action, and per-rank busy/elapsed
     time over the profiled iterations."""
 
-    sums: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, stage) -> seconds
-    counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    durations: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (op, stage) -> seconds each
     byte_sums: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, stage) -> net bytes kept
     byte_counts: dict[tuple[str, int], int] = field(default_factory=dict)
     busy: float = 0.0      # seconds this rank spent in compute actions
@@ -75,8 +87,7 @@ class ActionProfile:
             self.overhead.append(runtime_seconds(timing) / len(timing.records))
         for action, t0, t1 in timing.records:
             key = (action.op, action.stage)
-            self.sums[key] = self.sums.get(key, 0.0) + (t1 - t0)
-            self.counts[key] = self.counts.get(key, 0) + 1
+            self.durations.setdefault(key, []).append(t1 - t0)
             self.busy += t1 - t0
             if memory is not None:
                 self.byte_sums[key] = self.byte_sums.get(key, 0.0) + memory.bytes_between(t0, t1)
@@ -84,9 +95,9 @@ class ActionProfile:
         self.elapsed += elapsed
         self.iterations += 1
 
-    def means_ms(self) -> dict[tuple[str, int], float]:
-        """Mean duration per ``(op, stage)`` in milliseconds."""
-        return {k: 1e3 * self.sums[k] / self.counts[k] for k in self.sums}
+    def medians_ms(self) -> dict[tuple[str, int], float]:
+        """Median duration per ``(op, stage)`` in milliseconds (robust to an action the OS descheduled)."""
+        return {k: 1e3 * statistics.median(v) for k, v in self.durations.items()}
 
     def mean_bytes(self) -> dict[tuple[str, int], float]:
         """Mean net change of the saved-activation bytes per ``(op, stage)`` action [bytes]."""
@@ -158,12 +169,12 @@ def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.de
 
 @dataclass(frozen=True)
 class AgreedProfile:
-    """The profile every rank uses (global rank 0's pipeline): per-stage means (ms), T_comm (ms),
+    """The profile every rank uses (global rank 0's pipeline): per-stage median action times (ms), T_comm (ms),
     idle fraction per pipeline rank, mean net activation bytes per action (``bytes``: empty when
     memory was not measured), and the runtime's measured time per compute action and outside the
     schedule's actions (ms, ``None`` when not measured; :func:`agree_on_profile`)."""
 
-    means: dict[tuple[str, int], float]
+    costs_ms: dict[tuple[str, int], float]
     t_comm: float
     idle_fraction: list[float]  # per pipeline rank
     iterations: int
@@ -172,7 +183,7 @@ class AgreedProfile:
     step_ms: float | None = None  # time outside the schedule's actions per iteration (min over ranks of medians)
 
     def per_stage(self, op: str, num_stages: int) -> list[float] | None:
-        vals = [self.means.get((op, s)) for s in range(num_stages)]
+        vals = [self.costs_ms.get((op, s)) for s in range(num_stages)]
         return None if any(v is None for v in vals) else [float(v) for v in vals]
 
     def activation_bytes(self, num_stages: int) -> tuple[list[float], list[float]] | None:
@@ -216,20 +227,20 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
 
     Collective over ``pp_group`` and then over the default group.
     """
-    mine = {"means": profile.means_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
+    mine = {"costs": profile.medians_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
             "iterations": profile.iterations, "bytes": profile.mean_bytes(),
             "overhead": _median_ms(profile.overhead), "outside": _median_ms(profile.outside)}
     gathered: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(gathered, mine, group=pp_group)
-    means: dict[tuple[str, int], float] = {}
+    costs: dict[tuple[str, int], float] = {}
     nbytes: dict[tuple[str, int], float] = {}
     for g in gathered:
-        means.update(g["means"])
+        costs.update(g["costs"])
         nbytes.update(g["bytes"])
     comms = [g["t_comm"] for g in gathered if g["t_comm"] is not None]
     overheads = [g["overhead"] for g in gathered]
     outside = [g["outside"] for g in gathered]
-    agreed = [AgreedProfile(means=means, t_comm=sum(comms) / len(comms) if comms else 0.0,
+    agreed = [AgreedProfile(costs_ms=costs, t_comm=sum(comms) / len(comms) if comms else 0.0,
                             idle_fraction=[float(g["idle"]) for g in gathered],
                             iterations=min(int(g["iterations"]) for g in gathered), bytes=nbytes,
                             action_overhead_ms=None if None in overheads else sum(overheads) / len(overheads),
@@ -240,8 +251,9 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
 
 def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num_attention_heads: int,
                seq_length: int, max_pending_microbatches: int | None, num_chunks: int = 1) -> CostModel:
-    """The schedule library's cost model from ``profile``: times in ms, memory in measured bytes
-    (or in units of one stage's M_B when bytes were not measured, see the module doc).
+    """The schedule library's cost model from ``profile``: times in ms (each compute action's median
+    plus the runtime's measured time per action, as ``plan --profile`` simulates it), memory in
+    measured bytes (or in units of one stage's M_B when bytes were not measured, see the module doc).
 
     ``max_pending_microbatches``: ``--zero-bubble-max-pending-backward`` (``None``: the schedule's own
     limit); ``num_chunks``: model chunks per pipeline rank.
@@ -264,4 +276,5 @@ def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num
         mem_b, mem_w = [1.0] * num_stages, [ratio] * num_stages
     limit = None if max_pending_microbatches is None else float(max_pending_microbatches * num_chunks * max(mem_b))
     return CostModel(t_f=[max(v, floor) for v in t_f], t_b=[max(v, floor) for v in t_b], t_w=list(t_w),  # type: ignore[arg-type]
-                     t_comm=profile.t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=limit)
+                     t_comm=profile.t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=limit).with_action_overhead(
+        profile.action_overhead_ms or 0.0, split_backward=profile.split_backward(num_stages))

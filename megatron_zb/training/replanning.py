@@ -182,11 +182,11 @@ class SchedulePlanner:
                       "at M_B and under-counts memory between B and W")
         print_rank_0(report + "\n" + per_stage + "\n" + note)
         if args.profile_out:
-            self._write_profile(agreed, costs)
+            self._write_profile(agreed)
         dist.barrier()
         return replanned
 
-    def _write_profile(self, agreed: AgreedProfile, costs: CostModel) -> None:
+    def _write_profile(self, agreed: AgreedProfile) -> None:
         """``--profile-out``: global rank 0 writes the measured costs as a planning profile."""
         if dist.get_rank() != 0:
             return
@@ -198,9 +198,9 @@ class SchedulePlanner:
             print_rank_0(f"WARNING: --profile-out {args.profile_out} not written: T_B, T_W and the activation "
                          f"bytes were not measured for every stage")
             return
-        sc = costs.resolve(stages)
+        times = [agreed.per_stage(op, stages) for op in ("F", "B", "W")]  # the compute alone (the overhead: a key)
         rows = [StageProfile(t_f_ms=f, t_b_ms=b, t_w_ms=w, mem_b_bytes=mb, mem_w_bytes=mw)
-                for f, b, w, mb, mw in zip(sc.t_f, sc.t_b, sc.t_w, *acts)]
+                for f, b, w, mb, mw in zip(*times, *acts)]
         try:
             write_profile(args.profile_out, model=profile_model(args), parallel=profile_parallel(args),
                           schedule=args.schedule, placement=get_spec(args.schedule).placement,
