@@ -47,8 +47,9 @@ from test_pretrain import torchrun
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-ITERS = 16
-ZB1P_WINDOW = (3, 6)  # zb1p: profiled iterations (1-2: first lowering, allocator warm-up)
+ITERS = 26
+ZB1P_WINDOW = (3, 10)  # zb1p: profiled iterations (1-2: first lowering, allocator warm-up; 8 iterations because
+#                        the same action's duration drifts 10-40% between iterations on this machine)
 FIRST_MEASURED = ZB1P_WINDOW[1] + 2  # re-planned after the window; the next iteration lowers the new schedule
 H1_WINDOW = (3, 13)  # zbh1: profiled and measured iterations (iteration 1-2: first lowering, warm-up)
 ARGV_BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

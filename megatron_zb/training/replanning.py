@@ -60,6 +60,7 @@ class SchedulePlanner:
         self.restored_costs: CostModel | None = None
         self.runtime: Any = None
         self._last_compute_end: float | None = None  # perf_counter time of the last profiled compute action
+        self._bookkeeping = 0.0  # seconds the profiler itself spent after that action (left out of step_ms)
         if args.use_megatron_core_schedule:
             from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
             self.forward_backward: Any = megatron_func()
@@ -92,7 +93,7 @@ class SchedulePlanner:
         start, end = self._window
         profiling = self.runtime is not None and start <= iteration < end
         if profiling and self._last_compute_end is not None and self.profiled_iterations[-1:] == [iteration - 1]:
-            self.profile.add_outside(now - self._last_compute_end)
+            self.profile.add_outside(now - self._last_compute_end - self._bookkeeping)  # not the profiler's own time
         self._last_compute_end = None
         if self.runtime is not None:
             self.runtime.options.time_actions = profiling
@@ -106,7 +107,9 @@ class SchedulePlanner:
         """
         timing = self.runtime.last_timing if profiling else None
         if timing is not None:
+            t0 = time.perf_counter()
             self.profile.add(timing, seconds, self.runtime.last_memory)
+            self._bookkeeping = time.perf_counter() - t0
             self.profiled_iterations.append(iteration)
             self._last_compute_end = max((t1 for _, _, t1 in timing.records), default=None)
         end = self._window[1]
