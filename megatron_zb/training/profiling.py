@@ -20,14 +20,15 @@ measured times the simulator does not produce itself (medians over the profiled 
 After the window:
 
 1. :func:`measure_t_comm`: a short ping-pong of one activation-sized tensor between every pair of
-   neighbouring pipeline ranks (one pair at a time); ``T_comm`` is half the mean round trip.
+   neighbouring pipeline ranks (one pair at a time); ``T_comm`` is half the median round trip.
 2. :func:`agree_on_profile`: every rank all-gathers its stages' medians over its pipeline group;
    then the numbers of global rank 0's pipeline are broadcast to *every* rank, so all ranks
    (all pipelines, all tensor-parallel ranks) build the same schedule from identical inputs.
 3. :func:`cost_model`: the :class:`~megatron_zb.schedules.CostModel` in milliseconds and bytes.
 
-Memory is measured too (the runtime's activation tracker is on in the window, with recomputation
-as configured): per action the net change of the bytes autograd keeps saved for backward
+Memory is measured too (the runtime's activation tracker is on in the window's first iteration --
+its hooks slow the actions down by 10-15% at hidden 64, so with two or more window iterations the
+first gives the bytes only and the others the times only -- with recomputation as configured): per action the net change of the bytes autograd keeps saved for backward
 (:meth:`~megatron_zb.runtime.memory.ActivationMemoryTracker.bytes_between` its start and end).
 Per stage, ``M_B`` is the mean change over its F actions (what one microbatch's forward leaves
 allocated until its B) and ``M_W = M_B + (mean change over its B actions)`` (what B leaves for W:
@@ -80,20 +81,23 @@ class ActionProfile:
     overhead: list[float] = field(default_factory=list)  # per iteration: runtime seconds per compute action
     outside: list[float] = field(default_factory=list)   # per sample: seconds outside the schedule's actions
 
-    def add(self, timing: Any, elapsed: float, memory: MemoryTracker | None = None) -> None:
+    def add(self, timing: Any, elapsed: float, memory: MemoryTracker | None = None, *, times: bool = True) -> None:
         """Add one iteration: ``timing`` is the runtime's ``last_timing`` (an ``ActionTiming``),
-        ``memory`` its ``last_memory`` (the activation tracker, or ``None``: no bytes measured)."""
-        if timing.records:
+        ``memory`` its ``last_memory`` (the activation tracker, or ``None``: no bytes measured);
+        ``times=False``: the bytes only (an iteration slowed down by the tracker)."""
+        if times and timing.records:
             self.overhead.append(runtime_seconds(timing) / len(timing.records))
         for action, t0, t1 in timing.records:
             key = (action.op, action.stage)
-            self.durations.setdefault(key, []).append(t1 - t0)
-            self.busy += t1 - t0
+            if times:
+                self.durations.setdefault(key, []).append(t1 - t0)
+                self.busy += t1 - t0
             if memory is not None:
                 self.byte_sums[key] = self.byte_sums.get(key, 0.0) + memory.bytes_between(t0, t1)
                 self.byte_counts[key] = self.byte_counts.get(key, 0) + 1
-        self.elapsed += elapsed
-        self.iterations += 1
+        if times:
+            self.elapsed += elapsed
+            self.iterations += 1
 
     def medians_ms(self) -> dict[tuple[str, int], float]:
         """Median duration per ``(op, stage)`` in milliseconds (robust to an action the OS descheduled)."""
@@ -132,7 +136,8 @@ def _median_ms(values: Sequence[float]) -> float | None:
 
 def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.device, group: Any,
                    rounds: int = 10, warmup: int = 2) -> float | None:
-    """Half the mean round-trip time (ms) of ``shape`` between this rank and its next pipeline rank.
+    """Half the median round-trip time (ms) of ``shape`` between this rank and its next pipeline rank
+    (the median: one round trip the OS delayed must not set the cost of every transfer).
 
     Collective over ``group`` (the pipeline group): the pairs ``(r, r+1)`` take turns, the other
     ranks wait. Returns the measurement on the lower rank of each pair (``None`` on the last rank
@@ -147,22 +152,21 @@ def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.de
         if me not in (r, r + 1):
             continue
         peer = dist.get_global_rank(group, r + 1 if me == r else r)
-        t0 = 0.0
+        trips = []
         for i in range(warmup + rounds):
-            if i == warmup:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
+            t0 = time.perf_counter()
             if me == r:
                 dist.send(buf, peer, group=group)
                 dist.recv(buf, peer, group=group)
             else:
                 dist.recv(buf, peer, group=group)
                 dist.send(buf, peer, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                trips.append(time.perf_counter() - t0)
         if me == r:
-            result = 1e3 * (time.perf_counter() - t0) / (2 * rounds)
+            result = 1e3 * statistics.median(trips) / 2
     dist.barrier(group=group)
     return result
 
