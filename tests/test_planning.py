@@ -260,6 +260,60 @@ def test_profile_rejects_inconsistent_content(tmp_path):
                       stage_to_rank=[0, 1, 2, 3, 0, 1, 2, 3], t_comm_ms=0.2, stages=_stages(8))
 
 
+@pytest.mark.parametrize("key, value", [("step_ms", -1.0), ("step_ms", "fast"), ("action_overhead_ms", float("nan")),
+                                        ("action_overhead_ms", True)])
+def test_profile_measured_runtime_keys_are_optional_and_checked(tmp_path, key, value):
+    """step_ms / action_overhead_ms: written and read back; a file without them (as written before
+    they existed) reads as not measured; a negative, non-finite or non-number value is refused by
+    write and read alike, naming the key."""
+    model, par = _small()
+    path = tmp_path / "p.json"
+    kw = dict(model=model, parallel=par, schedule="1f1b", placement="plain", stage_to_rank=[0, 1, 2, 3],
+              t_comm_ms=0.25, stages=_stages(4))
+    written = write_profile(path, **kw, step_ms=21.5, action_overhead_ms=0.125)
+    assert read_profile(path) == written and (written.step_ms, written.action_overhead_ms) == (21.5, 0.125)
+    raw = json.loads(path.read_text())
+    assert (raw["step_ms"], raw["action_overhead_ms"], raw["version"]) == (21.5, 0.125, 1)
+    old = {k: v for k, v in raw.items() if k not in ("step_ms", "action_overhead_ms")}
+    path.write_text(json.dumps(old))
+    assert (read_profile(path).step_ms, read_profile(path).action_overhead_ms) == (None, None)
+    with pytest.raises(PlanError, match=key):
+        write_profile(tmp_path / "bad.json", **kw, **{key: value})
+    assert not (tmp_path / "bad.json").exists()
+    path.write_text(json.dumps({**raw, key: value}))
+    with pytest.raises(PlanError, match=f"p.json: {key} must be"):
+        read_profile(path)
+
+
+def test_plan_adds_the_measured_runtime_overhead_and_step(capsys, tmp_path):
+    """A profile's action_overhead_ms lengthens every compute action (a fused BW once) and its
+    step_ms replaces the optimizer and DP estimates while the DP size is the profile's. 1F1B with
+    equal stages and T_comm 0 has the closed form makespan = (m + p - 1) (T_F + T_B + T_W + 2 ov)."""
+    model, par = _small()
+    stages = [StageProfile(t_f_ms=3.0, t_b_ms=3.5, t_w_ms=2.0, mem_b_bytes=1.5e9, mem_w_bytes=0.5e9)] * 4
+    path, out_json = tmp_path / "p.json", tmp_path / "plan.json"
+    write_profile(path, model=model, parallel=par, schedule="zb-1p", placement="plain", stage_to_rank=[0, 1, 2, 3],
+                  t_comm_ms=0.0, stages=stages, step_ms=7.5, action_overhead_ms=0.25)
+    rc, out, err = run(capsys, "plan", "--profile", path, "--gpu", "H100", "--schedules", "1f1b,zb-h1", "--json",
+                       out_json)
+    assert rc == 0, err
+    doc = json.loads(out_json.read_text())
+    one = next(s for s in doc["schedules"] if s["name"] == "1f1b")
+    m, p = 8, 4
+    assert one["makespan_ms"] == pytest.approx((m + p - 1) * (3.0 + 3.5 + 2.0 + 2 * 0.25), rel=1e-9)
+    assert one["iteration_time_ms"] == pytest.approx(one["makespan_ms"] + 7.5, rel=1e-9)
+    assert (one["optimizer_ms"], one["dp_sync_ms"], one["step_source"]) == (7.5, 0.0, "profile")
+    assert doc["action_overhead_ms"] == 0.25
+    assert "0.250 ms measured runtime overhead each" in out and "measured time outside the schedule" in out
+    # another DP size: the reduces differ from the measured ones, so the step is estimated again
+    rc, out, err = run(capsys, "plan", "--profile", path, "--gpu", "H100", "--schedules", "1f1b",
+                       "--data-parallel-size", 2, "--json", out_json)
+    assert rc == 0, err
+    one = json.loads(out_json.read_text())["schedules"][0]
+    assert one["step_source"] == "estimate" and one["dp_sync_ms"] > 0 and one["optimizer_ms"] != 7.5
+    assert "optimizer step + DP gradient all-reduce (estimates)" in out
+
+
 def test_plan_from_profile_uses_the_measured_costs(capsys, tmp_path):
     model, par = _small()
     path, out_json = tmp_path / "p.json", tmp_path / "plan.json"

@@ -4,17 +4,18 @@ from it against the run it was measured on (issue 15's CPU acceptance check).
 PP=2 runs under torchrun (gloo, CPU, fp32 -- Megatron's default precision, which the planner
 models as well as bf16/fp16), tiny GPT. ``megatron-zb plan --profile FILE --schedules NAME``
 rebuilds the run's schedule from the profile's costs and predicts its iteration time: the
-simulated makespan plus the optimizer step (36 bytes of memory traffic per fp32 parameter at
-``--gpu-hbm-gbs``). The measured iteration time is the mean of Megatron's "elapsed time per
-iteration" lines.
+simulated makespan (every compute action lengthened by the measured ``action_overhead_ms``) plus
+the measured ``step_ms`` (everything outside the schedule's actions; docs/planning.md). The
+measured iteration time is the median of Megatron's "elapsed time per iteration" lines (the
+profile's costs are medians too).
 
 Two comparisons:
 
 * ``zbh1``: ZB-H1 (not cost-aware: the schedule never changes), profiled over iterations 3-13 and
-  compared with the measured mean of the *same* iterations, so the difference is the model's own
-  error (runtime overhead between actions, transfers beyond T_comm, the optimizer and logging);
-* ``zb1p``: ZB-1p profiled at 2-3, re-planned, measured after re-planning (the sequence issue 15
-  describes).
+  compared with the measured median of the *same* iterations, so the difference is the model's
+  own error (waits beyond T_comm and the dependencies);
+* ``zb1p``: ZB-1p profiled at 3-10, re-planned, measured at 12-26 (the sequence issue 15
+  describes; the window's costs must also hold for later iterations).
 
 Both are asserted within 10% (issue 15's acceptance) **only on a quiet machine**: other processes
 (machine busy time minus this test's process tree, from /proc) kept at most
@@ -25,8 +26,9 @@ iteration to the next (observed 167-1747 ms), and the gaps between actions -- wh
 does not model -- dominate. Observed under such load: ZB-1p predicted/measured 1.01, 0.72, 0.76,
 1.55 (four runs), ZB-H1 same-window 0.63. (The criterion used to be the 1-minute load average <=
 cores, which the run's own two ranks nearly reach on an idle machine.) On a quiet machine (the
-clean-clone CI run of 2026-11-22) both ratios missed the 10% (0.842 and 1.553), so both checks are
-marked xfail (not strict) until issue 15's prediction work is done.
+clean-clone CI run of 2026-11-22) both ratios missed the 10% (0.842 and 1.553) before the runtime
+overhead and the step were measured; with them both are within 10% in most quiet runs but not
+reliably (see NOT_MET_ON_A_QUIET_MACHINE), so both checks stay xfail (not strict).
 
 Cost: four torchrun launches (the ZB-1p run is also the memory tests' no-recomputation run).
 """
@@ -36,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 
 import pytest
 
@@ -46,15 +49,18 @@ from test_pretrain import torchrun
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-ITERS = 16
-FIRST_MEASURED = 5  # profiled 2-3, re-planned after 3, iteration 4 lowers the new schedule
+ITERS = 26
+ZB1P_WINDOW = (3, 10)  # zb1p: profiled iterations (1-2: first lowering, allocator warm-up; 8 iterations because
+#                        the same action's duration drifts 10-40% between iterations on this machine)
+FIRST_MEASURED = ZB1P_WINDOW[1] + 2  # re-planned after the window; the next iteration lowers the new schedule
 H1_WINDOW = (3, 13)  # zbh1: profiled and measured iterations (iteration 1-2: first lowering, warm-up)
 ARGV_BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "16",
         "--lr", "1e-3", "--mock-data", "--num-workers", "0", "--log-interval", "1",
         "--eval-iters", "0", "--distributed-backend", "gloo", "--pipeline-model-parallel-size", "2",
         "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
-ARGV = ARGV_BASE + ["--train-iters", str(ITERS), "--schedule", "zb-1p"]
+ARGV = ARGV_BASE + ["--train-iters", str(ITERS), "--schedule", "zb-1p", "--zero-bubble-pipeline-timers-start-iter",
+                    str(ZB1P_WINDOW[0]), "--zero-bubble-pipeline-timers-end-iter", str(ZB1P_WINDOW[1] + 1)]
 ARGV_H1 = ARGV_BASE + [
     "--train-iters", str(H1_WINDOW[1]), "--schedule", "zb-h1", "--zero-bubble-pipeline-timers-start-iter", str(H1_WINDOW[0]),
     "--zero-bubble-pipeline-timers-end-iter", str(H1_WINDOW[1] + 1)]
@@ -76,9 +82,9 @@ def _run(tmp_path_factory, name: str, argv: list[str]) -> dict:
     return out
 
 
-def assert_within_10_percent(run: dict, predicted: float, mean: float, measured: list[float]) -> None:
+def assert_within_10_percent(run: dict, predicted: float, median: float, measured: list[float]) -> None:
     """The acceptance tolerance, on a machine that was quiet during the run (module doc)."""
-    ratio = predicted / mean
+    ratio = predicted / median
     busy = run["other_cores"]
     if not busy <= QUIET_OTHER_CORES:  # nan (no /proc) counts as not quiet
         pytest.skip(f"other processes kept {busy:.2f} of {os.cpu_count()} cores busy during the run (quiet: <= "
@@ -98,7 +104,7 @@ def run_h1(tmp_path_factory) -> dict:
 
 
 def predicted_and_measured(run: dict, schedule: str, first: int, last: int) -> tuple[float, float, list[float]]:
-    """(plan --profile's predicted iteration time, measured mean of iterations first..last, those times), ms."""
+    """(plan --profile's predicted iteration time, measured median of iterations first..last, those times), ms."""
     plan_json = run["dir"] / "plan.json"
     assert cli_main(["plan", "--profile", str(run["dir"] / "profile.json"), *HARDWARE, "--schedules", schedule,
                      "--json", str(plan_json)]) == 0
@@ -106,11 +112,11 @@ def predicted_and_measured(run: dict, schedule: str, first: int, last: int) -> t
     assert fam["name"] == schedule and fam["cost_source"] == "profile"
     times = iteration_ms(run["log"])
     measured = [times[i] for i in range(first, last + 1)]
-    mean = sum(measured) / len(measured)
+    median = statistics.median(measured)
     print(f"{schedule}: predicted {fam['iteration_time_ms']:.1f} ms (makespan {fam['makespan_ms']:.1f}), measured "
-          f"mean {mean:.1f} ms over iterations {first}-{last} (min {min(measured):.1f}, max {max(measured):.1f}); "
-          f"predicted/measured {fam['iteration_time_ms'] / mean:.3f}")
-    return fam["iteration_time_ms"], mean, measured
+          f"median {median:.1f} ms over iterations {first}-{last} (min {min(measured):.1f}, max {max(measured):.1f}); "
+          f"predicted/measured {fam['iteration_time_ms'] / median:.3f}")
+    return fam["iteration_time_ms"], median, measured
 
 
 def iteration_ms(log: str) -> dict[int, float]:
@@ -135,12 +141,39 @@ def test_profile_out_is_the_planning_profile_of_the_run(run):
     for s in prof.stages:
         assert 0 < s.mem_w_bytes < s.mem_b_bytes
     assert "wrote the measured costs to" in log
+    # the runtime's time per action and the time outside the schedule: measured, printed, written
+    runtime = re.search(r"runtime time per compute action \(ms, [^)]*\): ([0-9.]+); outside the schedule's "
+                        r"actions per iteration \(ms, [^)]*\): ([0-9.]+)", log)
+    assert runtime is not None, log[-3000:]
+    assert (round(prof.action_overhead_ms, 3), round(prof.step_ms, 3)) == pytest.approx(
+        (float(runtime.group(1)), float(runtime.group(2))), abs=1.5e-3)
+    assert 0 < prof.action_overhead_ms < min(s.t_f_ms for s in prof.stages)  # far below one layer's forward
+    assert prof.step_ms > 0
+
+
+def test_runtime_seconds_leaves_out_compute_and_receive_waits():
+    """The runtime's own time of one iteration: from the executor's start to the last compute action,
+    minus compute and receive actions; sends and the gaps count, what follows the last compute does not."""
+    from megatron_zb.runtime.executor import ActionTiming
+    from megatron_zb.schedules.ir import Action, Op
+    from megatron_zb.training.profiling import runtime_seconds
+    t = ActionTiming(start=10.0)
+    t.records = [(Action(Op.F, 0, 1), 10.5, 12.0), (Action(Op.B, 0, 1), 13.0, 14.0), (Action(Op.W, 0, 1), 14.25, 15.0)]
+    t.comm = [(Action(Op.RECV_F, 0, 0, peer=0), 10.1, 10.4),   # before F: waited 0.3 s
+              (Action(Op.SEND_F, 0, 1, peer=1), 12.1, 12.2),   # the isend call counts
+              (Action(Op.RECV_B, 0, 2, peer=1), 12.2, 12.9),   # waited 0.7 s
+              (Action(Op.SEND_B, 0, 1, peer=0), 15.0, 15.5)]   # after the last compute action: not counted
+    # 5.0 s to the end of W, minus 3.25 s compute, minus 1.0 s receiving
+    assert runtime_seconds(t) == pytest.approx(0.75, rel=1e-12)
 
 
 NOT_MET_ON_A_QUIET_MACHINE = pytest.mark.xfail(
-    strict=False, reason="issue 15 open: on a quiet machine (clean-clone CI, 2026-11-22 22:45 UTC, other processes "
-    "below 0.25 cores) plan --profile predicted 0.842x (ZB-H1, same window) and 1.553x (ZB-1p after re-planning) "
-    "of the measured mean; iteration times of one run spread 142-224 ms with a 653 ms outlier at this size")
+    strict=False, reason="issue 15: with the measured step_ms, action_overhead_ms and median costs (2026-11-23, "
+    "shared 2-core machine, runs that passed the quiet gate, final code) predicted/median ZB-H1 same window 0.934, "
+    "0.886, 0.739; ZB-1p after re-planning 0.980, 0.985, 1.095, 0.759 (the earlier code: H1 0.94-0.97 in 4 of 6, "
+    "ZB-1p 0.91-1.26; before the change 0.842 and 1.553) -- within 10% in most quiet runs, not in 3 of 3: the same "
+    "action drifts 10-40% between iterations at this size (actions 1-8 ms) and short bursts of other processes "
+    "pass the 0.25-core average gate")
 """The 10% acceptance is not met yet (docs/planning.md): the checks run and report, but do not block."""
 
 
@@ -148,15 +181,15 @@ NOT_MET_ON_A_QUIET_MACHINE = pytest.mark.xfail(
 def test_plan_from_the_profile_predicts_the_iteration_time_of_the_profiled_iterations(run_h1):
     """ZB-H1, costs and iteration times from the same iterations: within 10% (module doc)."""
     assert "re-planned" not in run_h1["log"]  # ZB-H1 is kept as is
-    predicted, mean, measured = predicted_and_measured(run_h1, "zb-h1", *H1_WINDOW)
-    assert_within_10_percent(run_h1, predicted, mean, measured)
+    predicted, median, measured = predicted_and_measured(run_h1, "zb-h1", *H1_WINDOW)
+    assert_within_10_percent(run_h1, predicted, median, measured)
 
 
 @NOT_MET_ON_A_QUIET_MACHINE
 def test_plan_from_the_profile_predicts_the_iteration_time_after_replanning(run):
     """ZB-1p, measured after re-planning from the profile: within 10% (module doc)."""
-    predicted, mean, measured = predicted_and_measured(run, "zb-1p", FIRST_MEASURED, ITERS)
-    assert_within_10_percent(run, predicted, mean, measured)
+    predicted, median, measured = predicted_and_measured(run, "zb-1p", FIRST_MEASURED, ITERS)
+    assert_within_10_percent(run, predicted, median, measured)
 
 
 BASE = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "

@@ -11,6 +11,12 @@ memory limit, and simulated. One iteration is predicted as::
                      grad-norm, unscale, 16-bit copy, zeroing; 36 in fp32: no unscale, no copy)
                    + data-parallel gradient all-reduce (fp32, ring, not overlapped; 0 with DP 1)
 
+From a profile that measured them (:mod:`.profile`): every compute action lasts its measured cost
+plus the profile's ``action_overhead_ms`` (the runtime's own time per action, fused ``BW`` counted
+once), and the profile's ``step_ms`` (everything outside the schedule's actions, measured) replaces
+the optimizer and all-reduce estimates when the plan keeps the profile's DP size and optimizer
+(``step_source`` says which: ``"profile"`` or ``"estimate"``).
+
 and throughput = ``m * micro_batch_size / iteration_time / (PP * TP)`` samples per second per
 GPU. Peak memory per rank = the simulator's peak activation memory + the rank's parameters and
 optimizer state; a family *fits* when the largest rank's total is at most the GPU's usable
@@ -80,6 +86,12 @@ class StageTable:
     source: str
 
 
+def _same_step(measured: ParallelConfig, planned: ParallelConfig) -> bool:
+    """Whether a profile's measured step time applies: same DP size and optimizer (the reduces and the
+    optimizer's share of the parameters are the measured ones)."""
+    return (measured.dp, measured.use_distributed_optimizer) == (planned.dp, planned.use_distributed_optimizer)
+
+
 class CostSource:
     """Stage tables for any placement: estimates, or a profile (measured for its own placement,
     estimates scaled by measured/estimated totals for the others)."""
@@ -89,6 +101,10 @@ class CostSource:
         self.model, self.par, self.hw, self.profile = model, par, hw, profile
         self.usable_bytes = memory_fraction * hw.memory_gib * GIB
         self.t_comm_ms = p2p_time_ms(model, par, hw) if profile is None else profile.t_comm_ms
+        self.action_overhead_ms = 0.0 if profile is None else profile.action_overhead_ms or 0.0
+        self.step_ms = None  # the measured time outside the schedule, when it applies to this plan
+        if profile is not None and profile.step_ms is not None and _same_step(profile.parallel, par):
+            self.step_ms = profile.step_ms
         self.scale = {k: 1.0 for k in ("t_f", "t_b", "t_w", "mem_b", "mem_w")}
         if profile is not None:
             est = self.estimate(Placement(profile.placement), len(profile.stages) // par.pp)
@@ -134,7 +150,9 @@ class FamilyResult:
             (the generator refused; ``reason`` has its message).
         reason: why not ``"ok"``, or a note (e.g. the chunks chosen).
         chunks: model chunks per rank.
-        iteration_time_ms, makespan_ms, optimizer_ms, dp_sync_ms: ms (see the module doc).
+        iteration_time_ms, makespan_ms, optimizer_ms, dp_sync_ms: ms (see the module doc); with a
+            measured ``step_ms``, ``optimizer_ms`` is it and ``dp_sync_ms`` is 0 (included).
+        step_source: ``"profile"`` (the measured ``step_ms``) or ``"estimate"``.
         bubble_rate: the simulator's ``(makespan - busiest rank's work) / makespan``.
         throughput: samples per second per GPU.
         peak_activation_gib, param_optimizer_gib, peak_memory_gib: of the rank with the largest
@@ -154,6 +172,7 @@ class FamilyResult:
     makespan_ms: float | None = None
     optimizer_ms: float | None = None
     dp_sync_ms: float | None = None
+    step_source: str | None = None
     bubble_rate: float | None = None
     throughput: float | None = None
     peak_activation_gib: float | None = None
@@ -178,6 +197,8 @@ class Plan:
         recommended: the fastest family that fits, or ``None`` if none fits.
         profile: the profile used, or ``None``.
         memory_fraction: part of the GPU memory a plan may use.
+        action_overhead_ms: added to every compute action's duration, ms (a profile's measured
+            runtime overhead; 0 otherwise).
     """
 
     model: ModelConfig
@@ -189,6 +210,7 @@ class Plan:
     recommended: str | None
     profile: Profile | None = None
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    action_overhead_ms: float = 0.0
 
 
 def family_names(requested: Sequence[str] | None) -> list[str]:
@@ -238,7 +260,7 @@ def plan(*, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, sc
     best = min(ok, key=lambda f: (round(f.iteration_time_ms, 6), round(f.peak_memory_gib, 6),
                                   f.memory_limit_n is not None), default=None)  # ties: a named family over zb
     return Plan(model, parallel, hardware, source.t_comm_ms, source.table(Placement.PLAIN, 1), families,
-                best.name if best else None, profile, memory_fraction)
+                best.name if best else None, profile, memory_fraction, source.action_overhead_ms)
 
 
 def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResult:
@@ -258,7 +280,8 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
         return FamilyResult(name, "skipped", f"search-based generator takes minutes at stages x m = {size} > "
                                              f"{SEARCH_LIMIT}; request it with --schedules {name}", chunks)
     costs = CostModel(t_f=list(table.t_f), t_b=list(table.t_b), t_w=list(table.t_w), t_comm=source.t_comm_ms,
-                      mem_b=list(table.mem_b), mem_w=list(table.mem_w))
+                      mem_b=list(table.mem_b), mem_w=list(table.mem_w)).with_action_overhead(
+        source.action_overhead_ms, split_backward=spec.split_backward)
     ranks = [r.rank for r in table.shapes]
     param_bytes = [0.0] * par.pp
     for sh, n in zip(table.shapes, table.params):
@@ -289,15 +312,19 @@ def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], t
     params = [0.0] * par.pp
     for sh, n in zip(table.shapes, table.params):
         params[sh.rank] += n
-    optimizer_ms = max(params) * OPTIMIZER_BYTES_PER_PARAM[model.precision] / hw.hbm_bytes_per_ms
-    dp_ms = (0.0 if par.dp == 1 else
-             max(params) * GRAD_ALLREDUCE_BYTES_PER_PARAM * 2 * (par.dp - 1) / par.dp / hw.p2p_bytes_per_ms)
+    if source.step_ms is not None:
+        optimizer_ms, dp_ms, step_source = source.step_ms, 0.0, "profile"
+    else:
+        optimizer_ms = max(params) * OPTIMIZER_BYTES_PER_PARAM[model.precision] / hw.hbm_bytes_per_ms
+        dp_ms = (0.0 if par.dp == 1 else
+                 max(params) * GRAD_ALLREDUCE_BYTES_PER_PARAM * 2 * (par.dp - 1) / par.dp / hw.p2p_bytes_per_ms)
+        step_source = "estimate"
     iteration = res.makespan + optimizer_ms + dp_ms
     totals = [a + p for a, p in zip(res.peak_memory, param_bytes)]
     peak = max(totals) / GIB
     return FamilyResult(
         name, "ok", None, chunks, iteration_time_ms=iteration, makespan_ms=res.makespan, optimizer_ms=optimizer_ms,
-        dp_sync_ms=dp_ms, bubble_rate=res.bubble_rate,
+        dp_sync_ms=dp_ms, step_source=step_source, bubble_rate=res.bubble_rate,
         throughput=par.num_microbatches * model.micro_batch_size / (iteration / 1000.0) / (par.pp * par.tp),
         peak_activation_gib=max(res.peak_memory) / GIB, param_optimizer_gib=max(param_bytes) / GIB,
         peak_memory_gib=peak, fits=peak * GIB <= source.usable_bytes, memory_limit_n=n_limit, cost_source=table.source,

@@ -23,14 +23,30 @@ Format (JSON object, version 1)::
          "mem_b_bytes": 2.5e9, "mem_w_bytes": 2.1e9},
         ...
       ],
-      "device": "NVIDIA A100-SXM4-80GB"   # optional, free text
+      "device": "NVIDIA A100-SXM4-80GB",  # optional, free text
+      "step_ms": 21.4,               # optional: measured time per iteration outside the schedule
+      "action_overhead_ms": 0.35     # optional: measured runtime time per compute action
     }
 
-Units: times in milliseconds per microbatch through the stage (mean over the profiled
-microbatches), ``t_b`` the input-gradient backward and ``t_w`` the weight-gradient backward (for a
+Units: times in milliseconds per microbatch through the stage (``--profile-out`` writes the median
+over the profiled microbatches; the compute alone, the runtime's overhead is ``action_overhead_ms``), ``t_b`` the input-gradient backward and ``t_w`` the weight-gradient backward (for a
 fused backward, measure ``B`` + ``W`` and split it, or profile a zero-bubble schedule);
 ``mem_b_bytes`` the activation memory one microbatch's forward leaves allocated until its ``B``,
 ``mem_w_bytes`` the part still allocated from ``B`` until ``W``, bytes on one GPU.
+``step_ms`` (optional, ``null`` or absent: not measured) is the median time per iteration a rank spends
+outside the execution of the schedule's action list -- from the end of one iteration's actions to
+the start of the next: ``finalize_model_grads`` (the tied-embedding and data-parallel gradient
+all-reduces), the optimizer step, zeroing the gradients, the loss reduction and the log line --
+the minimum over pipeline ranks (the rank that finishes the pipeline last waits least). The planner
+uses it in place of its optimizer and data-parallel estimates when the plan keeps the profile's DP
+size and optimizer. ``action_overhead_ms`` (optional, same rule) is the runtime's own time per
+compute action outside the compute: the executor loop and bookkeeping plus the ``isend`` calls,
+the receive posting and the end-of-iteration drain of sends, i.e. the part of the p2p calls that is
+not waiting for a peer's data (that wait is what the simulator's ``T_comm`` and dependencies
+model); mean over pipeline ranks. The planner adds it to the duration of every compute action.
+Both keys were added after version 1's first files; files without them are still read (version
+stays 1).
+
 ``model`` and ``parallel`` use Megatron's argument names (:mod:`.model`); the planner plans for
 them, so the plan's model flags may be omitted and must agree when given. A writer builds them
 with :func:`~.model.make_model` / :func:`~.model.make_parallel` from its own arguments and calls
@@ -77,6 +93,9 @@ class Profile:
         t_comm_ms: one stage-to-stage transfer, ms.
         stages: per-stage costs, stage order.
         device: free-text device name, or ``None``.
+        step_ms: measured time per iteration outside the schedule's actions, ms, or ``None``.
+        action_overhead_ms: measured runtime time per compute action beyond the compute, ms, or
+            ``None`` (module doc for both).
     """
 
     model: ModelConfig
@@ -87,26 +106,35 @@ class Profile:
     t_comm_ms: float
     stages: tuple[StageProfile, ...]
     device: str | None = None
+    step_ms: float | None = None
+    action_overhead_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model.to_flags(),
                 "parallel": self.parallel.to_flags(), "schedule": self.schedule, "placement": self.placement,
                 "stage_to_rank": list(self.stage_to_rank), "t_comm_ms": self.t_comm_ms,
-                "stages": [asdict(s) for s in self.stages], "device": self.device}
+                "stages": [asdict(s) for s in self.stages], "device": self.device, "step_ms": self.step_ms,
+                "action_overhead_ms": self.action_overhead_ms}
 
 
 def write_profile(path: str | Path, *, model: ModelConfig, parallel: ParallelConfig, schedule: str, placement: str,
                   stage_to_rank: Sequence[int], t_comm_ms: float, stages: Sequence[StageProfile],
-                  device: str | None = None) -> Profile:
+                  device: str | None = None, step_ms: float | None = None,
+                  action_overhead_ms: float | None = None) -> Profile:
     """Check and write a profile to ``path`` (JSON); returns what was written.
 
     Raises:
         PlanError: inconsistent content (same checks as :func:`read_profile`).
         OSError: the file cannot be written.
     """
+    try:
+        optional = {k: _optional_float(k, v) for k, v in (("step_ms", step_ms),
+                                                          ("action_overhead_ms", action_overhead_ms))}
+    except ValueError as e:
+        raise PlanError("--profile", f"{path}: {e}") from None
     prof = Profile(model=model, parallel=parallel, schedule=schedule, placement=placement,
                    stage_to_rank=tuple(int(r) for r in stage_to_rank), t_comm_ms=float(t_comm_ms),
-                   stages=tuple(stages), device=device)
+                   stages=tuple(stages), device=device, **optional)
     _check(prof, str(path))
     Path(path).write_text(json.dumps(prof.to_dict(), indent=1) + "\n")
     return prof
@@ -137,7 +165,8 @@ def read_profile(path: str | Path) -> Profile:
                        placement=str(data["placement"]), stage_to_rank=tuple(data["stage_to_rank"]),
                        t_comm_ms=float(data["t_comm_ms"]),
                        stages=tuple(_build(StageProfile, s, f"stages[{i}]") for i, s in enumerate(data["stages"])),
-                       device=data.get("device"))
+                       device=data.get("device"), step_ms=_optional_float("step_ms", data.get("step_ms")),
+                       action_overhead_ms=_optional_float("action_overhead_ms", data.get("action_overhead_ms")))
     except KeyError as e:
         raise PlanError("--profile", f"{where}: missing key {e}") from None
     except (TypeError, ValueError) as e:
@@ -158,12 +187,19 @@ def _build(cls: type, raw: Any, what: str) -> Any:
     return cls(**raw)
 
 
+def _optional_float(key: str, v: Any) -> float | None:
+    """An optional number: ``None`` stays ``None``, numbers become floats, anything else raises ``ValueError``."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{key} must be a number or null, got {v!r}")
+    return float(v)
+
+
 def _parallel(raw: Any) -> ParallelConfig:
     if not isinstance(raw, dict):
         raise ValueError("parallel must be an object")
     return ParallelConfig.from_flags(raw)
-
-
 
 
 def _check(prof: Profile, where: str) -> None:
@@ -185,6 +221,10 @@ def _check(prof: Profile, where: str) -> None:
                   f"on {pp} ranks")
     if not (math.isfinite(prof.t_comm_ms) and prof.t_comm_ms >= 0):
         raise bad(f"t_comm_ms must be finite and >= 0, got {prof.t_comm_ms}")
+    for key in ("step_ms", "action_overhead_ms"):
+        v = getattr(prof, key)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise bad(f"{key} must be a finite number >= 0 or null, got {v!r}")
     for i, s in enumerate(prof.stages):
         for key in ("t_f_ms", "t_b_ms", "t_w_ms", "mem_b_bytes", "mem_w_bytes"):
             v = getattr(s, key)

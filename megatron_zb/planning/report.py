@@ -8,10 +8,11 @@ JSON (``plan --json FILE``)::
          "peak_memory_gib": 57.5, "fits": true,
          "throughput_samples_per_gpu_s": 14.6, "makespan_ms": ..., "optimizer_ms": ...,
          "dp_sync_ms": ..., "peak_activation_gib": ..., "param_optimizer_gib": ...,
-         "chunks": 1, "memory_limit_n": null, "cost_source": "estimate"}, ...],
+         "chunks": 1, "memory_limit_n": null, "cost_source": "estimate", "step_source": "estimate"}, ...],
       "recommended": "zb-2p",             # fastest that fits, or null
       "not_planned": [{"name": "zb-optimal", "status": "skipped", "reason": "..."}, ...],
       "t_comm_ms": 1.15,
+      "action_overhead_ms": 0.0,          # added to every compute action (a profile's measured value)
       "stages": [{"stage": 0, "rank": 0, "layers": 2, "embedding": true, "loss": false,
                   "t_f_ms": ..., "t_b_ms": ..., "t_w_ms": ..., "mem_b_gib": ..., "mem_w_gib": ...}, ...],
       "inputs": {"model": {...}, "parallel": {...}, "hardware": {...}, "memory_fraction": 0.9,
@@ -32,7 +33,7 @@ from .planner import FamilyResult, Plan
 
 _KEYS = ("iteration_time_ms", "bubble_rate", "peak_memory_gib", "fits")
 _MORE = ("makespan_ms", "optimizer_ms", "dp_sync_ms", "peak_activation_gib", "param_optimizer_gib", "chunks",
-         "memory_limit_n", "cost_source")
+         "memory_limit_n", "cost_source", "step_source")
 
 
 def to_json(plan: Plan) -> dict[str, Any]:
@@ -55,6 +56,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "not_planned": [{"name": f.name, "status": f.status, "reason": f.reason}
                         for f in plan.families if f.status != "ok"],
         "t_comm_ms": plan.t_comm_ms,
+        "action_overhead_ms": plan.action_overhead_ms,
         "stages": stages,
         "inputs": {"model": plan.model.to_flags(), "parallel": plan.parallel.to_flags(),
                    "hardware": asdict(plan.hardware), "memory_fraction": plan.memory_fraction,
@@ -109,6 +111,16 @@ def _family_line(f: FamilyResult, width: int) -> str:
             f"  {'yes' if f.fits else 'NO'}")
 
 
+def _iteration_terms(plan: Plan) -> str:
+    """What ``iter ms`` adds up, with the sources of the measured terms."""
+    sim = "simulated makespan"
+    if plan.action_overhead_ms:
+        sim += f" (actions + {plan.action_overhead_ms:.3f} ms measured runtime overhead each)"
+    measured = any(f.step_source == "profile" for f in plan.families if f.status == "ok")
+    return sim + (" + measured time outside the schedule (profile step_ms: optimizer, reduces, logging)"
+                  if measured else " + optimizer step + DP gradient all-reduce (estimates)")
+
+
 def render(plan: Plan) -> str:
     """The text ``plan`` prints."""
     lines = _header(plan) + [""] + _stage_lines(plan) + [""]
@@ -117,7 +129,7 @@ def render(plan: Plan) -> str:
     lines.append(f"  {'schedule':<{width}}{'chunks':>7}{'iter ms':>11}{'smp/s/GPU':>10}{'bubble':>8}"
                  f"{'act GiB':>8}{'p+o GiB':>8}{'peak GiB':>9} fits")
     lines += [_family_line(f, width) for f in ok]
-    lines.append("  (iter = simulated makespan + optimizer step + DP gradient all-reduce; act = peak activations, "
+    lines.append("  (iter = " + _iteration_terms(plan) + "; act = peak activations, "
                  "p+o = parameters and optimizer state, of the rank with the most)")
     rest = [f for f in plan.families if f.status != "ok"]
     if rest:

@@ -53,9 +53,10 @@ class ActionTiming:
     executing thread (``time.thread_time``) of each record, same order -- unlike wall time not
     inflated by other processes. ``comm``: every communication action -- for a ``SEND_*`` the
     ``isend`` call (the copy into the transport), for a ``RECV_*`` the posting of the receives it
-    needs plus the wait for its data.
+    needs plus the wait for its data. ``start``: when :func:`execute` began.
     """
 
+    start: float = 0.0
     records: list[tuple[Action, float, float]] = field(default_factory=list)
     comm: list[tuple[Action, float, float]] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
@@ -182,6 +183,8 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
     clock, cpu = time.perf_counter, time.thread_time
     ov = overhead if overhead is not None else LoopOverhead()
     wall0, cpu0 = clock(), cpu()
+    if timing is not None:
+        timing.start = wall0
     it = _Iteration(plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func,
                     config=config, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size,
                     first_val_step=first_val_step, memory=memory)

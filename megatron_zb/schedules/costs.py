@@ -131,6 +131,15 @@ class CostModel:
     def with_limit(self, memory_limit: float | None) -> "CostModel":
         return replace(self, memory_limit=memory_limit)
 
+    def with_action_overhead(self, overhead: float, *, split_backward: bool) -> "CostModel":
+        """Every compute action ``overhead`` longer (a runtime's measured time per action beyond the
+        compute); with a fused backward (``split_backward=False``) ``BW = t_b + t_w`` is one action,
+        so only ``t_b`` grows."""
+        def plus(v: PerStage) -> PerStage:
+            return v + overhead if isinstance(v, (int, float)) else [x + overhead for x in v]
+        return replace(self, t_f=plus(self.t_f), t_b=plus(self.t_b),
+                       t_w=plus(self.t_w) if split_backward else self.t_w)
+
     def resolve(self, num_stages: int) -> "StageCosts":
         """Check the values and expand scalars to one value per stage."""
         if num_stages < 1:

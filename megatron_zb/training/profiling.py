@@ -2,19 +2,33 @@
 
 During the profiled iterations ``[--zero-bubble-pipeline-timers-start-iter,
 --zero-bubble-pipeline-timers-end-iter)`` the runtime records the wall-clock time of every
-compute action (``time_actions=True``). :class:`ActionProfile` accumulates them per stage,
-together with each rank's busy time (sum of its compute actions) and the wall time of its
-``forward_backward_func`` calls. After the window:
+compute action (``time_actions=True``). :class:`ActionProfile` collects them per stage (the
+profile's costs are the **medians** per ``(op, stage)``: one action the OS descheduled, or the
+first iterations' allocator warm-up, must not set a stage's cost), together with each rank's busy
+time (sum of its compute actions) and the wall time of its ``forward_backward_func`` calls, and two
+measured times the simulator does not produce itself (medians over the profiled iterations):
+
+* the runtime's own time per compute action (:func:`runtime_seconds`: the executor loop, ``isend``
+  calls, receives posted ahead; not the waits for a peer's data) -- the profile's
+  ``action_overhead_ms``, mean over pipeline ranks;
+* the time from an iteration's last compute action to the start of the next iteration
+  (``finalize_model_grads`` with the tied-embedding and DP reduces, the optimizer step, zeroing,
+  loss reduction, logging; one sample per pair of consecutive profiled iterations, so a window of
+  ``n`` iterations gives ``n - 1``) -- the profile's ``step_ms``, the minimum over pipeline ranks
+  (the rank that ends the pipeline last waits least in the reduces that follow).
+
+After the window:
 
 1. :func:`measure_t_comm`: a short ping-pong of one activation-sized tensor between every pair of
-   neighbouring pipeline ranks (one pair at a time); ``T_comm`` is half the mean round trip.
-2. :func:`agree_on_profile`: every rank all-gathers its stages' means over its pipeline group;
+   neighbouring pipeline ranks (one pair at a time); ``T_comm`` is half the median round trip.
+2. :func:`agree_on_profile`: every rank all-gathers its stages' medians over its pipeline group;
    then the numbers of global rank 0's pipeline are broadcast to *every* rank, so all ranks
    (all pipelines, all tensor-parallel ranks) build the same schedule from identical inputs.
 3. :func:`cost_model`: the :class:`~megatron_zb.schedules.CostModel` in milliseconds and bytes.
 
-Memory is measured too (the runtime's activation tracker is on in the window, with recomputation
-as configured): per action the net change of the bytes autograd keeps saved for backward
+Memory is measured too (the runtime's activation tracker is on in the window's first iteration --
+its hooks slow the actions down by 10-15% at hidden 64, so with two or more window iterations the
+first gives the bytes only and the others the times only -- with recomputation as configured): per action the net change of the bytes autograd keeps saved for backward
 (:meth:`~megatron_zb.runtime.memory.ActivationMemoryTracker.bytes_between` its start and end).
 Per stage, ``M_B`` is the mean change over its F actions (what one microbatch's forward leaves
 allocated until its B) and ``M_W = M_B + (mean change over its B actions)`` (what B leaves for W:
@@ -32,6 +46,7 @@ the cost model then uses ``t_b = T_BW`` and ``t_w = 0``, which simulates the fus
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -57,35 +72,45 @@ class ActionProfile:
     """Per-stage action times (seconds), activation bytes per action, and per-rank busy/elapsed
     time over the profiled iterations."""
 
-    sums: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, stage) -> seconds
-    counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    durations: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (op, stage) -> seconds each
     byte_sums: dict[tuple[str, int], float] = field(default_factory=dict)  # (op, stage) -> net bytes kept
     byte_counts: dict[tuple[str, int], int] = field(default_factory=dict)
     busy: float = 0.0      # seconds this rank spent in compute actions
     elapsed: float = 0.0   # seconds this rank spent in forward_backward_func calls
     iterations: int = 0
+    overhead: list[float] = field(default_factory=list)  # per iteration: runtime seconds per compute action
+    outside: list[float] = field(default_factory=list)   # per sample: seconds outside the schedule's actions
 
-    def add(self, timing: Any, elapsed: float, memory: MemoryTracker | None = None) -> None:
+    def add(self, timing: Any, elapsed: float, memory: MemoryTracker | None = None, *, times: bool = True) -> None:
         """Add one iteration: ``timing`` is the runtime's ``last_timing`` (an ``ActionTiming``),
-        ``memory`` its ``last_memory`` (the activation tracker, or ``None``: no bytes measured)."""
+        ``memory`` its ``last_memory`` (the activation tracker, or ``None``: no bytes measured);
+        ``times=False``: the bytes only (an iteration slowed down by the tracker)."""
+        if times and timing.records:
+            self.overhead.append(runtime_seconds(timing) / len(timing.records))
         for action, t0, t1 in timing.records:
             key = (action.op, action.stage)
-            self.sums[key] = self.sums.get(key, 0.0) + (t1 - t0)
-            self.counts[key] = self.counts.get(key, 0) + 1
-            self.busy += t1 - t0
+            if times:
+                self.durations.setdefault(key, []).append(t1 - t0)
+                self.busy += t1 - t0
             if memory is not None:
                 self.byte_sums[key] = self.byte_sums.get(key, 0.0) + memory.bytes_between(t0, t1)
                 self.byte_counts[key] = self.byte_counts.get(key, 0) + 1
-        self.elapsed += elapsed
-        self.iterations += 1
+        if times:
+            self.elapsed += elapsed
+            self.iterations += 1
 
-    def means_ms(self) -> dict[tuple[str, int], float]:
-        """Mean duration per ``(op, stage)`` in milliseconds."""
-        return {k: 1e3 * self.sums[k] / self.counts[k] for k in self.sums}
+    def medians_ms(self) -> dict[tuple[str, int], float]:
+        """Median duration per ``(op, stage)`` in milliseconds (robust to an action the OS descheduled)."""
+        return {k: 1e3 * statistics.median(v) for k, v in self.durations.items()}
 
     def mean_bytes(self) -> dict[tuple[str, int], float]:
         """Mean net change of the saved-activation bytes per ``(op, stage)`` action [bytes]."""
         return {k: self.byte_sums[k] / self.byte_counts[k] for k in self.byte_sums}
+
+    def add_outside(self, seconds: float) -> None:
+        """Add one measured time from the end of an iteration's last compute action to the start of
+        the next iteration's ``forward_backward_func`` work (:func:`runtime_seconds`' complement)."""
+        self.outside.append(seconds)
 
     @property
     def idle_fraction(self) -> float:
@@ -93,9 +118,26 @@ class ActionProfile:
         return max(0.0, 1.0 - self.busy / self.elapsed) if self.elapsed > 0 else 0.0
 
 
+def runtime_seconds(timing: Any) -> float:
+    """The runtime's own time in one iteration of one rank, seconds: from the start of the executor
+    call to the end of its last compute action, minus the compute actions and minus the receive
+    actions (posting plus waiting for a peer's data: the wait is what the simulator's dependencies
+    and ``T_comm`` model). What is left is the loop and its bookkeeping, the ``isend`` calls and the
+    receives posted ahead -- the time between compute actions the simulator does not see."""
+    last = max(t1 for _, _, t1 in timing.records)
+    compute = sum(t1 - t0 for _, t0, t1 in timing.records)
+    recv = sum(t1 - t0 for a, t0, t1 in timing.comm if a.op.is_recv and t1 <= last)
+    return max(0.0, last - timing.start - compute - recv)
+
+
+def _median_ms(values: Sequence[float]) -> float | None:
+    return 1e3 * statistics.median(values) if values else None
+
+
 def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.device, group: Any,
                    rounds: int = 10, warmup: int = 2) -> float | None:
-    """Half the mean round-trip time (ms) of ``shape`` between this rank and its next pipeline rank.
+    """Half the median round-trip time (ms) of ``shape`` between this rank and its next pipeline rank
+    (the median: one round trip the OS delayed must not set the cost of every transfer).
 
     Collective over ``group`` (the pipeline group): the pairs ``(r, r+1)`` take turns, the other
     ranks wait. Returns the measurement on the lower rank of each pair (``None`` on the last rank
@@ -110,40 +152,42 @@ def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.de
         if me not in (r, r + 1):
             continue
         peer = dist.get_global_rank(group, r + 1 if me == r else r)
-        t0 = 0.0
+        trips = []
         for i in range(warmup + rounds):
-            if i == warmup:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
+            t0 = time.perf_counter()
             if me == r:
                 dist.send(buf, peer, group=group)
                 dist.recv(buf, peer, group=group)
             else:
                 dist.recv(buf, peer, group=group)
                 dist.send(buf, peer, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                trips.append(time.perf_counter() - t0)
         if me == r:
-            result = 1e3 * (time.perf_counter() - t0) / (2 * rounds)
+            result = 1e3 * statistics.median(trips) / 2
     dist.barrier(group=group)
     return result
 
 
 @dataclass(frozen=True)
 class AgreedProfile:
-    """The profile every rank uses (global rank 0's pipeline): per-stage means (ms), T_comm (ms),
+    """The profile every rank uses (global rank 0's pipeline): per-stage median action times (ms), T_comm (ms),
     idle fraction per pipeline rank, mean net activation bytes per action (``bytes``: empty when
-    memory was not measured)."""
+    memory was not measured), and the runtime's measured time per compute action and outside the
+    schedule's actions (ms, ``None`` when not measured; :func:`agree_on_profile`)."""
 
-    means: dict[tuple[str, int], float]
+    costs_ms: dict[tuple[str, int], float]
     t_comm: float
     idle_fraction: list[float]  # per pipeline rank
     iterations: int
     bytes: dict[tuple[str, int], float] = field(default_factory=dict)
+    action_overhead_ms: float | None = None  # runtime time per compute action (mean over ranks of medians)
+    step_ms: float | None = None  # time outside the schedule's actions per iteration (min over ranks of medians)
 
     def per_stage(self, op: str, num_stages: int) -> list[float] | None:
-        vals = [self.means.get((op, s)) for s in range(num_stages)]
+        vals = [self.costs_ms.get((op, s)) for s in range(num_stages)]
         return None if any(v is None for v in vals) else [float(v) for v in vals]
 
     def activation_bytes(self, num_stages: int) -> tuple[list[float], list[float]] | None:
@@ -187,27 +231,33 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
 
     Collective over ``pp_group`` and then over the default group.
     """
-    mine = {"means": profile.means_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
-            "iterations": profile.iterations, "bytes": profile.mean_bytes()}
+    mine = {"costs": profile.medians_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
+            "iterations": profile.iterations, "bytes": profile.mean_bytes(),
+            "overhead": _median_ms(profile.overhead), "outside": _median_ms(profile.outside)}
     gathered: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(gathered, mine, group=pp_group)
-    means: dict[tuple[str, int], float] = {}
+    costs: dict[tuple[str, int], float] = {}
     nbytes: dict[tuple[str, int], float] = {}
     for g in gathered:
-        means.update(g["means"])
+        costs.update(g["costs"])
         nbytes.update(g["bytes"])
     comms = [g["t_comm"] for g in gathered if g["t_comm"] is not None]
-    agreed = [AgreedProfile(means=means, t_comm=sum(comms) / len(comms) if comms else 0.0,
+    overheads = [g["overhead"] for g in gathered]
+    outside = [g["outside"] for g in gathered]
+    agreed = [AgreedProfile(costs_ms=costs, t_comm=sum(comms) / len(comms) if comms else 0.0,
                             idle_fraction=[float(g["idle"]) for g in gathered],
-                            iterations=min(int(g["iterations"]) for g in gathered), bytes=nbytes)]
+                            iterations=min(int(g["iterations"]) for g in gathered), bytes=nbytes,
+                            action_overhead_ms=None if None in overheads else sum(overheads) / len(overheads),
+                            step_ms=None if None in outside else min(outside))]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
 
 
 def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num_attention_heads: int,
                seq_length: int, max_pending_microbatches: int | None, num_chunks: int = 1) -> CostModel:
-    """The schedule library's cost model from ``profile``: times in ms, memory in measured bytes
-    (or in units of one stage's M_B when bytes were not measured, see the module doc).
+    """The schedule library's cost model from ``profile``: times in ms (each compute action's median
+    plus the runtime's measured time per action, as ``plan --profile`` simulates it), memory in
+    measured bytes (or in units of one stage's M_B when bytes were not measured, see the module doc).
 
     ``max_pending_microbatches``: ``--zero-bubble-max-pending-backward`` (``None``: the schedule's own
     limit); ``num_chunks``: model chunks per pipeline rank.
@@ -230,4 +280,5 @@ def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num
         mem_b, mem_w = [1.0] * num_stages, [ratio] * num_stages
     limit = None if max_pending_microbatches is None else float(max_pending_microbatches * num_chunks * max(mem_b))
     return CostModel(t_f=[max(v, floor) for v in t_f], t_b=[max(v, floor) for v in t_b], t_w=list(t_w),  # type: ignore[arg-type]
-                     t_comm=profile.t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=limit)
+                     t_comm=profile.t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=limit).with_action_overhead(
+        profile.action_overhead_ms or 0.0, split_backward=profile.split_backward(num_stages))

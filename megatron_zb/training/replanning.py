@@ -59,6 +59,9 @@ class SchedulePlanner:
         self.profiled_iterations: list[int] = []
         self.restored_costs: CostModel | None = None
         self.runtime: Any = None
+        self._last_compute_end: float | None = None  # perf_counter time of the last profiled compute action
+        self._bookkeeping = 0.0  # seconds the profiler itself spent after that action (left out of step_ms)
+        self._bytes_only = self._times_tracked = False  # this iteration measures activation bytes (only)
         if args.use_megatron_core_schedule:
             from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
             self.forward_backward: Any = megatron_func()
@@ -83,12 +86,23 @@ class SchedulePlanner:
         return self.runtime is not None and iteration < self._window[1] - 1
 
     def begin_iteration(self, iteration: int) -> bool:
-        """Turn action timing on for a profiled ``iteration`` (off otherwise); returns whether it is profiled."""
+        """Turn action timing on for a profiled ``iteration`` (off otherwise); returns whether it is profiled.
+
+        Call it first thing in an iteration: when the previous iteration was profiled too, the time
+        since that iteration's last compute action is the profile's time outside the schedule."""
+        now = time.perf_counter()
         start, end = self._window
         profiling = self.runtime is not None and start <= iteration < end
+        if profiling and self._last_compute_end is not None and self.profiled_iterations[-1:] == [iteration - 1]:
+            self.profile.add_outside(now - self._last_compute_end - self._bookkeeping)  # not the profiler's own time
+        self._last_compute_end = None
+        # the activation tracker's hooks slow the actions down (10-15% at hidden 64): with two or more
+        # window iterations the first measures the bytes only, the others the times only
+        self._bytes_only = profiling and not self.profiled_iterations and iteration < min(end - 1, self.args.train_iters)
+        self._times_tracked = profiling and not self._bytes_only and not self.profiled_iterations
         if self.runtime is not None:
             self.runtime.options.time_actions = profiling
-            self.runtime.options.track_memory = profiling or self._track_memory
+            self.runtime.options.track_memory = self._bytes_only or self._times_tracked or self._track_memory
         return profiling
 
     def end_iteration(self, iteration: int, *, profiling: bool, seconds: float) -> bool:
@@ -96,9 +110,15 @@ class SchedulePlanner:
 
         Returns whether the window is over and :meth:`replan` is due now.
         """
-        if profiling and self.runtime.last_timing is not None:
-            self.profile.add(self.runtime.last_timing, seconds, self.runtime.last_memory)
+        timing = self.runtime.last_timing if profiling else None
+        if timing is not None:
+            t0 = time.perf_counter()
+            memory = self.runtime.last_memory if (self._bytes_only or self._times_tracked) else None
+            self.profile.add(timing, seconds, memory, times=not self._bytes_only)
+            self._bookkeeping = time.perf_counter() - t0
             self.profiled_iterations.append(iteration)
+            if not self._bytes_only:
+                self._last_compute_end = max((t1 for _, _, t1 in timing.records), default=None)
         end = self._window[1]
         return profiling and iteration == min(end - 1, self.args.train_iters) and bool(self.profiled_iterations)
 
@@ -157,6 +177,9 @@ class SchedulePlanner:
             f"{name}=[{', '.join(f'{v:.3f}' for v in vals)}]"
             for name, op in (("T_F", "F"), ("T_B", "B"), ("T_W", "W"), ("T_BW", "BW"))
             if (vals := agreed.per_stage(op, stages)) is not None)
+        per_stage += "\n    measured runtime time per compute action (ms, mean over ranks of medians): " + _ms(
+            agreed.action_overhead_ms) + "; outside the schedule's actions per iteration (ms, min over ranks of " \
+            "medians): " + _ms(agreed.step_ms)
         if (acts := agreed.activation_bytes(stages)) is not None:
             per_stage += "\n    measured activations per stage and micro batch (KiB): " + "; ".join(
                 f"{name}=[{', '.join(f'{v / 1024:.1f}' for v in vals)}]" for name, vals in zip(("M_B", "M_W"), acts))
@@ -169,11 +192,11 @@ class SchedulePlanner:
                       "at M_B and under-counts memory between B and W")
         print_rank_0(report + "\n" + per_stage + "\n" + note)
         if args.profile_out:
-            self._write_profile(agreed, costs)
+            self._write_profile(agreed)
         dist.barrier()
         return replanned
 
-    def _write_profile(self, agreed: AgreedProfile, costs: CostModel) -> None:
+    def _write_profile(self, agreed: AgreedProfile) -> None:
         """``--profile-out``: global rank 0 writes the measured costs as a planning profile."""
         if dist.get_rank() != 0:
             return
@@ -185,14 +208,15 @@ class SchedulePlanner:
             print_rank_0(f"WARNING: --profile-out {args.profile_out} not written: T_B, T_W and the activation "
                          f"bytes were not measured for every stage")
             return
-        sc = costs.resolve(stages)
+        times = [agreed.per_stage(op, stages) for op in ("F", "B", "W")]  # the compute alone (the overhead: a key)
         rows = [StageProfile(t_f_ms=f, t_b_ms=b, t_w_ms=w, mem_b_bytes=mb, mem_w_bytes=mw)
-                for f, b, w, mb, mw in zip(sc.t_f, sc.t_b, sc.t_w, *acts)]
+                for f, b, w, mb, mw in zip(*times, *acts)]
         try:
             write_profile(args.profile_out, model=profile_model(args), parallel=profile_parallel(args),
                           schedule=args.schedule, placement=get_spec(args.schedule).placement,
                           stage_to_rank=self._stage_to_rank, t_comm_ms=agreed.t_comm, stages=rows,
-                          device=self._dist.device.type)
+                          device=self._dist.device.type, step_ms=agreed.step_ms,
+                          action_overhead_ms=agreed.action_overhead_ms)
         except (OSError, PlanError) as e:
             print_rank_0(f"WARNING: --profile-out {args.profile_out} not written: {e}")
             return
@@ -278,6 +302,10 @@ class SchedulePlanner:
             schedule=name, num_ranks=args.pipeline_model_parallel_size, num_microbatches=args.num_microbatches,
             predicted_bubble_rate=sim.bubble_rate, peak_activation_memory=peak,
             memory_limit=limit, memory_unit=unit, measured_costs=measured, title=title))
+
+
+def _ms(v: float | None) -> str:
+    return "not measured" if v is None else f"{v:.3f}"
 
 
 def _memory_in_report(costs: CostModel, peak: Any) -> tuple[list[float], float | None, str]:
