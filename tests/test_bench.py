@@ -15,8 +15,9 @@ import pytest
 
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.bench.emulated import emulated_check_rank
-from megatron_zb.bench.report import (Row, action_gaps, hop_latencies, iteration_times, markdown_table, median,
-                                      paired_ratios, ratios, read_csv, verdict, write_csv)
+from megatron_zb.bench.report import (Row, achieved_costs, action_gaps, hop_latencies, iteration_times, markdown_table,
+                                      median, paired_ratios, ratios, read_csv, verdict, write_csv)
+from megatron_zb.schedules import CostModel, Op
 from megatron_zb.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +102,28 @@ def test_hop_latencies_count_only_waits_on_another_rank():
     # its input F(1,0) ended at 2.0 <= 3.5); B(0,0) waited -> no gap
     assert action_gaps([r0, r1], [0, 1]) == pytest.approx([0.0, 0.0, 0.0])
     assert action_gaps([[("F", 0, 0, 0.0, 1.0), ("F", 1, 0, 1.25, 2.0)]], [0]) == pytest.approx([0.25])
+    # the runtime records Op members (ActionTiming.records): same answers
+    as_ops = [[(Op(op), mb, st, t0, t1) for op, mb, st, t0, t1 in r] for r in (r0, r1)]
+    assert hop_latencies(as_ops, [0, 1]) == pytest.approx([1.5])
+    assert action_gaps(as_ops, [0, 1]) == pytest.approx([0.0, 0.0, 0.0])
+
+
+def test_achieved_costs_replace_planned_costs_by_median_durations():
+    """Planned T_F/T_B/T_W = 1/2/3 ms on 2 stages. Split backward: rank 0 ran stage 0 with F taking
+    4, 5, 9 ms (median 5) and B 6 ms; rank 1 ran stage 1 with W 7 ms; stage 1's F/B and stage 0's W
+    were not timed and keep the plan -> T_F [5, 1], T_B [6, 2], T_W [3, 7]. The same with the ops
+    as the strings the emulated benchmark uses. Fused: BW of stage 0 took 8 ms -> T_B stays 2,
+    T_W = 8 - 2 = 6; stage 1 keeps 2 + 3."""
+    planned = CostModel(t_f=1.0, t_b=2.0, t_w=3.0, t_comm=0.5)
+    split = [{Op.F: {0: [0.004, 0.005, 0.009]}, Op.B: {0: [0.006]}}, {Op.W: {1: [0.007]}, Op.F: {1: []}}]
+    for per_rank in (split, [{str(op): d for op, d in r.items()} for r in split]):
+        got = achieved_costs(per_rank, planned, 2)
+        assert got.t_f == pytest.approx([5.0, 1.0]) and got.t_b == pytest.approx([6.0, 2.0])
+        assert got.t_w == pytest.approx([3.0, 7.0]) and got.t_comm == 0.5
+    fused = achieved_costs([{Op.F: {0: [0.001]}, Op.BW: {0: [0.008]}}], planned, 2)
+    assert fused.t_b == pytest.approx([2.0, 2.0]) and fused.t_w == pytest.approx([6.0, 3.0])
+    with pytest.raises(ValueError):
+        achieved_costs([{"Q": {0: [0.001]}}], planned, 2)  # an unknown op is refused, not skipped
 
 
 def test_paired_ratios():

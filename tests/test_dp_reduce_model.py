@@ -163,3 +163,38 @@ def test_v_generator_returns_the_reduce_aware_tail():
     assert res.time_overlapped == pytest.approx(16.0) and res.time_serial == pytest.approx(18.0)
     # the pass finds nothing more to regroup in what the generator returns
     assert reduce_aware_tail(aware, with_dp)[0] is aware
+
+
+def test_interleaved_zb_returns_the_reduce_aware_tail():
+    """interleaved-zb, p=2, v=2 (stages 0, 2 on rank 0; 1, 3 on rank 1), m=3, unit costs, T_comm 0;
+    stage 3 reduces 4 bytes, stages 0-2 one byte each, at 1 byte/unit (one bucket per stage).
+
+    Built without the reduce, rank 0 runs F0.0 0-1, F1.0 1-2, F0.2 2-3, F1.2 3-4, B0.2 5-6 (after
+    B0.3), W0.2 6-7, F2.0 7-8, B1.2 8-9, B0.0 9-10, B1.0 10-11, F2.2 11-12, W1.2 12-13, W0.0 13-14,
+    B2.2 14-15, W1.0 15-16, B2.0 16-17, W2.2 17-18, W2.0 18-19; rank 1 runs F0.1 1-2, F1.1 2-3,
+    F0.3 3-4, B0.3 4-5, F1.3 5-6, B1.3 6-7, B0.1 7-8 (after B0.2), F2.1 8-9 (after F2.0), B1.1 9-10
+    (after B1.2), W0.3 10-11, W1.3 11-12, F2.3 12-13 (after F2.2), B2.3 13-14, W0.1 14-15, B2.1
+    15-16 (after B2.2) and the tail W1.1 16-17, W2.3 17-18, W2.1 18-19. With the reduce: rank 1's
+    stage 3 is ready at 18 (reduce 18-22), stage 1 at 19 (22-23): the iteration is 23 (rank 0:
+    stage 2 18-19, stage 0 19-20). Built with the reduce in the costs, rank 1's tail is regrouped
+    stage 3 first -- W2.3 16-17, W1.1 17-18, W2.1 18-19 -- so stage 3 reduces 17-21 and stage 1
+    (ready 19) 21-22: the iteration is 22; rank 0's order is unchanged (its tail W2.2 W2.0 is
+    already best: either order ends its reduce at 20). Without overlap rank 1 reduces 19-24."""
+    with_dp = _with(UNIT, stage_bytes=[1.0, 1.0, 1.0, 4.0], bucket_bytes=None, bandwidth=1.0)
+    kw = dict(num_ranks=2, num_microbatches=3, num_chunks=2)
+    plain = build_schedule("interleaved-zb", costs=UNIT, **kw)
+    r0 = _order("F0.0 F1.0 F0.2 F1.2 B0.2 W0.2 F2.0 B1.2 B0.0 B1.0 F2.2 W1.2 W0.0 B2.2 W1.0 B2.0 W2.2 W2.0")
+    r1 = "F0.1 F1.1 F0.3 B0.3 F1.3 B1.3 B0.1 F2.1 B1.1 W0.3 W1.3 F2.3 B2.3 W0.1 B2.1 "
+    assert [[(a.op, a.mb, a.stage) for a in r] for r in plain.ranks] == [r0, _order(r1 + "W1.1 W2.3 W2.1")]
+    assert simulate(plain, with_dp).total_time == pytest.approx(23.0)
+    aware = build_schedule("interleaved-zb", costs=with_dp, **kw)
+    assert [[(a.op, a.mb, a.stage) for a in r] for r in aware.ranks] == [r0, _order(r1 + "W2.3 W1.1 W2.1")]
+    assert aware.meta["variant"].endswith(" + reduce-aware tail")
+    res = simulate_dp_reduce(simulate(aware, with_dp))
+    assert res.overlapped[0].buckets == [(2, 18.0, 18.0, 19.0), (0, 19.0, 19.0, 20.0)]
+    assert res.overlapped[1].buckets == [(3, 17.0, 17.0, 21.0), (1, 19.0, 21.0, 22.0)]
+    assert res.time_overlapped == pytest.approx(22.0) and res.time_serial == pytest.approx(24.0)
+    assert reduce_aware_tail(aware, with_dp)[0] is aware
+    # a serial reduce starts after the compute whatever the W order: no regrouping
+    serial = _with(UNIT, stage_bytes=[1.0, 1.0, 1.0, 4.0], bucket_bytes=None, bandwidth=1.0, overlap=False)
+    assert build_schedule("interleaved-zb", costs=serial, **kw).ranks == plain.ranks

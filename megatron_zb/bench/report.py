@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from ..schedules.ir import Op
+
 __all__ = [
     "LABEL", "PAPER_15B", "achieved_costs", "comm_range", "fmt_ratio", "ms", "Row", "action_gaps", "hop_latencies", "iteration_times", "median", "paired_ratios", "ratios", "verdict",
     "markdown_table", "write_csv", "read_csv", "plot_ratio_bars", "plot_measured_vs_simulated",
@@ -43,27 +45,28 @@ def fmt_ratio(x: float) -> str:
     return f"{x:.3f}" if x == x else "-"
 
 
-def achieved_costs(per_rank: Sequence[Mapping[str, Mapping[int, Sequence[float]]]], c: Any, num_stages: int) -> Any:
+def achieved_costs(per_rank: Sequence[Mapping[Op, Mapping[int, Sequence[float]]]], c: Any, num_stages: int) -> Any:
     """``c`` (a CostModel, ms) with each stage's T_F / T_B / T_W replaced by the achieved median
     action durations: ``per_rank`` holds, per rank, ``{op: {stage: [seconds, ...]}}`` of the
-    timed iterations (``ActionTiming.durations``). With a fused ``BW`` T_B is kept and the rest of
+    timed iterations (``ActionTiming.durations``; ``op`` an :class:`~megatron_zb.schedules.Op` or its
+    string value, which compares and hashes equal). With a fused ``BW`` T_B is kept and the rest of
     the achieved BW goes into T_W."""
     from ..schedules import CostModel
 
-    ach: dict[str, dict[int, float]] = {}
+    ach: dict[Op, dict[int, float]] = {}
     for r in per_rank:
         for op, d in r.items():
             for st, xs in d.items():
                 if xs:
-                    ach.setdefault(op, {})[st] = statistics.median(xs) * 1e3
+                    ach.setdefault(Op(op), {})[st] = statistics.median(xs) * 1e3
     sc = c.resolve(num_stages)
-    tf = [ach.get("F", {}).get(st, sc.t_f[st]) for st in range(num_stages)]
-    if "BW" in ach:  # fused backward: keep T_B, put the rest of the achieved BW into T_W
+    tf = [ach.get(Op.F, {}).get(st, sc.t_f[st]) for st in range(num_stages)]
+    if Op.BW in ach:  # fused backward: keep T_B, put the rest of the achieved BW into T_W
         tb = list(sc.t_b)
-        tw = [max(0.0, ach["BW"].get(st, tb[st] + sc.t_w[st]) - tb[st]) for st in range(num_stages)]
+        tw = [max(0.0, ach[Op.BW].get(st, tb[st] + sc.t_w[st]) - tb[st]) for st in range(num_stages)]
     else:
-        tb = [ach.get("B", {}).get(st, sc.t_b[st]) for st in range(num_stages)]
-        tw = [ach.get("W", {}).get(st, sc.t_w[st]) for st in range(num_stages)]
+        tb = [ach.get(Op.B, {}).get(st, sc.t_b[st]) for st in range(num_stages)]
+        tw = [ach.get(Op.W, {}).get(st, sc.t_w[st]) for st in range(num_stages)]
     return CostModel(t_f=tf, t_b=tb, t_w=tw, t_comm=c.t_comm, mem_b=c.mem_b, mem_w=c.mem_w)
 
 
@@ -116,7 +119,7 @@ def ratios(values: Mapping[str, float], baseline: str) -> dict[str, float]:
     return {k: v / b for k, v in values.items()}
 
 
-def _action_waits(records: Sequence[Sequence[tuple[str, int, int, float, float]]],
+def _action_waits(records: Sequence[Sequence[tuple[Op, int, int, float, float]]],
                   stage_to_rank: Sequence[int]) -> Iterator[tuple[float, float | None, float | None]]:
     """Per compute action, rank by rank in execution order: ``(start, previous end, producer end)``.
 
@@ -125,24 +128,24 @@ def _action_waits(records: Sequence[Sequence[tuple[str, int, int, float, float]]
     s - 1)`` for ``F(mb, s)``, ``B``/``BW(mb, s + 1)`` for ``B``/``BW(mb, s)`` -- or ``None`` when
     that stage is on the same rank or the producer is not in ``records``.
     """
-    end: dict[tuple[str, int, int], float] = {}
+    end: dict[tuple[Op, int, int], float] = {}  # a BW ends its B: recorded under Op.B
     for recs in records:
         for op, mb, st, _, t1 in recs:
-            end[("B" if op == "BW" else op, mb, st)] = t1
+            end[(Op.B if Op(op) is Op.BW else Op(op), mb, st)] = t1
     last = len(stage_to_rank) - 1
     for recs in records:
         prev = None
         for op, mb, st, t0, t1 in recs:
-            dep = None
-            if op == "F" and st > 0 and stage_to_rank[st - 1] != stage_to_rank[st]:
-                dep = end.get(("F", mb, st - 1))
-            elif op in ("B", "BW") and st < last and stage_to_rank[st + 1] != stage_to_rank[st]:
-                dep = end.get(("B", mb, st + 1))
+            op, dep = Op(op), None
+            if op is Op.F and st > 0 and stage_to_rank[st - 1] != stage_to_rank[st]:
+                dep = end.get((Op.F, mb, st - 1))
+            elif op in (Op.B, Op.BW) and st < last and stage_to_rank[st + 1] != stage_to_rank[st]:
+                dep = end.get((Op.B, mb, st + 1))
             yield t0, prev, dep
             prev = t1
 
 
-def hop_latencies(records: Sequence[Sequence[tuple[str, int, int, float, float]]],
+def hop_latencies(records: Sequence[Sequence[tuple[Op, int, int, float, float]]],
                   stage_to_rank: Sequence[int]) -> list[float]:
     """Observed latency (seconds) of cross-rank dependencies the receiver was waiting for.
 
@@ -157,7 +160,7 @@ def hop_latencies(records: Sequence[Sequence[tuple[str, int, int, float, float]]
             if dep is not None and prev is not None and prev < dep]
 
 
-def action_gaps(records: Sequence[Sequence[tuple[str, int, int, float, float]]],
+def action_gaps(records: Sequence[Sequence[tuple[Op, int, int, float, float]]],
                 stage_to_rank: Sequence[int]) -> list[float]:
     """Idle time (seconds) between consecutive compute actions of a rank that did not wait for data.
 

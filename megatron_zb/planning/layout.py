@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_zb.schedules import Placement, interleaved_placement, plain_placement, v_placement
+from megatron_zb.schedules import Placement
 
-__all__ = ["LayerSplit", "StageShape", "layers_per_stage", "pipeline_split", "split_layers", "stage_shapes",
-           "stage_to_rank"]
+__all__ = ["LayerSplit", "StageShape", "layers_per_stage", "pipeline_split", "split_layers", "stage_shapes"]
 
 
 def split_layers(num_layers: int, num_stages: int, *, allow_padding: bool = False) -> list[int]:
@@ -184,16 +183,6 @@ class StageShape:
     loss: bool
 
 
-def stage_to_rank(placement: Placement | str, pp: int, chunks: int) -> list[int]:
-    """The schedule library's ``stage_to_rank`` for ``placement`` (``chunks`` only for interleaved)."""
-    placement = Placement(placement)
-    if placement == Placement.PLAIN:
-        return plain_placement(pp)
-    if placement == Placement.INTERLEAVED:
-        return interleaved_placement(pp, chunks)
-    return v_placement(pp)
-
-
 def stage_shapes(*, num_layers: int, pp: int, placement: Placement | str, chunks: int = 1,
                  split: LayerSplit = LayerSplit()) -> list[StageShape]:
     """Per-stage contents for ``placement`` on ``pp`` ranks (``chunks`` per rank if interleaved).
@@ -202,7 +191,7 @@ def stage_shapes(*, num_layers: int, pp: int, placement: Placement | str, chunks
         ValueError: the layers cannot be split over the placement's stages (message from
             :func:`layers_per_stage`).
     """
-    ranks = stage_to_rank(placement, pp, chunks)
+    ranks = Placement(placement).stage_to_rank(pp, chunks)
     layers = layers_per_stage(num_layers, ranks, split)
     last = len(ranks) - 1
     return [StageShape(stage=s, rank=r, num_layers=n, embedding=s == 0, loss=s == last)

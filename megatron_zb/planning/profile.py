@@ -61,7 +61,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from .layout import stage_to_rank
+from megatron_zb.schedules import Placement
 from .model import ModelConfig, ParallelConfig, PlanError, check_model
 
 FORMAT = "megatron-zb-profile"
@@ -216,7 +216,7 @@ def _check(prof: Profile, where: str) -> None:
         raise bad(f"needs >= 2 stages and one stage_to_rank entry per stage (got {n} stages, "
                   f"{len(prof.stage_to_rank)} entries)")
     chunks = n // pp
-    if n % pp or list(prof.stage_to_rank) != stage_to_rank(prof.placement, pp, chunks):
+    if n % pp or list(prof.stage_to_rank) != Placement(prof.placement).stage_to_rank(pp, chunks):
         raise bad(f"stage_to_rank {list(prof.stage_to_rank)} is not the {prof.placement} placement of {n} stages "
                   f"on {pp} ranks")
     if not (math.isfinite(prof.t_comm_ms) and prof.t_comm_ms >= 0):

@@ -20,7 +20,8 @@ without overlap, and :func:`reduce_aware_tail` regroups each rank's trailing ``W
 their B's have run, so any order is valid) stage by stage when that shortens the predicted
 iteration: on a V or interleaved rank, finishing one chunk's W's first lets its buckets reduce
 while the other chunk's W's still run. (On the plain placement a rank has one stage, so the
-order of its W's does not change when its buckets are ready.)
+order of its W's does not change when its buckets are ready.) :func:`overlapped_reduce_tail` is
+how the V family and ``interleaved-zb`` call it: only when the costs hold an overlapped reduce.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from .ir import Action, Op, Schedule, ScheduleError
 from .simulator import SimResult, simulate
 from .timing import Bucket
 
-__all__ = ["DPReduceModel", "DPReduceResult", "RankReduce", "reduce_aware_tail", "simulate_dp_reduce"]
+__all__ = ["DPReduceModel", "DPReduceResult", "RankReduce", "overlapped_reduce_tail", "reduce_aware_tail",
+           "simulate_dp_reduce"]
 
 
 @dataclass
@@ -159,3 +161,13 @@ def reduce_aware_tail(schedule: Schedule, costs: CostModel | StageCosts,
             if t < best_time - 1e-12 * max(1.0, abs(best_time)):
                 best, best_time = cand, t
     return best, simulate_dp_reduce(simulate(best, over), model)
+
+
+def overlapped_reduce_tail(schedule: Schedule, costs: CostModel | StageCosts) -> Schedule:
+    """What a generator returns for ``schedule`` under ``costs``: :func:`reduce_aware_tail`'s
+    schedule when ``costs.dp_reduce`` is an overlapped reduce, else ``schedule`` itself (no reduce,
+    or a serial one, which starts after the rank's compute whatever the order of its W's). The
+    result ``is schedule`` unless the regrouping is strictly shorter."""
+    if costs.dp_reduce is None or not costs.dp_reduce.overlap:
+        return schedule
+    return reduce_aware_tail(schedule, costs)[0]

@@ -17,6 +17,12 @@ by the project's simulator):
 * *list scheduler*: :func:`~.search.search` on the interleaved placement
   (the same event-driven scheduler as ZB-V), which reorders forwards and backwards as well.
 
+With an overlapped data-parallel reduce in the costs (``costs.dp_reduce``) every candidate's
+trailing W's are regrouped chunk by chunk when that ends the predicted iteration sooner
+(:func:`~..dp_reduce.reduce_aware_tail`, as the V family does; a rank's chunks reduce separately,
+so finishing one chunk's W's first lets its buckets reduce under the others'), before the
+candidates are compared.
+
 Default memory limit: the peak of interleaved 1F1B under the same costs (so the comparison with
 ``interleaved-1f1b`` is at equal memory); pass ``memory_limit`` to trade memory for bubble.
 """
@@ -27,6 +33,7 @@ import math
 
 from ..catalog import register
 from ..costs import CostModel
+from ..dp_reduce import overlapped_reduce_tail
 from ..ir import Action, Op, Placement, Schedule, ScheduleError, interleaved_placement, make_schedule
 from ..simulator import simulate
 from .baselines import check_shape, interleaved_1f1b
@@ -96,7 +103,11 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
         nonlocal best
         if ranks is None:
             return
-        res = simulate(Schedule(m, s2r, ranks, name), sc, enforce_memory=False)
+        cand = Schedule(m, s2r, ranks, name)
+        regrouped = overlapped_reduce_tail(cand, sc)  # the tail's W's do not raise the peak: same memory
+        if regrouped is not cand:
+            name, ranks = name + " + reduce-aware tail", regrouped.ranks
+        res = simulate(regrouped, sc, enforce_memory=False)
         if res.max_peak_memory > limit * (1 + 1e-9) + 1e-12:
             return
         score = (round(res.makespan, 9), round(res.max_peak_memory, 9))

@@ -65,7 +65,7 @@ from typing import Callable
 
 from ..catalog import register
 from ..costs import CostModel, StageCosts
-from ..dp_reduce import reduce_aware_tail
+from ..dp_reduce import overlapped_reduce_tail
 from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement
 from ..simulator import simulate
 from .common import check_cost_model, check_count, parse_memory_limit
@@ -177,9 +177,7 @@ def _best_order(s2r: list[int], m: int, sc: StageCosts, limit: float, full: floa
     best: tuple[list[list[Action]], tuple[float, ...], str] | None = None
 
     def tail(ranks: list[list[Action]]) -> list[list[Action]]:
-        if sc.dp_reduce is None or not sc.dp_reduce.overlap:   # a serial reduce starts after the compute anyway
-            return ranks
-        return reduce_aware_tail(Schedule(m, s2r, ranks, name), sc)[0].ranks
+        return overlapped_reduce_tail(Schedule(m, s2r, ranks, name), sc).ranks
 
     def offer(ranks: list[list[Action]], variant: str, score: tuple[float, ...] | None = None) -> None:
         nonlocal best
