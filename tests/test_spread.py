@@ -31,7 +31,7 @@ def test_factor_picks_the_band_of_the_draw():
     assert sp.factor(Op.B, 0.9) == 1.0  # an op without a spread does not vary
 
 
-@pytest.mark.parametrize("quantiles", [{Op.F: ()}, {Op.F: (1.2, 1.0)}, {Op.B: (0.0, 1.0)}, {Op.BW: (1.0,)}])
+@pytest.mark.parametrize("quantiles", [{Op.F: ()}, {Op.F: (1.2, 1.0)}, {Op.B: (0.0, 1.0)}, {Op.SEND_F: (1.0,)}])
 def test_invalid_spreads_are_refused(quantiles):
     with pytest.raises(ScheduleError, match="duration spread of"):
         DurationSpread(quantiles)
@@ -67,3 +67,14 @@ def test_drawn_durations_set_the_makespan():
                                                                                         seed=3)
     with pytest.raises(ScheduleError, match="draws"):
         simulate_spread(sched, CostModel(), sp, draws=0)
+
+
+def test_a_fused_backward_draws_from_its_own_spread():
+    """1F1B, p = 2, m = 1, unit costs, T_comm 0: rank 0 runs F0, waits for F1 and BW1, runs BW0, so
+    the makespan is 1 + 1 + bw1 + bw0. A BW entry scales T_B + T_W = 2 as one action: factor 1.5
+    always gives 1 + 1 + 3 + 3 = 8; without it B and W are drawn from their own entries (B 2x, W 1x:
+    BW = 3) -> 1 + 1 + 3 + 3 = 8 as well, and (B 1x, W 1x) -> 6."""
+    sched = build_schedule("1f1b", num_ranks=2, num_microbatches=1)
+    assert simulate_spread(sched, CostModel(), DurationSpread({Op.BW: (1.5,)}), draws=4).median == 8.0
+    assert simulate_spread(sched, CostModel(), DurationSpread({Op.B: (2.0,)}), draws=4).median == 8.0
+    assert simulate_spread(sched, CostModel(), DurationSpread({Op.F: (1.0,)}), draws=4).median == 6.0

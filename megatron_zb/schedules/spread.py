@@ -39,7 +39,8 @@ class DurationSpread:
     """Measured variation of one compute action's duration around its ``(op, stage)`` median.
 
     Attributes:
-        quantiles: per op (``Op.F``, ``Op.B``, ``Op.W``), ascending quantiles of ``duration / median``
+        quantiles: per op (``Op.F``, ``Op.B``, ``Op.W``, and ``Op.BW`` for a backward measured
+            fused), ascending quantiles of ``duration / median``
             at the middles of ``n`` equally likely bands, levels ``(k + 0.5) / n`` (dimensionless;
             at least 1 value, all > 0). A draw picks one of them with equal probability, so a rare
             outlier weighs as the top band's middle and no more. An op without an entry does not
@@ -50,8 +51,8 @@ class DurationSpread:
 
     def __post_init__(self) -> None:
         for op, q in self.quantiles.items():
-            if Op(op) not in (Op.F, Op.B, Op.W):
-                raise ScheduleError(f"duration spread of {op}: only F, B and W vary (BW = B + W)")
+            if not Op(op).is_compute:
+                raise ScheduleError(f"duration spread of {op}: only compute actions (F, B, W, BW) vary")
             if not q or any(not x > 0 for x in q) or any(b < a for a, b in zip(q, q[1:])):
                 raise ScheduleError(f"duration spread of {op}: need ascending quantiles > 0, got {list(q)}")
 
@@ -102,8 +103,9 @@ def simulate_spread(schedule: Schedule, costs: CostModel | StageCosts, spread: D
     """Makespan of ``schedule`` with every action's duration drawn from ``spread`` (module doc).
 
     One action lasts ``median x factor + action_overhead``: ``costs`` give the medians (compute
-    only, without the overhead), a fused ``BW`` draws its ``B`` and ``W`` parts independently and
-    pays the overhead once. ``draws`` iterations from ``random.Random(seed)``; memory is not
+    only, without the overhead); a fused ``BW`` lasts ``(t_b + t_w) x`` a factor of the spread's
+    ``BW`` entry when it has one (a backward measured fused), else its ``B`` and ``W`` parts are
+    drawn independently; it pays the overhead once. ``draws`` iterations from ``random.Random(seed)``; memory is not
     checked (the durations do not change what is held).
     """
     if draws < 1:
@@ -121,7 +123,12 @@ def simulate_spread(schedule: Schedule, costs: CostModel | StageCosts, spread: D
         part = {op: [[t * spread.factor(op, rng.random()) for _ in range(m)] for t in base[op]] for op in base}
         for k, op in enumerate(OPS):
             for s in range(n):
-                row = ([a + b for a, b in zip(part[Op.B][s], part[Op.W][s])] if op == Op.BW else part[op][s])
+                if op != Op.BW:
+                    row = part[op][s]
+                elif Op.BW in spread.quantiles:
+                    row = [(sc.t_b[s] + sc.t_w[s]) * spread.factor(Op.BW, rng.random()) for _ in range(m)]
+                else:
+                    row = [a + b for a, b in zip(part[Op.B][s], part[Op.W][s])]
                 table[k][s][:] = [x + action_overhead for x in row]
         tl.reset()
         tl.play(orders)
