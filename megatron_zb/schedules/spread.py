@@ -105,33 +105,41 @@ def simulate_spread(schedule: Schedule, costs: CostModel | StageCosts, spread: D
     One action lasts ``median x factor + action_overhead``: ``costs`` give the medians (compute
     only, without the overhead); a fused ``BW`` lasts ``(t_b + t_w) x`` a factor of the spread's
     ``BW`` entry when it has one (a backward measured fused), else its ``B`` and ``W`` parts are
-    drawn independently; it pays the overhead once. ``draws`` iterations from ``random.Random(seed)``; memory is not
-    checked (the durations do not change what is held).
+    drawn independently; it pays the overhead once. ``draws`` iterations from
+    ``random.Random(seed)``; memory is not checked (the durations do not change what is held).
     """
     if draws < 1:
         raise ScheduleError(f"draws must be >= 1, got {draws}")
     sched = schedule.compute_only()
     sc = costs.resolve(sched.num_stages) if isinstance(costs, CostModel) else costs
     n, m = sched.num_stages, sched.num_microbatches
-    table = [[[0.0] * m for _ in range(n)] for _ in OPS]
+    table = [[[0.0] * m for _ in range(n)] for _ in OPS]  # [op code][stage][mb], refilled per draw
     tl = Timeline(sched.stage_to_rank, m, sc, num_ranks=sched.num_ranks, per_action=table)
     orders = [[encode(a) for a in acts] for acts in sched.ranks]
     rng = random.Random(seed)
-    base = {op: sc.t_f if op == Op.F else sc.t_b if op == Op.B else sc.t_w for op in (Op.F, Op.B, Op.W)}
     spans = []
     for _ in range(draws):
-        part = {op: [[t * spread.factor(op, rng.random()) for _ in range(m)] for t in base[op]] for op in base}
-        for k, op in enumerate(OPS):
-            for s in range(n):
-                if op != Op.BW:
-                    row = part[op][s]
-                elif Op.BW in spread.quantiles:
-                    row = [(sc.t_b[s] + sc.t_w[s]) * spread.factor(Op.BW, rng.random()) for _ in range(m)]
-                else:
-                    row = [a + b for a, b in zip(part[Op.B][s], part[Op.W][s])]
-                table[k][s][:] = [x + action_overhead for x in row]
+        _draw(table, sc, spread, rng, action_overhead)
         tl.reset()
         tl.play(orders)
         spans.append(tl.makespan())
     spans.sort()
     return SpreadResult(statistics.median(spans), _interpolate(spans, 0.1), _interpolate(spans, 0.9), draws)
+
+
+def _draw(table: list[list[list[float]]], sc: StageCosts, spread: DurationSpread, rng: random.Random,
+          overhead: float) -> None:
+    """Fill ``table[op code][stage][mb]`` with one draw of every action's duration (see :func:`simulate_spread`)."""
+    m = len(table[0][0])
+    part = {op: [[t * spread.factor(op, rng.random()) for _ in range(m)] for t in base]
+            for op, base in ((Op.F, sc.t_f), (Op.B, sc.t_b), (Op.W, sc.t_w))}
+    fused = Op.BW in spread.quantiles
+    for k, op in enumerate(OPS):
+        for s in range(len(sc.t_f)):
+            if op != Op.BW:
+                row = part[op][s]
+            elif fused:
+                row = [(sc.t_b[s] + sc.t_w[s]) * spread.factor(Op.BW, rng.random()) for _ in range(m)]
+            else:
+                row = [b + w for b, w in zip(part[Op.B][s], part[Op.W][s])]
+            table[k][s][:] = [x + overhead for x in row]
