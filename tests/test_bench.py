@@ -5,6 +5,7 @@ per-stage activation measurement against the simulator, the report helpers, and
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import pytest
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.bench.emulated import emulated_check_rank
 from megatron_zb.bench.report import (Row, achieved_costs, action_gaps, hop_latencies, iteration_times, markdown_table,
-                                      median, paired_ratios, ratios, read_csv, verdict, write_csv)
+                                      median, median_interval, paired_ratios, ratios, read_csv, verdict,
+                                      write_csv)
 from megatron_zb.schedules import CostModel, Op
 from megatron_zb.testing import run_distributed
 
@@ -132,6 +134,18 @@ def test_paired_ratios():
         paired_ratios([1.0], [1.0, 2.0])
 
 
+def test_median_interval_is_the_binomial_order_statistic_interval():
+    """90% interval of the median from order statistics: n = 20 -> P(Bin(20, 1/2) <= 5) = 21700 / 2^20
+    = 0.0207 (coverage 0.959), <= 6: 0.0577 (0.885 < 0.9), so (x_6, x_15); n = 10 -> <= 1: 11 / 1024
+    (0.979), <= 2: 56 / 1024 (0.891), so (x_2, x_9); n = 5 -> <= 0: 1/32 (0.9375): (min, max);
+    n = 4 -> 1/16 (0.875): no interval."""
+    assert median_interval([float(x) for x in range(20, 0, -1)]) == (6.0, 15.0)  # order of the input irrelevant
+    assert median_interval([float(x) for x in range(1, 11)]) == (2.0, 9.0)
+    assert median_interval([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0)
+    assert all(math.isnan(v) for v in median_interval([1.0, 2.0, 3.0, 4.0]))
+    assert median_interval([float(x) for x in range(1, 11)], confidence=0.8) == (3.0, 8.0)  # <= 2: 0.891 >= 0.8
+
+
 def test_median_and_ratios():
     assert median([3.0, 1.0, 2.0]) == 2.0
     assert median([1.0, 2.0]) == 1.5
@@ -216,3 +230,18 @@ def test_quick_benchmark_end_to_end(tmp_path):
     assert (out / "real_ratios.png").stat().st_size > 0
     pngs = list(out.glob("emulated_vs_simulated_scale*.png"))
     assert pngs and all(p.stat().st_size > 0 for p in pngs)
+
+
+def test_other_processes_cpu_reports_the_hypervisor_steal_separately():
+    """/proc/stat's steal column (CPU time the host gave to other guests) is part of what other
+    processes take and is read from the same snapshot; nan before the first reading."""
+    import time
+
+    from megatron_zb.bench.machine import OtherProcessesCpu
+    o = OtherProcessesCpu()
+    assert math.isnan(o.steal_cores())
+    time.sleep(0.3)
+    others, steal = o.cores(), o.steal_cores()
+    if math.isnan(others):
+        pytest.skip("/proc not readable here")
+    assert 0.0 <= steal <= os.cpu_count() and 0.0 <= others <= os.cpu_count()

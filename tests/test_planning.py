@@ -23,6 +23,8 @@ from megatron_zb.planning.memory import layer_activations
 from megatron_zb.planning.model import PlanError, make_model, make_parallel
 from megatron_zb.planning.planner import plan
 from megatron_zb.planning.profile import StageProfile, read_profile, write_profile
+from megatron_zb.schedules import Op
+from megatron_zb.schedules.spread import DurationSpread
 
 DATA = Path(__file__).resolve().parent / "data"
 COSTS = json.loads((DATA / "zb_paper_costs.json").read_text())
@@ -364,3 +366,48 @@ def test_default_families_progress_and_search_limit(capsys, tmp_path, monkeypatc
     rc, _, err = run(capsys, *base, "--schedules", "zbv", "--json", out_json)
     assert rc == 0, err
     assert [s["name"] for s in json.loads(out_json.read_text())["schedules"]] == ["zbv"]
+
+
+def test_profile_duration_spread_round_trip_and_checks(tmp_path):
+    """duration_spread: written as {op: quantiles}, read back equal; absent reads as None; a
+    quantile list that is not ascending or not positive, or an op other than F/B/W, is refused by
+    read and write alike with the file named."""
+    model, par = _small()
+    path = tmp_path / "p.json"
+    kw = dict(model=model, parallel=par, schedule="zb-1p", placement="plain", stage_to_rank=[0, 1, 2, 3],
+              t_comm_ms=0.25, stages=_stages(4))
+    spread = DurationSpread({Op.F: (0.75, 1.0, 1.5), Op.W: (0.5, 2.0)})
+    written = write_profile(path, **kw, duration_spread=spread)
+    assert read_profile(path) == written and written.duration_spread == spread
+    raw = json.loads(path.read_text())
+    assert raw["duration_spread"] == {"F": [0.75, 1.0, 1.5], "W": [0.5, 2.0]}
+    path.write_text(json.dumps({k: v for k, v in raw.items() if k != "duration_spread"}))
+    assert read_profile(path).duration_spread is None
+    for bad in ({"F": [1.5, 1.0]}, {"B": [0.0, 1.0]}, {"BW": [1.0]}, {"F": "wide"}, [1.0]):
+        path.write_text(json.dumps({**raw, "duration_spread": bad}))
+        with pytest.raises(PlanError, match=r"p\.json: .*duration.spread"):
+            read_profile(path)
+
+
+def test_plan_draws_action_durations_from_the_profile_spread(capsys, tmp_path):
+    """With a spread the makespan is the median over draws. One band per op makes every draw the
+    same: F always 1.2 x its median. 1F1B, equal stages, T_comm 0: makespan = (m + p - 1) (1.2 T_F +
+    T_B + T_W + 2 ov) = 11 x (3.6 + 3.5 + 2.0 + 0.5) = 105.6 ms against 11 x 9.0 = 99.0 ms with the
+    medians: duration_spread_ms 6.6, included in the iteration time. Without a spread the key is null."""
+    model, par = _small()
+    stages = [StageProfile(t_f_ms=3.0, t_b_ms=3.5, t_w_ms=2.0, mem_b_bytes=1.5e9, mem_w_bytes=0.5e9)] * 4
+    path, out_json = tmp_path / "p.json", tmp_path / "plan.json"
+    kw = dict(model=model, parallel=par, schedule="zb-1p", placement="plain", stage_to_rank=[0, 1, 2, 3],
+              t_comm_ms=0.0, stages=stages, step_ms=7.5, action_overhead_ms=0.25)
+    write_profile(path, **kw, duration_spread=DurationSpread({Op.F: (1.2,), Op.B: (1.0,)}))
+    rc, out, err = run(capsys, "plan", "--profile", path, "--gpu", "H100", "--schedules", "1f1b", "--json", out_json)
+    assert rc == 0, err
+    one = json.loads(out_json.read_text())["schedules"][0]
+    assert one["makespan_ms"] == pytest.approx(99.0, rel=1e-9)
+    assert one["duration_spread_ms"] == pytest.approx(6.6, rel=1e-9)
+    assert one["iteration_time_ms"] == pytest.approx(105.6 + 7.5, rel=1e-9)
+    assert "drawn from the profile's measured spread" in out
+    write_profile(path, **kw)
+    rc, out, err = run(capsys, "plan", "--profile", path, "--gpu", "H100", "--schedules", "1f1b", "--json", out_json)
+    assert rc == 0 and json.loads(out_json.read_text())["schedules"][0]["duration_spread_ms"] is None
+    assert "measured spread" not in out

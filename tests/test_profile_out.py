@@ -2,12 +2,13 @@
 from it against the run it was measured on (issue 15's CPU acceptance check).
 
 PP=2 runs under torchrun (gloo, CPU, fp32 -- Megatron's default precision, which the planner
-models as well as bf16/fp16), tiny GPT. ``megatron-zb plan --profile FILE --schedules NAME``
-rebuilds the run's schedule from the profile's costs and predicts its iteration time: the
-simulated makespan (every compute action lengthened by the measured ``action_overhead_ms``) plus
-the measured ``step_ms`` (everything outside the schedule's actions; docs/planning.md). The
-measured iteration time is the median of Megatron's "elapsed time per iteration" lines (the
-profile's costs are medians too).
+models as well as bf16/fp16), a small GPT (4 layers, hidden 256, seq 128: actions of 10-25 ms).
+``megatron-zb plan --profile FILE --schedules NAME`` rebuilds the run's schedule from the
+profile's costs and predicts its iteration time: the median over draws of the simulated makespan
+with every action's duration drawn from the profile's measured ``duration_spread`` around its
+median and lengthened by the measured ``action_overhead_ms``, plus the measured ``step_ms``
+(everything outside the schedule's actions; docs/planning.md). The measured iteration time is the
+median of Megatron's "elapsed time per iteration" lines.
 
 Two comparisons:
 
@@ -27,10 +28,19 @@ does not model -- dominate. Observed under such load: ZB-1p predicted/measured 1
 1.55 (four runs), ZB-H1 same-window 0.63. (The criterion used to be the 1-minute load average <=
 cores, which the run's own two ranks nearly reach on an idle machine.) On a quiet machine (the
 clean-clone CI run of 2026-11-22) both ratios missed the 10% (0.842 and 1.553) before the runtime
-overhead and the step were measured; with them both are within 10% in most quiet runs but not
-reliably (see NOT_MET_ON_A_QUIET_MACHINE), so both checks stay xfail (not strict).
+overhead and the step were measured; with them, at hidden 64, within 10% in most quiet runs but not
+all: the simulation with the median durations under-predicted by 3-10% (ZB-H1 0.886-0.958 at hidden
+256, 5 quiet runs), because an iteration waits for the later of two varying actions at every
+cross-rank dependency -- replaying each iteration with its own recorded durations reproduced the
+measured iterations within 3%. Drawing the durations from the measured spread (2026-11-23, quiet
+runs of this size): ZB-H1 0.953-1.005 (12 runs), ZB-1p 0.939-1.047 (11 of 12; one run whose
+profiling window was disturbed, T_comm 1.3 ms instead of 0.2-0.3, read 1.153).
 
-Cost: four torchrun launches (the ZB-1p run is also the memory tests' no-recomputation run).
+The ZB-H1 check is a plain assertion; the ZB-1p one is ``xfail`` (not strict): besides the
+model's error it carries the drift of this VM's speed between the profiling window and the
+iterations measured after re-planning, 10-15% in 1-2 of 11 quiet runs (:data:`DRIFT`).
+
+Cost: five torchrun launches (the memory tests' three use the tiny GPT of hidden 64).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import pytest
 from megatron_zb.bench.machine import OtherProcessesCpu
 from megatron_zb.cli import main as cli_main
 from megatron_zb.planning.profile import read_profile
+from megatron_zb.schedules import Op
 from test_pretrain import torchrun
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -54,11 +65,13 @@ ZB1P_WINDOW = (3, 10)  # zb1p: profiled iterations (1-2: first lowering, allocat
 #                        the same action's duration drifts 10-40% between iterations on this machine)
 FIRST_MEASURED = ZB1P_WINDOW[1] + 2  # re-planned after the window; the next iteration lowers the new schedule
 H1_WINDOW = (3, 13)  # zbh1: profiled and measured iterations (iteration 1-2: first lowering, warm-up)
-ARGV_BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "16",
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128"]
+TINY_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+COMMON = ["--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "16",
         "--lr", "1e-3", "--mock-data", "--num-workers", "0", "--log-interval", "1",
         "--eval-iters", "0", "--distributed-backend", "gloo", "--pipeline-model-parallel-size", "2",
         "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
+ARGV_BASE = MODEL + COMMON
 ARGV = ARGV_BASE + ["--train-iters", str(ITERS), "--schedule", "zb-1p", "--zero-bubble-pipeline-timers-start-iter",
                     str(ZB1P_WINDOW[0]), "--zero-bubble-pipeline-timers-end-iter", str(ZB1P_WINDOW[1] + 1)]
 ARGV_H1 = ARGV_BASE + [
@@ -129,7 +142,7 @@ def test_profile_out_is_the_planning_profile_of_the_run(run):
     prof = read_profile(run["dir"] / "profile.json")
     assert prof.schedule == "zb-1p" and prof.placement == "plain" and prof.stage_to_rank == (0, 1)
     assert (prof.model.num_layers, prof.model.hidden_size, prof.model.seq_length, prof.model.precision) == \
-        (4, 64, 64, "fp32")  # fp32 profiles are accepted (the planner models 4-byte elements)
+        (4, 256, 128, "fp32")  # fp32 profiles are accepted (the planner models 4-byte elements)
     assert (prof.parallel.pp, prof.parallel.num_microbatches) == (2, 8)
     # the numbers are the ones the run's report printed (3 decimals there)
     log = run["log"]
@@ -149,13 +162,18 @@ def test_profile_out_is_the_planning_profile_of_the_run(run):
         (float(runtime.group(1)), float(runtime.group(2))), abs=1.5e-3)
     assert 0 < prof.action_overhead_ms < min(s.t_f_ms for s in prof.stages)  # far below one layer's forward
     assert prof.step_ms > 0
+    # the spread: 20 ascending quantiles of duration / median per op, the middle two around 1
+    spread = prof.duration_spread
+    assert spread is not None and set(spread.quantiles) == {Op.F, Op.B, Op.W}
+    for q in spread.quantiles.values():
+        assert len(q) == 20 and list(q) == sorted(q) and q[9] <= 1.0 <= q[10], q
 
 
 def test_runtime_seconds_leaves_out_compute_and_receive_waits():
     """The runtime's own time of one iteration: from the executor's start to the last compute action,
     minus compute and receive actions; sends and the gaps count, what follows the last compute does not."""
     from megatron_zb.runtime.executor import ActionTiming
-    from megatron_zb.schedules.ir import Action, Op
+    from megatron_zb.schedules.ir import Action
     from megatron_zb.training.profiling import runtime_seconds
     t = ActionTiming(start=10.0)
     t.records = [(Action(Op.F, 0, 1), 10.5, 12.0), (Action(Op.B, 0, 1), 13.0, 14.0), (Action(Op.W, 0, 1), 14.25, 15.0)]
@@ -167,17 +185,6 @@ def test_runtime_seconds_leaves_out_compute_and_receive_waits():
     assert runtime_seconds(t) == pytest.approx(0.75, rel=1e-12)
 
 
-NOT_MET_ON_A_QUIET_MACHINE = pytest.mark.xfail(
-    strict=False, reason="issue 15: with the measured step_ms, action_overhead_ms and median costs (2026-11-23, "
-    "shared 2-core machine, runs that passed the quiet gate, final code) predicted/median ZB-H1 same window 0.934, "
-    "0.886, 0.739; ZB-1p after re-planning 0.980, 0.985, 1.095, 0.759 (the earlier code: H1 0.94-0.97 in 4 of 6, "
-    "ZB-1p 0.91-1.26; before the change 0.842 and 1.553) -- within 10% in most quiet runs, not in 3 of 3: the same "
-    "action drifts 10-40% between iterations at this size (actions 1-8 ms) and short bursts of other processes "
-    "pass the 0.25-core average gate")
-"""The 10% acceptance is not met yet (docs/planning.md): the checks run and report, but do not block."""
-
-
-@NOT_MET_ON_A_QUIET_MACHINE
 def test_plan_from_the_profile_predicts_the_iteration_time_of_the_profiled_iterations(run_h1):
     """ZB-H1, costs and iteration times from the same iterations: within 10% (module doc)."""
     assert "re-planned" not in run_h1["log"]  # ZB-H1 is kept as is
@@ -185,7 +192,16 @@ def test_plan_from_the_profile_predicts_the_iteration_time_of_the_profiled_itera
     assert_within_10_percent(run_h1, predicted, median, measured)
 
 
-@NOT_MET_ON_A_QUIET_MACHINE
+DRIFT = pytest.mark.xfail(
+    strict=False, reason="issue 15: this VM's speed drifts between the profiling window and the iterations "
+    "measured 5-15 s later -- in 1-2 of 11 quiet runs (2026-11-23, hidden 256) the window's actions ran 10-15% "
+    "faster or slower than the later ones (e.g. T_F 16.5 / 19.5 ms against 20-22 ms in the other runs, with other "
+    "processes at 0.02 cores): ZB-1p predicted/measured 0.939-1.047 in 9 of 11, 0.891 and 1.153 in the others; "
+    "the same-window ZB-H1 check isolates the prediction from that drift")
+"""Re-planned prediction checked across time: reported, not blocking (module doc)."""
+
+
+@DRIFT
 def test_plan_from_the_profile_predicts_the_iteration_time_after_replanning(run):
     """ZB-1p, measured after re-planning from the profile: within 10% (module doc)."""
     predicted, median, measured = predicted_and_measured(run, "zb-1p", FIRST_MEASURED, ITERS)
@@ -225,19 +241,18 @@ def test_profile_out_accepts_fp32_and_uneven_splits(extra):
 # ---------------------------------------------------------------------------- measured M_B / M_W
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
              "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]}
-MEM_ARGV = ARGV_BASE + ["--train-iters", "3", "--enable-zero-bubble"]
+MEM_BASE = TINY_MODEL + COMMON + ["--train-iters", "3"]
+MEM_ARGV = MEM_BASE + ["--enable-zero-bubble"]
 
 
 @pytest.fixture(scope="module")
-def memory_runs(tmp_path_factory, run) -> dict[str, str]:
-    """Logs of the no-recomputation run (the ZB-1p profile run: same model, same profiling window at
-    iterations 2-3, and ZB-1p's limit is p M_B as the greedy ZB's default) and of a greedy-ZB run with
-    each recomputation."""
-    logs = {"none": run["log"]}
+def memory_runs(tmp_path_factory) -> dict[str, str]:
+    """Logs of the no-recomputation run (ZB-1p: the profiling window at iterations 2-3, and ZB-1p's
+    limit is p M_B as the greedy ZB's default) and of a greedy-ZB run with each recomputation, tiny GPT."""
+    logs = {}
     for name, flags in RECOMPUTE.items():
-        if flags:
-            d = tmp_path_factory.mktemp(f"mem_{name}")
-            logs[name] = torchrun(2, MEM_ARGV + flags, cwd=d)["log"]
+        d = tmp_path_factory.mktemp(f"mem_{name}")
+        logs[name] = torchrun(2, (MEM_ARGV + flags) if flags else (MEM_BASE + ["--schedule", "zb-1p"]), cwd=d)["log"]
     return logs
 
 

@@ -23,12 +23,14 @@ def loadavg() -> tuple[float, float, float]:
         return (float("nan"),) * 3
 
 
-def _busy_jiffies() -> int:
-    """Busy CPU time of the whole machine (all cores), in clock ticks, from /proc/stat."""
+def _busy_jiffies() -> tuple[int, int]:
+    """Busy CPU time of the whole machine (all cores) and its part stolen by the hypervisor (a
+    virtual machine's CPU time the host gave to someone else), in clock ticks, from /proc/stat."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     # user nice system idle iowait irq softirq steal ...
-    return v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+    steal = v[7] if len(v) > 7 else 0
+    return v[0] + v[1] + v[2] + v[5] + v[6] + steal, steal
 
 
 def _own_jiffies(root: int) -> int:
@@ -63,6 +65,7 @@ class LoadSampler:
         self.period = period
         self.samples: list[float] = []
         self.others: list[float] = []  # cores busy with other processes, per window
+        self.steal: list[float] = []   # of which stolen by the hypervisor, per window
         self._marked = self._marked_load = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -76,6 +79,7 @@ class LoadSampler:
             cores = window.cores()
             if cores == cores:  # not nan
                 self.others.append(cores)
+                self.steal.append(window.steal_cores())
             window = OtherProcessesCpu()
 
     def mark(self, name: str) -> str:
@@ -85,24 +89,29 @@ class LoadSampler:
         self._marked, self._marked_load = len(self.others), len(self.samples)
         if not o:
             return f"{name}: -"
-        return (f"{name}: other processes {statistics.fmean(o):.2f} cores mean, {max(o):.2f} max; "
-                f"1-min load {min(s):.2f}-{max(s):.2f}")
+        st = self.steal[self._marked - len(o):self._marked] or [float("nan")]
+        return (f"{name}: other processes {statistics.fmean(o):.2f} cores mean, {max(o):.2f} max (hypervisor "
+                f"steal {statistics.fmean(st):.2f} mean, {max(st):.2f} max); 1-min load {min(s):.2f}-{max(s):.2f}")
 
     def stop(self) -> str:
         self._stop.set()
         self._t.join(self.period + 1.0)
         s = self.samples or [float("nan")]
         o = self.others or [float("nan")]
+        st = self.steal or [float("nan")]
         return (f"1-min load average during the run (includes the benchmark's own processes): min {min(s):.2f}, "
                 f"median {statistics.median(s):.2f}, max {max(s):.2f}; CPU used by other processes (machine busy "
                 f"time minus this benchmark's process tree, {self.period:g}-s windows): mean "
-                f"{statistics.fmean(o):.2f} cores, max {max(o):.2f} of {os.cpu_count()}")
+                f"{statistics.fmean(o):.2f} cores, max {max(o):.2f} of {os.cpu_count()}, of which stolen by the "
+                f"hypervisor (steal: this VM's CPU time the host gave to other guests) mean {statistics.fmean(st):.2f}, "
+                f"max {max(st):.2f}")
 
 
-def _snapshot() -> tuple[float, int, int] | None:
-    """(monotonic seconds, machine busy ticks, this process tree's ticks), or None without /proc."""
+def _snapshot() -> tuple[float, int, int, int] | None:
+    """(monotonic seconds, machine busy ticks, this process tree's ticks, steal ticks), or None without /proc."""
     try:
-        return time.monotonic(), _busy_jiffies(), _own_jiffies(os.getpid())
+        busy, steal = _busy_jiffies()
+        return time.monotonic(), busy, _own_jiffies(os.getpid()), steal
     except OSError:
         return None
 
@@ -137,12 +146,21 @@ class OtherProcessesCpu:
 
     def __init__(self) -> None:
         self._start = _snapshot()
+        self._now: tuple[float, int, int, int] | None = None
 
     def cores(self) -> float:
-        """Mean number of cores busy with other processes since construction."""
-        now = _snapshot()
+        """Mean number of cores busy with other processes since construction (the hypervisor's steal
+        included: on a virtual machine another guest taking the host's core delays this run alike)."""
+        now = self._now = _snapshot()
         if now is None or self._start is None or now[0] <= self._start[0]:
             return float("nan")
         hz = os.sysconf("SC_CLK_TCK")
         others = (now[1] - self._start[1]) - (now[2] - self._start[2])
         return max(0.0, others / hz / (now[0] - self._start[0]))
+
+    def steal_cores(self) -> float:
+        """Of :meth:`cores`' last reading, the mean cores stolen by the hypervisor (``nan`` before a reading)."""
+        now, start = self._now, self._start
+        if now is None or start is None or now[0] <= start[0]:
+            return float("nan")
+        return (now[3] - start[3]) / os.sysconf("SC_CLK_TCK") / (now[0] - start[0])

@@ -8,6 +8,7 @@ Nothing here measures anything; the sections (:mod:`megatron_zb.bench.sections_r
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -178,6 +179,20 @@ def paired_ratios(values: Sequence[float], baseline: Sequence[float]) -> list[fl
     if len(values) != len(baseline):
         raise ValueError(f"{len(values)} values but {len(baseline)} baseline values")
     return [v / b for v, b in zip(values, baseline)]
+
+
+def median_interval(xs: Sequence[float], confidence: float = 0.9) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median: the order statistics ``(x_(k),
+    x_(n+1-k))`` (1-based, sorted) with the largest ``k`` whose coverage ``1 - 2 P(Bin(n, 1/2) <= k-1)``
+    is at least ``confidence``; ``(nan, nan)`` when even ``(min, max)`` covers less (n < 5 at 0.9)."""
+    n, ys = len(xs), sorted(xs)
+    tail, k = 0.0, 0  # tail = P(Bin(n, 1/2) <= k - 1) for the next k
+    while k < n // 2:
+        nxt = tail + math.comb(n, k) / 2 ** n
+        if 1 - 2 * nxt < confidence:
+            break
+        tail, k = nxt, k + 1
+    return (float("nan"), float("nan")) if k == 0 else (ys[k - 1], ys[n - k])
 
 
 def verdict(ok: bool | None) -> str:

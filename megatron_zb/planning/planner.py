@@ -15,7 +15,12 @@ From a profile that measured them (:mod:`.profile`): every compute action lasts 
 plus the profile's ``action_overhead_ms`` (the runtime's own time per action, fused ``BW`` counted
 once), and the profile's ``step_ms`` (everything outside the schedule's actions, measured) replaces
 the optimizer and all-reduce estimates when the plan keeps the profile's DP size and optimizer
-(``step_source`` says which: ``"profile"`` or ``"estimate"``).
+(``step_source`` says which: ``"profile"`` or ``"estimate"``). When the profile also measured how
+single action durations vary (its ``duration_spread``), the makespan is the median over seeded draws
+of every action's duration from that spread (:func:`~megatron_zb.schedules.spread.simulate_spread`;
+:data:`SPREAD_DRAWS` iterations), longer than the makespan of the median durations because an
+iteration waits for the later of two varying actions at every cross-rank dependency; the
+difference is ``duration_spread_ms``.
 
 and throughput = ``m * micro_batch_size / iteration_time / (PP * TP)`` samples per second per
 GPU. Peak memory per rank = the simulator's peak activation memory + the rank's parameters and
@@ -44,6 +49,7 @@ from typing import Callable, Sequence
 
 from megatron_zb.schedules import CostModel, Placement, ScheduleError, SimResult, interleaved_placement, simulate
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
+from megatron_zb.schedules.spread import simulate_spread
 
 from .flops import p2p_time_ms, stage_costs
 from .hardware import Hardware
@@ -61,6 +67,8 @@ OPTIMIZER_BYTES_PER_PARAM = {"bf16": 46.0, "fp16": 46.0, "fp32": 36.0}
 """HBM traffic of one optimizer step per parameter, by precision (module doc)."""
 GRAD_ALLREDUCE_BYTES_PER_PARAM = 4.0
 DEFAULT_MEMORY_FRACTION = 0.9
+SPREAD_DRAWS = 128
+"""Iterations drawn from a profile's duration spread per family (seed 0: the plan is reproducible)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ class CostSource:
         self.usable_bytes = memory_fraction * hw.memory_gib * GIB
         self.t_comm_ms = p2p_time_ms(model, par, hw) if profile is None else profile.t_comm_ms
         self.action_overhead_ms = 0.0 if profile is None else profile.action_overhead_ms or 0.0
+        self.spread = None if profile is None else profile.duration_spread
         self.step_ms = None  # the measured time outside the schedule, when it applies to this plan
         if profile is not None and profile.step_ms is not None and _same_step(profile.parallel, par):
             self.step_ms = profile.step_ms
@@ -153,6 +162,9 @@ class FamilyResult:
         iteration_time_ms, makespan_ms, optimizer_ms, dp_sync_ms: ms (see the module doc); with a
             measured ``step_ms``, ``optimizer_ms`` is it and ``dp_sync_ms`` is 0 (included).
         step_source: ``"profile"`` (the measured ``step_ms``) or ``"estimate"``.
+        duration_spread_ms: with a profile's ``duration_spread``, the median makespan over the draws
+            minus ``makespan_ms`` (the makespan of the median durations), ms, included in
+            ``iteration_time_ms``; ``None`` without a spread.
         bubble_rate: the simulator's ``(makespan - busiest rank's work) / makespan``.
         throughput: samples per second per GPU.
         peak_activation_gib, param_optimizer_gib, peak_memory_gib: of the rank with the largest
@@ -173,6 +185,7 @@ class FamilyResult:
     optimizer_ms: float | None = None
     dp_sync_ms: float | None = None
     step_source: str | None = None
+    duration_spread_ms: float | None = None
     bubble_rate: float | None = None
     throughput: float | None = None
     peak_activation_gib: float | None = None
@@ -264,7 +277,7 @@ def plan(*, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, sc
 
 
 def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResult:
-    model, par, hw = source.model, source.par, source.hw
+    model, par = source.model, source.par
     spec = get_spec(name)
     placement = Placement(spec.placement)
     chunks = {Placement.PLAIN: 1, Placement.V: 2}.get(placement) or _interleaved_chunks(model, par)
@@ -279,9 +292,9 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
     if not explicit and spec.cost_aware and placement != Placement.PLAIN and size > SEARCH_LIMIT:
         return FamilyResult(name, "skipped", f"search-based generator takes minutes at stages x m = {size} > "
                                              f"{SEARCH_LIMIT}; request it with --schedules {name}", chunks)
-    costs = CostModel(t_f=list(table.t_f), t_b=list(table.t_b), t_w=list(table.t_w), t_comm=source.t_comm_ms,
-                      mem_b=list(table.mem_b), mem_w=list(table.mem_w)).with_action_overhead(
-        source.action_overhead_ms, split_backward=spec.split_backward)
+    compute = CostModel(t_f=list(table.t_f), t_b=list(table.t_b), t_w=list(table.t_w), t_comm=source.t_comm_ms,
+                        mem_b=list(table.mem_b), mem_w=list(table.mem_w))
+    costs = compute.with_action_overhead(source.action_overhead_ms, split_backward=spec.split_backward)
     ranks = [r.rank for r in table.shapes]
     param_bytes = [0.0] * par.pp
     for sh, n in zip(table.shapes, table.params):
@@ -303,11 +316,16 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
     except (ScheduleError, ValueError) as e:
         return FamilyResult(name, "failed", " ".join(str(e).split()), chunks)
     assert ranks == sched.stage_to_rank, "placement of the stage table and of the schedule differ"
-    return _metrics(name, chunks, res, param_bytes, table, source, n_limit)
+    spread_ms = None
+    if source.spread is not None:  # the compute alone: simulate_spread adds the overhead after the draw
+        drawn = simulate_spread(res.schedule, compute, source.spread, action_overhead=source.action_overhead_ms,
+                                draws=SPREAD_DRAWS)
+        spread_ms = drawn.median - res.makespan
+    return _metrics(name, chunks, res, param_bytes, table, source, n_limit, spread_ms)
 
 
 def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], table: StageTable,
-             source: CostSource, n_limit: int | None) -> FamilyResult:
+             source: CostSource, n_limit: int | None, spread_ms: float | None) -> FamilyResult:
     model, par, hw = source.model, source.par, source.hw
     params = [0.0] * par.pp
     for sh, n in zip(table.shapes, table.params):
@@ -319,12 +337,12 @@ def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], t
         dp_ms = (0.0 if par.dp == 1 else
                  max(params) * GRAD_ALLREDUCE_BYTES_PER_PARAM * 2 * (par.dp - 1) / par.dp / hw.p2p_bytes_per_ms)
         step_source = "estimate"
-    iteration = res.makespan + optimizer_ms + dp_ms
+    iteration = res.makespan + (spread_ms or 0.0) + optimizer_ms + dp_ms
     totals = [a + p for a, p in zip(res.peak_memory, param_bytes)]
     peak = max(totals) / GIB
     return FamilyResult(
         name, "ok", None, chunks, iteration_time_ms=iteration, makespan_ms=res.makespan, optimizer_ms=optimizer_ms,
-        dp_sync_ms=dp_ms, step_source=step_source, bubble_rate=res.bubble_rate,
+        dp_sync_ms=dp_ms, step_source=step_source, duration_spread_ms=spread_ms, bubble_rate=res.bubble_rate,
         throughput=par.num_microbatches * model.micro_batch_size / (iteration / 1000.0) / (par.pp * par.tp),
         peak_activation_gib=max(res.peak_memory) / GIB, param_optimizer_gib=max(param_bytes) / GIB,
         peak_memory_gib=peak, fits=peak * GIB <= source.usable_bytes, memory_limit_n=n_limit, cost_source=table.source,

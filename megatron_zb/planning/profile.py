@@ -25,7 +25,9 @@ Format (JSON object, version 1)::
       ],
       "device": "NVIDIA A100-SXM4-80GB",  # optional, free text
       "step_ms": 21.4,               # optional: measured time per iteration outside the schedule
-      "action_overhead_ms": 0.35     # optional: measured runtime time per compute action
+      "action_overhead_ms": 0.35,    # optional: measured runtime time per compute action
+      "duration_spread": {           # optional: how one action's duration varies around its median
+        "F": [0.78, 0.86, ..., 1.31], "B": [...], "W": [...]}
     }
 
 Units: times in milliseconds per microbatch through the stage (``--profile-out`` writes the median
@@ -44,8 +46,13 @@ compute action outside the compute: the executor loop and bookkeeping plus the `
 the receive posting and the end-of-iteration drain of sends, i.e. the part of the p2p calls that is
 not waiting for a peer's data (that wait is what the simulator's ``T_comm`` and dependencies
 model); mean over pipeline ranks. The planner adds it to the duration of every compute action.
-Both keys were added after version 1's first files; files without them are still read (version
-stays 1).
+``duration_spread`` (optional, same rule) holds per compute op the quantiles of ``duration /
+median`` of the profiled actions (each action divided by the median of its op and stage, pooled
+over the stages) at levels ``(k + 0.5) / n``, ascending, dimensionless: the planner draws every
+action's duration from it and predicts the median iteration of those draws
+(:mod:`megatron_zb.schedules.spread`), which is longer than the iteration of the median durations.
+These three keys were added after version 1's first files; files without them are still read
+(version stays 1).
 
 ``model`` and ``parallel`` use Megatron's argument names (:mod:`.model`); the planner plans for
 them, so the plan's model flags may be omitted and must agree when given. A writer builds them
@@ -61,7 +68,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_zb.schedules import Placement
+from megatron_zb.schedules import Op, Placement, ScheduleError
+from megatron_zb.schedules.spread import DurationSpread
 from .model import ModelConfig, ParallelConfig, PlanError, check_model
 
 FORMAT = "megatron-zb-profile"
@@ -96,6 +104,7 @@ class Profile:
         step_ms: measured time per iteration outside the schedule's actions, ms, or ``None``.
         action_overhead_ms: measured runtime time per compute action beyond the compute, ms, or
             ``None`` (module doc for both).
+        duration_spread: measured variation of the action durations, or ``None`` (module doc).
     """
 
     model: ModelConfig
@@ -108,19 +117,23 @@ class Profile:
     device: str | None = None
     step_ms: float | None = None
     action_overhead_ms: float | None = None
+    duration_spread: DurationSpread | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model.to_flags(),
                 "parallel": self.parallel.to_flags(), "schedule": self.schedule, "placement": self.placement,
                 "stage_to_rank": list(self.stage_to_rank), "t_comm_ms": self.t_comm_ms,
                 "stages": [asdict(s) for s in self.stages], "device": self.device, "step_ms": self.step_ms,
-                "action_overhead_ms": self.action_overhead_ms}
+                "action_overhead_ms": self.action_overhead_ms,
+                "duration_spread": None if self.duration_spread is None else {
+                    op.value: list(q) for op, q in self.duration_spread.quantiles.items()}}
 
 
 def write_profile(path: str | Path, *, model: ModelConfig, parallel: ParallelConfig, schedule: str, placement: str,
                   stage_to_rank: Sequence[int], t_comm_ms: float, stages: Sequence[StageProfile],
                   device: str | None = None, step_ms: float | None = None,
-                  action_overhead_ms: float | None = None) -> Profile:
+                  action_overhead_ms: float | None = None,
+                  duration_spread: DurationSpread | None = None) -> Profile:
     """Check and write a profile to ``path`` (JSON); returns what was written.
 
     Raises:
@@ -134,7 +147,7 @@ def write_profile(path: str | Path, *, model: ModelConfig, parallel: ParallelCon
         raise PlanError("--profile", f"{path}: {e}") from None
     prof = Profile(model=model, parallel=parallel, schedule=schedule, placement=placement,
                    stage_to_rank=tuple(int(r) for r in stage_to_rank), t_comm_ms=float(t_comm_ms),
-                   stages=tuple(stages), device=device, **optional)
+                   stages=tuple(stages), device=device, duration_spread=duration_spread, **optional)
     _check(prof, str(path))
     Path(path).write_text(json.dumps(prof.to_dict(), indent=1) + "\n")
     return prof
@@ -166,7 +179,8 @@ def read_profile(path: str | Path) -> Profile:
                        t_comm_ms=float(data["t_comm_ms"]),
                        stages=tuple(_build(StageProfile, s, f"stages[{i}]") for i, s in enumerate(data["stages"])),
                        device=data.get("device"), step_ms=_optional_float("step_ms", data.get("step_ms")),
-                       action_overhead_ms=_optional_float("action_overhead_ms", data.get("action_overhead_ms")))
+                       action_overhead_ms=_optional_float("action_overhead_ms", data.get("action_overhead_ms")),
+                       duration_spread=_spread(data.get("duration_spread")))
     except KeyError as e:
         raise PlanError("--profile", f"{where}: missing key {e}") from None
     except (TypeError, ValueError) as e:
@@ -194,6 +208,20 @@ def _optional_float(key: str, v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"{key} must be a number or null, got {v!r}")
     return float(v)
+
+
+def _spread(raw: Any) -> DurationSpread | None:
+    """``duration_spread``: ``None``, or ``{"F" | "B" | "W": [ascending quantiles > 0]}`` (``ValueError`` otherwise)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not set(raw) <= {"F", "B", "W"} or any(
+            not isinstance(q, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in q)
+            for q in raw.values()):
+        raise ValueError(f"duration_spread must map F, B, W to lists of numbers, got {raw!r}")
+    try:
+        return DurationSpread({Op(k): tuple(float(x) for x in q) for k, q in raw.items()})
+    except ScheduleError as e:
+        raise ValueError(str(e)) from None
 
 
 def _parallel(raw: Any) -> ParallelConfig:

@@ -8,7 +8,8 @@ JSON (``plan --json FILE``)::
          "peak_memory_gib": 57.5, "fits": true,
          "throughput_samples_per_gpu_s": 14.6, "makespan_ms": ..., "optimizer_ms": ...,
          "dp_sync_ms": ..., "peak_activation_gib": ..., "param_optimizer_gib": ...,
-         "chunks": 1, "memory_limit_n": null, "cost_source": "estimate", "step_source": "estimate"}, ...],
+         "chunks": 1, "memory_limit_n": null, "cost_source": "estimate", "step_source": "estimate",
+         "duration_spread_ms": null}, ...],  # > 0: a profile's measured duration spread (planner doc)
       "recommended": "zb-2p",             # fastest that fits, or null
       "not_planned": [{"name": "zb-optimal", "status": "skipped", "reason": "..."}, ...],
       "t_comm_ms": 1.15,
@@ -29,11 +30,11 @@ from dataclasses import asdict
 from typing import Any
 
 from .memory import GIB
-from .planner import FamilyResult, Plan
+from .planner import SPREAD_DRAWS, FamilyResult, Plan
 
 _KEYS = ("iteration_time_ms", "bubble_rate", "peak_memory_gib", "fits")
 _MORE = ("makespan_ms", "optimizer_ms", "dp_sync_ms", "peak_activation_gib", "param_optimizer_gib", "chunks",
-         "memory_limit_n", "cost_source", "step_source")
+         "memory_limit_n", "cost_source", "step_source", "duration_spread_ms")
 
 
 def to_json(plan: Plan) -> dict[str, Any]:
@@ -116,6 +117,9 @@ def _iteration_terms(plan: Plan) -> str:
     sim = "simulated makespan"
     if plan.action_overhead_ms:
         sim += f" (actions + {plan.action_overhead_ms:.3f} ms measured runtime overhead each)"
+    if any(f.duration_spread_ms is not None for f in plan.families if f.status == "ok"):
+        sim += (" with every action's duration drawn from the profile's measured spread (median of "
+                f"{SPREAD_DRAWS} draws)")
     measured = any(f.step_source == "profile" for f in plan.families if f.status == "ok")
     return sim + (" + measured time outside the schedule (profile step_ms: optimizer, reduces, logging)"
                   if measured else " + optimizer step + DP gradient all-reduce (estimates)")

@@ -128,6 +128,9 @@ class Timeline:
         stage_to_rank: the placement.
         num_microbatches: ``m``.
         duration: ``duration[op][stage]``, time of one action (unit of the costs).
+        per_action: ``per_action[op][stage][mb]``, the time of each single action, overriding
+            ``duration`` (a Monte Carlo draw, :mod:`.spread`), or ``None``. The lists are used as
+            given, so a caller may refill them and :meth:`reset` between plays.
         delta: ``delta[op][stage]``, change of the rank's held activation memory (unit of ``mem_b``).
         f_end / b_end: ``[stage][mb]``, end of ``F`` / of the input-gradient backward (``B`` or
             ``BW``); ``inf`` until it has run.
@@ -150,7 +153,7 @@ class Timeline:
     """
 
     def __init__(self, stage_to_rank: Sequence[int], num_microbatches: int, costs: StageCosts, *,
-                 num_ranks: int | None = None) -> None:
+                 num_ranks: int | None = None, per_action: list[list[list[float]]] | None = None) -> None:
         s2r = list(stage_to_rank)
         n, m = len(s2r), num_microbatches
         if len(costs.t_f) != n:
@@ -159,6 +162,7 @@ class Timeline:
         self.stage_to_rank = s2r
         self.num_microbatches = m
         self.duration = tuple(tuple(costs.duration(op, s) for s in range(n)) for op in OPS)
+        self.per_action = per_action
         self.delta = tuple(tuple(costs.memory_delta(op, s) for s in range(n)) for op in OPS)
         self.f_end = [[math.inf] * m for _ in range(n)]
         self.b_end = [[math.inf] * m for _ in range(n)]
@@ -182,6 +186,10 @@ class Timeline:
         self.run = self._runner() if dp is None else self._reduce_runner(
             self._runner(), [[(done, dp.reduce_time(size)) for done, size in dp.ready_fractions(s)]
                              for s in range(n)])
+
+    def action_time(self, op: int, mb: int, stage: int) -> float:
+        """Duration of ``op`` on ``(mb, stage)``: ``per_action``'s when given, else the stage's."""
+        return self.duration[op][stage] if self.per_action is None else self.per_action[op][stage][mb]
 
     def ready(self, op: int, mb: int, stage: int) -> float:
         """Earliest start of ``op`` on ``(mb, stage)`` as far as its inputs go (``inf``: not all done).
@@ -208,12 +216,13 @@ class Timeline:
         """Build :attr:`run` (a closure over the state lists: hot loops call it for every action)."""
         clock, first, mem, peak, count, over = self.clock, self.first, self.mem, self.peak, self.count, self.over
         duration, delta, f_end, b_end, limit = self.duration, self.delta, self.f_end, self.b_end, self._limit
+        per_action = self.per_action  # the same lists: a caller may refill them between plays
 
         def run(rank: int, op: int, mb: int, stage: int, ready: float) -> float:
             """Run ``op`` on ``(mb, stage)`` as ``rank``'s next action, not before ``ready``; return its start."""
             clk = clock[rank]
             start = ready if ready > clk else clk
-            end = start + duration[op][stage]
+            end = start + (duration[op][stage] if per_action is None else per_action[op][stage][mb])
             if op == F:
                 f_end[stage][mb] = end
             elif op != W:
@@ -235,14 +244,14 @@ class Timeline:
                        buckets: list[list[tuple[float, float]]]) -> Callable[[int, int, int, int, float], float]:
         """:attr:`run` that also readies a stage's buckets during its last weight-gradient action;
         ``buckets[stage]`` = ``(fraction of the stage's bytes done, reduce time)`` per bucket."""
-        left, duration, pending, free = self._w_left, self.duration, self.reduce_ready, self.reduce_free
+        left, pending, free, action_time = self._w_left, self.reduce_ready, self.reduce_free, self.action_time
 
         def run_dp(rank: int, op: int, mb: int, stage: int, ready: float) -> float:
             start = run(rank, op, mb, stage, ready)
             if op == W or op == BW:
                 left[stage] -= 1
                 if left[stage] == 0:
-                    d = duration[op][stage]
+                    d = action_time(op, mb, stage)
                     new = [(stage, start + d * done, took) for done, took in buckets[stage]]
                     pending[rank] += new
                     if new:
@@ -283,8 +292,8 @@ class Timeline:
                 raise DeadlockError(self._deadlock_message(orders, ptr))
         if starts is None:
             return None
-        dur = self.duration
-        ends = [[t + dur[op][s] for t, (op, _, s) in zip(row, seq)] for row, seq in zip(starts, orders)]
+        dur = self.action_time
+        ends = [[t + dur(op, mb, s) for t, (op, mb, s) in zip(row, seq)] for row, seq in zip(starts, orders)]
         return starts, ends
 
     def _deadlock_message(self, orders: Sequence[Sequence[Code]], ptr: list[int]) -> str:

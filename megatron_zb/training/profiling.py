@@ -17,6 +17,11 @@ measured times the simulator does not produce itself (medians over the profiled 
   ``n`` iterations gives ``n - 1``) -- the profile's ``step_ms``, the minimum over pipeline ranks
   (the rank that ends the pipeline last waits least in the reduces that follow).
 
+The durations themselves also give the profile's **spread**: each action divided by the median of
+its ``(op, stage)``, pooled over all stages per op, as quantiles
+(:class:`~megatron_zb.schedules.spread.DurationSpread`; ``plan --profile`` predicts the median
+iteration over draws from it, not the iteration of the medians).
+
 After the window:
 
 1. :func:`measure_t_comm`: a short ping-pong of one activation-sized tensor between every pair of
@@ -55,6 +60,8 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.costs import CostModel
+from ..schedules.ir import Op
+from ..schedules.spread import DurationSpread
 
 __all__ = ["ActionProfile", "AgreedProfile", "agree_on_profile", "cost_model", "mem_w_ratio", "measure_t_comm"]
 
@@ -185,6 +192,7 @@ class AgreedProfile:
     bytes: dict[tuple[str, int], float] = field(default_factory=dict)
     action_overhead_ms: float | None = None  # runtime time per compute action (mean over ranks of medians)
     step_ms: float | None = None  # time outside the schedule's actions per iteration (min over ranks of medians)
+    spread: DurationSpread | None = None  # how single F / B / W durations vary around their medians (all stages)
 
     def per_stage(self, op: str, num_stages: int) -> list[float] | None:
         vals = [self.costs_ms.get((op, s)) for s in range(num_stages)]
@@ -233,7 +241,8 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
     """
     mine = {"costs": profile.medians_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
             "iterations": profile.iterations, "bytes": profile.mean_bytes(),
-            "overhead": _median_ms(profile.overhead), "outside": _median_ms(profile.outside)}
+            "overhead": _median_ms(profile.overhead), "outside": _median_ms(profile.outside),
+            "durations": profile.durations}
     gathered: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(gathered, mine, group=pp_group)
     costs: dict[tuple[str, int], float] = {}
@@ -244,11 +253,14 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
     comms = [g["t_comm"] for g in gathered if g["t_comm"] is not None]
     overheads = [g["overhead"] for g in gathered]
     outside = [g["outside"] for g in gathered]
+    durations = [xs for g in gathered for xs in g["durations"].items()]
+    spread = DurationSpread.from_samples({op: [xs for (o, _), xs in durations if o == op] for op in (Op.F, Op.B, Op.W)})
     agreed = [AgreedProfile(costs_ms=costs, t_comm=sum(comms) / len(comms) if comms else 0.0,
                             idle_fraction=[float(g["idle"]) for g in gathered],
                             iterations=min(int(g["iterations"]) for g in gathered), bytes=nbytes,
                             action_overhead_ms=None if None in overheads else sum(overheads) / len(overheads),
-                            step_ms=None if None in outside else min(outside))]
+                            step_ms=None if None in outside else min(outside),
+                            spread=spread if spread.quantiles else None)]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
 

@@ -216,7 +216,7 @@ class SchedulePlanner:
                           schedule=args.schedule, placement=get_spec(args.schedule).placement,
                           stage_to_rank=self._stage_to_rank, t_comm_ms=agreed.t_comm, stages=rows,
                           device=self._dist.device.type, step_ms=agreed.step_ms,
-                          action_overhead_ms=agreed.action_overhead_ms)
+                          action_overhead_ms=agreed.action_overhead_ms, duration_spread=agreed.spread)
         except (OSError, PlanError) as e:
             print_rank_0(f"WARNING: --profile-out {args.profile_out} not written: {e}")
             return

@@ -59,9 +59,11 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
                         "the measured costs (default 4).")
     g.add_argument("--profile-out", type=str, default=None, metavar="FILE",
                    help="After the profiling window, global rank 0 writes the measured per-stage T_F/T_B/T_W, "
-                        "T_comm (ms) and activation bytes M_B/M_W with the model and parallel flags to FILE "
-                        "(JSON), the profile `megatron-zb plan --profile FILE` reads. Needs a schedule that "
-                        "splits the backward and --bf16 or --fp16 (the planner models 16-bit training).")
+                        "T_comm (ms), activation bytes M_B/M_W, the runtime's time per action, the time outside "
+                        "the schedule and the spread of single action durations, with the model and parallel "
+                        "flags, to FILE (JSON), the profile `megatron-zb plan --profile FILE` reads. Needs a "
+                        "schedule that splits the backward and a dense model (no MoE); fp32, bf16 and fp16 "
+                        "are accepted.")
     g.add_argument("--enable-optimizer-post-validation", action="store_true",
                    help="Step the optimizer before the global gradient checks (NaN/inf, grad-norm clipping) "
                         "finish and roll back when they fail, removing the synchronisation bubble "
