@@ -103,8 +103,8 @@ class LoadSampler:
                 f"median {statistics.median(s):.2f}, max {max(s):.2f}; CPU used by other processes (machine busy "
                 f"time minus this benchmark's process tree, {self.period:g}-s windows): mean "
                 f"{statistics.fmean(o):.2f} cores, max {max(o):.2f} of {os.cpu_count()}, of which stolen by the "
-                f"hypervisor (steal: this VM's CPU time the host gave to other guests) mean {statistics.fmean(st):.2f}, "
-                f"max {max(st):.2f}")
+                f"hypervisor (steal: this VM's CPU time the host gave to other guests) mean "
+                f"{statistics.fmean(st):.2f}, max {max(st):.2f}")
 
 
 def _snapshot() -> tuple[float, int, int, int] | None:

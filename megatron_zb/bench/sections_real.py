@@ -49,10 +49,21 @@ def section_real(cfg: dict[str, Any], rows: list[Row], md: list[str], out: Path,
     raw = [{k: r[k] for k in ("rank", "timings", "achieved", "achieved_cpu", "comm_samples_ms")} for r in res]
     (out / "real_raw.json").write_text(json.dumps(raw))  # per-action samples, for analysis after the run
     _measured_costs_table(res, cfg, rcfg, t_comm, samples, model, rows, md)
-    _timing_tables(res, cfg, variants, plan_costs, costs, model, rows, md, out)
-    _realisation_table(res, cfg, plan_costs, costs, rows, md)
+    scheds = _schedules(cfg["ms"], variants, plan_costs)
+    _timing_tables(res, cfg, variants, scheds, costs, model, rows, md, out)
+    _realisation_table(res, cfg, scheds, costs, rows, md)
     memory_table(res, costs, 2, max(cfg["ms"]), rows, md, heading="### Activation memory, PP=2")
     return dict(costs=costs, t_comm=t_comm)
+
+
+def _schedules(ms: list[int], variants: list[str], plan_costs: dict[str, Any]) -> dict[tuple[int, str], Any]:
+    """Every schedule of ours as the ranks ran it, built once: ``(m, name) -> Schedule`` (megatron-core's
+    1F1B is simulated as our ``1f1b``); cost-aware ones with the costs measured before the rounds."""
+    from .real import MEGATRON_1F1B, placement_kind
+
+    names = sorted({"1f1b" if v == MEGATRON_1F1B else v for v in variants})
+    return {(m, v): build_schedule(v, num_ranks=2, num_microbatches=m, costs=plan_costs[placement_kind(v)])
+            for m in ms for v in names}
 
 
 def _measured_costs_table(res: list[dict[str, Any]], cfg: dict[str, Any], rcfg: dict[str, Any], t_comm: float,
@@ -92,8 +103,9 @@ def _measured_costs_table(res: list[dict[str, Any]], cfg: dict[str, Any], rcfg: 
 
 
 
-def _timing_tables(res: list[dict[str, Any]], cfg: dict[str, Any], variants: list[str], plan_costs: dict[str, Any],
-                   costs: dict[str, Any], model: Any, rows: list[Row], md: list[str], out: Path) -> None:
+def _timing_tables(res: list[dict[str, Any]], cfg: dict[str, Any], variants: list[str],
+                   scheds: dict[tuple[int, str], Any], costs: dict[str, Any], model: Any, rows: list[Row],
+                   md: list[str], out: Path) -> None:
     from .real import MEGATRON_1F1B, placement_kind
 
     trows, grows = [], []
@@ -107,9 +119,7 @@ def _timing_tables(res: list[dict[str, Any]], cfg: dict[str, Any], variants: lis
         sim = {}
         for v in variants:
             name = "1f1b" if v == MEGATRON_1F1B else v
-            kind = placement_kind(name)
-            sched = build_schedule(name, num_ranks=2, num_microbatches=m, costs=plan_costs[kind])  # as the ranks did
-            sim[v] = simulate(sched, costs[kind], enforce_memory=False)
+            sim[v] = simulate(scheds[m, name], costs[placement_kind(name)], enforce_memory=False)
         for v in variants:
             xs = spread[v]
             sim_ratio = sim[v].total_time / sim["1f1b"].total_time
@@ -123,12 +133,12 @@ def _timing_tables(res: list[dict[str, Any]], cfg: dict[str, Any], variants: lis
         overhead = rat["1f1b"] - 1.0
         grow = [m, f"{overhead * 100:+.1f}%", f"{(paired['1f1b'] - 1) * 100:+.1f}%", verdict(overhead <= 0.03)]
         rows.append(Row("real-targets", 2, m, "1f1b", "overhead_vs_megatron", overhead))
-        base = _simulated(res, m, "1f1b", plan_costs, costs)[2]
+        base = _simulated(res, m, "1f1b", scheds, costs)[2]
         for v in (x for x in ("zb-2p", "zbv") if x in variants):
             # issue 15: the saving realised (paired vs megatron-core's 1F1B) over the simulated one --
             # simulated with the durations each schedule's actions achieved in the timed rounds
             planned = 1.0 - sim[v].total_time / sim["1f1b"].total_time
-            pred = 1.0 - _simulated(res, m, v, plan_costs, costs)[2] / base
+            pred = 1.0 - _simulated(res, m, v, scheds, costs)[2] / base
             got = 1.0 - paired[v]
             share = got / pred if pred > 0 else None
             lo, hi = median_interval(paired_ratios(spread[v], spread[MEGATRON_1F1B]))  # of the paired median
@@ -159,7 +169,8 @@ def _timing_tables(res: list[dict[str, Any]], cfg: dict[str, Any], variants: lis
               "(paired):\n")
     md.append(markdown_table(["m", "our 1F1B overhead", "(paired)", "<= 3%"]
                              + [f"{LABEL[v]} {h}" for v in ("zb-2p", "zbv") if v in variants
-                                for h in ("predicted saving with planned costs", "predicted saving", "realised (paired)",
+                                for h in ("predicted saving with planned costs", "predicted saving",
+                                          "realised (paired)",
                                           "realised / predicted", "(90% CI)", ">= 0.7")]
                              + (["ZB-V paired <= 1"] if "zbv" in variants else []), grows))
     if plot_ratio_bars(ratio_by_m, out / "real_ratios.png", title=f"PP=2 CPU, {model.describe()}",
@@ -167,20 +178,20 @@ def _timing_tables(res: list[dict[str, Any]], cfg: dict[str, Any], variants: lis
         md.append("\n![ratios](real_ratios.png)\n")
 
 
-def _simulated(res: list[dict[str, Any]], m: int, v: str, plan_costs: dict[str, Any],
+def _simulated(res: list[dict[str, Any]], m: int, v: str, scheds: dict[tuple[int, str], Any],
                costs: dict[str, Any]) -> tuple[Any, float, float, Any]:
     """Schedule ``v`` at ``m`` as the ranks ran it, its simulated time (ms) with the planned costs and
     with the action durations achieved in the timed rounds, and those achieved costs."""
     from .real import placement_kind
 
     kind = placement_kind(v)
-    sched = build_schedule(v, num_ranks=2, num_microbatches=m, costs=plan_costs[kind])
+    sched = scheds[m, v]
     ach = achieved_costs([r["achieved"][m][v] for r in res], costs[kind], sched.num_stages)
     return (sched, simulate(sched, costs[kind], enforce_memory=False).total_time,
             simulate(sched, ach, enforce_memory=False).total_time, ach)
 
 
-def _realisation_table(res: list[dict[str, Any]], cfg: dict[str, Any], plan_costs: dict[str, Any],
+def _realisation_table(res: list[dict[str, Any]], cfg: dict[str, Any], scheds: dict[tuple[int, str], Any],
                        costs: dict[str, Any], rows: list[Row], md: list[str]) -> None:
     """Per m and schedule of ours: the runtime's overhead per compute action, the achieved action
     durations against the planned costs, and the simulator with those achieved durations."""
@@ -193,7 +204,7 @@ def _realisation_table(res: list[dict[str, Any]], cfg: dict[str, Any], plan_cost
             cpu_us = max(o.per_action_us() for o in ovs)
             wall_us = max(o.per_action_us(cpu=False) for o in ovs)
             kind = placement_kind(v)
-            sched, sim, sim_a, ach = _simulated(res, m, v, plan_costs, costs)
+            sched, sim, sim_a, ach = _simulated(res, m, v, scheds, costs)
             n = sched.num_stages
             meas = 1e3 * median(iteration_times([r["timings"][m][v] for r in res]))
             drawn = _drawn(res, m, v, sched, ach)
