@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from ..schedules import Action, Op
+from .action_timing import ActionTiming
 from .grad_sync import GradSync
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
@@ -44,41 +45,6 @@ from .routes import backward_window
 from .wgrad_store import WeightGradStore
 
 __all__ = ["ActionTiming", "LoopOverhead", "RankPlan", "RecvPoster", "StageRuntime", "execute", "plan_rank"]
-
-@dataclass
-class ActionTiming:
-    """Wall-clock seconds (``time.perf_counter``) of one iteration's actions on this rank.
-
-    ``records``: every compute action ``(action, start, end)``. ``cpu``: the CPU seconds of the
-    executing thread (``time.thread_time``) of each record, same order -- unlike wall time not
-    inflated by other processes. ``comm``: every communication action -- for a ``SEND_*`` the
-    ``isend`` call (the copy into the transport), for a ``RECV_*`` the posting of the receives it
-    needs plus the wait for its data. ``start``: when :func:`execute` began.
-    """
-
-    start: float = 0.0
-    records: list[tuple[Action, float, float]] = field(default_factory=list)
-    comm: list[tuple[Action, float, float]] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
-
-    def cpu_durations(self, op: Op | str) -> dict[int, list[float]]:
-        """Per stage, the CPU seconds of the compute actions of kind ``op``."""
-        op = Op(op)
-        out: dict[int, list[float]] = {}
-        for (a, _, _), c in zip(self.records, self.cpu):
-            if a.op is op:
-                out.setdefault(a.stage, []).append(c)
-        return out
-
-    def durations(self, op: Op | str) -> dict[int, list[float]]:
-        """Per stage, the durations (seconds) of actions of kind ``op`` (compute or communication)."""
-        op = Op(op)
-        out: dict[int, list[float]] = {}
-        for a, t0, t1 in (self.records if op.is_compute else self.comm):
-            if a.op is op:
-                out.setdefault(a.stage, []).append(t1 - t0)
-        return out
-
 
 @dataclass
 class LoopOverhead:
@@ -233,8 +199,9 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
             if is_recv:
                 it.received(a, payload)
             if timing is not None:
-                timing.comm.append((a, t0, t1))
+                timing.add_comm(a, t0, t1)
             continue
+        mark = timing.mark() if timing is not None else None
         t0, u0 = clock(), cpu()
         if op is Op.F:
             it.forward(a, key)
@@ -247,8 +214,7 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
         compute_cpu += u1 - u0
         n_compute += 1
         if timing is not None:
-            timing.records.append((a, t0, t1))
-            timing.cpu.append(u1 - u0)
+            timing.add_compute(a, t0, t1, u1 - u0, mark)
         if grad_sync is not None:
             grad_sync.after_compute(a, t0)
     p0, q0 = clock(), cpu()
