@@ -24,8 +24,9 @@ notion of time.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Mapping, Sequence, Union
+from typing import Any, Callable, Hashable, Mapping, Sequence, Union
 
 from ..runtime.comm_program import Issue, Step, transfer_key
 
@@ -50,6 +51,7 @@ class _Op:
     gate: int                      # compute items that must have run before it starts
     group: int                     # ops with the same group id start and complete together
     stream: tuple = ()             # (rank, communicator): the stream it runs on
+    index: int = 0                 # its place on that stream
     started: bool = False
     done: bool = False
     match: "_Op | None" = None
@@ -60,7 +62,8 @@ class ReplayResult:
     """What :func:`replay` found.
 
     Attributes:
-        completed: whether every rank ran all its work.
+        completed: whether every rank ran all its work and every transfer completed (the end of
+            an iteration waits for every send).
         blocked: per rank that did not finish, what its compute stream waits for and the ops at
             the head of its communicator streams (empty when completed).
         mismatches: transfers matched by order whose keys differ (data would go to the wrong
@@ -95,11 +98,13 @@ def replay(programs: Mapping[int, Sequence[Entry]], *, channel: Callable[[int, i
                     src, dst = (rank, s.action.peer) if s.step is Step.SEND else (s.action.peer, rank)
                     op = _Op(rank, s, gate=len(compute[rank]), group=gid, stream=(rank, channel(src, dst)))
                     groups.setdefault(gid, []).append(op)
-                    streams.setdefault(op.stream, []).append(op)
+                    op.index = len(streams.setdefault(op.stream, []))
+                    streams[op.stream].append(op)
                     by_key[(rank, _op_key(s))] = op
     mismatches = _match(streams)
     pos = _run(compute, streams, groups, eager_sends)
-    blocked = {r: _blocked(r, compute[r][pos[r]], streams) for r in programs if pos[r] < len(compute[r])}
+    blocked = {r: _blocked(r, compute[r][pos[r]] if pos[r] < len(compute[r]) else None, streams)
+               for r in programs if pos[r] < len(compute[r]) or any(not op.done for op in _ops_of(r, streams))}
     return ReplayResult(completed=not blocked, blocked=blocked, mismatches=mismatches)
 
 
@@ -128,30 +133,45 @@ def _match(streams: dict[tuple[int, Hashable], list[_Op]]) -> list[tuple[str, st
 
 def _run(compute: dict[int, list], streams: dict[tuple[int, Hashable], list[_Op]],
          groups: dict[int, list[_Op]], eager_sends: bool) -> dict[int, int]:
-    """Advance every stream until nothing moves (a fixed point); return each compute stream's position."""
+    """Advance every stream until nothing moves; return each compute stream's position.
+
+    Work-list driven: a compute stream is looked at again when an op it may wait for completes,
+    a communicator stream when its head completes or its rank's compute moves (gates), a group
+    when one of its ops or one of their other ends starts.
+    """
     pos = {r: 0 for r in compute}
     heads = {k: 0 for k in streams}
-    moved = True
-    while moved:
-        moved = False
-        for r, items in compute.items():      # compute streams: run items whose waits are done
-            while pos[r] < len(items) and (isinstance(items[pos[r]], Issue) or items[pos[r]].done):
-                pos[r] += 1
+    by_rank: dict[int, list[tuple[int, Hashable]]] = {}
+    for k in streams:
+        by_rank.setdefault(k[0], []).append(k)
+    todo: deque[tuple[str, Any]] = deque([("compute", r) for r in compute] + [("stream", k) for k in streams])
+    while todo:
+        kind, x = todo.popleft()
+        if kind == "compute":
+            items, moved = compute[x], False
+            while pos[x] < len(items) and (isinstance(items[pos[x]], Issue) or items[pos[x]].done):
+                pos[x] += 1
                 moved = True
-        for k, ops in streams.items():        # communicator streams: skip finished ops
-            while heads[k] < len(ops) and ops[heads[k]].done:
-                heads[k] += 1
-        for group in groups.values():          # start groups whose ops head their streams, gates passed
-            if not group[0].started and all(pos[op.rank] >= op.gate and heads[op.stream] < len(streams[op.stream])
-                                            and streams[op.stream][heads[op.stream]] is op for op in group):
-                for op in group:
-                    op.started = True
-                moved = True
-        for group in groups.values():          # complete groups whose transfers have all met
-            if not group[0].done and all(op.started and _met(op, eager_sends) for op in group):
-                for op in group:
-                    op.done = True
-                moved = True
+            if moved:
+                todo.extend(("stream", k) for k in by_rank.get(x, ()))
+        elif kind == "stream":
+            ops = streams[x]
+            while heads[x] < len(ops) and ops[heads[x]].done:
+                heads[x] += 1
+            if heads[x] < len(ops) and not ops[heads[x]].started:
+                gid = ops[heads[x]].group
+                group = groups[gid]
+                if all(pos[op.rank] >= op.gate and all(o.group == gid for o in streams[op.stream][heads[op.stream]:op.index])
+                       for op in group):
+                    for op in group:
+                        op.started = True
+                    todo.append(("group", gid))
+                    todo.extend(("group", op.match.group) for op in group if op.match is not None)
+        elif not groups[x][0].done and all(op.started and _met(op, eager_sends) for op in groups[x]):
+            for op in groups[x]:
+                op.done = True
+                todo.append(("stream", op.stream))
+                todo.append(("compute", op.rank))
     return pos
 
 
@@ -162,8 +182,12 @@ def _met(op: _Op, eager_sends: bool) -> bool:
     return op.match is not None and op.match.started
 
 
-def _blocked(rank: int, item: Issue | _Op, streams: dict[tuple[int, Hashable], list[_Op]]) -> str:
-    waits = item.issue if isinstance(item, _Op) else item
+def _ops_of(rank: int, streams: dict[tuple[int, Hashable], list[_Op]]) -> list[_Op]:
+    return [op for (r, _), ops in streams.items() if r == rank for op in ops]
+
+
+def _blocked(rank: int, item: Issue | _Op | None, streams: dict[tuple[int, Hashable], list[_Op]]) -> str:
+    waits = "nothing (its compute ran)" if item is None else item.issue if isinstance(item, _Op) else item
     heads = [str(next(op.issue for op in ops if not op.done)) for (r, _), ops in streams.items()
              if r == rank and not all(op.done for op in ops)]
     return f"compute waits for {waits}; communicator heads: {', '.join(heads) or 'none'}"
