@@ -41,7 +41,9 @@ class ZeroBubbleOptions:
             (default): from the pipeline group's backend (NCCL: stream waits and a watchdog;
             otherwise host waits with the timeout).
         track_memory: measure bytes of saved activations per iteration (see ``last_peak_bytes``).
-        time_actions: record wall-clock seconds of every compute action (see ``last_timing``).
+        time_actions: record the seconds of every compute action (see ``last_timing``): host
+            ``time.perf_counter`` on CPU, CUDA events on a CUDA model (resolved later, with one
+            synchronisation: :class:`~megatron_zb.runtime.action_timing.ActionTiming`).
         validate: check the schedule before running it. Turn off only to exercise the runtime's
             own safety nets (p2p timeouts, pending-W check) with deliberately broken schedules.
     """
@@ -65,7 +67,9 @@ class ZeroBubbleForwardBackward:
     Holds the schedule (rebuilt when ``num_microbatches`` or the costs change), its lowered and
     checked per-rank plan (built on the first call for a ``(p, m)``, reused by every later
     call), its weight-gradient ``store`` (every call's B's queue into it, its W's run it), and,
-    after each call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for, and
+    after each call, the measured ``last_timing`` (on a CUDA model unresolved: call its ``resolve()``
+    -- one synchronisation -- or ``resolve_timings`` over several calls before reading its
+    ``records``) and ``last_peak_bytes`` when asked for, and
     with megatron-core DDP's ``overlap_grad_reduce`` the bucket launches in ``last_grad_sync``.
     ``last_overhead`` (always measured) splits the last call's executor time into compute actions,
     p2p calls and the runtime's own overhead; ``overhead`` sums it over every call so far (reset it
@@ -165,7 +169,6 @@ class ZeroBubbleForwardBackward:
         runtime = StageRuntime(chunks=dict(zip(stages, chunks)), data_iterators=dict(zip(stages, iters)),
                                tensor_shape=shapes[0], dtype=config.pipeline_dtype or torch.float32,
                                device=device)
-        timing = ActionTiming() if self.options.time_actions else None
         memory = None
         if self.options.track_memory:
             memory = ActivationMemoryTracker(p for c in chunks for p in c.parameters())
@@ -188,6 +191,8 @@ class ZeroBubbleForwardBackward:
         else:
             sync_ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
         overhead = LoopOverhead()
+        # created last: on CUDA it records the iteration's start event (ActionTiming)
+        timing = ActionTiming(device=runtime.device) if self.options.time_actions else None
         try:
             with sync_ctx:  # no gradient reduction while W may still add to the gradients
                 data, total_tokens = execute(
