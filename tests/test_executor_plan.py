@@ -94,34 +94,42 @@ def test_on_the_v_the_peer_sends_in_another_order_than_the_rank_needs():
 
 
 @pytest.mark.parametrize("name,p,m", [("1f1b", 2, 4), ("zb-h2", 4, 8), ("zbv", 4, 8), ("interleaved-1f1b", 2, 4)])
-@pytest.mark.parametrize("lookahead", [1, 3, 8, 1000])
-@pytest.mark.parametrize("behind_sends", [True, False])
-def test_poster_posts_each_receive_once_in_peer_order_before_it_is_waited_for(name, p, m, lookahead, behind_sends):
-    from megatron_zb.runtime.executor import RecvPoster
+@pytest.mark.parametrize("lookahead", [0, 1, 3, 8, 1000])
+def test_program_posts_each_receive_once_in_peer_order_before_it_is_waited_for(name, p, m, lookahead):
+    from megatron_zb.runtime.comm_program import Step
 
     sched = build_schedule(name, num_ranks=p, num_microbatches=m)
-    passed_a_send = False
     for rank in range(p):
-        plan = plan_rank(sched, rank=rank)
-        poster, posted, issued = RecvPoster(plan, lookahead, behind_sends=behind_sends), [], set()
-        for i, a in enumerate(plan.actions):
-            batch = poster.ahead(i)
-            for r in batch:
-                # with behind_sends, looking ahead never passes one of our own earlier sends to that
-                # peer (what the peer sends before it, in its order, is posted with it)
-                last = [b for b in batch if b.peer == r.peer][-1]
-                ok = all(b in issued for b in plan.actions[:plan.actions.index(last)]
-                         if b.op.startswith("SEND") and b.peer == r.peer)
-                assert ok or not behind_sends, (rank, i, r)
-                passed_a_send |= not ok
-                posted.append(r)
-            if a.op.startswith("RECV"):
-                posted += poster.through(a)
-                assert a in posted                      # posted before it is waited for
-            if a.op.startswith("SEND"):
-                issued.add(a)
+        plan = plan_rank(sched, rank=rank, recv_lookahead=lookahead)
+        issues = plan.program.issues
+        posted = [s.action for s in issues if s.step is Step.POST]
+        for k, s in enumerate(issues):
+            if s.step is Step.WAIT:
+                assert s.action in [t.action for t in issues[:k] if t.step is Step.POST]  # posted before
         assert sorted(posted, key=str) == sorted((a for a in plan.actions if a.op.startswith("RECV")), key=str)
         for q, order in plan.recv_order.items():       # each peer's receives in its send order
             assert [a for a in posted if a.peer == q] == list(order)
-    if not behind_sends and lookahead >= 3:
-        assert passed_a_send  # the gloo policy does post early (otherwise the option would be moot)
+        # compute, sends and waits keep the schedule's order; nothing is posted between a
+        # receive's wait and the compute waiting for it
+        assert [s.action for s in issues if s.step in (Step.RUN, Step.SEND, Step.WAIT)] == list(plan.actions)
+        for prev, nxt in zip(issues, issues[1:]):
+            assert not (prev.step is Step.WAIT and nxt.step is Step.POST), (rank, prev, nxt)
+
+
+def test_posting_ahead_is_bounded_by_the_lookahead():
+    """lookahead 0 and 1 post every receive right at its wait; lookahead 3 posts some earlier, never
+    3 or more actions ahead of the receive action."""
+    from megatron_zb.runtime.comm_program import Step
+
+    sched = build_schedule("zb-h1", num_ranks=4, num_microbatches=8)
+    for lookahead in (0, 1, 3):
+        plan = plan_rank(sched, rank=1, recv_lookahead=lookahead)
+        done, early = 0, 0
+        for s in plan.program.issues:
+            if s.step is Step.POST:
+                gap = plan.actions.index(s.action) - done   # schedule actions still to run before it
+                assert gap < max(lookahead, 1), (lookahead, s, gap)
+                early += gap > 0
+            elif s.step is not Step.RELEASE:
+                done += 1
+        assert (early > 0) == (lookahead > 1), lookahead

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import megatron_zb  # noqa: F401  (CPU shim)
+from megatron_zb.runtime.p2p import WaitPolicy
 from megatron_zb.testing import run_distributed
 from megatron_zb.testing.tiny_gpt import TinyGPT, assert_bitwise_equal, run_step
 
@@ -179,13 +180,15 @@ def pp1_reference() -> dict:
     return TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=1), schedule=None), world_size=1, timeout=90))
 
 
-@pytest.mark.parametrize("behind_sends", [None, True], ids=["gloo-posting", "nccl-posting"])
+@pytest.mark.parametrize("wait_policy", [None, "stream"], ids=["host-waits", "nccl-stream-waits"])
 @pytest.mark.parametrize("schedule", ["zbv", "v-half", "v-min"])
-def test_v_schedules_match_the_unpipelined_model(pp1_reference, schedule, behind_sends):
+def test_v_schedules_match_the_unpipelined_model(pp1_reference, schedule, wait_policy):
     """V placement: rank 0 holds the first and the last stage (embedding and loss); activations and
-    gradients share the rank pair, matched by order with either receive-posting policy."""
+    gradients travel both ways between the rank pair, matched by order -- with gloo's host waits and
+    with NCCL's wait policy (``Work.wait()`` without a timeout plus the watchdog, run here on gloo)."""
+    policy = None if wait_policy is None else WaitPolicy(wait_policy)
     got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=schedule,
-                                                recv_behind_sends=behind_sends), world_size=2, timeout=90))
+                                                wait_policy=policy), world_size=2, timeout=90))
     _assert_same(pp1_reference, got, what=schedule)
     assert got["w_deferred"] > 0
 
@@ -194,10 +197,11 @@ def test_v_schedule_pp4_and_interleaved_zb(pp1_reference):
     cfg = TinyGPT(pp=4, num_microbatches=8)
     ref = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=1, num_microbatches=8), schedule=None),
                                         world_size=1, timeout=90))
-    for schedule, behind in (("zbv", None), ("zbv", True), ("interleaved-zb", None), ("interleaved-1f1b", True)):
-        got = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=schedule, recv_behind_sends=behind),
+    stream = WaitPolicy.STREAM
+    for schedule, policy in (("zbv", None), ("zbv", stream), ("interleaved-zb", None), ("interleaved-1f1b", stream)):
+        got = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=schedule, wait_policy=policy),
                                             world_size=4, timeout=120))
-        _assert_same(ref, got, what=f"PP=4 {schedule} (recv_behind_sends={behind})")
+        _assert_same(ref, got, what=f"PP=4 {schedule} (wait_policy={policy})")
 
 
 def test_v_half_and_v_min_activation_memory_follow_the_simulator():

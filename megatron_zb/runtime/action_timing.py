@@ -2,45 +2,138 @@
 
 The executor (:func:`megatron_zb.runtime.executor.execute`) calls :meth:`ActionTiming.mark`
 before each compute action and :meth:`ActionTiming.add_compute` after it, and
-:meth:`ActionTiming.add_comm` after each communication action. On CPU the times are
-``time.perf_counter`` seconds.
+:meth:`ActionTiming.add_comm` after each communication action; it sets ``start`` (host
+``time.perf_counter`` seconds) when it begins.
+
+Which clock times a compute action depends on the device the actions run on, chosen explicitly
+(``ActionTiming(device=...)``; :class:`~megatron_zb.runtime.forward_backward.ZeroBubbleForwardBackward`
+passes its model's device):
+
+* **CPU**: ``time.perf_counter`` seconds, ``records`` are ready at once (:meth:`resolve` does
+  nothing).
+* **CUDA**: the host only *launches* kernels, so host times would measure the launches and put
+  the compute into whichever later call waits for it. Instead a CUDA event
+  (``torch.cuda.Event(enable_timing=True)``) is recorded on the device's current stream when the
+  timing is created (the iteration's start), before each compute action (:meth:`mark`) and after
+  it (:meth:`add_compute`) -- no synchronisation per action. :meth:`resolve` waits once, for the
+  last event, and turns the events into seconds: ``records`` then hold ``start + (GPU time since
+  the start event)``, so durations are GPU time and every time is on ``start``'s clock (exact
+  when the device reached the start event as the host recorded it, i.e. had no work queued at
+  the iteration's start). :func:`resolve_timings` resolves several iterations' timings with a
+  single wait. This path is verified on CPU with a mocked event only (``tests/test_action_timing.py``),
+  not run on a GPU.
+
+Host times are kept on both devices (``host_records``): the activation tracker logs its events in
+``time.perf_counter`` time (:meth:`~megatron_zb.runtime.memory.ActivationMemoryTracker.bytes_between`
+pairs host times), and the runtime's own loop time is a host quantity.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
+
+import torch
 
 from ..schedules import Action, Op
 
+__all__ = ["ActionTiming", "resolve_timings"]
 
-@dataclass
+Record = tuple[Action, float, float]  # (action, start [s], end [s])
+
+
 class ActionTiming:
-    """Wall-clock seconds (``time.perf_counter``) of one iteration's actions on this rank.
+    """Seconds of one iteration's actions on this rank (module doc: host or CUDA-event times).
 
-    ``records``: every compute action ``(action, start, end)``. ``cpu``: the CPU seconds of the
-    executing thread (``time.thread_time``) of each record, same order -- unlike wall time not
-    inflated by other processes. ``comm``: every communication action -- for a ``SEND_*`` the
-    ``isend`` call (the copy into the transport), for a ``RECV_*`` the posting of the receives it
-    needs plus the wait for its data. ``start``: when :func:`execute` began.
+    Attributes:
+        device: where the actions run (``cuda``: CUDA events; anything else: ``perf_counter``).
+        start: host ``time.perf_counter`` seconds when :func:`execute` began.
+        records: every compute action ``(action, start, end)`` in seconds on ``start``'s clock:
+            ``perf_counter`` on CPU, resolved GPU times on CUDA (reading it before :meth:`resolve`
+            raises there).
+        host_records: the same actions' host ``perf_counter`` seconds (on CPU, ``records`` itself):
+            for the activation tracker's ``bytes_between`` and the runtime's own loop time.
+        cpu: CPU seconds of the executing thread (``time.thread_time``) of each record, same order
+            -- unlike wall time not inflated by other processes (host time on both devices).
+        comm: every communication action in host ``perf_counter`` seconds -- for a ``SEND_*`` the
+            ``isend`` call (the copy into the transport), for a ``RECV_*`` the posting of the
+            receives it needs plus the host's wait for its data (on CUDA the stream's wait for a
+            NCCL receive is not timed).
     """
 
-    start: float = 0.0
-    records: list[tuple[Action, float, float]] = field(default_factory=list)
-    comm: list[tuple[Action, float, float]] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
+    def __init__(self, *, device: torch.device | str = "cpu", start: float = 0.0) -> None:
+        self.device = torch.device(device)
+        self.start = start
+        self.comm: list[Record] = []
+        self.cpu: list[float] = []
+        self._records: list[Record] = []
+        self._cuda = self.device.type == "cuda"
+        self._host: list[Record] = [] if self._cuda else self._records
+        self._events: list[tuple[Any, Any]] = []  # CUDA: (before, after) event of each compute action
+        self._start_event = self._record_event() if self._cuda else None
+        self.resolved = not self._cuda
 
-    def cpu_durations(self, op: Op | str) -> dict[int, list[float]]:
-        """Per stage, the CPU seconds of the compute actions of kind ``op``."""
-        op = Op(op)
-        out: dict[int, list[float]] = {}
-        for (a, _, _), c in zip(self.records, self.cpu):
-            if a.op is op:
-                out.setdefault(a.stage, []).append(c)
-        return out
+    # ------------------------------------------------------------------ what the executor calls
+    def mark(self) -> Any:
+        """Called right before a compute action starts; what it returns goes to :meth:`add_compute`
+        (on CUDA the event recorded now, on CPU ``None``)."""
+        return self._record_event() if self._cuda else None
+
+    def add_compute(self, a: Action, t0: float, t1: float, cpu: float, mark: Any = None) -> None:
+        """Record compute action ``a``: host ``perf_counter`` seconds ``t0`` (start) and ``t1`` (end),
+        ``cpu`` seconds of the executing thread; ``mark`` is what :meth:`mark` returned."""
+        self._host.append((a, t0, t1))
+        self.cpu.append(cpu)
+        if self._cuda:
+            if mark is None:
+                raise ValueError(f"CUDA action timing: {a} has no start event (call mark() before the action)")
+            self._events.append((mark, self._record_event()))
+
+    def add_comm(self, a: Action, t0: float, t1: float) -> None:
+        """Record communication action ``a`` (host ``perf_counter`` seconds)."""
+        self.comm.append((a, t0, t1))
+
+    # ------------------------------------------------------------------ reading the times
+    @property
+    def records(self) -> list[Record]:
+        """Every compute action ``(action, start, end)``, seconds on ``start``'s clock (class doc)."""
+        if not self.resolved:
+            raise RuntimeError("CUDA action timing read before resolve(): call resolve() (one synchronisation) "
+                               "or megatron_zb.runtime.action_timing.resolve_timings for several iterations")
+        return self._records
+
+    @records.setter
+    def records(self, value: list[Record]) -> None:
+        self._records = value
+        if not self._cuda:
+            self._host = value
+
+    @property
+    def host_records(self) -> list[Record]:
+        """Every compute action ``(action, start, end)`` in host ``time.perf_counter`` seconds."""
+        return self._host
+
+    def resolve(self, *, synchronize: bool = True) -> None:
+        """On CUDA: wait for the last recorded event (one synchronisation; ``synchronize=False`` when
+        the caller already waited for a later event on the same stream), then fill ``records`` with
+        ``start + start_event.elapsed_time(event) / 1000`` seconds. Once only; nothing to do on CPU."""
+        if self.resolved:
+            return
+        if synchronize:
+            self.last_event.synchronize()
+        s0 = self._start_event
+        self._records = [(a, self.start + s0.elapsed_time(e0) / 1e3, self.start + s0.elapsed_time(e1) / 1e3)
+                         for (a, _, _), (e0, e1) in zip(self._host, self._events)]
+        self._events = []
+        self.resolved = True
+
+    @property
+    def last_event(self) -> Any:
+        """CUDA: the event recorded last (the end of the last compute action, else the start event)."""
+        return self._events[-1][1] if self._events else self._start_event
 
     def durations(self, op: Op | str) -> dict[int, list[float]]:
-        """Per stage, the durations (seconds) of actions of kind ``op`` (compute or communication)."""
+        """Per stage, the durations (seconds) of actions of kind ``op`` (compute: from ``records``, GPU
+        time on CUDA; communication: host time)."""
         op = Op(op)
         out: dict[int, list[float]] = {}
         for a, t0, t1 in (self.records if op.is_compute else self.comm):
@@ -48,17 +141,30 @@ class ActionTiming:
                 out.setdefault(a.stage, []).append(t1 - t0)
         return out
 
-    def mark(self) -> Any:
-        """Called right before a compute action starts; what it returns goes to :meth:`add_compute`."""
-        return None
+    def cpu_durations(self, op: Op | str) -> dict[int, list[float]]:
+        """Per stage, the CPU seconds of the compute actions of kind ``op``."""
+        op = Op(op)
+        out: dict[int, list[float]] = {}
+        for (a, _, _), c in zip(self._host, self.cpu):
+            if a.op is op:
+                out.setdefault(a.stage, []).append(c)
+        return out
 
-    def add_compute(self, a: Action, t0: float, t1: float, cpu: float, mark: Any = None) -> None:
-        """Record compute action ``a``: started at ``t0``, ended at ``t1`` (perf_counter seconds),
-        ``cpu`` seconds of the executing thread; ``mark`` is what :meth:`mark` returned."""
-        self.records.append((a, t0, t1))
-        self.cpu.append(cpu)
+    def _record_event(self) -> Any:
+        """A timing CUDA event recorded now on the current stream of ``device`` (the stream the
+        actions' kernels are launched on)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
-    def add_comm(self, a: Action, t0: float, t1: float) -> None:
-        """Record communication action ``a`` (perf_counter seconds)."""
-        self.comm.append((a, t0, t1))
 
+def resolve_timings(timings: Sequence[ActionTiming]) -> None:
+    """Resolve ``timings`` (iterations run in this order on one device) with one synchronisation:
+    wait for the last unresolved timing's last event -- events complete in the order they were
+    recorded on the stream, so every earlier event has completed too -- then convert them all."""
+    pending = [t for t in timings if not t.resolved]
+    if not pending:
+        return
+    pending[-1].resolve()
+    for t in pending[:-1]:
+        t.resolve(synchronize=False)

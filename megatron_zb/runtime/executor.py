@@ -12,12 +12,11 @@ action list (:func:`execute`):
 * ``W``  -- runs the queue of that (stage, microbatch);
 * ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does; layers that queue
   their weight gradients themselves, e.g. Transformer Engine's, run them right after);
-* ``RECV_*`` / ``SEND_*`` -- p2p via :class:`PipeComm`, matched by order as on NCCL: the
-  receives from each peer are posted in the order that peer sends them
-  (:attr:`~megatron_zb.runtime.rank_plan.RankPlan.recv_order`), up to ``recv_lookahead`` actions
-  ahead (on NCCL never ahead of one of this rank's own earlier sends to that peer, see
-  :class:`~megatron_zb.runtime.rank_plan.RecvPoster`); transfers between two stages on the same
-  rank (the tip of the V) are handed over in memory.
+* ``RECV_*`` / ``SEND_*`` -- p2p via :class:`PipeComm`, one communicator per direction, matched
+  by order as on NCCL. When receives are posted (ahead of use) and when a sent tensor is let go
+  is decided once per schedule, as the rank's issue order (:attr:`RankPlan.program`,
+  :mod:`~megatron_zb.runtime.comm_program`), which this module walks; transfers between two
+  stages on the same rank (the tip of the V) are handed over in memory.
 
 Using megatron-core's own ``forward_step``/``backward_step`` keeps loss scaling, per-token loss
 normalisation and the loss bookkeeping identical to megatron-core's schedules.
@@ -40,6 +39,7 @@ from .action_timing import ActionTiming
 from .grad_sync import GradSync
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
+from .comm_program import Step
 from .rank_plan import RankPlan, RecvPoster, plan_rank
 from .routes import backward_window
 from .wgrad_store import WeightGradStore
@@ -132,16 +132,16 @@ class StageRuntime:
 
 def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, forward_step_func: Callable,
             config: Any, comm: PipeComm, collect_non_loss_data: bool = False, cp_group_size: int = 1,
-            first_val_step: bool | None = None, recv_lookahead: int = 8, recv_behind_sends: bool = True,
-            timing: ActionTiming | None = None, memory: ActivationMemoryTracker | None = None,
-            grad_sync: GradSync | None = None,
+            first_val_step: bool | None = None, timing: ActionTiming | None = None,
+            memory: ActivationMemoryTracker | None = None, grad_sync: GradSync | None = None,
             overhead: LoopOverhead | None = None) -> tuple[list[Any], torch.Tensor]:
     """Run one iteration of ``plan`` (see :func:`plan_rank`); return (forward data store, total tokens).
 
+    Walks ``plan.program`` (:mod:`~megatron_zb.runtime.comm_program`): the rank's compute actions,
+    receive posts and waits, sends and send releases in the order they are issued.
     The forward data store holds what megatron-core's schedules return: the reduced losses of
     the last stage, in microbatch order. ``store`` receives the weight-gradient work of every B
     and runs it at the matching W (it must be empty; it is empty again on return).
-    ``recv_lookahead`` and ``recv_behind_sends`` set when receives are posted (:class:`RecvPoster`).
     ``grad_sync`` (``--overlap-grad-reduce``) is told after every compute action, and reports
     parameters ready to megatron-core's DDP buckets (:mod:`megatron_zb.runtime.grad_sync`).
     ``overhead`` (filled in place) receives where this call's time went (:class:`LoopOverhead`).
@@ -154,53 +154,37 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
     it = _Iteration(plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func,
                     config=config, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size,
                     first_val_step=first_val_step, memory=memory)
-    poster = RecvPoster(plan, recv_lookahead, behind_sends=recv_behind_sends)
     shape, dtype, device = runtime.tensor_shape, runtime.dtype, runtime.device
-    acts = plan.actions
     if not plan.forward_only:
         store.begin_iteration(plan.w_per_stage)
         if grad_sync is not None:
-            grad_sync.begin(actions=acts, store=store)
+            grad_sync.begin(actions=plan.actions, store=store)
     else:
         grad_sync = None
-    # One branch per action kind, handlers as methods: per action this costs one method call, two
-    # Op properties, four clock reads and no allocation beyond the (mb, stage) key (the runtime's
-    # overhead budget is tens of microseconds per compute action, see LoopOverhead).
+    # One branch per step kind: per step this costs a few comparisons, four clock reads and no
+    # allocation beyond the (mb, stage) key (the runtime's overhead budget is tens of
+    # microseconds per compute action, see LoopOverhead).
     comm_wall = comm_cpu = compute_wall = compute_cpu = 0.0
     n_compute = 0
-    after_recv = False
-    for i, a in enumerate(acts):
-        op = a.op
-        is_recv, is_send = op.is_recv, op.is_send
-        # look ahead, but not between a compute action and its sends (they are on the peer's
-        # critical path) nor between a receive and the compute action waiting for it
-        if not (is_send or after_recv):
-            early = poster.ahead(i)
-            if early:
-                p0, q0 = clock(), cpu()
-                for r in early:
-                    comm.post_recv(r, shape, dtype, device)
-                comm_wall += clock() - p0
-                comm_cpu += cpu() - q0
-        after_recv = is_recv
-        key = (a.mb, a.stage)
-        if is_recv or is_send:
-            payload = None if is_recv else it.to_send(a, key)
+    for issue in plan.program.issues:
+        step, a = issue.step, issue.action
+        if step is not Step.RUN:
             t0, u0 = clock(), cpu()
-            if is_recv:
-                for r in poster.through(a):
-                    comm.post_recv(r, shape, dtype, device)
-                payload = comm.wait_recv(a, shape, dtype, device)
+            if step is Step.POST:
+                comm.post_recv(a, shape, dtype, device)
+            elif step is Step.WAIT:
+                it.received(a, comm.wait_recv(a))
+            elif step is Step.SEND:
+                comm.send(a, it.to_send(a, (a.mb, a.stage)))
             else:
-                comm.send(a, payload)
+                comm.release(a)
             t1, u1 = clock(), cpu()
             comm_wall += t1 - t0
             comm_cpu += u1 - u0
-            if is_recv:
-                it.received(a, payload)
-            if timing is not None:
+            if timing is not None and step is not Step.POST and step is not Step.RELEASE:
                 timing.add_comm(a, t0, t1)
             continue
+        key, op = (a.mb, a.stage), a.op
         mark = timing.mark() if timing is not None else None
         t0, u0 = clock(), cpu()
         if op is Op.F:
@@ -267,7 +251,7 @@ class _Iteration:
         self.output_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.stage_data: dict[tuple[int, int], list[Any]] = {}  # per-(mb, stage) forward data
-        self.total_tokens = torch.zeros([], dtype=torch.int)
+        self.total_tokens = torch.zeros([], dtype=torch.int, device=runtime.device)  # megatron-core: on the GPU
 
     # ------------------------------------------------------------------ communication
     def received(self, a: Action, t: torch.Tensor) -> None:

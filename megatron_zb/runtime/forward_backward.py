@@ -14,7 +14,7 @@ from ..schedules.registry import build_schedule, get_spec
 from .executor import ActionTiming, LoopOverhead, RankPlan, StageRuntime, execute, plan_rank
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
-from .p2p import PipeComm
+from .p2p import PipeComm, WaitPolicy, pipe_channels
 from .routes import check_schedule, install_routes
 from .wgrad_store import WeightGradStore
 
@@ -35,15 +35,15 @@ class ZeroBubbleOptions:
         num_chunks: model chunks per rank for interleaved placements.
         timeout: seconds any single p2p transfer may take before the run fails with an error
             naming the rank, action and peer.
-        recv_lookahead: how many actions ahead receives are posted.
-        recv_behind_sends: never post a receive from a peer ahead of one of this rank's own
-            earlier sends to that peer. ``None`` (default): on for NCCL, whose transfers between
-            two ranks run on one stream in posting order (an early receive would hold the send
-            back), off for gloo, where early receives let the peer's sends go out at once
-            (measured 1-2% faster on the emulated p=8 V schedules). Both settings run in the CPU
-            tests.
+        recv_lookahead: how many actions ahead receives are posted (each direction of a pair of
+            ranks has its own communicator, so posting early never holds a send back).
+        wait_policy: how p2p waits (:class:`~megatron_zb.runtime.p2p.WaitPolicy`); ``None``
+            (default): from the pipeline group's backend (NCCL: stream waits and a watchdog;
+            otherwise host waits with the timeout).
         track_memory: measure bytes of saved activations per iteration (see ``last_peak_bytes``).
-        time_actions: record wall-clock seconds of every compute action (see ``last_timing``).
+        time_actions: record the seconds of every compute action (see ``last_timing``): host
+            ``time.perf_counter`` on CPU, CUDA events on a CUDA model (resolved later, with one
+            synchronisation: :class:`~megatron_zb.runtime.action_timing.ActionTiming`).
         validate: check the schedule before running it. Turn off only to exercise the runtime's
             own safety nets (p2p timeouts, pending-W check) with deliberately broken schedules.
     """
@@ -54,7 +54,7 @@ class ZeroBubbleOptions:
     num_chunks: int = 2
     timeout: float = 120.0
     recv_lookahead: int = 8
-    recv_behind_sends: bool | None = None
+    wait_policy: WaitPolicy | None = None
     track_memory: bool = False
     time_actions: bool = False
     validate: bool = True
@@ -67,7 +67,9 @@ class ZeroBubbleForwardBackward:
     Holds the schedule (rebuilt when ``num_microbatches`` or the costs change), its lowered and
     checked per-rank plan (built on the first call for a ``(p, m)``, reused by every later
     call), its weight-gradient ``store`` (every call's B's queue into it, its W's run it), and,
-    after each call, the measured ``last_timing`` and ``last_peak_bytes`` when asked for, and
+    after each call, the measured ``last_timing`` (on a CUDA model unresolved: call its ``resolve()``
+    -- one synchronisation -- or ``resolve_timings`` over several calls before reading its
+    ``records``) and ``last_peak_bytes`` when asked for, and
     with megatron-core DDP's ``overlap_grad_reduce`` the bucket launches in ``last_grad_sync``.
     ``last_overhead`` (always measured) splits the last call's executor time into compute actions,
     p2p calls and the runtime's own overhead; ``overhead`` sums it over every call so far (reset it
@@ -107,7 +109,8 @@ class ZeroBubbleForwardBackward:
         key = (num_ranks, num_microbatches, rank, forward_only)
         if key not in self._plans:
             self._plans[key] = plan_rank(self.schedule_for(num_ranks, num_microbatches), rank=rank,
-                                         forward_only=forward_only, validate=self.options.validate)
+                                         forward_only=forward_only, validate=self.options.validate,
+                                         recv_lookahead=self.options.recv_lookahead)
         return self._plans[key]
 
     def install_schedule(self, schedule: Schedule) -> None:
@@ -166,14 +169,12 @@ class ZeroBubbleForwardBackward:
         runtime = StageRuntime(chunks=dict(zip(stages, chunks)), data_iterators=dict(zip(stages, iters)),
                                tensor_shape=shapes[0], dtype=config.pipeline_dtype or torch.float32,
                                device=device)
-        comm = PipeComm(group=pp_group, num_stages=sched.num_stages, timeout=self.options.timeout)
-        behind_sends = self.options.recv_behind_sends
-        if behind_sends is None:
-            behind_sends = torch.distributed.get_backend(pp_group) == "nccl"
-        timing = ActionTiming() if self.options.time_actions else None
         memory = None
         if self.options.track_memory:
             memory = ActivationMemoryTracker(p for c in chunks for p in c.parameters())
+        comm = PipeComm(channels=pipe_channels(pp_group, timeout=self.options.timeout), rank=rank,
+                        timeout=self.options.timeout, policy=self.options.wait_policy, memory=memory,
+                        max_outstanding_sends=plan.program.max_outstanding_sends)
 
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -190,16 +191,18 @@ class ZeroBubbleForwardBackward:
         else:
             sync_ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
         overhead = LoopOverhead()
+        # created last: on CUDA it records the iteration's start event (ActionTiming)
+        timing = ActionTiming(device=runtime.device) if self.options.time_actions else None
         try:
             with sync_ctx:  # no gradient reduction while W may still add to the gradients
                 data, total_tokens = execute(
                     plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func, config=config,
                     comm=comm, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
-                    first_val_step=first_val_step, recv_lookahead=self.options.recv_lookahead,
-                    recv_behind_sends=behind_sends, timing=timing, memory=memory, grad_sync=grad_sync,
+                    first_val_step=first_val_step, timing=timing, memory=memory, grad_sync=grad_sync,
                     overhead=overhead)
             self.last_grad_sync = grad_sync.end() if grad_sync is not None else None
         except BaseException:
+            comm.abort()
             store.clear()
             if grad_sync is not None:
                 grad_sync.end_failed()

@@ -1,28 +1,44 @@
-"""Point-to-point transfers of a lowered schedule over torch.distributed, with timeouts.
+"""Point-to-point transfers of a lowered schedule over torch.distributed: one communicator per
+direction, waits that do not block the host on NCCL, sends released when sent, timeouts.
 
-Matching is by order, never by tag: every transfer uses the same tag, so a receive from a peer
-is matched with that peer's sends to this rank in the order both were posted -- the semantics
-NCCL has anyway (it ignores tags). Running the CPU tests on gloo with one tag therefore
-exercises exactly what a GPU run relies on. The executor keeps the orders equal: it posts the
-receives from each peer in the order that peer's action list sends them
-(:attr:`~megatron_zb.runtime.rank_plan.RankPlan.recv_order`), which on a V or interleaved
-placement can differ from the order in which this rank *needs* them (activations and gradients
-travel over the same pair of ranks). Receives are therefore identified by
-``(op, microbatch, producing stage)`` here and posted ahead of use (:meth:`PipeComm.post_recv`);
-sends are asynchronous and drained at the end of the iteration. Every wait has a timeout and
-raises :class:`PipelineTimeoutError` naming the rank, the action and the peer.
+* **Communicators.** Each direction of each pair of neighbouring pipeline ranks has its own
+  two-rank process group (:class:`PipeChannels`). On NCCL the transfers of one communicator run
+  on one stream in posting order, and a send above NCCL's internal buffer completes only once
+  the peer's receive runs; with both directions on one communicator, rank 0's ``[send F1, recv
+  B0]`` and rank 1's ``[send B0, recv F1]`` wait for each other (1F1B's steady state). Per
+  direction, a stream only ever holds sends one way and receives the other, in the same order
+  on both ends, so no order of posting can deadlock it (checked for every schedule family by
+  :mod:`megatron_zb.testing.nccl_model`). gloo uses the same communicators.
+* **Matching** is by order, never by tag (NCCL ignores tags): the receives of a direction are
+  posted in the order the peer sends them (:attr:`RankPlan.recv_order`); they are identified by
+  ``(op, microbatch, producing stage)`` and posted ahead of use (:meth:`PipeComm.post_recv`).
+* **Waits** (:class:`WaitPolicy`): on gloo the host waits with the pipeline timeout and a late
+  transfer raises :class:`PipelineTimeoutError` naming the rank, action and peer. On NCCL
+  ``Work.wait()`` is called without a timeout, which only makes the compute stream wait (with a
+  timeout PyTorch's NCCL ``wait`` polls on the host); a watchdog thread checks the outstanding
+  transfers every few seconds and the next p2p call raises the same named error, while the
+  communicators' own NCCL timeout (the pipeline timeout plus a margin) is the last resort.
+* **Memory.** A send's tensor is dropped once the send completes (checked without blocking at
+  every p2p call) and at the latest at its ``RELEASE`` step (:mod:`~megatron_zb.runtime.comm_program`),
+  so at most :attr:`Program.max_outstanding_sends` are held. With an activation tracker, receive
+  buffers and sent tensors are counted as p2p bytes.
 """
 
 from __future__ import annotations
 
 import datetime
+import enum
+import sys
+import threading
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..schedules.ir import Action
+from .comm_program import transfer_key
 
 
 class PipelineTimeoutError(RuntimeError):
@@ -32,82 +48,233 @@ class PipelineTimeoutError(RuntimeError):
 PIPELINE_TAG = 0
 """The one tag of every pipeline transfer (matching is by posting order, as with NCCL)."""
 
+NCCL_TIMEOUT_MARGIN_S = 60.0
+"""Seconds the communicators' own timeout (NCCL's watchdog) adds to the pipeline timeout, so that
+the named :class:`PipelineTimeoutError` comes first."""
+
+
+class WaitPolicy(enum.Enum):
+    """How :class:`PipeComm` waits for a transfer (module docstring)."""
+
+    HOST = "host"        # gloo: Work.wait(timeout) blocks the host; a late transfer raises at once
+    STREAM = "stream"    # NCCL: Work.wait() makes the compute stream wait; a watchdog keeps the timeout
+
+    @staticmethod
+    def for_backend(backend: str) -> "WaitPolicy":
+        """``STREAM`` for NCCL, ``HOST`` for every other backend."""
+        return WaitPolicy.STREAM if backend == "nccl" else WaitPolicy.HOST
+
+
+class PipeChannels:
+    """The two-rank process groups of one pipeline group: one per direction of each pair of
+    neighbouring ranks (ring neighbours: interleaved placements send from the last rank to the
+    first). Build with :func:`pipe_channels` (collective over the default group, once)."""
+
+    def __init__(self, groups: dict[tuple[int, int], Any], global_ranks: Sequence[int], backend: str) -> None:
+        self._groups = groups                  # (src, dst) pipeline-group ranks -> process group
+        self.global_ranks = list(global_ranks)
+        self.backend = backend
+
+    def group(self, src: int, dst: int) -> Any:
+        """The process group of transfers from pipeline rank ``src`` to ``dst``."""
+        try:
+            return self._groups[(src, dst)]
+        except KeyError:
+            raise ValueError(f"pipeline ranks {src} and {dst} are not ring neighbours: no communicator "
+                             f"between them (p = {len(self.global_ranks)})") from None
+
+
+_CHANNELS: dict[tuple[int, tuple[int, ...], float], PipeChannels] = {}
+
+
+def pipe_channels(pp_group: Any, *, timeout: float) -> PipeChannels:
+    """This rank's :class:`PipeChannels` for ``pp_group``, built on the first call (then cached).
+
+    The first call is collective over the default group: every rank gathers every pipeline
+    group's ranks and creates each direction's process group in one global order, as
+    ``torch.distributed.new_group`` requires. ``timeout`` (seconds) is the pipeline timeout; the
+    groups get it plus :data:`NCCL_TIMEOUT_MARGIN_S` as their own.
+    """
+    ranks = tuple(dist.get_process_group_ranks(pp_group))
+    if len(ranks) == 1:  # no pipeline: no transfers (every rank has the same pipeline size)
+        return PipeChannels({}, ranks, dist.get_backend(pp_group))
+    key = (id(dist.group.WORLD), ranks, float(timeout))
+    if key not in _CHANNELS:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ranks)
+        td = datetime.timedelta(seconds=timeout + NCCL_TIMEOUT_MARGIN_S)
+        backend = dist.get_backend(pp_group)
+        for group_ranks in sorted(set(everyone)):
+            groups = {}
+            for src, dst in ring_directions(len(group_ranks)):
+                pg = dist.new_group([group_ranks[src], group_ranks[dst]], timeout=td, backend=backend,
+                                    group_desc=f"pipeline_p2p_{src}_to_{dst}")
+                groups[(src, dst)] = pg
+            if group_ranks == ranks:
+                _CHANNELS[key] = PipeChannels(groups, ranks, backend)
+    return _CHANNELS[key]
+
+
+def ring_directions(p: int) -> list[tuple[int, int]]:
+    """Every ``(src, dst)`` of neighbouring ranks on a ring of ``p`` pipeline ranks, in one order."""
+    pairs = sorted({tuple(sorted((r, (r + 1) % p))) for r in range(p) if p > 1})
+    return [d for a, b in pairs for d in ((a, b), (b, a))]
+
 
 @dataclass
 class _Pending:
-    work: dist.Work
+    work: Any                # a torch.distributed Work
     tensor: torch.Tensor
     action: Action
+    since: float             # time.monotonic() when it was issued [s]
 
 
 class PipeComm:
-    """Sends and receives of one rank, over ``group`` (ranks are *group* ranks).
+    """Sends and receives of one rank (pipeline-group ranks), for one iteration.
 
     Args:
-        group: the pipeline-parallel process group.
-        num_stages: stages of the schedule.
-        timeout: seconds to wait for any single transfer before failing.
+        channels: the pipeline group's communicators (:func:`pipe_channels`).
+        rank: this rank in the pipeline group.
+        timeout: seconds any single transfer may take before :class:`PipelineTimeoutError`.
+        policy: how to wait (default: from the channels' backend).
+        memory: an activation tracker that counts receive buffers and sent tensors as p2p bytes.
+        max_outstanding_sends: the plan's bound (:attr:`Program.max_outstanding_sends`); more
+            held sends is a bug and raises.
     """
 
-    def __init__(self, *, group: dist.ProcessGroup | None, num_stages: int, timeout: float = 120.0) -> None:
-        self.group = group
-        self.num_stages = num_stages
+    def __init__(self, *, channels: PipeChannels, rank: int, timeout: float = 120.0,
+                 policy: WaitPolicy | None = None, memory: Any = None, max_outstanding_sends: int | None = None) -> None:
+        self.channels, self.rank = channels, rank
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.rank = dist.get_rank(group)
-        # group rank -> global rank, looked up once (not per transfer)
-        self._global_ranks = dist.get_process_group_ranks(group) if group is not None else None
-        self._recvs: dict[tuple[str, int, int], _Pending] = {}
-        self._sends: list[_Pending] = []
-
-    def _global(self, group_rank: int) -> int:
-        return self._global_ranks[group_rank] if self._global_ranks is not None else group_rank
+        self.policy = policy or WaitPolicy.for_backend(channels.backend)
+        self.memory, self.max_sends = memory, max_outstanding_sends
+        self._recvs: dict[tuple, _Pending] = {}
+        self._sends: dict[tuple, _Pending] = {}
+        self._watchdog = _Watchdog(self) if self.policy is WaitPolicy.STREAM else None
 
     def post_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
-        """Post the receive of ``a`` (a ``RECV_F``/``RECV_B``) if not posted yet.
-
-        Receives from one peer must be posted in the order that peer sends (see the module
-        docstring); the caller guarantees it.
-        """
-        key = (a.op, a.mb, a.stage)
-        if key in self._recvs:
-            return
+        """Post the receive of ``a`` (a ``RECV_F``/``RECV_B``) into a new buffer on ``device``."""
+        self._check()
         buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-        work = dist.irecv(buf, src=self._global(a.peer), group=self.group, tag=PIPELINE_TAG)
-        self._recvs[key] = _Pending(work, buf, a)
+        group = self.channels.group(a.peer, self.rank)
+        work = dist.irecv(buf, src=self.channels.global_ranks[a.peer], group=group, tag=PIPELINE_TAG)
+        self._recvs[transfer_key(a)] = _Pending(work, buf, a, time.monotonic())
+        if self.memory is not None:
+            self.memory.track_p2p(buf)
 
-    def wait_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Wait for the receive of ``a`` (posting it first if needed) and return the tensor."""
-        self.post_recv(a, shape, dtype, device)
-        p = self._recvs.pop((a.op, a.mb, a.stage))
+    def wait_recv(self, a: Action) -> torch.Tensor:
+        """Wait for the posted receive of ``a`` and return its tensor."""
+        p = self._recvs.pop(transfer_key(a))
         self._wait(p, "receive")
+        self._reap()
         return p.tensor
 
     def send(self, a: Action, tensor: torch.Tensor) -> None:
         """Start the send of ``a`` (a ``SEND_F``/``SEND_B``); it completes asynchronously."""
+        self._check()
         t = tensor.detach().contiguous()
-        work = dist.isend(t, dst=self._global(a.peer), group=self.group, tag=PIPELINE_TAG)
-        self._sends.append(_Pending(work, t, a))
-        if len(self._sends) > 64:  # bound the number of in-flight sends
-            self._wait(self._sends.pop(0), "send")
+        group = self.channels.group(self.rank, a.peer)
+        work = dist.isend(t, dst=self.channels.global_ranks[a.peer], group=group, tag=PIPELINE_TAG)
+        self._sends[transfer_key(a)] = _Pending(work, t, a, time.monotonic())
+        if self.memory is not None:
+            self.memory.track_p2p(t)
+        self._reap()
+        if self.max_sends is not None and len(self._sends) > self.max_sends:
+            raise RuntimeError(f"pipeline rank {self.rank}: {len(self._sends)} sends held, above the plan's "
+                               f"bound of {self.max_sends} (a RELEASE step is missing)")
+
+    def release(self, a: Action) -> None:
+        """Wait for the send of ``a`` (if still held) and drop its tensor."""
+        p = self._sends.pop(transfer_key(a), None)
+        if p is not None:
+            self._wait(p, "send")
+
+    @property
+    def held_sends(self) -> int:
+        """Sends started and not yet dropped."""
+        return len(self._sends)
 
     def finish(self) -> None:
         """Wait for every outstanding send; fail if a posted receive was never consumed."""
-        while self._sends:
-            self._wait(self._sends.pop(0), "send")
+        for key in list(self._sends):
+            self._wait(self._sends.pop(key), "send")
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._recvs:
             left = ", ".join(str(p.action) for p in self._recvs.values())
             self._recvs.clear()
             raise RuntimeError(f"rank {self.rank}: receives posted but never used: {left}")
 
+    def abort(self) -> None:
+        """Stop the watchdog and drop everything (the iteration failed)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._sends.clear()
+        self._recvs.clear()
+
+    def _reap(self) -> None:
+        """Drop the sends that have completed (no blocking: ``Work.is_completed``)."""
+        for key in [k for k, p in self._sends.items() if p.work.is_completed()]:
+            del self._sends[key]
+
+    def _check(self) -> None:
+        if self._watchdog is not None and self._watchdog.error is not None:
+            raise self._watchdog.error
+
     def _wait(self, p: _Pending, what: str) -> None:
+        if self.policy is WaitPolicy.STREAM:
+            self._check()
+            p.work.wait()  # the current stream waits; the host goes on (the watchdog keeps the timeout)
+            return
         try:
             ok = p.work.wait(timeout=self.timeout)
         except RuntimeError as e:  # gloo raises on timeout
-            raise PipelineTimeoutError(
-                f"pipeline rank {self.rank}: {what} for {p.action} with peer rank {p.action.peer} did not "
-                f"complete within {self.timeout.total_seconds():g} s ({e.__class__.__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise self.timeout_error(p, what, f" ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         if ok is False:
-            raise PipelineTimeoutError(
-                f"pipeline rank {self.rank}: {what} for {p.action} with peer rank {p.action.peer} did not "
-                f"complete within {self.timeout.total_seconds():g} s")
+            raise self.timeout_error(p, what)
+
+    def timeout_error(self, p: _Pending, what: str, detail: str = "") -> PipelineTimeoutError:
+        """The named error for transfer ``p`` that did not complete within the timeout."""
+        return PipelineTimeoutError(
+            f"pipeline rank {self.rank}: {what} for {p.action} with peer rank {p.action.peer} did not "
+            f"complete within {self.timeout.total_seconds():g} s{detail}")
+
+    def outstanding(self) -> list[tuple[_Pending, str]]:
+        """Every transfer issued and not yet consumed or dropped, with ``"receive"`` / ``"send"``."""
+        return [(p, "receive") for p in list(self._recvs.values())] + [(p, "send") for p in list(self._sends.values())]
+
+
+class _Watchdog:
+    """The pipeline timeout without host-blocking waits (:attr:`WaitPolicy.STREAM`).
+
+    A daemon thread wakes every ``min(5 s, timeout / 4)``, asks each outstanding transfer
+    ``is_completed()`` (no blocking) and, once one is older than the timeout, keeps the named
+    :class:`PipelineTimeoutError` (raised by the next p2p call) and prints it to stderr at once
+    (the main thread may be inside a kernel wait).
+    """
+
+    def __init__(self, comm: PipeComm) -> None:
+        self.comm, self.error = comm, None
+        self._stop = threading.Event()
+        self.period = min(5.0, comm.timeout.total_seconds() / 4)
+        self._thread = threading.Thread(target=self._run, name=f"megatron-zb-p2p-watchdog-{comm.rank}", daemon=True)
+        self._thread.start()
+
+    def check(self, now: float) -> PipelineTimeoutError | None:
+        """The error for the oldest transfer past the timeout at ``now`` (``time.monotonic``), if any."""
+        limit = self.comm.timeout.total_seconds()
+        for p, what in self.comm.outstanding():
+            if now - p.since > limit and not p.work.is_completed():
+                return self.comm.timeout_error(p, what)
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            err = self.check(time.monotonic())
+            if err is not None:
+                self.error = err
+                print(f"PipelineTimeoutError: {err}", file=sys.stderr, flush=True)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -9,8 +9,11 @@ milliseconds per iteration, tokens per second, speed-up over megatron-core's 1F1
 largest peak of CUDA memory over the ranks. ``scripts/gpu_selftest.sh`` runs it.
 
 Cost-aware schedules (zb, zb-2p, zbv) are built with unit costs (``T_F = T_B = T_W``), not
-re-planned from measured times: the runtime's action timer does not synchronise CUDA. On CPU
-(the default device) the same code runs with tiny sizes (``--hidden 32 ...``) for testing.
+re-planned from measured times, to keep the benchmark short. (``pretrain_gpt_zb.py`` re-plans: on
+CUDA its profiling window times every action with CUDA events and synchronises once, at the
+window's end -- :mod:`megatron_zb.runtime.action_timing`; that path is verified on CPU with a
+mocked event only.) On CPU (the default device) the same code runs with tiny sizes
+(``--hidden 32 ...``) for testing.
 Nothing is downloaded: the data are random tokens.
 """
 

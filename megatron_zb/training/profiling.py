@@ -1,8 +1,12 @@
 """Profile-then-replan for ``pretrain_gpt_zb.py``: measure T_F/T_B/T_W/T_comm, rebuild the schedule.
 
 During the profiled iterations ``[--zero-bubble-pipeline-timers-start-iter,
---zero-bubble-pipeline-timers-end-iter)`` the runtime records the wall-clock time of every
-compute action (``time_actions=True``). :class:`ActionProfile` collects them per stage (the
+--zero-bubble-pipeline-timers-end-iter)`` the runtime records the time of every compute action
+(``time_actions=True``; :class:`~megatron_zb.runtime.action_timing.ActionTiming`): ``perf_counter``
+seconds on CPU; on CUDA, CUDA events around each action, not synchronised per action --
+:class:`ProfileWindow` keeps the window's iterations and resolves them all with one
+synchronisation when the window ends, so the durations are GPU time (verified on CPU with a mocked
+event only, not run on a GPU). :class:`ActionProfile` collects them per stage (the
 profile's costs are the **medians** per ``(op, stage)``: one action the OS descheduled, or the
 first iterations' allocator warm-up, must not set a stage's cost), together with each rank's busy
 time (sum of its compute actions) and the wall time of its ``forward_backward_func`` calls, and two
@@ -16,6 +20,12 @@ measured times the simulator does not produce itself (medians over the profiled 
   loss reduction, logging; one sample per pair of consecutive profiled iterations, so a window of
   ``n`` iterations gives ``n - 1``) -- the profile's ``step_ms``, the minimum over pipeline ranks
   (the rank that ends the pipeline last waits least in the reduces that follow).
+
+Both are host times: the runtime's loop runs on the host, and the next iteration's start is the
+host's. On CUDA the last compute action's end is its resolved GPU time, placed on the host clock by
+the iteration's start event (exact when the device had no work queued when the iteration began;
+not run on a GPU). The busy time is GPU time on CUDA, the elapsed time the host's wall time of the
+calls (which on CUDA can end before the device does).
 
 The durations themselves also give the profile's **spread**: each action divided by the median of
 its ``(op, stage)``, pooled over all stages per op, as quantiles
@@ -59,11 +69,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..runtime.action_timing import ActionTiming, resolve_timings
 from ..schedules.costs import CostModel
 from ..schedules.ir import Op
 from ..schedules.spread import DurationSpread
 
-__all__ = ["ActionProfile", "AgreedProfile", "agree_on_profile", "cost_model", "mem_w_ratio", "measure_t_comm"]
+__all__ = ["ActionProfile", "AgreedProfile", "ProfileWindow", "agree_on_profile", "cost_model", "mem_w_ratio",
+           "measure_t_comm"]
 
 MemoryTracker = Any  # megatron_zb.runtime.memory.ActivationMemoryTracker (imported lazily with the runtime)
 
@@ -88,23 +100,27 @@ class ActionProfile:
     overhead: list[float] = field(default_factory=list)  # per iteration: runtime seconds per compute action
     outside: list[float] = field(default_factory=list)   # per sample: seconds outside the schedule's actions
 
-    def add(self, timing: Any, elapsed: float, memory: MemoryTracker | None = None, *, times: bool = True) -> None:
-        """Add one iteration: ``timing`` is the runtime's ``last_timing`` (an ``ActionTiming``),
-        ``memory`` its ``last_memory`` (the activation tracker, or ``None``: no bytes measured);
-        ``times=False``: the bytes only (an iteration slowed down by the tracker)."""
-        if times and timing.records:
-            self.overhead.append(runtime_seconds(timing) / len(timing.records))
-        for action, t0, t1 in timing.records:
-            key = (action.op, action.stage)
-            if times:
-                self.durations.setdefault(key, []).append(t1 - t0)
-                self.busy += t1 - t0
-            if memory is not None:
-                self.byte_sums[key] = self.byte_sums.get(key, 0.0) + memory.bytes_between(t0, t1)
-                self.byte_counts[key] = self.byte_counts.get(key, 0) + 1
+    def add(self, timing: ActionTiming, elapsed: float, memory: MemoryTracker | None = None, *,
+            times: bool = True) -> None:
+        """Add one iteration: ``timing`` is the runtime's ``last_timing``, resolved (on CUDA
+        :class:`ProfileWindow` resolves the window's timings with one synchronisation), ``elapsed``
+        the seconds of its ``forward_backward_func`` call, ``memory`` its ``last_memory`` (the
+        activation tracker, or ``None``: no bytes measured); ``times=False``: the bytes only (an
+        iteration slowed down by the tracker). Durations come from ``timing.records`` (GPU time on
+        CUDA), the bytes from ``timing.host_records`` (the tracker logs host ``perf_counter`` times)."""
         if times:
+            if timing.records:
+                self.overhead.append(runtime_seconds(timing) / len(timing.records))
+            for action, t0, t1 in timing.records:
+                self.durations.setdefault((action.op, action.stage), []).append(t1 - t0)
+                self.busy += t1 - t0
             self.elapsed += elapsed
             self.iterations += 1
+        if memory is not None:
+            for action, h0, h1 in timing.host_records:
+                key = (action.op, action.stage)
+                self.byte_sums[key] = self.byte_sums.get(key, 0.0) + memory.bytes_between(h0, h1)
+                self.byte_counts[key] = self.byte_counts.get(key, 0) + 1
 
     def medians_ms(self) -> dict[tuple[str, int], float]:
         """Median duration per ``(op, stage)`` in milliseconds (robust to an action the OS descheduled)."""
@@ -125,14 +141,52 @@ class ActionProfile:
         return max(0.0, 1.0 - self.busy / self.elapsed) if self.elapsed > 0 else 0.0
 
 
-def runtime_seconds(timing: Any) -> float:
+@dataclass
+class ProfileWindow:
+    """The profiling window's iterations, kept as measured until the window ends.
+
+    On CUDA an iteration's :class:`~megatron_zb.runtime.action_timing.ActionTiming` holds events the
+    device has not necessarily reached yet; resolving each iteration would stall the host once per
+    iteration. The window keeps them and :meth:`close` resolves them all with one synchronisation
+    (:func:`~megatron_zb.runtime.action_timing.resolve_timings`), then adds them to the profile.
+    On CPU the same code runs (resolving is free there).
+    """
+
+    iterations: list[tuple[ActionTiming, float, MemoryTracker | None, bool]] = field(default_factory=list)
+    next_starts: list[tuple[int, float]] = field(default_factory=list)  # (iteration index, perf_counter [s])
+
+    def add(self, timing: ActionTiming, elapsed: float, memory: MemoryTracker | None = None, *,
+            times: bool = True) -> None:
+        """Keep one iteration (the arguments of :meth:`ActionProfile.add`, which gets them at :meth:`close`)."""
+        self.iterations.append((timing, elapsed, memory, times))
+
+    def add_next_start(self, began: float) -> None:
+        """The iteration after the last one added began at host ``time.perf_counter()`` time ``began``
+        [s] (less the profiler's own time): :meth:`close` adds ``began`` minus the end of that
+        iteration's last compute action as a time outside the schedule (:meth:`ActionProfile.add_outside`)."""
+        self.next_starts.append((len(self.iterations) - 1, began))
+
+    def close(self, profile: ActionProfile) -> None:
+        """Resolve every kept timing (one synchronisation on CUDA), add them to ``profile``, empty the window."""
+        resolve_timings([timing for timing, _, _, _ in self.iterations])
+        for timing, elapsed, memory, times in self.iterations:
+            profile.add(timing, elapsed, memory, times=times)
+        for i, began in self.next_starts:
+            profile.add_outside(began - max(t1 for _, _, t1 in self.iterations[i][0].records))
+        self.iterations, self.next_starts = [], []
+
+
+def runtime_seconds(timing: ActionTiming) -> float:
     """The runtime's own time in one iteration of one rank, seconds: from the start of the executor
     call to the end of its last compute action, minus the compute actions and minus the receive
     actions (posting plus waiting for a peer's data: the wait is what the simulator's dependencies
     and ``T_comm`` model). What is left is the loop and its bookkeeping, the ``isend`` calls and the
-    receives posted ahead -- the time between compute actions the simulator does not see."""
-    last = max(t1 for _, _, t1 in timing.records)
-    compute = sum(t1 - t0 for _, t0, t1 in timing.records)
+    receives posted ahead -- the time between compute actions the simulator does not see. Host
+    time (``timing.host_records``, ``timing.comm``): the loop runs on the host; on CUDA a compute
+    action's host time is its kernel launches, which count as compute here too."""
+    host = timing.host_records
+    last = max(t1 for _, _, t1 in host)
+    compute = sum(t1 - t0 for _, t0, t1 in host)
     recv = sum(t1 - t0 for a, t0, t1 in timing.comm if a.op.is_recv and t1 <= last)
     return max(0.0, last - timing.start - compute - recv)
 

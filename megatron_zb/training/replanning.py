@@ -31,8 +31,8 @@ from megatron_zb.schedules.costs import CostModel
 from megatron_zb.schedules.ir import Placement, Schedule
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import format_schedule_report, print_rank_0
-from megatron_zb.training.profiling import (ActionProfile, AgreedProfile, agree_on_profile, cost_model,
-                                            measure_t_comm, mem_w_ratio)
+from megatron_zb.training.profiling import (ActionProfile, AgreedProfile, ProfileWindow, agree_on_profile,
+                                            cost_model, measure_t_comm, mem_w_ratio)
 
 __all__ = ["SchedulePlanner"]
 
@@ -44,8 +44,10 @@ class SchedulePlanner:
         forward_backward: the callable with megatron-core's ``forward_backward_func`` signature.
         runtime: megatron-zb's ``ZeroBubbleForwardBackward`` (the same object), or ``None`` with
             megatron-core's schedule.
-        profile: the action times of the profiled iterations so far.
-        profiled_iterations: the iterations whose times ``profile`` holds.
+        profile: the action times of the profiled iterations (filled when the window ends).
+        window: the profiled iterations as measured until then (:class:`ProfileWindow`: on CUDA
+            their events are resolved with one synchronisation at the window's end).
+        profiled_iterations: the iterations profiled so far.
         restored_costs: the cost model a resumed run re-planned from (``None`` otherwise).
     """
 
@@ -56,12 +58,14 @@ class SchedulePlanner:
         self._initial = schedule
         self._stage_to_rank = list(schedule.stage_to_rank)
         self.profile = ActionProfile()
+        self.window = ProfileWindow()
         self.profiled_iterations: list[int] = []
         self.restored_costs: CostModel | None = None
         self.runtime: Any = None
-        self._last_compute_end: float | None = None  # perf_counter time of the last profiled compute action
-        self._bookkeeping = 0.0  # seconds the profiler itself spent after that action (left out of step_ms)
+        self._timed_previous = False  # the last profiled iteration measured times (its end starts a step_ms sample)
+        self._bookkeeping = 0.0  # seconds the profiler itself spent after that iteration (left out of step_ms)
         self._bytes_only = self._times_tracked = False  # this iteration measures activation bytes (only)
+        self._track_memory = False  # the runtime's track_memory outside the window
         if args.use_megatron_core_schedule:
             from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
             self.forward_backward: Any = megatron_func()
@@ -93,9 +97,9 @@ class SchedulePlanner:
         now = time.perf_counter()
         start, end = self._window
         profiling = self.runtime is not None and start <= iteration < end
-        if profiling and self._last_compute_end is not None and self.profiled_iterations[-1:] == [iteration - 1]:
-            self.profile.add_outside(now - self._last_compute_end - self._bookkeeping)  # not the profiler's own time
-        self._last_compute_end = None
+        if profiling and self._timed_previous and self.profiled_iterations[-1:] == [iteration - 1]:
+            self.window.add_next_start(now - self._bookkeeping)  # not the profiler's own time
+        self._timed_previous = False
         # the activation tracker's hooks slow the actions down (10-15% at hidden 64): with two or more
         # window iterations the first measures the bytes only, the others the times only
         self._bytes_only = profiling and not self.profiled_iterations and iteration < min(end - 1, self.args.train_iters)
@@ -108,19 +112,22 @@ class SchedulePlanner:
     def end_iteration(self, iteration: int, *, profiling: bool, seconds: float) -> bool:
         """Record a profiled iteration (``seconds``: wall time of its ``forward_backward_func`` call).
 
-        Returns whether the window is over and :meth:`replan` is due now.
+        Returns whether the window is over and :meth:`replan` is due now; then the window's timings
+        are resolved (one synchronisation on CUDA) and added to :attr:`profile`.
         """
         timing = self.runtime.last_timing if profiling else None
         if timing is not None:
             t0 = time.perf_counter()
             memory = self.runtime.last_memory if (self._bytes_only or self._times_tracked) else None
-            self.profile.add(timing, seconds, memory, times=not self._bytes_only)
+            self.window.add(timing, seconds, memory, times=not self._bytes_only)
             self._bookkeeping = time.perf_counter() - t0
             self.profiled_iterations.append(iteration)
-            if not self._bytes_only:
-                self._last_compute_end = max((t1 for _, _, t1 in timing.records), default=None)
+            self._timed_previous = not self._bytes_only and bool(timing.host_records)
         end = self._window[1]
-        return profiling and iteration == min(end - 1, self.args.train_iters) and bool(self.profiled_iterations)
+        due = profiling and iteration == min(end - 1, self.args.train_iters) and bool(self.profiled_iterations)
+        if due:
+            self.window.close(self.profile)
+        return due
 
     # ------------------------------------------------------------------ re-planning
     def replan(self) -> dict[str, Any] | None:
