@@ -15,31 +15,14 @@ import pytest
 
 from megatron_zb.testing.device_lint import ALLOWED, LINTED_PACKAGES, REPO_ROOT, lint_file, lint_packages
 
-#: Findings in the two files another branch is rewriting (issue 29): they are fixed there.
-#: EMPTY THIS SET when that branch merges; an entry that no longer matches a finding fails
-#: ``test_pending_entries_are_still_pending``, so it cannot be forgotten.
-PENDING_EXECUTOR_P2P_REWRITE: frozenset[tuple[str, str, str]] = frozenset({
-    # total_tokens: proposed fix torch.zeros([], dtype=torch.int, device=runtime.device)
-    ("megatron_zb/runtime/executor.py", "_Iteration.__init__", "torch.zeros"),
-})
-PENDING_FILES = ("megatron_zb/runtime/executor.py", "megatron_zb/runtime/p2p.py")
-
-
 def test_package_allocations_name_their_device():
     result = lint_packages()
-    refused = [str(f) for f in result.refused if f.key not in PENDING_EXECUTOR_P2P_REWRITE]
+    refused = [str(f) for f in result.refused]
     assert not refused, "tensor allocations without a device (pass the model's device):\n" + "\n".join(refused)
 
 
 def test_allow_list_entries_still_match_a_call():
     assert not lint_packages().stale_allowed, "remove these ALLOWED entries: the call is gone"
-
-
-def test_pending_entries_are_still_pending():
-    keys = {f.key for f in lint_packages().refused}
-    assert all(k[0] in PENDING_FILES for k in PENDING_EXECUTOR_P2P_REWRITE), "pending is for executor.py/p2p.py only"
-    stale = PENDING_EXECUTOR_P2P_REWRITE - keys
-    assert not stale, f"fixed: remove from PENDING_EXECUTOR_P2P_REWRITE: {sorted(stale)}"
 
 
 def test_allow_list_is_short_and_explained():
