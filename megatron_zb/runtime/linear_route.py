@@ -64,8 +64,9 @@ def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor | None:
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
-    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(weight.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
 
 
 def build_zb_linear_function(base: Any) -> Any:

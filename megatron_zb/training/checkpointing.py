@@ -158,6 +158,19 @@ def _adam_step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+def _adam_step(value: float, *, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """Adam's ``step`` tensor holding ``value``, where torch's Adam puts it (``torch/optim/adam.py``).
+
+    A fused or capturable group keeps ``step`` on the parameter's device (fp32 when fused); any
+    other group keeps it on the CPU on purpose (no kernel launch per step) -- the same rule
+    ``Optimizer.load_state_dict`` applies when it places a loaded ``step``.
+    """
+    if group.get("fused") or group.get("capturable"):
+        dtype = torch.float32 if group.get("fused") else _adam_step_dtype()
+        return torch.tensor(value, dtype=dtype, device=param.device)
+    return torch.tensor(value, dtype=_adam_step_dtype(), device="cpu")
+
+
 def _materialize_adam_state(optimizer: Any) -> None:
     """Give each parameter that has no Adam state yet the state torch's Adam creates at its first step.
 
@@ -173,7 +186,6 @@ def _materialize_adam_state(optimizer: Any) -> None:
 
     if isinstance(optimizer, PostValidationOptimizer):
         optimizer.validate()
-    scalar = _adam_step_dtype()
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         opt = getattr(part, "optimizer", None)
         if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
@@ -182,7 +194,7 @@ def _materialize_adam_state(optimizer: Any) -> None:
             for p in group["params"]:
                 if len(opt.state[p]) == 0:
                     st = opt.state[p]
-                    st["step"] = torch.tensor(0.0, dtype=scalar)
+                    st["step"] = _adam_step(0.0, param=p, group=group)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if group.get("amsgrad"):
@@ -203,7 +215,8 @@ def _restore_zero_steps(optimizer_sd: Any) -> None:
             continue
         for param_state in state.values():
             if isinstance(param_state, dict) and "exp_avg" in param_state and "step" not in param_state:
-                param_state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                # load_state_dict moves it to the parameter's device where the group needs it
+                param_state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
 
 
 def _saved_adam_steps(optimizer: Any, optimizer_sd: Any) -> list[float | None]:
@@ -235,14 +248,15 @@ def _give_each_param_its_step(optimizer: Any, steps: Sequence[float | None]) -> 
     in place once per parameter, so a shared tensor grows by the number of parameters per
     iteration; either makes the bias correction wrong from the first resumed step on.
     """
-    dtype = _adam_step_dtype()
     for part, step in zip(getattr(optimizer, "chained_optimizers", [optimizer]), steps):
         opt = part.optimizer
         if step is None or not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
             continue  # apex/TE FusedAdam: the step lives in the param groups
-        for param_state in opt.state.values():
-            if "step" in param_state:
-                param_state["step"] = torch.tensor(step, dtype=dtype)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                param_state = opt.state.get(p)
+                if param_state is not None and "step" in param_state:
+                    param_state["step"] = _adam_step(step, param=p, group=group)
 
 
 def _load_optimizer_state(optimizer: Any, optimizer_sd: Any, *, distributed: bool) -> None:

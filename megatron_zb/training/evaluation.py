@@ -23,7 +23,7 @@ def evaluate(args: argparse.Namespace, *, forward_backward: Callable[..., list[A
     """
     for m in modules:
         m.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device="cpu")  # host bookkeeping, as sum_lm_loss
     with torch.no_grad():
         for _ in range(args.eval_iters):
             out = run_batch(forward_backward, model=modules, iterators=iterators, args=args, device=dist_ctx.device,

@@ -55,7 +55,7 @@ def run_batch(forward_backward: Callable[..., list[Any]], *, model: Sequence[Any
 
 def sum_lm_loss(reports: Sequence[dict[str, torch.Tensor]], into: torch.Tensor | None = None) -> torch.Tensor:
     """``[masked loss sum, tokens]`` of ``reports`` (float64, CPU), added to ``into`` in place when given."""
-    total = into if into is not None else torch.zeros(2, dtype=torch.float64)
+    total = into if into is not None else torch.zeros(2, dtype=torch.float64, device="cpu")
     for d in reports:
         total += d["lm loss"].detach().to("cpu", torch.float64)
     return total

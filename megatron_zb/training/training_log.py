@@ -62,7 +62,7 @@ def gather_losses(values: Sequence[tuple[float, float] | None], *, stage_to_rank
     buf = torch.zeros(2 * count, dtype=torch.float64, device=dist_ctx.device)
     if dist_ctx.pp_rank == holder_pp:
         buf.copy_(torch.tensor([x for v in values for x in (v if v is not None else (0.0, 0.0))],
-                               dtype=torch.float64))
+                               dtype=torch.float64, device=buf.device))
         if parallel_state.get_data_parallel_world_size() > 1:
             dist.all_reduce(buf, group=parallel_state.get_data_parallel_group())
     if dist.get_world_size(dist_ctx.pp_group) > 1:
