@@ -73,16 +73,19 @@ class PipelineStepFunctions(NamedTuple):
     backward_step: Callable[..., Any]
     check_first_val_step: Callable[..., Any]
     get_tensor_shapes: Callable[..., Any]
+    deallocate_output_tensor: Callable[..., Any]
 
 
 def pipeline_step_functions() -> PipelineStepFunctions:
-    """megatron-core's ``forward_step``, ``backward_step``, ``check_first_val_step`` and
-    ``get_tensor_shapes``, which the executor calls so that loss scaling, per-token loss
-    normalisation and the forward data store stay megatron-core's."""
+    """megatron-core's ``forward_step``, ``backward_step``, ``check_first_val_step``,
+    ``get_tensor_shapes`` and ``deallocate_output_tensor``, which the executor calls so that loss
+    scaling, per-token loss normalisation, the forward data store and the pseudo-freeing of stage
+    outputs (``deallocate_pipeline_outputs``) stay megatron-core's."""
     from megatron.core.pipeline_parallel import schedules
 
     return PipelineStepFunctions(schedules.forward_step, schedules.backward_step,
-                                 schedules.check_first_val_step, schedules.get_tensor_shapes)
+                                 schedules.check_first_val_step, schedules.get_tensor_shapes,
+                                 schedules.deallocate_output_tensor)
 
 
 # ---------------------------------------------------------------------------- platform shim

@@ -49,6 +49,24 @@ def test_pp4_schedules_match_megatron_1f1b_bitwise():
         _assert_same(ref, got, what=f"PP=4 {schedule}")
 
 
+def test_stage_outputs_are_pseudo_freed_as_megatron_core_requires():
+    """Megatron-LM always sets ``deallocate_pipeline_outputs`` (TinyGPT's config does too, through
+    ``cpu_gpt_config``): megatron-core's ``backward_step`` then asserts that every stage output was
+    pseudo-freed before its backward. With the flag off the outputs are kept; both match
+    megatron-core's 1F1B run with the same setting, on the plain placement and on the V tip."""
+    from megatron_zb.model import cpu_gpt_config
+
+    assert cpu_gpt_config(num_layers=1, hidden_size=8, num_attention_heads=1).deallocate_pipeline_outputs
+    off = TinyGPT(pp=2, config_options={"deallocate_pipeline_outputs": False})
+    ref = TinyGPT.merge(run_distributed(partial(run_step, off, schedule=None), world_size=2, timeout=90))
+    got = TinyGPT.merge(run_distributed(partial(run_step, off, schedule="zb"), world_size=2, timeout=90))
+    _assert_same(ref, got, what="zb without deallocate_pipeline_outputs")
+    ref1 = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=1, config_options=off.config_options),
+                                                 schedule=None), world_size=1, timeout=90))
+    got = TinyGPT.merge(run_distributed(partial(run_step, off, schedule="zbv"), world_size=2, timeout=90))
+    _assert_same(ref1, got, what="zbv without deallocate_pipeline_outputs")
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_tp2_pp2_matches_megatron_1f1b(sequence_parallel):
     """TP all-reduce (or SP reduce-scatter) in B; the W pass re-gathers SP inputs."""

@@ -184,10 +184,13 @@ class SeededTransformerLayer(TransformerLayer):
 
 # ---------------------------------------------------------------------- building
 def cpu_gpt_config(*, num_layers: int, hidden_size: int, num_attention_heads: int, **kwargs: Any) -> TransformerConfig:
-    """A ``TransformerConfig`` for CPU runs: CPU init, fp32 params and pipeline dtype.
+    """A ``TransformerConfig`` for CPU runs: CPU init, fp32 params and pipeline dtype, and stage
+    outputs pseudo-freed once sent (``deallocate_pipeline_outputs``, which Megatron-LM's
+    ``core_transformer_config_from_args`` always sets).
 
     ``kwargs`` override or extend (e.g. ``hidden_dropout=0.0``, ``tensor_model_parallel_size=2``).
     """
+    kwargs.setdefault("deallocate_pipeline_outputs", True)
     kwargs.setdefault("use_cpu_initialization", True)
     kwargs.setdefault("pipeline_dtype", torch.float32)
     kwargs.setdefault("params_dtype", torch.float32)

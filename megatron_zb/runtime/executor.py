@@ -176,6 +176,7 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
                 it.received(a, comm.wait_recv(a))
             elif step is Step.SEND:
                 comm.send(a, it.to_send(a, (a.mb, a.stage)))
+                it.sent(a)
             else:
                 comm.release(a)
             t1, u1 = clock(), cpu()
@@ -237,6 +238,10 @@ class _Iteration:
         steps = pipeline_step_functions()
         self._forward_step, self._backward_step = steps.forward_step, steps.backward_step
         self._check_first_val_step = steps.check_first_val_step
+        self._deallocate = steps.deallocate_output_tensor
+        # megatron-core's deallocate_pipeline_outputs (Megatron-LM always sets it): a stage output
+        # is pseudo-freed once sent or handed over, and B calls custom_backward, which requires it
+        self.pseudo_free = bool(getattr(config, "deallocate_pipeline_outputs", False)) and not plan.forward_only
         self.runtime, self.store, self.config, self.memory = runtime, store, config, memory
         self.forward_step_func, self.collect_non_loss_data = forward_step_func, collect_non_loss_data
         self.cp_group_size, self.first_val_step = cp_group_size, first_val_step
@@ -260,6 +265,12 @@ class _Iteration:
             self.stage_inputs[(a.mb, a.stage + 1)] = t.requires_grad_(not self.forward_only)
         else:
             self.output_grads[(a.mb, a.stage - 1)] = t
+
+    def sent(self, a: Action) -> None:
+        """After a ``SEND_F`` was issued: pseudo-free the stage output (the send holds its own view
+        of the storage until it is released, :mod:`~megatron_zb.runtime.p2p`)."""
+        if self.pseudo_free and a.op is Op.SEND_F:
+            self._deallocate(_first(self.outputs[(a.mb, a.stage)]), True)
 
     def to_send(self, a: Action, key: tuple[int, int]) -> torch.Tensor:
         """The tensor a ``SEND_F`` / ``SEND_B`` sends (dropped here once nothing else needs it)."""
@@ -296,6 +307,8 @@ class _Iteration:
             self.stage_inputs[(a.mb, stage + 1)] = _first(out).detach().requires_grad_(not fo)
         if not fo or (stage < self.last and not handed_over):  # for B/BW, or for the SEND_F
             self.outputs[key] = out
+        if self.pseudo_free and (stage == self.last or handed_over):  # nothing to send: free it now
+            self._deallocate(_first(out), True)
 
     def backward(self, a: Action, key: tuple[int, int], *, deferred: bool) -> None:
         """``B`` (``deferred``: weight gradients queued in the store for W) or ``BW``."""
