@@ -103,12 +103,14 @@ def _microbatches(model: ModelShape, iteration: int, dp_rank: int) -> list[dict[
 
 
 class _Mark(torch.autograd.Function):
-    """Identity whose backward logs that a chunk's backward for a microbatch started."""
+    """Identity whose backward logs that a chunk's backward for a microbatch started. Its output
+    shares ``x``'s storage without being a view (``detach``): schedules pseudo-free stage outputs
+    (``deallocate_pipeline_outputs``), which megatron-core refuses for a view."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, log: list, event: tuple) -> torch.Tensor:
         ctx.log, ctx.event = log, event
-        return x.view_as(x)
+        return x.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
