@@ -118,6 +118,7 @@ def measure_stage_memory(chunks: list[Any], spec: ModelSpec) -> dict[int, tuple[
                                          current_microbatch=0, is_last_stage=ch.plan.post_process)
         gc.collect()
         mem_b = tracker.current_bytes
+        steps.deallocate_output_tensor(o[0] if isinstance(o, list) else o, model.config.deallocate_pipeline_outputs)
         grad = None if ch.plan.post_process else torch.randn(shape, generator=g)
         key = 1 << 30
         with store.deferring(stage, key):
