@@ -169,6 +169,9 @@ class FamilyResult:
         throughput: samples per second per GPU.
         peak_activation_gib, param_optimizer_gib, peak_memory_gib: of the rank with the largest
             total (GiB); the first two are each the maximum over ranks.
+        peak_memory_per_rank_gib, peak_activation_per_rank_gib, param_optimizer_per_rank_gib: the
+            same per pipeline rank (GiB; total = activation + parameters and optimizer state), what a
+            measured per-rank peak compares with (``scripts/gpu_selftest.sh``'s memory step).
         fits: ``peak_memory_gib <= memory_fraction * GPU memory``.
         memory_limit_n: for ``zb``, the ``--zero-bubble-max-pending-backward`` value planned.
         cost_source: where the stage costs came from (:class:`StageTable`).
@@ -191,6 +194,9 @@ class FamilyResult:
     peak_activation_gib: float | None = None
     param_optimizer_gib: float | None = None
     peak_memory_gib: float | None = None
+    peak_memory_per_rank_gib: list[float] | None = None
+    peak_activation_per_rank_gib: list[float] | None = None
+    param_optimizer_per_rank_gib: list[float] | None = None
     fits: bool | None = None
     memory_limit_n: int | None = None
     cost_source: str | None = None
@@ -345,5 +351,7 @@ def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], t
         dp_sync_ms=dp_ms, step_source=step_source, duration_spread_ms=spread_ms, bubble_rate=res.bubble_rate,
         throughput=par.num_microbatches * model.micro_batch_size / (iteration / 1000.0) / (par.pp * par.tp),
         peak_activation_gib=max(res.peak_memory) / GIB, param_optimizer_gib=max(param_bytes) / GIB,
-        peak_memory_gib=peak, fits=peak * GIB <= source.usable_bytes, memory_limit_n=n_limit, cost_source=table.source,
-        result=res)
+        peak_memory_gib=peak, peak_memory_per_rank_gib=[t / GIB for t in totals],
+        peak_activation_per_rank_gib=[a / GIB for a in res.peak_memory],
+        param_optimizer_per_rank_gib=[p / GIB for p in param_bytes],
+        fits=peak * GIB <= source.usable_bytes, memory_limit_n=n_limit, cost_source=table.source, result=res)

@@ -8,6 +8,8 @@ JSON (``plan --json FILE``)::
          "peak_memory_gib": 57.5, "fits": true,
          "throughput_samples_per_gpu_s": 14.6, "makespan_ms": ..., "optimizer_ms": ...,
          "dp_sync_ms": ..., "peak_activation_gib": ..., "param_optimizer_gib": ...,
+         "peak_memory_per_rank_gib": [...], "peak_activation_per_rank_gib": [...],
+         "param_optimizer_per_rank_gib": [...],   # per pipeline rank, rank order
          "chunks": 1, "memory_limit_n": null, "cost_source": "estimate", "step_source": "estimate",
          "duration_spread_ms": null}, ...],  # > 0: a profile's measured duration spread (planner doc)
       "recommended": "zb-2p",             # fastest that fits, or null
@@ -33,7 +35,8 @@ from .memory import GIB
 from .planner import SPREAD_DRAWS, FamilyResult, Plan
 
 _KEYS = ("iteration_time_ms", "bubble_rate", "peak_memory_gib", "fits")
-_MORE = ("makespan_ms", "optimizer_ms", "dp_sync_ms", "peak_activation_gib", "param_optimizer_gib", "chunks",
+_MORE = ("makespan_ms", "optimizer_ms", "dp_sync_ms", "peak_activation_gib", "param_optimizer_gib",
+         "peak_memory_per_rank_gib", "peak_activation_per_rank_gib", "param_optimizer_per_rank_gib", "chunks",
          "memory_limit_n", "cost_source", "step_source", "duration_spread_ms")
 
 
