@@ -68,6 +68,12 @@ RECV_B = Action(Op.RECV_B, 0, 1, peer=1)
 SEND_F = Action(Op.SEND_F, 0, 0, peer=1)
 
 
+def test_wait_policy_follows_the_backend():
+    assert WaitPolicy.for_backend("nccl") is WaitPolicy.STREAM
+    assert WaitPolicy.for_backend("cpu:gloo,cuda:nccl") is WaitPolicy.STREAM
+    assert WaitPolicy.for_backend("gloo") is WaitPolicy.HOST
+
+
 def test_ring_directions_give_each_direction_its_own_communicator():
     assert ring_directions(1) == []
     assert ring_directions(2) == [(0, 1), (1, 0)]

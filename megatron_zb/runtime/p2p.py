@@ -61,8 +61,8 @@ class WaitPolicy(enum.Enum):
 
     @staticmethod
     def for_backend(backend: str) -> "WaitPolicy":
-        """``STREAM`` for NCCL, ``HOST`` for every other backend."""
-        return WaitPolicy.STREAM if backend == "nccl" else WaitPolicy.HOST
+        """``STREAM`` for NCCL (also a mixed ``"cpu:gloo,cuda:nccl"`` group), ``HOST`` otherwise."""
+        return WaitPolicy.STREAM if "nccl" in str(backend) else WaitPolicy.HOST
 
 
 class PipeChannels:
