@@ -144,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring); prints the table and returns 0."""
     import torch
 
+    from .cli_args import pipeline_ranks_from_gpus
     from .distributed import DEVICE_ENV, run_distributed
 
     ap = argparse.ArgumentParser(prog="python -m megatron_zb.testing.gpu_bench", description=__doc__.split("\n")[0])
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="hard limit of the whole run, seconds")
     args = ap.parse_args(argv)
     cuda = os.environ.get(DEVICE_ENV, "cpu") == "cuda"
-    pp = args.pp if args.pp is not None else (torch.cuda.device_count() if cuda else 0)
+    pp = pipeline_ranks_from_gpus(args.pp)
     if pp < 2:
         print(f"gpu_bench: a pipeline needs at least 2 ranks (got --pp {pp}); nothing to compare", file=sys.stderr)
         return 2

@@ -75,12 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring)."""
     from ..cli import main as cli_main
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        print("memory_check: give megatron-zb plan's model and layout flags after '--'", file=sys.stderr)
+    from .cli_args import split_passthrough
+
+    parts = split_passthrough(sys.argv[1:] if argv is None else argv, prog="memory_check",
+                              what="megatron-zb plan's model and layout flags")
+    if parts is None:
         return 2
-    cut = argv.index("--")
-    own, plan_flags = argv[:cut], argv[cut + 1:]
+    own, plan_flags = parts
     ap = argparse.ArgumentParser(prog="python -m megatron_zb.testing.memory_check", description=__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="output directory of a megatron_zb.testing.pretrain_run launch")
     ap.add_argument("--schedule", required=True, help="the run's schedule (registry name, e.g. zb-h1)")

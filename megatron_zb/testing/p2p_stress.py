@@ -238,9 +238,8 @@ def table(rows: list[Outcome]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring)."""
-    import torch
-
     from ..schedules.registry import schedule_names
+    from .cli_args import pipeline_ranks_from_gpus
     from .distributed import DEVICE_ENV
 
     d = StressModel()
@@ -260,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--grad-rtol", type=float, default=1e-3, help="gradient-norm tolerance between schedules")
     args = ap.parse_args(argv)
     cuda = os.environ.get(DEVICE_ENV, "cpu") == "cuda"
-    pp = args.pp if args.pp is not None else (torch.cuda.device_count() if cuda else 0)
+    pp = pipeline_ranks_from_gpus(args.pp)
     if pp < 2:
         print(f"p2p stress: skipped: needs 2 GPUs (pipeline ranks), got --pp {pp}", file=sys.stderr)
         return 2

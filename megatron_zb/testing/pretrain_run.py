@@ -187,12 +187,13 @@ def _tee(stream: Any, path: Path, lines: list[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        print("pretrain_run: give the pretrain_gpt_zb.py flags after '--'", file=sys.stderr)
+    from .cli_args import split_passthrough
+
+    parts = split_passthrough(sys.argv[1:] if argv is None else argv, prog="pretrain_run",
+                              what="the pretrain_gpt_zb.py flags")
+    if parts is None:
         return 2
-    cut = argv.index("--")
-    own, flags = argv[:cut], argv[cut + 1:]
+    own, flags = parts
     ap = argparse.ArgumentParser(prog="python -m megatron_zb.testing.pretrain_run",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=1, help="processes (torchrun --nproc_per_node)")
