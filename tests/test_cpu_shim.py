@@ -78,6 +78,19 @@ def test_tensor_cuda_callers_can_be_widened_by_prefix():
         cpu_shim.allow_tensor_cuda_from("")
 
 
+def test_cpu_torch_stand_in_overrides_only_its_own_torch_cuda():
+    from megatron_zb.platform.cpu_shim import cpu_torch_stand_in
+
+    stand_in = cpu_torch_stand_in(device_count=lambda: 1)
+    assert stand_in.cuda.device_count() == 1 and torch.cuda.device_count() == 0
+    assert stand_in.zeros(2, device="cuda").device.type == "cpu"
+    stream = stand_in.cuda.Stream()
+    assert stand_in.cuda.current_stream() is stream
+    with stand_in.cuda.stream(stream):
+        stream.wait_stream(stand_in.cuda.current_stream())
+    assert stand_in.nn is torch.nn and stand_in.cuda.is_available is torch.cuda.is_available
+
+
 def _rerun_reduce_any() -> tuple[bool, tuple[bool, ...], str]:
     """megatron-core's ``RerunStateMachine._reduce_any`` (``device="cuda"``; Megatron-LM calls it every step)."""
     import megatron.core.tensor_parallel.data as tp_data
