@@ -23,8 +23,10 @@ setup(
         "ortools>=9.10",  # exact schedule solver (CP-SAT)
     ],
     extras_require={
-        # transformers: the GPT2BPETokenizer / HuggingFaceTokenizer tests (tests/test_tokenizers.py)
-        "test": ["pytest>=8", "hypothesis>=6", "transformers"],
+        # transformers: the GPT2BPETokenizer / HuggingFaceTokenizer tests (tests/test_tokenizers.py);
+        # pyyaml, regex, pydantic, six: imported at top level by Megatron-LM's training package, which
+        # tests/test_megatron_lm_loop.py runs (megatron_zb/testing/megatron_lm.py; not needed otherwise)
+        "test": ["pytest>=8", "hypothesis>=6", "transformers", "pyyaml", "regex", "pydantic", "six"],
         # GPU only: fused wgrad_gemm_accum kernels and TE layers. Neither runs on a CPU machine;
         # apex is not on PyPI (the "apex" there is an unrelated project): build NVIDIA apex from
         # source with --cpp_ext --cuda_ext.

@@ -100,9 +100,15 @@ CUDA_FACTORY_MODULES: tuple[str, ...] = (
     "megatron.core.dist_checkpointing.exchange_utils",  # exchange buffers for fully-parallel load
     "megatron.core.transformer.utils",  # get_default_causal_mask (attention_mask=None, causal)
     "megatron.core.utils",  # local_multi_tensor_l2_norm: grad-norm for clip_grads without apex/TE
+    "megatron.core.rerun_state_machine",  # RerunStateMachine._reduce_any: torch.tensor(..., device="cuda"), every step
+    "megatron.core.tensor_parallel.data",  # _build_key_size_numel_dictionaries: sizes_cuda (broadcast_data, TP > 1)
 )
 """megatron-core modules whose module-global ``torch`` the CPU shim replaces (they create
 tensors with ``device="cuda"``)."""
+
+TENSOR_CUDA_CALLERS: tuple[str, ...] = ("megatron.core.",)
+"""Module prefixes whose ``Tensor.cuda()`` calls the CPU shim answers with the CPU tensor (more can be
+added at run time with ``cpu_shim.allow_tensor_cuda_from``, e.g. by a harness running Megatron-LM)."""
 
 TYPE_NAME_CALLERS: tuple[str, ...] = ("megatron.core.optimizer.",)
 """Module prefixes whose code classifies parameters by ``Tensor.type()`` names (``torch.cuda.*``)."""

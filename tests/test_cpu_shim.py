@@ -61,6 +61,51 @@ def test_shim_changes_nothing_when_cuda_is_available():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
+
+def test_tensor_cuda_callers_can_be_widened_by_prefix():
+    from megatron_zb.platform import cpu_shim
+
+    code = "def move(t):\n    return t.cuda()\n"
+    caller: dict[str, object] = {"__name__": "megatron_zb_test_caller.mod"}
+    exec(compile(code, "<megatron_zb_test_caller>", "exec"), caller)
+    t = torch.ones(2)
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        caller["move"](t)  # type: ignore[operator]
+    cpu_shim.allow_tensor_cuda_from("megatron_zb_test_caller.")
+    assert "megatron_zb_test_caller." in cpu_shim.tensor_cuda_callers()
+    assert caller["move"](t) is t  # type: ignore[operator]
+    with pytest.raises(ValueError):
+        cpu_shim.allow_tensor_cuda_from("")
+
+
+def test_cpu_torch_stand_in_overrides_only_its_own_torch_cuda():
+    from megatron_zb.platform.cpu_shim import cpu_torch_stand_in
+
+    stand_in = cpu_torch_stand_in(device_count=lambda: 1)
+    assert stand_in.cuda.device_count() == 1 and torch.cuda.device_count() == 0
+    assert stand_in.zeros(2, device="cuda").device.type == "cpu"
+    stream = stand_in.cuda.Stream()
+    assert stand_in.cuda.current_stream() is stream
+    with stand_in.cuda.stream(stream):
+        stream.wait_stream(stand_in.cuda.current_stream())
+    assert stand_in.nn is torch.nn and stand_in.cuda.is_available is torch.cuda.is_available
+
+
+def _rerun_reduce_any() -> tuple[bool, tuple[bool, ...], str]:
+    """megatron-core's ``RerunStateMachine._reduce_any`` (``device="cuda"``; Megatron-LM calls it every step)."""
+    import megatron.core.tensor_parallel.data as tp_data
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    machine = RerunStateMachine()
+    device = tp_data.torch.tensor([1], device="cuda").device.type  # broadcast_data's size buffer (TP > 1)
+    return machine._reduce_any(True), machine._reduce_any([False, True]), device
+
+
+def test_rerun_state_machine_reduces_on_cpu():
+    [(one, many, device)] = run_distributed(_rerun_reduce_any, world_size=1, timeout=60)
+    assert one is True and many == (False, True) and device == "cpu"
+
+
 # ---------------------------------------------------------------------- RNG tracker
 def _rng_tracker() -> dict[str, object]:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed

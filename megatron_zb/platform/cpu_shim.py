@@ -24,8 +24,9 @@ The patches, narrowest first (``docs/cpu_support.md`` has the why and what is ve
   dispatcher's host copy of its split sizes returns NumPy arrays for CPU tensors too (as it does
   for CUDA tensors), which ``all_to_all_single`` needs.
 * caller-scoped tensor methods: ``Tensor.cuda()`` called *from megatron-core code* returns
-  the CPU tensor; ``Tensor.type()`` called from megatron-core's optimizer modules reports
-  the ``torch.cuda.*`` name those modules test for. Calls from anywhere else are untouched
+  the CPU tensor (a test harness may name more callers: :func:`allow_tensor_cuda_from`);
+  ``Tensor.type()`` called from megatron-core's optimizer modules reports the ``torch.cuda.*``
+  name those modules test for. Calls from anywhere else are untouched
   (``Tensor.cuda()`` still raises, as it does on any CPU build).
 * ``torch.cuda`` functions that cannot work without CUDA: ``current_device`` returns
   ``torch.device("cpu")``; ``synchronize`` is a no-op (CPU work is synchronous);
@@ -53,15 +54,18 @@ from typing import Any, Callable
 import torch
 
 from ..megatron_compat import (CUDA_FACTORY_MODULES, CUDA_STREAM_MODULES, MOE_HOST_COPY, MOE_TE_NAMES, RNG_MODULE,
-                               RNG_STATE_HELPERS, TYPE_NAME_CALLERS, sharded_tensor_class, torch_norm_class)
+                               RNG_STATE_HELPERS, TENSOR_CUDA_CALLERS, TYPE_NAME_CALLERS, sharded_tensor_class,
+                               torch_norm_class)
 
-__all__ = ["CUDA_FACTORY_MODULES", "CUDA_STREAM_MODULES", "install_cpu_shim", "is_installed"]
+__all__ = ["CUDA_FACTORY_MODULES", "CUDA_STREAM_MODULES", "allow_tensor_cuda_from", "cpu_torch_stand_in",
+           "install_cpu_shim", "is_installed", "tensor_cuda_callers"]
 
 _TENSOR_FACTORIES: tuple[str, ...] = ("empty", "empty_like", "full", "ones", "tensor", "zeros", "zeros_like")
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 _CPU = torch.device("cpu")
 
 _installed = False
+_tensor_cuda_callers: tuple[str, ...] = TENSOR_CUDA_CALLERS
 
 
 def is_installed() -> bool:
@@ -209,13 +213,34 @@ def _patch_factory_modules() -> None:
 
 
 # ---------------------------------------------------------------------- tensor methods
+def tensor_cuda_callers() -> tuple[str, ...]:
+    """Module-name prefixes whose ``Tensor.cuda()`` calls return the CPU tensor (see :func:`allow_tensor_cuda_from`)."""
+    return _tensor_cuda_callers
+
+
+def allow_tensor_cuda_from(*prefixes: str) -> None:
+    """Also answer ``Tensor.cuda()`` with the CPU tensor when it is called from a module whose
+    ``__name__`` starts with one of ``prefixes`` (e.g. ``"megatron.training."`` for a harness running
+    Megatron-LM's loop on CPU). The caller is judged inside the shim's own wrapper, so a harness adds
+    prefixes here instead of wrapping ``Tensor.cuda`` again (which would hide the real caller).
+    Idempotent; takes effect at once, whether or not the shim is installed yet.
+    """
+    global _tensor_cuda_callers
+    for prefix in prefixes:
+        if not prefix or not isinstance(prefix, str):
+            raise ValueError(f"a caller prefix must be a non-empty module-name prefix, got {prefix!r}")
+        if prefix not in _tensor_cuda_callers:
+            _tensor_cuda_callers = (*_tensor_cuda_callers, prefix)
+
+
 def _patch_tensor_methods() -> None:
     real_cuda = torch.Tensor.cuda
     real_type = torch.Tensor.type
 
     def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """``Tensor.cuda()``; called from megatron-core on a CPU-only build it returns the CPU tensor."""
-        if _caller_module(1).startswith("megatron.core."):
+        """``Tensor.cuda()``; called from megatron-core (:func:`tensor_cuda_callers`) on a CPU-only build it
+        returns the CPU tensor."""
+        if _caller_module(1).startswith(_tensor_cuda_callers):
             return self if self.device.type == "cpu" else self.cpu()
         return real_cuda(self, *args, **kwargs)
 
@@ -343,6 +368,20 @@ class _CpuStreamCuda(types.ModuleType):
         return getattr(torch.cuda, name)
 
 
+def cpu_torch_stand_in(**cuda_overrides: Any) -> types.ModuleType:
+    """A ``torch`` stand-in for one module's globals: ``device="cuda"`` factories allocate on CPU and its
+    ``torch.cuda`` has the synchronous CPU stream (``Stream``, ``current_stream``, ``stream``); every
+    other attribute is the real ``torch`` / ``torch.cuda``. ``cuda_overrides`` set more ``torch.cuda``
+    attributes of this stand-in only (a test harness answering e.g. ``device_count`` for one module).
+    """
+    stand_in = _CpuFactoryTorch()
+    cuda = _CpuStreamCuda()
+    for name, value in cuda_overrides.items():
+        setattr(cuda, name, value)
+    stand_in.cuda = cuda  # type: ignore[attr-defined]
+    return stand_in
+
+
 def _cpu_host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """megatron's ``maybe_move_tensor_to_cpu`` on CPU: the tensor is on the host already; NumPy if asked."""
     if torch.is_tensor(tensor) and as_numpy:
@@ -359,8 +398,7 @@ def _patch_stream_modules() -> None:
         raise RuntimeError(f"megatron_zb CPU shim: {module_name}.{name} is missing; megatron-core changed?")
     setattr(module, name, _cpu_host_copy)
 
-    stand_in = _CpuFactoryTorch()
-    stand_in.cuda = _CpuStreamCuda()  # type: ignore[attr-defined]
+    stand_in = cpu_torch_stand_in()
     for name in CUDA_STREAM_MODULES:
         module = importlib.import_module(name)
         if module.__dict__.get("torch") is not torch:

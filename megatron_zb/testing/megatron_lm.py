@@ -1,0 +1,402 @@
+"""Run NVIDIA Megatron-LM's own training loop (``pretrain_gpt.py``) on CPU with gloo, for tests.
+
+Test code, not the product's run path. :func:`run_megatron_lm` starts ``world_size`` processes on
+127.0.0.1 (torchrun's environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``). Each runs :mod:`megatron_zb.testing.megatron_lm_main` as its ``__main__``, which
+
+1. applies the CPU workarounds (:mod:`megatron_zb.testing.megatron_lm_workarounds`; each names the
+   Megatron-LM / megatron-core line it answers) and installs the recorders below;
+2. runs the optional *plugin step* -- the lines a user would add to ``pretrain_gpt.py``, e.g.
+   ``"import megatron_zb; megatron_zb.patch_megatron('zb')"`` (a code string) or
+   ``"package.module:function"`` (an importable callable, called with no argument);
+3. executes Megatron-LM's unmodified ``pretrain_gpt.py`` inside that same ``__main__`` module, so
+   dist-checkpointing's results process (spawn start method, re-imports ``__main__``) imports
+   the harness's entry script, not a bare ``pretrain_gpt.py`` without the workarounds.
+
+Megatron-LM's files are found through ``MEGATRON_LM_DIR`` or ``../shared/megatron-lm-core_v0.16.1``
+relative to the project root (:func:`find_megatron_lm`); they are never copied or edited.
+
+What comes back (:class:`MegatronLMRun`): per iteration the ``lm loss`` and ``grad norm`` as
+Megatron-LM prints them (the last rank's `` iteration N/ M | ...`` lines), the same values exactly
+(``training_log``'s arguments, recorded on every rank; :attr:`IterationLog.exact`), and, with
+``params=True``, every rank's parameters after training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = [
+    "CPU_FLAGS", "LLAMA_FLAGS", "MEGATRON_LM_ENV", "MOCK_DATA_FLAGS", "PLUGIN_CALLABLE", "SKIP_REASON",
+    "TINY_GPT_FLAGS",
+    "IterationLog", "MegatronLMError", "MegatronLMRun", "bitwise_differences", "find_megatron_lm",
+    "parse_iteration_lines", "run_megatron_lm",
+]
+
+MEGATRON_LM_ENV = "MEGATRON_LM_DIR"
+"""Environment variable naming a Megatron-LM checkout (core_v0.16.1) holding ``pretrain_gpt.py``."""
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+SHARED_RELATIVE = Path("..") / "shared" / "megatron-lm-core_v0.16.1"
+"""Where Megatron-LM's files are looked for, relative to the project root, without ``MEGATRON_LM_ENV``."""
+SKIP_REASON = (f"Megatron-LM core_v0.16.1 not found: set {MEGATRON_LM_ENV} to a checkout holding pretrain_gpt.py "
+               f"(or provide ../shared/megatron-lm-core_v0.16.1 beside the project root)")
+"""The one sentence tests skip with when :func:`find_megatron_lm` finds nothing."""
+
+CPU_FLAGS: tuple[str, ...] = (
+    "--distributed-backend", "gloo",  # NCCL needs GPUs
+    "--transformer-impl", "local",  # no Transformer Engine on CPU
+    "--no-gradient-accumulation-fusion",  # the fused wgrad kernel needs apex (CUDA)
+    "--no-persist-layer-norm",  # apex's persistent LayerNorm kernel
+    "--no-masked-softmax-fusion",  # the fused softmax kernel (used with --bf16/--fp16)
+    "--no-rope-fusion",  # the fused RoPE kernel (needed with --position-embedding-type rope)
+    # Speed only: each avoids ~10 s of torch.compile on CPU at the first iteration.
+    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion",
+)
+"""Flags every CPU run of Megatron-LM's loop needs (``../shared/notes/megatron-lm-loop-on-cpu.md``).
+Do not add ``--attention-backend local``: Megatron-LM accepts it only with ``--spec local``."""
+
+MOCK_DATA_FLAGS: tuple[str, ...] = (
+    "--mock-data",  # megatron-core's MockGPTDataset: no files, deterministic
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",  # offline; padded vocab 128
+    "--log-interval", "1",  # one log line per iteration (parsed by run_megatron_lm)
+    "--eval-interval", "1000000", "--eval-iters", "0",  # --train-iters requires an eval interval
+    "--seed", "1234",
+)
+"""Data, tokenizer and logging for a self-contained run (no data files, no network)."""
+
+TINY_GPT_FLAGS: tuple[str, ...] = (
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--weight-decay", "0.01",
+    "--clip-grad", "1.0",
+)
+"""A tiny GPT-2-style model (learned positions, LayerNorm, GeLU, biases, tied embeddings);
+default dropout. Add ``--global-batch-size`` and ``--train-iters``."""
+
+LLAMA_FLAGS: tuple[str, ...] = (
+    "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "176", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2",
+    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--no-rope-fusion",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--weight-decay", "0.1",
+    "--adam-beta2", "0.95", "--clip-grad", "1.0",
+)
+"""A tiny LLaMA-style model (RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings), as in
+Megatron-LM's LLaMA example scripts but with default dropout. Add ``--global-batch-size`` and
+``--train-iters``."""
+
+_PLUGIN_ENV = "MEGATRON_ZB_MLM_PLUGIN"
+_OUT_ENV = "MEGATRON_ZB_MLM_OUT"
+_PARAMS_ENV = "MEGATRON_ZB_MLM_PARAMS"
+_MAIN_SCRIPT = Path(__file__).with_name("megatron_lm_main.py")
+PLUGIN_CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+"""A plugin step matching this is ``module:function`` (imported and called); anything else is code."""
+_ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
+
+
+def find_megatron_lm(project_root: str | Path | None = None) -> Path | None:
+    """The Megatron-LM folder to run: ``$MEGATRON_LM_DIR`` when set (and holding ``pretrain_gpt.py``),
+    else ``../shared/megatron-lm-core_v0.16.1`` relative to ``project_root`` (default: this
+    project's root); None when neither holds ``pretrain_gpt.py``."""
+    root = Path(project_root) if project_root is not None else PROJECT_ROOT
+    candidates = [Path(os.environ[MEGATRON_LM_ENV])] if os.environ.get(MEGATRON_LM_ENV) else []
+    candidates.append(root / SHARED_RELATIVE)
+    for folder in candidates:
+        if (folder / "pretrain_gpt.py").is_file():
+            return folder.resolve()
+    return None
+
+
+# ---------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class IterationLog:
+    """One training iteration as Megatron-LM logged it and as it computed it.
+
+    ``lm_loss`` / ``grad_norm`` are read from the printed line (loss to 7 significant digits, grad
+    norm to 3 decimals; None when not printed). The printed loss is Megatron-LM's average over the
+    log window, and at this tag the first iteration does not reset it, so iteration 2 prints the
+    mean of iterations 1 and 2 (with ``--log-interval 1``). ``exact`` holds the values
+    ``training_log`` received for this iteration alone (``"lm loss"``, ``"grad norm"``; floats).
+    """
+
+    iteration: int
+    lm_loss: float | None
+    grad_norm: float | None
+    line: str
+    exact: dict[str, float | None] = field(default_factory=dict)
+    forward_backward: str = ""
+    """``module.qualname`` of the ``forward_backward_func`` Megatron-LM's ``train_step`` ran."""
+
+
+@dataclass
+class MegatronLMRun:
+    """What :func:`run_megatron_lm` returns.
+
+    Attributes:
+        iterations: the last rank's logged iterations, in order.
+        grad_norms_by_rank: per rank, the exact grad norm of each iteration (``training_log``'s argument).
+        params: per rank, ``{"chunk<i>.<name>": tensor}`` after training (``params=True``), else None.
+        logs: per rank, the process's whole output (stdout and stderr).
+        wall_s: seconds from the first process start to the last exit.
+    """
+
+    iterations: list[IterationLog]
+    grad_norms_by_rank: list[list[float | None]]
+    params: list[dict[str, Any]] | None
+    logs: list[str]
+    wall_s: float
+
+    @property
+    def lm_losses(self) -> list[float | None]:
+        """Exact lm loss per iteration (last rank)."""
+        return [it.exact.get("lm loss") for it in self.iterations]
+
+    @property
+    def grad_norms(self) -> list[float | None]:
+        """Exact grad norm per iteration (last rank)."""
+        return [it.exact.get("grad norm") for it in self.iterations]
+
+
+class MegatronLMError(RuntimeError):
+    """A rank of a Megatron-LM run failed or the run timed out; the message holds the failing
+    rank's last output lines (its traceback)."""
+
+    def __init__(self, message: str, logs: Sequence[str]) -> None:
+        super().__init__(message)
+        self.logs = list(logs)
+
+
+def parse_iteration_lines(log: str) -> list[tuple[int, float | None, float | None, str]]:
+    """``(iteration, lm loss, grad norm, line)`` for each `` iteration N/ M | ...`` line of ``log``."""
+    rows = []
+    for line in log.splitlines():
+        m = _ITERATION_RE.search(line)
+        if not m:
+            continue
+        fields = {}
+        for part in m.group(3).split("|"):
+            key, sep, value = part.partition(":")
+            if sep:
+                fields[key.strip()] = value.strip()
+        loss, norm = fields.get("lm loss"), fields.get("grad norm")
+        rows.append((int(m.group(1)), float(loss) if loss else None, float(norm) if norm else None, line.strip()))
+    return rows
+
+
+def bitwise_differences(run: MegatronLMRun, ref: MegatronLMRun) -> list[str]:
+    """What differs between two runs, bit for bit: the iterations logged, each iteration's exact lm
+    loss and grad norm (last rank) and printed line values, every rank's grad norms, and (when both
+    have them) every rank's parameters (compared as raw bits: ``-0.0`` differs from ``0.0``).
+    Empty when the runs are bitwise equal."""
+    out: list[str] = []
+    if [it.iteration for it in run.iterations] != [it.iteration for it in ref.iterations]:
+        return [f"iterations {[it.iteration for it in run.iterations]} != {[it.iteration for it in ref.iterations]}"]
+    for it, base in zip(run.iterations, ref.iterations):
+        for key in sorted(set(it.exact) | set(base.exact)):
+            a, b = it.exact.get(key), base.exact.get(key)
+            if (a.hex() if a is not None else None) != (b.hex() if b is not None else None):
+                out.append(f"iteration {it.iteration}: {key} {a!r} != {b!r}")
+        if (it.lm_loss, it.grad_norm) != (base.lm_loss, base.grad_norm):
+            printed, expected = (it.lm_loss, it.grad_norm), (base.lm_loss, base.grad_norm)
+            out.append(f"iteration {it.iteration}: printed {printed} != {expected}")
+    if [[_hex(x) for x in r] for r in run.grad_norms_by_rank] != [[_hex(x) for x in r] for r in ref.grad_norms_by_rank]:
+        out.append(f"grad norms by rank {run.grad_norms_by_rank} != {ref.grad_norms_by_rank}")
+    if run.params is not None and ref.params is not None:
+        for rank, (mine, theirs) in enumerate(zip(run.params, ref.params)):
+            if mine.keys() != theirs.keys():
+                out.append(f"rank {rank}: parameter names {sorted(mine.keys() ^ theirs.keys())} differ")
+            out += [f"rank {rank}: {name} differs" for name in sorted(mine.keys() & theirs.keys())
+                    if not _same_bits(mine[name], theirs[name])]
+    return out
+
+
+def _hex(x: float | None) -> str | None:
+    return None if x is None else float(x).hex()
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Same dtype, shape and bytes (tensors)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(-1).view(kind), b.contiguous().view(-1).view(kind))
+
+
+# ---------------------------------------------------------------------- launcher
+def run_megatron_lm(
+    argv: Sequence[str],
+    *,
+    world_size: int,
+    env: dict[str, str] | None = None,
+    timeout: float,
+    plugin: str | Callable[[], Any] | None = None,
+    params: bool = False,
+    megatron_lm_dir: str | Path | None = None,
+    threads: int = 1,
+    grace: float = 3.0,
+) -> MegatronLMRun:
+    """Run Megatron-LM's ``pretrain_gpt.py`` with ``argv`` on ``world_size`` local processes (gloo).
+
+    Args:
+        argv: ``pretrain_gpt.py``'s arguments (e.g. ``[*CPU_FLAGS, *MOCK_DATA_FLAGS, *TINY_GPT_FLAGS,
+            "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--train-iters", "4"]``).
+        world_size: number of processes (ranks).
+        env: extra environment variables for every rank (the harness's own variables win).
+        timeout: hard limit in seconds for the whole run; then every rank is killed.
+        plugin: the plugin step run before ``pretrain_gpt.py`` in each rank: a code string, a
+            ``"module:function"`` string, or a module-level function (called with no argument).
+        params: also return every rank's parameters after training.
+        megatron_lm_dir: Megatron-LM's folder (default :func:`find_megatron_lm`).
+        threads: torch threads per rank (``OMP_NUM_THREADS``).
+        grace: seconds the other ranks get to exit after one rank failed; then they are killed.
+
+    Raises:
+        FileNotFoundError: no Megatron-LM folder (the message is :data:`SKIP_REASON`).
+        MegatronLMError: a rank exited with a non-zero status, or the timeout passed.
+    """
+    folder = Path(megatron_lm_dir) if megatron_lm_dir is not None else find_megatron_lm()
+    if folder is None or not (folder / "pretrain_gpt.py").is_file():
+        raise FileNotFoundError(SKIP_REASON)
+    with tempfile.TemporaryDirectory(prefix="megatron_zb-mlm-") as out:
+        harness = {MEGATRON_LM_ENV: str(folder.resolve()), _OUT_ENV: out, _PLUGIN_ENV: _plugin_spec(plugin),
+                   _PARAMS_ENV: "1" if params else "0"}
+        logs, wall_s, failure = _launch(list(argv), world_size, {**(env or {}), **harness}, out, timeout, threads,
+                                        grace)
+        if failure:
+            raise MegatronLMError(failure, logs)
+        return _collect(Path(out), logs, world_size, params, wall_s)
+
+
+def _plugin_spec(plugin: str | Callable[[], Any] | None) -> str:
+    """The plugin step as the string a rank reads (empty: none)."""
+    if plugin is None:
+        return ""
+    if callable(plugin):
+        spec = f"{plugin.__module__}:{plugin.__qualname__}"
+        if not PLUGIN_CALLABLE.match(spec) or "<locals>" in spec:
+            raise ValueError(f"plugin {plugin!r} is not an importable module-level function")
+        return spec
+    return plugin
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(argv: list[str], world_size: int, env: dict[str, str], out: str, timeout: float, threads: int,
+            grace: float) -> tuple[list[str], float, str]:
+    """Start the ranks, wait for them; returns (per-rank output, wall seconds, failure message or "")."""
+    base = {**os.environ, **env, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": str(threads),
+            "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)}
+    procs: list[subprocess.Popen] = []
+    paths = [Path(out) / f"rank{r}.log" for r in range(world_size)]
+    start = time.monotonic()
+    first_failed: int | None = None
+    try:
+        for rank, path in enumerate(paths):
+            with open(path, "wb") as log:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-u", str(_MAIN_SCRIPT), *argv], cwd=out, stdout=log, stderr=subprocess.STDOUT,
+                    env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}, start_new_session=True))
+        first_failed = _wait(procs, start + timeout, grace)
+    finally:
+        for p in procs:  # each rank leads its own session: kill whatever is left of it
+            _kill_group(p)
+        for p in procs:
+            p.wait()
+    wall_s = time.monotonic() - start
+    logs = [path.read_text(errors="replace") for path in paths]
+    if first_failed is None and all(p.returncode == 0 for p in procs):
+        return logs, wall_s, ""
+    if first_failed is None:
+        failure = f"timeout: the run did not finish within {timeout:g} s; every rank was killed"
+    else:
+        failure = (f"rank {first_failed} exited with status {procs[first_failed].returncode}: "
+                   f"{_exception_line(logs[first_failed])}")
+    failed = [first_failed] if first_failed is not None else []
+    failed += [r for r, p in enumerate(procs) if p.returncode != 0 and r != first_failed]
+    failure += "".join(f"\n--- rank {r} (last lines) ---\n{_tail(logs[r])}" for r in failed)
+    return logs, wall_s, failure
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float, grace: float) -> int | None:
+    """Poll the ranks until all exited or ``deadline`` (monotonic seconds) passed; the first rank seen
+    failing (the others then get ``grace`` seconds), or None."""
+    first_failed: int | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if first_failed is None:
+            first_failed = next((r for r, c in enumerate(codes) if c not in (0, None)), None)
+            if first_failed is not None:
+                deadline = min(deadline, time.monotonic() + grace)
+        if all(c is not None for c in codes) or time.monotonic() > deadline:
+            return first_failed
+        time.sleep(0.05)
+
+
+def _exception_line(log: str) -> str:
+    """The last ``SomeError: message`` line of a rank's output (torchrun-style ``[rankN]:`` prefix removed)."""
+    for line in reversed(log.splitlines()):
+        line = re.sub(r"^\[rank\d+\]:\s*", "", line).strip()
+        if re.match(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b.*", line):
+            return line
+    return "(no exception in its output)"
+
+
+def _tail(log: str, lines: int = 30) -> str:
+    return "\n".join(log.rstrip().splitlines()[-lines:])
+
+
+def _collect(out: Path, logs: list[str], world_size: int, params: bool, wall_s: float) -> MegatronLMRun:
+    """Assemble the result from the last rank's log lines and every rank's records."""
+    records = [_read_records(out / f"record_rank{r}.jsonl") for r in range(world_size)]
+    last = {rec["iteration"]: rec for rec in records[-1]}
+    iterations = []
+    for n, loss, norm, line in parse_iteration_lines(logs[-1]):
+        rec = last.get(n, {})
+        exact = {key: _unhex(value) for key, value in rec.get("losses", {}).items()}
+        exact["grad norm"] = _unhex(rec.get("grad_norm"))
+        iterations.append(IterationLog(n, loss, norm, line, exact, rec.get("forward_backward", "")))
+    norms = [[_unhex(rec.get("grad_norm")) for rec in rank_records] for rank_records in records]
+    tensors = None
+    if params:
+        import torch
+
+        tensors = [torch.load(out / f"params_rank{r}.pt", weights_only=True) for r in range(world_size)]
+    return MegatronLMRun(iterations, norms, tensors, logs, wall_s)
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _unhex(value: str | None) -> float | None:
+    return None if value is None else float.fromhex(value)
