@@ -33,13 +33,13 @@ MCORE_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelin
 ZB_FUNC = "megatron_zb.runtime.forward_backward.ZeroBubbleForwardBackward"
 
 ZB_PLUGIN = "import megatron_zb\nmegatron_zb.patch_megatron('zb')\n"
-"""The plugin route exactly as patches/README.md documents it."""
+"""The one-call route exactly as patches/README.md documents it."""
 ZB_NO_DEALLOC_PLUGIN = ZB_PLUGIN + (
     "from megatron_zb.testing.megatron_lm_workarounds import override_transformer_config\n"
     "override_transformer_config(deallocate_pipeline_outputs=False)\n")
-"""The same with Megatron-LM's ``deallocate_pipeline_outputs=True`` forced off (issue 22's workaround)."""
-DEALLOC_XFAIL = pytest.mark.xfail(strict=True, raises=MegatronLMError,
-                                  reason="issue 22: runtime does not pseudo-free stage outputs yet")
+"""The same with Megatron-LM's ``deallocate_pipeline_outputs=True`` forced off (the stage outputs kept)."""
+FLAGS_PLUGIN = "import megatron_zb.megatron_lm\nmegatron_zb.megatron_lm.install()\n"
+"""The flags route (docs/megatron_lm.md): the zero-bubble flags on Megatron-LM's own parser."""
 
 PP2 = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *TINY_GPT_FLAGS, "--pipeline-model-parallel-size", "2",
        "--global-batch-size", "8", "--train-iters", str(ITERS))
@@ -93,7 +93,6 @@ def test_pp2_megatron_core_1f1b_trains_and_saves(mcore_pp2: tuple[MegatronLMRun,
     assert (save / f"iter_{ITERS:07d}" / ".metadata").is_file()
 
 
-@DEALLOC_XFAIL
 def test_pp2_patch_megatron_zb_is_bitwise_1f1b(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
     run = _run(PP2, world_size=2, plugin=ZB_PLUGIN)
     assert_trains(run, 2, ZB_FUNC)
@@ -126,14 +125,36 @@ def test_pp2_dp2_megatron_core_1f1b_trains(mcore_pp2_dp2: MegatronLMRun) -> None
     assert all(torch.equal(params[0][n], params[1][n]) for n in params[0])  # data-parallel replicas agree
 
 
-@DEALLOC_XFAIL
 def test_pp2_dp2_patch_megatron_zb_is_bitwise_1f1b(mcore_pp2_dp2: MegatronLMRun) -> None:
     run = _run(PP2_DP2, world_size=4, plugin=ZB_PLUGIN)
     assert_trains(run, 4, ZB_FUNC)
     assert_bitwise_equal(run, mcore_pp2_dp2)
 
 
-def test_pp2_dp2_patch_megatron_zb_without_dealloc_is_bitwise_1f1b(mcore_pp2_dp2: MegatronLMRun) -> None:
-    run = _run(PP2_DP2, world_size=4, plugin=ZB_NO_DEALLOC_PLUGIN)
+def test_pp2_dp2_zero_bubble_flags_on_megatron_lm_parser_are_bitwise_1f1b(mcore_pp2_dp2: MegatronLMRun) -> None:
+    """``--schedule zb-2p --zero-bubble-max-pending-backward 4`` on Megatron-LM's own command line."""
+    run = _run(PP2_DP2, world_size=4, plugin=FLAGS_PLUGIN,
+               extra=("--schedule", "zb-2p", "--zero-bubble-max-pending-backward", "4"))
     assert_trains(run, 4, ZB_FUNC)
     assert_bitwise_equal(run, mcore_pp2_dp2)
+
+
+# ---------------------------------------------------------------------- the flags route
+def test_pp2_enable_zero_bubble_on_megatron_lm_parser_is_bitwise_1f1b(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
+    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=("--enable-zero-bubble",))
+    assert_trains(run, 2, ZB_FUNC)
+    assert_bitwise_equal(run, mcore_pp2[0])
+
+
+@pytest.mark.parametrize("bad,message", [
+    (("--zero-bubble-v-schedule",), "--zero-bubble-v-schedule: not supported inside Megatron-LM's loop"),
+    (("--enable-zero-bubble", "--enable-optimizer-post-validation"),
+     "--enable-optimizer-post-validation: not supported inside Megatron-LM's loop"),
+    (("--zero-bubble-max-pending-backward", "2"), "--zero-bubble-max-pending-backward: only applies with"),
+])
+def test_a_bad_zero_bubble_flag_exits_2_before_any_process_group(bad: tuple[str, ...], message: str) -> None:
+    with pytest.raises(MegatronLMError) as e:
+        _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=bad)
+    text = str(e.value) + "\n".join(e.value.logs)
+    assert "exited with status 2" in str(e.value) and f"megatron-zb: error: {message}" in text
+    assert "initializing torch distributed" not in text  # Megatron-LM's first line of its process-group set-up
