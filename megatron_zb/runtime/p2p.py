@@ -84,7 +84,7 @@ class PipeChannels:
                              f"between them (p = {len(self.global_ranks)})") from None
 
 
-_CHANNELS: dict[tuple[int, tuple[int, ...], float], PipeChannels] = {}
+_CHANNELS: dict[tuple[Any, tuple[int, ...], float], PipeChannels] = {}
 
 
 def pipe_channels(pp_group: Any, *, timeout: float) -> PipeChannels:
@@ -98,7 +98,9 @@ def pipe_channels(pp_group: Any, *, timeout: float) -> PipeChannels:
     ranks = tuple(dist.get_process_group_ranks(pp_group))
     if len(ranks) == 1:  # no pipeline: no transfers (every rank has the same pipeline size)
         return PipeChannels({}, ranks, dist.get_backend(pp_group))
-    key = (id(dist.group.WORLD), ranks, float(timeout))
+    # the key holds the default group itself (kept alive, so a later process group's id cannot
+    # collide after destroy_process_group / init_process_group in the same process)
+    key = (dist.group.WORLD, ranks, float(timeout))
     if key not in _CHANNELS:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, ranks)
