@@ -15,18 +15,31 @@ chosen schedule. Flags: ``--enable-zero-bubble``, ``--zero-bubble-max-pending-ba
 ``--schedule``, ``--pipeline-timeout-seconds`` and the rest of the zero-bubble group of
 ``pretrain_gpt_zb.py`` (one definition: :func:`~megatron_zb.training.arguments.zero_bubble.add_zero_bubble_args`).
 
+Cost-aware schedules (``zb``, ``zb-1p``, ``zb-2p``, ``interleaved-zb``) are profiled and re-planned
+as in ``pretrain_gpt_zb.py``: :class:`ReplanningForwardBackward` (given to ``patch_megatron``) counts
+Megatron-LM's training calls of ``forward_backward_func`` as iterations and hands them to the same
+:class:`~megatron_zb.training.replanning.SchedulePlanner`: iterations
+``[--zero-bubble-pipeline-timers-start-iter, --zero-bubble-pipeline-timers-end-iter)`` (default 2
+and 4) are profiled, then the schedule is re-planned from the measured costs on global rank 0 and
+installed on every rank; rank 0 prints the schedule report (at the first call with unit costs,
+after the window with the measured ones) and, with ``--profile-out FILE``, writes the planning
+profile. Megatron-LM's checkpoints do not carry the measured costs: a run resumed with ``--load``
+counts its iterations from 1 again, so it profiles and re-plans again.
+
 What this route cannot honour yet is refused up front (:data:`NOT_YET`): V schedules (Megatron-LM's
-``get_model`` builds one chunk per rank, not the V), optimizer post-validation, the profiling window
-with re-planning and ``--profile-out`` (cost-aware schedules run with unit costs ``T_F = T_B = T_W``
-here), ``--allow-padding-num-layers``. ``pretrain_gpt_zb.py`` has all of them.
+``get_model`` builds one chunk per rank, not the V), optimizer post-validation,
+``--allow-padding-num-layers``. ``pretrain_gpt_zb.py`` has all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+import time
 from typing import Any, Callable
 
+from .schedules.registry import get_spec
 from .training.arguments.common import ArgumentError, flag
 
 NOT_YET: dict[str, str] = {
@@ -34,8 +47,6 @@ NOT_YET: dict[str, str] = {
                               "get_model does not do; use pretrain_gpt_zb.py, or --enable-zero-bubble",
     "enable_optimizer_post_validation": "post-validation is not wired into Megatron-LM's loop yet; use "
                                         "pretrain_gpt_zb.py, or drop the flag",
-    "profile_out": "the profiling window is not wired into Megatron-LM's loop yet; use pretrain_gpt_zb.py, "
-                   "or drop the flag",
     "allow_padding_num_layers": "Megatron-LM splits the layers itself; use its --decoder-first-pipeline-num-layers "
                                 "/ --decoder-last-pipeline-num-layers, or drop the flag",
 }
@@ -69,7 +80,9 @@ def install() -> None:
         if options is not None:  # else megatron-core's schedule runs untouched
             from .patching import patch_megatron
 
-            patch_megatron(options.pop("schedule"), **options)
+            name = options.pop("schedule")
+            replanning = functools.partial(ReplanningForwardBackward, args=args, schedule=name)
+            patch_megatron(name, wrapper=replanning if get_spec(name).cost_aware else None, **options)
         return args
 
     for module in (arguments, initialize):
@@ -99,7 +112,6 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
     arguments (``schedule`` and options), or ``None`` when no zero-bubble schedule was asked for.
     Raises :class:`ArgumentError` naming the flag."""
     from .schedules.ir import Placement
-    from .schedules.registry import get_spec
 
     for dest, why in NOT_YET.items():
         if getattr(args, dest, None):
@@ -115,8 +127,10 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
         if pending is not None:
             raise ArgumentError("--zero-bubble-max-pending-backward", "only applies with --enable-zero-bubble or "
                                                                       "--schedule; add one or drop this flag")
+        _check_profiling(args, None)
         return None
     spec, chunks = get_spec(name), _virtual_chunks(args)
+    _check_profiling(args, name)
     if spec.placement is Placement.V:
         raise ArgumentError("--schedule", f"{name!r} is a V schedule: {NOT_YET['zero_bubble_v_schedule']}")
     if (spec.placement is Placement.INTERLEAVED) != (chunks > 1):
@@ -127,12 +141,29 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
         pending = args.pipeline_model_parallel_size  # ZB-1p: 1F1B's activation memory, as the fork does
     if pending is not None and pending < 1:
         raise ArgumentError("--zero-bubble-max-pending-backward", f"must be >= 1 micro batch, got {pending}")
+    args.zero_bubble_max_pending_backward = pending  # resolved, as pretrain_gpt_zb.py's validation leaves it
     options: dict[str, Any] = {"schedule": name, "timeout": args.pipeline_timeout_seconds}
     if chunks > 1:
         options["num_chunks"] = chunks
     if pending is not None:
         options["memory_limit"] = float(pending * chunks)
     return options
+
+
+def _check_profiling(args: argparse.Namespace, schedule: str | None) -> None:
+    """The profiling window and ``--profile-out`` (``pretrain_gpt_zb.py``'s checks); only a cost-aware
+    ``schedule`` is profiled here (:class:`ReplanningForwardBackward`), so ``--profile-out`` needs one."""
+    from .training.arguments.zero_bubble import check_profile_out, check_profiling_window
+
+    check_profiling_window(args)
+    if args.profile_out is None:
+        return
+    if schedule is None or not get_spec(schedule).cost_aware:
+        what = "no zero-bubble schedule was chosen" if schedule is None else f"{schedule!r} is not cost-aware"
+        raise ArgumentError("--profile-out", f"{what}, and only cost-aware schedules (zb, zb-1p, zb-2p) are "
+                                             f"profiled inside Megatron-LM's loop; add --enable-zero-bubble or drop "
+                                             f"the flag")
+    check_profile_out(argparse.Namespace(**{**vars(args), "schedule": schedule}), get_spec(schedule))
 
 
 def _virtual_chunks(args: argparse.Namespace) -> int:
@@ -143,3 +174,90 @@ def _virtual_chunks(args: argparse.Namespace) -> int:
     if per_stage:
         return args.num_layers // args.pipeline_model_parallel_size // per_stage
     return 1
+
+
+class ReplanningForwardBackward:
+    """megatron-zb's ``forward_backward_func`` inside Megatron-LM's loop, profiled and re-planned.
+
+    Megatron-LM calls ``forward_backward_func`` once per training iteration with
+    ``forward_only=False`` (evaluation: ``forward_only=True``); this wrapper counts those training
+    calls -- call ``n`` is iteration ``n``, Megatron-LM's numbering for a run that did not resume
+    -- and hands each to ``pretrain_gpt_zb.py``'s :class:`~megatron_zb.training.replanning.SchedulePlanner`:
+    iterations ``[--zero-bubble-pipeline-timers-start-iter, --zero-bubble-pipeline-timers-end-iter)``
+    are profiled, then the schedule is re-planned from the measured costs on global rank 0 and
+    installed on every rank, and rank 0 prints the schedule report. The planner is built (a
+    collective) at the first call of any kind, when Megatron-LM's process groups exist.
+
+    Attributes:
+        runtime: megatron-zb's ``ZeroBubbleForwardBackward`` that runs every call.
+        iteration: training calls so far.
+        planner: the :class:`SchedulePlanner` (``None`` before the first call).
+    """
+
+    def __init__(self, runtime: Any, *, args: argparse.Namespace, schedule: str) -> None:
+        """``args``: Megatron-LM's parsed arguments (read at the first call: Megatron-LM fills some
+        in later, e.g. ``train_iters`` from ``--train-samples``); ``schedule``: the schedule's name."""
+        self.runtime = runtime
+        self.iteration = 0
+        self.planner: Any = None
+        self._args = args
+        self._schedule = schedule
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, decoder_seq_length: int | None = None,
+                 forward_only: bool = False, collect_non_loss_data: bool = False, first_val_step: bool | None = None,
+                 adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
+                 pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
+        """megatron-core's ``forward_backward_func`` (same keywords); a training call is one iteration."""
+        planner = self._planner(num_microbatches)
+        planner.args.num_microbatches = num_microbatches
+        call = functools.partial(
+            planner.forward_backward, forward_step_func=forward_step_func, data_iterator=data_iterator,
+            model=model, num_microbatches=num_microbatches, seq_length=seq_length,
+            micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        if forward_only:
+            return call()
+        self.iteration += 1
+        profiling = planner.begin_iteration(self.iteration)
+        t0 = time.perf_counter()
+        out = call()
+        if planner.end_iteration(self.iteration, profiling=profiling, seconds=time.perf_counter() - t0):
+            planner.replan()  # collective: every rank is in this call
+        return out
+
+    def _planner(self, num_microbatches: int) -> Any:
+        """The planner, built at the first call with global rank 0's unit-cost schedule (collective)."""
+        if self.planner is None:
+            from megatron.core import parallel_state
+
+            from .training.distributed import context_from_parallel_state
+            from .training.replanning import SchedulePlanner
+
+            args = planner_args(self._args, schedule=self._schedule, num_microbatches=num_microbatches,
+                                memory_limit=self.runtime.options.memory_limit)
+            pp = parallel_state.get_pipeline_model_parallel_world_size()
+            self.planner = SchedulePlanner(
+                args, schedule=self.runtime.schedule_for(pp, num_microbatches), runtime=self.runtime,
+                dist_ctx=context_from_parallel_state(backend=args.distributed_backend))
+            self.planner.report_initial()
+        return self.planner
+
+
+def planner_args(args: argparse.Namespace, *, schedule: str, num_microbatches: int,
+                 memory_limit: float | None) -> argparse.Namespace:
+    """A copy of Megatron-LM's ``args`` with the values ``pretrain_gpt_zb.py``'s validation derives
+    that :class:`~megatron_zb.training.replanning.SchedulePlanner` reads (the model sizes -- hidden
+    size, heads, sequence length -- have Megatron-LM's names already); Megatron-LM's own stay untouched.
+    ``num_microbatches``: per iteration per data-parallel rank; ``memory_limit``: in units of one
+    stage's activation ``M_B`` (``None``: the schedule's default)."""
+    spec, num_chunks = get_spec(schedule), _virtual_chunks(args)
+    out = argparse.Namespace(**vars(args))
+    out.schedule, out.schedule_cost_aware, out.use_megatron_core_schedule = schedule, spec.cost_aware, False
+    out.num_model_chunks, out.num_pipeline_stages = num_chunks, args.pipeline_model_parallel_size * num_chunks
+    out.schedule_memory_limit, out.num_microbatches = memory_limit, num_microbatches
+    if out.vocab_size is None:  # a real tokenizer: Megatron-LM pads its size, which pads to itself again
+        out.vocab_size = getattr(args, "padded_vocab_size", None)
+    return out

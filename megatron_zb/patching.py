@@ -46,11 +46,15 @@ def forward_backward_from_env() -> Any:
     return _FROM_ENV[key]
 
 
-def patch_megatron(schedule: str = "zb", **options: Any) -> None:
+def patch_megatron(schedule: str = "zb", *, wrapper: Callable[[Any], Callable] | None = None,
+                   **options: Any) -> None:
     """Make megatron-core's ``get_forward_backward_func`` return megatron-zb's (see module doc).
 
     Args:
         schedule: schedule name, as for :func:`megatron_zb.get_forward_backward_func`.
+        wrapper: called once with megatron-zb's ``forward_backward_func``; what it returns (a callable
+            with megatron-core's ``forward_backward_func`` signature) is returned instead, e.g.
+            :class:`megatron_zb.megatron_lm.ReplanningForwardBackward`.
         **options: :class:`megatron_zb.runtime.ZeroBubbleOptions` fields.
     """
     from megatron.core import parallel_state
@@ -63,6 +67,8 @@ def patch_megatron(schedule: str = "zb", **options: Any) -> None:
     install_routes()
     original = schedules.get_forward_backward_func
     ours = get_forward_backward_func(schedule, **options)
+    if wrapper is not None:
+        ours = wrapper(ours)
 
     def patched_get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None):
         """megatron-zb's forward_backward_func when pipelining, megatron-core's otherwise."""

@@ -9,9 +9,13 @@ iteration's lm loss and grad norm, and every rank's parameters after training.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import inspect
 import math
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +35,8 @@ ITERS = 4
 TIMEOUT_S = 240.0
 MCORE_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
 ZB_FUNC = "megatron_zb.runtime.forward_backward.ZeroBubbleForwardBackward"
+REPLAN_FUNC = "megatron_zb.megatron_lm.ReplanningForwardBackward"
+"""The flags route's wrapper of :data:`ZB_FUNC` for cost-aware schedules (profiles, then re-plans)."""
 
 ZB_PLUGIN = "import megatron_zb\nmegatron_zb.patch_megatron('zb')\n"
 """The one-call route exactly as patches/README.md documents it."""
@@ -135,14 +141,43 @@ def test_pp2_dp2_zero_bubble_flags_on_megatron_lm_parser_are_bitwise_1f1b(mcore_
     """``--schedule zb-2p --zero-bubble-max-pending-backward 4`` on Megatron-LM's own command line."""
     run = _run(PP2_DP2, world_size=4, plugin=FLAGS_PLUGIN,
                extra=("--schedule", "zb-2p", "--zero-bubble-max-pending-backward", "4"))
-    assert_trains(run, 4, ZB_FUNC)
+    assert_trains(run, 4, REPLAN_FUNC)
+    assert "    re-planned 'zb-2p' from the measured costs in " in run.logs[0]  # default window: iterations 2-3
     assert_bitwise_equal(run, mcore_pp2_dp2)
 
 
 # ---------------------------------------------------------------------- the flags route
 def test_pp2_enable_zero_bubble_on_megatron_lm_parser_is_bitwise_1f1b(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
+    """The default profiling window (iterations 2-3) ends before iteration 4: re-planned, still bitwise."""
     run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=("--enable-zero-bubble",))
-    assert_trains(run, 2, ZB_FUNC)
+    assert_trains(run, 2, REPLAN_FUNC)
+    assert "> schedule report after profiling iterations 2-3 " in run.logs[0]
+    assert_bitwise_equal(run, mcore_pp2[0])
+
+
+def test_pp2_profile_then_replan_on_the_flags_route(mcore_pp2: tuple[MegatronLMRun, Path], tmp_path: Path) -> None:
+    """Iteration 2 profiled, the zb schedule re-planned from the measured costs for iterations 3-4,
+    the costs written with ``--profile-out``. Bitwise with megatron-core's 1F1B: every generator keeps
+    each stage's W order equal to its B order (docs/runtime.md "Numerics"), re-planned or not."""
+    from megatron_zb.planning.profile import read_profile
+
+    out = tmp_path / "profile.json"
+    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN,
+               extra=("--enable-zero-bubble", "--zero-bubble-pipeline-timers-start-iter", "2",
+                      "--zero-bubble-pipeline-timers-end-iter", "3", "--profile-out", str(out)))
+    assert_trains(run, 2, REPLAN_FUNC)
+    log = run.logs[0]  # global rank 0 prints the reports, as pretrain_gpt_zb.py does
+    assert "> schedule report (unit costs T_F = T_B = T_W = 1, before profiling):" in log
+    report = log[log.index("> schedule report after profiling iterations 2-2 "):]
+    assert "    re-planned 'zb' from the measured costs in " in report
+    assert re.search(r"    measured costs \(ms\): T_F=[0-9.]+, T_B=[0-9.]+, T_W=[0-9.]+, T_comm=[0-9.]+", report)
+    per_stage = re.search(r"measured per stage \(ms\): T_F=\[(.*?)\]; T_B=\[(.*?)\]; T_W=\[(.*?)\]\n", report)
+    assert per_stage is not None and "T_BW" not in report  # W ran as actions of their own, B and W split
+    assert all(float(v) > 0 for v in per_stage.group(3).split(", "))
+    assert all("schedule report after profiling" not in rank_log for rank_log in run.logs[1:])
+    profile = read_profile(out)
+    assert profile.schedule == "zb" and len(profile.stages) == 2 and profile.model.hidden_size == 64
+    assert all(s.t_w_ms > 0 and s.mem_b_bytes > 0 for s in profile.stages)
     assert_bitwise_equal(run, mcore_pp2[0])
 
 
@@ -158,3 +193,94 @@ def test_a_bad_zero_bubble_flag_exits_2_before_any_process_group(bad: tuple[str,
     text = str(e.value) + "\n".join(e.value.logs)
     assert "exited with status 2" in str(e.value) and f"megatron-zb: error: {message}" in text
     assert "initializing torch distributed" not in text  # Megatron-LM's first line of its process-group set-up
+
+
+# ---------------------------------------------------------------------- the wrapper, no Megatron-LM run
+class _RecordingPlanner:
+    """Stands in for :class:`~megatron_zb.training.replanning.SchedulePlanner`: records the hooks."""
+
+    def __init__(self, window: tuple[int, int]) -> None:
+        self.window, self.calls, self.replans = window, [], 0
+        self.args = argparse.Namespace()
+
+    def forward_backward(self, **kwargs: Any) -> list[Any]:
+        self.calls.append(("run", kwargs["forward_only"]))
+        return [kwargs["forward_only"]]
+
+    def begin_iteration(self, iteration: int) -> bool:
+        self.calls.append(("begin", iteration))
+        return self.window[0] <= iteration < self.window[1]
+
+    def end_iteration(self, iteration: int, *, profiling: bool, seconds: float) -> bool:
+        assert seconds >= 0
+        self.calls.append(("end", iteration))
+        return profiling and iteration == self.window[1] - 1
+
+    def replan(self) -> None:
+        self.replans += 1
+
+
+def test_replanning_wrapper_counts_training_calls_only() -> None:
+    """Evaluation calls (``forward_only=True``) neither advance the iteration nor touch the window;
+    the window's last training call re-plans once; the keywords are megatron-core's."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from megatron_zb.megatron_lm import ReplanningForwardBackward
+    from megatron_zb.runtime import get_forward_backward_func
+
+    runtime = get_forward_backward_func("zb")
+    wrapper = ReplanningForwardBackward(runtime, args=argparse.Namespace(), schedule="zb")
+    def keywords(fn: Any) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert keywords(wrapper.__call__) == keywords(runtime.__call__)  # names, keyword-only, defaults
+    assert {k[0] for k in keywords(wrapper.__call__)} == {k[0] for k in keywords(forward_backward_no_pipelining)}
+    planner = wrapper.planner = _RecordingPlanner(window=(2, 4))
+    call = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=4, seq_length=32,
+                micro_batch_size=2)
+    for forward_only in (True, False, True, False, False, True, True, False):
+        assert wrapper(**call, forward_only=forward_only) == [forward_only]
+    assert wrapper.iteration == 4 and planner.replans == 1 and planner.args.num_microbatches == 4
+    trained = [c for c in planner.calls if c[0] != "run"]
+    assert trained == [(e, i) for i in range(1, 5) for e in ("begin", "end")]
+    assert [c for c in planner.calls if c[0] == "run"] == [("run", f) for f in
+                                                          (True, False, True, False, False, True, True, False)]
+
+
+def _flags(*argv: str) -> argparse.Namespace:
+    """The zero-bubble flags parsed as on Megatron-LM's parser, beside the Megatron-LM values
+    :func:`~megatron_zb.megatron_lm.configure` reads (PP=2, 4 layers, no interleaving, dense)."""
+    from megatron_zb.megatron_lm import add_flags
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return parser.parse_args(argv, namespace=argparse.Namespace(
+        pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=None,
+        num_virtual_stages_per_pipeline_rank=None, num_experts=None))
+
+
+@pytest.mark.parametrize("argv,experts,message", [
+    (("--schedule", "zb-h1", "--profile-out", "p.json"), None, "--profile-out: 'zb-h1' is not cost-aware"),
+    (("--profile-out", "p.json"), None, "--profile-out: no zero-bubble schedule was chosen"),
+    (("--enable-zero-bubble", "--zero-bubble-pipeline-timers-end-iter", "2"), None,
+     "--zero-bubble-pipeline-timers-end-iter: 2 must be greater than"),
+    (("--enable-zero-bubble", "--profile-out", "p.json"), 4, "--profile-out: the planner does not model MoE"),
+])
+def test_configure_refuses_what_the_profiling_window_cannot_do(argv: tuple[str, ...], experts: int | None,
+                                                               message: str) -> None:
+    """Refused with the flag named (install() turns it into one line and exit 2, tested above)."""
+    from megatron_zb.megatron_lm import configure
+    from megatron_zb.training.arguments.common import ArgumentError
+
+    args = _flags(*argv)
+    args.num_experts = experts  # Megatron-LM's --num-experts
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        configure(args)
+
+
+def test_configure_profiles_cost_aware_schedules_with_profile_out() -> None:
+    from megatron_zb.megatron_lm import configure
+
+    args = _flags("--enable-zero-bubble", "--profile-out", "p.json")
+    assert configure(args) == {"schedule": "zb", "timeout": 300.0, "memory_limit": 2.0}
+    assert args.zero_bubble_max_pending_backward == 2  # resolved: PP (ZB-1p), as pretrain_gpt_zb.py does

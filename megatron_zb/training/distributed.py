@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedContext", "init_distributed", "local_rank", "shutdown_distributed"]
+__all__ = ["DistributedContext", "context_from_parallel_state", "init_distributed", "local_rank", "shutdown_distributed"]
 
 
 def local_rank() -> int:
@@ -71,20 +71,27 @@ def init_distributed(args: argparse.Namespace) -> DistributedContext:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
-    ctx = DistributedContext(
-        pp_group=parallel_state.get_pipeline_model_parallel_group(),
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        device=torch.device("cuda", torch.cuda.current_device()) if args.distributed_backend == "nccl"
-        else torch.device("cpu"),
-        started_pg=started)
+    ctx = context_from_parallel_state(backend=args.distributed_backend, started_pg=started)
     seed = args.seed + 100 * ctx.pp_rank
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return ctx
+
+
+def context_from_parallel_state(*, backend: str, started_pg: bool = False) -> DistributedContext:
+    """This process's :class:`DistributedContext` from megatron-core's initialised ``parallel_state``
+    (``backend``: ``"nccl"`` puts the device on the current CUDA device, anything else on the CPU)."""
+    from megatron.core import parallel_state
+
+    return DistributedContext(
+        pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        device=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"),
+        started_pg=started_pg)
 
 
 def _single_process_rendezvous() -> None:

@@ -51,8 +51,11 @@ class SchedulePlanner:
         restored_costs: the cost model a resumed run re-planned from (``None`` otherwise).
     """
 
-    def __init__(self, args: argparse.Namespace, *, schedule: Schedule, dist_ctx: DistributedContext) -> None:
-        """Build the ``forward_backward_func`` and install global rank 0's ``schedule``. Collective."""
+    def __init__(self, args: argparse.Namespace, *, schedule: Schedule, dist_ctx: DistributedContext,
+                 runtime: Any = None) -> None:
+        """Build the ``forward_backward_func`` (or own ``runtime``, megatron-zb's
+        ``ZeroBubbleForwardBackward`` built elsewhere, e.g. by :func:`megatron_zb.patch_megatron`)
+        and install global rank 0's ``schedule``. Collective."""
         self.args = args
         self._dist = dist_ctx
         self._initial = schedule
@@ -70,11 +73,13 @@ class SchedulePlanner:
             from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
             self.forward_backward: Any = megatron_func()
             return
-        from megatron_zb.runtime import get_forward_backward_func
+        if runtime is None:
+            from megatron_zb.runtime import get_forward_backward_func
 
-        self.runtime = get_forward_backward_func(args.schedule, memory_limit=args.schedule_memory_limit,
-                                                 num_chunks=args.num_model_chunks,
-                                                 timeout=args.pipeline_timeout_seconds)
+            runtime = get_forward_backward_func(args.schedule, memory_limit=args.schedule_memory_limit,
+                                                num_chunks=args.num_model_chunks,
+                                                timeout=args.pipeline_timeout_seconds)
+        self.runtime = runtime
         self._initial = self._rank0_schedule(schedule)
         self.runtime.install_schedule(self._initial)
         self.forward_backward = self.runtime

@@ -18,6 +18,8 @@ __all__ = [
     "V_MEM_SETUP_TO_SCHEDULE",
     "add_zero_bubble_args",
     "check_layers",
+    "check_profile_out",
+    "check_profiling_window",
     "check_schedule_builds",
     "check_zero_bubble_options",
     "initial_schedule",
@@ -247,7 +249,12 @@ def check_zero_bubble_options(args: argparse.Namespace, spec: ScheduleSpec) -> N
         raise ArgumentError("--enable-exactly-numeric-match",
                             "only applies with --enable-optimizer-post-validation; add that flag or drop this one")
     _check_post_validation_tuning(args)
-    _check_profile_out(args, spec)
+    check_profile_out(args, spec)
+    check_profiling_window(args)
+
+
+def check_profiling_window(args: argparse.Namespace) -> None:
+    """``--zero-bubble-pipeline-timers-start-iter`` >= 1 and ``-end-iter`` after it [iterations, 1-based]."""
     start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
     if start < 1:
         raise ArgumentError("--zero-bubble-pipeline-timers-start-iter", f"must be >= 1, got {start}")
@@ -256,8 +263,9 @@ def check_zero_bubble_options(args: argparse.Namespace, spec: ScheduleSpec) -> N
                             f"{end} must be greater than --zero-bubble-pipeline-timers-start-iter {start}")
 
 
-def _check_profile_out(args: argparse.Namespace, spec: ScheduleSpec) -> None:
-    """``--profile-out``: only what the planning profile can describe (measured B and W, a dense model)."""
+def check_profile_out(args: argparse.Namespace, spec: ScheduleSpec) -> None:
+    """``--profile-out``: only what the planning profile can describe (measured B and W, a dense model).
+    ``spec``: the schedule's (``args.schedule`` names it)."""
     if args.profile_out is None:
         return
     mcore = getattr(args, "use_megatron_core_schedule", False)  # a developer flag (pretrain_gpt_zb.py has it)
