@@ -126,7 +126,7 @@ class GradStatsInFlight:
         norm_sq: squared grad norm, all-reduced SUM (exactly megatron-core's tensor).
         zeros: zero-gradient count, all-reduced SUM.
         local_found_inf: this rank saw an inf/nan itself.
-        local_norm_sq: this rank's own squared norm (float), taken before the launch.
+        local_norm_sq: this rank's own squared norm (float), copied before the launch.
     """
 
     found: torch.Tensor | None
@@ -141,18 +141,18 @@ class GradStatsInFlight:
     @classmethod
     def launch(cls, *, found: torch.Tensor | None, norm_sq: torch.Tensor | None, zeros: torch.Tensor | None,
                group: Any) -> "GradStatsInFlight":
-        """Record the local values, then launch megatron-core's all-reduces on ``group`` (the
-        grad-stats group) without waiting: the same collectives on the same tensors."""
-        stats = cls(found=found, norm_sq=norm_sq, zeros=zeros,
-                    local_found_inf=bool(found is not None and found.sum().item() > 0),
-                    local_norm_sq=float(norm_sq.item()) if norm_sq is not None else None)
-        if found is not None:
-            stats.found_work = dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        if norm_sq is not None:
-            stats.norm_work = dist.all_reduce(norm_sq, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        if zeros is not None:
-            stats.zeros_work = dist.all_reduce(zeros, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return stats
+        """Keep the local values, launch megatron-core's all-reduces on ``group`` (the grad-stats
+        group) without waiting -- the same collectives on the same tensors -- and only then read the
+        local values on the host, so that the reductions are queued before the host waits for the
+        device (on a GPU ``.item()`` drains the stream)."""
+        local_found = found.sum() > 0 if found is not None else None      # device tensors, before
+        local_norm = norm_sq.clone() if norm_sq is not None else None     # the in-place all-reduces
+        works = [dist.all_reduce(t, op=op, group=group, async_op=True) if t is not None else None
+                 for t, op in ((found, dist.ReduceOp.MAX), (norm_sq, dist.ReduceOp.SUM), (zeros, dist.ReduceOp.SUM))]
+        return cls(found=found, norm_sq=norm_sq, zeros=zeros,
+                   local_found_inf=bool(local_found is not None and local_found.item()),
+                   local_norm_sq=float(local_norm.item()) if local_norm is not None else None,
+                   found_work=works[0], norm_work=works[1], zeros_work=works[2])
 
     def agree_in_stage(self, agree_group: Any, *, timeout: float, iteration: int) -> tuple[bool, float | None]:
         """Sum (inf flag, squared norm) over the stage-local group *H* (waited, ``timeout`` s):
