@@ -26,9 +26,11 @@ after the window with the measured ones) and, with ``--profile-out FILE``, write
 profile. Megatron-LM's checkpoints do not carry the measured costs: a run resumed with ``--load``
 counts its iterations from 1 again, so it profiles and re-plans again.
 
-What this route cannot honour yet is refused up front (:data:`NOT_YET`): V schedules (Megatron-LM's
-``get_model`` builds one chunk per rank, not the V), optimizer post-validation,
-``--allow-padding-num-layers``. ``pretrain_gpt_zb.py`` has all of them.
+V schedules (``--zero-bubble-v-schedule``, ``--schedule zbv|v-half|v-min``) need the model provider
+wrapped in the script: :func:`v_model_provider` (:mod:`megatron_zb.megatron_lm_v`).
+
+What this route cannot honour yet is refused up front (:data:`NOT_YET`): optimizer post-validation,
+``--allow-padding-num-layers``. ``pretrain_gpt_zb.py`` has both.
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ import sys
 import time
 from typing import Any, Callable
 
+from . import megatron_lm_v
+from .megatron_lm_v import v_model_provider
 from .schedules.registry import get_spec
 from .training.arguments.common import ArgumentError, flag
 
+__all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install", "planner_args", "uninstall",
+           "v_model_provider"]
+
 NOT_YET: dict[str, str] = {
-    "zero_bubble_v_schedule": "V schedules need the model built for the V placement, which Megatron-LM's "
-                              "get_model does not do; use pretrain_gpt_zb.py, or --enable-zero-bubble",
     "enable_optimizer_post_validation": "post-validation is not wired into Megatron-LM's loop yet; use "
                                         "pretrain_gpt_zb.py, or drop the flag",
     "allow_padding_num_layers": "Megatron-LM splits the layers itself; use its --decoder-first-pipeline-num-layers "
@@ -74,6 +79,9 @@ def install() -> None:
         args = original(provider, ignore_unknown_args)
         try:
             options = configure(args)
+            v_flag = options.pop("v_flag", None) if options is not None else None
+            if v_flag is not None:
+                megatron_lm_v.activate(options["schedule"], v_flag)
         except ArgumentError as e:
             print(f"megatron-zb: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
@@ -81,13 +89,28 @@ def install() -> None:
             from .patching import patch_megatron
 
             name = options.pop("schedule")
-            replanning = functools.partial(ReplanningForwardBackward, args=args, schedule=name)
-            patch_megatron(name, wrapper=replanning if get_spec(name).cost_aware else None, **options)
+            patch_megatron(name, wrapper=functools.partial(_wrap, args=args, schedule=name, v=v_flag is not None),
+                           **options)
         return args
 
     for module in (arguments, initialize):
         _INSTALLED.append((module, "parse_args", module.parse_args))
         module.parse_args = parse_args
+    validate = initialize.validate_args
+
+    def validate_args(*args: Any, **kwargs: Any) -> Any:
+        """Megatron-LM's, after megatron-zb's check that needs pretrain()'s arguments: a V schedule's
+        model provider is wrapped (initialize_megatron validates only inside pretrain(), whose arguments
+        exist by then, unlike at inprocess_restart's early parse)."""
+        try:
+            megatron_lm_v.check_provider()
+        except ArgumentError as e:
+            print(f"megatron-zb: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        return validate(*args, **kwargs)
+
+    _INSTALLED.append((initialize, "validate_args", validate))
+    initialize.validate_args = validate_args
 
 
 def uninstall() -> None:
@@ -98,6 +121,14 @@ def uninstall() -> None:
         module, name, fn = _INSTALLED.pop()
         setattr(module, name, fn)
     unpatch_megatron()
+    megatron_lm_v.deactivate()
+
+
+def _wrap(runtime: Any, *, args: argparse.Namespace, schedule: str, v: bool) -> Callable:
+    """megatron-zb's ``forward_backward_func`` as Megatron-LM gets it: re-planned for a cost-aware
+    schedule, its losses handed to the last pipeline rank for a V."""
+    fb = ReplanningForwardBackward(runtime, args=args, schedule=schedule) if get_spec(schedule).cost_aware else runtime
+    return megatron_lm_v.VForwardBackward(fb) if v else fb
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -109,19 +140,19 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def configure(args: argparse.Namespace) -> dict[str, Any] | None:
     """Check the zero-bubble flags of Megatron-LM's parsed ``args``; return :func:`patch_megatron`'s
-    arguments (``schedule`` and options), or ``None`` when no zero-bubble schedule was asked for.
+    arguments (``schedule`` and options; for a V also ``v_flag``, the flag that chose it), or ``None``
+    when no zero-bubble schedule was asked for. A V schedule sets Megatron-LM's
+    ``--num-virtual-stages-per-pipeline-rank`` (:func:`~megatron_zb.megatron_lm_v.check_v`).
     Raises :class:`ArgumentError` naming the flag."""
     from .schedules.ir import Placement
+    from .training.arguments.zero_bubble import select_schedule
 
     for dest, why in NOT_YET.items():
         if getattr(args, dest, None):
             raise ArgumentError(flag(dest), f"not supported inside Megatron-LM's loop: {why}")
-    if args.zero_bubble_v_schedule_mem_setup is not None:
-        raise ArgumentError("--zero-bubble-v-schedule-mem-setup", "only applies to V schedules, which are not "
-                                                                  "supported inside Megatron-LM's loop; drop it")
     if args.schedule_requested is not None and args.enable_zero_bubble:
         raise ArgumentError("--schedule", "give --schedule or --enable-zero-bubble, not both")
-    name = args.schedule_requested or ("zb" if args.enable_zero_bubble else None)
+    name, selected_by = select_schedule(args)
     pending = args.zero_bubble_max_pending_backward
     if name is None:
         if pending is not None:
@@ -129,11 +160,12 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
                                                                       "--schedule; add one or drop this flag")
         _check_profiling(args, None)
         return None
-    spec, chunks = get_spec(name), _virtual_chunks(args)
+    spec = get_spec(name)
     _check_profiling(args, name)
     if spec.placement is Placement.V:
-        raise ArgumentError("--schedule", f"{name!r} is a V schedule: {NOT_YET['zero_bubble_v_schedule']}")
-    if (spec.placement is Placement.INTERLEAVED) != (chunks > 1):
+        megatron_lm_v.check_v(args, name, selected_by)
+    chunks = _virtual_chunks(args)
+    if spec.placement is not Placement.V and (spec.placement is Placement.INTERLEAVED) != (chunks > 1):
         raise ArgumentError("--schedule", f"{name!r} has the {spec.placement.value} placement but Megatron-LM "
                                           f"builds {chunks} model chunk(s) per rank; match --num-layers-per-virtual-"
                                           f"pipeline-stage to the schedule")
@@ -147,6 +179,8 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
         options["num_chunks"] = chunks
     if pending is not None:
         options["memory_limit"] = float(pending * chunks)
+    if spec.placement is Placement.V:
+        options["v_flag"] = selected_by
     return options
 
 

@@ -6,6 +6,7 @@ from megatron_zb.model.gpt_chunks import (
     SeededTransformerLayer,
     TiedHeadGPTModel,
     build_gpt_chunks,
+    chunk_config,
     cpu_gpt_config,
     derive_seed,
     global_param_name,
@@ -13,6 +14,7 @@ from megatron_zb.model.gpt_chunks import (
     pipeline_split,
     plan_chunks,
     split_layers,
+    tie_output_layer,
 )
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "SeededTransformerLayer",
     "TiedHeadGPTModel",
     "build_gpt_chunks",
+    "chunk_config",
     "cpu_gpt_config",
     "derive_seed",
     "global_param_name",
@@ -28,4 +31,5 @@ __all__ = [
     "pipeline_split",
     "plan_chunks",
     "split_layers",
+    "tie_output_layer",
 ]

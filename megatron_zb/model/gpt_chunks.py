@@ -57,6 +57,7 @@ __all__ = [
     "SeededTransformerLayer",
     "TiedHeadGPTModel",
     "build_gpt_chunks",
+    "chunk_config",
     "cpu_gpt_config",
     "derive_seed",
     "global_param_name",
@@ -64,6 +65,7 @@ __all__ = [
     "pipeline_split",
     "plan_chunks",
     "split_layers",
+    "tie_output_layer",
 ]
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -283,7 +285,7 @@ def build_gpt_chunks(
 
     chunks: list[GPTChunk] = []
     for plan in wanted:
-        cfg = _chunk_config(config, plan, num_ranks)
+        cfg = chunk_config(config, plan, num_ranks)
         common = dict(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
                       max_sequence_length=max_sequence_length, pre_process=plan.pre_process,
                       post_process=plan.post_process)
@@ -307,35 +309,40 @@ def build_gpt_chunks(
 
 class TiedHeadGPTModel(GPTModel):
     """The last-stage ``GPTModel`` chunk whose output layer uses the first stage's word embedding
-    *parameter* (same rank, V-like placements): no weight of its own, no copy to keep in sync.
+    *parameter* (same rank, V-like placements): :func:`tie_output_layer` applied at construction."""
+
+    def __init__(self, *args: Any, tied_weight: torch.nn.Parameter, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        tie_output_layer(self, tied_weight)
+
+
+def tie_output_layer(module: GPTModel, tied_weight: torch.nn.Parameter) -> None:
+    """Make the last-stage chunk ``module`` (built untied) use ``tied_weight`` -- the first stage's
+    word-embedding parameter, on the same rank (V-like placements) -- as its output layer's weight:
+    no weight of its own, no copy to keep in sync.
 
     Its output layer's weight gradient lands on that parameter (B/W of the linear route, or
     autograd + DDP's hook into the first chunk's ``main_grad``); megatron's embedding-group
     all-reduce has nothing to do (neither chunk reports a duplicated weight). Checkpoints hold
-    the weight once, under the first stage's ``embedding.word_embeddings.weight``.
+    the weight once, under the first stage's ``embedding.word_embeddings.weight``. Works on any
+    ``GPTModel`` instance (e.g. one a Megatron-LM model provider built): the two methods that
+    differ are replaced on the instance.
     """
-
-    def __init__(self, *args: Any, tied_weight: torch.nn.Parameter, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if tied_weight.shape != self.output_layer.weight.shape:
-            raise ValueError(f"tied weight of shape {tuple(tied_weight.shape)} does not fit the output layer "
-                             f"{tuple(self.output_layer.weight.shape)}")
-        del self.output_layer.weight
-        self.output_layer.weight = None
-        self._tied_weight = (tied_weight,)  # a tuple: not registered as this module's parameter
-        # Two layers on one rank share the parameter: as megatron-core does for tied embeddings at
-        # PP=1, a weight-gradient placeholder must be zeros and DDP's hook must always add .grad
-        # (otherwise the output layer's `grad_added_to_main_grad` would drop the embedding's
-        # gradient, which arrives in another backward pass).
-        tied_weight.zero_out_wgrad = True
-        self.share_embeddings_and_output_weights = True  # forward passes the shared weight
-
-    def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        """The first stage's word-embedding parameter."""
-        return self._tied_weight[0]
-
-    def tie_embeddings_and_output_weights_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to add: the first stage's chunk saves the shared weight."""
+    if not module.post_process or module.pre_process:
+        raise ValueError("tie_output_layer: the chunk must hold the last stage and not the first")
+    if tied_weight.shape != module.output_layer.weight.shape:
+        raise ValueError(f"tied weight of shape {tuple(tied_weight.shape)} does not fit the output layer "
+                         f"{tuple(module.output_layer.weight.shape)}")
+    del module.output_layer.weight
+    module.output_layer.weight = None
+    # Two layers on one rank share the parameter: as megatron-core does for tied embeddings at
+    # PP=1, a weight-gradient placeholder must be zeros and DDP's hook must always add .grad
+    # (otherwise the output layer's `grad_added_to_main_grad` would drop the embedding's
+    # gradient, which arrives in another backward pass).
+    tied_weight.zero_out_wgrad = True
+    module.shared_embedding_or_output_weight = lambda: tied_weight  # forward passes the shared weight
+    module.tie_embeddings_and_output_weights_state_dict = lambda *args, **kwargs: None  # stage 0 saves it
+    module.share_embeddings_and_output_weights = True
 
 
 def _fix_checkpoint_without_output() -> None:
@@ -379,8 +386,9 @@ def _check_config(config: TransformerConfig) -> None:
         raise ValueError(f"build_gpt_chunks decides the layer placement itself; unset {set_fields} in the config")
 
 
-def _chunk_config(config: TransformerConfig, plan: ChunkPlan, num_ranks: int) -> TransformerConfig:
-    """Shallow copy of ``config`` that makes megatron number this chunk's layers globally."""
+def chunk_config(config: TransformerConfig, plan: ChunkPlan, num_ranks: int) -> TransformerConfig:
+    """Shallow copy of ``config`` that makes megatron number this chunk's layers globally (module
+    docstring); ``num_ranks``: pipeline ranks of the placement."""
     cfg = copy.copy(config)
     cfg.virtual_pipeline_model_parallel_size = None
     if plan.num_stages == 1:

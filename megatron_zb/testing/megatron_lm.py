@@ -100,6 +100,7 @@ Megatron-LM's LLaMA example scripts but with default dropout. Add ``--global-bat
 _PLUGIN_ENV = "MEGATRON_ZB_MLM_PLUGIN"
 _OUT_ENV = "MEGATRON_ZB_MLM_OUT"
 _PARAMS_ENV = "MEGATRON_ZB_MLM_PARAMS"
+_SCRIPT_EDIT_ENV = "MEGATRON_ZB_MLM_SCRIPT_EDIT"
 _MAIN_SCRIPT = Path(__file__).with_name("megatron_lm_main.py")
 PLUGIN_CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 """A plugin step matching this is ``module:function`` (imported and called); anything else is code."""
@@ -248,6 +249,7 @@ def run_megatron_lm(
     megatron_lm_dir: str | Path | None = None,
     threads: int = 1,
     grace: float = 3.0,
+    script_edit: Sequence[tuple[str, str]] = (),
 ) -> MegatronLMRun:
     """Run Megatron-LM's ``pretrain_gpt.py`` with ``argv`` on ``world_size`` local processes (gloo).
 
@@ -263,6 +265,9 @@ def run_megatron_lm(
         megatron_lm_dir: Megatron-LM's folder (default :func:`find_megatron_lm`).
         threads: torch threads per rank (``OMP_NUM_THREADS``).
         grace: seconds the other ranks get to exit after one rank failed; then they are killed.
+        script_edit: ``(old, new)`` text replacements applied, in order, to ``pretrain_gpt.py``'s text
+            before it runs (what a user changes in their copy; the file itself is untouched); each
+            ``old`` must occur exactly once.
 
     Raises:
         FileNotFoundError: no Megatron-LM folder (the message is :data:`SKIP_REASON`).
@@ -273,7 +278,7 @@ def run_megatron_lm(
         raise FileNotFoundError(SKIP_REASON)
     with tempfile.TemporaryDirectory(prefix="megatron_zb-mlm-") as out:
         harness = {MEGATRON_LM_ENV: str(folder.resolve()), _OUT_ENV: out, _PLUGIN_ENV: _plugin_spec(plugin),
-                   _PARAMS_ENV: "1" if params else "0"}
+                   _PARAMS_ENV: "1" if params else "0", _SCRIPT_EDIT_ENV: json.dumps([list(e) for e in script_edit])}
         logs, wall_s, failure = _launch(list(argv), world_size, {**(env or {}), **harness}, out, timeout, threads,
                                         grace)
         if failure:

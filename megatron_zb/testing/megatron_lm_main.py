@@ -8,7 +8,8 @@ re-imports this file as ``__mp_main__``: it must stay cheap there and must not s
 
 Configuration comes from the environment (set by the launcher): ``MEGATRON_LM_DIR``,
 ``MEGATRON_ZB_MLM_OUT`` (folder for the records), ``MEGATRON_ZB_MLM_PLUGIN`` (code, or
-``module:function``), ``MEGATRON_ZB_MLM_PARAMS`` (``1``: save parameters after training) and
+``module:function``), ``MEGATRON_ZB_MLM_PARAMS`` (``1``: save parameters after training),
+``MEGATRON_ZB_MLM_SCRIPT_EDIT`` (JSON ``[[old, new], ...]`` applied to ``pretrain_gpt.py``'s text) and
 torchrun's ``RANK`` etc.
 """
 
@@ -106,6 +107,16 @@ def run_plugin_step(spec: str) -> None:
     exec(compile(spec, "<megatron_zb plugin step>", "exec"), {"__name__": "__megatron_zb_plugin__"})
 
 
+def edit_script(text: str, edits: str) -> str:
+    """``text`` with the ``[[old, new], ...]`` replacements of ``edits`` (JSON; empty: none) applied
+    in order; each ``old`` must occur exactly once."""
+    for old, new in json.loads(edits) if edits else []:
+        if text.count(old) != 1:
+            raise ValueError(f"script edit: {old!r} occurs {text.count(old)} times in pretrain_gpt.py, not once")
+        text = text.replace(old, new)
+    return text
+
+
 def main() -> None:
     """Workarounds, recorders, plugin step, then Megatron-LM's ``pretrain_gpt.py`` as this ``__main__``."""
     from megatron_zb.testing.megatron_lm_workarounds import apply_workarounds
@@ -117,7 +128,8 @@ def main() -> None:
     run_plugin_step(os.environ.get("MEGATRON_ZB_MLM_PLUGIN", ""))
     script = folder / "pretrain_gpt.py"
     sys.argv = [str(script), *sys.argv[1:]]
-    code = compile(script.read_text(), str(script), "exec")
+    code = compile(edit_script(script.read_text(), os.environ.get("MEGATRON_ZB_MLM_SCRIPT_EDIT", "")), str(script),
+                   "exec")
     exec(code, sys.modules["__main__"].__dict__)  # pretrain_gpt.py's `if __name__ == "__main__":` runs
     exit_without_teardown()
 

@@ -24,6 +24,7 @@ __all__ = [
     "check_zero_bubble_options",
     "initial_schedule",
     "resolve_schedule",
+    "select_schedule",
 ]
 
 V_MEM_SETUP_TO_SCHEDULE: dict[str, str] = {"zb": "zbv", "half": "v-half", "min": "v-min"}
@@ -97,26 +98,32 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
                    help="Timeout of pipeline point-to-point transfers, seconds (default 300).")
 
 
-def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
-    """Set ``args.schedule`` (and the placement-derived sizes); return the schedule's spec."""
-    pp = args.pipeline_model_parallel_size
+def select_schedule(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The schedule the zero-bubble flags ask for and the flag that chose it: ``--zero-bubble-v-schedule``
+    (memory setup from ``--zero-bubble-v-schedule-mem-setup``), ``--schedule``, ``--enable-zero-bubble``;
+    ``(None, "--schedule")`` when none does. Raises :class:`ArgumentError` for contradicting flags."""
     if args.zero_bubble_v_schedule_mem_setup is not None and not args.zero_bubble_v_schedule:
         raise ArgumentError("--zero-bubble-v-schedule-mem-setup",
                             "only applies to V schedules; add --zero-bubble-v-schedule or drop this flag")
     if args.zero_bubble_v_schedule:
-        for dest, flag in (("enable_zero_bubble", "--enable-zero-bubble"), ("schedule_requested", "--schedule")):
+        for dest, other in (("enable_zero_bubble", "--enable-zero-bubble"), ("schedule_requested", "--schedule")):
             if getattr(args, dest):
                 raise ArgumentError("--zero-bubble-v-schedule",
-                                    f"cannot be combined with {flag}; keep --zero-bubble-v-schedule (with "
-                                    f"--zero-bubble-v-schedule-mem-setup) or {flag}, not both")
-        setup = args.zero_bubble_v_schedule_mem_setup or "zb"
-        name, selected_by = V_MEM_SETUP_TO_SCHEDULE[setup], "--zero-bubble-v-schedule"
-    elif args.schedule_requested is not None:
-        name, selected_by = args.schedule_requested, "--schedule"
-    elif args.enable_zero_bubble:
-        name, selected_by = "zb", "--enable-zero-bubble"
-    else:
-        name, selected_by = "1f1b", "--schedule"
+                                    f"cannot be combined with {other}; keep --zero-bubble-v-schedule (with "
+                                    f"--zero-bubble-v-schedule-mem-setup) or {other}, not both")
+        return V_MEM_SETUP_TO_SCHEDULE[args.zero_bubble_v_schedule_mem_setup or "zb"], "--zero-bubble-v-schedule"
+    if args.schedule_requested is not None:
+        return args.schedule_requested, "--schedule"
+    if args.enable_zero_bubble:
+        return "zb", "--enable-zero-bubble"
+    return None, "--schedule"
+
+
+def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
+    """Set ``args.schedule`` (and the placement-derived sizes); return the schedule's spec."""
+    pp = args.pipeline_model_parallel_size
+    name, selected_by = select_schedule(args)
+    name = name or "1f1b"
     try:
         spec = get_spec(name)
     except ScheduleError as e:

@@ -1,0 +1,268 @@
+"""V schedules (``zbv``, ``v-half``, ``v-min``) inside NVIDIA Megatron-LM's own training loop.
+
+A V schedule places ``2p`` pipeline stages on ``p`` ranks as a V: rank ``r`` holds stage ``r``
+(model chunk 0) and stage ``2p - 1 - r`` (chunk 1), so rank 0 holds both the embedding (stage 0)
+and the loss (stage ``2p - 1``). Megatron-LM's ``get_model`` builds two chunks per rank when its
+virtual pipeline size is 2, but for its interleaved placement; the user's ``pretrain_gpt.py``
+therefore passes its model provider through :func:`v_model_provider` (docs/megatron_lm.md)::
+
+    pretrain(train_valid_test_datasets_provider,
+             megatron_zb.megatron_lm.v_model_provider(partial(model_provider, gpt_builder)), ...)
+
+With a V schedule chosen (``--zero-bubble-v-schedule [--zero-bubble-v-schedule-mem-setup
+half|min]`` or ``--schedule zbv|v-half|v-min``), :func:`check_v` (called by
+:func:`megatron_zb.megatron_lm.configure`, before Megatron-LM validates its arguments) refuses what
+this route cannot build (one line, exit 2) and sets Megatron-LM's
+``--num-virtual-stages-per-pipeline-rank 2`` (printed, as Megatron-LM prints its own adjustments);
+:func:`activate` (at the same point) answers Megatron-LM's ``is_first_or_last_pipeline_stage(vp_stage)`` -- the question by which
+``pretrain_gpt.py``'s ``get_batch`` and dataset builder decide whether a chunk reads micro batches --
+by the V: on rank 0 both chunks read (tokens for stage 0, labels for the loss stage), elsewhere
+none. The wrapped provider builds each chunk for its V stage through the user's own provider
+(global layer offsets from a :class:`~megatron_zb.model.ChunkPlan`, ``pre_process`` /
+``post_process`` by stage; tied embeddings as ``pretrain_gpt_zb.py`` ties them in a V: the loss
+chunk's output layer uses the embedding parameter of chunk 0, on the same rank).
+:class:`VForwardBackward` hands the loss stage's per-micro-batch losses from rank 0 to the last
+pipeline rank, where Megatron-LM's ``train_step`` and ``evaluate`` read them. A script that
+created no :func:`v_model_provider` is refused when Megatron-LM validates its arguments inside
+``pretrain()`` (:func:`check_provider`), before any process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable
+
+from .training.arguments.common import ArgumentError
+
+__all__ = ["V_CHUNKS", "VForwardBackward", "VModelProvider", "activate", "check_provider", "check_v", "deactivate",
+           "v_model_provider"]
+
+V_CHUNKS = 2
+"""Model chunks per pipeline rank in a V."""
+
+_PROVIDERS: list["VModelProvider"] = []
+_ACTIVE: dict[str, str] = {}  # "schedule", "flag" while a V schedule is installed
+_PATCHED: list[tuple[Any, str, Callable]] = []
+
+
+def v_model_provider(model_provider: Callable[..., Any]) -> "VModelProvider":
+    """Wrap a Megatron-LM model provider (``partial(model_provider, gpt_builder)``) so that, with a V
+    schedule chosen, Megatron-LM's ``get_model`` builds the V; without one it calls ``model_provider``
+    unchanged (the wrapper may stay in the script)."""
+    return VModelProvider(model_provider)
+
+
+def _how_to_wrap(flag: str, schedule: str) -> ArgumentError:
+    return ArgumentError(flag, f"{schedule!r} is a V schedule: its two model chunks per rank must be built for the "
+                               f"V, so in pretrain_gpt.py pass megatron_zb.megatron_lm.v_model_provider(partial("
+                               f"model_provider, gpt_builder)) to pretrain() in place of partial(model_provider, "
+                               f"gpt_builder) (docs/megatron_lm.md)")
+
+
+def check_v(args: argparse.Namespace, schedule: str, flag: str) -> None:
+    """Refuse what a V cannot have inside Megatron-LM's loop (:class:`ArgumentError` naming the flag),
+    then set ``args.num_virtual_stages_per_pipeline_rank = 2`` (Megatron-LM derives its virtual
+    pipeline size from it when it validates ``args``). ``flag`` chose the V ``schedule``."""
+    pp, num_layers = args.pipeline_model_parallel_size, args.num_layers
+    refused = (
+        ("fp16", "--fp16", "Megatron-LM's Float16Module decides first/last stage by pipeline rank, not by the V"),
+        ("bf16", "--bf16", "Megatron-LM's Float16Module decides first/last stage by pipeline rank, not by the V"),
+        ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", "the V decides the layer placement"),
+        ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", "the V splits the layers evenly"),
+        ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", "the V splits the layers evenly"),
+        ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
+         "the V splits the layers evenly"),
+        ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", "the V splits the layers evenly"),
+        ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction sits on Megatron-LM's last pipeline rank"),
+        ("use_legacy_models", "--use-legacy-models", "the V builds megatron-core GPT chunks"),
+        ("yaml_cfg", "--yaml-cfg", "the V chunk configs are made from Megatron-LM's flags"),
+    )
+    for dest, name, why in refused:
+        if getattr(args, dest, None):
+            raise ArgumentError(name, f"not supported with the V schedule {schedule!r} inside Megatron-LM's loop: "
+                                      f"{why}; drop it, or use pretrain_gpt_zb.py")
+    if args.tensor_model_parallel_size > 1:
+        raise ArgumentError("--tensor-model-parallel-size", f"must be 1 with the V schedule {schedule!r} inside "
+                                                            f"Megatron-LM's loop: its get_batch_on_this_tp_rank sends "
+                                                            f"labels to the other tensor-parallel ranks only on the "
+                                                            f"last pipeline rank, and the V's loss stage is on rank 0")
+    if not getattr(args, "overlap_p2p_comm", True) and pp <= 2:
+        raise ArgumentError("--no-overlap-p2p-communication", "Megatron-LM refuses it at PP <= 2 with two model "
+                                                              "chunks per rank (the V has two); drop it")
+    if num_layers % (V_CHUNKS * pp):
+        raise ArgumentError("--num-layers", f"{num_layers} layers do not split evenly into the V's {V_CHUNKS * pp} "
+                                            f"stages (PP={pp}); use a multiple of {V_CHUNKS * pp}")
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    chunks = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if per_stage is not None and per_stage != num_layers // (V_CHUNKS * pp):
+        raise ArgumentError("--num-layers-per-virtual-pipeline-stage",
+                            f"{schedule!r} has {num_layers // (V_CHUNKS * pp)} layers per stage (the V: "
+                            f"{V_CHUNKS} chunks per rank), not {per_stage}; drop the flag")
+    if chunks is not None and chunks != V_CHUNKS:
+        raise ArgumentError("--num-virtual-stages-per-pipeline-rank",
+                            f"{schedule!r} places {V_CHUNKS} model chunks per rank (the V), not {chunks}; drop the flag")
+    if per_stage is None and chunks is None:
+        args.num_virtual_stages_per_pipeline_rank = V_CHUNKS
+        if getattr(args, "rank", 0) == 0 and not _ACTIVE:  # Megatron-LM parses more than once: say it once
+            print(f"megatron-zb: setting --num-virtual-stages-per-pipeline-rank {V_CHUNKS}: {flag} {schedule} places "
+                  f"{V_CHUNKS} model chunks per pipeline rank (the V), built by megatron_zb.megatron_lm."
+                  f"v_model_provider", flush=True)
+
+
+def activate(schedule: str, flag: str) -> None:
+    """Install the V route for ``schedule`` (chosen by ``flag``): answer Megatron-LM's
+    ``is_first_or_last_pipeline_stage`` by the V (module docstring). :func:`deactivate` undoes it."""
+    deactivate()
+    from megatron.training import utils
+
+    _ACTIVE.update(schedule=schedule, flag=flag)
+    original = utils.is_first_or_last_pipeline_stage
+
+    def is_first_or_last_pipeline_stage(vp_stage: int | None) -> bool:
+        """Megatron-LM's question, answered by the V: does this chunk hold stage 0 or the loss stage?"""
+        if vp_stage is None:
+            return original(vp_stage)
+        return _v_stage(vp_stage) in (0, 2 * _pp()[0] - 1)
+
+    # pretrain_gpt.py imported the name before this runs: rebind it wherever it is held, as patch_megatron does
+    for module in list(sys.modules.values()):
+        if module is not None and getattr(module, "is_first_or_last_pipeline_stage", None) is original:
+            _PATCHED.append((module, "is_first_or_last_pipeline_stage", original))
+            module.is_first_or_last_pipeline_stage = is_first_or_last_pipeline_stage
+
+
+def check_provider() -> None:
+    """With a V route active: refuse (:class:`ArgumentError`) a script that created no
+    :func:`v_model_provider`. Call it once ``pretrain()``'s arguments exist (Megatron-LM's
+    ``inprocess_restart`` parses the flags before them)."""
+    if _ACTIVE and not _PROVIDERS:
+        raise _how_to_wrap(_ACTIVE["flag"], _ACTIVE["schedule"])
+
+
+def deactivate() -> None:
+    """Undo :func:`activate` (the providers already created stay)."""
+    while _PATCHED:
+        module, name, fn = _PATCHED.pop()
+        setattr(module, name, fn)
+    _ACTIVE.clear()
+
+
+def _pp(pg_collection: Any = None) -> tuple[int, int]:
+    """(pipeline-parallel size, this rank's pipeline rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_pg_rank, get_pg_size
+
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        return get_pg_size(pg_collection.pp), get_pg_rank(pg_collection.pp)
+    return parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+
+
+def _v_stage(vp_stage: int, pg_collection: Any = None) -> int:
+    """The V stage of this rank's chunk ``vp_stage`` (0: stage ``r``, 1: stage ``2p - 1 - r``)."""
+    p, r = _pp(pg_collection)
+    if vp_stage not in range(V_CHUNKS):
+        raise ValueError(f"a V has {V_CHUNKS} model chunks per rank; Megatron-LM asked for chunk {vp_stage}")
+    return r if vp_stage == 0 else 2 * p - 1 - r
+
+
+class VModelProvider:
+    """Megatron-LM's model-provider signature around the user's provider (:func:`v_model_provider`).
+
+    Attributes:
+        model_provider: the user's provider.
+        chunks: this rank's chunks built for the V so far, by ``vp_stage``.
+    """
+
+    def __init__(self, model_provider: Callable[..., Any]) -> None:
+        self.model_provider = model_provider
+        self.chunks: dict[int, Any] = {}
+        _PROVIDERS.append(self)
+
+    def __call__(self, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                 config: Any = None, pg_collection: Any = None) -> Any:
+        """Without a V schedule: the user's provider with Megatron-LM's arguments. With one:
+        chunk ``vp_stage`` of the V (Megatron-LM's ``pre_process`` / ``post_process`` are for its
+        interleaved placement and are replaced by the V stage's)."""
+        if not _ACTIVE:
+            return self.model_provider(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                                       config=config, pg_collection=pg_collection)
+        from megatron.training import get_args
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        from .model import chunk_config, plan_chunks, tie_output_layer
+        from .schedules.ir import v_placement
+
+        args = get_args()
+        if vp_stage is None or args.virtual_pipeline_model_parallel_size != V_CHUNKS:
+            raise RuntimeError(f"the V needs Megatron-LM's virtual pipeline size {V_CHUNKS} (set by megatron_zb."
+                               f"megatron_lm.install()); get_model called the provider with vp_stage={vp_stage}")
+        p, _ = _pp(pg_collection)
+        plan = plan_chunks(num_layers=args.num_layers, stage_to_rank=v_placement(p))[_v_stage(vp_stage, pg_collection)]
+        base = config if config is not None else core_transformer_config_from_args(args)
+        tied = not args.untie_embeddings_and_output_weights and (plan.pre_process or plan.post_process)
+        try:  # both ends of the V on rank 0: built untied, then the loss chunk uses chunk 0's embedding
+            if tied:
+                args.untie_embeddings_and_output_weights = True
+            module = self.model_provider(pre_process=plan.pre_process, post_process=plan.post_process, vp_stage=None,
+                                         config=chunk_config(base, plan, p), pg_collection=pg_collection)
+        finally:
+            if tied:
+                args.untie_embeddings_and_output_weights = False
+        if tied and plan.post_process:
+            first = self.chunks.get(0)
+            if first is None or not first.pre_process:
+                raise RuntimeError("the V's loss chunk was built before its embedding chunk (vp_stage 0)")
+            tie_output_layer(module, first.embedding.word_embeddings.weight)
+        self.chunks[vp_stage] = module
+        return module
+
+
+class VForwardBackward:
+    """Megatron-LM's ``forward_backward_func`` for a V: runs ``inner`` (megatron-zb's, or its
+    re-planning wrapper), then hands the losses from the loss stage's rank (pipeline rank 0) to the
+    last pipeline rank, where Megatron-LM's ``train_step`` / ``evaluate`` average and log them
+    (one ``send_object_list`` per call, tensors moved through the host). At the first call it
+    checks that this rank's chunks were built by :class:`VModelProvider`."""
+
+    def __init__(self, inner: Callable[..., list[Any]]) -> None:
+        self.inner = inner
+        self.runtime = getattr(inner, "runtime", inner)  # megatron-zb's ZeroBubbleForwardBackward
+        self._checked = False
+
+    def __call__(self, **kwargs: Any) -> list[Any]:
+        """megatron-core's ``forward_backward_func`` keywords."""
+        import torch
+        from megatron.core import parallel_state
+
+        if not self._checked:
+            if not any(len(p.chunks) == V_CHUNKS for p in _PROVIDERS):
+                raise RuntimeError(str(_how_to_wrap(_ACTIVE.get("flag", "--schedule"), _ACTIVE.get("schedule", "V"))))
+            self._checked = True
+        out = self.inner(**kwargs)
+        group = parallel_state.get_pipeline_model_parallel_group()
+        p, r = group.size(), group.rank()
+        if p == 1 or r not in (0, p - 1):
+            return out
+        if r == 0:
+            torch.distributed.send_object_list([_to(out, torch.device("cpu"))],
+                                               dst=torch.distributed.get_global_rank(group, p - 1), group=group)
+            return out
+        received: list[Any] = [None]
+        torch.distributed.recv_object_list(received, src=torch.distributed.get_global_rank(group, 0), group=group)
+        model = kwargs["model"]
+        device = next((model if isinstance(model, list) else [model])[0].parameters()).device
+        return _to(received[0], device)
+
+
+def _to(value: Any, device: Any) -> Any:
+    """``value`` (tensors in lists, tuples, dicts) with every tensor moved to ``device``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
