@@ -10,21 +10,25 @@ therefore passes its model provider through :func:`v_model_provider` (docs/megat
              megatron_zb.megatron_lm.v_model_provider(partial(model_provider, gpt_builder)), ...)
 
 With a V schedule chosen (``--zero-bubble-v-schedule [--zero-bubble-v-schedule-mem-setup
-half|min]`` or ``--schedule zbv|v-half|v-min``), :func:`check_v` (called by
-:func:`megatron_zb.megatron_lm.configure`, before Megatron-LM validates its arguments) refuses what
-this route cannot build (one line, exit 2) and sets Megatron-LM's
-``--num-virtual-stages-per-pipeline-rank 2`` (printed, as Megatron-LM prints its own adjustments);
-:func:`activate` (at the same point) answers Megatron-LM's ``is_first_or_last_pipeline_stage(vp_stage)`` -- the question by which
-``pretrain_gpt.py``'s ``get_batch`` and dataset builder decide whether a chunk reads micro batches --
-by the V: on rank 0 both chunks read (tokens for stage 0, labels for the loss stage), elsewhere
-none. The wrapped provider builds each chunk for its V stage through the user's own provider
-(global layer offsets from a :class:`~megatron_zb.model.ChunkPlan`, ``pre_process`` /
-``post_process`` by stage; tied embeddings as ``pretrain_gpt_zb.py`` ties them in a V: the loss
-chunk's output layer uses the embedding parameter of chunk 0, on the same rank).
-:class:`VForwardBackward` hands the loss stage's per-micro-batch losses from rank 0 to the last
-pipeline rank, where Megatron-LM's ``train_step`` and ``evaluate`` read them. A script that
-created no :func:`v_model_provider` is refused when Megatron-LM validates its arguments inside
-``pretrain()`` (:func:`check_provider`), before any process group starts.
+half|min]`` or ``--schedule zbv|v-half|v-min``):
+
+* :func:`check_v` (called by :func:`megatron_zb.megatron_lm.configure`, before Megatron-LM
+  validates its arguments) refuses what this route cannot build (one line, exit 2) and sets
+  Megatron-LM's ``--num-virtual-stages-per-pipeline-rank 2``, printed once on rank 0 as
+  Megatron-LM prints its own adjustments;
+* :func:`activate` (same point) answers Megatron-LM's ``is_first_or_last_pipeline_stage(vp_stage)``
+  -- the question by which ``pretrain_gpt.py``'s ``get_batch`` and dataset builder decide whether
+  a chunk reads micro batches -- by the V: on rank 0 both chunks read (tokens for stage 0, labels
+  for the loss stage), on the other ranks none;
+* :func:`check_provider` refuses, when Megatron-LM validates its arguments inside ``pretrain()``
+  (before any process group), a script that created no :func:`v_model_provider`;
+* the wrapped provider builds each chunk for its V stage through the user's own provider: the
+  config a copy with a :class:`~megatron_zb.model.ChunkPlan` as its layout (global layer offsets),
+  ``pre_process`` / ``post_process`` by stage, tied embeddings as ``pretrain_gpt_zb.py`` ties them
+  in a V (both ends built untied, then the loss chunk's output layer uses chunk 0's embedding
+  parameter, on the same rank: :func:`~megatron_zb.model.tie_output_layer`);
+* :class:`VForwardBackward` hands the loss stage's per-micro-batch losses from rank 0 to the last
+  pipeline rank, where Megatron-LM's ``train_step`` and ``evaluate`` read them.
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ def check_v(args: argparse.Namespace, schedule: str, flag: str) -> None:
         ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", "the V splits the layers evenly"),
         ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
          "the V splits the layers evenly"),
-        ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", "the V splits the layers evenly"),
+        ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
+         "the V splits the layers evenly"),
         ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction sits on Megatron-LM's last pipeline rank"),
         ("use_legacy_models", "--use-legacy-models", "the V builds megatron-core GPT chunks"),
         ("yaml_cfg", "--yaml-cfg", "the V chunk configs are made from Megatron-LM's flags"),
@@ -101,7 +106,8 @@ def check_v(args: argparse.Namespace, schedule: str, flag: str) -> None:
                             f"{V_CHUNKS} chunks per rank), not {per_stage}; drop the flag")
     if chunks is not None and chunks != V_CHUNKS:
         raise ArgumentError("--num-virtual-stages-per-pipeline-rank",
-                            f"{schedule!r} places {V_CHUNKS} model chunks per rank (the V), not {chunks}; drop the flag")
+                            f"{schedule!r} places {V_CHUNKS} model chunks per rank (the V), not {chunks}; drop "
+                            f"the flag")
     if per_stage is None and chunks is None:
         args.num_virtual_stages_per_pipeline_rank = V_CHUNKS
         if getattr(args, "rank", 0) == 0 and not _ACTIVE:  # Megatron-LM parses more than once: say it once
@@ -227,7 +233,6 @@ class VForwardBackward:
 
     def __init__(self, inner: Callable[..., list[Any]]) -> None:
         self.inner = inner
-        self.runtime = getattr(inner, "runtime", inner)  # megatron-zb's ZeroBubbleForwardBackward
         self._checked = False
 
     def __call__(self, **kwargs: Any) -> list[Any]:

@@ -49,8 +49,8 @@ invariant to a shift of the scores), so what is computed is rounding noise, anot
 V's summation order, and Adam's normalised update turns it into learning-rate-sized steps -- and at
 most 3.1e-6 on every other tensor."""
 
-INSTALL_EDIT = ('if __name__ == "__main__":\n',
-                'if __name__ == "__main__":\n    import megatron_zb.megatron_lm\n    megatron_zb.megatron_lm.install()\n')
+INSTALL_EDIT = ('if __name__ == "__main__":\n', 'if __name__ == "__main__":\n'
+                '    import megatron_zb.megatron_lm\n    megatron_zb.megatron_lm.install()\n')
 PROVIDER_EDIT = ("partial(model_provider, gpt_builder),",
                  "megatron_zb.megatron_lm.v_model_provider(partial(model_provider, gpt_builder)),")
 SCRIPT_EDIT = (INSTALL_EDIT, PROVIDER_EDIT)
