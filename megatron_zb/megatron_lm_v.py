@@ -70,8 +70,6 @@ def check_v(args: argparse.Namespace, schedule: str, flag: str) -> None:
     pipeline size from it when it validates ``args``). ``flag`` chose the V ``schedule``."""
     pp, num_layers = args.pipeline_model_parallel_size, args.num_layers
     refused = (
-        ("fp16", "--fp16", "Megatron-LM's Float16Module decides first/last stage by pipeline rank, not by the V"),
-        ("bf16", "--bf16", "Megatron-LM's Float16Module decides first/last stage by pipeline rank, not by the V"),
         ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", "the V decides the layer placement"),
         ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", "the V splits the layers evenly"),
         ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", "the V splits the layers evenly"),
@@ -136,6 +134,21 @@ def activate(schedule: str, flag: str) -> None:
         if module is not None and getattr(module, "is_first_or_last_pipeline_stage", None) is original:
             _PATCHED.append((module, "is_first_or_last_pipeline_stage", original))
             module.is_first_or_last_pipeline_stage = is_first_or_last_pipeline_stage
+    from megatron.training import training
+
+    _PATCHED.append((training, "Float16Module", training.Float16Module))
+    training.Float16Module = _v_float16_module  # get_model's one use: Float16Module(config, model_module)
+
+
+def _v_float16_module(config: Any, module: Any) -> Any:
+    """megatron-core's ``Float16Module`` for chunk ``module.vp_stage`` of the V (``get_model`` sets
+    it before wrapping): half-precision inputs on stage 0, fp32 outputs on the loss stage. megatron-core's
+    own decides by pipeline rank and virtual stage: on rank 0 the loss would stay in half precision,
+    on the last rank a middle stage's output would become fp32."""
+    from .megatron_compat import chunk_float16_module
+
+    stage = _v_stage(module.vp_stage)
+    return chunk_float16_module(config, module, first=stage == 0, last=stage == 2 * _pp()[0] - 1)
 
 
 def check_provider() -> None:
