@@ -62,7 +62,7 @@ _INSTALLED: list[tuple[Any, str, Callable]] = []
 
 def install() -> None:
     """Add the zero-bubble flags to Megatron-LM's parser and route the schedule (module docstring).
-    Idempotent; :func:`uninstall` restores Megatron-LM's ``parse_args``."""
+    Idempotent; :func:`uninstall` restores Megatron-LM's ``parse_args`` and ``validate_args``."""
     from megatron.training import arguments, initialize
 
     if _INSTALLED:

@@ -19,7 +19,8 @@ half|min]`` or ``--schedule zbv|v-half|v-min``):
 * :func:`activate` (same point) answers Megatron-LM's ``is_first_or_last_pipeline_stage(vp_stage)``
   -- the question by which ``pretrain_gpt.py``'s ``get_batch`` and dataset builder decide whether
   a chunk reads micro batches -- by the V: on rank 0 both chunks read (tokens for stage 0, labels
-  for the loss stage), on the other ranks none;
+  for the loss stage), on the other ranks none; and makes the ``Float16Module`` that ``get_model``
+  wraps each chunk in with ``--bf16`` / ``--fp16`` cast by the V stage;
 * :func:`check_provider` refuses, when Megatron-LM validates its arguments inside ``pretrain()``
   (before any process group), a script that created no :func:`v_model_provider`;
 * the wrapped provider builds each chunk for its V stage through the user's own provider: the
@@ -116,7 +117,8 @@ def check_v(args: argparse.Namespace, schedule: str, flag: str) -> None:
 
 def activate(schedule: str, flag: str) -> None:
     """Install the V route for ``schedule`` (chosen by ``flag``): answer Megatron-LM's
-    ``is_first_or_last_pipeline_stage`` by the V (module docstring). :func:`deactivate` undoes it."""
+    ``is_first_or_last_pipeline_stage`` by the V, and give ``get_model`` a V-aware ``Float16Module``
+    (module docstring). :func:`deactivate` undoes it."""
     deactivate()
     from megatron.training import utils
 

@@ -238,3 +238,18 @@ def test_the_wrapper_passes_megatron_lm_arguments_through_without_a_v() -> None:
     wrapped = v_model_provider(lambda **kw: calls.append(kw) or "model")
     assert wrapped(pre_process=True, post_process=False, config="cfg", pg_collection="pg") == "model"
     assert calls == [dict(pre_process=True, post_process=False, vp_stage=None, config="cfg", pg_collection="pg")]
+
+
+def test_script_edit_replaces_exactly_once() -> None:
+    """The harness's ``script_edit`` (what this file's runs apply to pretrain_gpt.py) refuses an edit
+    whose text is missing or ambiguous rather than running an unedited script."""
+    import json
+
+    from megatron_zb.testing.megatron_lm_main import edit_script
+
+    text = "a\nif __name__ == \"__main__\":\n    pretrain(x)\n"
+    assert edit_script(text, json.dumps([["pretrain(x)", "pretrain(f(x))"]])) == text.replace("(x)", "(f(x))")
+    assert edit_script(text, "") == text
+    for old in ("missing", "\n"):
+        with pytest.raises(ValueError, match="script edit: .* occurs [02] times in pretrain_gpt.py, not once"):
+            edit_script(text, json.dumps([[old, "y"]]))
