@@ -251,5 +251,5 @@ def test_script_edit_replaces_exactly_once() -> None:
     assert edit_script(text, json.dumps([["pretrain(x)", "pretrain(f(x))"]])) == text.replace("(x)", "(f(x))")
     assert edit_script(text, "") == text
     for old in ("missing", "\n"):
-        with pytest.raises(ValueError, match="script edit: .* occurs [02] times in pretrain_gpt.py, not once"):
+        with pytest.raises(ValueError, match="script edit: .* occurs [03] times in pretrain_gpt.py, not once"):
             edit_script(text, json.dumps([[old, "y"]]))
