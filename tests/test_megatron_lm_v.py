@@ -59,7 +59,10 @@ SEED_PLUGIN = ("from megatron_zb.testing.layer_seeding import seed_layers_by_glo
                "seed_layers_by_global_number()\n")
 PP2_NO_DROPOUT = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *TINY_GPT_FLAGS, "--pipeline-model-parallel-size", "2",
                   "--global-batch-size", "8", "--train-iters", str(ITERS), "--use-cpu-initialization",
-                  "--hidden-dropout", "0", "--attention-dropout", "0")
+                  "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "2", "--eval-iters", "1")
+"""Tiny GPT, PP=2, dropout off, one evaluation iteration after iterations 2 and 4 (and on the
+validation and test sets at the end): Megatron-LM's ``evaluate`` calls
+``forward_backward_func(forward_only=True)``, whose losses the V also hands to the last rank."""
 
 _MISSING = [m for m in ("yaml", "regex", "pydantic") if importlib.util.find_spec(m) is None]
 
@@ -92,6 +95,12 @@ def zbv_bf16() -> MegatronLMRun:
     return _run("--zero-bubble-v-schedule", "--bf16")
 
 
+def validation_losses(run: MegatronLMRun) -> list[tuple[str, float]]:
+    """``(where, lm loss)`` of each `` validation loss at ... | lm loss value: X |`` line the last rank printed."""
+    return [(m.group(1) + m.group(2), float(m.group(3))) for m in
+            re.finditer(r" validation(.*?) loss at (.*?) \| lm loss value: ([0-9.E+-]+) \|", run.logs[-1])]
+
+
 def global_params(run: MegatronLMRun, stage_of: Any, layers_per_stage: int) -> dict[str, torch.Tensor]:
     """Every rank's parameters under the whole model's names (``decoder.layers.<global>``);
     ``stage_of(rank, chunk)`` is the placement's stage of a rank's chunk."""
@@ -122,6 +131,12 @@ def test_zbv_in_megatron_lm_loop_matches_megatron_core_1f1b(mcore_1f1b: Megatron
         what = f"{'lm loss' if n < ITERS else 'grad norm'} of iteration {n % ITERS + 1}"
         assert abs(got - ref) <= RTOL * abs(ref), f"{what}: zbv {got!r} vs 1F1B {ref!r}"
     assert zbv.lm_losses[-1] < zbv.lm_losses[0]
+
+    evaluated = [validation_losses(run) for run in (zbv, mcore_1f1b)]
+    assert len(evaluated[1]) == 4, evaluated[1]  # iterations 2 and 4; at the end the validation and test sets
+    assert [where for where, _ in evaluated[0]] == [where for where, _ in evaluated[1]]
+    for (where, got), (_, ref_loss) in zip(*evaluated):  # printed with 7 significant digits
+        assert abs(got - ref_loss) <= 1e-5 * ref_loss, f"validation loss at {where}: zbv {got} vs 1F1B {ref_loss}"
 
     ref = global_params(mcore_1f1b, lambda rank, chunk: rank, layers_per_stage=2)
     got = global_params(zbv, lambda rank, chunk: rank if chunk == 0 else 3 - rank, layers_per_stage=1)
