@@ -144,9 +144,8 @@ def activate(schedule: str, flag: str) -> None:
 
 def _v_float16_module(config: Any, module: Any) -> Any:
     """megatron-core's ``Float16Module`` for chunk ``module.vp_stage`` of the V (``get_model`` sets
-    it before wrapping): half-precision inputs on stage 0, fp32 outputs on the loss stage. megatron-core's
-    own decides by pipeline rank and virtual stage: on rank 0 the loss would stay in half precision,
-    on the last rank a middle stage's output would become fp32."""
+    it before wrapping): half-precision inputs on stage 0, fp32 outputs on the loss stage.
+    megatron-core's own decides by pipeline rank and virtual stage, which does not match the V."""
     from .megatron_compat import chunk_float16_module
 
     stage = _v_stage(module.vp_stage)

@@ -6,16 +6,17 @@ route first in its ``__main__`` block, and its model provider passed to ``pretra
 ``megatron_zb.megatron_lm.v_model_provider``. Three runs of the same script, tiny GPT (tied
 embeddings), PP=2, 4 iterations of 4 micro batches: megatron-core's own 1F1B (no zero-bubble flag:
 the wrapper passes Megatron-LM's arguments through), ``--zero-bubble-v-schedule`` (ZB-V: layers 0
-and 3 on rank 0, 1 and 2 on rank 1), and the same with ``--bf16``. A V schedule *without* the wrapper is
-``tests/test_megatron_lm_loop.py::test_a_bad_zero_bubble_flag_exits_2_before_any_process_group``.
+and 3 on rank 0, 1 and 2 on rank 1), and the same with ``--bf16``. A V schedule *without* the
+wrapper is ``tests/test_megatron_lm_loop.py::test_a_bad_zero_bubble_flag_exits_2_before_any_process_group``.
 
 Same model in both runs: Megatron-LM draws each rank's weights in construction order, so the V
 (other layers on each rank) would start elsewhere; both runs therefore use
-``--use-cpu-initialization`` and the test plugin :func:`~megatron_zb.testing.layer_seeding.seed_layers_by_global_number`
-(each layer's weights from a seed of its global number; the embedding is drawn first on rank 0 in
-both). Dropout is off (``--hidden-dropout 0 --attention-dropout 0``): its masks come from each rank's
-RNG stream in execution order, which the V changes (rank 0 runs layers 0 and 3), so with dropout
-the two runs would not compute the same function.
+``--use-cpu-initialization`` and the test plugin
+:func:`~megatron_zb.testing.layer_seeding.seed_layers_by_global_number` (each layer's weights from a
+seed of its global number; the embedding is drawn first on rank 0 in both). Dropout is off
+(``--hidden-dropout 0 --attention-dropout 0``): its masks come from each rank's RNG stream in
+execution order, which the V changes (rank 0 runs layers 0 and 3), so with dropout the runs would
+not compute the same function.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def zbv_bf16() -> MegatronLMRun:
 
 
 def validation_losses(run: MegatronLMRun) -> list[tuple[str, float]]:
-    """``(where, lm loss)`` of each `` validation loss at ... | lm loss value: X |`` line the last rank printed."""
+    """``(where, lm loss)`` of each `` validation loss at ... | lm loss value: X |`` line of the last rank."""
     return [(m.group(1) + m.group(2), float(m.group(3))) for m in
             re.finditer(r" validation(.*?) loss at (.*?) \| lm loss value: ([0-9.E+-]+) \|", run.logs[-1])]
 
@@ -168,7 +169,7 @@ def test_zbv_reports_the_v_and_defers_w(zbv: MegatronLMRun) -> None:
 def test_zbv_with_bf16_in_megatron_lm_loop(mcore_1f1b: MegatronLMRun, zbv_bf16: MegatronLMRun) -> None:
     """``--bf16``: Megatron-LM's ``get_model`` wraps each chunk in megatron-core's ``Float16Module``,
     made V-aware (half-precision inputs on stage 0, fp32 outputs on the loss stage; megatron-core's
-    own would upcast the middle stage on the last rank, and assert on chunk 1). Against the fp32
+    own decides by pipeline rank and virtual stage, which does not match the V). Against the fp32
     1F1B run: bf16 arithmetic, so the losses differ (iteration 1: measured 2.9e-5 relative) but stay
     within 1e-3 (measured <= 2.0e-4) and the grad norms within 2e-2 (measured <= 7.4e-3). Measured
     once against megatron-core's bf16 1F1B too (not a test: a fourth run): iteration 1 bitwise,
