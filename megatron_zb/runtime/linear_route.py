@@ -124,9 +124,9 @@ class _DummyWgrads:
                                f"parameter's .grad (megatron-core DDP's gradient hook clears it)")
         return buf.detach()
 
-    def buffers(self) -> list[torch.Tensor]:
-        """Every cached dummy (for tests)."""
-        return [buf for buf, _ in self._buffers.values()]
+    def buffers(self, *, zero: bool) -> list[torch.Tensor]:
+        """The cached dummies of one kind (zero-filled or not), in allocation order (for tests)."""
+        return [buf for key, (buf, _) in self._buffers.items() if key[3] == zero]
 
     def clear(self) -> None:
         """Drop every cached dummy."""
