@@ -114,8 +114,10 @@ class _DummyWgrads:
         key = (tuple(shape), dtype, device, zero)
         entry = self._buffers.get(key)
         if entry is None:
-            make = torch.zeros if zero else torch.empty
-            buf = make(shape, dtype=dtype, device=device, requires_grad=False)
+            if zero:
+                buf = torch.zeros(shape, dtype=dtype, device=device, requires_grad=False)
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=device, requires_grad=False)
             entry = self._buffers[key] = (buf, buf._version)
         buf, version = entry
         if buf._version != version:
