@@ -106,6 +106,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.weight_object = weight  # TE keeps the Python object to set grad_added_to_main_grad on
         ctx.module, ctx.is_first_microbatch = module, is_first_microbatch
         ctx.use_bias = bias is not None
+        ctx.fp8 = module.fp8
         ctx.wgrad_store = module.wgrad_store if module.wgrad_store.delay_wgrad_compute() else None
         return torch.nn.functional.linear(inp, weight, bias)
 
@@ -123,10 +124,13 @@ class _LinearFunction(torch.autograd.Function):
         else:
             accumulate = fuse
         use_bias = ctx.use_bias
+        # grad_output_preprocess: under FP8 (and TE's debug mode) the bias gradient is computed now
+        grad_bias = dy.sum(dim=0) if (use_bias and ctx.fp8) else None
+        gemm_bias = use_bias and grad_bias is None and not ctx.fp8  # "bias": bias if (grad_bias is None and not fp8)
 
         def wgrad_gemm(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
             dw = dy.t().matmul(x)
-            db = dy.sum(dim=0) if use_bias else None
+            db = dy.sum(dim=0) if gemm_bias else None
             if fuse:  # the GEMM writes into main_grad (accumulating after the first microbatch)
                 if accumulate:
                     main_grad.add_(dw)
@@ -135,11 +139,13 @@ class _LinearFunction(torch.autograd.Function):
                 dw = main_grad
             return dw, db
 
-        wgrad = grad_bias = None
+        wgrad = None
         if ctx.wgrad_store is not None and ctx.wgrad_store.delay_wgrad_compute():
             ctx.wgrad_store.put([x, dy], wgrad_gemm)
         else:
-            wgrad, grad_bias = wgrad_gemm(x, dy)
+            wgrad, grad_bias_ = wgrad_gemm(x, dy)
+            if grad_bias is None:
+                grad_bias = grad_bias_
         if fuse and hasattr(weight_object, "grad_added_to_main_grad"):  # megatron-core DDP
             weight_object.grad_added_to_main_grad = True
             wgrad = torch.zeros(main_grad.shape, dtype=weight_object.dtype, device=main_grad.device)
@@ -154,24 +160,32 @@ class Linear(torch.nn.Module):
     """TE's ``te.pytorch.Linear`` (``module/linear.py`` + ``module/base.py``), CPU, no parallelism.
 
     ``hooks_api``: whether ``register_wgrad_accumulation_and_reduce_hooks`` exists (TE >= 2.7);
-    ``assign_weight_grad_always``: TE >= 2.7 assigns ``weight.grad`` in ``backward_dw`` even
-    when it is set (v2.3-v2.6: only when it is ``None``).
+    ``assign_weight_grad_always``: TE >= 2.8 assigns ``weight.grad`` in ``backward_dw`` even
+    when it is set (v2.3-v2.7: only when it is ``None``);
+    ``fp8``: the bias path of TE's FP8 backward (also its debug mode): ``grad_output_preprocess``
+    computes the bias gradient in the backward and the weight-gradient GEMM gets ``bias=None``,
+    so a delayed entry returns ``bgrad = None`` (no quantisation is reproduced: the numbers are
+    fp32 as without FP8). ``parallel_mode="row"`` with an applied bias: TE adds the bias after
+    the autograd function (``gemm_bias_unfused_add``), so its gradient also comes in the backward.
     """
 
     hooks_api = True
     assign_weight_grad_always = True
+    fp8 = False
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  init_method: Optional[Callable[[torch.Tensor], None]] = None, return_bias: bool = False,
                  fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
-                 params_dtype: torch.dtype = torch.float32) -> None:
+                 params_dtype: torch.dtype = torch.float32, parallel_mode: Optional[str] = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.apply_bias = bias and not return_bias
+        self.gemm_bias_unfused_add = parallel_mode == "row" and self.apply_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype))
         (init_method or (lambda w: torch.nn.init.normal_(w, mean=0.0, std=0.023)))(self.weight.data)
+        self.weight_names = ["weight"]
         self.bias_names = ["bias"] if bias else []
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=params_dtype))
@@ -179,11 +193,16 @@ class Linear(torch.nn.Module):
             self.register_parameter("bias", None)
         self.wgrad_store = WeightGradStore(delay_wgrad_compute)
         self.wgrad_accumulation_and_reduce_hooks: list[Callable[[], None]] = []
+        if delay_wgrad_compute:  # TE >= 2.8: megatron-core DDP's delay_wgrad_compute hooks these in backward_dw
+            for name in self.weight_names + self.bias_names:
+                getattr(self, name).skip_backward_post_hook = True
         _LIVE.append(self)
 
     def _linear(self, inp: torch.Tensor, is_first_microbatch: Optional[bool]) -> Any:
-        bias = self.bias if self.apply_bias else None
+        bias = self.bias if (self.apply_bias and not self.gemm_bias_unfused_add) else None
         out = _LinearFunction.apply(self.weight, inp, bias, self, is_first_microbatch)
+        if self.gemm_bias_unfused_add:
+            out = out + self.bias
         if self.return_bias:
             return out, self.bias
         return out
@@ -278,6 +297,12 @@ class TE23Linear(Linear):
     register_wgrad_accumulation_and_reduce_hooks = None  # type: ignore[assignment]  # absent before 2.7
 
 
+class FP8Linear(Linear):
+    """:class:`Linear` with TE's FP8 (or debug-mode) bias path: bias gradient in B, ``bgrad=None`` in W."""
+
+    fp8 = True
+
+
 # ---------------------------------------------------------------------- megatron-core's wrappers
 class _MegatronTEWrapper:
     """What megatron-core's TE wrappers add to a TE module (``extensions/transformer_engine.py``)."""
@@ -304,8 +329,9 @@ class _MegatronTEWrapper:
             super().backward_dw()
 
 
-def _te_kwargs(config: Any, *, bias: bool, skip_bias_add: bool, init_method: Any) -> dict[str, Any]:
-    return dict(bias=bias, return_bias=skip_bias_add and bias,
+def _te_kwargs(config: Any, *, bias: bool, skip_bias_add: bool, init_method: Any,
+               parallel_mode: str) -> dict[str, Any]:
+    return dict(bias=bias, return_bias=skip_bias_add and bias, parallel_mode=parallel_mode,
                 init_method=init_method if config.perform_initialization else (lambda w: None),
                 fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
                 delay_wgrad_compute=config.delay_wgrad_compute, params_dtype=config.params_dtype)
@@ -324,7 +350,8 @@ class TEColumnParallelLinear(_MegatronTEWrapper, Linear):
                  tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None, stride: int = 1) -> None:
         _refuse_gather(gather_output, skip_weight_param_allocation)
         Linear.__init__(self, input_size, output_size,
-                        **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add, init_method=init_method))
+                        **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add, init_method=init_method,
+                                     parallel_mode="column"))
         self._megatron_init(config, tp_group)
 
 
@@ -337,7 +364,8 @@ class TERowParallelLinear(_MegatronTEWrapper, Linear):
         if not input_is_parallel:
             raise ValueError("Transformer Engine linear layers do not support input_is_parallel = False")
         Linear.__init__(self, input_size, output_size,
-                        **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add, init_method=init_method))
+                        **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add, init_method=init_method,
+                                     parallel_mode="row"))
         self._megatron_init(config, tp_group)
 
 
@@ -351,34 +379,42 @@ class TELayerNormColumnParallelLinear(_MegatronTEWrapper, LayerNormLinear):
         LayerNormLinear.__init__(self, input_size, output_size, eps=config.layernorm_epsilon,
                                  normalization=config.normalization,
                                  **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add,
-                                              init_method=init_method))
+                                              init_method=init_method, parallel_mode="column"))
         self._megatron_init(config, tp_group)
 
 
-_TE23 = {"hooks_api": False, "assign_weight_grad_always": False, "register_wgrad_accumulation_and_reduce_hooks": None}
+FLAVOURS: dict[str, dict[str, Any]] = {
+    "te2.18": {},
+    "te2.3": {"hooks_api": False, "assign_weight_grad_always": False,
+              "register_wgrad_accumulation_and_reduce_hooks": None},
+    "fp8": {"fp8": True},
+}
+"""Class attributes of each flavour of the double (see :class:`Linear`)."""
 
 
-def _spec_provider(te23: bool) -> type:
+def _spec_provider(flavour: str) -> type:
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    def flavour(cls: type) -> type:
-        return type(cls.__name__ + "TE23", (cls,), dict(_TE23)) if te23 else cls
+    attrs = FLAVOURS[flavour]
+
+    def flavoured(cls: type) -> type:
+        return type(cls.__name__ + flavour, (cls,), dict(attrs)) if attrs else cls
 
     class DoubleTESpecProvider(LocalSpecProvider):
         """megatron-core's ``TESpecProvider`` with the double's classes (and local attention)."""
 
         def column_parallel_linear(self) -> type:
-            return flavour(TEColumnParallelLinear)
+            return flavoured(TEColumnParallelLinear)
 
         def row_parallel_linear(self) -> type:
-            return flavour(TERowParallelLinear)
+            return flavoured(TERowParallelLinear)
 
         def fuse_layernorm_and_linear(self) -> bool:
             return True
 
         def column_parallel_layer_norm_linear(self) -> type:
-            return flavour(TELayerNormColumnParallelLinear)
+            return flavoured(TELayerNormColumnParallelLinear)
 
         def core_attention(self) -> type:
             return DotProductAttention
@@ -389,14 +425,14 @@ def _spec_provider(te23: bool) -> type:
     return DoubleTESpecProvider
 
 
-def gpt_layer_spec(*, te23: bool = False) -> Any:
+def gpt_layer_spec(*, flavour: str = "te2.18") -> Any:
     """megatron-core's ``get_gpt_layer_with_transformer_engine_spec()`` built from the double
-    (``te23``: the TE 2.3-2.6 flavour, see :class:`TE23Linear`)."""
+    (``flavour``: a key of :data:`FLAVOURS`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     missing = object()
     saved = getattr(gpt_layer_specs, "TESpecProvider", missing)
-    gpt_layer_specs.TESpecProvider = _spec_provider(te23)
+    gpt_layer_specs.TESpecProvider = _spec_provider(flavour)
     try:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     finally:
@@ -407,8 +443,13 @@ def gpt_layer_spec(*, te23: bool = False) -> Any:
 
 
 def gpt_layer_spec_te23() -> Any:
-    """:func:`gpt_layer_spec` in the TE 2.3-2.6 flavour."""
-    return gpt_layer_spec(te23=True)
+    """:func:`gpt_layer_spec` in the TE 2.3-2.7 flavour."""
+    return gpt_layer_spec(flavour="te2.3")
+
+
+def gpt_layer_spec_fp8() -> Any:
+    """:func:`gpt_layer_spec` in the FP8 flavour (bias gradients in B, see :class:`Linear`)."""
+    return gpt_layer_spec(flavour="fp8")
 
 
 def queues_empty(module: Optional[torch.nn.Module] = None) -> bool:

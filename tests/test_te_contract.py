@@ -89,6 +89,19 @@ def test_delayed_te_gradients_equal_the_non_delayed_path_bitwise(reference, sche
         assert got["w_deferred"] == m * (te_modules + 1)
 
 
+def test_fp8_gemm_bias_gradients_computed_in_b_with_ddp():
+    """TE's FP8 (and debug) backward computes linear_qkv's GEMM-internal bias gradient in B and
+    gives the delayed GEMM ``bias=None``; ``backward_dw`` then assigns ``bgrad`` (None) to an
+    empty ``bias.grad``. With megatron-core DDP, zb-2p equals megatron-core's 1F1B without
+    delaying, bitwise (the double's FP8 flavour keeps fp32 numbers)."""
+    base = dict(TINY, ddp=True)
+    ref = _merged(TinyGPT(**base, layer_spec="te_double:gpt_layer_spec_fp8"), None)
+    got = _merged(TinyGPT(**base, layer_spec="te_double:gpt_layer_spec_fp8", delay_wgrad=True), "zb-2p")
+    _assert_bitwise(ref, got, "FP8 flavour, DDP")
+    assert got["backward_dw"] == TINY["num_microbatches"] * TE_MODULES_PER_LAYER * TINY["num_layers"]
+    assert any(n.endswith("linear_qkv.bias") for n in got["grads"])  # a GEMM-internal bias was there
+
+
 @pytest.mark.parametrize("fusion", [False, True], ids=["ddp", "ddp-fused-accumulation"])
 def test_ddp_main_grad_with_and_without_fused_accumulation(fusion):
     """megatron-core DDP: TE's weight gradient lands in main_grad (added by the route after W, or
@@ -177,11 +190,24 @@ def _backward(chunk: torch.nn.Sequential, mb: int, skip_last: bool = False) -> t
     return (h * h).sum()
 
 
+BIAS_KINDS = {  # how the bias's gradient is computed, as TE does it (te_double.Linear)
+    "no-bias": dict(bias=False),
+    "bias-in-gemm": dict(bias=True),  # by the delayed GEMM, in W
+    "returned-bias": dict(bias=True, return_bias=True),  # by autograd in B (megatron-core's skip_bias_add)
+    "row-unfused-bias": dict(bias=True, parallel_mode="row"),  # in B: TE's gemm_bias_unfused_add
+    "fp8-bias": dict(bias=True, fp8=True),  # in B: FP8 / debug grad_output_preprocess, bias=None to the GEMM
+}
+
+
 @pytest.mark.parametrize("cls", [te_double.Linear, te_double.TE23Linear], ids=["te2.18", "te2.3"])
-@pytest.mark.parametrize("bias", ["no-bias", "bias-in-gemm", "returned-bias"])
+@pytest.mark.parametrize("bias", list(BIAS_KINDS))
 def test_w_runs_backward_dw_of_exactly_the_modules_that_queued(cls, bias):
+    """Every way TE computes a bias gradient -- in W by the delayed GEMM, or in B (returned
+    bias, row-parallel unfused add, FP8 / debug) -- lands where the non-delayed path puts it."""
     install_routes()
-    kw = dict(bias=bias != "no-bias", return_bias=bias == "returned-bias")
+    kw = dict(BIAS_KINDS[bias])
+    if kw.pop("fp8", False):
+        cls = type(cls.__name__ + "FP8", (cls,), {"fp8": True})
     ref = _chunk(cls, **kw)
     for mb in range(3):
         _backward(ref, mb, skip_last=(mb == 1)).backward()
@@ -420,3 +446,4 @@ def test_gradient_accumulation_fusion_flag_reaches_the_model_and_the_log():
     assert "> transformer implementation: local (default: Transformer Engine is not installed)" in log
     assert ("> gradient accumulation fusion: on: megatron-zb's matmul wgrad_gemm_accum_fp32/fp16 "
             "(fused_weight_gradient_mlp_cuda not importable)") in log
+
