@@ -303,6 +303,126 @@ class FP8Linear(Linear):
     fp8 = True
 
 
+class _GroupedLinearFunction(torch.autograd.Function):
+    """TE's ``_GroupedLinear`` (``module/grouped_linear.py``, the per-GEMM-weights path) for
+    non-quantised GEMMs on CPU."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, module: "GroupedLinear", m_splits: list[int],
+                is_first_microbatch: Optional[bool], *params: torch.Tensor) -> torch.Tensor:
+        n = module.num_gemms
+        weights, biases = params[:n], (params[n:] if module.use_bias else (None,) * n)
+        xs = torch.split(inp.reshape(-1, inp.shape[-1]), m_splits)
+        out = torch.cat([torch.nn.functional.linear(x, w, b) for x, w, b in zip(xs, weights, biases)])
+        ctx.save_for_backward(inp, *weights)
+        ctx.weight_objects = weights
+        ctx.module, ctx.m_splits, ctx.is_first_microbatch = module, m_splits, is_first_microbatch
+        ctx.wgrad_store = module.wgrad_store if module.wgrad_store.delay_wgrad_compute() else None
+        return out.view(*inp.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        inp, *weights = ctx.saved_tensors
+        module, n, origin = ctx.module, ctx.module.num_gemms, ctx.weight_objects
+        xs = torch.split(inp.reshape(-1, inp.shape[-1]), ctx.m_splits)
+        dys = torch.split(grad_output.reshape(-1, grad_output.shape[-1]), ctx.m_splits)
+        dgrad = torch.cat([dy.matmul(w) for dy, w in zip(dys, weights)]).view(inp.shape)
+        fuse, use_bias = module.fuse_wgrad_accumulation, module.use_bias
+        accumulate = fuse and not ctx.is_first_microbatch if ctx.is_first_microbatch is not None else fuse
+        if fuse:
+            wgrad_list = [w.main_grad for w in origin]
+        else:  # TE: torch.empty (uninitialised); NaN here so that the garbage shows wherever it lands
+            packed = torch.full((n, *weights[0].shape), float("nan"), dtype=weights[0].dtype)
+            wgrad_list = [packed[i] for i in range(n)]
+
+        def grouped_gemm_wgrad(xs, dys, grad_weights):
+            for x, dy, gw in zip(xs, dys, grad_weights):
+                dw = dy.t().matmul(x)
+                gw.add_(dw) if accumulate else gw.copy_(dw)
+            return None, [dy.sum(dim=0) if use_bias else None for dy in dys], None
+
+        grad_biases = [None] * n
+        delayed = ctx.wgrad_store is not None and ctx.wgrad_store.delay_wgrad_compute()
+        if delayed:
+            ctx.wgrad_store.put([xs, dys, wgrad_list], grouped_gemm_wgrad)
+        else:
+            _, grad_biases, _ = grouped_gemm_wgrad(xs, dys, wgrad_list)
+        wgrads = []
+        for w, g in zip(origin, wgrad_list):  # handle_custom_ddp_from_mcore
+            if fuse and hasattr(w, "grad_added_to_main_grad"):
+                w.grad_added_to_main_grad = True
+                g = torch.zeros(w.main_grad.shape, dtype=w.dtype)
+            elif fuse:
+                g = None
+            wgrads.append(g)
+        if delayed and not module.returns_wgrad_buffer:  # TE 2.3-2.7
+            wgrads = [None] * n
+        if delayed or not use_bias:
+            grad_biases = [None] * n
+        return (dgrad, None, None, None, *wgrads, *(grad_biases if use_bias else ()))
+
+
+class GroupedLinear(torch.nn.Module):
+    """TE's ``te.pytorch.GroupedLinear`` (MoE grouped GEMM; ``weight<i>``, ``bias<i>``), CPU.
+
+    ``returns_wgrad_buffer``: TE >= 2.8 without ``fuse_wgrad_accumulation`` returns to
+    autograd, in a delayed backward, the packed weight-gradient buffer it queued -- allocated
+    with ``torch.empty`` and filled only by the delayed GEMM (TE 2.3-2.7 returned ``None``).
+    ``backward_dw`` (TE 2.8) pops one entry, assigns ``weight<i>.grad`` from the filled buffer
+    and, when ``bias<i>.grad`` is empty, the bias gradient.
+    """
+
+    returns_wgrad_buffer = True
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, *, bias: bool = True,
+                 fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False) -> None:
+        super().__init__()
+        self.num_gemms, self.use_bias = num_gemms, bias
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        for i in range(num_gemms):
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.randn(out_features, in_features) * 0.02))
+            if bias:
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.zeros(out_features)))
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute)
+        self.wgrad_accumulation_and_reduce_hooks: list[Callable[[], None]] = []
+        self.is_first_microbatch: Optional[bool] = None
+        _LIVE.append(self)
+
+    def _weights(self) -> list[torch.nn.Parameter]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def _biases(self) -> list[torch.nn.Parameter]:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
+
+    def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        return _GroupedLinearFunction.apply(inp, self, m_splits, self.is_first_microbatch,
+                                            *self._weights(), *self._biases())
+
+    register_wgrad_accumulation_and_reduce_hooks = Linear.register_wgrad_accumulation_and_reduce_hooks
+    need_backward_dw = Linear.need_backward_dw
+
+    def backward_dw(self) -> None:
+        if not self.need_backward_dw():
+            return
+        (_, grad_biases_, _), tensor_list = self.wgrad_store.pop()
+        wgrad_list = tensor_list[2]
+        if not self.fuse_wgrad_accumulation:
+            for w, g in zip(self._weights(), wgrad_list):
+                w.grad = g.to(w.dtype)
+        for b, g in zip(self._biases(), grad_biases_):
+            if b.grad is None:
+                b.grad = g.to(b.dtype)
+        CALLS["backward_dw"] += 1
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+
+class GroupedLinearTE27(GroupedLinear):
+    """:class:`GroupedLinear` as TE 2.3-2.7: a delayed backward returns no weight gradient."""
+
+    returns_wgrad_buffer = False
+
+
 # ---------------------------------------------------------------------- megatron-core's wrappers
 class _MegatronTEWrapper:
     """What megatron-core's TE wrappers add to a TE module (``extensions/transformer_engine.py``)."""
@@ -454,5 +574,5 @@ def gpt_layer_spec_fp8() -> Any:
 
 def queues_empty(module: Optional[torch.nn.Module] = None) -> bool:
     """Whether every double in ``module`` (default: built in this process) has an empty queue."""
-    mods = _LIVE if module is None else [m for m in module.modules() if isinstance(m, Linear)]
+    mods = _LIVE if module is None else [m for m in module.modules() if isinstance(m, (Linear, GroupedLinear))]
     return all(m.wgrad_store.context is None or m.wgrad_store.context.empty() for m in mods)

@@ -20,6 +20,7 @@ The last test runs real Transformer Engine modules when TE and CUDA are present
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import partial
 
@@ -447,3 +448,56 @@ def test_gradient_accumulation_fusion_flag_reaches_the_model_and_the_log():
     assert ("> gradient accumulation fusion: on: megatron-zb's matmul wgrad_gemm_accum_fp32/fp16 "
             "(fused_weight_gradient_mlp_cuda not importable)") in log
 
+
+# ---------------------------------------------------------------------- GroupedLinear (MoE grouped GEMM)
+GROUPED_SPLITS = [3, 1, 2]
+
+
+def _grouped_main_grads(cls_name: str, fuse: bool, delay: bool) -> dict[str, torch.Tensor]:
+    """One rank: megatron-core DDP around the GroupedLinear double (3 GEMMs, biases), three
+    microbatches -- through the store and the route when ``delay`` -- and each ``main_grad``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    install_routes()
+    torch.manual_seed(0)
+    grouped = getattr(te_double, cls_name)(3, 8, 4, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, gradient_accumulation_fusion=fuse)
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=grouped)
+    ddp.zero_grad_buffer()
+    store = WeightGradStore()
+    for mb in range(3):
+        x = torch.randn(sum(GROUPED_SPLITS), 8, generator=torch.Generator().manual_seed(mb), requires_grad=True)
+        window = backward_window(store=store, deferred=True, chunk=ddp, stage=0, microbatch=mb) if delay \
+            else contextlib.nullcontext()
+        with window:
+            (ddp(x, GROUPED_SPLITS) ** 2).sum().backward()
+    for mb in range(3):
+        if delay:
+            store.run(0, mb)
+    assert te_double.queues_empty(grouped)
+    return {n: p.main_grad.clone() for n, p in grouped.named_parameters()}
+
+
+def _grouped_runs() -> dict:
+    from megatron_zb.testing.distributed import init_parallel_state
+
+    init_parallel_state()
+    return {(cls, fuse, delay): _grouped_main_grads(cls, fuse, delay)
+            for cls in ("GroupedLinear", "GroupedLinearTE27") for fuse in (False, True) for delay in (False, True)}
+
+
+def test_grouped_linear_b_time_buffer_never_reaches_main_grad():
+    """TE >= 2.8's GroupedLinear without fused accumulation returns its packed weight-gradient
+    buffer to autograd in a delayed backward, before the delayed GEMM fills it (the double fills
+    it with NaN where TE leaves it uninitialised): megatron-core DDP's hook would add it to
+    main_grad. Every flavour (TE 2.8+ / 2.3-2.7, fused or not) under megatron-core DDP gives the
+    non-delayed main_grad bitwise."""
+    [runs] = run_distributed(_grouped_runs, world_size=1, timeout=120)
+    for cls in ("GroupedLinear", "GroupedLinearTE27"):
+        for fuse in (False, True):
+            ref, got = runs[(cls, fuse, False)], runs[(cls, fuse, True)]
+            assert ref.keys() == got.keys() and len(ref) == 6
+            for n in ref:
+                assert torch.isfinite(ref[n]).all(), (cls, fuse, n)
+                assert torch.equal(got[n], ref[n]), (cls, fuse, n)
