@@ -83,6 +83,12 @@ class WeightGradStore:
     def delay_wgrad_compute(self) -> bool:
         return self.enabled
 
+    def enable_delay_wgrad_compute(self) -> None:
+        self.enabled = True
+
+    def disable_delay_wgrad_compute(self) -> None:
+        self.enabled = False
+
     def put(self, tensor_list: list[torch.Tensor], func: Callable[..., Any]) -> None:
         assert self.enabled is True, "delay_wgrad_compute is not enabled"
         self.context.put([tensor_list, func])
@@ -421,6 +427,27 @@ class GroupedLinearTE27(GroupedLinear):
     """:class:`GroupedLinear` as TE 2.3-2.7: a delayed backward returns no weight gradient."""
 
     returns_wgrad_buffer = False
+
+
+class TEFusedMLP(torch.nn.Module):
+    """megatron-core's ``TEFusedMLP`` (``use_te_op_fuser``; ``extensions/transformer_engine.py``)
+    reduced to what the route sees: TE modules ``linear_fc1`` (:class:`LayerNormLinear`) and
+    ``linear_fc2`` (:class:`Linear`) built with ``delay_wgrad_compute`` whose own forward never
+    runs -- TE's op fuser (``te.pytorch.ops.Sequential`` of ``LayerNorm``, ``BasicLinear``,
+    ``Bias``, activation) runs their parameters instead, and ``BasicLinear`` has no wgrad store:
+    every weight gradient is computed in the backward (here: autograd through
+    ``torch.nn.functional``). Nothing is ever queued."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, *, delay_wgrad_compute: bool = False) -> None:
+        super().__init__()
+        self.linear_fc1 = LayerNormLinear(hidden, ffn_hidden, delay_wgrad_compute=delay_wgrad_compute)
+        self.linear_fc2 = Linear(ffn_hidden, hidden, delay_wgrad_compute=delay_wgrad_compute)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        h = torch.nn.functional.layer_norm(x, (fc1.in_features,), fc1.layer_norm_weight, fc1.layer_norm_bias, fc1.eps)
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(h, fc1.weight, fc1.bias))
+        return torch.nn.functional.linear(h, fc2.weight, fc2.bias)
 
 
 # ---------------------------------------------------------------------- megatron-core's wrappers

@@ -479,21 +479,47 @@ def _grouped_main_grads(cls_name: str, fuse: bool, delay: bool) -> dict[str, tor
     return {n: p.main_grad.clone() for n, p in grouped.named_parameters()}
 
 
-def _grouped_runs() -> dict:
+def _ddp_delay_wgrad_refusal() -> str:
+    """One rank: megatron-core DDP built with ``delay_wgrad_compute=True`` around delayed TE
+    modules; the route's schedule check's message."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    install_routes()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(delay_wgrad_compute=True),
+                                  module=_chunk(delay_wgrad_compute=True, bias=True))
+    try:
+        check_schedule(build_schedule("zb-h1", num_ranks=1, num_microbatches=2), [ddp])
+    except ScheduleError as err:
+        return str(err)
+    return "not refused"
+
+
+def _ddp_rank_checks() -> dict:
     from megatron_zb.testing.distributed import init_parallel_state
 
     init_parallel_state()
-    return {(cls, fuse, delay): _grouped_main_grads(cls, fuse, delay)
-            for cls in ("GroupedLinear", "GroupedLinearTE27") for fuse in (False, True) for delay in (False, True)}
+    out: dict = {(cls, fuse, delay): _grouped_main_grads(cls, fuse, delay)
+                 for cls in ("GroupedLinear", "GroupedLinearTE27") for fuse in (False, True) for delay in (False, True)}
+    out["ddp_delay_wgrad_refusal"] = _ddp_delay_wgrad_refusal()
+    return out
 
 
-def test_grouped_linear_b_time_buffer_never_reaches_main_grad():
+@pytest.fixture(scope="module")
+def ddp_rank_checks() -> dict:
+    """The megatron-core DDP checks of this file, in one process (one start-up)."""
+    [out] = run_distributed(_ddp_rank_checks, world_size=1, timeout=120)
+    return out
+
+
+def test_grouped_linear_b_time_buffer_never_reaches_main_grad(ddp_rank_checks):
     """TE >= 2.8's GroupedLinear without fused accumulation returns its packed weight-gradient
     buffer to autograd in a delayed backward, before the delayed GEMM fills it (the double fills
     it with NaN where TE leaves it uninitialised): megatron-core DDP's hook would add it to
     main_grad. Every flavour (TE 2.8+ / 2.3-2.7, fused or not) under megatron-core DDP gives the
     non-delayed main_grad bitwise."""
-    [runs] = run_distributed(_grouped_runs, world_size=1, timeout=120)
+    runs = ddp_rank_checks
     for cls in ("GroupedLinear", "GroupedLinearTE27"):
         for fuse in (False, True):
             ref, got = runs[(cls, fuse, False)], runs[(cls, fuse, True)]
@@ -501,3 +527,56 @@ def test_grouped_linear_b_time_buffer_never_reaches_main_grad():
             for n in ref:
                 assert torch.isfinite(ref[n]).all(), (cls, fuse, n)
                 assert torch.equal(got[n], ref[n]), (cls, fuse, n)
+
+
+# ---------------------------------------------------------------------- refused: the op fuser, DDP's delay_wgrad_compute
+def test_ddp_delay_wgrad_compute_is_refused_by_name(ddp_rank_checks):
+    """megatron-core DDP's ``delay_wgrad_compute`` registers DDP's gradient hook for TE's
+    delayed parameters (``skip_backward_post_hook``) in TE's ``backward_dw`` hook list instead
+    of on their gradient accumulators; refused before anything runs."""
+    msg = ddp_rank_checks["ddp_delay_wgrad_refusal"]
+    assert msg.startswith("transformer-engine route: megatron-core DDP was built with "
+                          "DistributedDataParallelConfig(delay_wgrad_compute=True)"), msg
+    assert "build DDP with delay_wgrad_compute=False" in msg and "\n" not in msg
+
+
+def _op_fused_chunk(cls: type = te_double.TEFusedMLP) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(te_double.Linear(8, 8, delay_wgrad_compute=True), cls(8, 16, delay_wgrad_compute=True))
+
+
+def test_te_op_fuser_is_refused_by_name():
+    install_routes()
+    split, fused = (build_schedule(n, num_ranks=2, num_microbatches=4) for n in ("zb-h1", "1f1b"))
+    for schedule in (split, fused):  # 1f1b too: the fused MLP's delayed modules would never queue
+        with pytest.raises(ScheduleError, match=r"transformer-engine route: 1 module\(s\) \(e.g. 1\) run Transformer "
+                                                r"Engine's op fuser \(use_te_op_fuser.*build the layer spec without "
+                                                r"use_te_op_fuser"):
+            check_schedule(schedule, [_op_fused_chunk()])
+    plain = torch.nn.Sequential(te_double.TEFusedMLP(8, 16))  # no delaying, no split: megatron-core's own path
+    check_schedule(fused, [plain])
+
+
+@pytest.mark.parametrize("case", ["unknown-op-fuser", "delay-switched-off"])
+def test_a_backward_that_reaches_delayed_weights_without_queuing_is_refused(case):
+    """The per-module check: a backward that reaches the weights of a delayed TE module must
+    queue its weight gradient -- else it computed it in B. Caught for an op-fuser module the
+    name check does not know, and for a module whose delaying was switched off after it was
+    built (TE's ``wgrad_store.disable_delay_wgrad_compute()``)."""
+    install_routes()
+    if case == "unknown-op-fuser":
+        chunk = _op_fused_chunk(type("SomeFusedMLP", (te_double.TEFusedMLP,), {}))
+        culprit = "1.linear_fc1"
+        check_schedule(build_schedule("zb-h1", num_ranks=2, num_microbatches=4), [chunk])  # the name is not known
+    else:
+        chunk, culprit = _chunk(delay_wgrad_compute=True), "1"
+    store = WeightGradStore()
+    with backward_window(store=store, deferred=True, chunk=chunk, stage=0, microbatch=0):
+        pass  # the route finds the chunk's delayed modules
+    store.run(0, 0)
+    if case == "delay-switched-off":
+        chunk[1].wgrad_store.disable_delay_wgrad_compute()
+    with pytest.raises(WeightGradStoreError, match=rf"module {culprit}: a backward reached its weights but queued no "
+                                                   r"deferred weight gradient, so it computed them in the backward"):
+        with backward_window(store=store, deferred=True, chunk=chunk, stage=0, microbatch=1):
+            _backward(chunk, 1).backward()

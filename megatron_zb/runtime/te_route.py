@@ -310,10 +310,14 @@ class _DeferredDW:
 
 @dataclass(frozen=True)
 class _ChunkModules:
-    """The TE modules of one chunk: delayed ones (route bookkeeping) and names of undelayed ones."""
+    """The TE modules of one chunk: delayed ones (route bookkeeping), names of undelayed ones,
+    names of op-fuser modules (:data:`~megatron_zb.megatron_compat.TE_OP_FUSER_CLASSES`), and
+    whether the chunk's megatron-core DDP was built with ``delay_wgrad_compute``."""
 
     delayed: tuple[_TEModule, ...]
     undelayed: tuple[str, ...]
+    op_fused: tuple[str, ...] = ()
+    ddp_delays_wgrad: bool = False
 
 
 _CHUNKS: "weakref.WeakKeyDictionary[torch.nn.Module, _ChunkModules]" = weakref.WeakKeyDictionary()
@@ -325,9 +329,12 @@ def chunk_te_modules(chunk: torch.nn.Module) -> _ChunkModules:
     TE module, whichever wrapper of it is passed as the chunk)."""
     found = _CHUNKS.get(chunk)
     if found is None:
-        overlap = bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False))
-        delayed, undelayed = [], []
+        ddp_config = getattr(chunk, "ddp_config", None)
+        overlap = bool(getattr(ddp_config, "overlap_grad_reduce", False))
+        delayed, undelayed, op_fused = [], [], []
         for name, m in chunk.named_modules():
+            if type(m).__name__ in TE_OP_FUSER_CLASSES:
+                op_fused.append(name)
             ws = _te_wgrad_store(m)
             if ws is None:
                 continue
@@ -340,7 +347,8 @@ def chunk_te_modules(chunk: torch.nn.Module) -> _ChunkModules:
                 delayed.append(te)
             else:
                 undelayed.append(name)
-        found = _CHUNKS[chunk] = _ChunkModules(tuple(delayed), tuple(undelayed))
+        found = _CHUNKS[chunk] = _ChunkModules(tuple(delayed), tuple(undelayed), tuple(op_fused),
+                                               bool(getattr(ddp_config, "delay_wgrad_compute", False)))
     return found
 
 
@@ -415,7 +423,19 @@ def check_schedule(schedule: Schedule, chunks: Sequence[torch.nn.Module]) -> lis
             f"schedule {name} splits the backward into B and W, but {len(undelayed)} Transformer Engine module(s) "
             f"(e.g. {undelayed[0]}) were built without delay_wgrad_compute and would compute every weight gradient "
             f"in B; call megatron_zb.runtime.te_route.enable_delayed_wgrad(config) before building the model")
-    if any(f.delayed for f in found):
+    delayed = any(f.delayed for f in found)
+    op_fused = [n for f in found for n in f.op_fused]
+    if op_fused and (delayed or schedule.splits_backward):
+        problems.append(
+            f"{len(op_fused)} module(s) (e.g. {op_fused[0]}) run Transformer Engine's op fuser (use_te_op_fuser, "
+            f"megatron-core's TEFusedMLP), whose linear ops have no deferred weight gradients and would compute "
+            f"them in B; build the layer spec without use_te_op_fuser")
+    if delayed and any(f.ddp_delays_wgrad for f in found):
+        problems.append(
+            "megatron-core DDP was built with DistributedDataParallelConfig(delay_wgrad_compute=True), which moves "
+            "its gradient hook into Transformer Engine's backward_dw and would drop the gradients megatron-zb settles "
+            "there; build DDP with delay_wgrad_compute=False (megatron-zb defers the weight gradients itself)")
+    if delayed:
         bad = w_order_matches_b(schedule)
         if bad:
             more = f" (and {len(bad) - 1} more stage(s))" if len(bad) > 1 else ""
