@@ -5,8 +5,9 @@ PyTorch on CPU, the part of TE's behaviour megatron-zb's Transformer Engine rout
 that the route's code (:mod:`megatron_zb.runtime.te_route`) runs here exactly as it would on TE
 modules. It lives in ``tests/`` and is never shipped.
 
-Written from Transformer Engine's source, NVIDIA/TransformerEngine at tag **v2.18** (the newest
-release read), and checked against tags v2.3 and v2.7 for the parts that changed:
+Written from Transformer Engine's source, NVIDIA/TransformerEngine at tag **v2.18**, and checked
+against tags v2.3, v2.7 and v2.8 for the parts that changed (``tests/test_te_source.py`` checks
+the lines it relies on in each released wheel):
 
 * ``transformer_engine/pytorch/module/_common.py`` -- ``WeightGradStore``: a ``queue.Queue``
   (``context``) when constructed with ``delay_wgrad_compute=True``; ``put(tensor_list, func)``;
@@ -24,9 +25,10 @@ release read), and checked against tags v2.3 and v2.7 for the parts that changed
   it (``apply_bias = bias and not return_bias``). (:class:`_LinearFunction`, :class:`Linear`)
 * ``transformer_engine/pytorch/module/base.py`` -- ``TransformerEngineBaseModule.backward_dw``:
   pops one entry; without ``fuse_wgrad_accumulation`` *assigns* ``weight.grad = wgrad``
-  (v2.3-v2.6: only when ``weight.grad is None``); when ``use_bias`` and ``bias.grad is None``
+  (v2.3-v2.7: only when ``weight.grad is None``); when ``use_bias`` and ``bias.grad is None``
   assigns ``bias.grad = bgrad.to(dtype)`` -- which fails when ``bgrad`` is ``None``, i.e. for a
-  bias returned to the caller; then calls the hooks registered with
+  bias whose gradient the backward computed (returned to the caller, row-parallel unfused, FP8);
+  then calls the hooks registered with
   ``register_wgrad_accumulation_and_reduce_hooks`` (v2.7+). ``need_backward_dw()`` (v2.10+)
   says whether delaying is on. (:meth:`Linear.backward_dw`)
 * ``transformer_engine/pytorch/module/layernorm_linear.py`` -- the same, with the layer norm
@@ -45,11 +47,17 @@ constructor keywords, ``fuse_wgrad_accumulation=config.gradient_accumulation_fus
 ``get_gpt_layer_with_transformer_engine_spec()`` built with these classes
 (:class:`DoubleTESpecProvider`; core attention is megatron-core's local ``DotProductAttention``).
 
-Not reproduced: FP8 and other quantisation, userbuffers, CUDA graphs, tensor parallelism (the
-wrappers refuse a tensor-parallel group larger than one), ``LayerNormMLP`` and ``GroupedLinear``
-(the route treats them through the same public methods); :class:`LayerNormMLP` keeps only
-what the route sees of ``LayerNormMLP``: two entries per backward, both popped by one
-``backward_dw()``.
+Also: TE's FP8 / debug bias path (the bias gradient in the backward, ``bias=None`` to the delayed
+GEMM; ``Linear.fp8``, :class:`FP8Linear`, :func:`gpt_layer_spec_fp8`), the row-parallel
+``gemm_bias_unfused_add``, ``module/grouped_linear.py``'s ``GroupedLinear`` at v2.8 and v2.18
+(:class:`GroupedLinear`, returning its B-time buffer; :class:`GroupedLinearTE27`, v2.3-v2.7,
+returning ``None``) and megatron-core's ``TEFusedMLP`` over TE's op fuser
+(:class:`TEFusedMLP`, which never queues).
+
+Not reproduced: quantisation itself (the FP8 flavour computes in fp32), userbuffers, CUDA
+graphs, tensor parallelism (the wrappers refuse a tensor-parallel group larger than one), a GPT
+built with grouped experts; :class:`LayerNormMLP` keeps only what the route sees of
+``LayerNormMLP``: two entries per backward, both popped by one ``backward_dw()``.
 """
 
 from __future__ import annotations
@@ -296,7 +304,8 @@ class LayerNormMLP(Linear):
 
 
 class TE23Linear(Linear):
-    """:class:`Linear` as TE 2.3-2.6: no hooks API, ``weight.grad`` assigned only when ``None``."""
+    """:class:`Linear` as TE 2.3-2.6: no hooks API (2.7 has it), ``weight.grad`` assigned only when
+    ``None`` (to 2.7)."""
 
     hooks_api = False
     assign_weight_grad_always = False

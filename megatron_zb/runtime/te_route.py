@@ -31,8 +31,13 @@ puts it. TE assigns ``.grad`` (it does not add), so before each ``backward_dw()`
 left in ``.grad`` is added into ``main_grad`` -- what megatron-core DDP's gradient hook does --
 or onto the set-aside ``.grad`` -- what autograd's accumulation does. With
 ``gradient_accumulation_fusion`` TE accumulates the weight gradient into ``main_grad`` itself.
-Under megatron-core DDP with ``overlap_grad_reduce`` the B-time gradients TE does not return get
-a zero placeholder (:meth:`_TEModule.guard_ddp_overlap`).
+What autograd hands the module's parameters in B is seen by a pre-hook on their gradient
+accumulators (:class:`_TEModule`): a delayed weight's is dropped (never its gradient; for
+``GroupedLinear`` on TE >= 2.8, an unfilled buffer), a bias whose gradient came in B (FP8,
+debug, returned or row-parallel bias) gets a placeholder in its W so that TE's ``bgrad=None``
+is never assigned, and a backward that reached delayed weights without queuing is refused
+(:func:`after_backward`). :func:`check_schedule` also refuses TE's op fuser and megatron-core
+DDP built with ``delay_wgrad_compute``.
 
 :func:`enable_delayed_wgrad` switches delaying on in a megatron-core ``TransformerConfig``
 before the model is built (megatron-core 0.16.1 otherwise asserts it is used only with MoE
