@@ -401,6 +401,9 @@ class GroupedLinear(torch.nn.Module):
         self.wgrad_store = WeightGradStore(delay_wgrad_compute)
         self.wgrad_accumulation_and_reduce_hooks: list[Callable[[], None]] = []
         self.is_first_microbatch: Optional[bool] = None
+        if delay_wgrad_compute:  # as TE >= 2.8
+            for p in self.parameters():
+                p.skip_backward_post_hook = True
         _LIVE.append(self)
 
     def _weights(self) -> list[torch.nn.Parameter]:
