@@ -26,9 +26,12 @@ after the window with the measured ones) and, with ``--profile-out FILE``, write
 profile. Megatron-LM's checkpoints do not carry the measured costs: a run resumed with ``--load``
 counts its iterations from 1 again, so it profiles and re-plans again.
 
+``--enable-optimizer-post-validation`` wraps the optimizer Megatron-LM builds and validates each
+step when Megatron-LM's ``train_step`` returns (:mod:`megatron_zb.megatron_lm_optimizer`).
+
 What this route cannot honour yet is refused up front (:data:`NOT_YET`): V schedules (Megatron-LM's
-``get_model`` builds one chunk per rank, not the V), optimizer post-validation,
-``--allow-padding-num-layers``. ``pretrain_gpt_zb.py`` has all of them.
+``get_model`` builds one chunk per rank, not the V), ``--allow-padding-num-layers``.
+``pretrain_gpt_zb.py`` has both.
 """
 
 from __future__ import annotations
@@ -45,8 +48,6 @@ from .training.arguments.common import ArgumentError, flag
 NOT_YET: dict[str, str] = {
     "zero_bubble_v_schedule": "V schedules need the model built for the V placement, which Megatron-LM's "
                               "get_model does not do; use pretrain_gpt_zb.py, or --enable-zero-bubble",
-    "enable_optimizer_post_validation": "post-validation is not wired into Megatron-LM's loop yet; use "
-                                        "pretrain_gpt_zb.py, or drop the flag",
     "allow_padding_num_layers": "Megatron-LM splits the layers itself; use its --decoder-first-pipeline-num-layers "
                                 "/ --decoder-last-pipeline-num-layers, or drop the flag",
 }
@@ -83,6 +84,10 @@ def install() -> None:
             name = options.pop("schedule")
             replanning = functools.partial(ReplanningForwardBackward, args=args, schedule=name)
             patch_megatron(name, wrapper=replanning if get_spec(name).cost_aware else None, **options)
+            if args.enable_optimizer_post_validation:
+                from .megatron_lm_optimizer import install as install_post_validation
+
+                install_post_validation(args)
         return args
 
     for module in (arguments, initialize):
@@ -91,9 +96,12 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore Megatron-LM's ``parse_args`` and megatron-core's ``get_forward_backward_func``."""
+    """Restore Megatron-LM's ``parse_args`` and megatron-core's ``get_forward_backward_func`` (and the
+    names post-validation rebinds)."""
+    from .megatron_lm_optimizer import uninstall as uninstall_post_validation
     from .patching import unpatch_megatron
 
+    uninstall_post_validation()
     while _INSTALLED:
         module, name, fn = _INSTALLED.pop()
         setattr(module, name, fn)
@@ -111,6 +119,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
     """Check the zero-bubble flags of Megatron-LM's parsed ``args``; return :func:`patch_megatron`'s
     arguments (``schedule`` and options), or ``None`` when no zero-bubble schedule was asked for.
     Raises :class:`ArgumentError` naming the flag."""
+    from .megatron_lm_optimizer import check_flags as check_post_validation
     from .schedules.ir import Placement
 
     for dest, why in NOT_YET.items():
@@ -128,9 +137,11 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
             raise ArgumentError("--zero-bubble-max-pending-backward", "only applies with --enable-zero-bubble or "
                                                                       "--schedule; add one or drop this flag")
         _check_profiling(args, None)
+        check_post_validation(args, None)
         return None
     spec, chunks = get_spec(name), _virtual_chunks(args)
     _check_profiling(args, name)
+    check_post_validation(args, spec)
     if spec.placement is Placement.V:
         raise ArgumentError("--schedule", f"{name!r} is a V schedule: {NOT_YET['zero_bubble_v_schedule']}")
     if (spec.placement is Placement.INTERLEAVED) != (chunks > 1):
