@@ -144,6 +144,23 @@ def test_configure_refuses_what_post_validation_cannot_do(argv: tuple[str, ...],
         configure(_pv_flags(*argv, **megatron_lm))
 
 
+def test_configure_refuses_in_place_rollback_of_fused_adam(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Transformer Engine or apex is installed megatron-core builds their FusedAdam, which the
+    in-place rollback cannot invert: refused up front (neither is installed here, so megatron-core's
+    own ``USING_PYTORCH_OPTIMIZER`` is set as an installation of either sets it); exact mode is accepted."""
+    import megatron.core.optimizer
+
+    from megatron_zb.megatron_lm import configure
+    from megatron_zb.training.arguments.common import ArgumentError
+
+    monkeypatch.setattr(megatron.core.optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    with pytest.raises(ArgumentError, match=re.escape("--enable-optimizer-post-validation: the in-place rollback "
+                                                      "inverts torch.optim Adam steps only")):
+        configure(_pv_flags("--enable-zero-bubble", "--enable-optimizer-post-validation"))
+    assert configure(_pv_flags("--enable-zero-bubble", "--enable-optimizer-post-validation",
+                               "--enable-exactly-numeric-match")) is not None
+
+
 def test_configure_accepts_post_validation_with_a_zero_bubble_schedule() -> None:
     """Accepted with the zero-bubble schedule's options; the tuning flags default as in pretrain_gpt_zb.py."""
     from megatron_zb.megatron_lm import configure
