@@ -25,10 +25,12 @@ import math
 import re
 
 import pytest
-from test_megatron_lm_loop import (FLAGS_PLUGIN, ITERS, MCORE_1F1B, PP2, REPLAN_FUNC, _flags, _run,  # noqa: F401
-                                   assert_bitwise_equal, pytestmark)
+import test_megatron_lm_loop
+from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, MCORE_1F1B, PP2, REPLAN_FUNC, _flags, _run, assert_bitwise_equal
 
 from megatron_zb.testing.megatron_lm import MegatronLMRun
+
+pytestmark = test_megatron_lm_loop.pytestmark  # skipped without Megatron-LM's files or what they import
 
 FP16 = ("--fp16", "--initial-loss-scale", str(2 ** 19), "--clip-grad", "1.6")
 """fp16 with a loss scale that overflows stage 0 only in iterations 2-3; clipping that fires in 4 only."""
@@ -80,7 +82,8 @@ def test_post_validation_exact_is_bitwise_megatron_core(mcore_fp16: MegatronLMRu
     """``--enable-exactly-numeric-match``: the eager step that stands (iteration 1), the skipped
     ones rolled back (2, 3) and the clipped one redone (4) give megatron-core's synchronous result
     bit for bit: every iteration's lm loss and grad norm, every rank's parameters."""
-    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=(*FP16, *POST_VALIDATION, "--enable-exactly-numeric-match"))
+    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN,
+               extra=(*FP16, *POST_VALIDATION, "--enable-exactly-numeric-match"))
     assert "> optimizer post-validation (exact rollback): synchronous steps in the first 0 iteration(s)" in run.logs[0]
     assert_same_events(run, mcore_fp16)
     assert_bitwise_equal(run, mcore_fp16)
@@ -89,13 +92,13 @@ def test_post_validation_exact_is_bitwise_megatron_core(mcore_fp16: MegatronLMRu
 def test_post_validation_in_place_matches_megatron_core(mcore_fp16: MegatronLMRun) -> None:
     """The default in-place rollback: bitwise until the first rollback (iteration 2's loss is
     computed after iteration 1's eager step), then equal to fp32 round-off in the main params --
-    which can move an fp16 model parameter by one unit in the last place (2^-11 relative)."""
+    which can move an fp16 model parameter by one unit in the last place (at most 2^-10 relative)."""
     run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=(*FP16, *POST_VALIDATION))
     assert "> optimizer post-validation (in-place rollback)" in run.logs[0]
     assert_same_events(run, mcore_fp16)
     assert run.lm_losses[:2] == mcore_fp16.lm_losses[:2] and run.grad_norms[0] == mcore_fp16.grad_norms[0]
     for mine, theirs in zip(run.lm_losses + run.grad_norms, mcore_fp16.lm_losses + mcore_fp16.grad_norms):
-        assert (mine is None) == (theirs is None) and (mine is None or math.isclose(mine, theirs, rel_tol=1e-3))
+        assert (mine is None) == (theirs is None) and (mine is None or math.isclose(mine, theirs, rel_tol=1e-4))
     assert run.params is not None and mcore_fp16.params is not None
     for mine, theirs in zip(run.params, mcore_fp16.params):
         assert mine.keys() == theirs.keys()
