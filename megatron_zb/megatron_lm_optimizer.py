@@ -16,20 +16,21 @@ and ``train`` call them by those names), as :func:`megatron_zb.patch_megatron` r
   step is validated, and what ``train_step`` derived from the provisional result is repaired:
   the LR scheduler (stepped back when the validated step was skipped, forward when a step it
   counted as skipped was taken), and the ``skipped_iter``, ``grad_norm`` and ``num_zeros_in_grad``
-  that ``train`` hands to ``training_log``, reduced over the model-parallel group with
-  Megatron-LM's own functions as ``train_step`` reduces them. So Megatron-LM's log line, skipped-
-  iteration count, TensorBoard and checkpoints see the validated values.
+  that ``train`` hands to ``training_log``, as ``train_step``'s model-parallel reductions would give
+  them (post-validation's own reductions made them equal on every rank already). So Megatron-LM's
+  log line, skipped-iteration count, TensorBoard and checkpoints see the validated values.
 
 Why the step is validated at the end of ``train_step`` and not before the next forward (where
 ``pretrain_gpt_zb.py`` validates it): Megatron-LM's ``train_step`` all-reduces
 ``update_successful`` and ``grad_norm`` over the model-parallel group right after
-``optimizer.step()`` (a blocking reduction over every pipeline stage), and its ``train`` reads
+``optimizer.step()`` (blocking, over every pipeline stage), and its ``train`` reads
 ``optimizer.get_loss_scale()`` for the log line before the next iteration (the loss scale after an
-fp16 step is known only once the step is validated). What post-validation removes here is the wait
-*before* the update: each stage updates its parameters as soon as its own backward is done, while
-later stages still run theirs; the wait after it is Megatron-LM's. ``begin_iteration`` still opens
-every ``train_step`` (nothing is pending then; it guarantees no forward uses parameters that may
-still be rolled back).
+fp16 step is known only once the step is validated). So the stages leave ``train_step`` together
+as they do without post-validation; what post-validation removes from the iteration is the two
+blocking all-reduces megatron-core's ``step()`` makes before its update (found-inf, grad norm):
+each stage updates as soon as its own backward is done, and those reductions complete while
+Megatron-LM's own run. ``begin_iteration`` still opens every ``train_step`` (nothing is pending
+then; it guarantees no forward uses parameters that may still be rolled back).
 
 Each rank that rolls a step back prints one line (``megatron-zb: post-validation rolled back ...``).
 What Megatron-LM's loop cannot give post-validation is refused before it initialises
@@ -152,30 +153,45 @@ def post_validated_train_step(original: Callable) -> Callable:
 
 
 def _validated(out: tuple, optimizer: Any, scheduler: Any, iteration: int | None) -> tuple:
-    """Validate the step that took the eager path (on every rank alike: the reductions below are
-    collective; a rank whose own grad norm proved clipping has validated it inside ``step()``
-    already); ``out``: ``train_step``'s 8 values from the provisional result, returned with
-    ``skipped_iter``, ``grad_norm`` and ``num_zeros_in_grad`` validated; the scheduler made to
-    follow the validated outcome. ``iteration``: Megatron-LM's 0-based count."""
+    """Validate the step that took the eager path (every rank alike; a rank whose own grad norm
+    proved clipping has validated it inside ``step()`` already); ``out``: ``train_step``'s 8 values
+    from the provisional result, returned with ``skipped_iter``, ``grad_norm`` and
+    ``num_zeros_in_grad`` validated; the scheduler made to follow the validated outcome.
+    ``iteration``: Megatron-LM's 0-based count.
+
+    The validated values come from post-validation's all-reduces over the grad-stats group, which
+    holds the model-parallel group: every rank there has the same ones. ``train_step`` would reduce
+    them over that group (``logical_and_across_model_parallel_group``,
+    ``reduce_max_stat_across_model_parallel_group``); with equal values on every rank those give the
+    value itself, as float32 (:func:`_as_reduced`), so no further collective runs here."""
     import torch
     from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.training import get_args, training
+    from megatron.training import get_args
 
-    loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, _, num_zeros, max_logit = out
+    loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, _, _, max_logit = out
     optimizer.validate()
     report = optimizer.last_report
     args = get_args()
-    successful = training.logical_and_across_model_parallel_group(report.result.update_successful)
+    successful = bool(report.result.update_successful)
     if successful == bool(skipped_iter):  # train_step stepped the scheduler on the provisional outcome
         increment = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
         scheduler.step(increment=increment if successful else -increment)
-    grad_norm = training.reduce_max_stat_across_model_parallel_group(report.result.grad_norm)
+    num_zeros = report.result.num_zeros_in_grad
     if args.log_num_zeros_in_grad:
-        num_zeros = training.reduce_max_stat_across_model_parallel_group(report.result.num_zeros_in_grad)
+        num_zeros = _as_reduced(num_zeros)
     if report.rolled_back:
         what = ("an inf/nan was found: the step is skipped" if report.found_inf else
                 "the gradients were clipped: the step was redone with the clipped gradients")
         n = "?" if iteration is None else iteration + 1
         print(f"megatron-zb: post-validation rolled back the step of iteration {n} on rank "
               f"{torch.distributed.get_rank()}: {what}", flush=True)
-    return loss_dict, int(not successful), should_checkpoint, should_exit, exit_code, grad_norm, num_zeros, max_logit
+    return (loss_dict, int(not successful), should_checkpoint, should_exit, exit_code,
+            _as_reduced(report.result.grad_norm), num_zeros, max_logit)
+
+
+def _as_reduced(value: float | None) -> float | None:
+    """What Megatron-LM's ``reduce_max_stat_across_model_parallel_group`` returns when every rank
+    holds ``value``: None stays None, a number comes back through a float32 tensor."""
+    import torch
+
+    return None if value is None else torch.tensor([value], dtype=torch.float32).item()

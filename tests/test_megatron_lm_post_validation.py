@@ -28,6 +28,7 @@ import pytest
 import test_megatron_lm_loop
 from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, MCORE_1F1B, PP2, REPLAN_FUNC, _flags, _run, assert_bitwise_equal
 
+from megatron_zb.megatron_lm_optimizer import REFUSED
 from megatron_zb.testing.megatron_lm import MegatronLMRun
 
 pytestmark = test_megatron_lm_loop.pytestmark  # skipped without Megatron-LM's files or what they import
@@ -131,8 +132,6 @@ def _pv_flags(*argv: str, **megatron_lm: object) -> object:
      "--optimizer: 'sgd': the in-place rollback inverts Adam steps only; add --enable-exactly-numeric-match"),
     (("--enable-zero-bubble", "--enable-optimizer-post-validation", "--enable-exactly-numeric-match"),
      {"optimizer": "dist_muon"}, "--optimizer: 'dist_muon': Megatron-LM builds Muon with get_megatron_muon_optimizer"),
-    (("--enable-zero-bubble", "--enable-optimizer-post-validation"), {"use_precision_aware_optimizer": True},
-     "--use-precision-aware-optimizer: cannot be combined with --enable-optimizer-post-validation"),
     (("--enable-zero-bubble", "--enable-optimizer-post-validation"), {"expert_model_parallel_size": 2},
      "--expert-model-parallel-size: expert parallelism gives the expert optimizer another grad-stats group"),
 ])
@@ -145,6 +144,18 @@ def test_configure_refuses_what_post_validation_cannot_do(argv: tuple[str, ...],
 
     with pytest.raises(ArgumentError, match=re.escape(message)):
         configure(_pv_flags(*argv, **megatron_lm))
+
+
+@pytest.mark.parametrize("dest", list(REFUSED))
+def test_configure_refuses_megatron_lm_optimizer_flags_post_validation_does_not_mirror(dest: str) -> None:
+    from megatron_zb.megatron_lm import configure
+    from megatron_zb.training.arguments.common import ArgumentError
+
+    args = _pv_flags("--enable-zero-bubble", "--enable-optimizer-post-validation", **{dest: True})
+    flag = "--" + dest.replace("_", "-")
+    with pytest.raises(ArgumentError, match=re.escape(f"{flag}: cannot be combined with "
+                                                      f"--enable-optimizer-post-validation: {REFUSED[dest]}")):
+        configure(args)
 
 
 def test_configure_refuses_in_place_rollback_of_fused_adam(monkeypatch: pytest.MonkeyPatch) -> None:
