@@ -84,23 +84,11 @@ def check_flags(args: argparse.Namespace, spec: Any) -> None:
     if args.optimizer != "adam" and not args.enable_exactly_numeric_match:
         raise ArgumentError("--optimizer", f"{args.optimizer!r}: the in-place rollback inverts Adam steps only; "
                                            f"add --enable-exactly-numeric-match (exact rollback) or use adam")
-    if not args.enable_exactly_numeric_match and not _torch_optimizers():
-        raise ArgumentError("--enable-optimizer-post-validation",
-                            "the in-place rollback inverts torch.optim Adam steps only, and megatron-core builds "
-                            "Transformer Engine's or apex's FusedAdam here (installed); add "
-                            "--enable-exactly-numeric-match (exact rollback)")
     if (getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
         raise ArgumentError("--expert-model-parallel-size", "expert parallelism gives the expert optimizer "
                                                             "another grad-stats group, which post-validation does "
                                                             "not support; use 1 or drop "
                                                             "--enable-optimizer-post-validation")
-
-
-def _torch_optimizers() -> bool:
-    """megatron-core builds torch.optim's Adam (neither Transformer Engine nor apex is installed)."""
-    from megatron.core import optimizer
-
-    return bool(optimizer.USING_PYTORCH_OPTIMIZER)
 
 
 def install(args: argparse.Namespace) -> None:

@@ -259,7 +259,19 @@ def check_post_validation(args: argparse.Namespace, spec: ScheduleSpec | None) -
     if args.enable_exactly_numeric_match and not args.enable_optimizer_post_validation:
         raise ArgumentError("--enable-exactly-numeric-match",
                             "only applies with --enable-optimizer-post-validation; add that flag or drop this one")
+    if args.enable_optimizer_post_validation and not args.enable_exactly_numeric_match and not _torch_adam():
+        raise ArgumentError("--enable-optimizer-post-validation",
+                            "the in-place rollback inverts torch.optim Adam steps only, and megatron-core builds "
+                            "Transformer Engine's or apex's FusedAdam here (installed); add "
+                            "--enable-exactly-numeric-match (exact rollback)")
     _check_post_validation_tuning(args)
+
+
+def _torch_adam() -> bool:
+    """megatron-core builds torch.optim's Adam (neither Transformer Engine nor apex is installed)."""
+    from megatron.core import optimizer
+
+    return bool(optimizer.USING_PYTORCH_OPTIMIZER)
 
 
 def check_profiling_window(args: argparse.Namespace) -> None:
