@@ -16,6 +16,7 @@ from __future__ import annotations
 # get_global_memory_buffer), megatron.core.utils.get_model_config / get_model_type,
 # megatron.core.pipeline_parallel.get_forward_backward_func, megatron.core.tensor_parallel's
 # exported layers.
+import re  # noqa: E402
 from typing import Any, Callable, NamedTuple  # noqa: E402
 
 LINEAR_AUTOGRAD_FUNCTION: tuple[str, str] = (
@@ -305,22 +306,32 @@ def te_drop_queued_wgrad(module: Any) -> None:
         context.get_nowait()
 
 
-def te_returned_bias_params(module: Any) -> tuple[Any, ...]:
-    """The bias parameters a TE module returns to its caller (``return_bias=True``; megatron-core's
-    ``skip_bias_add``) instead of adding them: their gradient comes from autograd in B.
+_TE_WEIGHT_NAME = re.compile(r"(fc[12]_)?weight\d*")
 
-    TE's ``backward_dw()`` still assigns them ``bgrad.to(dtype)`` when their ``.grad`` is
-    ``None`` although the delayed GEMM computed no bias gradient (``bgrad is None``):
-    ``TransformerEngineBaseModule.backward_dw`` (``Linear``, ``LayerNormLinear``; bias names in
-    the module's ``bias_names``) and ``LayerNormMLP.backward_dw`` (``fc2_bias``), TE 2.3 to 2.18.
+
+def te_delayed_weight_params(module: Any) -> tuple[Any, ...]:
+    """The weights of a TE module whose gradients its ``backward_dw()`` computes: the module's
+    ``weight_names`` (``Linear``, ``LayerNormLinear``), else its own parameters named ``weight``,
+    ``weight<i>`` (``GroupedLinear``) or ``fc1_weight`` / ``fc2_weight`` (``LayerNormMLP``) --
+    not a norm's ``layer_norm_weight``, whose gradient TE computes in the backward.
+
+    With delaying on, the gradient TE's backward hands autograd for these is never the weight
+    gradient: ``None``, a dummy with ``fuse_wgrad_accumulation`` under megatron-core DDP
+    (``get_dummy_wgrad``), or -- ``GroupedLinear``, TE >= 2.8, without fusion -- the packed
+    buffer the delayed GEMM will fill, uninitialised in B (``module/grouped_linear.py``).
     """
-    if not (getattr(module, "return_bias", False) and getattr(module, "use_bias", False)):
-        return ()
-    names = getattr(module, "bias_names", None)
-    if names is not None:
-        return tuple(getattr(module, n) for n in names)
-    fc2_bias = getattr(module, "fc2_bias", None)
-    return () if fc2_bias is None else (fc2_bias,)
+    names = getattr(module, "weight_names", None)
+    if names is None:
+        names = [n for n, _ in module.named_parameters(recurse=False) if _TE_WEIGHT_NAME.fullmatch(n)]
+    return tuple(getattr(module, n) for n in names)
+
+
+TE_OP_FUSER_CLASSES: tuple[str, ...] = ("TEFusedMLP",)
+"""megatron-core's modules that run Transformer Engine's op fuser (``te.pytorch.ops``, whose
+``BasicLinear`` has no delayed weight gradients): ``TEFusedMLP`` in
+``megatron/core/extensions/transformer_engine.py``, chosen by
+``get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=True)``. Matched by class name
+(the class exists only where TE imports)."""
 
 
 def set_delay_wgrad_compute(config: Any) -> None:

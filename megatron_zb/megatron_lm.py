@@ -26,11 +26,13 @@ after the window with the measured ones) and, with ``--profile-out FILE``, write
 profile. Megatron-LM's checkpoints do not carry the measured costs: a run resumed with ``--load``
 counts its iterations from 1 again, so it profiles and re-plans again.
 
-V schedules (``--zero-bubble-v-schedule``, ``--schedule zbv|v-half|v-min``) need the model provider
-wrapped in the script: :func:`v_model_provider` (:mod:`megatron_zb.megatron_lm_v`).
+``--enable-optimizer-post-validation`` wraps the optimizer Megatron-LM builds and validates each
+step when Megatron-LM's ``train_step`` returns (:mod:`megatron_zb.megatron_lm_optimizer`). V schedules
+(``--zero-bubble-v-schedule``, ``--schedule zbv|v-half|v-min``) need the model provider wrapped in the
+script: :func:`v_model_provider` (:mod:`megatron_zb.megatron_lm_v`).
 
-What this route cannot honour yet is refused up front (:data:`NOT_YET`): optimizer post-validation,
-``--allow-padding-num-layers``. ``pretrain_gpt_zb.py`` has both.
+What this route cannot honour yet is refused up front (:data:`NOT_YET`): ``--allow-padding-num-layers``
+(``pretrain_gpt_zb.py`` has it).
 """
 
 from __future__ import annotations
@@ -50,8 +52,6 @@ __all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "in
            "v_model_provider"]
 
 NOT_YET: dict[str, str] = {
-    "enable_optimizer_post_validation": "post-validation is not wired into Megatron-LM's loop yet; use "
-                                        "pretrain_gpt_zb.py, or drop the flag",
     "allow_padding_num_layers": "Megatron-LM splits the layers itself; use its --decoder-first-pipeline-num-layers "
                                 "/ --decoder-last-pipeline-num-layers, or drop the flag",
 }
@@ -91,6 +91,10 @@ def install() -> None:
             name = options.pop("schedule")
             patch_megatron(name, wrapper=functools.partial(_wrap, args=args, schedule=name, v=v_flag is not None),
                            **options)
+            if args.enable_optimizer_post_validation:
+                from .megatron_lm_optimizer import install as install_post_validation
+
+                install_post_validation(args)
         return args
 
     for module in (arguments, initialize):
@@ -114,9 +118,12 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore Megatron-LM's ``parse_args`` and megatron-core's ``get_forward_backward_func``."""
+    """Restore Megatron-LM's ``parse_args`` and megatron-core's ``get_forward_backward_func`` (and the
+    names post-validation rebinds)."""
+    from .megatron_lm_optimizer import uninstall as uninstall_post_validation
     from .patching import unpatch_megatron
 
+    uninstall_post_validation()
     while _INSTALLED:
         module, name, fn = _INSTALLED.pop()
         setattr(module, name, fn)
@@ -144,6 +151,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
     when no zero-bubble schedule was asked for. A V schedule sets Megatron-LM's
     ``--num-virtual-stages-per-pipeline-rank`` (:func:`~megatron_zb.megatron_lm_v.check_v`).
     Raises :class:`ArgumentError` naming the flag."""
+    from .megatron_lm_optimizer import check_flags as check_post_validation
     from .schedules.ir import Placement
     from .training.arguments.zero_bubble import select_schedule
 
@@ -159,9 +167,11 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
             raise ArgumentError("--zero-bubble-max-pending-backward", "only applies with --enable-zero-bubble or "
                                                                       "--schedule; add one or drop this flag")
         _check_profiling(args, None)
+        check_post_validation(args, None)
         return None
     spec = get_spec(name)
     _check_profiling(args, name)
+    check_post_validation(args, spec)
     if spec.placement is Placement.V:
         megatron_lm_v.check_v(args, name, selected_by)
     chunks = _virtual_chunks(args)

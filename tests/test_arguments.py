@@ -474,3 +474,18 @@ def test_launch_scripts_keep_their_own_defaults(tmp_path):
     assert vars(a) == vars(b)
     assert (a.micro_batch_size, a.pipeline_model_parallel_size, a.train_iters, a.lr_warmup_iters) == (1, 8, 500000, 2000)
     assert a.bf16 and a.enable_zero_bubble and a.tokenizer_type == "ByteLevel"
+
+
+def test_in_place_post_validation_of_fused_adam_is_refused_before_any_process_group(monkeypatch):
+    """Where Transformer Engine or apex is installed megatron-core builds their FusedAdam, which the
+    in-place rollback cannot invert: pretrain_gpt_zb.py refuses it while validating its flags (one
+    rule with Megatron-LM's loop, ``zero_bubble.check_post_validation``), not when the optimizer is
+    built after the process groups start. Neither is installed here, so megatron-core's own
+    ``USING_PYTORCH_OPTIMIZER`` is set as an installation of either sets it; exact mode is accepted."""
+    import megatron.core.optimizer
+
+    monkeypatch.setattr(megatron.core.optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    with pytest.raises(ArgumentError, match="^--enable-optimizer-post-validation: the in-place rollback inverts "
+                                            "torch.optim Adam steps only"):
+        resolve(PV, world_size=2)
+    assert resolve(PV + " --enable-exactly-numeric-match", world_size=2).enable_exactly_numeric_match

@@ -32,6 +32,16 @@ def test_megatron_lm_flag_not_supported_yet(extra, flag):
     assert str(err).startswith(f"{flag} is a Megatron-LM flag megatron-zb does not support yet")
 
 
+def test_delay_wgrad_compute_is_refused_with_its_reason():
+    """Megatron-LM's --delay-wgrad-compute also sets megatron-core DDP's delay_wgrad_compute,
+    which the Transformer Engine route cannot follow (docs/transformer_engine.md)."""
+    err = error_for("--delay-wgrad-compute")
+    assert err.flag == "--delay-wgrad-compute"
+    assert str(err).startswith("--delay-wgrad-compute is refused: megatron-zb defers Transformer Engine's weight "
+                               "gradients itself")
+    assert str(err).endswith("; remove it") and "\n" not in str(err)
+
+
 @pytest.mark.parametrize("typo,closest", [("--hiden-size", "--hidden-size"), ("--num-layer", "--num-layers"),
                                           ("--enable-zerobubble", "--enable-zero-bubble"),
                                           ("--num-expert", "--num-experts")])

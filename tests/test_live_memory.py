@@ -36,17 +36,19 @@ def test_live_tensor_bytes_counts_storages_once_until_freed():
 
 @pytest.mark.parametrize("pp", [2, 4])
 def test_peak_memory_against_megatron_core_1f1b(pp):
-    """megatron-zb's 1F1B: within 1% of megatron-core 1F1B's peak on every rank, plus at most three
-    stage tensors (receives posted up to 8 actions ahead of use, and a forward's output kept by its
-    send until the send is released, where megatron-core's blocking send lets go at once). ZB-H1:
-    its largest rank peak within 5% of megatron-core 1F1B's largest (the zero-bubble paper's claim
-    for ZB-H1: 1F1B's peak memory)."""
+    """megatron-zb's 1F1B at the default receive look-ahead: within 1% of megatron-core 1F1B's peak
+    on every rank (issue 22's acceptance; measured 1.000-1.005: one stage tensor more on some ranks,
+    a receive posted one compute action ahead or a forward's output kept by its send until the
+    send is released, where megatron-core's blocking send lets go at once). ZB-H1: its largest rank
+    peak within 5% of megatron-core 1F1B's largest (the zero-bubble paper's claim for ZB-H1:
+    1F1B's peak memory)."""
     cfg = TinyGPT(pp=pp, num_microbatches=2 * pp)
     runs = {s: run_distributed(partial(peak_iteration_bytes, cfg, s), world_size=pp, timeout=120)
             for s in (None, "1f1b", "zb-h1")}
     base = runs[None]
     print(f"PP={pp} peak bytes per rank:", runs)
     for rank, (ours, theirs) in enumerate(zip(runs["1f1b"], base)):
-        assert ours <= 1.01 * theirs + 3 * STAGE_TENSOR_BYTES, (rank, ours, theirs)
+        assert ours <= 1.01 * theirs, (rank, ours, theirs)
+        assert ours - theirs <= STAGE_TENSOR_BYTES, (rank, ours, theirs)  # at most one stage tensor more
         assert ours >= 0.99 * theirs, (rank, ours, theirs)  # the same work: not less either
     assert max(runs["zb-h1"]) <= 1.05 * max(base), (runs["zb-h1"], base)

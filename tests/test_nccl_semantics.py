@@ -20,13 +20,13 @@ import functools
 import pytest
 
 from megatron_zb.runtime.comm_program import Issue, Step
-from megatron_zb.runtime.rank_plan import plan_rank
+from megatron_zb.runtime.rank_plan import RECV_LOOKAHEAD, plan_rank
 from megatron_zb.schedules import Action, CostModel, Op, Schedule
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
 from megatron_zb.testing.nccl_model import per_direction, per_pair, replay
 
 FAMILIES = [n for n in schedule_names() if not n.endswith("-optimal")]  # exact solvers: checked at p=2 below
-LOOKAHEADS = (0, 1, 2, 8, 1000)
+LOOKAHEADS = (0, 1, 2, 4, 8, 1000)
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,7 +127,7 @@ def test_release_points_bound_the_held_sends():
     """Each send is released after a receive the peer sends only after posting its receive; the
     bound is the largest number held at once (1F1B at p = 4: rank 0 sends 4 forwards before the
     first gradient comes back -- worked by hand: F0..F3 out, B0 back)."""
-    for r, issues in _programs("1f1b", 4, forward_only=False, lookahead=8, m=8).items():
+    for r, issues in _programs("1f1b", 4, forward_only=False, lookahead=RECV_LOOKAHEAD, m=8).items():
         held, most = set(), 0
         for s in issues:
             if s.step is Step.SEND:

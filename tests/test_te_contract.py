@@ -20,6 +20,7 @@ The last test runs real Transformer Engine modules when TE and CUDA are present
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import partial
 
@@ -87,6 +88,19 @@ def test_delayed_te_gradients_equal_the_non_delayed_path_bitwise(reference, sche
         assert got["w_deferred"] == 0
     else:  # one store entry per TE module and microbatch, plus the output layer's (linear route)
         assert got["w_deferred"] == m * (te_modules + 1)
+
+
+def test_fp8_gemm_bias_gradients_computed_in_b_with_ddp():
+    """TE's FP8 (and debug) backward computes linear_qkv's GEMM-internal bias gradient in B and
+    gives the delayed GEMM ``bias=None``; ``backward_dw`` then assigns ``bgrad`` (None) to an
+    empty ``bias.grad``. With megatron-core DDP, zb-2p equals megatron-core's 1F1B without
+    delaying, bitwise (the double's FP8 flavour keeps fp32 numbers)."""
+    base = dict(TINY, ddp=True)
+    ref = _merged(TinyGPT(**base, layer_spec="te_double:gpt_layer_spec_fp8"), None)
+    got = _merged(TinyGPT(**base, layer_spec="te_double:gpt_layer_spec_fp8", delay_wgrad=True), "zb-2p")
+    _assert_bitwise(ref, got, "FP8 flavour, DDP")
+    assert got["backward_dw"] == TINY["num_microbatches"] * TE_MODULES_PER_LAYER * TINY["num_layers"]
+    assert any(n.endswith("linear_qkv.bias") for n in got["grads"])  # a GEMM-internal bias was there
 
 
 @pytest.mark.parametrize("fusion", [False, True], ids=["ddp", "ddp-fused-accumulation"])
@@ -177,11 +191,24 @@ def _backward(chunk: torch.nn.Sequential, mb: int, skip_last: bool = False) -> t
     return (h * h).sum()
 
 
+BIAS_KINDS = {  # how the bias's gradient is computed, as TE does it (te_double.Linear)
+    "no-bias": dict(bias=False),
+    "bias-in-gemm": dict(bias=True),  # by the delayed GEMM, in W
+    "returned-bias": dict(bias=True, return_bias=True),  # by autograd in B (megatron-core's skip_bias_add)
+    "row-unfused-bias": dict(bias=True, parallel_mode="row"),  # in B: TE's gemm_bias_unfused_add
+    "fp8-bias": dict(bias=True, fp8=True),  # in B: FP8 / debug grad_output_preprocess, bias=None to the GEMM
+}
+
+
 @pytest.mark.parametrize("cls", [te_double.Linear, te_double.TE23Linear], ids=["te2.18", "te2.3"])
-@pytest.mark.parametrize("bias", ["no-bias", "bias-in-gemm", "returned-bias"])
+@pytest.mark.parametrize("bias", list(BIAS_KINDS))
 def test_w_runs_backward_dw_of_exactly_the_modules_that_queued(cls, bias):
+    """Every way TE computes a bias gradient -- in W by the delayed GEMM, or in B (returned
+    bias, row-parallel unfused add, FP8 / debug) -- lands where the non-delayed path puts it."""
     install_routes()
-    kw = dict(bias=bias != "no-bias", return_bias=bias == "returned-bias")
+    kw = dict(BIAS_KINDS[bias])
+    if kw.pop("fp8", False):
+        cls = type(cls.__name__ + "FP8", (cls,), {"fp8": True})
     ref = _chunk(cls, **kw)
     for mb in range(3):
         _backward(ref, mb, skip_last=(mb == 1)).backward()
@@ -297,7 +324,10 @@ def test_real_transformer_engine_delayed_matches_non_delayed(schedule):
     got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(**base, layer_spec=TE_SPEC, delay_wgrad=True),
                                                 schedule=schedule), world_size=2, timeout=300))
     _assert_bitwise(ref, got, f"real TE {schedule}")
-    assert got["w_deferred"] > 0
+    # one store entry per TE module and microbatch, plus the output layer's (linear route) -- not
+    # merely some deferred W, which the output layer alone would give
+    m, te_modules = base["num_microbatches"], TE_MODULES_PER_LAYER * base["num_layers"]
+    assert got["w_deferred"] == m * (te_modules + 1)
 
 
 # ---------------------------------------------------------------------- the command line
@@ -420,3 +450,136 @@ def test_gradient_accumulation_fusion_flag_reaches_the_model_and_the_log():
     assert "> transformer implementation: local (default: Transformer Engine is not installed)" in log
     assert ("> gradient accumulation fusion: on: megatron-zb's matmul wgrad_gemm_accum_fp32/fp16 "
             "(fused_weight_gradient_mlp_cuda not importable)") in log
+
+
+# ---------------------------------------------------------------------- GroupedLinear (MoE grouped GEMM)
+GROUPED_SPLITS = [3, 1, 2]
+
+
+def _grouped_main_grads(cls_name: str, fuse: bool, delay: bool) -> dict[str, torch.Tensor]:
+    """One rank: megatron-core DDP around the GroupedLinear double (3 GEMMs, biases), three
+    microbatches -- through the store and the route when ``delay`` -- and each ``main_grad``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    install_routes()
+    torch.manual_seed(0)
+    grouped = getattr(te_double, cls_name)(3, 8, 4, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, gradient_accumulation_fusion=fuse)
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=grouped)
+    ddp.zero_grad_buffer()
+    store = WeightGradStore()
+    for mb in range(3):
+        x = torch.randn(sum(GROUPED_SPLITS), 8, generator=torch.Generator().manual_seed(mb), requires_grad=True)
+        window = backward_window(store=store, deferred=True, chunk=ddp, stage=0, microbatch=mb) if delay \
+            else contextlib.nullcontext()
+        with window:
+            (ddp(x, GROUPED_SPLITS) ** 2).sum().backward()
+    for mb in range(3):
+        if delay:
+            store.run(0, mb)
+    assert te_double.queues_empty(grouped)
+    return {n: p.main_grad.clone() for n, p in grouped.named_parameters()}
+
+
+def _ddp_delay_wgrad_refusal() -> str:
+    """One rank: megatron-core DDP built with ``delay_wgrad_compute=True`` around delayed TE
+    modules; the route's schedule check's message."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    install_routes()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(delay_wgrad_compute=True),
+                                  module=_chunk(delay_wgrad_compute=True, bias=True))
+    try:
+        check_schedule(build_schedule("zb-h1", num_ranks=1, num_microbatches=2), [ddp])
+    except ScheduleError as err:
+        return str(err)
+    return "not refused"
+
+
+def _ddp_rank_checks() -> dict:
+    from megatron_zb.testing.distributed import init_parallel_state
+
+    init_parallel_state()
+    out: dict = {(cls, fuse, delay): _grouped_main_grads(cls, fuse, delay)
+                 for cls in ("GroupedLinear", "GroupedLinearTE27") for fuse in (False, True) for delay in (False, True)}
+    out["ddp_delay_wgrad_refusal"] = _ddp_delay_wgrad_refusal()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_rank_checks() -> dict:
+    """The megatron-core DDP checks of this file, in one process (one start-up)."""
+    [out] = run_distributed(_ddp_rank_checks, world_size=1, timeout=120)
+    return out
+
+
+def test_grouped_linear_b_time_buffer_never_reaches_main_grad(ddp_rank_checks):
+    """TE >= 2.8's GroupedLinear without fused accumulation returns its packed weight-gradient
+    buffer to autograd in a delayed backward, before the delayed GEMM fills it (the double fills
+    it with NaN where TE leaves it uninitialised): megatron-core DDP's hook would add it to
+    main_grad. Every flavour (TE 2.8+ / 2.3-2.7, fused or not) under megatron-core DDP gives the
+    non-delayed main_grad bitwise."""
+    runs = ddp_rank_checks
+    for cls in ("GroupedLinear", "GroupedLinearTE27"):
+        for fuse in (False, True):
+            ref, got = runs[(cls, fuse, False)], runs[(cls, fuse, True)]
+            assert ref.keys() == got.keys() and len(ref) == 6
+            for n in ref:
+                assert torch.isfinite(ref[n]).all(), (cls, fuse, n)
+                assert torch.equal(got[n], ref[n]), (cls, fuse, n)
+
+
+# ---------------------------------------------------------------------- refused: the op fuser, DDP's delay_wgrad_compute
+def test_ddp_delay_wgrad_compute_is_refused_by_name(ddp_rank_checks):
+    """megatron-core DDP's ``delay_wgrad_compute`` registers DDP's gradient hook for TE's
+    delayed parameters (``skip_backward_post_hook``) in TE's ``backward_dw`` hook list instead
+    of on their gradient accumulators; refused before anything runs."""
+    msg = ddp_rank_checks["ddp_delay_wgrad_refusal"]
+    assert msg.startswith("transformer-engine route: megatron-core DDP was built with "
+                          "DistributedDataParallelConfig(delay_wgrad_compute=True)"), msg
+    assert "build DDP with delay_wgrad_compute=False" in msg and "\n" not in msg
+
+
+def _op_fused_chunk(cls: type = te_double.TEFusedMLP) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(te_double.Linear(8, 8, delay_wgrad_compute=True), cls(8, 16, delay_wgrad_compute=True))
+
+
+def test_te_op_fuser_is_refused_by_name():
+    install_routes()
+    split, fused = (build_schedule(n, num_ranks=2, num_microbatches=4) for n in ("zb-h1", "1f1b"))
+    for schedule in (split, fused):  # 1f1b too: the fused MLP's delayed modules would never queue
+        with pytest.raises(ScheduleError, match=r"transformer-engine route: 1 module\(s\) \(e.g. 1\) run Transformer "
+                                                r"Engine's op fuser \(use_te_op_fuser.*build the layer spec without "
+                                                r"use_te_op_fuser"):
+            check_schedule(schedule, [_op_fused_chunk()])
+    plain = torch.nn.Sequential(te_double.TEFusedMLP(8, 16))  # no delaying, no split: megatron-core's own path
+    check_schedule(fused, [plain])
+
+
+@pytest.mark.parametrize("case", ["unknown-op-fuser", "delay-switched-off"])
+def test_a_backward_that_reaches_delayed_weights_without_queuing_is_refused(case):
+    """The per-module check: a backward that reaches the weights of a delayed TE module must
+    queue its weight gradient -- else it computed it in B. Caught for an op-fuser module the
+    name check does not know, and for a module whose delaying was switched off after it was
+    built (TE's ``wgrad_store.disable_delay_wgrad_compute()``)."""
+    install_routes()
+    if case == "unknown-op-fuser":
+        chunk = _op_fused_chunk(type("SomeFusedMLP", (te_double.TEFusedMLP,), {}))
+        culprit = "1.linear_fc1"
+        check_schedule(build_schedule("zb-h1", num_ranks=2, num_microbatches=4), [chunk])  # the name is not known
+    else:
+        chunk, culprit = _chunk(delay_wgrad_compute=True), "1"
+    store = WeightGradStore()
+    with backward_window(store=store, deferred=True, chunk=chunk, stage=0, microbatch=0):
+        pass  # the route finds the chunk's delayed modules
+    store.run(0, 0)
+    if case == "delay-switched-off":
+        chunk[1].wgrad_store.disable_delay_wgrad_compute()
+    with pytest.raises(WeightGradStoreError, match=rf"module {culprit}: a backward reached its weights but queued no "
+                                                   r"deferred weight gradient, so it computed them in the backward"):
+        with backward_window(store=store, deferred=True, chunk=chunk, stage=0, microbatch=1):
+            _backward(chunk, 1).backward()

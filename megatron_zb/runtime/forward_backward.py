@@ -12,6 +12,7 @@ from ..schedules.costs import CostModel
 from ..schedules.ir import Schedule
 from ..schedules.registry import build_schedule, get_spec
 from .executor import ActionTiming, LoopOverhead, RankPlan, StageRuntime, execute, plan_rank
+from .rank_plan import RECV_LOOKAHEAD
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm, WaitPolicy, pipe_channels
@@ -36,7 +37,8 @@ class ZeroBubbleOptions:
         timeout: seconds any single p2p transfer may take before the run fails with an error
             naming the rank, action and peer.
         recv_lookahead: how many actions ahead receives are posted (each direction of a pair of
-            ranks has its own communicator, so posting early never holds a send back).
+            ranks has its own communicator, so posting early never holds a send back); default
+            :data:`~megatron_zb.runtime.rank_plan.RECV_LOOKAHEAD`.
         wait_policy: how p2p waits (:class:`~megatron_zb.runtime.p2p.WaitPolicy`); ``None``
             (default): from the pipeline group's backend (NCCL: stream waits and a watchdog;
             otherwise host waits with the timeout).
@@ -53,7 +55,7 @@ class ZeroBubbleOptions:
     memory_limit: float | None = None
     num_chunks: int = 2
     timeout: float = 120.0
-    recv_lookahead: int = 8
+    recv_lookahead: int = RECV_LOOKAHEAD
     wait_policy: WaitPolicy | None = None
     track_memory: bool = False
     time_actions: bool = False

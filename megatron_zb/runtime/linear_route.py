@@ -16,21 +16,62 @@ reduce-scatter -- and the bias gradient, and queues the weight-gradient GEMM wit
 * otherwise a matmul, added into ``weight.main_grad`` (megatron-core DDP, exactly what DDP's
   grad-accumulation hook would add) or into ``weight.grad``.
 
-Under sequence parallelism the ``W`` pass re-gathers the sequence-sharded input over the tensor
-parallel group (every TP rank runs the same schedule, so the collectives line up), trading one
-all-gather for not keeping the gathered input alive between B and W.
+Communication overlap, as megatron-core's backward arranges it (it relies on
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` so that a collective launched before a GEMM is scheduled before
+it; :func:`check_device_max_connections`):
+
+* B launches the input gradient's all-reduce / reduce-scatter asynchronously right after the
+  input-gradient GEMM -- where megatron-core launches it -- computes the bias gradient and queues
+  the W entry while it runs, and waits last. The weight-gradient GEMM megatron-core hides it
+  behind is W's now, so in B only the bias reduction runs under it.
+* Under sequence parallelism W re-gathers the sequence-sharded input over the tensor-parallel
+  group (every TP rank runs the same schedule, so the collectives line up), trading one
+  all-gather for not keeping the gathered input alive between B and W. The gather is the
+  entry's ``prefetch()``: the store launches it before the *previous* entry's weight-gradient
+  GEMM and the entry waits for it just before its own GEMM -- the gather hides behind a GEMM, as
+  megatron-core's hides behind the input-gradient GEMM. The first entry of a W has no GEMM before
+  it. Two gather buffers alternate (megatron-core's ``"mpu"`` buffer and one more of the same
+  kind, :data:`GATHER_BUFFERS`).
 
 Outside a B window, and for megatron-core's own deferral (``grad_output_buffer``, the embedding
-wgrad deferral), the backward is megatron-core's.
+wgrad deferral), the backward is megatron-core's (its overlap unchanged).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import warnings
 from typing import Any
 
 import torch
 
 from .wgrad_store import current_store
+
+GATHER_BUFFERS: tuple[str, str] = ("mpu", "zb-wgrad-prefetch")
+"""Names, in megatron-core's global memory buffer, of the two buffers W's sequence-parallel
+all-gathers alternate between (the one in flight and the one its GEMM reads)."""
+
+_gather_slots = itertools.cycle(GATHER_BUFFERS)
+_warned_max_connections = False
+
+
+def check_device_max_connections(device: torch.device) -> bool:
+    """Warn once per process, as megatron-core's linear layer does, when a tensor-parallel
+    collective of the route runs on CUDA without ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (then the GPU
+    may schedule the GEMM before the collective launched ahead of it, and they do not overlap).
+
+    Checked on CUDA only: on CPU, gloo's collectives run on its own threads and the variable has
+    no meaning. Returns whether it warned now.
+    """
+    global _warned_max_connections
+    if device.type != "cuda" or _warned_max_connections or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return False
+    _warned_max_connections = True
+    warnings.warn("megatron-zb linear route: tensor-parallel communication overlaps the GEMMs only with the "
+                  "environment variable CUDA_DEVICE_MAX_CONNECTIONS=1 (as megatron-core's linear layers); "
+                  "set it to 1 for maximum speedup")
+    return True
 
 
 def _accumulate_wgrad(weight: torch.Tensor, main_grad: torch.Tensor | None, fusion: bool,
@@ -53,28 +94,111 @@ def _accumulate_wgrad(weight: torch.Tensor, main_grad: torch.Tensor | None, fusi
         weight.grad += grad_weight
 
 
+class _DummyWgrads:
+    """The dummy weight gradients B returns, one per (shape, dtype, device) -- a zero-filled one
+    apart -- allocated once, as megatron-core does through Transformer Engine's
+    ``get_dummy_wgrad``.
+
+    Each is returned as ``detach()``: autograd's ``AccumulateGrad`` may then take that alias as
+    ``param.grad`` without a copy (megatron-core DDP's hook sets ``param.grad = None`` right after),
+    and autograd never sums into it in place (its storage has a second owner, this cache). The
+    version counter, which every alias shares, is checked at each use: an in-place write through
+    any alias raises instead of handing a garbage (or no longer zero) dummy to the next B.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+    def get(self, shape: torch.Size, dtype: torch.dtype, device: torch.device, *, zero: bool) -> torch.Tensor:
+        """The cached dummy for this key (a new alias of it)."""
+        key = (tuple(shape), dtype, device, zero)
+        entry = self._buffers.get(key)
+        if entry is None:
+            if zero:
+                buf = torch.zeros(shape, dtype=dtype, device=device, requires_grad=False)
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=device, requires_grad=False)
+            entry = self._buffers[key] = (buf, buf._version)
+        buf, version = entry
+        if buf._version != version:
+            raise RuntimeError(f"linear route: the cached dummy weight gradient {tuple(shape)} {dtype} was written "
+                               f"to in place (version {version} -> {buf._version}); something kept it as a "
+                               f"parameter's .grad (megatron-core DDP's gradient hook clears it)")
+        return buf.detach()
+
+    def buffers(self, *, zero: bool) -> list[torch.Tensor]:
+        """The cached dummies of one kind (zero-filled or not), in allocation order (for tests)."""
+        return [buf for key, (buf, _) in self._buffers.items() if key[3] == zero]
+
+    def clear(self) -> None:
+        """Drop every cached dummy."""
+        self._buffers.clear()
+
+
+DUMMY_WGRADS = _DummyWgrads()
+"""The process's cache of dummy weight gradients (:func:`_dummy_wgrad`)."""
+
+
 def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor | None:
     """What B returns as the weight gradient of a megatron-core DDP parameter: a dummy, with
-    ``grad_added_to_main_grad`` set, exactly as megatron-core's fused-accumulation backward does.
+    ``grad_added_to_main_grad`` set, exactly as megatron-core's fused-accumulation backward does
+    (zero-filled when the parameter has ``zero_out_wgrad``, which DDP's hook then adds).
 
     DDP's gradient-accumulator hook then adds nothing (W adds the real gradient later) and, with
     ``overlap_grad_reduce``, finds the ``param.grad`` it asserts on. Parameters outside DDP get
-    ``None`` (their ``.grad`` is written by W).
+    ``None`` (their ``.grad`` is written by W). The dummy is cached (:data:`DUMMY_WGRADS`).
     """
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
-    if getattr(weight, "zero_out_wgrad", False):
-        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
-    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device, requires_grad=False)
+    zero = bool(getattr(weight, "zero_out_wgrad", False))
+    return DUMMY_WGRADS.get(weight.shape, weight.dtype, weight.device, zero=zero)
+
+
+class _WeightGradEntry:
+    """One queued W entry: (sequence parallel: all-gather the input) then the weight-gradient GEMM.
+
+    :meth:`prefetch` launches the all-gather asynchronously (the store calls it before the
+    previous entry's GEMM); calling the entry waits for it -- launching it first if nobody did --
+    and accumulates the gradient.
+    """
+
+    def __init__(self, *, param: torch.Tensor, main_grad: torch.Tensor | None, fusion: bool,
+                 grad_output: torch.Tensor, input: torch.Tensor, tp_group: Any, sequence_parallel: bool,
+                 prepare: Any) -> None:
+        self._param, self._main_grad, self._fusion = param, main_grad, fusion
+        self._grad_output, self._input, self._tp_group = grad_output, input, tp_group
+        self._prepare = prepare
+        self._total_input: torch.Tensor | None = None if sequence_parallel else input
+        self._handle: Any = None
+
+    def prefetch(self) -> None:
+        """Sequence parallelism: launch the input's all-gather over the TP group (async); else nothing."""
+        if self._total_input is not None:
+            return
+        from megatron.core.parallel_state import get_global_memory_buffer
+
+        size = list(self._input.size())
+        size[0] *= self._tp_group.size()
+        check_device_max_connections(self._input.device)
+        self._total_input = get_global_memory_buffer().get_tensor(size, self._input.dtype, next(_gather_slots))
+        self._handle = torch.distributed.all_gather_into_tensor(self._total_input, self._input.contiguous(),
+                                                                group=self._tp_group, async_op=True)
+
+    def __call__(self) -> None:
+        self.prefetch()
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        g, x = self._prepare(self._grad_output, self._total_input)
+        _accumulate_wgrad(self._param, self._main_grad, self._fusion, g, x)
+        self._grad_output = self._input = self._total_input = None  # run once; free what it held
 
 
 def build_zb_linear_function(base: Any) -> Any:
     """A subclass of megatron-core's linear autograd function ``base`` whose weight gradient is
     deferred to W inside a B window (see the module docstring). Reads the ``ctx`` fields listed
     in :data:`megatron_zb.megatron_compat.LINEAR_CTX_FIELDS`."""
-    from megatron.core.parallel_state import get_global_memory_buffer
-
     from ..megatron_compat import linear_custom_bwd, prepare_wgrad_inputs
 
     custom_bwd = linear_custom_bwd()
@@ -105,13 +229,16 @@ def build_zb_linear_function(base: Any) -> Any:
             fusion = ctx.gradient_accumulation_fusion
             if fusion:
                 param.main_grad = main_grad
-            # 1. the input gradient, now: it is on the critical path
+            # 1. the input gradient, now: it is on the critical path. Its collective is launched
+            #    right after the GEMM, where megatron-core launches it (see the module docstring).
             grad_input = grad_output.matmul(weight)
             handle = None
             if ctx.allreduce_dgrad:
+                check_device_max_connections(grad_input.device)
                 handle = torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)
             if ctx.sequence_parallel:
                 assert not ctx.allreduce_dgrad
+                check_device_max_connections(grad_input.device)
                 sub_grad_input = torch.empty(list(input.size()), dtype=input.dtype, device=input.device)
                 handle = torch.distributed.reduce_scatter_tensor(sub_grad_input, grad_input, group=tp_group,
                                                                  async_op=True)
@@ -123,19 +250,9 @@ def build_zb_linear_function(base: Any) -> Any:
                 grad_bias = None
 
             # 2. the weight gradient, later: queued for this (chunk, microbatch)'s W
-            sequence_parallel = ctx.sequence_parallel
-
-            def weight_grad() -> None:
-                total_input = input
-                if sequence_parallel:
-                    size = list(input.size())
-                    size[0] *= tp_group.size()
-                    total_input = get_global_memory_buffer().get_tensor(size, input.dtype, "mpu")
-                    torch.distributed.all_gather_into_tensor(total_input, input.contiguous(), group=tp_group)
-                g, x = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
-                _accumulate_wgrad(param, main_grad, fusion, g, x)
-
-            store.put(weight_grad, params=(param,))
+            store.put(_WeightGradEntry(param=param, main_grad=main_grad, fusion=fusion, grad_output=grad_output,
+                                       input=input, tp_group=tp_group, sequence_parallel=ctx.sequence_parallel,
+                                       prepare=prepare_input_tensors_for_wgrad_compute), params=(param,))
             if handle is not None:
                 handle.wait()
             grad_input = sub_grad_input if ctx.sequence_parallel else grad_input

@@ -56,8 +56,16 @@ class RankPlan:
     program: Program = Program((), 0)
 
 
+RECV_LOOKAHEAD = 4
+"""Default of how many plan actions ahead receives are posted: in a steady 1F1B phase (a receive,
+a compute action, a send per step) a receive is posted one compute action before the one that
+needs it, so the transfer hides behind that action. 8 (two compute actions) costs up to two more
+stage-sized buffers on the ranks nearest the pipeline's start (measured: docs/runtime.md
+"Pseudo-freed stage outputs")."""
+
+
 def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, validate: bool = True,
-              recv_lookahead: int = 8) -> RankPlan:
+              recv_lookahead: int = RECV_LOOKAHEAD) -> RankPlan:
     """Lower ``schedule`` (unless it already holds communication), check it, and keep ``rank``'s part.
 
     ``forward_only`` keeps only the forwards and their transfers, in the same order (evaluation).

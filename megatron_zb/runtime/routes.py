@@ -165,8 +165,9 @@ ROUTES: tuple[LayerRoute | ModuleRoute, ...] = (
         name="linear",
         module=LINEAR_AUTOGRAD_FUNCTION[0],
         attribute=LINEAR_AUTOGRAD_FUNCTION[1],
-        b_queues_w="B: input gradient (+ TP all-reduce / SP reduce-scatter) and bias gradient now; "
-                   "W: grad_output^T @ input (SP: re-gathered) into main_grad or .grad",
+        b_queues_w="B: input gradient (+ TP all-reduce / SP reduce-scatter, async after its GEMM) and bias "
+                   "gradient now; W: grad_output^T @ input (SP: re-gathered, the gather launched before the previous "
+                   "entry's GEMM) into main_grad or .grad",
         build=build_zb_linear_function,
     ),
     ModuleRoute(

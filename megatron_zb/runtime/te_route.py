@@ -31,8 +31,13 @@ puts it. TE assigns ``.grad`` (it does not add), so before each ``backward_dw()`
 left in ``.grad`` is added into ``main_grad`` -- what megatron-core DDP's gradient hook does --
 or onto the set-aside ``.grad`` -- what autograd's accumulation does. With
 ``gradient_accumulation_fusion`` TE accumulates the weight gradient into ``main_grad`` itself.
-Under megatron-core DDP with ``overlap_grad_reduce`` the B-time gradients TE does not return get
-a zero placeholder (:meth:`_TEModule.guard_ddp_overlap`).
+What autograd hands the module's parameters in B is seen by a pre-hook on their gradient
+accumulators (:class:`_TEModule`): a delayed weight's is dropped (never its gradient; for
+``GroupedLinear`` on TE >= 2.8, an unfilled buffer), a bias whose gradient came in B (FP8,
+debug, returned or row-parallel bias) gets a placeholder in its W so that TE's ``bgrad=None``
+is never assigned, and a backward that reached delayed weights without queuing is refused
+(:func:`after_backward`). :func:`check_schedule` also refuses TE's op fuser and megatron-core
+DDP built with ``delay_wgrad_compute``.
 
 :func:`enable_delayed_wgrad` switches delaying on in a megatron-core ``TransformerConfig``
 before the model is built (megatron-core 0.16.1 otherwise asserts it is used only with MoE
@@ -50,8 +55,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..megatron_compat import (set_delay_wgrad_compute, te_drop_queued_wgrad, te_queued_wgrad,
-                              te_returned_bias_params)
+from ..megatron_compat import (TE_OP_FUSER_CLASSES, set_delay_wgrad_compute, te_delayed_weight_params,
+                              te_drop_queued_wgrad, te_queued_wgrad)
 from ..schedules.ir import Schedule
 from ..schedules.order import w_order_matches_b
 from .wgrad_store import WeightGradStore, WeightGradStoreError
@@ -146,47 +151,83 @@ class _TEModule:
 
     ``outstanding`` counts the module's queue entries that store entries of this route will
     consume; it always equals the module's queue length between backwards (checked).
+
+    What autograd hands each parameter in a backward is seen by a pre-hook on the parameter's
+    gradient accumulator (:meth:`_arriving`):
+
+    * a weight ``backward_dw()`` computes (:func:`~megatron_zb.megatron_compat.te_delayed_weight_params`):
+      under delaying, TE's backward never hands it the weight gradient -- ``None``, a dummy
+      (fused accumulation under megatron-core DDP) or, for ``GroupedLinear`` on TE >= 2.8
+      without fused accumulation, the packed buffer the delayed GEMM fills later, uninitialised
+      in B -- so it is dropped before DDP's hook or autograd's accumulation sees it; and the
+      module's backward is known to have reached its weights (:func:`after_backward` then
+      requires that it queued);
+    * any other parameter: a gradient that arrives was computed in this backward (a bias under
+      FP8 or TE's debug mode, a bias TE adds outside its GEMM -- returned, or row-parallel --,
+      a norm's weight): noted, so that W gives it a placeholder for ``backward_dw()``
+      (:meth:`_set_aside`).
+
+    Under megatron-core DDP with ``overlap_grad_reduce`` (:attr:`ddp_overlap`), DDP's gradient
+    hook asserts ``param.grad is not None`` in B: a parameter that gets no gradient (a weight,
+    a bias inside the delayed GEMM) gets a zero placeholder in ``.grad`` with
+    ``grad_added_to_main_grad`` set -- what TE's own fused path returns (``get_dummy_wgrad``) --
+    so the hook adds nothing; W adds the real gradient (:meth:`_settle`) and megatron-zb's
+    gradient sync reports it ready.
     """
 
     def __init__(self, module: torch.nn.Module, name: str) -> None:
         self.module, self.name = module, name
         self.params = tuple(module.parameters())
         self.outstanding = 0
-        self._returned = te_returned_bias_params(module)
-        self._placeholders: tuple[torch.Tensor, ...] | None = None
+        self.ddp_overlap = False
+        self.reached_weights = False  # in the current backward
+        self.b_grads: set[int] = set()  # ids of the non-weight parameters a gradient reached in it
+        self._placeholders: dict[int, torch.Tensor] = {}
         self._stash: list[torch.Tensor | None] | None = None
-        self._guarded_nodes: list[Any] | None = None
+        weights = {id(p) for p in te_delayed_weight_params(module)}
+        self._nodes = []  # the gradient accumulators hooked (kept alive, as megatron-core DDP does)
+        with torch.enable_grad():
+            for p in self.params:
+                if p.requires_grad:
+                    node = p.expand_as(p).grad_fn.next_functions[0][0]
+                    node.register_prehook(partial(self._arriving, p, id(p) in weights))
+                    self._nodes.append(node)
         register = getattr(module, "register_wgrad_accumulation_and_reduce_hooks", None)
         self.hooked = callable(register)
         if self.hooked:
             register(self._settle)
 
-    def guard_ddp_overlap(self) -> None:
-        """For megatron-core DDP with ``overlap_grad_reduce`` (idempotent).
+    # -- B: what autograd hands the parameters
+    def begin_backward(self) -> None:
+        """Before a backward: nothing has reached the module's parameters yet."""
+        self.reached_weights = False
+        self.b_grads.clear()
 
-        DDP's gradient hook then asserts ``param.grad is not None``, but TE's delayed backward
-        returns no gradient for the weights (unless fused) and for a bias inside its GEMM. A
-        pre-hook on each such parameter's gradient accumulator puts a zero placeholder in
-        ``.grad`` when no gradient arrives, with ``grad_added_to_main_grad`` set -- what TE's own
-        fused path returns (``get_dummy_wgrad``) -- so the hook adds nothing; W adds the real
-        gradient (:meth:`_settle`) and megatron-zb's gradient sync reports it ready.
-        """
-        if self._guarded_nodes is not None:
-            return
-        self._guarded_nodes = []
-        for p in self.params:
-            if p.requires_grad and hasattr(p, "grad_added_to_main_grad"):
-                node = p.expand_as(p).grad_fn.next_functions[0][0]  # the accumulator DDP hooks (kept alive)
-                node.register_prehook(partial(_placeholder_if_no_grad, p))
-                self._guarded_nodes.append(node)
+    def _arriving(self, param: torch.nn.Parameter, is_weight: bool,
+                  grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...] | None:
+        """Gradient-accumulator pre-hook (see the class docstring); returns what the
+        accumulator (and DDP's hook after it) receives: ``(None,)`` drops the gradient."""
+        if is_weight:
+            self.reached_weights = True
+            if not self.module.wgrad_store.delay_wgrad_compute():
+                return None  # a real gradient computed in B; after_backward refuses the run
+            if self.ddp_overlap:
+                _ddp_placeholder(param)
+            return (None,)
+        if grads[0] is not None:
+            self.b_grads.add(id(param))
+        elif self.ddp_overlap:
+            _ddp_placeholder(param)
+        return None
 
     # -- W: the module's backward_dw(), gradients settled where the non-delayed path puts them
-    def run(self, entries: int) -> None:
-        """Call ``backward_dw()`` until ``entries`` queue entries are consumed."""
+    def run(self, entries: int, b_grads: frozenset[int]) -> None:
+        """Call ``backward_dw()`` until ``entries`` queue entries are consumed; ``b_grads``: the
+        parameters whose gradients the queuing backward computed (:meth:`_set_aside`)."""
         left = entries
         while left > 0:
             before = te_queued_wgrad(self.module)
-            self._set_aside()
+            self._set_aside(b_grads)
             self.module.backward_dw()
             if self._stash is not None:
                 if self.hooked:
@@ -200,18 +241,19 @@ class _TEModule:
             left -= used
             self.outstanding -= used
 
-    def _set_aside(self) -> None:
+    def _set_aside(self, b_grads: frozenset[int]) -> None:
         """Before ``backward_dw()``: every ``.grad`` set aside (TE assigns rather than adds, some
-        versions only into an empty ``.grad``); a bias the module returns to its caller (its
-        gradient came from autograd in B) gets a zero placeholder, since TE would otherwise
-        assign it a bias gradient its delayed GEMM never computed (``None``)."""
+        versions only into an empty ``.grad``); a parameter whose gradient came in B gets a zero
+        placeholder: TE assigns a bias ``bgrad.to(dtype)`` whenever its ``.grad`` is empty, and
+        ``bgrad`` is ``None`` when its delayed GEMM did not compute the bias gradient (FP8,
+        debug mode, a returned or row-parallel bias: ``module/base.py``, ``linear.py``)."""
         self._stash = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
-        if self._returned:
-            if self._placeholders is None:
-                self._placeholders = tuple(torch.zeros_like(p) for p in self._returned)
-            for p, z in zip(self._returned, self._placeholders):
+            if id(p) in b_grads:
+                z = self._placeholders.get(id(p))
+                if z is None:
+                    z = self._placeholders[id(p)] = torch.zeros_like(p)
                 p.grad = z
 
     def _settle(self) -> None:
@@ -220,10 +262,10 @@ class _TEModule:
         stash, self._stash = self._stash, None
         if stash is None:  # a backward_dw() not run by this route: leave it alone
             return
-        placeholders = self._placeholders or ()
+        placeholders = self._placeholders
         for p, old in zip(self.params, stash):
             new = p.grad
-            if new is None or any(new is z for z in placeholders):
+            if new is None or new is placeholders.get(id(p)):
                 p.grad = old
                 continue
             main = getattr(p, "main_grad", None)
@@ -242,28 +284,30 @@ class _TEModule:
 _ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _placeholder_if_no_grad(param: torch.nn.Parameter, grads: tuple[torch.Tensor | None, ...]) -> None:
-    """Gradient-accumulator pre-hook (see :meth:`_TEModule.guard_ddp_overlap`): when no gradient
-    arrives, a zero placeholder (a read-only broadcast view, shared) goes into ``.grad``."""
-    if grads[0] is None:
-        key = (param.dtype, param.device)
-        zero = _ZEROS.get(key)
-        if zero is None:
-            zero = _ZEROS[key] = torch.zeros((), dtype=param.dtype, device=param.device)
-        param.grad = zero.expand(param.shape)
-        param.grad_added_to_main_grad = True
+def _ddp_placeholder(param: torch.nn.Parameter) -> None:
+    """A zero placeholder (a read-only broadcast view, shared) in ``.grad`` of a parameter of
+    megatron-core DDP, marked as already added to ``main_grad`` (see :class:`_TEModule`)."""
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return
+    key = (param.dtype, param.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), dtype=param.dtype, device=param.device)
+    param.grad = zero.expand(param.shape)
+    param.grad_added_to_main_grad = True
 
 
 class _DeferredDW:
-    """A store entry: the W of one microbatch on one TE module (``entries`` queue entries)."""
+    """A store entry: the W of one microbatch on one TE module (``entries`` queue entries;
+    ``b_grads``: the parameters whose gradients that microbatch's B computed)."""
 
-    __slots__ = ("te", "entries")
+    __slots__ = ("te", "entries", "b_grads")
 
-    def __init__(self, te: _TEModule, entries: int) -> None:
-        self.te, self.entries = te, entries
+    def __init__(self, te: _TEModule, entries: int, b_grads: frozenset[int]) -> None:
+        self.te, self.entries, self.b_grads = te, entries, b_grads
 
     def __call__(self) -> None:
-        self.te.run(self.entries)
+        self.te.run(self.entries, self.b_grads)
 
     def discard(self) -> None:
         self.te.discard()
@@ -271,10 +315,14 @@ class _DeferredDW:
 
 @dataclass(frozen=True)
 class _ChunkModules:
-    """The TE modules of one chunk: delayed ones (route bookkeeping) and names of undelayed ones."""
+    """The TE modules of one chunk: delayed ones (route bookkeeping), names of undelayed ones,
+    names of op-fuser modules (:data:`~megatron_zb.megatron_compat.TE_OP_FUSER_CLASSES`), and
+    whether the chunk's megatron-core DDP was built with ``delay_wgrad_compute``."""
 
     delayed: tuple[_TEModule, ...]
     undelayed: tuple[str, ...]
+    op_fused: tuple[str, ...] = ()
+    ddp_delays_wgrad: bool = False
 
 
 _CHUNKS: "weakref.WeakKeyDictionary[torch.nn.Module, _ChunkModules]" = weakref.WeakKeyDictionary()
@@ -286,9 +334,12 @@ def chunk_te_modules(chunk: torch.nn.Module) -> _ChunkModules:
     TE module, whichever wrapper of it is passed as the chunk)."""
     found = _CHUNKS.get(chunk)
     if found is None:
-        overlap = bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False))
-        delayed, undelayed = [], []
+        ddp_config = getattr(chunk, "ddp_config", None)
+        overlap = bool(getattr(ddp_config, "overlap_grad_reduce", False))
+        delayed, undelayed, op_fused = [], [], []
         for name, m in chunk.named_modules():
+            if type(m).__name__ in TE_OP_FUSER_CLASSES:
+                op_fused.append(name)
             ws = _te_wgrad_store(m)
             if ws is None:
                 continue
@@ -297,12 +348,12 @@ def chunk_te_modules(chunk: torch.nn.Module) -> _ChunkModules:
                 if te is None:
                     te = _TEModule(m, name)
                     m.__dict__[_STATE_ATTR] = te
-                if overlap:
-                    te.guard_ddp_overlap()
+                te.ddp_overlap = te.ddp_overlap or overlap
                 delayed.append(te)
             else:
                 undelayed.append(name)
-        found = _CHUNKS[chunk] = _ChunkModules(tuple(delayed), tuple(undelayed))
+        found = _CHUNKS[chunk] = _ChunkModules(tuple(delayed), tuple(undelayed), tuple(op_fused),
+                                               bool(getattr(ddp_config, "delay_wgrad_compute", False)))
     return found
 
 
@@ -335,22 +386,35 @@ def before_backward(chunk: torch.nn.Module, store: WeightGradStore, deferred: bo
                 f"Transformer Engine module {te.name} holds {n} queued weight gradient(s) but megatron-zb queued "
                 f"{te.outstanding}: a backward ran outside megatron-zb's runtime (e.g. megatron-core's own schedule) "
                 f"on a model built with delay_wgrad_compute, and its weight gradients were never computed")
+        te.begin_backward()
         queued.append(n)
     return _Backward(mods, queued, store, deferred)
 
 
 def after_backward(state: _Backward) -> None:
-    """After the backward: queue one W entry per module that queued (B), or run it now (BW)."""
+    """After the backward: queue one W entry per module that queued (B), or run it now (BW).
+
+    Raises :class:`WeightGradStoreError` when a module's backward reached its weights but
+    queued nothing: their gradients were computed in this backward, not deferred (TE's op
+    fuser running the module's weights, ``delay_wgrad_compute`` switched off on the module).
+    """
     for te, before in zip(state.modules, state.queued):
         delta = te_queued_wgrad(te.module) - before
         if delta <= 0:
+            if te.reached_weights:
+                raise WeightGradStoreError(
+                    f"Transformer Engine module {te.name}: a backward reached its weights but queued no deferred "
+                    f"weight gradient, so it computed them in the backward (e.g. Transformer Engine's op fuser -- "
+                    f"use_te_op_fuser -- runs the module's weights, or its delay_wgrad_compute was switched off); "
+                    f"build the layers without use_te_op_fuser and with delay_wgrad_compute")
             continue  # the microbatch did not use this module
         te.outstanding += delta
+        entry = _DeferredDW(te, delta, frozenset(te.b_grads))
         if state.deferred:
-            state.store.put(_DeferredDW(te, delta), params=te.params)
+            state.store.put(entry, params=te.params)
         else:
             with torch.no_grad():
-                te.run(delta)
+                entry()
 
 
 def check_schedule(schedule: Schedule, chunks: Sequence[torch.nn.Module]) -> list[str]:
@@ -364,7 +428,19 @@ def check_schedule(schedule: Schedule, chunks: Sequence[torch.nn.Module]) -> lis
             f"schedule {name} splits the backward into B and W, but {len(undelayed)} Transformer Engine module(s) "
             f"(e.g. {undelayed[0]}) were built without delay_wgrad_compute and would compute every weight gradient "
             f"in B; call megatron_zb.runtime.te_route.enable_delayed_wgrad(config) before building the model")
-    if any(f.delayed for f in found):
+    delayed = any(f.delayed for f in found)
+    op_fused = [n for f in found for n in f.op_fused]
+    if op_fused and (delayed or schedule.splits_backward):
+        problems.append(
+            f"{len(op_fused)} module(s) (e.g. {op_fused[0]}) run Transformer Engine's op fuser (use_te_op_fuser, "
+            f"megatron-core's TEFusedMLP), whose linear ops have no deferred weight gradients and would compute "
+            f"them in B; build the layer spec without use_te_op_fuser")
+    if delayed and any(f.ddp_delays_wgrad for f in found):
+        problems.append(
+            "megatron-core DDP was built with DistributedDataParallelConfig(delay_wgrad_compute=True), which moves "
+            "its gradient hook into Transformer Engine's backward_dw and would drop the gradients megatron-zb settles "
+            "there; build DDP with delay_wgrad_compute=False (megatron-zb defers the weight gradients itself)")
+    if delayed:
         bad = w_order_matches_b(schedule)
         if bad:
             more = f" (and {len(bad) - 1} more stage(s))" if len(bad) > 1 else ""

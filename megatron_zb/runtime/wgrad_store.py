@@ -102,7 +102,10 @@ class WeightGradStore:
         return self._active is not None
 
     def put(self, fn: Callable[[], None], *, params: tuple[torch.Tensor, ...]) -> None:
-        """Queue ``fn`` (which adds into the gradients of ``params``) for the W of the open (chunk, mb)."""
+        """Queue ``fn`` (which adds into the gradients of ``params``) for the W of the open (chunk, mb).
+
+        A ``fn`` with a ``prefetch()`` method has it called before the previous entry of its W
+        runs, to launch its communication early (see :func:`_run_entries`)."""
         key = self._active
         if key is None:
             raise WeightGradStoreError("weight-gradient work queued outside a B pass")
@@ -136,9 +139,7 @@ class WeightGradStore:
             self._run_reporting(chunk, queue, self.on_params_done)
             self.executed += len(queue)
             return len(queue)
-        with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
-            for fn, _ in queue:
-                fn()
+        _run_entries(queue)
         self.executed += len(queue)
         if left is not None:
             self._w_left[chunk] = left - 1
@@ -158,12 +159,13 @@ class WeightGradStore:
         untouched = tuple(p for k, p in self._params.get(chunk, {}).items() if k not in last_entry)
         if untouched:
             report(untouched)
-        for i, (fn, params) in enumerate(queue):
-            with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
-                fn()
+
+        def after(i: int, params: tuple[torch.Tensor, ...]) -> None:
             done = {id(p): p for p in params if last_entry[id(p)] == i}
             if done:
                 report(tuple(done.values()))
+
+        _run_entries(queue, after)
 
     # ------------------------------------------------------------------ per-iteration bookkeeping
     def begin_iteration(self, w_per_chunk: Mapping[int, int]) -> None:
@@ -218,3 +220,25 @@ class WeightGradStore:
         if _CURRENT is self:
             _CURRENT = None
         self._active = None
+
+
+_Queue = list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]
+
+
+def _run_entries(queue: _Queue, after: Callable[[int, tuple[torch.Tensor, ...]], None] | None = None) -> None:
+    """Run a W's entries in order (``after(i, params)`` after entry ``i``, if given).
+
+    Before entry ``i`` runs, entry ``i + 1``'s ``prefetch()`` is called when its ``fn`` has one:
+    the next entry's communication (e.g. the linear route's sequence-parallel all-gather) is then
+    in flight during entry ``i``'s GEMM. An entry must not rely on it: run without it (the first
+    entry, or a store-less call), ``fn`` launches what ``prefetch`` would have.
+    """
+    for i, (fn, params) in enumerate(queue):
+        with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
+            if i + 1 < len(queue):
+                prefetch = getattr(queue[i + 1][0], "prefetch", None)
+                if prefetch is not None:
+                    prefetch()
+            fn()
+        if after is not None:
+            after(i, params)

@@ -265,8 +265,12 @@ def _iterator(dataset: Any, *, consumed_samples: int, args: argparse.Namespace, 
                                 micro_batch_size=args.micro_batch_size, data_parallel_rank=data_parallel_rank,
                                 data_parallel_size=args.data_parallel_size)
     workers = args.num_workers
+    # A generator of its own: iter() draws the workers' base seed from it, not from the default CPU
+    # generator -- which dropout draws from (on CPU megatron's "CUDA" stream is that generator too),
+    # so building iterators after a checkpoint's random states are restored shifts no dropout mask.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                                         pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0)
+                                         pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
+                                         generator=torch.Generator().manual_seed(args.seed))
     return iter(loader)
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from megatron_zb.training.logging_utils import print_rank_0
 from megatron_zb.training.model_setup import ModelBundle
 
-__all__ = ["OptimizerBundle", "build_optimizer"]
+__all__ = ["OptimizerBundle", "build_optimizer", "wrap_post_validation"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def build_optimizer(args: argparse.Namespace, *, model: ModelBundle,
     inner = get_megatron_optimizer(cfg, model.modules, use_gloo_process_groups=args.distributed_backend != "gloo")
     optimizer = inner
     if args.enable_optimizer_post_validation:
-        optimizer = _post_validation(args, inner)
+        optimizer = wrap_post_validation(args, inner)
         optimizer.register_validation_hook(on_validation_report)
     for chunk in model.chunks:
         chunk.module.config.grad_scale_func = optimizer.scale_loss
@@ -79,8 +79,12 @@ def build_optimizer(args: argparse.Namespace, *, model: ModelBundle,
                            post_validation=args.enable_optimizer_post_validation)
 
 
-def _post_validation(args: argparse.Namespace, inner: Any) -> Any:
-    """``inner`` wrapped in :class:`~megatron_zb.optimizer.PostValidationOptimizer`; rank 0 prints the settings."""
+def wrap_post_validation(args: argparse.Namespace, inner: Any) -> Any:
+    """``inner`` wrapped in :class:`~megatron_zb.optimizer.PostValidationOptimizer`; rank 0 prints the settings.
+
+    Reads ``enable_exactly_numeric_match``, ``post_validation_warmup_iters``,
+    ``post_validation_fallback_clean_iters`` (iterations) and ``distributed_timeout_minutes`` from
+    ``args`` (also Megatron-LM's parsed arguments: ``megatron_zb.megatron_lm_optimizer``). Collective."""
     from megatron_zb.optimizer import PostValidationOptimizer
 
     optimizer = PostValidationOptimizer(

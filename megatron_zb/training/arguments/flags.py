@@ -5,6 +5,8 @@ print "unrecognized arguments", it raises :class:`UnsupportedFlagError` (an
 :class:`~.common.ArgumentError`, so ``pretrain_gpt_zb.py`` prints one line and exits 2 before
 any process group starts) naming the first unknown flag:
 
+* a Megatron-LM flag refused for a reason of its own (:data:`WHY_NOT`):
+  "--delay-wgrad-compute is refused: <why>; remove it";
 * a flag of Megatron-LM's parser (:data:`~.megatron_flags.MEGATRON_LM_FLAGS`):
   "--context-parallel-size is a Megatron-LM flag megatron-zb does not support yet; ...";
 * anything else: "--flag is not a flag of pretrain_gpt_zb.py; did you mean --closest?" (the
@@ -31,8 +33,19 @@ class UnsupportedFlagError(ArgumentError):
         self.flag = flag
 
 
+WHY_NOT: dict[str, str] = {
+    "--delay-wgrad-compute": "megatron-zb defers Transformer Engine's weight gradients itself whenever the "
+                             "schedule splits the backward, and Megatron-LM's flag would also move megatron-core "
+                             "DDP's gradient hook into TE's backward_dw (DistributedDataParallelConfig."
+                             "delay_wgrad_compute), where it would drop the gradients megatron-zb settles",
+}
+"""Megatron-LM flags refused for a reason of their own (flag -> why), not as "not supported yet"."""
+
+
 def unknown_flag_error(flag: str, supported: Sequence[str]) -> UnsupportedFlagError:
     """The error for ``flag`` (``--name``, no value), which is not among ``supported``."""
+    if flag in WHY_NOT:
+        return UnsupportedFlagError(flag, f"{flag} is refused: {WHY_NOT[flag]}; remove it")
     if flag in MEGATRON_LM_FLAGS:
         return UnsupportedFlagError(flag, f"{flag} is a Megatron-LM flag megatron-zb does not support yet "
                                           f"(Megatron-LM {MEGATRON_LM_VERSION.split()[0]}); remove it "

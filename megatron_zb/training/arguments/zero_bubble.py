@@ -18,6 +18,7 @@ __all__ = [
     "V_MEM_SETUP_TO_SCHEDULE",
     "add_zero_bubble_args",
     "check_layers",
+    "check_post_validation",
     "check_profile_out",
     "check_profiling_window",
     "check_schedule_builds",
@@ -248,16 +249,36 @@ def _build(args: argparse.Namespace, *, memory_limit: float | None) -> Schedule:
 
 
 def check_zero_bubble_options(args: argparse.Namespace, spec: ScheduleSpec) -> None:
-    if args.enable_optimizer_post_validation and not spec.split_backward:
+    check_post_validation(args, spec)
+    check_profile_out(args, spec)
+    check_profiling_window(args)
+
+
+def check_post_validation(args: argparse.Namespace, spec: ScheduleSpec | None) -> None:
+    """``--enable-optimizer-post-validation`` needs a schedule that splits the backward (``spec``:
+    the schedule's; None: megatron-core's own schedule runs); ``--enable-exactly-numeric-match``
+    and the tuning flags only with it (then defaulted). Also the rule of ``megatron_zb.megatron_lm``."""
+    if args.enable_optimizer_post_validation and (spec is None or not spec.split_backward):
+        what = "megatron-core's own" if spec is None else repr(spec.name)
         raise ArgumentError("--enable-optimizer-post-validation",
-                            f"needs a zero-bubble schedule, but the schedule is {args.schedule!r}; add "
+                            f"needs a zero-bubble schedule, but the schedule is {what}; add "
                             f"--enable-zero-bubble (or --zero-bubble-v-schedule) or drop the flag")
     if args.enable_exactly_numeric_match and not args.enable_optimizer_post_validation:
         raise ArgumentError("--enable-exactly-numeric-match",
                             "only applies with --enable-optimizer-post-validation; add that flag or drop this one")
+    if args.enable_optimizer_post_validation and not args.enable_exactly_numeric_match and not _torch_adam():
+        raise ArgumentError("--enable-optimizer-post-validation",
+                            "the in-place rollback inverts torch.optim Adam steps only, and megatron-core builds "
+                            "Transformer Engine's or apex's FusedAdam here (installed); add "
+                            "--enable-exactly-numeric-match (exact rollback)")
     _check_post_validation_tuning(args)
-    check_profile_out(args, spec)
-    check_profiling_window(args)
+
+
+def _torch_adam() -> bool:
+    """megatron-core builds torch.optim's Adam (neither Transformer Engine nor apex is installed)."""
+    from megatron.core import optimizer
+
+    return bool(optimizer.USING_PYTORCH_OPTIMIZER)
 
 
 def check_profiling_window(args: argparse.Namespace) -> None:

@@ -1,0 +1,168 @@
+"""NVIDIA's own Megatron-LM example scripts, scaled to CPU, for runs of Megatron-LM's loop (tests).
+
+Test code, not the product's run path. Each :class:`ExampleScript` holds the ``pretrain_gpt.py``
+arguments of one launch script of Megatron-LM core_v0.16.1 (``examples/...``), flag for flag as the
+script passes them, and :meth:`ExampleScript.argv` turns them into a CPU run with a *stated* list
+of changes, nothing else:
+
+* **sizes** (layers, hidden size, heads, sequence, vocabulary, batch, samples/iterations, experts
+  and the parallel sizes) scaled to a 2-core machine (:attr:`ExampleScript.sizes`);
+* **data**: a script's real-data flags (tokenizer model, data path) replaced by the harness's mock
+  data (:data:`~megatron_zb.testing.megatron_lm.MOCK_DATA_FLAGS`'s dataset and tokenizer);
+* **CPU-only**: the flags a CPU build of torch cannot run, each dropped with the reason
+  (:attr:`ExampleScript.dropped`), and the harness's :data:`~megatron_zb.testing.megatron_lm.CPU_FLAGS`
+  added; paths (``--save``, ``--load``, ``--tensorboard-dir``, ``--data-cache-path``) under the
+  run's own folder.
+
+Everything else -- optimizer, LR schedule, precision (``--bf16``), distributed optimizer with
+overlapped reduce/gather, MoE routing and dispatcher, logging, checkpoint format -- is the script's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .megatron_lm import CPU_FLAGS
+
+__all__ = ["ExampleScript", "LLAMA3_8B", "MIXTRAL_8X7B"]
+
+PATH_FLAGS = ("--save", "--load", "--tensorboard-dir", "--data-cache-path")
+"""Flags whose value is a path: set under the run's folder."""
+
+
+@dataclass(frozen=True)
+class ExampleScript:
+    """One Megatron-LM example launch script's ``pretrain_gpt.py`` arguments and how they are scaled.
+
+    Attributes:
+        source: the script, as a path in Megatron-LM at tag core_v0.16.1.
+        flags: its arguments in its order: ``(flag, value or None)``, values as the script gives them.
+        sizes: flag -> the CPU value (the script's value replaced; a flag absent from the script is
+            added; None: a flag without value).
+        dropped: flag -> why a CPU run cannot pass it.
+        world_size: processes of the CPU run.
+    """
+
+    source: str
+    flags: tuple[tuple[str, str | None], ...]
+    sizes: dict[str, str | None]
+    dropped: dict[str, str]
+    world_size: int
+
+    def argv(self, folder: str | Path) -> list[str]:
+        """The CPU run's ``pretrain_gpt.py`` arguments: the script's flags with :attr:`sizes` applied,
+        :attr:`dropped` removed, paths under ``folder``, then :data:`CPU_FLAGS`."""
+        out: list[str] = []
+        seen = set()
+        for flag, value in self.flags:
+            seen.add(flag)
+            if flag in self.dropped:
+                continue
+            if flag in PATH_FLAGS:
+                value = str(Path(folder) / str(value))
+            value = self.sizes[flag] if flag in self.sizes else value
+            out += [flag] if value is None else [flag, value]
+        for flag, value in self.sizes.items():
+            if flag not in seen:
+                out += [flag] if value is None else [flag, value]
+        return [*out, *CPU_FLAGS]
+
+
+def _pairs(*args: str) -> tuple[tuple[str, str | None], ...]:
+    """``("--a", "1", "--b", "--c", "x")`` -> ``(("--a", "1"), ("--b", None), ("--c", "x"))``."""
+    out: list[tuple[str, str | None]] = []
+    for a in args:
+        if a.startswith("--"):
+            out.append((a, None))
+        else:
+            flag, _ = out.pop()
+            out.append((flag, a))
+    return tuple(out)
+
+
+_LAYER_NORM_1P = ("megatron-core's local layer spec without apex builds torch's LayerNorm, which has no "
+                  "zero-centred gamma (TENorm or apex's FusedLayerNorm on GPU)")
+_MOCK_DATA = "real data replaced by mock data: --mock-data, NullTokenizer"
+
+LLAMA3_8B = ExampleScript(
+    source="examples/llama/train_llama3_8b_h100_fp8.sh (its DTYPE=fp8 flags --fp8-format hybrid "
+           "--fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather not included: FP8 "
+           "needs Transformer Engine on Hopper; the mock-data branch of DATA_ARGS_LIST)",
+    flags=_pairs(
+        # MODEL_ARGS
+        "--use-mcore-models", "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+        "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8", "--kv-channels", "128",
+        "--seq-length", "8192", "--max-position-embeddings", "8192", "--position-embedding-type", "rope",
+        "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
+        "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134", "--attention-backend", "fused",
+        "--apply-layernorm-1p", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "128", "--train-samples", "1953125000",
+        "--lr-decay-samples", "1949218748", "--lr-warmup-samples", "3906252", "--lr", "0.00015",
+        "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
+        "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+        "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+        "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level", "1",
+        "--exit-duration-in-mins", "235",
+        # MODEL_PARALLEL_ARGS, DDP_ARGS
+        "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        # DATA_ARGS_LIST (mock)
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256", "--data-cache-path", "cache",
+        "--tiktoken-pattern", "v2", "--split", "99,1,0", "--no-create-attention-mask-in-dataloader",
+        "--no-mmap-bin-files", "--num-workers", "1",
+        # EVAL_AND_LOGGING_ARGS
+        "--log-interval", "1", "--eval-iters", "32", "--eval-interval", "100", "--save-interval", "1000",
+        "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
+        "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", "ckpt", "--load", "ckpt",
+        "--tensorboard-dir", "tb"),
+    sizes={"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "224", "--num-attention-heads": "4",
+           "--num-query-groups": "1", "--kv-channels": "16", "--seq-length": "32", "--max-position-embeddings": "32",
+           "--global-batch-size": "8", "--train-samples": "32", "--lr-decay-samples": "32",
+           "--lr-warmup-samples": "8", "--vocab-size": "255", "--eval-iters": "1",
+           "--pipeline-model-parallel-size": "2"},
+    dropped={"--apply-layernorm-1p": _LAYER_NORM_1P},
+    world_size=2,
+)
+"""NVIDIA's LLaMA-3 8B script: 4 iterations of 8 samples (4 micro batches of 1), PP=2, world 2."""
+
+MIXTRAL_8X7B = ExampleScript(
+    source="examples/mixtral/train_mixtral_8x7b_distributed.sh",
+    flags=_pairs(
+        # MODEL_ARGS
+        "--use-mcore-models", "--disable-bias-linear", "--seq-length", "4096", "--max-position-embeddings", "32768",
+        "--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+        "--init-method-std", "0.01", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "8",
+        "--no-masked-softmax-fusion", "--no-position-embedding", "--rotary-base", "1000000",
+        # MOE_ARGS
+        "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+        "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+        "--overlap-param-gather", "--overlap-grad-reduce",
+        # DATA_ARGS
+        "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "tokenizer.model", "--data-path", "data",
+        "--split", "99990,8,2",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "256", "--lr", "1e-4", "--train-iters", "500000",
+        "--lr-decay-iters", "320000", "--lr-decay-style", "cosine", "--min-lr", "1.0e-5", "--weight-decay", "0.1",
+        "--lr-warmup-iters", "500", "--clip-grad", "1.0", "--bf16",
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4",
+        "--expert-model-parallel-size", "8", "--use-distributed-optimizer", "--sequence-parallel",
+        # LOGGING_ARGS
+        "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10",
+        "--save", "ckpt", "--load", "ckpt", "--tensorboard-dir", "tb", "--no-load-optim", "--no-load-rng"),
+    sizes={"--seq-length": "32", "--max-position-embeddings": "256", "--num-layers": "4", "--hidden-size": "64",
+           "--ffn-hidden-size": "224", "--num-attention-heads": "4", "--num-query-groups": "1",
+           "--num-experts": "4", "--global-batch-size": "8", "--train-iters": "4", "--lr-decay-iters": "3",
+           "--lr-warmup-iters": "1", "--pipeline-model-parallel-size": "2", "--expert-model-parallel-size": "2",
+           "--eval-iters": "1", "--tokenizer-type": "NullTokenizer", "--vocab-size": "255", "--mock-data": None},
+    dropped={"--moe-grouped-gemm": "Megatron-LM's validate_args asks torch.cuda for the compute capability "
+                                   "(grouped GEMM kernels need CUDA sm80+)",
+             "--tokenizer-model": _MOCK_DATA, "--data-path": _MOCK_DATA},
+    world_size=4,
+)
+"""NVIDIA's Mixtral 8x7B script: 4 iterations of 8 samples, PP=2 x DP=2 with expert parallelism 2
+(4 experts, top-2, all-to-all dispatcher), world 4."""
