@@ -22,11 +22,13 @@ pseudo-frees each stage output before its send completes, and gloo sent freed me
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_zb.testing.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, TINY_GPT_FLAGS, MegatronLMRun,
                                              bitwise_differences, run_megatron_lm)
-from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, REPLAN_FUNC, TIMEOUT_S, ZB_FUNC, assert_trains
+from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, REPLAN_FUNC, TIMEOUT_S, ZB_FUNC, _flags, assert_trains
 from test_megatron_lm_loop import pytestmark  # noqa: F401  (skips without Megatron-LM or its imports)
 
 MCORE_INTERLEAVED = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving"
@@ -73,3 +75,25 @@ def test_interleaved_zb_replanned_is_bitwise_megatron_core_interleaved(mcore_int
     report = run.logs[0][run.logs[0].index("> schedule report after profiling iterations 2-2 "):]
     assert "    re-planned 'interleaved-zb' from the measured costs in " in report
     _assert_bitwise(run, mcore_interleaved)
+
+
+# ---------------------------------------------------------------------- the checks, no Megatron-LM run
+@pytest.mark.parametrize("argv,per_stage,message", [
+    (("--schedule", "interleaved-zb"), None, "--schedule: 'interleaved-zb' has the interleaved placement but "
+                                             "Megatron-LM builds 1 model chunk(s) per rank"),
+    (("--schedule", "zb"), 1, "--schedule: 'zb' has the plain placement but Megatron-LM builds 2 model chunk(s) "
+                              "per rank"),
+])
+def test_the_schedule_placement_must_match_megatron_lm_chunks(argv: tuple[str, ...], per_stage: int | None,
+                                                              message: str) -> None:
+    """PP=2, 4 layers: ``--num-layers-per-virtual-pipeline-stage 1`` makes Megatron-LM build 2 chunks per rank."""
+    from megatron_zb.megatron_lm import configure
+    from megatron_zb.training.arguments.common import ArgumentError
+
+    args = _flags(*argv)
+    args.num_layers_per_virtual_pipeline_stage = per_stage
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        configure(args)
+    args = _flags("--schedule", "interleaved-1f1b")
+    args.num_layers_per_virtual_pipeline_stage = 1
+    assert configure(args) == {"schedule": "interleaved-1f1b", "timeout": 300.0, "num_chunks": 2}
