@@ -131,9 +131,10 @@ def _send_then_pseudo_free(numel: int, trials: int) -> list[bool]:
             _, handles = comm.send_forward_recv_forward(output, recv_prev=False, tensor_shape=(numel,),
                                                         overlap_p2p_comm=True)
             deallocate_output_tensor(output, deallocate_pipeline_outputs=True)
-            reused = [torch.full((numel,), float("nan")) for _ in range(4)]  # noqa: F841 (held till the wait)
+            reused = [torch.full((numel,), float("nan")) for _ in range(4)]  # held till the wait
             dist.barrier()
             handles["send_next"].wait()
+            reused.clear()
         else:
             dist.barrier()
             got, handles = comm.send_forward_recv_forward(None, recv_prev=True, tensor_shape=(numel,),

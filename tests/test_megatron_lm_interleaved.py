@@ -28,8 +28,10 @@ import pytest
 
 from megatron_zb.testing.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, TINY_GPT_FLAGS, MegatronLMRun,
                                              bitwise_differences, run_megatron_lm)
+import test_megatron_lm_loop
 from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, REPLAN_FUNC, TIMEOUT_S, ZB_FUNC, _flags, assert_trains
-from test_megatron_lm_loop import pytestmark  # noqa: F401  (skips without Megatron-LM or its imports)
+
+pytestmark = test_megatron_lm_loop.pytestmark  # skips without Megatron-LM or its imports
 
 MCORE_INTERLEAVED = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving"
 

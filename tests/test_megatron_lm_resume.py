@@ -34,8 +34,10 @@ import pytest
 
 from megatron_zb.testing.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, TINY_GPT_FLAGS, MegatronLMRun,
                                              bitwise_differences, run_megatron_lm)
+import test_megatron_lm_loop
 from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, MCORE_1F1B, REPLAN_FUNC, TIMEOUT_S, assert_trains
-from test_megatron_lm_loop import pytestmark  # noqa: F401  (skips without Megatron-LM or its imports)
+
+pytestmark = test_megatron_lm_loop.pytestmark  # skips without Megatron-LM or its imports
 
 PP2_DISTOPT = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *TINY_GPT_FLAGS, "--pipeline-model-parallel-size", "2",
                "--global-batch-size", "8", "--train-iters", str(ITERS), "--use-distributed-optimizer",
