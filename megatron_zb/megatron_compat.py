@@ -137,6 +137,14 @@ to NumPy only tensors that are on CUDA, so on CPU the split sizes stay tensors, 
 ``all_to_all_single`` rejects; the shim's version converts CPU tensors too when asked for NumPy."""
 
 
+P2P_LAUNCHERS: tuple[str, tuple[str, ...]] = (
+    "megatron.core.pipeline_parallel.p2p_communication", ("_p2p_ops", "_batched_p2p_ops"))
+"""(module, names) of megatron-core's point-to-point launchers: keyword-only ``tensor_send_prev`` /
+``tensor_send_next`` (and the receive buffers, group, ranks); ``P2PCommunicator._communicate`` looks
+them up in the module at every call. The CPU shim wraps them so each send holds its own view of the
+data (``deallocate_output_tensor`` may run before the send completes; docs/cpu_support.md)."""
+
+
 def torch_norm_class() -> type:
     """``WrappedTorchNorm`` (the local spec's norm without apex); the shim wraps its ``__new__``."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm

@@ -31,6 +31,11 @@ step when Megatron-LM's ``train_step`` returns (:mod:`megatron_zb.megatron_lm_op
 (``--zero-bubble-v-schedule``, ``--schedule zbv|v-half|v-min``) need the model provider wrapped in the
 script: :func:`v_model_provider` (:mod:`megatron_zb.megatron_lm_v`).
 
+Resuming: :func:`install` also runs Megatron-LM's ``load_checkpoint`` inside
+:func:`~megatron_zb.training.checkpointing.repaired_distributed_adam_load` (megatron-core 0.16.1's
+distributed optimizer with torch's Adam cannot resume without it), with or without a zero-bubble
+schedule; checkpoints saved with zero bubble load without it and back (they hold the same state).
+
 What this route cannot honour yet is refused up front (:data:`NOT_YET`): ``--allow-padding-num-layers``
 (``pretrain_gpt_zb.py`` has it).
 """
@@ -115,6 +120,7 @@ def install() -> None:
 
     _INSTALLED.append((initialize, "validate_args", validate))
     initialize.validate_args = validate_args
+    _install_load_repairs()
 
 
 def uninstall() -> None:
@@ -305,3 +311,26 @@ def planner_args(args: argparse.Namespace, *, schedule: str, num_microbatches: i
     if out.vocab_size is None:  # a real tokenizer: Megatron-LM pads its size, which pads to itself again
         out.vocab_size = getattr(args, "padded_vocab_size", None)
     return out
+
+
+def _install_load_repairs() -> None:
+    """Megatron-LM's ``load_checkpoint(ddp_model, optimizer, ...)`` (``megatron.training.checkpointing``,
+    and the name ``megatron.training.training`` imported) runs inside
+    :func:`~megatron_zb.training.checkpointing.repaired_distributed_adam_load`: megatron-core 0.16.1's
+    distributed optimizer with torch's Adam (no apex / Transformer Engine) cannot resume otherwise
+    (``assert len(steps) == 1``, then a wrong Adam step), whichever schedule saved or resumes."""
+    from megatron.training import checkpointing, training
+
+    from .training.checkpointing import repaired_distributed_adam_load
+
+    original = checkpointing.load_checkpoint
+
+    @functools.wraps(original)
+    def load_checkpoint(ddp_model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        with repaired_distributed_adam_load(optimizer):
+            return original(ddp_model, optimizer, *args, **kwargs)
+
+    for module in (checkpointing, training):
+        if getattr(module, "load_checkpoint", None) is original:
+            _INSTALLED.append((module, "load_checkpoint", original))
+            module.load_checkpoint = load_checkpoint

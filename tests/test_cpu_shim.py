@@ -106,6 +106,55 @@ def test_rerun_state_machine_reduces_on_cpu():
     assert one is True and many == (False, True) and device == "cpu"
 
 
+# ---------------------------------------------------------------------- p2p sends and pseudo-freed outputs
+def _send_then_pseudo_free(numel: int, trials: int) -> list[bool]:
+    """Rank 0 sends a stage output with megatron-core's ``P2PCommunicator`` as its interleaved schedule
+    does with ``overlap_p2p_comm`` (Megatron-LM's default with virtual stages): the send is started,
+    the output pseudo-freed (``deallocate_output_tensor``), new tensors allocated (they may take the
+    freed memory), and only then the send waited on. Rank 1 posts its receive after that; per trial,
+    whether it received the values sent."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
+
+    init_parallel_state(pipeline_model_parallel_size=2)
+    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                                 batch_p2p_comm=False, overlap_p2p_comm=True)
+    comm = P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=config)
+    received = []
+    for trial in range(trials):
+        expected = torch.arange(numel, dtype=torch.float32) + trial
+        if dist.get_rank() == 0:
+            output = expected.clone().requires_grad_() * 1.0  # a stage output: not a view, has a grad_fn
+            _, handles = comm.send_forward_recv_forward(output, recv_prev=False, tensor_shape=(numel,),
+                                                        overlap_p2p_comm=True)
+            deallocate_output_tensor(output, deallocate_pipeline_outputs=True)
+            reused = [torch.full((numel,), float("nan")) for _ in range(4)]  # held till the wait
+            dist.barrier()
+            handles["send_next"].wait()
+            reused.clear()
+        else:
+            dist.barrier()
+            got, handles = comm.send_forward_recv_forward(None, recv_prev=True, tensor_shape=(numel,),
+                                                          overlap_p2p_comm=True)
+            handles["recv_prev"].wait()
+            received.append(torch.equal(got, expected))
+    return received
+
+
+def test_a_pseudo_freed_output_is_still_sent_whole():
+    """megatron-core frees the output's storage before the send completes; on CUDA the caching allocator
+    keeps a block in use by the NCCL stream, on CPU the shim gives each send its own view (without it,
+    measured: every trial received other values)."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    assert all(hasattr(getattr(p2p_communication, name), "__wrapped__") for name in ("_p2p_ops", "_batched_p2p_ops"))
+    _, received = run_distributed(_send_then_pseudo_free, world_size=2, args=(1 << 16, 3), timeout=60)
+    assert received == [True] * 3
+
+
 # ---------------------------------------------------------------------- RNG tracker
 def _rng_tracker() -> dict[str, object]:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed

@@ -31,6 +31,10 @@ The patches, narrowest first (``docs/cpu_support.md`` has the why and what is ve
 * ``torch.cuda`` functions that cannot work without CUDA: ``current_device`` returns
   ``torch.device("cpu")``; ``synchronize`` is a no-op (CPU work is synchronous);
   ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` act on the default CPU generator.
+* megatron-core's point-to-point launchers (:data:`~megatron_zb.megatron_compat.P2P_LAUNCHERS`) send
+  a view of each tensor of their own (``tensor.detach()``: same storage, another tensor object), so
+  ``deallocate_output_tensor``'s ``out.data = torch.empty(1)`` issued before the send completes (the
+  interleaved schedule with ``overlap_p2p_comm``) no longer frees the memory gloo is still sending.
 * a logging filter dropping megatron's "CPU RNG state changed within GPU RNG context" warning,
   which fires on every forked random op once the "CUDA" generator *is* the CPU generator.
 
@@ -53,9 +57,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..megatron_compat import (CUDA_FACTORY_MODULES, CUDA_STREAM_MODULES, MOE_HOST_COPY, MOE_TE_NAMES, RNG_MODULE,
-                               RNG_STATE_HELPERS, TENSOR_CUDA_CALLERS, TYPE_NAME_CALLERS, sharded_tensor_class,
-                               torch_norm_class)
+from ..megatron_compat import (CUDA_FACTORY_MODULES, CUDA_STREAM_MODULES, MOE_HOST_COPY, MOE_TE_NAMES,
+                               P2P_LAUNCHERS, RNG_MODULE, RNG_STATE_HELPERS, TENSOR_CUDA_CALLERS, TYPE_NAME_CALLERS,
+                               sharded_tensor_class, torch_norm_class)
 
 __all__ = ["CUDA_FACTORY_MODULES", "CUDA_STREAM_MODULES", "allow_tensor_cuda_from", "cpu_torch_stand_in",
            "install_cpu_shim", "is_installed", "tensor_cuda_callers"]
@@ -93,6 +97,7 @@ def install_cpu_shim() -> bool:
     _patch_sharded_tensor_init()
     _patch_moe_te_names()
     _patch_stream_modules()
+    _patch_p2p_sends()
     logging.getLogger(RNG_MODULE).addFilter(_drop_rng_fork_warning)
     _installed = True
     return True
@@ -404,3 +409,43 @@ def _patch_stream_modules() -> None:
         if module.__dict__.get("torch") is not torch:
             raise RuntimeError(f"megatron_zb CPU shim: {name}.torch is not the torch module; megatron-core changed?")
         module.torch = stand_in
+
+
+# ---------------------------------------------------------------------- p2p sends
+def _own_view(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor object of its own over ``tensor``'s storage (None stays None)."""
+    return None if tensor is None else tensor.detach()
+
+
+def _sending_own_views(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """``launch`` (a megatron-core p2p launcher) with each tensor to send replaced by its own view."""
+
+    def launch_own_views(*, tensor_send_prev: torch.Tensor | None, tensor_send_next: torch.Tensor | None,
+                         **kwargs: Any) -> Any:
+        return launch(tensor_send_prev=_own_view(tensor_send_prev), tensor_send_next=_own_view(tensor_send_next),
+                      **kwargs)
+
+    launch_own_views.__wrapped__ = launch  # type: ignore[attr-defined]
+    launch_own_views.__doc__ = launch.__doc__
+    return launch_own_views
+
+
+def _patch_p2p_sends() -> None:
+    """megatron-core's interleaved schedule with ``overlap_p2p_comm`` (Megatron-LM's default with virtual
+    stages) starts a stage output's ``isend`` and pseudo-frees the output (``deallocate_output_tensor``:
+    ``out.data = torch.empty(1)``) before it waits on the send (schedules.py, e.g. the warm-up's
+    ``send_forward_recv_forward(..., overlap_p2p_comm=True)`` then ``deallocate_output_tensor``).
+    ``.data =`` swaps the storage of the very tensor object the gloo work holds, so the old storage is
+    freed while gloo still reads it (the peer receives whatever reuses that memory: measured, every time).
+    On CUDA the caching allocator keeps a block recorded on the NCCL stream until the communication
+    passes (not tested here); on CPU nothing does. Each send gets a tensor object of its own over the same
+    storage, which keeps the memory alive until the work is dropped -- as megatron-zb's runtime sends."""
+    import importlib
+
+    module_name, names = P2P_LAUNCHERS
+    module = importlib.import_module(module_name)
+    for name in names:
+        launch = getattr(module, name, None)
+        if not callable(launch):
+            raise RuntimeError(f"megatron_zb CPU shim: {module_name}.{name} is missing; megatron-core changed?")
+        setattr(module, name, _sending_own_views(launch))

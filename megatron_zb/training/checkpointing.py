@@ -29,15 +29,18 @@ Resuming therefore continues bit for bit: the same parameters, optimizer state, 
 position and random streams as an uninterrupted run (on CPU; fp32 and fp16, also with the
 distributed optimizer: ``tests/test_resume_distopt.py``). megatron-core 0.16.1's distributed
 optimizer with torch's Adam (no apex / Transformer Engine) needs two repairs on load, see
-:func:`_materialize_adam_state` and :func:`_give_each_param_its_step`.
+:func:`_materialize_adam_state` and :func:`_give_each_param_its_step`;
+:func:`repaired_distributed_adam_load` applies them around a load done by other code (Megatron-LM's
+``load_checkpoint``, :mod:`megatron_zb.megatron_lm`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -55,6 +58,7 @@ __all__ = [
     "collect_rng_state",
     "load_checkpoint",
     "read_tracker",
+    "repaired_distributed_adam_load",
     "restore_rng_state",
     "save_checkpoint",
 ]
@@ -267,6 +271,48 @@ def _load_optimizer_state(optimizer: Any, optimizer_sd: Any, *, distributed: boo
         optimizer.load_state_dict(optimizer_sd)
     if steps is not None:
         _give_each_param_its_step(optimizer, steps)
+
+
+def _is_distributed_torch_adam(optimizer: Any) -> bool:
+    """Whether some part of ``optimizer`` is megatron-core's ``DistributedOptimizer`` over torch's Adam / AdamW."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    adam = (torch.optim.Adam, torch.optim.AdamW)
+    return any(isinstance(part, DistributedOptimizer) and isinstance(part.optimizer, adam)
+               for part in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _loaded_group_steps(optimizer: Any) -> list[float | None]:
+    """Per part of a distributed ``optimizer`` just loaded, the saved Adam step: megatron-core's
+    ``DistributedOptimizer.load_state_dict`` hands each saved parameter group, its ``step`` included,
+    to the torch optimizer's ``load_state_dict`` (``None``: nothing loaded into that part)."""
+    steps: list[float | None] = []
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        found = {g["step"] for g in part.optimizer.param_groups if g.get("step") is not None}
+        if len(found) > 1:
+            raise CheckpointError(f"the loaded distributed optimizer holds different Adam steps in one part: "
+                                  f"{sorted(found)}")
+        steps.append(float(found.pop()) if found else None)
+    return steps
+
+
+@contextlib.contextmanager
+def repaired_distributed_adam_load(optimizer: Any) -> Iterator[None]:
+    """Around a load of ``optimizer`` that other code performs (Megatron-LM's ``load_checkpoint``):
+    megatron-core 0.16.1's distributed optimizer with torch's Adam (no apex / Transformer Engine)
+    gets the repairs :func:`load_checkpoint` applies to its own loads. Before: Adam's state as its
+    first step creates it (:func:`_materialize_adam_state`; else ``sharded_state_dict(is_loading=True)``
+    fails at ``assert len(steps) == 1``); during: no autograd (the load copies into the leaf
+    main-parameter shards in place, which autograd refuses for fp32 parameters); after: every
+    parameter gets the saved step as a tensor of its own (:func:`_give_each_param_its_step`).
+    Anything else (no optimizer, not distributed, apex/TE FusedAdam) is left as it is."""
+    if optimizer is None or not _is_distributed_torch_adam(optimizer):
+        yield
+        return
+    _materialize_adam_state(optimizer)
+    with torch.no_grad():
+        yield
+    _give_each_param_its_step(optimizer, _loaded_group_steps(optimizer))
 
 
 def check_optimizer_format(common: dict[str, Any], *, distributed: bool, layout: Sequence[int], path: str) -> None:
