@@ -42,12 +42,13 @@ search-based multi-chunk generators (cost-aware with interleaved or V placement)
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_zb.schedules import CostModel, Placement, ScheduleError, SimResult, interleaved_placement, simulate
+from megatron_zb.schedules.limits import count_that_fit
+from megatron_zb.schedules.limits import fits as fits_limit
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
 from megatron_zb.schedules.spread import simulate_spread
 
@@ -308,7 +309,7 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
     limit, n_limit = None, None
     if name == "zb":
         free = source.usable_bytes - max(param_bytes)
-        n_limit = math.floor(free / max(table.mem_b)) if free > 0 else 0
+        n_limit = count_that_fit(free, max(table.mem_b)) if free > 0 else 0
         if n_limit < 1:
             return FamilyResult(name, "skipped", "not even one microbatch's activations fit next to the "
                                                  "parameters and optimizer state", chunks)
@@ -354,4 +355,4 @@ def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], t
         peak_memory_gib=peak, peak_memory_per_rank_gib=[t / GIB for t in totals],
         peak_activation_per_rank_gib=[a / GIB for a in res.peak_memory],
         param_optimizer_per_rank_gib=[p / GIB for p in param_bytes],
-        fits=peak * GIB <= source.usable_bytes, memory_limit_n=n_limit, cost_source=table.source, result=res)
+        fits=fits_limit(max(totals), source.usable_bytes), memory_limit_n=n_limit, cost_source=table.source, result=res)

@@ -67,8 +67,9 @@ from ..catalog import register
 from ..costs import CostModel, StageCosts
 from ..dp_reduce import overlapped_reduce_tail
 from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement
+from ..limits import check_minimum, resolve_limit
 from ..simulator import simulate
-from .common import check_cost_model, check_count, parse_memory_limit
+from .common import check_cost_model, check_count
 from .list_scheduler import asap_times, improve
 from .search import proxy_costs, search
 
@@ -132,8 +133,9 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
         num_microbatches: ``m`` (>= 1).
         costs: per-stage (per-chunk) costs for ``2p`` stages; times in any unit.
         memory_limit: per-rank peak activation limit in units of ``costs.mem_b`` (one chunk's
-            ``M_B``). ``None``: ``costs.memory_limit``, else :func:`v_default_limit` with
-            ``default_fraction(p)`` (1F1B's peak ``R`` when no fraction is given).
+            ``M_B``), resolved by :func:`~..limits.resolve_limit`: ``None``: ``costs.memory_limit``,
+            else :func:`v_default_limit` with ``default_fraction(p)`` (1F1B's peak ``R`` when no
+            fraction is given); no activation memory at all means no limit.
         name: the schedule's name.
 
     Raises:
@@ -144,18 +146,11 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
     s2r = v_placement(p)
     base = check_cost_model(costs).resolve(2 * p)
     full = v_full_memory(p, base)
-    if memory_limit is None:
-        memory_limit = costs.memory_limit
-    if memory_limit is None:
-        frac = default_fraction(p) if default_fraction is not None else float(p)
-        memory_limit = v_default_limit(p, base, frac) if full > 0 else math.inf
-    limit = parse_memory_limit(memory_limit)
-    if limit * (1 + 1e-12) + 1e-12 < full:
-        worst = max(range(p), key=lambda r: base.mem_b[r] + base.mem_b[2 * p - 1 - r])
-        raise ScheduleError(
-            f"memory_limit {limit:g} is below the minimum {full:g} for the V placement: rank {worst} must hold "
-            f"both of its chunks' activations of one microbatch (mem_b[{worst}] + mem_b[{2 * p - 1 - worst}]) "
-            f"at once, so no schedule fits")
+    frac = default_fraction(p) if default_fraction is not None else float(p)
+    limit = resolve_limit(memory_limit, costs, v_default_limit(p, base, frac))
+    worst = max(range(p), key=lambda r: base.mem_b[r] + base.mem_b[2 * p - 1 - r])
+    check_minimum(limit, full, f"the V placement's rank {worst} must hold both of its chunks' activations of one "
+                               f"microbatch (mem_b[{worst}] + mem_b[{2 * p - 1 - worst}]) at once, so no schedule fits")
     sc = costs.with_limit(limit).resolve(2 * p)
     ranks, variant = _best_order(s2r, m, sc, limit, full, name)
     res = simulate(Schedule(m, s2r, ranks, name), sc)    # validates; checks memory and deadlock
