@@ -67,7 +67,8 @@ from ..costs import CostModel, StageCosts
 from ..ir import Placement, Schedule, ScheduleError, plain_placement
 from ..limits import check_minimum, count_that_fit, fits, resolve_limit, slack_ceiling
 from ..simulator import SimResult, simulate
-from ..timing import B, F, W, Code, Timeline, decode
+from ..timing import B, F, W, Code, Timeline, decode, encode
+from .baselines import one_f_one_b_order
 from .common import check_cost_model, check_count, first_b_caps
 
 __all__ = ["DEFAULT_LIMIT_IN_P", "min_memory_limit", "zb_greedy"]
@@ -294,18 +295,8 @@ def _variants(sc: StageCosts, m: int, limit: float,
 
 def _one_f_one_b(p: int, m: int) -> list[list[Code]]:
     """Plain 1F1B with the backward split as ``B`` immediately followed by ``W``."""
-    order = []
-    for r in range(p):
-        warm = min(p - 1 - r, m)
-        seq = [(F, i, r) for i in range(warm)]
-        nf = warm
-        for i in range(m):
-            if nf < m:
-                seq.append((F, nf, r))
-                nf += 1
-            seq += [(B, i, r), (W, i, r)]
-        order.append(seq)
-    return order
+    ranks = one_f_one_b_order(p, m, warmup=[p - r for r in range(p)], delay=[0] * p)
+    return [[encode(a) for a in row] for row in ranks]
 
 
 def _to_schedule(m: int, order: list[list[Code]], variant: str) -> Schedule:

@@ -22,29 +22,14 @@ from __future__ import annotations
 
 from ..catalog import register
 from ..costs import CostModel
-from ..ir import B, F, W, Action, Op, Placement, Schedule, make_schedule, plain_placement
-from .baselines import check_shape
+from ..ir import Action, Op, Placement, Schedule, make_schedule, plain_placement
+from .baselines import check_shape, one_f_one_b_order
 
 __all__ = ["zb_h1", "zb_h2", "zbv_handcrafted_order"]
 
 
 def _split_backward_1f1b(p: int, m: int, warmup: list[int], delay: list[int], name: str) -> Schedule:
-    ranks: list[list[Action]] = []
-    for r in range(p):
-        n_warm = min(warmup[r], m)
-        acts = [F(i, r) for i in range(n_warm)]   # 1. warm-up forwards
-        pending: list[int] = []                     # microbatches whose W is still owed
-        next_f = n_warm
-        for i in range(m):                          # 2. steady state and cool-down
-            acts.append(B(i, r))
-            pending.append(i)
-            while len(pending) > delay[r]:          #    run the W that is `delay` behind
-                acts.append(W(pending.pop(0), r))
-            if next_f < m:                          #    one new forward per backward
-                acts.append(F(next_f, r))
-                next_f += 1
-        acts += [W(i, r) for i in pending]          # 3. flush the delayed W
-        ranks.append(acts)
+    ranks = one_f_one_b_order(p, m, warmup=warmup, delay=delay)
     return make_schedule(num_microbatches=m, stage_to_rank=plain_placement(p), ranks=ranks, name=name)
 
 
