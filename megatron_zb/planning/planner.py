@@ -56,6 +56,7 @@ from .flops import p2p_time_ms, stage_costs
 from .hardware import Hardware
 from .layout import StageShape, layers_per_stage, stage_shapes
 from .memory import GIB, bytes_per_parameter, stage_activations, stage_parameters
+from .model_flops import planned_flops_shape, tflops_per_gpu
 from .model import ModelConfig, ParallelConfig, PlanError
 from .profile import Profile
 
@@ -168,6 +169,8 @@ class FamilyResult:
             ``iteration_time_ms``; ``None`` without a spread.
         bubble_rate: the simulator's ``(makespan - busiest rank's work) / makespan``.
         throughput: samples per second per GPU.
+        model_tflops_per_gpu: the model TFLOP/s per GPU ``--log-throughput`` would print at this
+            iteration time (:mod:`.model_flops`, Megatron-LM's formula).
         peak_activation_gib, param_optimizer_gib, peak_memory_gib: of the rank with the largest
             total (GiB); the first two are each the maximum over ranks.
         peak_memory_per_rank_gib, peak_activation_per_rank_gib, param_optimizer_per_rank_gib: the
@@ -192,6 +195,7 @@ class FamilyResult:
     duration_spread_ms: float | None = None
     bubble_rate: float | None = None
     throughput: float | None = None
+    model_tflops_per_gpu: float | None = None
     peak_activation_gib: float | None = None
     param_optimizer_gib: float | None = None
     peak_memory_gib: float | None = None
@@ -351,6 +355,9 @@ def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], t
         name, "ok", None, chunks, iteration_time_ms=iteration, makespan_ms=res.makespan, optimizer_ms=optimizer_ms,
         dp_sync_ms=dp_ms, step_source=step_source, duration_spread_ms=spread_ms, bubble_rate=res.bubble_rate,
         throughput=par.num_microbatches * model.micro_batch_size / (iteration / 1000.0) / (par.pp * par.tp),
+        model_tflops_per_gpu=tflops_per_gpu(
+            planned_flops_shape(model, par.tp), batch_size=par.num_microbatches * model.micro_batch_size * par.dp,
+            seconds_per_iteration=iteration / 1000.0, num_gpus=par.pp * par.tp * par.dp),
         peak_activation_gib=max(res.peak_memory) / GIB, param_optimizer_gib=max(param_bytes) / GIB,
         peak_memory_gib=peak, peak_memory_per_rank_gib=[t / GIB for t in totals],
         peak_activation_per_rank_gib=[a / GIB for a in res.peak_memory],
