@@ -85,11 +85,12 @@ def resolve_limit(memory_limit: float | None, costs: CostModel, default: float) 
     return parse_limit(memory_limit)
 
 
-def check_minimum(limit: float, need: float, why: str) -> None:
+def check_minimum(limit: float, need: float, why: str, *, placement: str = "") -> None:
     """Refuse ``limit`` when ``need`` (the least any schedule of the placement holds) does not fit it.
 
     Raises:
-        ScheduleError: ``memory_limit L is below the minimum N: <why>``.
+        ScheduleError: ``memory_limit L is below the minimum N[ for the P placement]: <why>``.
     """
     if not fits(need, limit):
-        raise ScheduleError(f"memory_limit {limit:g} is below the minimum {need:g}: {why}")
+        where = f" for the {placement} placement" if placement else ""
+        raise ScheduleError(f"memory_limit {limit:g} is below the minimum {need:g}{where}: {why}")

@@ -150,8 +150,9 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
     frac = default_fraction(p) if default_fraction is not None else float(p)
     limit = resolve_limit(memory_limit, costs, v_default_limit(p, base, frac))
     worst = max(range(p), key=lambda r: base.mem_b[r] + base.mem_b[2 * p - 1 - r])
-    check_minimum(limit, full, f"the V placement's rank {worst} must hold both of its chunks' activations of one "
-                               f"microbatch (mem_b[{worst}] + mem_b[{2 * p - 1 - worst}]) at once, so no schedule fits")
+    check_minimum(limit, full, f"rank {worst} must hold both of its chunks' activations of one microbatch "
+                               f"(mem_b[{worst}] + mem_b[{2 * p - 1 - worst}]) at once, so no schedule fits",
+                  placement="V")
     sc = costs.with_limit(limit).resolve(2 * p)
     ranks, variant = _best_order(s2r, m, sc, limit, full, name)
     res = simulate(Schedule(m, s2r, ranks, name), sc)    # validates; checks memory and deadlock
