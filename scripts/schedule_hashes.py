@@ -2,6 +2,7 @@
 
     python scripts/schedule_hashes.py dump OUT.json [--quick]
     python scripts/schedule_hashes.py compare BEFORE.json AFTER.json
+    python scripts/schedule_hashes.py recheck BEFORE.json AFTER.json   # recompute the differing entries
 
 Each entry is ``name|p|m|costs|limit`` -> sha256 of the schedule's JSON (placement and per-rank
 orders; ``meta`` is left out) or ``error: <type>: <message>``. The grid: every registered name at
@@ -153,8 +154,23 @@ def compare(a: str, b: str) -> int:
     return 1 if diff else 0
 
 
+def recheck(before: str, after: str) -> int:
+    """Recompute, with the code as it is now, only the entries where ``after`` differs from ``before``."""
+    x, y = json.load(open(before)), json.load(open(after))
+    now = dict(y)
+    for k in sorted(k for k in set(x) | set(y) if x.get(k) != y.get(k)):
+        name, p, m, ck, lk = k.split("|")
+        c = _costs(ck, _stages(name, int(p)))
+        limit = dict(_limits(name, int(p), c))[lk]
+        now[k] = _entry(name, int(p), int(m), ck, lk, limit)
+    json.dump(now, open(after + ".rechecked", "w"), indent=0, sort_keys=True)
+    return compare(before, after + ".rechecked")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "dump":
         dump(sys.argv[2], "--quick" in sys.argv)
+    elif sys.argv[1] == "recheck":
+        sys.exit(recheck(sys.argv[2], sys.argv[3]))
     else:
         sys.exit(compare(sys.argv[2], sys.argv[3]))
