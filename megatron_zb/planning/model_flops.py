@@ -8,11 +8,12 @@ multi-token prediction. Its users:
 * ``--log-throughput`` (:mod:`megatron_zb.training.flops` maps the flags to a :class:`FlopsShape`);
 * ``megatron-zb plan``: each family's ``model_tflops_per_gpu``, the number ``--log-throughput``
   would print for the predicted iteration time;
-* the planner's time model (:mod:`.flops`) counts the FLOPs its kernels *execute*: the same GEMMs
-  (:func:`forward_flops_per_token` gives the forward ones), and attention's two ``s x s``
-  products over every position -- an unfused kernel computes the masked half too -- where the
-  model FLOPs count them at half (:data:`CAUSAL_FRACTION`). ``tests/test_model_flops.py`` checks
-  that the planner's per-layer ``F + B + W`` is exactly this module's count plus that half.
+* not the planner's time model (:mod:`.flops`), which counts the FLOPs its kernels *execute*,
+  kernel by kernel with their bytes: the same GEMMs as :func:`forward_flops_per_token`, and
+  attention's two ``s x s`` products over every position -- an unfused kernel computes the masked
+  half too -- where the model FLOPs count them at half (:data:`CAUSAL_FRACTION`).
+  ``tests/test_model_flops.py`` checks that the planner's per-layer ``F + B + W`` is exactly this
+  module's count plus that half.
 
 Per token, one GEMM's forward costs ``2`` FLOPs per multiply-add; training runs each GEMM three
 times (forward, input gradient, weight gradient), hence the factor ``3`` of the total.
