@@ -1,7 +1,9 @@
 """megatron-zb: zero-bubble pipeline parallelism for megatron-core.
 
 ``import megatron_zb`` makes megatron-core usable on a CPU-only machine (the CPU shim installs
-itself only when CUDA is unavailable; nothing changes when it is available).
+itself when megatron-core is imported, only when CUDA is unavailable; nothing changes when it is
+available). It imports neither torch nor megatron-core: the schedule library
+(:mod:`megatron_zb.schedules`) and the planner (:mod:`megatron_zb.planning`) run without them.
 
 Public entry points:
 
@@ -13,8 +15,19 @@ Public entry points:
 
 __version__ = "0.1.0"
 
-from megatron_zb import platform as _platform  # noqa: E402,F401  -- installs the CPU shim when CUDA is absent
-from megatron_zb.patching import patch_megatron, unpatch_megatron  # noqa: E402
-from megatron_zb.runtime import get_forward_backward_func  # noqa: E402
+from typing import Any
+
+from megatron_zb import platform as _platform  # noqa: F401  -- installs the CPU shim when CUDA is absent
+from megatron_zb.patching import patch_megatron, unpatch_megatron
 
 __all__ = ["get_forward_backward_func", "patch_megatron", "unpatch_megatron", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """``get_forward_backward_func`` is imported on first use: ``import megatron_zb.schedules`` (and
+    the planner) must not import torch, and Python imports this package first."""
+    if name == "get_forward_backward_func":
+        from megatron_zb.runtime import get_forward_backward_func
+
+        return get_forward_backward_func
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

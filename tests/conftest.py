@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from megatron_zb.planning.memory import mem_w_ratio
 from megatron_zb.schedules import CostModel
 
 # Randomized tests are derandomized in CI (and whenever HYPOTHESIS_PROFILE=ci): the same examples
@@ -28,7 +29,7 @@ def paper_rows() -> list[dict]:
     for row in d["rows"]:
         md = d["models"][row["model"]]
         h, a, s = md["hidden"], md["heads"], md["seq"]
-        rows.append(dict(row, p=md["p"], mem_w_ratio=(32 * h) / (34 * h + 5 * a * s)))
+        rows.append(dict(row, p=md["p"], mem_w_ratio=mem_w_ratio(hidden_size=h, num_attention_heads=a, seq_length=s)))
     return rows
 
 

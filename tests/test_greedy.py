@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,22 +13,12 @@ from megatron_zb.schedules import CostModel, ScheduleError, lower, simulate, val
 from megatron_zb.schedules.generators.greedy import _run, _to_schedule, _variants, min_memory_limit, zb_greedy
 from megatron_zb.schedules.ir import Action, Schedule
 
-DATA = Path(__file__).parent / "data" / "zb_paper_costs.json"
+from conftest import paper_rows  # the paper's rows with p and M_W / M_B added
+
 MEM_TOL = 1e-9  # the simulator's own slack when it checks the memory limit
 
 
 # ---------------------------------------------------------------------------- helpers
-def paper_rows() -> list[dict]:
-    """Rows of the ZB paper (Tables 3/5/9) with ``p`` and ``M_W / M_B = 32h / (34h + 5as)`` added."""
-    d = json.loads(DATA.read_text())
-    rows = []
-    for row in d["rows"]:
-        md = d["models"][row["model"]]
-        h, a, s = md["hidden"], md["heads"], md["seq"]
-        rows.append(dict(row, p=md["p"], mem_w_ratio=32 * h / (34 * h + 5 * a * s)))
-    return rows
-
-
 def row_costs(row: dict) -> CostModel:
     """Costs of one paper row; memory in units of one stage's M_B."""
     return CostModel(t_f=row["TF"], t_b=row["TB"], t_w=row["TW"], t_comm=row["Tcomm"], mem_b=1.0,

@@ -242,3 +242,21 @@ def test_interleaved_zb_bad_input():
     with pytest.raises(ScheduleError, match="minimum 2"):
         interleaved_zb(num_ranks=4, num_microbatches=8, costs=CostModel(), memory_limit=1.0)
     assert math.isfinite(v_full_memory(2, CostModel()))
+
+
+# ---------------------------------------------------------------------------- the hand-made ZB-V order
+def test_handcrafted_zbv_order_is_pytorchs_and_the_paper_pattern():
+    """The V family's hand-made candidate (our own code, so no schedule depends on the installed
+    torch) is the order PyTorch's ``ScheduleZBVZeroBubble`` builds, for p 1-8 and m 1-20; and at
+    unit costs with ``m >= 2p - 1`` it has the paper's zero bubble at ``2p`` chunk units (1F1B's peak)."""
+    from megatron_zb.schedules.generators.handcrafted import zbv_handcrafted_order
+    from megatron_zb.schedules.torch_import import import_torch_schedule
+
+    for p in range(1, 9):
+        for m in range(1, 21):
+            ours = zbv_handcrafted_order(p, m)
+            assert ours == import_torch_schedule("ScheduleZBVZeroBubble", num_ranks=p, num_microbatches=m).ranks, (p, m)
+    p, m = 4, 8
+    res = simulate(Schedule(m, v_placement(p), zbv_handcrafted_order(p, m)), CostModel())
+    assert res.makespan == 2 * 3 * m             # by hand: 2 chunks x (F, B, W) x m unit actions, no idle time
+    assert res.peak_memory == [2.0 * p] * p       # every rank: p microbatches of its 2 chunks

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..planning.memory import mem_w_ratio as paper_mem_w_ratio
 from ..schedules import simulate
 from ..schedules.registry import build_schedule
 from .progress import log
@@ -28,7 +29,7 @@ def section_emulated(cfg: dict[str, Any], rows: list[Row], md: list[str], out: P
     scales = cfg["emu_scales"]
     schedules = ["1f1b", "zb-h1", "zb-2p", "zbv", "v-half"]
     h, a, s = PAPER_15B["hidden"], PAPER_15B["heads"], PAPER_15B["seq"]
-    mem_w_ratio = 32 * h / (34 * h + 5 * a * s)
+    mem_w_ratio = paper_mem_w_ratio(hidden_size=h, num_attention_heads=a, seq_length=s)
     md.append("\n## Emulated cluster: sleep-for-compute stages, real runtime and p2p\n")
     md.append(f"Each stage is `megatron_zb.bench.emulated.EmulatedStage`: F/B/W sleep the zero-bubble paper's 1.5B "
               f"costs (T_F={PAPER_15B['t_f']}, T_B={PAPER_15B['t_b']}, T_W={PAPER_15B['t_w']} ms per stage, p=8 "

@@ -1,13 +1,20 @@
 """Time of ``F``, ``B`` and ``W`` for every pipeline stage, from the FLOPs and bytes of its kernels.
 
-Forward FLOPs follow Megatron-LM's ``num_floating_point_operations`` (``training.py``, what
-``--log-throughput`` reports), per transformer layer and token, ``T = s * b`` tokens::
+The FLOPs are the ones the kernels *execute*: the GEMMs of the model FLOPs
+(:mod:`.model_flops`, Megatron-LM's ``num_floating_point_operations``, what ``--log-throughput``
+reports), per transformer layer, ``T = s * b`` tokens::
 
     QKV      2 T h (q + 2 g d)        q = a d (query width), g d = key/value width (GQA)
     proj     2 T q h
     MLP      2 T h f (2 with SwiGLU, 1 otherwise) + 2 T f h
-    scores   2 T s q   (Q K^T)        context  2 T s q   (P V)     -- no causal halving
+    scores   2 T s q   (Q K^T)        context  2 T s q   (P V)
     logits   2 T h V   (output layer, last stage)
+
+with one difference, on purpose: the two attention products are counted over all ``s``
+positions, because the attention kernels compute the masked half too (the mask is applied to the
+full product), where the model FLOPs count them at half (:data:`.model_flops.CAUSAL_FRACTION`).
+``tests/test_model_flops.py`` checks that a layer's ``F + B + W`` here is exactly the model FLOPs
+plus that half.
 
 Megatron counts backward as twice the forward. The split into ``B`` (input gradients) and ``W``
 (weight gradients) is: a linear layer ``Y = X W^T`` needs ``dX = dY W`` in ``B`` and

@@ -65,6 +65,15 @@ def _sizes(model: ModelConfig, par: ParallelConfig) -> tuple[float, float, float
             T * model.seq_length * model.num_attention_heads / t, 2 if model.swiglu else 1)
 
 
+def mem_w_ratio(*, hidden_size: int, num_attention_heads: int, seq_length: int) -> float:
+    """``M_W / M_B = 32h / (34h + 5as)``: the share of a layer's activation memory that ``W`` still
+    holds after ``B``, for the zero-bubble paper's GPT (``M_B = 34sbh + 5as^2b``, ``M_W = 32sbh``;
+    unfused attention, MHA, ``f = 4h``, 16-bit). The one copy of the formula: the profiler's
+    fallback, the emulated benchmark and the tests use it."""
+    h, a, s = hidden_size, num_attention_heads, seq_length
+    return (32.0 * h) / (34.0 * h + 5.0 * a * s)
+
+
 def layer_activations(model: ModelConfig, par: ParallelConfig) -> ActivationBytes:
     """``M_B`` and ``M_W`` of one transformer layer on one GPU, bytes (table in the module doc)."""
     e = model.element_bytes

@@ -42,12 +42,13 @@ search-based multi-chunk generators (cost-aware with interleaved or V placement)
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from megatron_zb.schedules import CostModel, Placement, ScheduleError, SimResult, interleaved_placement, simulate
+from megatron_zb.schedules.limits import count_that_fit
+from megatron_zb.schedules.limits import fits as fits_limit
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
 from megatron_zb.schedules.spread import simulate_spread
 
@@ -55,6 +56,7 @@ from .flops import p2p_time_ms, stage_costs
 from .hardware import Hardware
 from .layout import StageShape, layers_per_stage, stage_shapes
 from .memory import GIB, bytes_per_parameter, stage_activations, stage_parameters
+from .model_flops import planned_flops_shape, tflops_per_gpu
 from .model import ModelConfig, ParallelConfig, PlanError
 from .profile import Profile
 
@@ -167,6 +169,8 @@ class FamilyResult:
             ``iteration_time_ms``; ``None`` without a spread.
         bubble_rate: the simulator's ``(makespan - busiest rank's work) / makespan``.
         throughput: samples per second per GPU.
+        model_tflops_per_gpu: the model TFLOP/s per GPU ``--log-throughput`` would print at this
+            iteration time (:mod:`.model_flops`, Megatron-LM's formula).
         peak_activation_gib, param_optimizer_gib, peak_memory_gib: of the rank with the largest
             total (GiB); the first two are each the maximum over ranks.
         peak_memory_per_rank_gib, peak_activation_per_rank_gib, param_optimizer_per_rank_gib: the
@@ -191,6 +195,7 @@ class FamilyResult:
     duration_spread_ms: float | None = None
     bubble_rate: float | None = None
     throughput: float | None = None
+    model_tflops_per_gpu: float | None = None
     peak_activation_gib: float | None = None
     param_optimizer_gib: float | None = None
     peak_memory_gib: float | None = None
@@ -308,7 +313,7 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
     limit, n_limit = None, None
     if name == "zb":
         free = source.usable_bytes - max(param_bytes)
-        n_limit = math.floor(free / max(table.mem_b)) if free > 0 else 0
+        n_limit = count_that_fit(free, max(table.mem_b)) if free > 0 else 0
         if n_limit < 1:
             return FamilyResult(name, "skipped", "not even one microbatch's activations fit next to the "
                                                  "parameters and optimizer state", chunks)
@@ -350,8 +355,11 @@ def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], t
         name, "ok", None, chunks, iteration_time_ms=iteration, makespan_ms=res.makespan, optimizer_ms=optimizer_ms,
         dp_sync_ms=dp_ms, step_source=step_source, duration_spread_ms=spread_ms, bubble_rate=res.bubble_rate,
         throughput=par.num_microbatches * model.micro_batch_size / (iteration / 1000.0) / (par.pp * par.tp),
+        model_tflops_per_gpu=tflops_per_gpu(
+            planned_flops_shape(model, par.tp), batch_size=par.num_microbatches * model.micro_batch_size * par.dp,
+            seconds_per_iteration=iteration / 1000.0, num_gpus=par.pp * par.tp * par.dp),
         peak_activation_gib=max(res.peak_memory) / GIB, param_optimizer_gib=max(param_bytes) / GIB,
         peak_memory_gib=peak, peak_memory_per_rank_gib=[t / GIB for t in totals],
         peak_activation_per_rank_gib=[a / GIB for a in res.peak_memory],
         param_optimizer_per_rank_gib=[p / GIB for p in param_bytes],
-        fits=peak * GIB <= source.usable_bytes, memory_limit_n=n_limit, cost_source=table.source, result=res)
+        fits=fits_limit(max(totals), source.usable_bytes), memory_limit_n=n_limit, cost_source=table.source, result=res)

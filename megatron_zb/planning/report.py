@@ -6,7 +6,8 @@ JSON (``plan --json FILE``)::
       "schedules": [                      # every family that was simulated, registry order
         {"name": "zb-2p", "iteration_time_ms": 1652.3, "bubble_rate": 0.0029,
          "peak_memory_gib": 57.5, "fits": true,
-         "throughput_samples_per_gpu_s": 14.6, "makespan_ms": ..., "optimizer_ms": ...,
+         "throughput_samples_per_gpu_s": 14.6, "model_tflops_per_gpu": ..., "makespan_ms": ...,
+         "optimizer_ms": ...,
          "dp_sync_ms": ..., "peak_activation_gib": ..., "param_optimizer_gib": ...,
          "peak_memory_per_rank_gib": [...], "peak_activation_per_rank_gib": [...],
          "param_optimizer_per_rank_gib": [...],   # per pipeline rank, rank order
@@ -23,7 +24,9 @@ JSON (``plan --json FILE``)::
     }
 
 Names are the registry's (``megatron-zb list``); times in ms, memory in GiB (2**30 bytes),
-throughput in samples per second per GPU. ``stages`` is the plain placement (one stage per rank).
+throughput in samples per second per GPU; ``model_tflops_per_gpu`` is what ``--log-throughput``
+would print at the predicted iteration time (Megatron-LM's model FLOPs, :mod:`.model_flops`).
+``stages`` is the plain placement (one stage per rank).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from .planner import SPREAD_DRAWS, FamilyResult, Plan
 _KEYS = ("iteration_time_ms", "bubble_rate", "peak_memory_gib", "fits")
 _MORE = ("makespan_ms", "optimizer_ms", "dp_sync_ms", "peak_activation_gib", "param_optimizer_gib",
          "peak_memory_per_rank_gib", "peak_activation_per_rank_gib", "param_optimizer_per_rank_gib", "chunks",
-         "memory_limit_n", "cost_source", "step_source", "duration_spread_ms")
+         "memory_limit_n", "cost_source", "step_source", "duration_spread_ms", "model_tflops_per_gpu")
 
 
 def to_json(plan: Plan) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 When CUDA is absent the CPU shim (:mod:`megatron_zb.platform.cpu_shim`) is installed: at once if
 megatron-core is already imported, otherwise the moment ``megatron.core`` is first imported (an
-import hook), so tools that never touch megatron-core -- the schedule CLI, the simulator -- do
-not pay for importing it. When CUDA is available nothing is patched and nothing is imported.
+import hook, which asks torch whether CUDA is available only then), so tools that never touch
+megatron-core -- the schedule CLI, the simulator, the planner -- import neither megatron-core nor
+torch. When CUDA is available nothing is patched.
 See ``docs/cpu_support.md``.
 """
 
@@ -15,16 +16,25 @@ import sys
 from types import ModuleType
 from typing import Any, Sequence
 
-import torch
+__all__ = ["CPU_SHIM_ACTIVE", "install_cpu_shim", "is_installed"]
 
-from megatron_zb.platform.cpu_shim import install_cpu_shim, is_installed
 
-CPU_SHIM_ACTIVE: bool = not torch.cuda.is_available()
-"""True when this process runs megatron-core through the CPU shim (CUDA unavailable)."""
+def _cuda_absent() -> bool:
+    """Whether CUDA is unavailable (imports torch: called only once megatron-core, which needs it, loads)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _install_if_cpu() -> None:
+    if _cuda_absent():
+        from megatron_zb.platform.cpu_shim import install_cpu_shim
+
+        install_cpu_shim()
 
 
 class _InstallAfterMegatronCore(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Import hook: lets ``megatron.core`` load normally, then installs the CPU shim."""
+    """Import hook: lets ``megatron.core`` load normally, then installs the CPU shim if CUDA is absent."""
 
     def __init__(self) -> None:
         self._loader: Any = None
@@ -49,13 +59,26 @@ class _InstallAfterMegatronCore(importlib.abc.MetaPathFinder, importlib.abc.Load
         self._loader.exec_module(module)
         if self in sys.meta_path:
             sys.meta_path.remove(self)
-        install_cpu_shim()
+        _install_if_cpu()
 
 
-if CPU_SHIM_ACTIVE:
-    if "megatron.core" in sys.modules:
-        install_cpu_shim()
-    elif not any(isinstance(f, _InstallAfterMegatronCore) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InstallAfterMegatronCore())
+def __getattr__(name: str) -> Any:
+    """``CPU_SHIM_ACTIVE`` (True when CUDA is unavailable, so megatron-core runs through the CPU
+    shim), ``install_cpu_shim`` and ``is_installed``: looked up on first use, so that importing this
+    package -- which every ``import megatron_zb`` does -- needs no torch."""
+    if name == "CPU_SHIM_ACTIVE":
+        value: Any = _cuda_absent()
+    elif name in ("install_cpu_shim", "is_installed"):
+        from megatron_zb.platform import cpu_shim
 
-__all__ = ["CPU_SHIM_ACTIVE", "install_cpu_shim", "is_installed"]
+        value = getattr(cpu_shim, name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+if "megatron.core" in sys.modules:
+    _install_if_cpu()
+elif not any(isinstance(f, _InstallAfterMegatronCore) for f in sys.meta_path):
+    sys.meta_path.insert(0, _InstallAfterMegatronCore())

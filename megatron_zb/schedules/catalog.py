@@ -22,8 +22,9 @@ __all__ = ["SCHEDULES", "Builder", "ScheduleSpec", "register"]
 class Builder(Protocol):
     """What every registered generator is called with (all keyword arguments, always all given).
 
-    ``costs`` is never ``None`` (the registry fills in the defaults); ``memory_limit`` is ``None``
-    for the schedule's own default; ``num_chunks`` matters only for the interleaved placement.
+    ``costs`` is never ``None`` (the registry fills in the defaults); ``memory_limit`` ``None``
+    means ``costs.memory_limit``, else the schedule's own default (a cost-aware builder resolves it
+    with :func:`~.limits.resolve_limit`); ``num_chunks`` matters only for the interleaved placement.
     """
 
     def __call__(self, *, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,

@@ -40,13 +40,12 @@ def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, costs: C
         num_microbatches: microbatches per iteration ``m`` (any ``m >= 1``).
         costs: per-stage costs (defaults: unit times, ``mem_w = mem_b / 2``).
         memory_limit: per-rank activation limit for cost-aware schedules, unit of ``costs.mem_b``;
-            ``None`` takes the schedule's default.
+            ``None``: ``costs.memory_limit``, else the schedule's default (the generator resolves
+            it with :func:`~.limits.resolve_limit`).
         num_chunks: model chunks per rank for the interleaved placement.
     """
     spec = get_spec(name)
     costs = costs if costs is not None else CostModel()
-    if memory_limit is None:
-        memory_limit = costs.memory_limit
     sched = spec.build(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
                        memory_limit=memory_limit, num_chunks=num_chunks)
     sched.name = name

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 
 from .costs import StageCosts
 from .ir import Action, Op, ScheduleError
+from .limits import slack_ceiling
 
 __all__ = ["B", "BW", "Bucket", "Code", "DeadlockError", "F", "OPS", "Timeline", "W", "decode", "drain", "encode",
            "inputs"]
@@ -50,9 +51,6 @@ F, B, W, BW = 0, 1, 2, 3
 
 OPS: tuple[Op, ...] = (Op.F, Op.B, Op.W, Op.BW)
 """Op code -> :class:`~.ir.Op`."""
-
-_MEM_SLACK = 1e-9
-"""Relative (and absolute) slack of the memory-limit check, for float summation noise."""
 
 _CODE_OF: dict[Op, int] = {op: k for k, op in enumerate(OPS)}
 
@@ -145,7 +143,7 @@ class Timeline:
         mem / peak: per rank, activation memory held now / at most so far.
         count: per rank, actions run so far.
         over: per rank, the position (in the rank's order) of the first action that brought its
-            memory above ``costs.memory_limit`` (relative slack 1e-9), or -1.
+            memory above ``costs.memory_limit`` (what :func:`~.limits.fits` refuses), or -1.
         dp_reduce: ``costs.dp_reduce`` (``None``: no reduce modelled).
         reduce_ready: per rank, ``(stage, ready time, reduce time)`` of each bucket that is ready
             so far, in ready order (empty without ``dp_reduce``).
@@ -177,8 +175,7 @@ class Timeline:
         self.peak = [0.0] * p
         self.count = [0] * p
         self.over = [-1] * p
-        lim = costs.memory_limit
-        self._limit = math.inf if lim is None else lim * (1 + _MEM_SLACK) + _MEM_SLACK
+        self._limit = slack_ceiling(costs.memory_limit)
         self.dp_reduce = dp = costs.dp_reduce
         self.reduce_ready: list[list[tuple[int, float, float]]] = [[] for _ in range(p)]
         self.reduce_free = [0.0] * p

@@ -72,18 +72,13 @@ import torch.distributed as dist
 from ..runtime.action_timing import ActionTiming, resolve_timings
 from ..schedules.costs import CostModel
 from ..schedules.ir import Op
+from ..planning.memory import mem_w_ratio
 from ..schedules.spread import DurationSpread
 
 __all__ = ["ActionProfile", "AgreedProfile", "ProfileWindow", "agree_on_profile", "cost_model", "mem_w_ratio",
            "measure_t_comm"]
 
 MemoryTracker = Any  # megatron_zb.runtime.memory.ActivationMemoryTracker (imported lazily with the runtime)
-
-
-def mem_w_ratio(*, hidden_size: int, num_attention_heads: int, seq_length: int) -> float:
-    """``M_W / M_B = 32h / (34h + 5as)``: activation memory W still holds after B, per M_B."""
-    h, a, s = hidden_size, num_attention_heads, seq_length
-    return (32.0 * h) / (34.0 * h + 5.0 * a * s)
 
 
 @dataclass

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from ..catalog import register
 from ..costs import CostModel
-from ..ir import BW, F, Action, Placement, Schedule, ScheduleError, interleaved_placement, make_schedule, plain_placement
+from ..ir import BW, B, F, W, Action, Placement, Schedule, ScheduleError, interleaved_placement, make_schedule, plain_placement
 from ..simulator import deadlocks
 
-__all__ = ["check_shape", "interleaved_1f1b", "interleaved_order", "one_f_one_b"]
+__all__ = ["check_shape", "interleaved_1f1b", "interleaved_order", "one_f_one_b", "one_f_one_b_order"]
 
 
 def check_shape(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> None:
@@ -20,23 +20,49 @@ def check_shape(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> N
         raise ScheduleError(f"number of model chunks per rank must be an integer >= 1, got {num_chunks!r}")
 
 
+def one_f_one_b_order(p: int, m: int, *, warmup: list[int], delay: list[int] | None = None) -> list[list[Action]]:
+    """The 1F1B order on the plain placement, per rank: the one rule behind 1F1B, ZB-H1/H2 and
+    the greedy scheduler's 1F1B candidate.
+
+    Rank ``r`` runs ``min(warmup[r], m)`` forwards, then for each microbatch ``i`` in order its
+    backward and, while forwards are left, the next forward; the pipeline drains by itself. With
+    ``delay=None`` the backward is the fused ``BW``; otherwise it is ``B`` and its ``W`` runs once
+    more than ``delay[r]`` W's are owed (``0``: right after its ``B``), the owed ones at the end.
+    Megatron's 1F1B is ``warmup[r] = p - r`` (its ``p - 1 - r`` warm-up forwards plus the first
+    steady-state one).
+    """
+    ranks: list[list[Action]] = []
+    for r in range(p):
+        n_warm = min(warmup[r], m)
+        acts = [F(i, r) for i in range(n_warm)]     # 1. warm-up forwards
+        pending: list[int] = []                     # microbatches whose W is still owed
+        next_f = n_warm
+        for i in range(m):                          # 2. steady state and cool-down
+            if delay is None:
+                acts.append(BW(i, r))
+            else:
+                acts.append(B(i, r))
+                pending.append(i)
+                while len(pending) > delay[r]:      #    run the W that is `delay` behind
+                    acts.append(W(pending.pop(0), r))
+            if next_f < m:                          #    one new forward per backward
+                acts.append(F(next_f, r))
+                next_f += 1
+        acts += [W(i, r) for i in pending]          # 3. flush the delayed W
+        ranks.append(acts)
+    return ranks
+
+
 def one_f_one_b(*, num_ranks: int, num_microbatches: int) -> Schedule:
     """Megatron's non-interleaved 1F1B with a fused backward (``BW``).
 
     Rank ``r`` runs ``min(p-1-r, m)`` warm-up forwards, then alternates one forward and one
-    backward, then drains the remaining backwards. Peak activation memory on rank ``r`` is
-    ``min(p-r, m)`` microbatches.
+    backward, then drains the remaining backwards (:func:`one_f_one_b_order`). Peak activation
+    memory on rank ``r`` is ``min(p-r, m)`` microbatches.
     """
     check_shape(num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
-    ranks: list[list[Action]] = []
-    for r in range(p):
-        warmup = min(p - 1 - r, m)
-        acts = [F(i, r) for i in range(warmup)]          # 1. warm-up: fill the pipeline
-        for i in range(m - warmup):                       # 2. steady state: one F, one BW
-            acts += [F(warmup + i, r), BW(i, r)]
-        acts += [BW(i, r) for i in range(m - warmup, m)]  # 3. cool-down: drain the backwards
-        ranks.append(acts)
+    ranks = one_f_one_b_order(p, m, warmup=[p - r for r in range(p)])
     return make_schedule(num_microbatches=m, stage_to_rank=plain_placement(p), ranks=ranks, name="1f1b")
 
 

@@ -1,6 +1,6 @@
 """Input checks and warm-up estimates shared by the cost-aware generators.
 
-Units: times in the unit of the costs; memory (``memory_limit``) in the unit of ``costs.mem_b``.
+Units: times in the unit of the costs. The memory-limit rule is :mod:`..limits`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Literal, Sequence
 from ..costs import CostModel, StageCosts
 from ..ir import ScheduleError
 
-__all__ = ["check_count", "check_cost_model", "first_b_caps", "parse_memory_limit"]
+__all__ = ["check_count", "check_cost_model", "first_b_caps"]
 
 
 def check_count(what: str, value: object) -> int:
@@ -33,17 +33,6 @@ def check_cost_model(costs: object) -> CostModel:
     if not isinstance(costs, CostModel):
         raise ScheduleError(f"costs must be a CostModel, got {type(costs).__name__}")
     return costs
-
-
-def parse_memory_limit(memory_limit: object) -> float:
-    """A memory limit as a float ``> 0`` (``inf`` allowed); else a :class:`ScheduleError`."""
-    try:
-        limit = float(memory_limit)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise ScheduleError(f"memory_limit must be a number, got {memory_limit!r}") from None
-    if math.isnan(limit) or limit <= 0:
-        raise ScheduleError(f"memory_limit is {memory_limit!r}; it must be > 0")
-    return limit
 
 
 def first_b_caps(stage_to_rank: Sequence[int], sc: StageCosts, m: int, *,

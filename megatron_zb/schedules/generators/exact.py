@@ -62,10 +62,11 @@ from typing import Any, Sequence
 from ..catalog import register
 from ..costs import CostModel, StageCosts
 from ..ir import Op, Placement, Schedule, ScheduleError, make_schedule, plain_placement, v_placement
+from ..limits import check_minimum, resolve_limit, slack_ceiling
 from ..simulator import simulate
 from ..timing import B, F, OPS, W, Code, decode, encode, inputs
 from .common import check_cost_model, check_count
-from .greedy import zb_greedy
+from .greedy import DEFAULT_LIMIT_IN_P, zb_greedy
 from .vshape import check_v_chunks, zbv
 
 __all__ = ["ExactResult", "solve_exact", "zb_optimal", "zbv_optimal", "DEFAULT_TIME_LIMIT"]
@@ -150,7 +151,7 @@ def _problem(s2r: list[int], m: int, sc: StageCosts) -> _Problem:
         free_w = [int(round(sc.memory_delta(Op.W, s) * mscale)) for s in range(n)]
         # B's share keeps F + B + W summing to exactly zero in integers
         delta = [alloc, [-(a + w) for a, w in zip(alloc, free_w)], free_w]
-        mem_cap = int(math.floor(sc.memory_limit * mscale + 1e-6))
+        mem_cap = int(math.floor(slack_ceiling(sc.memory_limit) * mscale))  # what the simulator accepts
     acts = [(op, i, s) for s in range(n) for i in range(m) for op in (F, B, W)]
     deps = {(op, i, s): [(q_op, i, q) for q_op, q in inputs(op, s, n)] for op, i, s in acts}
     return _Problem(s2r, m, tscale, exact_t, dur, int(round(sc.t_comm * tscale)), delta, mem_cap, acts, deps)
@@ -320,14 +321,11 @@ def _check_inputs(s2r: list[int], m: object, costs: object, time_limit: object) 
 def _check_limit(s2r: list[int], sc: StageCosts) -> None:
     """A rank holds every one of its chunks' activations of a microbatch when that microbatch's last
     local forward runs (its backwards come after the turn-around): below that, nothing fits."""
-    if sc.memory_limit is None:
-        return
     n, p = len(s2r), max(s2r) + 1
     need = [sum(sc.mem_b[s] for s in range(n) if s2r[s] == r) for r in range(p)]
     worst = max(range(p), key=lambda r: need[r])
-    if need[worst] > sc.memory_limit * (1 + 1e-12) + 1e-12:
-        raise ScheduleError(f"memory_limit {sc.memory_limit:g} is below the minimum {need[worst]:g}: rank {worst} "
-                            f"must hold the activations of all its stages for one microbatch at once")
+    check_minimum(sc.memory_limit, need[worst], f"rank {worst} must hold the activations of all its stages for "
+                                                 f"one microbatch at once")
 
 
 def solve_exact(*, stage_to_rank: Sequence[int], num_microbatches: int, costs: CostModel,
@@ -339,8 +337,8 @@ def solve_exact(*, stage_to_rank: Sequence[int], num_microbatches: int, costs: C
         stage_to_rank: the placement (e.g. :func:`~megatron_zb.schedules.ir.v_placement`).
         num_microbatches: ``m >= 1``.
         costs: per-stage costs (times in any unit; memory in the unit of ``mem_b``).
-        memory_limit: per-rank activation limit (unit of ``mem_b``); ``None``: ``costs.memory_limit``
-            (``None`` there too: no limit).
+        memory_limit: per-rank activation limit (unit of ``mem_b``), resolved by
+            :func:`~..limits.resolve_limit`: ``None``: ``costs.memory_limit``, else no limit (``inf``).
         warm_start: a schedule for the same placement to start from (its order is given to the
             solver as a hint; the result is never worse than it). It must split every backward.
         time_limit: wall-clock seconds for the solver.
@@ -357,7 +355,7 @@ def solve_exact(*, stage_to_rank: Sequence[int], num_microbatches: int, costs: C
     s2r = list(stage_to_rank)
     m = num_microbatches
     _check_inputs(s2r, m, costs, time_limit)
-    limit = costs.memory_limit if memory_limit is None else memory_limit
+    limit = resolve_limit(memory_limit, costs, math.inf)
     sc: StageCosts = costs.with_limit(limit).resolve(len(s2r))
     _check_limit(s2r, sc)
 
@@ -415,20 +413,18 @@ def zb_optimal(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
                time_limit: float = DEFAULT_TIME_LIMIT) -> Schedule:
     """Minimum-makespan split-backward schedule on the plain placement (small ``p``, ``m``).
 
-    Memory in units of ``costs.mem_b``; default limit ``costs.memory_limit``, else ``p * max(mem_b)``
-    (1F1B's peak). Warm start: :func:`~.greedy.zb_greedy` under the same limit. ``meta`` holds
-    ``optimal``, ``gap`` and ``lower_bound``.
+    Memory in units of ``costs.mem_b``; the limit is resolved by :func:`~..limits.resolve_limit`
+    with the ``zb`` name's default, ``p * max(mem_b)`` (1F1B's peak). Warm start:
+    :func:`~.greedy.zb_greedy` under the same limit. ``meta`` holds ``optimal``, ``gap`` and
+    ``lower_bound``.
     """
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
-    check_cost_model(costs)
-    if memory_limit is None:
-        memory_limit = costs.memory_limit
-    if memory_limit is None:
-        memory_limit = p * max(costs.resolve(p).mem_b)
-    warm = zb_greedy(num_ranks=p, num_microbatches=m, costs=costs, memory_limit=memory_limit)
+    default = DEFAULT_LIMIT_IN_P["zb"] * p * max(check_cost_model(costs).resolve(p).mem_b)
+    limit = resolve_limit(memory_limit, costs, default)
+    warm = zb_greedy(num_ranks=p, num_microbatches=m, costs=costs, memory_limit=limit)
     res = solve_exact(stage_to_rank=plain_placement(p), num_microbatches=m, costs=costs,
-                      memory_limit=memory_limit, warm_start=warm, time_limit=time_limit)
+                      memory_limit=limit, warm_start=warm, time_limit=time_limit)
     res.schedule.name = "zb-optimal"
     return res.schedule
 
@@ -437,8 +433,9 @@ def zbv_optimal(*, num_ranks: int, num_microbatches: int, costs: CostModel, memo
                 time_limit: float = DEFAULT_TIME_LIMIT) -> Schedule:
     """Minimum-makespan schedule on the V placement (small ``p``, ``m``), warm-started from ZB-V.
 
-    Memory in units of ``costs.mem_b`` (one chunk's ``M_B``); default as :func:`~.vshape.zbv`
-    (``p * M``, 1F1B's peak). ``meta`` holds ``optimal``, ``gap`` and ``lower_bound``.
+    Memory in units of ``costs.mem_b`` (one chunk's ``M_B``); the limit is :func:`~.vshape.zbv`'s
+    (default ``R``, 1F1B's peak: :func:`~.vshape.one_f_one_b_memory`). ``meta`` holds ``optimal``,
+    ``gap`` and ``lower_bound``.
     """
     check_count("num_ranks", num_ranks)
     check_count("num_microbatches", num_microbatches)

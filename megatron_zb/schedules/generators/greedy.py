@@ -65,14 +65,17 @@ from typing import Callable
 from ..catalog import register
 from ..costs import CostModel, StageCosts
 from ..ir import Placement, Schedule, ScheduleError, plain_placement
+from ..limits import check_minimum, count_that_fit, fits, resolve_limit, slack_ceiling
 from ..simulator import SimResult, simulate
-from ..timing import B, F, W, Code, Timeline, decode
-from .common import check_cost_model, check_count, first_b_caps, parse_memory_limit
+from ..timing import B, F, W, Code, Timeline, decode, encode
+from .baselines import one_f_one_b_order
+from .common import check_cost_model, check_count, first_b_caps
 
-__all__ = ["min_memory_limit", "zb_greedy"]
+__all__ = ["DEFAULT_LIMIT_IN_P", "min_memory_limit", "zb_greedy"]
 
-_REL_TOL = 1e-12
-"""Relative slack when comparing accumulated memory with the limit (float summation noise)."""
+DEFAULT_LIMIT_IN_P = {"zb": 1.0, "zb-1p": 1.0, "zb-2p": 2.0}
+"""Each registered name's default limit, in units of ``p * max(mem_b)`` (``zb``: 1F1B's peak);
+:func:`zb_greedy` called directly defaults to ``zb-2p``'s."""
 
 
 def min_memory_limit(*, num_ranks: int, costs: CostModel | StageCosts) -> float:
@@ -112,7 +115,7 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
     ready_f, ready_b, ready_w = tl.ready_of[F], tl.ready_of[B], tl.ready_of[W]
     run, free, mem = tl.run, tl.clock, tl.mem
     d_f, d_w, tw = tl.delta[F], tl.delta[W], tl.duration[W]
-    lim = limit + _REL_TOL * limit if math.isfinite(limit) else math.inf
+    lim = slack_ceiling(limit)
     inf = math.inf
     caps, prefer_f, w_gap, eager_w, balance = v.caps, v.prefer_f, v.w_gap, v.eager_w, v.balance
     ahead = v.ahead if v.ahead > 0 else m + 1
@@ -130,7 +133,7 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
             return True
         k, d = nb[r] - nw[r], d_w[r]
         if k == 0 or d == 0.0 or cur + k * d + need > lim + 1e-9 * (abs(lim) + abs(cur)):
-            return False
+            return False   # quick reject; the margin covers k * d against k additions (float), no more
         while cur + need > lim and k:
             cur += d
             k -= 1
@@ -258,7 +261,7 @@ def _variants(sc: StageCosts, m: int, limit: float,
     """
     p = len(sc.t_f)
     mem_caps = [m if b == 0 or not math.isfinite(limit)
-                else max(1, min(m, math.floor(limit * (1 + _REL_TOL) / b))) for b in sc.mem_b]
+                else max(1, min(m, count_that_fit(limit, b))) for b in sc.mem_b]
 
     def clamp(caps: tuple[int, ...] | list[int]) -> tuple[int, ...]:
         return tuple(max(1, min(k, mc)) for k, mc in zip(caps, mem_caps))
@@ -292,18 +295,8 @@ def _variants(sc: StageCosts, m: int, limit: float,
 
 def _one_f_one_b(p: int, m: int) -> list[list[Code]]:
     """Plain 1F1B with the backward split as ``B`` immediately followed by ``W``."""
-    order = []
-    for r in range(p):
-        warm = min(p - 1 - r, m)
-        seq = [(F, i, r) for i in range(warm)]
-        nf = warm
-        for i in range(m):
-            if nf < m:
-                seq.append((F, nf, r))
-                nf += 1
-            seq += [(B, i, r), (W, i, r)]
-        order.append(seq)
-    return order
+    ranks = one_f_one_b_order(p, m, warmup=[p - r for r in range(p)], delay=[0] * p)
+    return [[encode(a) for a in row] for row in ranks]
 
 
 def _to_schedule(m: int, order: list[list[Code]], variant: str) -> Schedule:
@@ -324,10 +317,12 @@ def zb_greedy(
         costs: per-stage times ``t_f``, ``t_b``, ``t_w``, ``t_comm`` (any one time unit) and
             activation memory ``mem_b``, ``mem_w`` (any one memory unit; ``mem_w`` defaults to
             ``mem_b / 2``).
-        memory_limit: peak activation memory allowed on each rank, in the unit of ``mem_b``.
-            ``None`` uses ``costs.memory_limit``, and if that is ``None`` too, ``2 * p * max(mem_b)``
-            (ZB-2p). ``p * M_B`` gives ZB-1p. It must be at least ``max(mem_b)`` (one microbatch held
-            from its ``F`` to its ``B``), the smallest limit any schedule can meet.
+        memory_limit: peak activation memory allowed on each rank, in the unit of ``mem_b``
+            (resolved by :func:`~..limits.resolve_limit`): ``None`` uses ``costs.memory_limit``, and
+            if that is ``None`` too, ``2 * p * max(mem_b)`` (ZB-2p; the registered ``zb`` and
+            ``zb-1p`` names default to ``p * max(mem_b)``, see :data:`DEFAULT_LIMIT_IN_P`); no
+            activation memory at all means no limit. It must be at least ``max(mem_b)`` (one
+            microbatch held from its ``F`` to its ``B``), the smallest limit any schedule can meet.
         stage_to_rank: must be ``None`` or the plain placement ``[0, 1, ..., p-1]``.
 
     Returns:
@@ -343,19 +338,12 @@ def zb_greedy(
         raise ScheduleError(f"zb_greedy supports only the plain placement {plain_placement(p)} "
                             f"(one stage per rank), got {list(stage_to_rank)}")
     base = check_cost_model(costs).resolve(p)           # validates the per-stage values
-    if memory_limit is None:
-        memory_limit = costs.memory_limit
-    if memory_limit is None:
-        biggest = max(base.mem_b)
-        memory_limit = 2 * p * biggest if biggest > 0 else math.inf
-    limit = parse_memory_limit(memory_limit)
+    limit = resolve_limit(memory_limit, costs, DEFAULT_LIMIT_IN_P["zb-2p"] * p * max(base.mem_b))
     sc = costs.with_limit(limit).resolve(p)
     need = min_memory_limit(num_ranks=p, costs=sc)
-    if need > limit * (1 + _REL_TOL):
-        worst = max(range(p), key=lambda s: sc.mem_b[s])
-        raise ScheduleError(
-            f"memory_limit {limit:g} is below the minimum {need:g}: rank {worst} must hold one "
-            f"microbatch's activations (mem_b = {need:g}) from its F until its B, so no schedule fits")
+    worst = max(range(p), key=lambda s: sc.mem_b[s])
+    check_minimum(limit, need, f"rank {worst} must hold one microbatch's activations (mem_b = {need:g}) "
+                               f"from its F until its B, so no schedule fits")
 
     sched, res = _search(sc, m, limit)
     sched.meta.update(memory_limit=limit, makespan=res.makespan, total_time=res.total_time,
@@ -397,7 +385,7 @@ def _search(sc: StageCosts, m: int, limit: float) -> tuple[Schedule, SimResult]:
         for v in variants:
             order, makespan, total = _run(sc, m, limit, v)
             cands.append(((makespan, total), len(cands), v.name, order))
-        if all(min(p - r, m) * sc.mem_b[r] <= limit * (1 + _REL_TOL) for r in range(p)):
+        if all(fits(min(p - r, m) * sc.mem_b[r], limit) for r in range(p)):
             order = _one_f_one_b(p, m)
             tl = Timeline(plain_placement(p), m, sc)
             tl.play(order)
@@ -414,19 +402,17 @@ def _greedy_builder(limit_in_p: float) -> Callable[..., Schedule]:
     """A registered builder whose default limit is ``limit_in_p * p * max(mem_b)``."""
     def build(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
               num_chunks: int) -> Schedule:
-        if memory_limit is None:
-            memory_limit = limit_in_p * check_count("num_ranks", num_ranks) * max(
-                check_cost_model(costs).resolve(num_ranks).mem_b)
-        return zb_greedy(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
-                         memory_limit=memory_limit)
+        p = check_count("num_ranks", num_ranks)
+        limit = resolve_limit(memory_limit, check_cost_model(costs), limit_in_p * p * max(costs.resolve(p).mem_b))
+        return zb_greedy(num_ranks=p, num_microbatches=num_microbatches, costs=costs, memory_limit=limit)
     return build
 
 
 _SPECS = (
-    ("zb", "greedy zero-bubble scheduler under --memory-limit (default p*M_B, as 1F1B)", 1.0),
-    ("zb-1p", "greedy zero-bubble scheduler with memory limit p*M_B (ZB-1p)", 1.0),
-    ("zb-2p", "greedy zero-bubble scheduler with memory limit 2p*M_B (ZB-2p)", 2.0),
+    ("zb", "greedy zero-bubble scheduler under --memory-limit (default p*M_B, as 1F1B)"),
+    ("zb-1p", "greedy zero-bubble scheduler with memory limit p*M_B (ZB-1p)"),
+    ("zb-2p", "greedy zero-bubble scheduler with memory limit 2p*M_B (ZB-2p)"),
 )
-for _name, _description, _limit_in_p in _SPECS:
+for _name, _description in _SPECS:
     register(_name, _description, placement=Placement.PLAIN, split_backward=True,
-             cost_aware=True)(_greedy_builder(_limit_in_p))
+             cost_aware=True)(_greedy_builder(DEFAULT_LIMIT_IN_P[_name]))

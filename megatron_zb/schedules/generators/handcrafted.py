@@ -1,4 +1,5 @@
-"""Handcrafted zero-bubble schedules ZB-H1 and ZB-H2 (zero-bubble paper, Sec. 3.1).
+"""Handcrafted zero-bubble schedules ZB-H1 and ZB-H2 (zero-bubble paper, Sec. 3.1), and the
+hand-made ZB-V order (Sec. 6) that the V family keeps as a candidate (:func:`zbv_handcrafted_order`).
 
 Both are "1F1B with the backward split": after a warm-up of forwards, each rank repeats
 ``B, W, F`` -- except that the ``W`` it runs belongs to an older microbatch. Delaying ``W`` on
@@ -21,29 +22,14 @@ from __future__ import annotations
 
 from ..catalog import register
 from ..costs import CostModel
-from ..ir import B, F, W, Action, Placement, Schedule, make_schedule, plain_placement
-from .baselines import check_shape
+from ..ir import Action, Op, Placement, Schedule, make_schedule, plain_placement
+from .baselines import check_shape, one_f_one_b_order
 
-__all__ = ["zb_h1", "zb_h2"]
+__all__ = ["zb_h1", "zb_h2", "zbv_handcrafted_order"]
 
 
 def _split_backward_1f1b(p: int, m: int, warmup: list[int], delay: list[int], name: str) -> Schedule:
-    ranks: list[list[Action]] = []
-    for r in range(p):
-        n_warm = min(warmup[r], m)
-        acts = [F(i, r) for i in range(n_warm)]   # 1. warm-up forwards
-        pending: list[int] = []                     # microbatches whose W is still owed
-        next_f = n_warm
-        for i in range(m):                          # 2. steady state and cool-down
-            acts.append(B(i, r))
-            pending.append(i)
-            while len(pending) > delay[r]:          #    run the W that is `delay` behind
-                acts.append(W(pending.pop(0), r))
-            if next_f < m:                          #    one new forward per backward
-                acts.append(F(next_f, r))
-                next_f += 1
-        acts += [W(i, r) for i in pending]          # 3. flush the delayed W
-        ranks.append(acts)
+    ranks = one_f_one_b_order(p, m, warmup=warmup, delay=delay)
     return make_schedule(num_microbatches=m, stage_to_rank=plain_placement(p), ranks=ranks, name=name)
 
 
@@ -60,6 +46,46 @@ def zb_h2(*, num_ranks: int, num_microbatches: int) -> Schedule:
     p = num_ranks
     return _split_backward_1f1b(p, num_microbatches, [2 * (p - r) - 1 for r in range(p)],
                                 [2 * r for r in range(p)], "zb-h2")
+
+
+def zbv_handcrafted_order(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
+    """The zero-bubble paper's hand-made ZB-V order (Sec. 6), per rank, on the V placement.
+
+    Rank ``r`` holds chunk 0 (stage ``r``) and chunk 1 (stage ``2p-1-r``). With ``n = max(m, 2p-1)``
+    microbatches (the pattern needs ``2p - 1`` to fill the V; actions of microbatches ``>= m`` are
+    then left out), its order is, each op taking its chunk's next microbatch:
+
+    1. warm-up: ``2(p-r)-1`` x ``F0``; ``r`` x ``(F1, F0)``; ``p-r`` x ``(F1, B1, W1)``;
+    2. steady state, while chunk 0 has forwards left or chunk 1 is behind it:
+       ``(F0 if any left), B0, W0, F1, B1, W1``;
+    3. cool-down: ``r`` x ``(B0, B1)``; ``p-r`` x ``(B0, W0)``; every remaining ``W1``, then every
+       remaining ``W0``.
+
+    Zero bubble when ``T_F = T_B = T_W`` and ``m >= 2p - 1``; peak ``2p`` chunk ``M_B`` on rank 0 (1F1B's
+    ``p`` full stages). :func:`~.vshape.v_schedule` keeps it as one more candidate (PyTorch's
+    ``ScheduleZBVZeroBubble`` builds the same order; ``tests/test_vshape.py`` compares them).
+    """
+    p, m = num_ranks, num_microbatches
+    n = max(m, 2 * p - 1)
+    ranks = []
+    for r in range(p):
+        stage = (r, 2 * p - 1 - r)
+        done = {(op, c): 0 for op in (Op.F, Op.B, Op.W) for c in (0, 1)}
+        acts: list[Action] = []
+
+        def run(*steps: tuple[Op, int]) -> None:
+            for op, c in steps:
+                acts.append(Action(op, done[op, c], stage[c]))
+                done[op, c] += 1
+
+        f0, f1, b0, b1, w0, w1 = (Op.F, 0), (Op.F, 1), (Op.B, 0), (Op.B, 1), (Op.W, 0), (Op.W, 1)
+        run(*[f0] * (2 * (p - r) - 1), *[f1, f0] * r, *[f1, b1, w1] * (p - r))          # 1. warm-up
+        while done[f1] < done[f0] or done[f0] < n:                                      # 2. steady state
+            run(*([f0] if done[f0] < n else []), b0, w0, f1, b1, w1)
+        run(*[b0, b1] * r, *[b0, w0] * (p - r))                                         # 3. cool-down
+        run(*[w1] * (done[b1] - done[w1]), *[w0] * (done[b0] - done[w0]))
+        ranks.append([a for a in acts if a.mb < m])
+    return ranks
 
 
 # ---------------------------------------------------------------------------- registration

@@ -29,15 +29,14 @@ Default memory limit: the peak of interleaved 1F1B under the same costs (so the 
 
 from __future__ import annotations
 
-import math
-
 from ..catalog import register
 from ..costs import CostModel
 from ..dp_reduce import overlapped_reduce_tail
 from ..ir import Action, Op, Placement, Schedule, ScheduleError, interleaved_placement, make_schedule
+from ..limits import check_minimum, fits, resolve_limit
 from ..simulator import simulate
 from .baselines import check_shape, interleaved_1f1b
-from .common import check_cost_model, parse_memory_limit
+from .common import check_cost_model
 from .search import search
 
 __all__ = ["interleaved_zb", "split_with_delay"]
@@ -70,7 +69,8 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
         num_microbatches: ``m`` (>= 1).
         costs: per-stage (per-chunk) costs for ``p * v`` stages; times in any unit.
         memory_limit: per-rank peak activation limit in units of ``costs.mem_b`` (one chunk's
-            ``M_B``); ``None``: ``costs.memory_limit``, else interleaved 1F1B's peak.
+            ``M_B``), resolved by :func:`~..limits.resolve_limit`: ``None``: ``costs.memory_limit``,
+            else interleaved 1F1B's peak (no activation memory at all: no limit).
         num_chunks: ``v`` (>= 1).
 
     Raises:
@@ -85,16 +85,11 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
     base_sc = costs.resolve(n)
     base = interleaved_1f1b(num_ranks=p, num_microbatches=m, num_chunks=v)
     base_peak = simulate(base, base_sc, enforce_memory=False).max_peak_memory
-    if memory_limit is None:
-        memory_limit = costs.memory_limit
-    if memory_limit is None:
-        memory_limit = base_peak if base_peak > 0 else math.inf
-    limit = parse_memory_limit(memory_limit)
+    limit = resolve_limit(memory_limit, costs, base_peak)
     need = [sum(base_sc.mem_b[s] for s in range(n) if s2r[s] == r) for r in range(p)]
-    if max(need) > limit * (1 + 1e-12) + 1e-12:
-        worst = max(range(p), key=lambda r: need[r])
-        raise ScheduleError(f"memory_limit {limit:g} is below the minimum {need[worst]:g}: rank {worst} must hold "
-                            f"the activations of all its {v} chunks for one microbatch at once")
+    worst = max(range(p), key=lambda r: need[r])
+    check_minimum(limit, need[worst], f"rank {worst} must hold the activations of all its {v} chunks for one "
+                                      f"microbatch at once")
     sc = costs.with_limit(limit).resolve(n)
 
     best: tuple | None = None
@@ -108,7 +103,7 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
         if regrouped is not cand:
             name, ranks = name + " + reduce-aware tail", regrouped.ranks
         res = simulate(regrouped, sc, enforce_memory=False)
-        if res.max_peak_memory > limit * (1 + 1e-9) + 1e-12:
+        if not fits(res.max_peak_memory, limit):
             return
         score = (round(res.makespan, 9), round(res.max_peak_memory, 9))
         if best is None or score < best[0]:

@@ -32,6 +32,7 @@ from typing import Sequence
 
 from ..costs import StageCosts
 from ..ir import Action
+from ..limits import slack_ceiling
 from ..timing import B, F, W, Code, DeadlockError, Timeline, decode, encode
 
 __all__ = ["Knobs", "asap_times", "improve", "list_schedule"]
@@ -97,7 +98,7 @@ class _ListScheduler:
         self.m, self.knobs = m, knobs
         self.tl = Timeline(s2r, m, sc)
         self.local = [[s for s in range(n) if s2r[s] == r] for r in range(p)]
-        self.lim = math.inf if limit is None else limit * (1 + 1e-12) + 1e-12
+        self.lim = slack_ceiling(limit)
         alloc = self.tl.delta[F]
         # memory an F on stage s needs: its own activation plus the rank's later chunks (same mb)
         self.need = [alloc[s] + sum(alloc[q] for q in self.local[s2r[s]] if q > s) for s in range(n)]
@@ -282,7 +283,7 @@ def improve(s2r: Sequence[int], m: int, sc: StageCosts, limit: float | None, ord
     strictly smaller and the order stays valid, deadlock-free and within the memory limit.
     Stops after a pass without improvement or ``max_evals`` evaluations. Used for small problems.
     """
-    lim = math.inf if limit is None else limit * (1 + 1e-12) + 1e-12
+    lim = slack_ceiling(limit)
     codes = [[encode(a) for a in row] for row in orders]
     timeline = Timeline(s2r, m, sc, num_ranks=len(codes))
 

@@ -18,6 +18,7 @@ from typing import Sequence
 
 from ..costs import StageCosts
 from ..ir import Action
+from ..limits import count_that_fit
 from ..timing import decode
 from .common import first_b_caps
 from .list_scheduler import Knobs, _asap_codes, _schedule_codes
@@ -60,7 +61,7 @@ def knob_space(s2r: Sequence[int], sc: StageCosts, m: int, limit: float | None) 
     full = max(sum(sc.mem_b[s] for s in range(n) if s2r[s] == r) for r in range(p))
     caps: list = [None]
     if limit is not None and math.isfinite(limit) and full > 0:
-        k = int(math.floor(limit / full + 1e-9))
+        k = count_that_fit(limit, full)
         caps += [(c,) * p for c in (k - 1, k, k + 1) if 1 <= c < m]
     caps.append(first_b_caps(s2r, sc, m, rounding="floor+1"))
     return {

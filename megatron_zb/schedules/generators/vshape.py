@@ -66,9 +66,11 @@ from typing import Callable
 from ..catalog import register
 from ..costs import CostModel, StageCosts
 from ..dp_reduce import overlapped_reduce_tail
-from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement
+from ..ir import Action, Placement, Schedule, ScheduleError, make_schedule, v_placement
+from ..limits import check_minimum, fits, resolve_limit
 from ..simulator import simulate
-from .common import check_cost_model, check_count, parse_memory_limit
+from .common import check_cost_model, check_count
+from .handcrafted import zbv_handcrafted_order
 from .list_scheduler import asap_times, improve
 from .search import proxy_costs, search
 
@@ -132,8 +134,9 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
         num_microbatches: ``m`` (>= 1).
         costs: per-stage (per-chunk) costs for ``2p`` stages; times in any unit.
         memory_limit: per-rank peak activation limit in units of ``costs.mem_b`` (one chunk's
-            ``M_B``). ``None``: ``costs.memory_limit``, else :func:`v_default_limit` with
-            ``default_fraction(p)`` (1F1B's peak ``R`` when no fraction is given).
+            ``M_B``), resolved by :func:`~..limits.resolve_limit`: ``None``: ``costs.memory_limit``,
+            else :func:`v_default_limit` with ``default_fraction(p)`` (1F1B's peak ``R`` when no
+            fraction is given); no activation memory at all means no limit.
         name: the schedule's name.
 
     Raises:
@@ -144,18 +147,12 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
     s2r = v_placement(p)
     base = check_cost_model(costs).resolve(2 * p)
     full = v_full_memory(p, base)
-    if memory_limit is None:
-        memory_limit = costs.memory_limit
-    if memory_limit is None:
-        frac = default_fraction(p) if default_fraction is not None else float(p)
-        memory_limit = v_default_limit(p, base, frac) if full > 0 else math.inf
-    limit = parse_memory_limit(memory_limit)
-    if limit * (1 + 1e-12) + 1e-12 < full:
-        worst = max(range(p), key=lambda r: base.mem_b[r] + base.mem_b[2 * p - 1 - r])
-        raise ScheduleError(
-            f"memory_limit {limit:g} is below the minimum {full:g} for the V placement: rank {worst} must hold "
-            f"both of its chunks' activations of one microbatch (mem_b[{worst}] + mem_b[{2 * p - 1 - worst}]) "
-            f"at once, so no schedule fits")
+    frac = default_fraction(p) if default_fraction is not None else float(p)
+    limit = resolve_limit(memory_limit, costs, v_default_limit(p, base, frac))
+    worst = max(range(p), key=lambda r: base.mem_b[r] + base.mem_b[2 * p - 1 - r])
+    check_minimum(limit, full, f"rank {worst} must hold both of its chunks' activations of one microbatch "
+                               f"(mem_b[{worst}] + mem_b[{2 * p - 1 - worst}]) at once, so no schedule fits",
+                  placement="V")
     sc = costs.with_limit(limit).resolve(2 * p)
     ranks, variant = _best_order(s2r, m, sc, limit, full, name)
     res = simulate(Schedule(m, s2r, ranks, name), sc)    # validates; checks memory and deadlock
@@ -166,7 +163,8 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
 def _best_order(s2r: list[int], m: int, sc: StageCosts, limit: float, full: float,
                 name: str) -> tuple[list[list[Action]], str]:
     """The V order with the best ``(makespan, peak, total)`` under ``sc`` among the knob search's,
-    its proxies' and PyTorch's, then locally improved (small problems); its variant description.
+    its proxies' and the paper's hand-made ZB-V order, then locally improved (small problems); its
+    variant description.
 
     With ``sc.dp_reduce`` (overlapped) every finalist, and the result, has its tail's W's regrouped
     chunk by chunk when the simulator says that ends the reduce sooner (:func:`~..dp_reduce.reduce_aware_tail`),
@@ -208,14 +206,12 @@ def _best_order(s2r: list[int], m: int, sc: StageCosts, limit: float, full: floa
         got = search(s2r, m, proxy, limit, max_sweeps=1)
         if got is not None:
             offer(got[0], f"built with {tag}: {got[2]}")
-    for cls_name, ranks_ in _library_v_orders(p, m):
-        # orders of PyTorch's own V schedules, re-timed under our costs: kept when they fit the
-        # memory limit and beat the search (so the result is never worse than them)
-        try:
-            res = simulate(Schedule(m, s2r, ranks_, cls_name), sc)
-        except ScheduleError:
-            continue
-        offer(ranks_, f"torch.distributed.pipelining {cls_name} order",
+    # the paper's hand-made ZB-V order, re-timed under these costs: kept when it fits the limit and
+    # beats the search (so the result is never worse than it)
+    hand = zbv_handcrafted_order(p, m)
+    res = simulate(Schedule(m, s2r, hand, name), sc, enforce_memory=False)
+    if fits(res.max_peak_memory, limit):
+        offer(hand, "hand-made ZB-V order (paper Sec. 6)",
               (round(res.makespan, 9), round(res.max_peak_memory, 9), round(res.total_time, 9)))
     if best is None:  # pragma: no cover - the memory-only knobs cannot get stuck on the V
         raise ScheduleError(f"no V schedule found for p={p}, m={m}, memory_limit={limit:g}")
@@ -228,25 +224,6 @@ def _best_order(s2r: list[int], m: int, sc: StageCosts, limit: float, full: floa
         if regrouped != ranks:
             ranks, variant = regrouped, variant + " + reduce-aware tail"
     return ranks, variant
-
-
-def _library_v_orders(p: int, m: int) -> list[tuple[str, list[list[Action]]]]:
-    """Per-rank orders of PyTorch's V schedules (ZBV, DualPipeV) for ``p`` ranks, ``m`` microbatches.
-
-    Built offline by :mod:`megatron_zb.schedules.torch_import` (PyTorch is a dependency anyway);
-    a class that refuses the shape or yields an invalid order is skipped.
-    """
-    from ..torch_import import import_torch_schedule
-
-    out = []
-    for cls_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
-        try:
-            sched = import_torch_schedule(cls_name, num_ranks=p, num_microbatches=m)
-        except Exception:  # noqa: BLE001 - any refusal (shape constraint, defect, old torch) just skips it
-            continue
-        if sched.splits_backward and all(a.op is not Op.BW for _, _, a in sched.actions()):
-            out.append((cls_name, sched.ranks))
-    return out
 
 
 def zbv(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None) -> Schedule:
