@@ -16,6 +16,7 @@ from megatron_zb.testing import megatron_lm as mlm
 from megatron_zb.testing.megatron_lm import (IterationLog, MegatronLMRun, bitwise_differences, find_megatron_lm,
                                              parse_iteration_lines, run_megatron_lm)
 from megatron_zb.testing.megatron_lm_workarounds import check_sites
+from megatron_zb.testing.megatron_lm_zygote import MAIN_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG = """\
@@ -96,7 +97,7 @@ def test_entry_script_top_level_is_light() -> None:
     """dist-checkpointing's spawned results process re-imports the rank's __main__ (this script) as
     __mp_main__: it must not import torch or start anything there."""
     code = ("import runpy, sys\n"
-            f"runpy.run_path({str(mlm._MAIN_SCRIPT)!r}, run_name='__mp_main__')\n"
+            f"runpy.run_path({str(MAIN_SCRIPT)!r}, run_name='__mp_main__')\n"
             "heavy = [m for m in ('torch', 'megatron', 'megatron_zb') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

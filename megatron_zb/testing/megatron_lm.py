@@ -24,13 +24,12 @@ Megatron-LM prints them (the last rank's `` iteration N/ M | ...`` lines), the s
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -101,7 +100,6 @@ _PLUGIN_ENV = "MEGATRON_ZB_MLM_PLUGIN"
 _OUT_ENV = "MEGATRON_ZB_MLM_OUT"
 _PARAMS_ENV = "MEGATRON_ZB_MLM_PARAMS"
 _SCRIPT_EDIT_ENV = "MEGATRON_ZB_MLM_SCRIPT_EDIT"
-_MAIN_SCRIPT = Path(__file__).with_name("megatron_lm_main.py")
 PLUGIN_CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 """A plugin step matching this is ``module:function`` (imported and called); anything else is code."""
 _ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
@@ -312,16 +310,15 @@ def _launch(argv: list[str], world_size: int, env: dict[str, str], out: str, tim
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": str(threads),
             "CUDA_DEVICE_MAX_CONNECTIONS": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)}
-    procs: list[subprocess.Popen] = []
+    procs: list[Any] = []
     paths = [Path(out) / f"rank{r}.log" for r in range(world_size)]
+    zygote = _zygote(env[MEGATRON_LM_ENV], base)
     start = time.monotonic()
     first_failed: int | None = None
     try:
         for rank, path in enumerate(paths):
-            with open(path, "wb") as log:  # the child keeps its own descriptor
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-u", str(_MAIN_SCRIPT), *argv], cwd=out, stdout=log, stderr=subprocess.STDOUT,
-                    env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}, start_new_session=True))
+            procs.append(zygote.spawn(argv=argv, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=out,
+                                      log=str(path)))
         first_failed = _wait(procs, start + timeout, grace)
     finally:
         for p in procs:  # each rank leads its own session: kill whatever is left of it
@@ -343,14 +340,35 @@ def _launch(argv: list[str], world_size: int, env: dict[str, str], out: str, tim
     return logs, wall_s, failure
 
 
-def _kill_group(p: subprocess.Popen) -> None:
+_ZYGOTES: dict[tuple[str, ...], Any] = {}
+
+
+def _zygote(folder: str, env: dict[str, str]) -> Any:
+    """The warm-start process for ``folder`` and this environment's interpreter settings
+    (:mod:`megatron_zb.testing.megatron_lm_zygote`), started on first use, ended at exit."""
+    from .megatron_lm_zygote import Zygote
+
+    key = (folder, *(env.get(k, "") for k in _ZYGOTE_ENV))
+    zygote = _ZYGOTES.get(key)
+    if zygote is None or not zygote.alive():
+        zygote = _ZYGOTES[key] = Zygote(folder, {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK")})
+        if len(_ZYGOTES) == 1:
+            atexit.register(lambda: [z.close() for z in _ZYGOTES.values()])
+    return zygote
+
+
+_ZYGOTE_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "PYTHONHASHSEED")
+"""Variables read when the interpreter or torch starts: a zygote serves only runs that agree on them."""
+
+
+def _kill_group(p: Any) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _wait(procs: list[subprocess.Popen], deadline: float, grace: float) -> int | None:
+def _wait(procs: list[Any], deadline: float, grace: float) -> int | None:
     """Poll the ranks until all exited or ``deadline`` (monotonic seconds) passed; the first rank seen
     failing (the others then get ``grace`` seconds), or None."""
     first_failed: int | None = None
