@@ -33,7 +33,8 @@ SCHEDULER_FIELDS: tuple[tuple[str, str], ...] = (
     ("max_lr", "--lr"), ("min_lr", "--min-lr"), ("lr_warmup_steps", "--lr-warmup-iters [samples]"),
     ("lr_decay_steps", "--lr-decay-iters, default --train-iters [samples]"), ("lr_decay_style", "--lr-decay-style"),
     ("start_wd", "--weight-decay"), ("end_wd", "--weight-decay"),
-    ("wd_incr_steps", "--train-iters [samples]"), ("wd_incr_style", "weight-decay increment style"))
+    ("wd_incr_steps", "weight decay's increment length, --train-iters [samples]"),
+    ("wd_incr_style", "weight decay's increment style"))
 """megatron-core ``OptimizerParamScheduler`` state fields checked on load, and the flags that set them."""
 
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")

@@ -23,10 +23,13 @@ def _signal(name: str) -> signal.Signals:
 def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
-    g.add_argument("--load", type=str, default=None, help="Directory to load a checkpoint from.")
+    g.add_argument("--load", type=str, default=None,
+                   help="Directory to load a checkpoint from (the iteration its latest_checkpointed_iteration.txt "
+                        "names). A damaged checkpoint, or one of another model or learning-rate schedule, is "
+                        "refused in one line before anything is written.")
     g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoint saves.")
     g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
-                   help="With --load: load the checkpoint of iteration N (DIR/iter_000000N) instead of the one "
+                   help="With --load: load the checkpoint of iteration N (DIR/iter_NNNNNNN) instead of the one "
                         "latest_checkpointed_iteration.txt names (as Megatron). A damaged checkpoint's error names "
                         "the --ckpt-step of the previous complete one.")
     g.add_argument("--exit-signal-handler", action="store_true",
