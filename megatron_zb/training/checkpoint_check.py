@@ -14,7 +14,8 @@ of another model shape); :func:`scheduler_mismatches` compares the LR scheduler 
 (another ``--train-iters``, ``--lr``, ...), which megatron-core's scheduler would refuse with an
 ``AssertionError``.
 
-Nothing here needs a process group: every rank reads the same files and reaches the same verdict.
+Nothing here but :func:`raise_on_every_rank` needs a process group: every rank reads the same files
+and reaches the same verdict. The directory layout (:func:`checkpoint_dir`, the tracker) is here too.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import os
 import re
 from typing import Any
 
-__all__ = ["CheckpointError", "REQUIRED_FILES", "SCHEDULER_FIELDS", "check_scheduler", "checkpoint_iterations", "damage",
-           "earlier_checkpoint_hint", "first_line", "scheduler_mismatches", "shape_mismatches"]
+__all__ = ["CheckpointError", "REQUIRED_FILES", "SCHEDULER_FIELDS", "TRACKER_FILENAME", "check_scheduler",
+           "checkpoint_dir", "checkpoint_iterations", "checkpoint_to_load", "damage", "earlier_checkpoint_hint",
+           "first_line", "raise_on_every_rank", "read_tracker", "scheduler_mismatches", "shape_mismatches"]
 
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+"""Under ``--save``: the iteration of the last complete checkpoint, written after all its files."""
 REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
 """Files of every ``torch_dist`` checkpoint directory besides the shards."""
 
@@ -45,6 +49,25 @@ class CheckpointError(RuntimeError):
 
     Raised on every rank alike, its message one line: the checkpoint, the problem, the fix.
     """
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """``ROOT/iter_0000123`` (Megatron's naming)."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration in ``ROOT/latest_checkpointed_iteration.txt``; ``None`` when there is none."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
 
 
 def first_line(error: BaseException) -> str:
@@ -105,8 +128,6 @@ def earlier_checkpoint_hint(root: str, iteration: int) -> str:
     Names the latest complete checkpoint (:func:`damage` finds nothing) before ``iteration`` and
     the ``--ckpt-step`` that loads it, or says there is none.
     """
-    from megatron_zb.training.checkpointing import checkpoint_dir
-
     for it in reversed([i for i in checkpoint_iterations(root) if i < iteration]):
         if damage(checkpoint_dir(root, it)) is None:
             return (f"the previous complete checkpoint is iteration {it} ({checkpoint_dir(root, it)}): "
@@ -165,3 +186,30 @@ def check_scheduler(common: dict[str, Any], scheduler: Any, *, args: Any, path: 
                               f"--override-opt_param-scheduler to take this command line's, or resume with the "
                               f"checkpoint's values")
     return diffs
+
+
+def checkpoint_to_load(root: str, args: Any) -> tuple[int, str] | None:
+    """(iteration, directory) ``--load`` / ``--ckpt-step`` name, checked whole; ``None``: no tracker, no ``--ckpt-step``."""
+    step = getattr(args, "ckpt_step", None)
+    iteration = step if step is not None else read_tracker(root)
+    if iteration is None:
+        return None
+    path = checkpoint_dir(root, iteration)
+    problem = damage(path)
+    if problem is not None:
+        named_by = f"--ckpt-step {step}" if step is not None else \
+            f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}"
+        raise CheckpointError(f"cannot load checkpoint {path} ({named_by}): {problem}; "
+                              f"{earlier_checkpoint_hint(root, iteration)}")
+    return iteration, path
+
+
+def raise_on_every_rank(message: str | None) -> None:
+    """Collective: when any rank has a ``message``, raise :class:`CheckpointError` with the lowest such rank's on every rank."""
+    import torch.distributed as dist
+
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    failed = [m for m in messages if m]
+    if failed:
+        raise CheckpointError(failed[0])

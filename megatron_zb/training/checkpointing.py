@@ -48,8 +48,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_zb.training.checkpoint_check import (CheckpointError, check_scheduler, damage, earlier_checkpoint_hint,
-                                                    first_line, shape_mismatches)
+from megatron_zb.training.checkpoint_check import (TRACKER_FILENAME, CheckpointError, check_scheduler, checkpoint_dir,
+                                                    checkpoint_to_load, earlier_checkpoint_hint, first_line,
+                                                    raise_on_every_rank, read_tracker, shape_mismatches)
 from megatron_zb.training.state import TrainState
 
 __all__ = [
@@ -68,7 +69,6 @@ __all__ = [
     "save_checkpoint",
 ]
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
               "max_position_embeddings", "padded_vocab_size", "kv_channels")
@@ -78,25 +78,6 @@ SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_si
 TEST_HOOK_PAUSE_BEFORE_TRACKER = "MEGATRON_ZB_TEST_HOOK_PAUSE_BEFORE_TRACKER"
 """Test hook only: ``ITERATION:SECONDS`` makes the save of that iteration pause after its files
 are written and before the tracker (see :func:`_test_hook_pause_before_tracker`)."""
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    """``ROOT/iter_0000123`` (Megatron's naming)."""
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> int | None:
-    """The iteration in ``ROOT/latest_checkpointed_iteration.txt``; ``None`` when there is none."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
 
 
 # ---------------------------------------------------------------------------- RNG
@@ -415,31 +396,6 @@ def _test_hook_pause_before_tracker(iteration: int) -> None:
     time.sleep(float(seconds))
 
 
-def _raise_on_every_rank(message: str | None) -> None:
-    """Collective: when any rank has a ``message``, raise :class:`CheckpointError` with the lowest such rank's on every rank."""
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, message)
-    failed = [m for m in messages if m]
-    if failed:
-        raise CheckpointError(failed[0])
-
-
-def _checkpoint_to_load(root: str, args: Any) -> tuple[int, str] | None:
-    """(iteration, directory) ``--load`` / ``--ckpt-step`` name, checked whole; ``None``: no tracker, no ``--ckpt-step``."""
-    step = getattr(args, "ckpt_step", None)
-    iteration = step if step is not None else read_tracker(root)
-    if iteration is None:
-        return None
-    path = checkpoint_dir(root, iteration)
-    problem = damage(path)
-    if problem is not None:
-        named_by = f"--ckpt-step {step}" if step is not None else \
-            f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}"
-        raise CheckpointError(f"cannot load checkpoint {path} ({named_by}): {problem}; "
-                              f"{earlier_checkpoint_hint(root, iteration)}")
-    return iteration, path
-
-
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """What :func:`load_checkpoint` restored besides model, optimizer and scheduler.
@@ -475,7 +431,7 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     """
     from megatron.core import dist_checkpointing
 
-    found = _checkpoint_to_load(root, args)
+    found = checkpoint_to_load(root, args)
     if found is None:
         return None
     iteration, path = found
@@ -495,7 +451,7 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
         _materialize_adam_state(optimizer)
     sd = _sharded_state_dict(chunks, optimizer, is_loading=True, use_distributed_optimizer=distributed)
     mismatched = shape_mismatches({k: v for k, v in sd.items() if k.startswith("model")}, path)
-    _raise_on_every_rank(f"checkpoint {path} holds another model: {mismatched[0]}"
+    raise_on_every_rank(f"checkpoint {path} holds another model: {mismatched[0]}"
                          + (f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else "")
                          + "; load it with the model flags it was saved with" if mismatched else None)
     if scheduler is not None and "opt_param_scheduler" in common:
@@ -512,7 +468,7 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     except Exception as e:  # noqa: BLE001 -- reported on every rank as one line below
         error = (f"cannot load checkpoint {path}: {first_line(e)}; "
                  f"{earlier_checkpoint_hint(os.path.dirname(path), iteration)}")
-    _raise_on_every_rank(error)
+    raise_on_every_rank(error)
     if optimizer is not None:
         _load_optimizer_state(optimizer, loaded["optimizer"], distributed=distributed)
     if scheduler is not None and "opt_param_scheduler" in loaded:
