@@ -32,6 +32,13 @@ optimizer with torch's Adam (no apex / Transformer Engine) needs two repairs on 
 :func:`_materialize_adam_state` and :func:`_give_each_param_its_step`;
 :func:`repaired_distributed_adam_load` applies them around a load done by other code (Megatron-LM's
 ``load_checkpoint``, :mod:`megatron_zb.megatron_lm`).
+
+The tracker is written last, after every rank's files: a job killed during a save leaves it at
+the previous complete checkpoint. Before reading anything, :func:`load_checkpoint` checks the
+checkpoint's files, model tensors and LR schedule (:mod:`.checkpoint_check`) and refuses what
+it cannot load with one :class:`CheckpointError`, the same on every rank, naming the previous
+complete checkpoint and its ``--ckpt-step`` where that is the fix (docs/training.md,
+"Checkpoints and failures").
 """
 
 from __future__ import annotations
