@@ -25,8 +25,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_pretrain import DROPOUT, SCRIPT, _without, assert_curve, in_process, losses, train  # noqa: E402
+from test_pretrain import DROPOUT, SCRIPT, _without, assert_curve, in_process, losses, train  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
