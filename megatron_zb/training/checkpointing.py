@@ -32,6 +32,13 @@ optimizer with torch's Adam (no apex / Transformer Engine) needs two repairs on 
 :func:`_materialize_adam_state` and :func:`_give_each_param_its_step`;
 :func:`repaired_distributed_adam_load` applies them around a load done by other code (Megatron-LM's
 ``load_checkpoint``, :mod:`megatron_zb.megatron_lm`).
+
+The tracker is written last, after every rank's files: a job killed during a save leaves it at
+the previous complete checkpoint. Before reading anything, :func:`load_checkpoint` checks the
+checkpoint's files, model tensors and LR schedule (:mod:`.checkpoint_check`) and refuses what
+it cannot load with one :class:`CheckpointError`, the same on every rank, naming the previous
+complete checkpoint and its ``--ckpt-step`` where that is the fix (docs/training.md,
+"Checkpoints and failures").
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -46,12 +55,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_zb.training.checkpoint_check import (TRACKER_FILENAME, CheckpointError, check_scheduler, checkpoint_dir,
+                                                    checkpoint_to_load, earlier_checkpoint_hint, first_line,
+                                                    raise_on_every_rank, read_tracker, shape_mismatches)
 from megatron_zb.training.state import TrainState
 
 __all__ = [
     "CHECKPOINT_VERSION",
     "CheckpointError",
     "LoadedCheckpoint",
+    "TEST_HOOK_PAUSE_BEFORE_TRACKER",
     "TRACKER_FILENAME",
     "check_optimizer_format",
     "checkpoint_dir",
@@ -63,34 +76,15 @@ __all__ = [
     "save_checkpoint",
 ]
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
               "max_position_embeddings", "padded_vocab_size", "kv_channels")
 """Args that must agree between the saved and the loading model."""
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded into this run (missing, or a different model shape)."""
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    """``ROOT/iter_0000123`` (Megatron's naming)."""
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root: str) -> int | None:
-    """The iteration in ``ROOT/latest_checkpointed_iteration.txt``; ``None`` when there is none."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
+TEST_HOOK_PAUSE_BEFORE_TRACKER = "MEGATRON_ZB_TEST_HOOK_PAUSE_BEFORE_TRACKER"
+"""Test hook only: ``ITERATION:SECONDS`` makes the save of that iteration pause after its files
+are written and before the tracker (see :func:`_test_hook_pause_before_tracker`)."""
 
 
 # ---------------------------------------------------------------------------- RNG
@@ -382,13 +376,31 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
     sd["zero_bubble"] = _zero_bubble_entry(state, args)
     dist_checkpointing.save(sd, path)
     dist.barrier()
-    if dist.get_rank() == 0:
+    _test_hook_pause_before_tracker(state.iteration)
+    if dist.get_rank() == 0:  # last: a save killed before this line leaves the tracker at the previous one
         tmp = os.path.join(root, TRACKER_FILENAME + ".tmp")
         with open(tmp, "w") as f:
             f.write(str(state.iteration))
         os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
     dist.barrier()
     return path
+
+
+def _test_hook_pause_before_tracker(iteration: int) -> None:
+    """Test hook only (``tests/test_checkpoint_failures.py``): with :data:`TEST_HOOK_PAUSE_BEFORE_TRACKER`
+    set to ``ITERATION:SECONDS``, the save of ``ITERATION`` prints a line on rank 0 and sleeps that
+    many seconds [s] on every rank between its files and the tracker, so that a test can kill the
+    job while the checkpoint is being written. Unset (always, outside tests): nothing."""
+    hook = os.environ.get(TEST_HOOK_PAUSE_BEFORE_TRACKER)
+    if not hook:
+        return
+    at, seconds = hook.split(":")
+    if int(at) != iteration:
+        return
+    if dist.get_rank() == 0:
+        print(f"TEST HOOK {TEST_HOOK_PAUSE_BEFORE_TRACKER}: iteration {iteration}'s files are written; "
+              f"pausing {seconds} s before the tracker", file=sys.stderr, flush=True)
+    time.sleep(float(seconds))
 
 
 @dataclass(frozen=True)
@@ -401,30 +413,35 @@ class LoadedCheckpoint:
         path: the checkpoint directory read.
         rng_restored: whether the random states were restored (same parallel layout).
         same_layout: whether the checkpoint was saved with this (PP, TP, DP) layout.
+        scheduler_differences: LR-schedule settings on which the checkpoint and this run differ
+            (resolved by ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``).
     """
 
     state: TrainState
     path: str
     rng_restored: bool
     same_layout: bool
+    scheduler_differences: tuple[str, ...] = ()
 
 
 def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, scheduler: Any, args: Any,
                     load_rng: bool = True) -> LoadedCheckpoint | None:
-    """Load the latest checkpoint under ``root`` into ``chunks`` / ``optimizer`` / ``scheduler``.
+    """Load the checkpoint ``--load`` names into ``chunks`` / ``optimizer`` / ``scheduler``. Collective.
 
-    Returns ``None`` when ``root`` holds no checkpoint (no tracker file). Collective.
-    Raises :class:`CheckpointError` when the saved model has a different shape.
+    The tracker's iteration, or ``args.ckpt_step`` (``--ckpt-step``) when set. Returns ``None``
+    when ``root`` holds no tracker file and no ``--ckpt-step`` is given. Raises
+    :class:`CheckpointError` on every rank, before anything is loaded where it can be told
+    beforehand, when the checkpoint is damaged (:func:`~.checkpoint_check.damage`; the message
+    names the previous complete checkpoint and its ``--ckpt-step``), holds another model (the
+    flags or the first mismatching tensor), another LR schedule without Megatron's flags for it,
+    or an optimizer state this run cannot load (:func:`check_optimizer_format`).
     """
     from megatron.core import dist_checkpointing
 
-    iteration = read_tracker(root)
-    if iteration is None:
+    found = checkpoint_to_load(root, args)
+    if found is None:
         return None
-    path = checkpoint_dir(root, iteration)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration} but {path} "
-                              f"does not exist")
+    iteration, path = found
     common = dist_checkpointing.load_common_state_dict(path)
     saved = common.get("args", {})
     diff = [f"--{k.replace('_', '-')}: checkpoint {saved[k]}, this run {getattr(args, k, None)}"
@@ -434,20 +451,31 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     distributed = bool(getattr(args, "use_distributed_optimizer", False))
     if optimizer is not None:
         check_optimizer_format(common, distributed=distributed, layout=_layout()[0], path=path)
+    scheduler_differences = check_scheduler(common, scheduler, args=args, path=path)
     if optimizer is not None and distributed:
         # megatron-core's DistributedOptimizer.sharded_state_dict(is_loading=True) reads the step of
         # torch Adam's state, which a fresh optimizer does not have yet (apex/TE FusedAdam need none).
         _materialize_adam_state(optimizer)
     sd = _sharded_state_dict(chunks, optimizer, is_loading=True, use_distributed_optimizer=distributed)
+    mismatched = shape_mismatches({k: v for k, v in sd.items() if k.startswith("model")}, path)
+    raise_on_every_rank(f"checkpoint {path} holds another model: {mismatched[0]}"
+                         + (f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else "")
+                         + "; load it with the model flags it was saved with" if mismatched else None)
     if scheduler is not None and "opt_param_scheduler" in common:
         sd["opt_param_scheduler"] = common["opt_param_scheduler"]
     same_layout = tuple(common.get("parallel_layout", ())) == _layout()[0]
     rng = load_rng and same_layout
     if rng:
         sd["rng_state"] = _rng_sharded_object(None)
-    loaded = dist_checkpointing.load(sd, path)
-    for i, module in enumerate(chunks):
-        module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
+    error = None
+    try:
+        loaded = dist_checkpointing.load(sd, path)
+        for i, module in enumerate(chunks):
+            module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
+    except Exception as e:  # noqa: BLE001 -- reported on every rank as one line below
+        error = (f"cannot load checkpoint {path}: {first_line(e)}; "
+                 f"{earlier_checkpoint_hint(os.path.dirname(path), iteration)}")
+    raise_on_every_rank(error)
     if optimizer is not None:
         _load_optimizer_state(optimizer, loaded["optimizer"], distributed=distributed)
     if scheduler is not None and "opt_param_scheduler" in loaded:
@@ -455,4 +483,4 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     if rng:
         restore_rng_state(loaded["rng_state"])
     return LoadedCheckpoint(state=_train_state(common, iteration=iteration, args=args), path=path,
-                            rng_restored=rng, same_layout=same_layout)
+                            rng_restored=rng, same_layout=same_layout, scheduler_differences=scheduler_differences)

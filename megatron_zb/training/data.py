@@ -268,9 +268,16 @@ def _iterator(dataset: Any, *, consumed_samples: int, args: argparse.Namespace, 
     # A generator of its own: iter() draws the workers' base seed from it, not from the default CPU
     # generator -- which dropout draws from (on CPU megatron's "CUDA" stream is that generator too),
     # so building iterators after a checkpoint's random states are restored shifts no dropout mask.
+    worker_init_fn = None
+    if workers > 0 and (getattr(args, "exit_signal_handler", False)
+                        or getattr(args, "exit_signal_handler_for_dataloader", False)):
+        from megatron_zb.training.preemption import IgnoreSignalInWorker
+
+        worker_init_fn = IgnoreSignalInWorker(args.exit_signal)  # the job's stop signal must not end the workers
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                          pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
-                                         generator=torch.Generator().manual_seed(args.seed))
+                                         generator=torch.Generator().manual_seed(args.seed),
+                                         worker_init_fn=worker_init_fn)
     return iter(loader)
 
 

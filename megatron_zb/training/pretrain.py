@@ -7,7 +7,10 @@
    developer flags of :mod:`megatron_zb.training.arguments.developer`) *before* any process group
    exists; a bad flag prints one ``pretrain_gpt_zb.py: error: --flag: ...`` line (on local rank 0)
    and exits with status 2;
-2. :class:`~megatron_zb.training.trainer.Trainer` sets the run up and trains (see its module).
+2. :class:`~megatron_zb.training.trainer.Trainer` sets the run up and trains (see its module); a
+   checkpoint ``--load`` cannot load (:class:`~megatron_zb.training.checkpoint_check.CheckpointError`)
+   prints one ``pretrain_gpt_zb.py: error: ...`` line (global rank 0) and exits with status 1
+   before anything is written.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Sequence
 
 from megatron_zb.training.arguments import ArgumentError, ValidatedArgs, build_parser, validate_args_and_schedule
 from megatron_zb.training.arguments.developer import add_developer_args, validate_developer_args
+from megatron_zb.training.checkpoint_check import CheckpointError
 from megatron_zb.training.distributed import local_rank
 from megatron_zb.training.trainer import Trainer
 
@@ -68,7 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         validated = parse_command_line(argv, world_size=world_size)
     except ArgumentError as e:
         return _usage_error(str(e))
-    trainer = Trainer(validated.args, schedule=validated.schedule)
+    try:
+        trainer = Trainer(validated.args, schedule=validated.schedule)
+    except CheckpointError:
+        return 1  # the Trainer printed the one line (rank 0) before it shut the process groups down
     try:
         return trainer.run()
     finally:

@@ -23,13 +23,15 @@ post-validation validates the previous step, gradient buffers are zeroed, one
 window), the optimizer steps and the LR scheduler follows a successful step. Then, as Megatron:
 re-planning at the end of the profiling window, the log line every ``--log-interval``,
 evaluation every ``--eval-interval``, a checkpoint every ``--save-interval``, the
-``--exit-interval`` check. After the last iteration: a checkpoint (if not just saved), the
+``--exit-interval`` check, and with ``--exit-signal-handler`` whether any rank was signalled (then
+save and exit 0). After the last iteration: a checkpoint (if not just saved), the
 validation and the test set.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any, Sequence
 
@@ -38,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_zb.schedules.ir import Schedule
 from megatron_zb.training.arguments import initial_schedule
-from megatron_zb.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_zb.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_zb.training.data_setup import DataBundle, build_data
 from megatron_zb.training.distributed import DistributedContext, init_distributed, shutdown_distributed
 from megatron_zb.training.evaluation import evaluate
@@ -46,6 +48,7 @@ from megatron_zb.training.gpt_step import run_batch, sum_lm_loss
 from megatron_zb.training.logging_utils import print_rank_0, tensorboard_writer
 from megatron_zb.training.model_setup import ModelBundle, build_model
 from megatron_zb.training.optimizer_setup import OptimizerBundle, build_optimizer
+from megatron_zb.training.preemption import ExitSignalHandler
 from megatron_zb.training.replanning import SchedulePlanner
 from megatron_zb.training.state import TrainState
 from megatron_zb.training.training_log import IterationRecord, TrainingLog
@@ -66,6 +69,8 @@ class Trainer:
         data: this rank's iterators.
         log: the current log interval and the run's history.
         last_saved: the iteration of the last checkpoint this run saved or loaded (``None``: none).
+        exit_signal: with ``--exit-signal-handler``, the handler of ``--exit-signal``
+            (:mod:`.preemption`); checked after every iteration.
         t_start: ``time.perf_counter()`` when the run started [s].
     """
 
@@ -76,6 +81,7 @@ class Trainer:
         self.t_start = time.perf_counter()
         self._iteration_of_step: dict[int, int] = {}  # post-validation: optimizer step index -> iteration
         self.dist: DistributedContext = init_distributed(args)
+        self.exit_signal = ExitSignalHandler(args.exit_signal).install() if args.exit_signal_handler else None
         try:
             schedule = schedule if schedule is not None else initial_schedule(args)
             self.model: ModelBundle = build_model(args, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
@@ -88,8 +94,13 @@ class Trainer:
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                                    tensorboard=tensorboard_writer(args.tensorboard_dir))
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, CheckpointError):  # raised on every rank alike: rank 0 says it once
+                print_rank_0(f"pretrain_gpt_zb.py: error: {e}", file=sys.stderr)
+                dist.barrier()  # the other ranks exit after rank 0 printed (a launcher stops the rest then)
             shutdown_distributed(self.dist)
+            if self.exit_signal is not None:
+                self.exit_signal.release()
             raise
 
     @property
@@ -107,10 +118,12 @@ class Trainer:
         """Close the TensorBoard writer; destroy the process groups this run started."""
         self.log.close()
         shutdown_distributed(self.dist)
+        if self.exit_signal is not None:
+            self.exit_signal.release()
 
     # ------------------------------------------------------------------ the loop
     def _train(self) -> bool:
-        """The loop; returns True when it stopped at ``--exit-interval``."""
+        """The loop; returns True when it stopped early (``--exit-interval``, ``--exit-signal-handler``)."""
         args = self.args
         for m in self.model.modules:
             m.train()
@@ -179,17 +192,25 @@ class Trainer:
             with self.log.excluding_time():
                 self._finalize_optimizer()
                 self._save()
+        if self.exit_signal is not None and self.exit_signal.any_rank_received(self.dist.device):
+            self._exit_early(it, f"after receiving {args.exit_signal.name} (--exit-signal-handler)")
+            return True
         if args.exit_interval and it % args.exit_interval == 0:
-            if self.log.records:
-                self._log_interval(print_line=False)
-            self._finalize_optimizer()
-            if args.save and self.last_saved != it:
-                self._save()
-            dist.barrier()
-            print_rank_0(f"> exiting program at iteration {it} (--exit-interval {args.exit_interval})")
-            self.log.write_json()
+            self._exit_early(it, f"(--exit-interval {args.exit_interval})")
             return True
         return False
+
+    def _exit_early(self, it: int, why: str) -> None:
+        """Stop after iteration ``it``: the last interval's exact values, a checkpoint when ``--save``, the JSON log."""
+        if self.log.records:
+            self._log_interval(print_line=False)
+        self._finalize_optimizer()
+        if self.args.save and self.last_saved != it:
+            self._save()
+        dist.barrier()
+        print_rank_0(f"> exiting program at iteration {it} {why}"
+                     + ("" if self.args.save else "; no --save: no checkpoint written"))
+        self.log.write_json()
 
     def _finish(self) -> None:
         """After the last iteration: exact values of the last interval, a checkpoint, validation and test."""
@@ -271,6 +292,10 @@ class Trainer:
             print_rank_0(f"WARNING: no checkpoint in {args.load} (no latest_checkpointed_iteration.txt); "
                          f"training from scratch")
             return TrainState()
+        if loaded.scheduler_differences:
+            which = ("this command line's (--override-opt_param-scheduler)" if args.override_opt_param_scheduler
+                     else "the checkpoint's (--use-checkpoint-opt_param-scheduler)")
+            print_rank_0(f"> learning-rate schedule: {which}; they differ in " + "; ".join(loaded.scheduler_differences))
         if not loaded.rng_restored:
             print_rank_0("WARNING: the checkpoint was saved with another (pipeline, tensor, data)-parallel layout; "
                          "random states are not restored (dropout streams start afresh)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megatron_zb.schedules.ir import Schedule
 
+from .checkpointing_logging import check_checkpointing
 from .common import ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
 from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
@@ -37,7 +38,7 @@ POSITIVE: tuple[str, ...] = (
     "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "global_batch_size", "ffn_hidden_size",
     "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "num_virtual_stages_per_pipeline_rank",
-    "log_interval", "eval_interval", "save_interval", "distributed_timeout_minutes")
+    "log_interval", "eval_interval", "save_interval", "distributed_timeout_minutes", "ckpt_step")
 """Integer flags that must be >= 1 when given."""
 NON_NEGATIVE: tuple[str, ...] = ("eval_iters", "lr_warmup_iters", "num_workers")
 """Integer flags that must be >= 0."""
@@ -91,6 +92,7 @@ def validate_args_and_schedule(args: argparse.Namespace, *, world_size: int) -> 
     fill_model_sizes(args)
     check_moe(args)
     check_logging(args)
+    check_checkpointing(args)
     fill_training_values(args)
     resolve_backend(args)
     return ValidatedArgs(args=args, schedule=schedule)

@@ -1,0 +1,215 @@
+"""Is a checkpoint whole, and does it fit this run? Checked before megatron-core reads it.
+
+A ``torch_dist`` checkpoint directory (``ROOT/iter_0000100``) holds ``metadata.json``,
+``common.pt`` (the common state), ``.metadata`` (torch's distributed-checkpoint index: every
+tensor's global shape and, for every stored item, the file, offset and length that hold it) and
+the shard files ``__<rank>_<n>.distcp``. :func:`damage` checks that every file the index names
+is there and long enough -- the failures a full disk, a lost node or an interrupted copy leave
+behind -- so that a load fails with one line naming the file instead of an ``EOFError`` inside
+torch on every rank. :func:`earlier_checkpoint_hint` names the latest complete checkpoint before a
+damaged one and the ``--ckpt-step`` that loads it.
+
+:func:`shape_mismatches` compares this rank's sharded model tensors with the index (a checkpoint
+of another model shape); :func:`scheduler_mismatches` compares the LR scheduler with the saved one
+(another ``--train-iters``, ``--lr``, ...), which megatron-core's scheduler would refuse with an
+``AssertionError``.
+
+Nothing here but :func:`raise_on_every_rank` needs a process group: every rank reads the same files
+and reaches the same verdict. The directory layout (:func:`checkpoint_dir`, the tracker) is here too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+__all__ = ["CheckpointError", "REQUIRED_FILES", "SCHEDULER_FIELDS", "TRACKER_FILENAME", "check_scheduler",
+           "checkpoint_dir", "checkpoint_iterations", "checkpoint_to_load", "damage", "earlier_checkpoint_hint",
+           "first_line", "raise_on_every_rank", "read_tracker", "scheduler_mismatches", "shape_mismatches"]
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+"""Under ``--save``: the iteration of the last complete checkpoint, written after all its files."""
+REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
+"""Files of every ``torch_dist`` checkpoint directory besides the shards."""
+
+SCHEDULER_FIELDS: tuple[tuple[str, str], ...] = (
+    ("max_lr", "--lr"), ("min_lr", "--min-lr"), ("lr_warmup_steps", "--lr-warmup-iters [samples]"),
+    ("lr_decay_steps", "--lr-decay-iters, default --train-iters [samples]"), ("lr_decay_style", "--lr-decay-style"),
+    ("start_wd", "--weight-decay"), ("end_wd", "--weight-decay"),
+    ("wd_incr_steps", "weight decay's increment length, --train-iters [samples]"),
+    ("wd_incr_style", "weight decay's increment style"))
+"""megatron-core ``OptimizerParamScheduler`` state fields checked on load, and the flags that set them."""
+
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be loaded into this run (missing, damaged, another model or LR schedule).
+
+    Raised on every rank alike, its message one line: the checkpoint, the problem, the fix.
+    """
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """``ROOT/iter_0000123`` (Megatron's naming)."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration in ``ROOT/latest_checkpointed_iteration.txt``; ``None`` when there is none."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message`` of ``error``."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def damage(path: str) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be read (``"FILE ...: problem"``); ``None`` when whole.
+
+    Checks that the directory and :data:`REQUIRED_FILES` exist, that ``.metadata`` and
+    ``common.pt`` can be read, and that every shard file ``.metadata`` names exists and holds at
+    least the bytes (offset + length) of every item stored in it. Bytes changed in place
+    (same length) are not detected here; the load itself then fails (see
+    :func:`megatron_zb.training.checkpointing.load_checkpoint`).
+    """
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isdir(path):
+        return f"{path} does not exist"
+    for name in REQUIRED_FILES:
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{os.path.join(path, name)} is missing"
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 -- any failure to read it is the damage reported
+        return f"{os.path.join(path, '.metadata')} cannot be read ({first_line(e)})"
+    try:
+        torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001
+        return f"{os.path.join(path, 'common.pt')} cannot be read ({first_line(e)})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing (the checkpoint's .metadata names it)"
+        have = os.path.getsize(file)
+        if have < size:
+            return f"{file} is truncated: {have} bytes, the checkpoint's .metadata needs {size}"
+    return None
+
+
+def checkpoint_iterations(root: str) -> list[int]:
+    """Iterations of the ``iter_NNNNNNN`` directories under ``root``, ascending (whole or not)."""
+    if not os.path.isdir(root):
+        return []
+    found = (_ITER_DIR.match(name) for name in os.listdir(root))
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def earlier_checkpoint_hint(root: str, iteration: int) -> str:
+    """The fix for a checkpoint of ``iteration`` under ``root`` that cannot be loaded.
+
+    Names the latest complete checkpoint (:func:`damage` finds nothing) before ``iteration`` and
+    the ``--ckpt-step`` that loads it, or says there is none.
+    """
+    for it in reversed([i for i in checkpoint_iterations(root) if i < iteration]):
+        if damage(checkpoint_dir(root, it)) is None:
+            return (f"the previous complete checkpoint is iteration {it} ({checkpoint_dir(root, it)}): "
+                    f"add --ckpt-step {it} to load it")
+    return f"no complete checkpoint before iteration {iteration} under {root}: repair it or train without --load"
+
+
+def shape_mismatches(sharded_state_dict: dict[str, Any], path: str) -> list[str]:
+    """This rank's model tensors whose key is absent from the checkpoint ``path`` or whose global shape differs.
+
+    ``sharded_state_dict``: megatron-core sharded state dicts of the model chunks (values nested
+    in dicts and lists); tensors that allow a shape mismatch (vocabulary padding) are skipped.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    out: list[str] = []
+    for t in nested_values(sharded_state_dict):
+        if not isinstance(t, ShardedTensor) or getattr(t, "allow_shape_mismatch", False):
+            continue
+        if t.key not in saved:
+            out.append(f"tensor {t.key} of this run's model (shape {tuple(t.global_shape)}) is not in the checkpoint")
+        elif tuple(saved[t.key].size) != tuple(t.global_shape):
+            out.append(f"tensor {t.key} has shape {tuple(saved[t.key].size)} in the checkpoint and "
+                       f"{tuple(t.global_shape)} in this run's model")
+    return out
+
+
+def scheduler_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The :data:`SCHEDULER_FIELDS` on which a saved LR-scheduler state and this run's differ, one phrase each."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for field, flag in SCHEDULER_FIELDS:
+        if field in saved and field in current and saved[field] != current[field] and flag not in seen:
+            seen.add(flag)
+            out.append(f"{flag}: checkpoint {saved[field]}, this run {current[field]}")
+    return out
+
+
+def check_scheduler(common: dict[str, Any], scheduler: Any, *, args: Any, path: str) -> tuple[str, ...]:
+    """The LR-schedule settings on which the checkpoint and this run differ; refused without Megatron's flags.
+
+    megatron-core's ``OptimizerParamScheduler.load_state_dict`` asserts that they agree unless
+    ``--override-opt_param-scheduler`` (this command line's values) or
+    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's) is given; this says so in one line.
+    """
+    if scheduler is None or "opt_param_scheduler" not in common:
+        return ()
+    diffs = tuple(scheduler_mismatches(common["opt_param_scheduler"], scheduler.state_dict()))
+    if diffs and not (getattr(args, "override_opt_param_scheduler", False)
+                      or getattr(args, "use_checkpoint_opt_param_scheduler", False)):
+        raise CheckpointError(f"checkpoint {path} was saved with another learning-rate schedule ({'; '.join(diffs)}): "
+                              f"add --use-checkpoint-opt_param-scheduler to continue the checkpoint's schedule or "
+                              f"--override-opt_param-scheduler to take this command line's, or resume with the "
+                              f"checkpoint's values")
+    return diffs
+
+
+def checkpoint_to_load(root: str, args: Any) -> tuple[int, str] | None:
+    """(iteration, directory) ``--load`` / ``--ckpt-step`` name, checked whole; ``None``: no tracker, no ``--ckpt-step``."""
+    step = getattr(args, "ckpt_step", None)
+    iteration = step if step is not None else read_tracker(root)
+    if iteration is None:
+        return None
+    path = checkpoint_dir(root, iteration)
+    problem = damage(path)
+    if problem is not None:
+        named_by = f"--ckpt-step {step}" if step is not None else \
+            f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}"
+        raise CheckpointError(f"cannot load checkpoint {path} ({named_by}): {problem}; "
+                              f"{earlier_checkpoint_hint(root, iteration)}")
+    return iteration, path
+
+
+def raise_on_every_rank(message: str | None) -> None:
+    """Collective: when any rank has a ``message``, raise :class:`CheckpointError` with the lowest such rank's on every rank."""
+    import torch.distributed as dist
+
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    failed = [m for m in messages if m]
+    if failed:
+        raise CheckpointError(failed[0])
