@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import re
 from typing import Any, Callable, NamedTuple
 
@@ -250,7 +251,7 @@ def pipeline_step_functions() -> PipelineStepFunctions:
 # (what the CPU shim replaces inside megatron-core when CUDA is absent; see
 # megatron_zb/platform/cpu_shim.py and docs/cpu_support.md for why each is patched)
 
-CUDA_FACTORY_MODULES: tuple[str, ...] = (
+_CUDA_FACTORY_MODULES_016: tuple[str, ...] = (
     "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = torch.zeros(..., device="cuda")
     "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale, mixed-precision found_inf
     "megatron.core.optimizer.grad_scaler",  # loss-scale tensors (fp16 only)
@@ -261,8 +262,12 @@ CUDA_FACTORY_MODULES: tuple[str, ...] = (
     "megatron.core.rerun_state_machine",  # RerunStateMachine._reduce_any: torch.tensor(..., device="cuda"), every step
     "megatron.core.tensor_parallel.data",  # _build_key_size_numel_dictionaries: sizes_cuda (broadcast_data, TP > 1)
 )
-"""megatron-core modules whose module-global ``torch`` the CPU shim replaces (they create
-tensors with ``device="cuda"``)."""
+CUDA_FACTORY_MODULES: dict[str, tuple[str, ...]] = {
+    "0.16": _CUDA_FACTORY_MODULES_016,
+    "0.19": _CUDA_FACTORY_MODULES_016,
+}
+"""Per release: megatron-core modules whose module-global ``torch`` the CPU shim replaces (they
+create tensors with ``device="cuda"``). :func:`shim_modules` gives the installed release's."""
 
 TENSOR_CUDA_CALLERS: tuple[str, ...] = ("megatron.core.",)
 """Module prefixes whose ``Tensor.cuda()`` calls the CPU shim answers with the CPU tensor (more can be
@@ -282,11 +287,22 @@ MOE_TE_NAMES: tuple[str, tuple[str, ...]] = ("megatron.core.transformer.moe.moe_
 """(module, names): Transformer Engine functions ``moe_utils`` tests with ``is not None`` but only
 defines when TE imports (the router's ``RouterGatingLinearFunction``); the shim sets them to ``None``."""
 
-CUDA_STREAM_MODULES: tuple[str, ...] = (
-    "megatron.core.transformer.moe.token_dispatcher",  # alltoall: torch.cuda.Stream() at construction
-)
-"""megatron-core modules whose module-global ``torch`` the CPU shim replaces by a stand-in whose
-``torch.cuda`` has CPU streams (``Stream``, ``current_stream``, ``stream``: one synchronous stream)."""
+_MOE_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"  # alltoall: torch.cuda.Stream() at construction
+CUDA_STREAM_MODULES: dict[str, tuple[str, ...]] = {
+    "0.16": (_MOE_DISPATCHER,),
+    # 0.19's DDP bucket groups call torch.cuda.current_stream() in every start_grad_sync (to wait
+    # for CUDA-graph weight-gradient events)
+    "0.19": (_MOE_DISPATCHER, "megatron.core.distributed.param_and_grad_buffer"),
+}
+"""Per release: megatron-core modules whose module-global ``torch`` the CPU shim replaces by a
+stand-in whose ``torch.cuda`` has CPU streams (``Stream``, ``current_stream``, ``stream``: one
+synchronous stream). :func:`shim_modules` gives the installed release's."""
+
+
+def shim_modules() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(:data:`CUDA_FACTORY_MODULES`, :data:`CUDA_STREAM_MODULES`) of the installed release."""
+    return CUDA_FACTORY_MODULES[release()], CUDA_STREAM_MODULES[release()]
+
 
 MOE_HOST_COPY: tuple[str, str] = ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu")
 """(module, name) of the alltoall dispatcher's device-to-host copy of its split sizes. It converts
@@ -318,6 +334,8 @@ from typing import TYPE_CHECKING  # noqa: E402  (this section's own imports)
 
 if TYPE_CHECKING:
     import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
 
 
 def multi_tensor_l2_norm(grads: list["torch.Tensor"], overflow_buf: "torch.Tensor") -> "torch.Tensor":
@@ -355,11 +373,89 @@ def copy_main_params_to_model_params(optimizer: Any) -> None:
     """The copy half of ``MixedPrecisionOptimizer.step_with_ready_grads()``: refresh the model
     params (or, with ``reuse_grad_buf_for_mxfp8_param_ag``, the param buffer unless the param
     gather is overlapped) from the fp32 main params. No collective."""
-    if optimizer.config.reuse_grad_buf_for_mxfp8_param_ag:
+    reuse = optimizer.config.reuse_grad_buf_for_mxfp8_param_ag
+    if reuse and release() != "0.16":  # 0.19: only optimizers that own a DDP param buffer
+        reuse = hasattr(optimizer, "_copy_main_params_to_param_buffer")
+    if reuse:
         if not optimizer.config.overlap_param_gather:
             optimizer._copy_main_params_to_param_buffer()
     else:
         optimizer._copy_main_params_to_model_params()
+
+
+def grads_for_norm(optimizer: Any) -> list["torch.Tensor"]:
+    """The grads megatron-core's grad norm of one optimizer part is taken over:
+    ``get_main_grads_for_grad_norm()`` on 0.16.1, ``get_grads_for_grad_norm()`` on 0.19 (renamed;
+    the same filter plus GTP duplicates, which are none without GTP)."""
+    if release() == "0.16":
+        return optimizer.get_main_grads_for_grad_norm()
+    return optimizer.get_grads_for_grad_norm()
+
+
+def unsupported_step_features(part: Any) -> list[str]:
+    """What megatron-core's ``step()`` of this release does for ``part`` that post-validation does
+    not mirror (empty on 0.16.1). On 0.19: ``grad_norm_skip_threshold`` (skip the update above a
+    grad norm) and separate grad-norm groups (parameters tagged with ``grad_norm_group``,
+    e.g. MTP layers, clipped by their own norm)."""
+    if release() == "0.16":
+        return []
+    from megatron.core.optimizer import optimizer as opt_module
+
+    found = []
+    if math.isfinite(part.config.grad_norm_skip_threshold):
+        found.append(f"grad_norm_skip_threshold={part.config.grad_norm_skip_threshold} (megatron-core "
+                     f"{megatron_core_version()}; --grad-norm-skip-threshold) is not supported with "
+                     "post-validation; leave it at inf")
+    attr = opt_module.GRAD_NORM_GROUP_ATTR
+    if any(getattr(p, attr, None) is not None for p in part.get_parameters()):
+        found.append(f"parameters in a separate grad-norm group ({attr}, e.g. MTP layers; megatron-core "
+                     f"{megatron_core_version()}) are not supported with post-validation")
+    return found
+
+
+def zero_count_groups(part: Any, *, chained: bool) -> dict[str, Any]:
+    """The groups megatron-core's ``count_zeros`` passes to ``param_is_not_tensor_parallel_duplicate``
+    for ``part`` (``chained``: a ``ChainedOptimizer``'s count over every part, ``part`` its first).
+    0.16.1: the part's ``tp_group``, none for a chain; 0.19: the (first) part's ``tp_group`` and
+    ``expert_tp_group``."""
+    if release() == "0.16":
+        return {"tp_group": None if chained else getattr(part, "tp_group", None)}
+    return {"tp_group": getattr(part, "tp_group", None), "expert_tp_group": getattr(part, "expert_tp_group", None)}
+
+
+def param_counts_for_zeros(param: Any, groups: dict[str, Any]) -> bool:
+    """``count_zeros_fp32``'s filter (besides grad not None): not shared, not a TP duplicate, and
+    on 0.19 not a GTP duplicate (``param_is_not_gtp_duplicate``)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    counted = param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, **groups)
+    if counted and release() != "0.16":
+        from megatron.core.tensor_parallel import param_is_not_gtp_duplicate
+
+        counted = param_is_not_gtp_duplicate(param)
+    return counted
+
+
+def zero_count_dtype() -> "torch.dtype":
+    """The dtype ``count_zeros_fp32`` accumulates and all-reduces the count in: fp32 on 0.16.1,
+    int64 on 0.19."""
+    import torch
+
+    return torch.float if release() == "0.16" else torch.int64
+
+
+def grad_norm_from_sq_sum(norm_sq: "torch.Tensor") -> Any:
+    """``get_grad_norm_fp32``'s result from the all-reduced squared norm: ``item() ** 0.5`` (a
+    float); on 0.19 with Transformer Engine's ``multi_tensor_scale_tensor`` it stays a tensor
+    (``pow(0.5)``), which ``clip_grad_by_total_norm_fp32`` then takes (not tested here: no TE on
+    CPU)."""
+    if release() != "0.16":
+        from megatron.core.optimizer import clip_grads
+
+        if getattr(clip_grads, "multi_tensor_scale_tensor_impl", None) is not None:
+            return norm_sq.pow(1.0 / 2.0)
+    return norm_sq.item() ** (1.0 / 2.0)
 
 
 # ---------------------------------------------------------------------------------- training
