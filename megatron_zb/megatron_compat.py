@@ -327,7 +327,7 @@ def sharded_tensor_class() -> type:
 # --------------------------------------------------------------------------------- optimizer
 # (what post-validation reads and calls inside megatron-core's optimizers)
 # Callers: megatron_zb.optimizer.grad_stats and megatron_zb.optimizer.parts. Each function mirrors
-# a named piece of megatron-core 0.16.1 (megatron/core/optimizer/{optimizer,clip_grads}.py);
+# a named piece of megatron-core 0.16.1 and 0.19.x (megatron/core/optimizer/{optimizer,clip_grads}.py);
 # re-read that piece at an upgrade. Public megatron-core names (classes, config fields,
 # get_grad_stats_parallel_group, clip_grad_by_total_norm_fp32, ...) are used directly there.
 from typing import TYPE_CHECKING  # noqa: E402  (this section's own imports)
