@@ -16,7 +16,9 @@ setup(
     # requirement would pull a multi-GB CUDA wheel on a CPU machine.
     install_requires=[
         "torch>=2.6",
-        "megatron-core==0.16.1",
+        # 0.16.1 (Python >= 3.10) or 0.19.x (Python >= 3.12), each tested (docs/compatibility.md); 0.17 and
+        # 0.18 are untested and refused at run time (megatron_compat.release)
+        "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.20",
         "numpy",
         "matplotlib",
         "psutil",   # megatron-core's async checkpoint writer hangs without it

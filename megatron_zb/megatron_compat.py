@@ -1,13 +1,140 @@
-"""Every private megatron-core API megatron-zb touches, in one place.
+"""Every private megatron-core API megatron-zb touches, in one place, per supported release.
 
 megatron-zb is a plugin: it imports megatron-core's public API freely, but some of what it needs
 is private (underscore names, module internals, functions megatron-core does not export, objects it
 patches). Each such use lives here, under the part of megatron-zb that needs it, so that one file
-is reviewed at each megatron-core upgrade (pinned: megatron-core 0.16.1). Anything here may break
-on upgrade; nothing outside this module reaches into megatron-core's private names.
+is reviewed at each megatron-core upgrade. Anything here may break on upgrade; nothing outside this
+module reaches into megatron-core's private names or asks which megatron-core release is installed.
+
+Supported releases: :data:`RELEASES` (megatron-core 0.16.1 on Python >= 3.10, 0.19.x on Python
+>= 3.12). :data:`PRIVATE_API` is the table: each private name -> where it lives and how it is
+called in each release (``None``: the release lacks it; what needs it is refused naming the
+release). ``tests/test_megatron_compat.py`` resolves every row on the installed release and
+compares the recorded signatures, so an upgrade that moves or re-signs a name fails there first.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+import math
+import re
+from typing import Any, Callable, NamedTuple
+
+# ---------------------------------------------------------------------------------- releases
+
+RELEASES: dict[str, str] = {"0.16": "0.16.1", "0.19": "0.19.0 to 0.19.2"}
+"""Supported megatron-core release lines -> the versions tested (docs/compatibility.md). 0.17 and
+0.18 are not tested and refused (setup.py excludes them)."""
+
+
+class UnsupportedMegatronCore(RuntimeError):
+    """The installed megatron-core is not a supported release, or lacks what was asked for."""
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core's version (``megatron.core.package_info``; from the checkout
+    on ``sys.path`` when a Megatron-LM tree shadows the installed package)."""
+    from megatron.core import package_info
+
+    return str(package_info.__version__)
+
+
+@functools.lru_cache(maxsize=None)
+def release() -> str:
+    """The supported release line (a key of :data:`RELEASES`) of the installed megatron-core;
+    raises :class:`UnsupportedMegatronCore` for any other version."""
+    version = megatron_core_version()
+    m = re.match(r"(\d+)\.(\d+)", version)
+    line = f"{m.group(1)}.{m.group(2)}" if m else version
+    if line not in RELEASES:
+        raise UnsupportedMegatronCore(
+            f"megatron-core {version} is not supported by megatron-zb (tested: "
+            + ", ".join(RELEASES.values()) + "); install megatron-core==0.16.1 (Python 3.11) "
+            "or megatron-core>=0.19,<0.20 (Python >= 3.12)")
+    return line
+
+
+class Private(NamedTuple):
+    """Where a private name lives in one release: ``"module:attribute"`` (``module:Class.attr``
+    for a class attribute), and, for a callable megatron-zb calls, its parameter list as
+    ``inspect.signature`` prints it (``None``: not compared)."""
+
+    where: str
+    signature: str | None = None
+
+
+_SCHED = "megatron.core.pipeline_parallel.schedules"
+_LAYERS = "megatron.core.tensor_parallel.layers"
+
+PRIVATE_API: dict[str, dict[str, Private | None]] = {
+    # -- runtime: megatron-core's per-microbatch pipeline helpers (the executor calls them)
+    "forward_step": {
+        r: Private(f"{_SCHED}:forward_step",
+                   "(forward_step_func, data_iterator, model, num_microbatches, input_tensor, "
+                   "forward_data_store, config, cp_group_size, collect_non_loss_data=False, "
+                   "checkpoint_activations_microbatch=None, is_first_microbatch=False, "
+                   "current_microbatch=None, vp_stage=None, is_last_stage=True)")
+        for r in RELEASES},
+    "backward_step": {
+        "0.16": Private(f"{_SCHED}:backward_step",
+                        "(input_tensor, output_tensor, output_tensor_grad, model_type, config)"),
+        "0.19": Private(f"{_SCHED}:backward_step",
+                        "(input_tensor, output_tensor, output_tensor_grad, config)")},
+    "check_first_val_step": {
+        r: Private(f"{_SCHED}:check_first_val_step", "(first_val_step, forward_only, cond)")
+        for r in RELEASES},
+    "get_tensor_shapes": {
+        "0.16": Private(f"{_SCHED}:get_tensor_shapes",
+                        "(*, seq_length: int, micro_batch_size: int, decoder_seq_length: int, config, "
+                        "tp_group: torch.distributed.distributed_c10d.ProcessGroup, "
+                        "cp_group: torch.distributed.distributed_c10d.ProcessGroup)"),
+        "0.19": Private(f"{_SCHED}:get_tensor_shapes",
+                        "(*, seq_length: int, micro_batch_size: int, decoder_seq_length: int, config, "
+                        "tp_group: Optional[torch.distributed.distributed_c10d.ProcessGroup] = None, "
+                        "cp_group: Optional[torch.distributed.distributed_c10d.ProcessGroup] = None)")},
+    "deallocate_output_tensor": {
+        r: Private(f"{_SCHED}:deallocate_output_tensor", "(out, deallocate_pipeline_outputs=False)")
+        for r in RELEASES},
+    # -- runtime: the linear route (megatron_zb/runtime/linear_route.py)
+    "LinearWithGradAccumulationAndAsyncCommunication.forward": {
+        "0.16": Private(f"{_LAYERS}:LinearWithGradAccumulationAndAsyncCommunication.forward",
+                        "(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, "
+                        "sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group)"),
+        "0.19": Private(f"{_LAYERS}:LinearWithGradAccumulationAndAsyncCommunication.forward",
+                        "(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, "
+                        "sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group, "
+                        "gtp_remat_size)")},
+    "layers.custom_bwd": {r: Private(f"{_LAYERS}:custom_bwd") for r in RELEASES},
+    "prepare_input_tensors_for_wgrad_compute": {
+        r: Private("megatron.core.utils:prepare_input_tensors_for_wgrad_compute",
+                   "(grad_output, all_gathered_input)") for r in RELEASES},
+}
+"""The table: private name -> release line -> :class:`Private` (``None``: absent in that release).
+Rows are added as the sections below need them; :func:`private` resolves one."""
+
+
+def private(name: str, *, feature: str | None = None) -> Any:
+    """The object :data:`PRIVATE_API` names ``name`` for the installed release; raises
+    :class:`UnsupportedMegatronCore` naming the release (and ``feature``, what needs it) when the
+    release lacks it."""
+    entry = PRIVATE_API[name][release()]
+    if entry is None:
+        raise UnsupportedMegatronCore(
+            f"{feature or name} is not available with megatron-core {megatron_core_version()} "
+            f"(megatron-core's {name} is absent there); use megatron-core "
+            + " or ".join(RELEASES[r] for r, e in PRIVATE_API[name].items() if e is not None))
+    return resolve(entry.where)
+
+
+def resolve(where: str) -> Any:
+    """Import ``"module:attr[.attr...]"`` and return the attribute."""
+    module, _, path = where.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
 
 # ----------------------------------------------------------------------------------- runtime
 # (the weight-gradient store's routes into megatron-core's layers, the executor's use of the
@@ -16,9 +143,6 @@ from __future__ import annotations
 # get_global_memory_buffer), megatron.core.utils.get_model_config / get_model_type,
 # megatron.core.pipeline_parallel.get_forward_backward_func, megatron.core.tensor_parallel's
 # exported layers.
-import re  # noqa: E402
-from typing import Any, Callable, NamedTuple  # noqa: E402
-
 LINEAR_AUTOGRAD_FUNCTION: tuple[str, str] = (
     "megatron.core.tensor_parallel.layers", "LinearWithGradAccumulationAndAsyncCommunication")
 """(module, attribute) of the autograd function behind ``ColumnParallelLinear`` and
@@ -36,17 +160,34 @@ linear route's ``backward`` reads; ``tests/test_routes.py`` checks they are stil
 
 def linear_custom_bwd() -> Callable[..., Any]:
     """The ``custom_bwd`` decorator megatron-core's linear backward carries (autocast state)."""
-    from megatron.core.tensor_parallel import layers
-
-    return layers.custom_bwd
+    return private("layers.custom_bwd")
 
 
 def prepare_wgrad_inputs() -> Callable[..., Any]:
     """``megatron.core.utils.prepare_input_tensors_for_wgrad_compute``: the 3-D to 2-D reshape the
     linear backward applies to ``(grad_output, total_input)`` before the weight-gradient GEMM."""
-    from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+    return private("prepare_input_tensors_for_wgrad_compute")
 
-    return prepare_input_tensors_for_wgrad_compute
+
+def linear_backward_grads(grad_input: Any, grad_weight: Any, grad_bias: Any) -> tuple[Any, ...]:
+    """What the linear function's ``backward`` returns: the three gradients, then one ``None``
+    for each further input of its ``forward`` (6 on megatron-core 0.16.1; 7 on 0.19, which adds
+    ``gtp_remat_size``), read from the :data:`PRIVATE_API` row's signature."""
+    signature = PRIVATE_API["LinearWithGradAccumulationAndAsyncCommunication.forward"][release()]
+    assert signature is not None and signature.signature is not None
+    num_inputs = len(signature.signature.split(",")) - 1  # minus ctx
+    return (grad_input, grad_weight, grad_bias) + (None,) * (num_inputs - 3)
+
+
+def check_linear_ctx(ctx: Any) -> None:
+    """Refuse what the linear route cannot defer: megatron-core 0.19's GTP weight
+    rematerialisation (``ctx.gtp_remat_size > 1``: the weight is sharded and re-gathered in
+    backward, the weight gradient reduce-scattered). Absent on 0.16.1."""
+    if getattr(ctx, "gtp_remat_size", 1) > 1:
+        raise UnsupportedMegatronCore(
+            f"megatron-core {megatron_core_version()}'s GTP weight rematerialisation (gtp_remat="
+            f"{ctx.gtp_remat_size}) is not supported by megatron-zb's zero-bubble linear route; "
+            "initialise model parallelism with gtp_remat=1")
 
 
 def grad_accum_fusion_available() -> bool:
@@ -68,7 +209,18 @@ def set_grad_accum_fusion_kernels(kernels: Any) -> None:
 
 class PipelineStepFunctions(NamedTuple):
     """Per-microbatch helpers of ``megatron.core.pipeline_parallel.schedules`` (not exported by
-    ``megatron.core.pipeline_parallel``; their signatures change between releases)."""
+    ``megatron.core.pipeline_parallel``; their signatures change between releases), each called
+    the same way on every supported release:
+
+    * ``forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor,
+      forward_data_store, config, cp_group_size, **kwargs)`` -> ``(outputs, num_tokens)``;
+    * ``backward_step(input_tensor, output_tensor, output_tensor_grad, config)`` -> input grad
+      (0.16.1 also takes ``model_type``, unused there: passed as ``None``);
+    * ``check_first_val_step(first_val_step, forward_only, cond)``;
+    * ``get_tensor_shapes(*, seq_length, micro_batch_size, decoder_seq_length, config, tp_group,
+      cp_group)``;
+    * ``deallocate_output_tensor(out, deallocate_pipeline_outputs)``.
+    """
 
     forward_step: Callable[..., Any]
     backward_step: Callable[..., Any]
@@ -82,18 +234,24 @@ def pipeline_step_functions() -> PipelineStepFunctions:
     ``get_tensor_shapes`` and ``deallocate_output_tensor``, which the executor calls so that loss
     scaling, per-token loss normalisation, the forward data store and the pseudo-freeing of stage
     outputs (``deallocate_pipeline_outputs``) stay megatron-core's."""
-    from megatron.core.pipeline_parallel import schedules
+    backward_step = private("backward_step")
+    if release() == "0.16":
+        def backward_step_016(input_tensor, output_tensor, output_tensor_grad, config):  # type: ignore[no-untyped-def]
+            return backward_step(input_tensor, output_tensor, output_tensor_grad, None, config)
 
-    return PipelineStepFunctions(schedules.forward_step, schedules.backward_step,
-                                 schedules.check_first_val_step, schedules.get_tensor_shapes,
-                                 schedules.deallocate_output_tensor)
+        uniform_backward_step: Callable[..., Any] = backward_step_016
+    else:
+        uniform_backward_step = backward_step
+    return PipelineStepFunctions(private("forward_step"), uniform_backward_step,
+                                 private("check_first_val_step"), private("get_tensor_shapes"),
+                                 private("deallocate_output_tensor"))
 
 
 # ---------------------------------------------------------------------------- platform shim
 # (what the CPU shim replaces inside megatron-core when CUDA is absent; see
 # megatron_zb/platform/cpu_shim.py and docs/cpu_support.md for why each is patched)
 
-CUDA_FACTORY_MODULES: tuple[str, ...] = (
+_CUDA_FACTORY_MODULES_016: tuple[str, ...] = (
     "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = torch.zeros(..., device="cuda")
     "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale, mixed-precision found_inf
     "megatron.core.optimizer.grad_scaler",  # loss-scale tensors (fp16 only)
@@ -104,8 +262,12 @@ CUDA_FACTORY_MODULES: tuple[str, ...] = (
     "megatron.core.rerun_state_machine",  # RerunStateMachine._reduce_any: torch.tensor(..., device="cuda"), every step
     "megatron.core.tensor_parallel.data",  # _build_key_size_numel_dictionaries: sizes_cuda (broadcast_data, TP > 1)
 )
-"""megatron-core modules whose module-global ``torch`` the CPU shim replaces (they create
-tensors with ``device="cuda"``)."""
+CUDA_FACTORY_MODULES: dict[str, tuple[str, ...]] = {
+    "0.16": _CUDA_FACTORY_MODULES_016,
+    "0.19": _CUDA_FACTORY_MODULES_016,
+}
+"""Per release: megatron-core modules whose module-global ``torch`` the CPU shim replaces (they
+create tensors with ``device="cuda"``). :func:`shim_modules` gives the installed release's."""
 
 TENSOR_CUDA_CALLERS: tuple[str, ...] = ("megatron.core.",)
 """Module prefixes whose ``Tensor.cuda()`` calls the CPU shim answers with the CPU tensor (more can be
@@ -125,11 +287,22 @@ MOE_TE_NAMES: tuple[str, tuple[str, ...]] = ("megatron.core.transformer.moe.moe_
 """(module, names): Transformer Engine functions ``moe_utils`` tests with ``is not None`` but only
 defines when TE imports (the router's ``RouterGatingLinearFunction``); the shim sets them to ``None``."""
 
-CUDA_STREAM_MODULES: tuple[str, ...] = (
-    "megatron.core.transformer.moe.token_dispatcher",  # alltoall: torch.cuda.Stream() at construction
-)
-"""megatron-core modules whose module-global ``torch`` the CPU shim replaces by a stand-in whose
-``torch.cuda`` has CPU streams (``Stream``, ``current_stream``, ``stream``: one synchronous stream)."""
+_MOE_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"  # alltoall: torch.cuda.Stream() at construction
+CUDA_STREAM_MODULES: dict[str, tuple[str, ...]] = {
+    "0.16": (_MOE_DISPATCHER,),
+    # 0.19's DDP bucket groups call torch.cuda.current_stream() in every start_grad_sync (to wait
+    # for CUDA-graph weight-gradient events)
+    "0.19": (_MOE_DISPATCHER, "megatron.core.distributed.param_and_grad_buffer"),
+}
+"""Per release: megatron-core modules whose module-global ``torch`` the CPU shim replaces by a
+stand-in whose ``torch.cuda`` has CPU streams (``Stream``, ``current_stream``, ``stream``: one
+synchronous stream). :func:`shim_modules` gives the installed release's."""
+
+
+def shim_modules() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(:data:`CUDA_FACTORY_MODULES`, :data:`CUDA_STREAM_MODULES`) of the installed release."""
+    return CUDA_FACTORY_MODULES[release()], CUDA_STREAM_MODULES[release()]
+
 
 MOE_HOST_COPY: tuple[str, str] = ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu")
 """(module, name) of the alltoall dispatcher's device-to-host copy of its split sizes. It converts
@@ -162,13 +335,15 @@ def sharded_tensor_class() -> type:
 # --------------------------------------------------------------------------------- optimizer
 # (what post-validation reads and calls inside megatron-core's optimizers)
 # Callers: megatron_zb.optimizer.grad_stats and megatron_zb.optimizer.parts. Each function mirrors
-# a named piece of megatron-core 0.16.1 (megatron/core/optimizer/{optimizer,clip_grads}.py);
+# a named piece of megatron-core 0.16.1 and 0.19.x (megatron/core/optimizer/{optimizer,clip_grads}.py);
 # re-read that piece at an upgrade. Public megatron-core names (classes, config fields,
 # get_grad_stats_parallel_group, clip_grad_by_total_norm_fp32, ...) are used directly there.
-from typing import TYPE_CHECKING, Any  # noqa: E402  (this section's own imports)
+from typing import TYPE_CHECKING  # noqa: E402  (this section's own imports)
 
 if TYPE_CHECKING:
     import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
 
 
 def multi_tensor_l2_norm(grads: list["torch.Tensor"], overflow_buf: "torch.Tensor") -> "torch.Tensor":
@@ -206,11 +381,89 @@ def copy_main_params_to_model_params(optimizer: Any) -> None:
     """The copy half of ``MixedPrecisionOptimizer.step_with_ready_grads()``: refresh the model
     params (or, with ``reuse_grad_buf_for_mxfp8_param_ag``, the param buffer unless the param
     gather is overlapped) from the fp32 main params. No collective."""
-    if optimizer.config.reuse_grad_buf_for_mxfp8_param_ag:
+    reuse = optimizer.config.reuse_grad_buf_for_mxfp8_param_ag
+    if reuse and release() != "0.16":  # 0.19: only optimizers that own a DDP param buffer
+        reuse = hasattr(optimizer, "_copy_main_params_to_param_buffer")
+    if reuse:
         if not optimizer.config.overlap_param_gather:
             optimizer._copy_main_params_to_param_buffer()
     else:
         optimizer._copy_main_params_to_model_params()
+
+
+def grads_for_norm(optimizer: Any) -> list["torch.Tensor"]:
+    """The grads megatron-core's grad norm of one optimizer part is taken over:
+    ``get_main_grads_for_grad_norm()`` on 0.16.1, ``get_grads_for_grad_norm()`` on 0.19 (renamed;
+    the same filter plus GTP duplicates, which are none without GTP)."""
+    if release() == "0.16":
+        return optimizer.get_main_grads_for_grad_norm()
+    return optimizer.get_grads_for_grad_norm()
+
+
+def unsupported_step_features(part: Any) -> list[str]:
+    """What megatron-core's ``step()`` of this release does for ``part`` that post-validation does
+    not mirror (empty on 0.16.1). On 0.19: ``grad_norm_skip_threshold`` (skip the update above a
+    grad norm) and separate grad-norm groups (parameters tagged with ``grad_norm_group``,
+    e.g. MTP layers, clipped by their own norm)."""
+    if release() == "0.16":
+        return []
+    from megatron.core.optimizer import optimizer as opt_module
+
+    found = []
+    if math.isfinite(part.config.grad_norm_skip_threshold):
+        found.append(f"grad_norm_skip_threshold={part.config.grad_norm_skip_threshold} (megatron-core "
+                     f"{megatron_core_version()}; --grad-norm-skip-threshold) is not supported with "
+                     "post-validation; leave it at inf")
+    attr = opt_module.GRAD_NORM_GROUP_ATTR
+    if any(getattr(p, attr, None) is not None for p in part.get_parameters()):
+        found.append(f"parameters in a separate grad-norm group ({attr}, e.g. MTP layers; megatron-core "
+                     f"{megatron_core_version()}) are not supported with post-validation")
+    return found
+
+
+def zero_count_groups(part: Any, *, chained: bool) -> dict[str, Any]:
+    """The groups megatron-core's ``count_zeros`` passes to ``param_is_not_tensor_parallel_duplicate``
+    for ``part`` (``chained``: a ``ChainedOptimizer``'s count over every part, ``part`` its first).
+    0.16.1: the part's ``tp_group``, none for a chain; 0.19: the (first) part's ``tp_group`` and
+    ``expert_tp_group``."""
+    if release() == "0.16":
+        return {"tp_group": None if chained else getattr(part, "tp_group", None)}
+    return {"tp_group": getattr(part, "tp_group", None), "expert_tp_group": getattr(part, "expert_tp_group", None)}
+
+
+def param_counts_for_zeros(param: Any, groups: dict[str, Any]) -> bool:
+    """``count_zeros_fp32``'s filter (besides grad not None): not shared, not a TP duplicate, and
+    on 0.19 not a GTP duplicate (``param_is_not_gtp_duplicate``)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    counted = param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, **groups)
+    if counted and release() != "0.16":
+        from megatron.core.tensor_parallel import param_is_not_gtp_duplicate
+
+        counted = param_is_not_gtp_duplicate(param)
+    return counted
+
+
+def zero_count_dtype() -> "torch.dtype":
+    """The dtype ``count_zeros_fp32`` accumulates and all-reduces the count in: fp32 on 0.16.1,
+    int64 on 0.19."""
+    import torch
+
+    return torch.float if release() == "0.16" else torch.int64
+
+
+def grad_norm_from_sq_sum(norm_sq: "torch.Tensor") -> Any:
+    """``get_grad_norm_fp32``'s result from the all-reduced squared norm: ``item() ** 0.5`` (a
+    float); on 0.19 with Transformer Engine's ``multi_tensor_scale_tensor`` it stays a tensor
+    (``pow(0.5)``), which ``clip_grad_by_total_norm_fp32`` then takes (not tested here: no TE on
+    CPU)."""
+    if release() != "0.16":
+        from megatron.core.optimizer import clip_grads
+
+        if getattr(clip_grads, "multi_tensor_scale_tensor_impl", None) is not None:
+            return norm_sq.pow(1.0 / 2.0)
+    return norm_sq.item() ** (1.0 / 2.0)
 
 
 # ---------------------------------------------------------------------------------- training

@@ -96,8 +96,6 @@ def measure_stage_memory(chunks: list[Any], spec: ModelSpec) -> dict[int, tuple[
     tracker; the B runs in the weight-gradient store's deferring window, so the second number is
     what the W closures keep alive (the simulator's ``M_W``).
     """
-    from megatron.core.utils import get_model_type
-
     from ..megatron_compat import pipeline_step_functions
     from ..runtime import ActivationMemoryTracker, WeightGradStore, install_routes
 
@@ -122,7 +120,7 @@ def measure_stage_memory(chunks: list[Any], spec: ModelSpec) -> dict[int, tuple[
         grad = None if ch.plan.post_process else torch.randn(shape, generator=g)
         key = 1 << 30
         with store.deferring(stage, key):
-            backward_step(inp, o, grad, get_model_type(model), model.config)
+            backward_step(inp, o, grad, model.config)
         del o, grad, inp
         gc.collect()
         mem_w = tracker.current_bytes

@@ -50,16 +50,13 @@ def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return grad_norm ** 2.0
 
 
-def local_zero_count(params: Sequence[torch.Tensor], tp_group: Any) -> torch.Tensor:
-    """This rank's count of zero gradient elements (1-element fp32) as megatron-core's
-    ``count_zeros_fp32`` accumulates it before its all-reduce."""
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    from megatron.core.transformer.module import param_is_not_shared
-
-    total = torch.zeros(1, dtype=torch.float, device=stats_device())
+def local_zero_count(params: Sequence[torch.Tensor], groups: dict[str, Any]) -> torch.Tensor:
+    """This rank's count of zero gradient elements (1 element; fp32 on megatron-core 0.16.1, int64
+    on 0.19) as megatron-core's ``count_zeros_fp32`` accumulates it before its all-reduce;
+    ``groups``: :func:`megatron_compat.zero_count_groups`."""
+    total = torch.zeros(1, dtype=megatron_compat.zero_count_dtype(), device=stats_device())
     for param in params:
-        if (getattr(param, "grad", None) is not None and param_is_not_shared(param)
-                and param_is_not_tensor_parallel_duplicate(param, tp_group=tp_group)):
+        if getattr(param, "grad", None) is not None and megatron_compat.param_counts_for_zeros(param, groups):
             grad = param.grad.detach()
             total = (grad.numel() - torch.count_nonzero(grad)) + total
     return total
@@ -176,7 +173,7 @@ class GradStatsInFlight:
 
     def global_grad_norm(self) -> float | None:
         """The all-reduced grad norm as ``get_grad_norm_fp32`` returns it (after :meth:`wait`)."""
-        return None if self.norm_sq is None else self.norm_sq.item() ** (1.0 / 2.0)
+        return None if self.norm_sq is None else megatron_compat.grad_norm_from_sq_sum(self.norm_sq)
 
     def global_zero_count(self) -> float | None:
         """The all-reduced zero count (after :meth:`wait`)."""

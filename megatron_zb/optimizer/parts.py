@@ -55,6 +55,8 @@ def _check_part(part: Any, *, exact: bool) -> None:
         raise NotImplementedError("overlap_param_gather_with_optimizer_step is not supported")
     if getattr(getattr(part, "ddp_config", None), "use_megatron_fsdp", False):
         raise NotImplementedError("megatron FSDP is not supported")
+    for message in megatron_compat.unsupported_step_features(part):
+        raise NotImplementedError(message)
     if not exact and not getattr(part, "is_stub_optimizer", False):
         check_adam_invertible(part.optimizer)
 
@@ -125,14 +127,15 @@ class OptimizerParts:
 
     def grads_for_norm(self) -> list[torch.Tensor]:
         """The main grads megatron-core's grad norm is taken over, all parts."""
-        return [g for p in self.parts for g in p.get_main_grads_for_grad_norm()]
+        return [g for p in self.parts for g in megatron_compat.grads_for_norm(p)]
 
     def local_zero_count(self) -> torch.Tensor:
         """This rank's zero-grad count, over the params megatron-core's ``count_zeros`` of the
         wrapped type counts (the chain's: every part's, without a TP group)."""
+        groups = megatron_compat.zero_count_groups(self.parts[0], chained=self.kind == "chained")
         if self.kind == "chained":
-            return local_zero_count([q for p in self.parts for q in p.get_parameters()], None)
-        return local_zero_count(self.parts[0].get_parameters(), getattr(self.parts[0], "tp_group", None))
+            return local_zero_count([q for p in self.parts for q in p.get_parameters()], groups)
+        return local_zero_count(self.parts[0].get_parameters(), groups)
 
     # ------------------------------------------------------------------ decisions and results
     def clip_fires(self, grad_norm: float | None) -> bool:

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on a CPU-only torch build.
+"""Run megatron-core (0.16.1, 0.19.x) on a CPU-only torch build.
 
 megatron-core assumes a CUDA device in a handful of places. On a CPU build of torch these
 raise ``Torch not compiled with CUDA enabled`` (or, for ``torch.cuda.manual_seed`` and
@@ -14,11 +14,11 @@ The patches, narrowest first (``docs/cpu_support.md`` has the why and what is ve
   ``ShardedTensor.init_data("cuda")`` allocates on CPU; the Transformer Engine names MoE's
   ``moe_utils`` references without defining them (``te_general_gemm``) are set to ``None``, as
   they would be without TE on a GPU machine (the router's GEMM then runs in torch).
-* module-scoped ``torch``: inside the modules of :data:`CUDA_FACTORY_MODULES` the name
+* module-scoped ``torch``: inside the modules of ``megatron_compat.CUDA_FACTORY_MODULES`` the name
   ``torch`` is a thin stand-in whose tensor factories (``torch.zeros(..., device="cuda")``
   and friends) allocate on CPU; every other attribute is the real ``torch``.
-* module-scoped ``torch.cuda`` streams: inside the modules of :data:`CUDA_STREAM_MODULES` (MoE's
-  alltoall token dispatcher) ``torch.cuda.Stream()`` and ``torch.cuda.current_stream()`` return one
+* module-scoped ``torch.cuda`` streams: inside the modules of ``megatron_compat.CUDA_STREAM_MODULES``
+  (MoE's alltoall token dispatcher; on megatron-core 0.19 also DDP's ``param_and_grad_buffer``) ``torch.cuda.Stream()`` and ``torch.cuda.current_stream()`` return one
   synchronous CPU stream whose ``wait_stream``, ``record_event`` and event ``synchronize`` do
   nothing, and ``torch.cuda.stream(s)`` is a no-op context (CPU work is synchronous); the same
   dispatcher's host copy of its split sizes returns NumPy arrays for CPU tensors too (as it does
@@ -57,12 +57,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..megatron_compat import (CUDA_FACTORY_MODULES, CUDA_STREAM_MODULES, MOE_HOST_COPY, MOE_TE_NAMES,
-                               P2P_LAUNCHERS, RNG_MODULE, RNG_STATE_HELPERS, TENSOR_CUDA_CALLERS, TYPE_NAME_CALLERS,
-                               sharded_tensor_class, torch_norm_class)
+from ..megatron_compat import (MOE_HOST_COPY, MOE_TE_NAMES, P2P_LAUNCHERS, RNG_MODULE, RNG_STATE_HELPERS,
+                               TENSOR_CUDA_CALLERS, TYPE_NAME_CALLERS, sharded_tensor_class, shim_modules,
+                               torch_norm_class)
 
-__all__ = ["CUDA_FACTORY_MODULES", "CUDA_STREAM_MODULES", "allow_tensor_cuda_from", "cpu_torch_stand_in",
-           "install_cpu_shim", "is_installed", "tensor_cuda_callers"]
+__all__ = ["allow_tensor_cuda_from", "cpu_torch_stand_in", "install_cpu_shim", "is_installed", "shim_modules",
+           "tensor_cuda_callers"]
 
 _TENSOR_FACTORIES: tuple[str, ...] = ("empty", "empty_like", "full", "ones", "tensor", "zeros", "zeros_like")
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
@@ -210,7 +210,7 @@ def _patch_factory_modules() -> None:
     import importlib
 
     stand_in = _CpuFactoryTorch()
-    for name in CUDA_FACTORY_MODULES:
+    for name in shim_modules()[0]:
         module = importlib.import_module(name)
         if module.__dict__.get("torch") is not torch:
             raise RuntimeError(f"megatron_zb CPU shim: {name}.torch is not the torch module; megatron-core changed?")
@@ -404,7 +404,7 @@ def _patch_stream_modules() -> None:
     setattr(module, name, _cpu_host_copy)
 
     stand_in = cpu_torch_stand_in()
-    for name in CUDA_STREAM_MODULES:
+    for name in shim_modules()[1]:
         module = importlib.import_module(name)
         if module.__dict__.get("torch") is not torch:
             raise RuntimeError(f"megatron_zb CPU shim: {name}.torch is not the torch module; megatron-core changed?")

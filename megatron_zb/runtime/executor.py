@@ -231,8 +231,6 @@ class _Iteration:
     def __init__(self, *, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore,
                  forward_step_func: Callable, config: Any, collect_non_loss_data: bool, cp_group_size: int,
                  first_val_step: bool | None, memory: ActivationMemoryTracker | None) -> None:
-        from megatron.core.utils import get_model_type
-
         from ..megatron_compat import pipeline_step_functions
 
         steps = pipeline_step_functions()
@@ -248,7 +246,6 @@ class _Iteration:
         self.forward_only = plan.forward_only
         self.rank, self.stage_to_rank = plan.rank, plan.schedule.stage_to_rank
         self.m, self.last = plan.schedule.num_microbatches, plan.schedule.num_stages - 1
-        self.model_type = get_model_type(next(iter(runtime.chunks.values())))
         self.feeders = {s: _InOrderFeeder(it) for s, it in runtime.data_iterators.items()
                         if it is not None and s in plan.out_of_order_stages}
         self.stage_inputs: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -320,7 +317,7 @@ class _Iteration:
         ctx = self.memory.saving() if self.memory is not None else contextlib.nullcontext()
         with ctx, backward_window(store=self.store, deferred=deferred, chunk=self.runtime.chunks[stage],
                                   stage=stage, microbatch=a.mb):
-            in_grad = self._backward_step(inp, out, out_grad, self.model_type, self.config)
+            in_grad = self._backward_step(inp, out, out_grad, self.config)
         del out, out_grad
         if stage > 0:
             if self.stage_to_rank[stage - 1] == self.rank:  # previous stage on this rank

@@ -199,7 +199,7 @@ def build_zb_linear_function(base: Any) -> Any:
     """A subclass of megatron-core's linear autograd function ``base`` whose weight gradient is
     deferred to W inside a B window (see the module docstring). Reads the ``ctx`` fields listed
     in :data:`megatron_zb.megatron_compat.LINEAR_CTX_FIELDS`."""
-    from ..megatron_compat import linear_custom_bwd, prepare_wgrad_inputs
+    from ..megatron_compat import check_linear_ctx, linear_backward_grads, linear_custom_bwd, prepare_wgrad_inputs
 
     custom_bwd = linear_custom_bwd()
     prepare_input_tensors_for_wgrad_compute = prepare_wgrad_inputs()
@@ -222,6 +222,7 @@ def build_zb_linear_function(base: Any) -> Any:
                 if not ctx.gradient_accumulation_fusion and hasattr(ctx.zb_weight, "grad_added_to_main_grad"):
                     ctx.zb_weight.grad_added_to_main_grad = False  # a B of this iteration may have set it
                 return base.backward(ctx, grad_output)
+            check_linear_ctx(ctx)
             input, weight = ctx.saved_tensors
             param = ctx.zb_weight
             tp_group = ctx.tp_group
@@ -256,7 +257,7 @@ def build_zb_linear_function(base: Any) -> Any:
             if handle is not None:
                 handle.wait()
             grad_input = sub_grad_input if ctx.sequence_parallel else grad_input
-            return grad_input, _dummy_wgrad(param), grad_bias, None, None, None, None, None, None
+            return linear_backward_grads(grad_input, _dummy_wgrad(param), grad_bias)
 
     ZBLinearFunction.__qualname__ = "ZBLinearFunction"
     return ZBLinearFunction

@@ -1,0 +1,73 @@
+"""megatron_compat's table of private megatron-core names, checked against the installed release.
+
+Runs on whichever supported megatron-core is installed (0.16.1 on Python 3.11; 0.19.x on Python
+3.12: scripts/test_py312.sh). A megatron-core upgrade that moves or re-signs a private name fails
+here, naming the row.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from megatron_zb import megatron_compat as mc
+
+
+def test_installed_release_is_supported():
+    assert mc.release() in mc.RELEASES
+    assert mc.megatron_core_version().startswith(mc.release() + ".")
+
+
+@pytest.mark.parametrize("name", sorted(mc.PRIVATE_API))
+def test_private_name_resolves_with_recorded_signature(name):
+    rows = mc.PRIVATE_API[name]
+    assert set(rows) == set(mc.RELEASES), f"{name}: one entry per supported release"
+    entry = rows[mc.release()]
+    if entry is None:
+        with pytest.raises(mc.UnsupportedMegatronCore, match=mc.megatron_core_version()):
+            mc.private(name)
+        return
+    obj = mc.private(name)
+    assert obj is not None
+    if entry.signature is not None:
+        assert str(inspect.signature(obj)) == entry.signature, f"{name} ({entry.where}) was re-signed"
+
+
+def test_absent_name_is_refused_naming_the_release(monkeypatch):
+    """A row with no entry for the installed release is refused with the version and the
+    releases that have it (the row is a test double: no real row is absent from both)."""
+    other = next(r for r in mc.RELEASES if r != mc.release())
+    monkeypatch.setitem(mc.PRIVATE_API, "example", {mc.release(): None,
+                                                    other: mc.Private("megatron.core:package_info")})
+    with pytest.raises(mc.UnsupportedMegatronCore) as err:
+        mc.private("example", feature="--example-flag")
+    msg = str(err.value)
+    assert "--example-flag" in msg and mc.megatron_core_version() in msg and mc.RELEASES[other] in msg
+
+
+def test_unsupported_version_is_refused(monkeypatch):
+    """A megatron-core outside the supported lines is refused by version (the version string is
+    a test double: only supported releases are installed here)."""
+    monkeypatch.setattr(mc, "megatron_core_version", lambda: "0.17.1")
+    mc.release.cache_clear()
+    try:
+        with pytest.raises(mc.UnsupportedMegatronCore, match=r"megatron-core 0\.17\.1 is not supported"):
+            mc.release()
+    finally:
+        monkeypatch.undo()
+        mc.release.cache_clear()
+    assert mc.release() in mc.RELEASES
+
+
+def test_pipeline_backward_step_called_uniformly():
+    """The executor's backward_step takes (input, output, output_grad, config) on every release
+    and returns megatron-core's input gradient."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+    x = torch.randn(3, requires_grad=True)
+    y = (x * x).sum()
+    grad = mc.pipeline_step_functions().backward_step([x], [y], None, config)
+    assert torch.equal(grad[0], 2 * x.detach())
