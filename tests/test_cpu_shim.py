@@ -311,7 +311,7 @@ def test_harness_reraises_the_rank_exception_with_its_traceback():
 def test_harness_timeout_names_the_unfinished_rank_and_its_stack():
     from megatron_zb.testing import DistributedTimeout
 
-    with pytest.raises(DistributedTimeout) as info:
-        run_distributed(_rank_1_hangs, world_size=2, timeout=3)
+    with pytest.raises(DistributedTimeout) as info:  # 10 s: rank 0 must finish first on a loaded machine
+        run_distributed(_rank_1_hangs, world_size=2, timeout=10)
     assert info.value.ranks == [1]
     assert "rank(s) [1] did not finish" in str(info.value) and "_rank_1_hangs" in str(info.value)
