@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_zb import megatron_compat
+from megatron_zb import megatron_compat_optimizer
 from megatron_zb.optimizer.values import PostValidationTimeout
 
 __all__ = [
@@ -44,7 +44,7 @@ def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     ``get_grad_norm_fp32`` does before its all-reduce (same multi-tensor kernel, same ``** 2.0``)."""
     if grads:
         dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device=stats_device())
-        grad_norm = megatron_compat.multi_tensor_l2_norm(list(grads), dummy_overflow_buf)
+        grad_norm = megatron_compat_optimizer.multi_tensor_l2_norm(list(grads), dummy_overflow_buf)
     else:
         grad_norm = torch.zeros(1, dtype=torch.float, device=stats_device())
     return grad_norm ** 2.0
@@ -53,10 +53,10 @@ def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 def local_zero_count(params: Sequence[torch.Tensor], groups: dict[str, Any]) -> torch.Tensor:
     """This rank's count of zero gradient elements (1 element; fp32 on megatron-core 0.16.1, int64
     on 0.19) as megatron-core's ``count_zeros_fp32`` accumulates it before its all-reduce;
-    ``groups``: :func:`megatron_compat.zero_count_groups`."""
-    total = torch.zeros(1, dtype=megatron_compat.zero_count_dtype(), device=stats_device())
+    ``groups``: :func:`megatron_compat_optimizer.zero_count_groups`."""
+    total = torch.zeros(1, dtype=megatron_compat_optimizer.zero_count_dtype(), device=stats_device())
     for param in params:
-        if getattr(param, "grad", None) is not None and megatron_compat.param_counts_for_zeros(param, groups):
+        if getattr(param, "grad", None) is not None and megatron_compat_optimizer.param_counts_for_zeros(param, groups):
             grad = param.grad.detach()
             total = (grad.numel() - torch.count_nonzero(grad)) + total
     return total
@@ -173,7 +173,7 @@ class GradStatsInFlight:
 
     def global_grad_norm(self) -> float | None:
         """The all-reduced grad norm as ``get_grad_norm_fp32`` returns it (after :meth:`wait`)."""
-        return None if self.norm_sq is None else megatron_compat.grad_norm_from_sq_sum(self.norm_sq)
+        return None if self.norm_sq is None else megatron_compat_optimizer.grad_norm_from_sq_sum(self.norm_sq)
 
     def global_zero_count(self) -> float | None:
         """The all-reduced zero count (after :meth:`wait`)."""

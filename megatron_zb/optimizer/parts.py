@@ -6,7 +6,7 @@
 pieces of megatron-core's ``step()`` that post-validation runs separately: the local half of
 ``prepare_grads``, the loss-scaler update, clipping with the global norm, the refresh of model
 params after a restore, and the return conventions of each optimizer type. Private
-megatron-core internals are reached only through :mod:`megatron_zb.megatron_compat`.
+megatron-core internals are reached only through :mod:`megatron_zb.megatron_compat_optimizer` (and :mod:`megatron_zb.megatron_compat`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Iterator, Literal
 
 import torch
 
-from megatron_zb import megatron_compat
+from megatron_zb import megatron_compat_optimizer
 from megatron_zb.optimizer.grad_stats import local_zero_count, same_group, stats_device
 from megatron_zb.optimizer.rollback import ExactSnapshot, InPlaceRecord, check_adam_invertible, group_hyperparams
 from megatron_zb.optimizer.values import PostValidationError, StepResult
@@ -55,7 +55,7 @@ def _check_part(part: Any, *, exact: bool) -> None:
         raise NotImplementedError("overlap_param_gather_with_optimizer_step is not supported")
     if getattr(getattr(part, "ddp_config", None), "use_megatron_fsdp", False):
         raise NotImplementedError("megatron FSDP is not supported")
-    for message in megatron_compat.unsupported_step_features(part):
+    for message in megatron_compat_optimizer.unsupported_step_features(part):
         raise NotImplementedError(message)
     if not exact and not getattr(part, "is_stub_optimizer", False):
         check_adam_invertible(part.optimizer)
@@ -120,19 +120,19 @@ class OptimizerParts:
                     continue
                 if part.is_stub_optimizer:
                     continue
-                megatron_compat.copy_model_grads_to_main_grads(part)
+                megatron_compat_optimizer.copy_model_grads_to_main_grads(part)
                 if found is not None and self.scaled[i]:
-                    megatron_compat.unscale_main_grads_locally_(part, found[i:i + 1])
+                    megatron_compat_optimizer.unscale_main_grads_locally_(part, found[i:i + 1])
         return found
 
     def grads_for_norm(self) -> list[torch.Tensor]:
         """The main grads megatron-core's grad norm is taken over, all parts."""
-        return [g for p in self.parts for g in megatron_compat.grads_for_norm(p)]
+        return [g for p in self.parts for g in megatron_compat_optimizer.grads_for_norm(p)]
 
     def local_zero_count(self) -> torch.Tensor:
         """This rank's zero-grad count, over the params megatron-core's ``count_zeros`` of the
         wrapped type counts (the chain's: every part's, without a TP group)."""
-        groups = megatron_compat.zero_count_groups(self.parts[0], chained=self.kind == "chained")
+        groups = megatron_compat_optimizer.zero_count_groups(self.parts[0], chained=self.kind == "chained")
         if self.kind == "chained":
             return local_zero_count([q for p in self.parts for q in p.get_parameters()], groups)
         return local_zero_count(self.parts[0].get_parameters(), groups)
@@ -203,7 +203,7 @@ class OptimizerParts:
             for part in self.parts:
                 if part.is_stub_optimizer or isinstance(part, FP32Optimizer):
                     continue
-                megatron_compat.copy_main_params_to_model_params(part)
+                megatron_compat_optimizer.copy_main_params_to_model_params(part)
                 if isinstance(part, DistributedOptimizer) and not part.ddp_config.overlap_param_gather:
                     for chunk in part.model_chunks:
                         chunk.start_param_sync()
