@@ -411,3 +411,21 @@ def test_plan_draws_action_durations_from_the_profile_spread(capsys, tmp_path):
     rc, out, err = run(capsys, "plan", "--profile", path, "--gpu", "H100", "--schedules", "1f1b", "--json", out_json)
     assert rc == 0 and json.loads(out_json.read_text())["schedules"][0]["duration_spread_ms"] is None
     assert "measured spread" not in out
+
+
+def test_weight_gradients_outgrowing_the_forward_are_refused_in_one_line(capsys):
+    """TP=8 with sequence parallelism and flash attention: each W keeps the row-parallel layers'
+    all-gathered output gradients (s x b x h, not divided by TP), more than F saved, so B would
+    allocate memory -- which the cost model cannot express: one line naming --sequence-parallel,
+    exit 2 (it was a ValueError traceback). Without --sequence-parallel the same model plans."""
+    argv = ["plan", "--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096",
+            "--micro-batch-size", "1", "--use-flash-attn", "--pipeline-model-parallel-size", "2",
+            "--tensor-model-parallel-size", "8", "--global-batch-size", "16", "--gpu", "H100",
+            "--vocab-size", "32000", "--bf16", "--schedules", "1f1b"]
+    rc, out, err = run(capsys, *argv, "--sequence-parallel")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("megatron-zb: error: --sequence-parallel: stage 0: what each W keeps") and \
+        "cannot express" in lines[0], lines[0]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layout import StageShape
-from .model import ModelConfig, ParallelConfig
+from .model import ModelConfig, ParallelConfig, PlanError
 
 GIB = float(2 ** 30)
 FP32 = 4
@@ -103,8 +103,14 @@ def stage_activations(model: ModelConfig, par: ParallelConfig, shape: StageShape
         n_logits = T * model.padded_vocab_size(par.tp) / par.tp
         mem_b += e * 2 * A + FP32 * n_logits
         mem_w += e * A + e * n_logits
-    if mem_w > mem_b:  # cannot happen with >= 1 layer per stage (each layer keeps 2A more for B)
-        raise ValueError(f"stage {shape.stage}: M_W {mem_w:.0f} B exceeds M_B {mem_b:.0f} B")
+    if mem_w > mem_b:  # B would allocate: the row-parallel layers' gathered output gradients (T x h) under SP
+        flag = "--sequence-parallel" if par.sequence_parallel else "--tensor-model-parallel-size"
+        raise PlanError(flag, f"stage {shape.stage}: what each W keeps (M_W = {mem_w / GIB:.3f} GiB: with "
+                              f"sequence parallelism the row-parallel layers' all-gathered output gradients, "
+                              f"T x h each, do not shrink with TP={par.tp}) exceeds what F saves (M_B = "
+                              f"{mem_b / GIB:.3f} GiB), so B would allocate memory, which the cost model cannot "
+                              f"express yet; plan with a smaller --tensor-model-parallel-size or without "
+                              f"--sequence-parallel")
     return ActivationBytes(mem_b, mem_w)
 
 
