@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from test_megatron_lm_loop import FLAGS_PLUGIN, MCORE_1F1B, REPLAN_FUNC
+
 from megatron_zb.testing.megatron_lm import SKIP_REASON, bitwise_differences, find_megatron_lm, run_megatron_lm
-from megatron_zb.testing.megatron_lm_examples import LLAMA3_8B, MIXTRAL_8X7B, ExampleScript
+from megatron_zb.testing.megatron_lm_examples import LLAMA3_8B, MIXTRAL_8X7B, PATH_FLAGS, ExampleScript
 
 _MISSING = [m for m in ("yaml", "regex", "pydantic") if importlib.util.find_spec(m) is None]
 pytestmark = [
@@ -29,10 +31,6 @@ pytestmark = [
                                               "pip install -e '.[test]'"),
 ]
 
-FLAGS_PLUGIN = "import megatron_zb.megatron_lm\nmegatron_zb.megatron_lm.install()\n"
-"""The flags route (docs/megatron_lm.md): the zero-bubble flags on Megatron-LM's own parser."""
-MCORE_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
-ZB = "megatron_zb.megatron_lm.ReplanningForwardBackward"
 ITERS = 4
 
 
@@ -48,7 +46,7 @@ def test_example_script_with_enable_zero_bubble_is_bitwise_megatron_core(script:
     ref, zb = runs["mcore"], runs["zb"]
     assert [it.iteration for it in ref.iterations] == list(range(1, ITERS + 1)), ref.logs[-1][-2000:]
     assert {it.forward_backward for it in ref.iterations} == {MCORE_1F1B}
-    assert {it.forward_backward for it in zb.iterations} == {ZB}
+    assert {it.forward_backward for it in zb.iterations} == {REPLAN_FUNC}
     losses = ref.lm_losses
     assert all(x is not None and math.isfinite(x) for x in losses + ref.grad_norms), (losses, ref.grad_norms)
     assert losses[-1] < losses[0], f"the loss did not go down: {losses}"
@@ -67,8 +65,7 @@ def test_example_scripts_change_only_what_they_state() -> None:
                 continue
             assert flag in argv, flag
             if value is not None and flag not in script.sizes:
-                expected = f"/run/{value}" if flag in ("--save", "--load", "--tensorboard-dir", "--data-cache-path") \
-                    else value
+                expected = f"/run/{value}" if flag in PATH_FLAGS else value
                 assert argv[argv.index(flag) + 1] == expected, flag
     assert LLAMA3_8B.argv("/run")[LLAMA3_8B.argv("/run").index("--save") + 1] == "/run/ckpt"
     assert "--bf16" in LLAMA3_8B.argv("/run") and "--use-distributed-optimizer" in MIXTRAL_8X7B.argv("/run")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .megatron_lm import CPU_FLAGS
 
-__all__ = ["ExampleScript", "LLAMA3_8B", "MIXTRAL_8X7B"]
+__all__ = ["ExampleScript", "LLAMA3_8B", "MIXTRAL_8X7B", "PATH_FLAGS"]
 
 PATH_FLAGS = ("--save", "--load", "--tensorboard-dir", "--data-cache-path")
 """Flags whose value is a path: set under the run's folder."""

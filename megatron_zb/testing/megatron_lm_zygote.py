@@ -40,11 +40,16 @@ from typing import Any
 MAIN_SCRIPT = Path(__file__).with_name("megatron_lm_main.py")
 
 
+def status_path(log: str) -> str:
+    """Where a forked rank writing to ``log`` leaves its exit status."""
+    return log + ".rc"
+
+
 def _child(request: dict[str, Any]) -> None:
     """In the forked child: session, environment, output, then the rank (never returns)."""
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    rc_path = request["log"] + ".rc"
+    rc_path = status_path(request["log"])
     real_exit = os._exit
 
     def exit_with_record(code: int) -> None:
@@ -106,7 +111,7 @@ class ForkedRank:
     """A rank forked by a :class:`Zygote`: the parts of ``subprocess.Popen`` the launcher uses."""
 
     def __init__(self, pid: int, log: str) -> None:
-        self.pid, self._rc_path = pid, log + ".rc"
+        self.pid, self._rc_path = pid, status_path(log)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
