@@ -6,7 +6,7 @@ and ``train`` call them by those names), as :func:`megatron_zb.patch_megatron` r
 
 * ``get_megatron_optimizer``: the optimizer Megatron-LM builds is wrapped in
   :class:`~megatron_zb.optimizer.PostValidationOptimizer`, with the settings of ``pretrain_gpt_zb.py``
-  (:func:`~megatron_zb.training.optimizer_setup.wrap_post_validation`: ``--enable-exactly-numeric-match``,
+  (:func:`~megatron_zb.training.wiring.wrap_post_validation`: ``--enable-exactly-numeric-match``,
   ``--post-validation-warmup-iters``, ``--post-validation-fallback-clean-iters``, Megatron-LM's
   ``--distributed-timeout-minutes``). Megatron-LM's LR scheduler, ``grad_scale_func`` and checkpoints
   then use the wrapper (its ``state_dict`` / ``load_state_dict`` validate first).
@@ -103,9 +103,10 @@ def install(args: argparse.Namespace) -> None:
 
     @functools.wraps(build)
     def get_megatron_optimizer(*a: Any, **kw: Any) -> Any:
-        from .training.optimizer_setup import wrap_post_validation
+        from .training.run_config import PostValidationConfig
+        from .training.wiring import wrap_post_validation
 
-        return wrap_post_validation(args, build(*a, **kw))
+        return wrap_post_validation(PostValidationConfig.from_args(args), build(*a, **kw))
 
     for name, value in (("get_megatron_optimizer", get_megatron_optimizer),
                         ("train_step", post_validated_train_step(training.train_step))):

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from megatron_zb.planning.memory import mem_w_ratio  # noqa: E402
 from megatron_zb.schedules import CostModel, Placement, ScheduleError, simulate  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names  # noqa: E402
 from megatron_zb.schedules.torch_import import (TORCH_SCHEDULES, TorchImportError,  # noqa: E402
@@ -234,7 +235,7 @@ def load_paper() -> tuple[list[Setting], str]:
     for (model, m, tf, tb, tw, tc), cols in zip(rows, paper_cols):
         md = models[model]
         h, a, s = md["hidden"], md["heads"], md["seq"]
-        ratio = (32 * h) / (34 * h + 5 * a * s)
+        ratio = mem_w_ratio(hidden_size=h, num_attention_heads=a, seq_length=s)
         settings.append(Setting(
             f"(b) paper {model}, p={md['p']}, m={m}: T_F={tf}, T_B={tb}, T_W={tw}, T_comm={tc} ms per stage, "
             f"M_W/M_B={ratio:.3f}", md["p"], m, tf, tb, tw, tc, ratio, paper=cols or None))

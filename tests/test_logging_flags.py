@@ -10,6 +10,7 @@ import pytest
 
 from megatron_zb.training.arguments import ArgumentError, parse_args, validate_args
 from megatron_zb.training.flops import num_floating_point_operations, tflops_per_gpu
+from megatron_zb.training.run_config import ModelConfig, MoEConfig
 from megatron_zb.training.logging_utils import format_iteration_line, parse_iteration_line
 from megatron_zb.training.training_log import IterationRecord, TrainingLog
 
@@ -17,13 +18,12 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--train-iters 2 --lr 1e-4 --mock-data")
 
 
-def moe_gqa_swiglu_args() -> argparse.Namespace:
+def moe_gqa_swiglu_args() -> ModelConfig:
     """2 layers (MoE, dense), h=64, s=32, 4 heads of 16 channels in 2 query groups, SwiGLU."""
-    return argparse.Namespace(
-        hidden_size=64, seq_length=32, num_layers=2, num_attention_heads=4, kv_channels=16,
-        group_query_attention=True, num_query_groups=2, swiglu=True, ffn_hidden_size=128,
-        num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_layer_pattern=[1, 0],
-        padded_vocab_size=256, global_batch_size=8, world_size=4)
+    return ModelConfig(
+        hidden_size=64, seq_length=32, num_layers=2, num_attention_heads=4, kv_channels=16, num_query_groups=2,
+        swiglu=True, ffn_hidden_size=128, padded_vocab_size=256, max_position_embeddings=32,
+        moe=MoEConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_layer_pattern=(1, 0)))
 
 
 def test_flops_formula_against_a_hand_computed_value():
@@ -34,7 +34,8 @@ def test_flops_formula_against_a_hand_computed_value():
     #   token = 368640 + 2 * 86016 + 98304 = 638976; batch 8 x 32 tokens -> 163577856 FLOP
     args = moe_gqa_swiglu_args()
     assert num_floating_point_operations(args, 8) == 163577856
-    assert tflops_per_gpu(args, seconds_per_iteration=0.5) == pytest.approx(163577856 / (0.5e12 * 4), rel=1e-12)
+    assert tflops_per_gpu(args, global_batch_size=8, world_size=4, seconds_per_iteration=0.5) == \
+        pytest.approx(163577856 / (0.5e12 * 4), rel=1e-12)
 
 
 def test_flops_dense_mha_gelu_matches_the_classic_72_bsl_h2_form():
@@ -42,8 +43,8 @@ def test_flops_dense_mha_gelu_matches_the_classic_72_bsl_h2_form():
     # attention counted at half: 72 B s L h^2 (1 + s/(12 h) ... ) reduces to
     # B s [L (72 h^2 + 6 h s) + 6 h V]  when the attention term is halved (core attention 6*q*s).
     h, s, L, V, B = 96, 48, 3, 512, 4
-    args = argparse.Namespace(hidden_size=h, seq_length=s, num_layers=L, num_attention_heads=6, kv_channels=16,
-                              ffn_hidden_size=4 * h, padded_vocab_size=V, num_experts=None)
+    args = ModelConfig(hidden_size=h, seq_length=s, num_layers=L, num_attention_heads=6, kv_channels=16,
+                       ffn_hidden_size=4 * h, padded_vocab_size=V, max_position_embeddings=s)
     assert num_floating_point_operations(args, B) == B * s * (L * (72 * h * h + 6 * h * s) + 6 * h * V)
 
 
@@ -74,7 +75,7 @@ def test_timers_go_to_tensorboard_only_with_the_flag():
     for flag in (False, True):
         args = argparse.Namespace(log_timers_to_tensorboard=flag, log_throughput=False, wandb_project=None)
         tb = RecordingWriter()
-        log = TrainingLog(args, stage_to_rank=[0], dist_ctx=None, tensorboard=tb)
+        log = TrainingLog(args, stage_to_rank=[0], dist_ctx=None, tensorboard=tb, config=None)
         log.records = [IterationRecord(iteration=i, loss=None, skipped=False, grad_norm=1.0, lr=1e-3, loss_scale=1.0,
                                        timers={"forward-backward": 0.1 * i, "optimizer": 0.01})
                        for i in (1, 2)]

@@ -272,7 +272,11 @@ def test_bad_model_flags_exit_2_with_one_line(extra, flag, monkeypatch, capsys):
 def test_flags_reach_megatron_core_config():
     """Each flag lands in megatron-core's TransformerConfig / GPTModel arguments under Megatron-LM's meaning."""
     from megatron_zb.training.arguments import parse_args, validate_args
-    from megatron_zb.training.model_setup import gpt_config, gpt_model_kwargs
+    from megatron_zb.training.run_config import ModelConfig, ParallelConfig, PrecisionConfig
+    from megatron_zb.training.wiring import gpt_config
+
+    def gpt_model_kwargs(args):
+        return ModelConfig.from_args(args).gpt_model_kwargs()
 
     args = validate_args(parse_args(MODEL_ARGS + [
         "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--group-query-attention",
@@ -280,12 +284,13 @@ def test_flags_reach_megatron_core_config():
         "--attention-softmax-in-fp32", "--position-embedding-type", "rope", "--rotary-base", "500000",
         "--rotary-percent", "0.5", "--recompute-granularity", "full", "--recompute-method", "block",
         "--recompute-num-layers", "1", "--calculate-per-token-loss", "--hidden-size", "192",
-        "--num-attention-heads", "4"]), world_size=2)
-    cfg = gpt_config(args)
+        "--num-attention-heads", "4", "--rotary-interleaved"]), world_size=2)
+    cfg = gpt_config(ModelConfig.from_args(args), parallel=ParallelConfig.from_args(args),
+                     precision=PrecisionConfig.from_args(args))
     assert (cfg.normalization, cfg.layernorm_epsilon, cfg.gated_linear_unit, cfg.activation_func) == \
         ("RMSNorm", 1e-6, True, torch.nn.functional.silu)
     assert (cfg.num_query_groups, cfg.add_bias_linear, cfg.qk_layernorm, cfg.init_method_std) == (2, False, True, 0.01)
-    assert cfg.attention_softmax_in_fp32 and cfg.calculate_per_token_loss
+    assert cfg.attention_softmax_in_fp32 and cfg.calculate_per_token_loss and cfg.rotary_interleaved
     assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "block", 1)
     assert cfg.ffn_hidden_size == 512  # Megatron-LM's SwiGLU default: int(4 * 192 * 2 / 3 / 64) * 64
     assert gpt_model_kwargs(args) == dict(position_embedding_type="rope", rotary_percent=0.5, rotary_base=500000,

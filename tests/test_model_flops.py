@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 
 import pytest
@@ -16,6 +15,7 @@ from megatron_zb.planning.model_flops import (CAUSAL_FRACTION, FlopsShape, forwa
                                               num_floating_point_operations, planned_flops_shape)
 from megatron_zb.planning.planner import plan
 from megatron_zb.training import flops as training_flops
+from megatron_zb.training.run_config import ModelConfig, MoEConfig
 
 # LLaMA-3-8B's shape: 32 layers, h 4096, 32 heads of 128 channels, 8 query groups, SwiGLU MLP of
 # 14336, vocabulary 128256 (a multiple of 128: no padding), sequence 8192.
@@ -54,24 +54,23 @@ def test_llama_and_moe_shapes_worked_by_hand():
     assert num_floating_point_operations(MIXTRAL, 1) == MIXTRAL_FLOPS_PER_SEQUENCE
 
 
-def _args(shape: FlopsShape, moe: bool) -> argparse.Namespace:
-    """The validated flags of ``shape`` as pretrain_gpt_zb.py's namespace holds them."""
-    args = argparse.Namespace(
+def _args(shape: FlopsShape, moe: bool) -> ModelConfig:
+    """The run's model section of ``shape``, as pretrain_gpt_zb.py's RunConfig holds it."""
+    return ModelConfig(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, seq_length=shape.seq_length,
-        num_attention_heads=shape.num_attention_heads, kv_channels=shape.kv_channels, group_query_attention=True,
+        num_attention_heads=shape.num_attention_heads, kv_channels=shape.kv_channels,
         num_query_groups=shape.num_query_groups, ffn_hidden_size=shape.ffn_hidden_size, swiglu=shape.swiglu,
-        padded_vocab_size=shape.padded_vocab_size, num_experts=8 if moe else None, global_batch_size=64,
-        world_size=32)
-    if moe:
-        args.moe_layer_pattern, args.moe_router_topk, args.moe_ffn_hidden_size = [1] * shape.num_layers, 2, 14336
-    return args
+        padded_vocab_size=shape.padded_vocab_size, max_position_embeddings=shape.seq_length,
+        moe=MoEConfig(num_experts=8, moe_layer_pattern=(1,) * shape.num_layers, moe_router_topk=2,
+                      moe_ffn_hidden_size=14336) if moe else None)
 
 
 def test_log_throughput_uses_the_same_formula():
     assert training_flops.num_floating_point_operations(_args(LLAMA, False), 1) == LLAMA_FLOPS_PER_SEQUENCE
     assert training_flops.num_floating_point_operations(_args(MIXTRAL, True), 1) == MIXTRAL_FLOPS_PER_SEQUENCE
     # 64 sequences in 2 s on 32 GPUs
-    got = training_flops.tflops_per_gpu(_args(LLAMA, False), seconds_per_iteration=2.0)
+    got = training_flops.tflops_per_gpu(_args(LLAMA, False), global_batch_size=64, world_size=32,
+                                        seconds_per_iteration=2.0)
     assert got == pytest.approx(64 * LLAMA_FLOPS_PER_SEQUENCE / (2.0 * 1e12 * 32), rel=1e-12)
 
 

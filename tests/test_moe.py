@@ -24,7 +24,6 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -90,13 +89,14 @@ def _moe_chunks(*, pp: int, ep: int, pattern: list[int]) -> list:
     from megatron_zb.model import build_gpt_chunks, cpu_gpt_config
     from megatron_zb.testing import init_parallel_state
     from megatron_zb.training.moe_setup import moe_layer_spec
+    from megatron_zb.training.run_config import MoEConfig
 
     init_parallel_state(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
     config = cpu_gpt_config(num_layers=len(pattern), hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
                             attention_dropout=0.0, pipeline_model_parallel_size=pp, add_bias_linear=False,
                             num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=1e-2,
                             expert_model_parallel_size=ep, moe_layer_freq=pattern)
-    spec = moe_layer_spec(SimpleNamespace(num_experts=4, moe_grouped_gemm=False, moe_layer_pattern=pattern))
+    spec = moe_layer_spec(MoEConfig(num_experts=4, moe_layer_pattern=tuple(pattern)))
     return build_gpt_chunks(config=config, vocab_size=128, max_sequence_length=32, stage_to_rank=list(range(pp)),
                             seed=1234, layer_spec=spec)
 

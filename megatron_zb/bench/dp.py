@@ -157,27 +157,27 @@ def _grad_sync_finisher(marks: dict[str, float]) -> Callable[..., None]:
 
 def _build(name: str, spec: DPBenchSpec, *, overlap: bool, numel: int, clock: Any, shape: Sequence[int],
            costs: Any) -> dict[str, Any]:
-    """This rank's chunks of schedule ``name`` wrapped in megatron-core DDP, and the runtime."""
+    """This rank's chunks of schedule ``name`` wrapped in megatron-core DDP by the product's wiring
+    (:func:`~megatron_zb.training.wiring.wrap_chunks`; the finalize hook then timestamps the sync), and
+    the runtime."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from ..runtime import get_forward_backward_func
     from ..testing.tiny_gpt import placement_for
+    from ..training.run_config import ParallelConfig, PrecisionConfig
+    from ..training.wiring import wrap_chunks
 
     s2r = placement_for(name, spec.pp)
     v = len(s2r) // spec.pp
     rank = parallel_state.get_pipeline_model_parallel_rank()
     config = _config(shape[-1])
     per_chunk = max(1, spec.layers // v)
-    chunks = []
-    for i, s in enumerate(st for st in range(len(s2r)) if s2r[st] == rank):
-        stage = DPStage(stage=s, num_stages=len(s2r), num_weights=per_chunk, numel=numel // (per_chunk * v),
-                        t_f=spec.t_f / v, t_b=spec.t_b / v, t_w=spec.t_w / v, shape=shape, clock=clock,
-                        config=config)
-        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=numel // (per_chunk * v))
-        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=stage,
-                                              disable_bucketing=i > 0))
-    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    stages = [DPStage(stage=s, num_stages=len(s2r), num_weights=per_chunk, numel=numel // (per_chunk * v),
+                      t_f=spec.t_f / v, t_b=spec.t_b / v, t_w=spec.t_w / v, shape=shape, clock=clock, config=config)
+              for s in range(len(s2r)) if s2r[s] == rank]
+    parallel = ParallelConfig(overlap_grad_reduce=overlap, ddp_bucket_size=numel // (per_chunk * v))
+    chunks = wrap_chunks(stages, first_last=[(False, False)] * len(stages), parallel=parallel,
+                         precision=PrecisionConfig(), device=torch.device("cpu"))
     marks: dict[str, float] = {}
     config.finalize_model_grads_func = _grad_sync_finisher(marks)
     fb = get_forward_backward_func(name, costs=costs, time_actions=True, timeout=spec.timeout)

@@ -378,12 +378,11 @@ def post_validation_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from ..optimizer import PostValidationOptimizer
     from ..runtime import get_forward_backward_func, install_routes
     from ..testing.distributed import init_parallel_state
+    from ..training.run_config import OptimConfig, ParallelConfig, PostValidationConfig, PrecisionConfig
+    from ..training.wiring import megatron_optimizer, wrap_chunks, wrap_post_validation
 
     spec = ModelSpec(**cfg["model"])
     pp = dist.get_world_size()
@@ -395,15 +394,15 @@ def post_validation_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     variants = {}
     for name in ("sync", "post-validation"):
         [chunk] = _build(spec, pp, [Placement.PLAIN])[Placement.PLAIN]
-        gpt = chunk.module
-        ddp = DistributedDataParallel(config=gpt.config, module=gpt,
-                                      ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False))
-        gpt.config.no_sync_func = ddp.no_sync
-        gpt.config.finalize_model_grads_func = finalize_model_grads
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=cfg["clip_grad"]), [ddp],
-                                     use_gloo_process_groups=False)
+        # The product's wiring (pretrain_gpt_zb.py's): DDP without overlap, megatron-core's Adam.
+        parallel, precision = ParallelConfig(), PrecisionConfig()
+        [ddp] = wrap_chunks([chunk.module], first_last=[(chunk.plan.pre_process, chunk.plan.post_process)],
+                            parallel=parallel, precision=precision, device=torch.device("cpu"))
+        opt = megatron_optimizer(OptimConfig(lr=1e-4, clip_grad=cfg["clip_grad"]), precision=precision,
+                                 parallel=parallel, modules=[ddp])
         if name == "post-validation":
-            opt = PostValidationOptimizer(opt, exact=False, warmup_iters=0, clean_iters_required=1, timeout=120.0)
+            opt = wrap_post_validation(PostValidationConfig(warmup_iters=0, fallback_clean_iters=1,
+                                                            timeout_seconds=120.0), opt, announce=False)
         fb = get_forward_backward_func(cfg["schedule"], costs=cfg.get("costs"))
         variants[name] = dict(ddp=ddp, opt=opt, fb=fb)
 

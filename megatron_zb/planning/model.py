@@ -21,6 +21,12 @@ ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes of one activation, parameter or parameter gradient element, per precision."""
 
 
+def default_ffn_hidden_size(hidden_size: int, *, swiglu: bool) -> int:
+    """Megatron-LM's default ``--ffn-hidden-size`` [elements]: ``4h``, with ``--swiglu`` a multiple of
+    64 near ``8h/3`` (``int(4h * 2/3 / 64) * 64``). The one copy of the rule (command line and planner)."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64 if swiglu else 4 * hidden_size
+
+
 class PlanError(ValueError):
     """A user error; ``flag`` names the offending flag (or file)."""
 
@@ -186,7 +192,7 @@ def make_model(*, num_layers: int, hidden_size: int, num_attention_heads: int, s
         raise PlanError("--num-query-groups", "needs --group-query-attention (Megatron ignores it otherwise)")
     groups = num_query_groups if group_query_attention and num_query_groups is not None else num_attention_heads
     if ffn_hidden_size is None:
-        ffn_hidden_size = int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+        ffn_hidden_size = default_ffn_hidden_size(hidden_size, swiglu=swiglu)
     rest.setdefault("max_position_embeddings", seq_length)
     model = ModelConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
                         seq_length=seq_length, micro_batch_size=micro_batch_size, vocab_size=vocab_size,

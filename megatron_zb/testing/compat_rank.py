@@ -165,27 +165,33 @@ def tiny_gpt_of(spec: GroupSpec, arm: str) -> Any:
                    config_options=config, split=f.split.get(spec.placement, {}) if spec.pp > 1 else {}, **options)
 
 
-def _build_modules(spec: GroupSpec, arm: str) -> tuple[list[Any], list[Any]]:
-    """This rank's chunks and the modules to run (wrapped), hooks set as Megatron's loop does."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-
-    from ..megatron_compat import chunk_float16_module
-    from .tiny_gpt import build_chunks
+def _layout(spec: GroupSpec) -> tuple[Any, Any]:
+    """The feature's :class:`~megatron_zb.training.run_config.ParallelConfig` and
+    :class:`~megatron_zb.training.run_config.PrecisionConfig` (fp16: gradients in fp32, a small
+    initial loss scale and no hysteresis, so that the scaler's decisions show in three iterations)."""
+    from ..training.run_config import ParallelConfig, PrecisionConfig
 
     f = spec.feature
+    parallel = ParallelConfig(use_distributed_optimizer=f.distributed_optimizer)
+    precision = PrecisionConfig(fp16=f.precision == "fp16", bf16=f.precision == "bf16",
+                                initial_loss_scale=FP16_INITIAL_SCALE, hysteresis=1, min_loss_scale=1.0,
+                                accumulate_allreduce_grads_in_fp32=f.precision != "fp32")
+    return parallel, precision
+
+
+def _build_modules(spec: GroupSpec, arm: str) -> tuple[list[Any], list[Any]]:
+    """This rank's chunks and the modules to run, wrapped and hooked up by the product's own wiring
+    (:func:`megatron_zb.training.wiring.wrap_chunks`; every arm: get_megatron_optimizer needs
+    DDP-wrapped chunks, at DP=1 just the main_grad buffer)."""
+    from ..training.wiring import wrap_chunks
+    from .distributed import device_from_env
+    from .tiny_gpt import build_chunks
+
     chunks = build_chunks(tiny_gpt_of(spec, arm), _stage_to_rank(spec.placement, spec.pp))
-    modules = [c.module for c in chunks]
-    if f.precision != "fp32":
-        modules = [chunk_float16_module(c.module.config, c.module, first=c.plan.pre_process,
-                                        last=c.plan.post_process) for c in chunks]
-    # Every arm: get_megatron_optimizer needs DDP-wrapped chunks (at DP=1 just the main_grad buffer).
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=f.precision != "fp32",
-                                               use_distributed_optimizer=f.distributed_optimizer)
-    modules = [DistributedDataParallel(config=c.module.config, module=mod, ddp_config=ddp_config,
-                                       disable_bucketing=i > 0) for i, (c, mod) in enumerate(zip(chunks, modules))]
-    for c in chunks:
-        c.module.config.no_sync_func = [x.no_sync for x in modules] if len(modules) > 1 else modules[0].no_sync
-        c.module.config.finalize_model_grads_func = finalize_model_grads
+    parallel, precision = _layout(spec)
+    modules = wrap_chunks([c.module for c in chunks],
+                          first_last=[(c.plan.pre_process, c.plan.post_process) for c in chunks],
+                          parallel=parallel, precision=precision, device=device_from_env())
     if arm == REFERENCE and spec.placement == Placement.INTERLEAVED and spec.pp > 1:
         # megatron-core's interleaved schedule reads the virtual size from the first chunk's config.
         for c in chunks:
@@ -195,14 +201,15 @@ def _build_modules(spec: GroupSpec, arm: str) -> tuple[list[Any], list[Any]]:
 
 
 def _build_optimizer(spec: GroupSpec, arm: str, chunks: list[Any], modules: list[Any]) -> Any:
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """megatron-core's Adam through the product's wiring (lr 0.01, the feature's clipping); the
+    post-validation wrapper on megatron-zb's arms (no warm-up, no local-clip synchronisation)."""
+    from ..training.run_config import OptimConfig
+    from ..training.wiring import megatron_optimizer
 
     f = spec.feature
-    cfg = OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=f.clip_grad, bf16=f.precision == "bf16",
-                          fp16=f.precision == "fp16", params_dtype=_DTYPES[f.precision],
-                          initial_loss_scale=FP16_INITIAL_SCALE, hysteresis=1, min_loss_scale=1.0,
-                          use_distributed_optimizer=f.distributed_optimizer)
-    opt = get_megatron_optimizer(cfg, modules, use_gloo_process_groups=False)
+    parallel, precision = _layout(spec)
+    opt = megatron_optimizer(OptimConfig(lr=0.01, clip_grad=f.clip_grad), precision=precision, parallel=parallel,
+                             modules=modules)
     if f.post_validation and arm != REFERENCE:
         from ..optimizer import PostValidationOptimizer
 

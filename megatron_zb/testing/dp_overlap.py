@@ -1,12 +1,12 @@
 """Training iterations of the tiny GPT under megatron-core DDP with data-parallel overlap (tests).
 
 :func:`run_dp_iterations` runs inside a rank of :func:`megatron_zb.testing.run_distributed`: it
-builds the rank's chunks for the schedule's placement, wraps them in megatron-core
-``DistributedDataParallel`` with the :class:`DPCase` configuration (as Megatron's training
-does: ``disable_bucketing`` for every chunk after the first, ``no_sync_func`` per chunk,
-``grad_sync_func`` = ``start_grad_sync`` as with Megatron's default ``--align-grad-reduce``),
-and runs ``iterations`` training iterations with megatron-core's Adam (optionally wrapped in
-post-validation) -- with megatron-core's own 1F1B when ``schedule is None``. Every iteration
+builds the rank's chunks for the schedule's placement, wraps them with the product's own wiring
+(:func:`megatron_zb.training.wiring.wrap_chunks`: megatron-core ``DistributedDataParallel`` with
+the :class:`DPCase` configuration, ``disable_bucketing`` for every chunk after the first,
+``no_sync_func`` per chunk, ``grad_sync_func`` = ``start_grad_sync`` as with Megatron's default
+``--align-grad-reduce``), and runs ``iterations`` training iterations with megatron-core's Adam
+(:func:`~megatron_zb.training.wiring.megatron_optimizer`, optionally post-validated) -- with megatron-core's own 1F1B when ``schedule is None``. Every iteration
 reads new micro batches. It returns per iteration the losses, the data-parallel launch report
 of megatron-zb's runtime, and at the end every parameter's ``main_grad`` of the last iteration
 (before the step) and every parameter after the last step (all-gathered first when the
@@ -46,35 +46,27 @@ class DPCase:
     iterations: int = 3
 
 
-def _wrap(modules: list[Any], case: DPCase) -> list[Any]:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+def _parallel(case: DPCase) -> Any:
+    """The case as the product's :class:`~megatron_zb.training.run_config.ParallelConfig`."""
+    from ..training.run_config import ParallelConfig
 
-    out = []
-    for i, m in enumerate(modules):
-        ddp_config = DistributedDataParallelConfig(
-            overlap_grad_reduce=case.overlap_grad_reduce, overlap_param_gather=case.overlap_param_gather,
-            use_distributed_optimizer=case.use_distributed_optimizer, bucket_size=case.bucket_size,
-            average_in_collective=case.average_in_collective)
-        out.append(DistributedDataParallel(config=m.config, module=m, ddp_config=ddp_config, disable_bucketing=i > 0))
-    for m in out:
-        m.config.no_sync_func = [x.no_sync for x in out] if len(out) > 1 else out[0].no_sync
-        m.config.finalize_model_grads_func = finalize_model_grads
-        if case.overlap_grad_reduce:
-            m.config.grad_sync_func = [x.start_grad_sync for x in out] if len(out) > 1 else out[0].start_grad_sync
-    return out
+    return ParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce, overlap_param_gather=case.overlap_param_gather,
+                          use_distributed_optimizer=case.use_distributed_optimizer, ddp_bucket_size=case.bucket_size,
+                          ddp_average_in_collective=case.average_in_collective)
 
 
 def _optimizer(modules: list[Any], case: DPCase) -> Any:
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """The product's optimizer wiring: megatron-core's Adam (lr 0.01, clipping at 1.0), optionally
+    post-validated (exact rollback, no warm-up, no fallback)."""
+    from ..training.run_config import OptimConfig, PostValidationConfig, PrecisionConfig
+    from ..training.wiring import megatron_optimizer, wrap_post_validation
 
-    inner = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=1.0,
-                                                   use_distributed_optimizer=case.use_distributed_optimizer),
-                                   modules, use_gloo_process_groups=False)
+    inner = megatron_optimizer(OptimConfig(lr=0.01), precision=PrecisionConfig(), parallel=_parallel(case),
+                               modules=modules)
     if not case.post_validation:
         return inner
-    from ..optimizer import PostValidationOptimizer
-
-    return PostValidationOptimizer(inner, exact=True, warmup_iters=0, clean_iters_required=0)
+    return wrap_post_validation(PostValidationConfig(exact=True, warmup_iters=0, fallback_clean_iters=0), inner,
+                                announce=False)
 
 
 def run_dp_iterations(cfg: TinyGPT, case: DPCase, *, schedule: str | None, **options: Any) -> dict[str, Any]:
@@ -84,11 +76,15 @@ def run_dp_iterations(cfg: TinyGPT, case: DPCase, *, schedule: str | None, **opt
 
     from ..model import named_global_parameters
     from ..runtime import get_forward_backward_func
-    from .distributed import init_parallel_state
+    from ..training.run_config import PrecisionConfig
+    from ..training.wiring import wrap_chunks
+    from .distributed import device_from_env, init_parallel_state
 
     init_parallel_state(pipeline_model_parallel_size=cfg.pp, seed=cfg.seed)
     chunks = build_chunks(replace(cfg, ddp=True), placement_for(schedule, cfg.pp))
-    modules = _wrap([c.module for c in chunks], case)
+    modules = wrap_chunks([c.module for c in chunks],
+                          first_last=[(c.plan.pre_process, c.plan.post_process) for c in chunks],
+                          parallel=_parallel(case), precision=PrecisionConfig(), device=device_from_env())
     opt = _optimizer(modules, case)
     if schedule is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func

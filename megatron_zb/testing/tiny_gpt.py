@@ -207,16 +207,14 @@ def build_chunks(cfg: TinyGPT, stage_to_rank: list[int]) -> list[Any]:
         module, _, function = cfg.layer_spec.partition(":")
         spec = getattr(importlib.import_module(module), function)()
     elif cfg.moe_pattern:
-        from types import SimpleNamespace
-
         from ..training.moe_setup import moe_layer_spec
+        from ..training.run_config import MoEConfig
 
         if len(cfg.moe_pattern) != cfg.num_layers or not config.num_moe_experts:
             raise ValueError(f"TinyGPT: moe_pattern needs one entry per layer ({cfg.num_layers}) and "
                              "config_options' num_moe_experts")
-        spec = moe_layer_spec(SimpleNamespace(num_experts=config.num_moe_experts,
-                                              moe_grouped_gemm=config.moe_grouped_gemm,
-                                              moe_layer_pattern=list(cfg.moe_pattern)),
+        spec = moe_layer_spec(MoEConfig(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                        moe_layer_pattern=tuple(cfg.moe_pattern)),
                               local_spec_kwargs=cfg.spec_options)
     else:
         spec = get_gpt_layer_local_spec(**cfg.spec_options)
@@ -244,15 +242,13 @@ def build(cfg: TinyGPT, schedule: str | None) -> tuple[list[Any], list[Any]]:
     init_parallel_state(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp, seed=cfg.seed)
     chunks = build_chunks(cfg, placement_for(schedule, cfg.pp))
     modules = [c.module for c in chunks]
-    if cfg.ddp or cfg.gradient_accumulation_fusion:
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+    if cfg.ddp or cfg.gradient_accumulation_fusion:  # the product's wiring, megatron-core DDP's defaults
+        from ..training.run_config import ParallelConfig, PrecisionConfig
+        from ..training.wiring import wrap_chunks
+        from .distributed import device_from_env
 
-        modules = [DistributedDataParallel(config=m.config, module=m, ddp_config=DistributedDataParallelConfig())
-                   for m in modules]
-        for m in modules:
-            m.config.no_sync_func = [x.no_sync for x in modules] if len(modules) > 1 else modules[0].no_sync
-            m.config.finalize_model_grads_func = finalize_model_grads
+        modules = wrap_chunks(modules, first_last=[(c.plan.pre_process, c.plan.post_process) for c in chunks],
+                              parallel=ParallelConfig(), precision=PrecisionConfig(), device=device_from_env())
     return chunks, modules
 
 
@@ -286,11 +282,12 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
     w_deferred = 0 if store is None else store.executed - before
     out = {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": w_deferred,
            "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}}
-    if optimizer_step:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    if optimizer_step:  # the product's optimizer wiring: megatron-core's Adam, lr 0.01, clipping at 1.0
+        from ..training.run_config import OptimConfig, ParallelConfig, PrecisionConfig
+        from ..training.wiring import megatron_optimizer
 
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=1.0), modules,
-                                     use_gloo_process_groups=False)
+        opt = megatron_optimizer(OptimConfig(lr=0.01), precision=PrecisionConfig(), parallel=ParallelConfig(),
+                                 modules=modules)
         opt.step()
         out["params"] = {n: full_tensor(p, p) for c in chunks for n, p in named_global_parameters(c)}
     return out

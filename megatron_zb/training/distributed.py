@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import random
@@ -13,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_zb.training.run_config import ParallelConfig
 
 __all__ = ["DistributedContext", "context_from_parallel_state", "init_distributed", "local_rank", "shutdown_distributed"]
 
@@ -44,35 +45,35 @@ class DistributedContext:
     started_pg: bool
 
 
-def init_distributed(args: argparse.Namespace) -> DistributedContext:
+def init_distributed(parallel: ParallelConfig, *, seed: int) -> DistributedContext:
     """Start ``torch.distributed`` (unless started) and megatron-core's TP/PP groups; seed as Megatron.
 
     A single process without a launcher gets a local rendezvous (free port on 127.0.0.1). Seeds:
-    ``--seed + 100 * pipeline rank`` for Python, NumPy, torch and megatron's RNG tracker
+    ``seed + 100 * pipeline rank`` (``seed``: ``--seed``) for Python, NumPy, torch and megatron's RNG tracker
     (tensor-parallel streams are forked by megatron-core).
     """
     from megatron.core import parallel_state, tensor_parallel
 
     if int(os.environ.get("RANK", "0")) == 0:  # no process group yet
-        print(f"> initializing torch distributed with {args.world_size} process(es), backend "
-              f"{args.distributed_backend} ...", flush=True)
-    if args.distributed_backend == "nccl":
+        print(f"> initializing torch distributed with {parallel.world_size} process(es), backend "
+              f"{parallel.distributed_backend} ...", flush=True)
+    if parallel.distributed_backend == "nccl":
         torch.cuda.set_device(local_rank())
     started = False
     if not dist.is_initialized():
-        if args.world_size == 1:
+        if parallel.world_size == 1:
             _single_process_rendezvous()
-        dist.init_process_group(backend=args.distributed_backend, world_size=args.world_size,
+        dist.init_process_group(backend=parallel.distributed_backend, world_size=parallel.world_size,
                                 rank=int(os.environ.get("RANK", "0")),
-                                timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+                                timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
         started = True
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes)
-    ctx = context_from_parallel_state(backend=args.distributed_backend, started_pg=started)
-    seed = args.seed + 100 * ctx.pp_rank
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        distributed_timeout_minutes=parallel.distributed_timeout_minutes)
+    ctx = context_from_parallel_state(backend=parallel.distributed_backend, started_pg=started)
+    seed = seed + 100 * ctx.pp_rank
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

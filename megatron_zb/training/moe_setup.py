@@ -1,7 +1,7 @@
 """The mixture-of-experts part of the model: ``TransformerConfig`` fields and the layer spec.
 
-* :func:`moe_config` -- the MoE fields of megatron-core's ``TransformerConfig`` from validated
-  ``args`` (empty for a dense model); :func:`~megatron_zb.training.model_setup.gpt_config` adds them.
+* the MoE fields of megatron-core's ``TransformerConfig`` come from
+  :meth:`~megatron_zb.training.run_config.MoEConfig.transformer_config_kwargs`;
 * :func:`moe_layer_spec` -- the transformer-layer spec of a MoE model (``None`` for a dense one):
   megatron-core's local spec with ``num_experts`` (SequentialMLP experts, built from
   ``ColumnParallelLinear``/``RowParallelLinear``, whose weight gradients the runtime's ``linear``
@@ -9,7 +9,7 @@
 
 :class:`MoETransformerLayer` does two things a per-layer spec list would otherwise do:
 
-* ``--moe-layer-freq``: a layer whose entry in ``args.moe_layer_pattern`` is 0 gets the dense MLP
+* ``--moe-layer-freq``: a layer whose entry in ``MoEConfig.moe_layer_pattern`` is 0 gets the dense MLP
   (megatron-core's ``get_gpt_decoder_block_spec`` picks per-layer specs the same way, by global
   layer number; one spec class is enough here because megatron-zb's chunks number layers
   globally);
@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import argparse
 import copy
 from typing import Any, Mapping
 
@@ -33,37 +32,26 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_zb.model.gpt_chunks import ChunkPlan, SeededTransformerLayer, derive_seed
 
-__all__ = ["MoETransformerLayer", "moe_config", "moe_layer_spec"]
+from megatron_zb.training.run_config import MoEConfig
+
+__all__ = ["MoETransformerLayer", "moe_layer_spec"]
 
 
-def moe_config(args: argparse.Namespace) -> dict[str, Any]:
-    """``TransformerConfig`` keyword arguments for the MoE flags of validated ``args`` (``{}`` when dense)."""
-    if args.num_experts is None:
-        return {}
-    return dict(
-        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        moe_layer_freq=args.moe_layer_pattern, moe_grouped_gemm=args.moe_grouped_gemm)
-
-
-def moe_layer_spec(args: argparse.Namespace, *, local_spec_kwargs: Mapping[str, Any] | None = None
+def moe_layer_spec(moe: MoEConfig | None, *, local_spec_kwargs: Mapping[str, Any] | None = None
                    ) -> ModuleSpec | None:
     """The layer spec of a MoE model (``None`` for a dense model: the caller's default spec).
 
     ``local_spec_kwargs`` go to every ``get_gpt_layer_local_spec`` call (e.g. ``normalization``,
     ``qk_layernorm``), so the MoE and the dense layers share everything but the MLP.
     """
-    if args.num_experts is None:
+    if moe is None:
         return None
     kwargs = dict(local_spec_kwargs or {})
-    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm, **kwargs)
+    spec = get_gpt_layer_local_spec(num_experts=moe.num_experts, moe_grouped_gemm=moe.moe_grouped_gemm, **kwargs)
     dense_mlp = get_gpt_layer_local_spec(**kwargs).submodules.mlp
     spec = copy.copy(spec)
     spec.module = MoETransformerLayer
-    spec.params = {**spec.params, "moe_pattern": tuple(args.moe_layer_pattern), "dense_mlp": dense_mlp}
+    spec.params = {**spec.params, "moe_pattern": tuple(moe.moe_layer_pattern), "dense_mlp": dense_mlp}
     return spec
 
 

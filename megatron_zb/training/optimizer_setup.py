@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron_zb.training.logging_utils import print_rank_0
 from megatron_zb.training.model_setup import ModelBundle
+from megatron_zb.training.run_config import RunConfig
+from megatron_zb.training.wiring import megatron_optimizer, wrap_post_validation
 
-__all__ = ["OptimizerBundle", "build_optimizer", "wrap_post_validation"]
+__all__ = ["OptimizerBundle", "build_optimizer"]
 
 
 @dataclass(frozen=True)
@@ -41,61 +41,33 @@ class OptimizerBundle:
         return float(self.inner.get_loss_scale().item())
 
 
-def build_optimizer(args: argparse.Namespace, *, model: ModelBundle,
+def build_optimizer(config: RunConfig, *, model: ModelBundle,
                     on_validation_report: Callable[[Any], None]) -> OptimizerBundle:
-    """``get_megatron_optimizer(OptimizerConfig(...))`` over ``model.modules``, the post-validation
-    wrapper when asked for, the LR scheduler; sets every chunk's ``grad_scale_func``.
+    """megatron-core's optimizer over ``model.modules`` (:func:`~megatron_zb.training.wiring.megatron_optimizer`),
+    the post-validation wrapper when asked for, the LR scheduler; sets every chunk's ``grad_scale_func``.
 
     With post-validation, every validation of an earlier step (``begin_iteration``, ``validate``,
     or a method that validates first) calls ``on_validation_report`` with its
     :class:`~megatron_zb.optimizer.ValidationReport`: it fixes the LR schedule and that
     iteration's logged values.
     """
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    cfg = OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16, params_dtype=args.params_dtype,
-        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        use_distributed_optimizer=args.use_distributed_optimizer)
-    inner = get_megatron_optimizer(cfg, model.modules, use_gloo_process_groups=args.distributed_backend != "gloo")
+    optim = config.optim
+    inner = megatron_optimizer(optim, precision=config.precision, parallel=config.parallel, modules=model.modules)
     optimizer = inner
-    if args.enable_optimizer_post_validation:
-        optimizer = wrap_post_validation(args, inner)
+    if optim.post_validation is not None:
+        optimizer = wrap_post_validation(optim.post_validation, inner)
         optimizer.register_validation_hook(on_validation_report)
     for chunk in model.chunks:
         chunk.module.config.grad_scale_func = optimizer.scale_loss
-    gbs = args.global_batch_size
+    gbs = config.global_batch_size  # the scheduler counts samples, as Megatron-LM's
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler)
+        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_iters * gbs, lr_decay_steps=optim.lr_decay_iters * gbs,
+        lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+        wd_incr_steps=config.train_iters * gbs, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=optim.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=optim.override_opt_param_scheduler)
     return OptimizerBundle(optimizer=optimizer, inner=inner, scheduler=scheduler,
-                           post_validation=args.enable_optimizer_post_validation)
-
-
-def wrap_post_validation(args: argparse.Namespace, inner: Any) -> Any:
-    """``inner`` wrapped in :class:`~megatron_zb.optimizer.PostValidationOptimizer`; rank 0 prints the settings.
-
-    Reads ``enable_exactly_numeric_match``, ``post_validation_warmup_iters``,
-    ``post_validation_fallback_clean_iters`` (iterations) and ``distributed_timeout_minutes`` from
-    ``args`` (also Megatron-LM's parsed arguments: ``megatron_zb.megatron_lm_optimizer``). Collective."""
-    from megatron_zb.optimizer import PostValidationOptimizer
-
-    optimizer = PostValidationOptimizer(
-        inner, exact=args.enable_exactly_numeric_match, warmup_iters=args.post_validation_warmup_iters,
-        clean_iters_required=args.post_validation_fallback_clean_iters,
-        timeout=60.0 * args.distributed_timeout_minutes)
-    clean = args.post_validation_fallback_clean_iters
-    mode = "exact" if args.enable_exactly_numeric_match else "in-place"
-    print_rank_0(f"> optimizer post-validation ({mode} rollback): synchronous steps in the first "
-                 f"{args.post_validation_warmup_iters} iteration(s) (--post-validation-warmup-iters) and "
-                 + (f"after a clipped or inf/nan step until {clean} consecutive clean one(s)" if clean else
-                    "never after a clipped or inf/nan step")
-                 + " (--post-validation-fallback-clean-iters)")
-    return optimizer
+                           post_validation=optim.post_validation is not None)

@@ -50,6 +50,7 @@ from megatron_zb.training.model_setup import ModelBundle, build_model
 from megatron_zb.training.optimizer_setup import OptimizerBundle, build_optimizer
 from megatron_zb.training.preemption import ExitSignalHandler
 from megatron_zb.training.replanning import SchedulePlanner
+from megatron_zb.training.run_config import RunConfig, run_config
 from megatron_zb.training.state import TrainState
 from megatron_zb.training.training_log import IterationRecord, TrainingLog
 
@@ -60,7 +61,9 @@ class Trainer:
     """One run of ``pretrain_gpt_zb.py`` (see the module docstring).
 
     Attributes:
-        args: the validated command line.
+        args: the validated command line (data, checkpointing, logging and re-planning still read it).
+        config: the typed run configuration of ``args`` (:mod:`.run_config`): model, parallel
+            layout, precision, optimizer, schedule.
         dist: process groups and ranks of this process.
         model: this rank's chunks.
         optim: optimizer and LR scheduler.
@@ -78,14 +81,15 @@ class Trainer:
         """Set the run up (collective). ``schedule``: the unit-cost schedule validation built
         (:attr:`~megatron_zb.training.arguments.ValidatedArgs.schedule`); ``None`` builds it again."""
         self.args = args
+        self.config: RunConfig = run_config(args)
         self.t_start = time.perf_counter()
         self._iteration_of_step: dict[int, int] = {}  # post-validation: optimizer step index -> iteration
-        self.dist: DistributedContext = init_distributed(args)
+        self.dist: DistributedContext = init_distributed(self.config.parallel, seed=self.config.seed)
         self.exit_signal = ExitSignalHandler(args.exit_signal).install() if args.exit_signal_handler else None
         try:
             schedule = schedule if schedule is not None else initial_schedule(args)
-            self.model: ModelBundle = build_model(args, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
-            self.optim: OptimizerBundle = build_optimizer(args, model=self.model,
+            self.model: ModelBundle = build_model(self.config, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
+            self.optim: OptimizerBundle = build_optimizer(self.config, model=self.model,
                                                           on_validation_report=self._on_validation_report)
             self.planner = SchedulePlanner(args, schedule=schedule, dist_ctx=self.dist)
             self.state: TrainState = self._load() if args.load else TrainState()
@@ -93,7 +97,7 @@ class Trainer:
             self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state)
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
-                                   tensorboard=tensorboard_writer(args.tensorboard_dir))
+                                   tensorboard=tensorboard_writer(args.tensorboard_dir), config=self.config)
         except BaseException as e:
             if isinstance(e, CheckpointError):  # raised on every rank alike: rank 0 says it once
                 print_rank_0(f"pretrain_gpt_zb.py: error: {e}", file=sys.stderr)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.flops import tflops_per_gpu
+from megatron_zb.training.run_config import RunConfig
 from megatron_zb.training.logging_utils import WandbWriter, format_iteration_line, is_last_rank, print_rank_last
 
 __all__ = ["IterationRecord", "TrainingLog", "gather_losses"]
@@ -84,8 +85,13 @@ class TrainingLog:
     """
 
     def __init__(self, args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist_ctx: DistributedContext,
-                 tensorboard: Any) -> None:
+                 tensorboard: Any, config: RunConfig | None) -> None:
+        """``config``: the run's typed configuration (the model and batch of ``--log-throughput``);
+        ``None`` only without ``--log-throughput``."""
+        if args.log_throughput and config is None:
+            raise ValueError("TrainingLog: --log-throughput needs the run configuration")
         self.args = args
+        self.config = config
         self._stage_to_rank = list(stage_to_rank)
         self._dist = dist_ctx
         self.tb = tensorboard
@@ -136,7 +142,10 @@ class TrainingLog:
         self.total_skipped += skipped
         elapsed = max(0.0, now - self.interval_start - self.excluded) / max(1, len(records))
         last = records[-1]
-        tflops = tflops_per_gpu(args, seconds_per_iteration=elapsed) if args.log_throughput and elapsed > 0 else None
+        tflops = None
+        if args.log_throughput and elapsed > 0 and self.config is not None:
+            tflops = tflops_per_gpu(self.config.model, global_batch_size=self.config.global_batch_size,
+                                    world_size=self.config.parallel.world_size, seconds_per_iteration=elapsed)
         if print_line:
             print_rank_last(format_iteration_line(
                 iteration=last.iteration, train_iters=args.train_iters, consumed_samples=consumed_samples,

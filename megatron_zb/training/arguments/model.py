@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_zb.planning.model import default_ffn_hidden_size
+
 from .common import ArgumentError
 
 __all__ = ["add_network_args", "check_architecture", "check_attention_heads", "check_position_embeddings",
@@ -44,6 +46,8 @@ def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
                    default="learned_absolute", help="Position embedding type (default learned_absolute).")
     g.add_argument("--rotary-base", type=int, default=10000, help="Base of the rotary embeddings (default 10000).")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="Rotate interleaved pairs of a head's channels instead of its two halves (rope).")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="Fraction of each head's channels that rotary embeddings rotate, in (0, 1] (default 1.0).")
     g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
@@ -107,20 +111,15 @@ def check_architecture(args: argparse.Namespace) -> None:
     for flag_, value in (("--norm-epsilon", args.norm_epsilon), ("--init-method-std", args.init_method_std)):
         if not value > 0:
             raise ArgumentError(flag_, f"must be > 0, got {value}")
-    if args.swiglu and args.ffn_hidden_size is None and _swiglu_ffn(args.hidden_size) < 1:
+    if args.swiglu and args.ffn_hidden_size is None and default_ffn_hidden_size(args.hidden_size, swiglu=True) < 1:
         raise ArgumentError("--ffn-hidden-size", f"the SwiGLU default int(4 * {args.hidden_size} * 2 / 3 / 64) * 64 "
                                                  f"is 0 for this hidden size; set --ffn-hidden-size")
-
-
-def _swiglu_ffn(hidden_size: int) -> int:
-    """Megatron-LM's default MLP width with ``--swiglu`` (a multiple of 64 near 8h/3)."""
-    return int((4 * hidden_size * 2 / 3) / 64) * 64
 
 
 def fill_model_sizes(args: argparse.Namespace) -> None:
     """``ffn_hidden_size``, ``max_position_embeddings``, ``kv_channels`` (defaults, as Megatron-LM)."""
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = _swiglu_ffn(args.hidden_size) if args.swiglu else 4 * args.hidden_size
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, swiglu=args.swiglu)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.kv_channels is None:

@@ -53,6 +53,14 @@ def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
                    help="Static loss scale (fp16). Default: dynamic loss scaling.")
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
                    help="Initial dynamic loss scale (fp16; default 2^32).")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="Minimum loss scale for dynamic loss scaling (default 1.0).")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="Window over which to raise/lower dynamic scale [iterations] (default 1000).")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="Hysteresis for dynamic loss scaling: overflows tolerated before lowering (default 2).")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Gradient accumulation and all-reduce in fp32 (always on with --bf16, as Megatron-LM).")
 
 
 def check_learning_rate(args: argparse.Namespace) -> None:

@@ -1,0 +1,395 @@
+"""The typed run configuration: what a validated command line means, as frozen dataclasses.
+
+:func:`run_config` turns validated Megatron-LM-style ``args`` into one :class:`RunConfig`; the
+set-up functions below the entry point (model, DDP, optimizer, process groups, FLOPs) take its
+sections, never the ``argparse.Namespace``. Tests and benchmarks build the same sections directly
+(every field has Megatron-LM's default), so they run the product's own wiring
+(:mod:`megatron_zb.training.wiring`).
+
+Each field is documented with its flag and unit, as megatron-core's ``TransformerConfig`` is.
+A field whose name is the ``args`` attribute is read by name (:func:`_section`); a field that
+sets a ``TransformerConfig`` field of another name or that needs a rule is mapped in one place
+(:meth:`ModelConfig.transformer_config_kwargs`). Adding a Megatron-LM flag that only changes a
+``TransformerConfig`` field is one field here, with ``metadata=TC`` (same name in both), plus the
+parser's ``add_argument``.
+
+Sections still read from ``args`` (not yet typed): data, checkpointing, logging, re-planning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "PostValidationConfig", "PrecisionConfig",
+           "RecomputeConfig", "RunConfig", "ScheduleConfig", "TC", "run_config"]
+
+TC = {"transformer_config": True}
+"""Field metadata: the field is passed to ``TransformerConfig`` under its own name."""
+
+T = TypeVar("T")
+
+
+def _section(cls: type[T], args: Any, **given: Any) -> T:
+    """``cls`` with every field not in ``given`` read from ``args`` by name (Megatron-LM's ``dest``)."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in given}  # type: ignore[arg-type]
+    return cls(**values, **given)
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recomputation (``--recompute-*``; megatron-core's meanings)."""
+
+    recompute_granularity: str | None = field(default=None, metadata=TC)
+    """``--recompute-granularity``: ``"full"``, ``"selective"`` or ``None`` (off)."""
+    recompute_method: str | None = field(default=None, metadata=TC)
+    """``--recompute-method`` (``"uniform"`` / ``"block"``) with full recomputation."""
+    recompute_num_layers: int | None = field(default=None, metadata=TC)
+    """``--recompute-num-layers`` [layers]."""
+    recompute_modules: tuple[str, ...] | None = None
+    """``--recompute-modules`` with selective recomputation (``None``: megatron-core's default)."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (``--num-experts`` and the ``--moe-*`` flags)."""
+
+    num_experts: int
+    """``--num-experts``: experts per MoE layer."""
+    moe_layer_pattern: tuple[int, ...]
+    """From ``--moe-layer-freq``: one 0/1 per global layer (1 = MoE MLP)."""
+    moe_router_topk: int = 2
+    """``--moe-router-topk``: experts per token."""
+    moe_ffn_hidden_size: int | None = None
+    """``--moe-ffn-hidden-size`` [elements] (validation defaults it to ``--ffn-hidden-size``)."""
+    moe_aux_loss_coeff: float = 0.0
+    """``--moe-aux-loss-coeff``."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """``--moe-router-load-balancing-type``."""
+    moe_token_dispatcher_type: str = "allgather"
+    """``--moe-token-dispatcher-type``."""
+    moe_grouped_gemm: bool = False
+    """``--moe-grouped-gemm``."""
+
+    def transformer_config_kwargs(self, *, expert_model_parallel_size: int) -> dict[str, Any]:
+        """The MoE fields of ``TransformerConfig``."""
+        return dict(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
+                    moe_ffn_hidden_size=self.moe_ffn_hidden_size, moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+                    moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+                    moe_token_dispatcher_type=self.moe_token_dispatcher_type,
+                    expert_model_parallel_size=expert_model_parallel_size,
+                    moe_layer_freq=list(self.moe_layer_pattern), moe_grouped_gemm=self.moe_grouped_gemm)
+
+    @classmethod
+    def from_args(cls, args: Any) -> "MoEConfig | None":
+        """The MoE section of validated ``args`` (``None`` for a dense model)."""
+        if args.num_experts is None:
+            return None
+        return _section(cls, args, moe_layer_pattern=tuple(args.moe_layer_pattern))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The network (Megatron-LM's "network size" and implementation flags); sizes in elements."""
+
+    num_layers: int = field(metadata=TC)
+    """``--num-layers``: transformer layers of the whole model."""
+    hidden_size: int = field(metadata=TC)
+    """``--hidden-size``."""
+    num_attention_heads: int = field(metadata=TC)
+    """``--num-attention-heads``."""
+    seq_length: int
+    """``--seq-length`` [tokens]."""
+    padded_vocab_size: int
+    """Embedding rows: the vocabulary padded to ``--make-vocab-size-divisible-by`` x TP [tokens]."""
+    ffn_hidden_size: int = field(metadata=TC)
+    """``--ffn-hidden-size`` (validation: ``4h``, with ``--swiglu`` ``int(8h/3/64)*64``)."""
+    kv_channels: int = field(metadata=TC)
+    """``--kv-channels`` (validation: ``h / heads``)."""
+    max_position_embeddings: int
+    """``--max-position-embeddings`` (validation: ``--seq-length``) [positions]."""
+    num_query_groups: int | None = None
+    """``--num-query-groups`` when ``--group-query-attention`` is given, else ``None`` (one per head)."""
+    hidden_dropout: float = field(default=0.1, metadata=TC)
+    """``--hidden-dropout`` (probability)."""
+    attention_dropout: float = field(default=0.1, metadata=TC)
+    """``--attention-dropout`` (probability)."""
+    normalization: str = field(default="LayerNorm", metadata=TC)
+    """``--normalization``: ``"LayerNorm"`` or ``"RMSNorm"``."""
+    norm_epsilon: float = 1e-5
+    """``--norm-epsilon`` (``TransformerConfig.layernorm_epsilon``)."""
+    swiglu: bool = False
+    """``--swiglu``: gated linear unit with SiLU (else GeLU)."""
+    add_bias_linear: bool = field(default=True, metadata=TC)
+    """Cleared by ``--disable-bias-linear``."""
+    qk_layernorm: bool = field(default=False, metadata=TC)
+    """``--qk-layernorm``."""
+    attention_softmax_in_fp32: bool = field(default=False, metadata=TC)
+    """``--attention-softmax-in-fp32``."""
+    rotary_interleaved: bool = field(default=False, metadata=TC)
+    """``--rotary-interleaved``: rotate interleaved pairs of a head's channels instead of its two halves."""
+    init_method_std: float = field(default=0.02, metadata=TC)
+    """``--init-method-std``."""
+    position_embedding_type: str = "learned_absolute"
+    """``--position-embedding-type``: ``"learned_absolute"``, ``"rope"`` or ``"none"``."""
+    rotary_percent: float = 1.0
+    """``--rotary-percent``."""
+    rotary_base: int = 10000
+    """``--rotary-base``."""
+    untie_embeddings_and_output_weights: bool = False
+    """``--untie-embeddings-and-output-weights``."""
+    calculate_per_token_loss: bool = field(default=False, metadata=TC)
+    """``--calculate-per-token-loss``."""
+    transformer_impl: str = "local"
+    """``--transformer-impl`` as resolved: ``"local"`` or ``"transformer_engine"``."""
+    transformer_impl_reason: str = "requested"
+    """Why that implementation (a phrase for the start-up log)."""
+    gradient_accumulation_fusion: bool = field(default=False, metadata=TC)
+    """``--no-gradient-accumulation-fusion`` cleared, as resolved (apex's or megatron-zb's kernels)."""
+    wgrad_kernel: str = "autograd"
+    """Which kernel accumulates weight gradients (start-up log)."""
+    recompute: RecomputeConfig = RecomputeConfig()
+    """Activation recomputation."""
+    moe: MoEConfig | None = None
+    """Mixture of experts, ``None`` for a dense model."""
+
+    def transformer_config_kwargs(self) -> dict[str, Any]:
+        """The model's ``TransformerConfig`` fields (Megatron-LM's ``core_transformer_config_from_args``
+        rules: ``--swiglu`` is a gated linear unit with SiLU, ``--norm-epsilon`` is ``layernorm_epsilon``)."""
+        import torch.nn.functional as F
+
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("transformer_config")}
+        out.update({f.name: getattr(self.recompute, f.name) for f in fields(self.recompute)
+                    if f.metadata.get("transformer_config")})
+        out.update(layernorm_epsilon=self.norm_epsilon, gated_linear_unit=self.swiglu,
+                   activation_func=F.silu if self.swiglu else F.gelu, num_query_groups=self.num_query_groups,
+                   recompute_modules=(list(self.recompute.recompute_modules)
+                                      if self.recompute.recompute_modules is not None else None))
+        return out
+
+    def gpt_model_kwargs(self) -> dict[str, Any]:
+        """``GPTModel`` arguments beyond the config: position embeddings and embedding tying."""
+        return dict(position_embedding_type=self.position_embedding_type, rotary_percent=self.rotary_percent,
+                    rotary_base=self.rotary_base,
+                    share_embeddings_and_output_weights=not self.untie_embeddings_and_output_weights)
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ModelConfig":
+        """The model section of validated ``args``."""
+        modules = args.recompute_modules
+        return _section(cls, args, num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                        recompute=_section(RecomputeConfig, args, recompute_modules=(
+                            tuple(modules) if modules is not None else None)),
+                        moe=MoEConfig.from_args(args))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The parallel layout and megatron-core DDP's settings (Megatron-LM's "distributed" flags)."""
+
+    world_size: int = 1
+    """Processes in the job (the launcher's ``WORLD_SIZE``)."""
+    tensor_model_parallel_size: int = 1
+    """``--tensor-model-parallel-size``."""
+    pipeline_model_parallel_size: int = 1
+    """``--pipeline-model-parallel-size``."""
+    data_parallel_size: int = 1
+    """``world_size / (TP x PP)``."""
+    expert_model_parallel_size: int = 1
+    """``--expert-model-parallel-size``."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``."""
+    distributed_backend: str = "gloo"
+    """``--distributed-backend`` as resolved: ``"nccl"`` or ``"gloo"``."""
+    distributed_timeout_minutes: int = 10
+    """``--distributed-timeout-minutes`` [minutes]."""
+    overlap_grad_reduce: bool = False
+    """``--overlap-grad-reduce``."""
+    overlap_param_gather: bool = False
+    """``--overlap-param-gather``."""
+    use_distributed_optimizer: bool = False
+    """``--use-distributed-optimizer``."""
+    ddp_bucket_size: int | None = None
+    """``--ddp-bucket-size`` [elements] (``None``: megatron-core's default)."""
+    ddp_average_in_collective: bool = False
+    """``--ddp-average-in-collective``."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ParallelConfig":
+        """The parallel section of validated ``args``."""
+        return _section(cls, args)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Mixed precision (``--fp16`` / ``--bf16`` and loss scaling)."""
+
+    fp16: bool = False
+    """``--fp16``."""
+    bf16: bool = False
+    """``--bf16``."""
+    loss_scale: float | None = None
+    """``--loss-scale``: a static loss scale (fp16); ``None``: dynamic."""
+    initial_loss_scale: float = 2.0 ** 32
+    """``--initial-loss-scale`` of the dynamic loss scaler."""
+    min_loss_scale: float = 1.0
+    """``--min-loss-scale`` of the dynamic loss scaler."""
+    loss_scale_window: float = 1000
+    """``--loss-scale-window``: clean steps before the dynamic loss scale grows [iterations]."""
+    hysteresis: int = 2
+    """``--hysteresis``: overflowing steps tolerated before the dynamic loss scale shrinks."""
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """``--accumulate-allreduce-grads-in-fp32`` (implied by ``--bf16``, see :attr:`grad_reduce_in_fp32`)."""
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The parameters' dtype: ``torch.float16`` / ``torch.bfloat16`` / ``torch.float32``."""
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def grad_reduce_in_fp32(self) -> bool:
+        """Gradients accumulated and reduced in fp32: ``--accumulate-allreduce-grads-in-fp32``, which
+        Megatron-LM turns on for bf16."""
+        return self.accumulate_allreduce_grads_in_fp32 or self.bf16
+
+    @classmethod
+    def from_args(cls, args: Any) -> "PrecisionConfig":
+        """The precision section of validated ``args``."""
+        return _section(cls, args)
+
+
+@dataclass(frozen=True)
+class PostValidationConfig:
+    """Optimizer post-validation (``--enable-optimizer-post-validation``); counts in iterations."""
+
+    exact: bool = False
+    """``--enable-exactly-numeric-match``: roll back by restoring a copy (else in place)."""
+    warmup_iters: int = 10
+    """``--post-validation-warmup-iters``: synchronous steps first."""
+    fallback_clean_iters: int = 10
+    """``--post-validation-fallback-clean-iters``: synchronous after a rollback until this many clean steps."""
+    timeout_seconds: float = 600.0
+    """How long a rank waits for the others' statistics (``--distributed-timeout-minutes`` x 60) [s]."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "PostValidationConfig":
+        """From ``args`` of ``pretrain_gpt_zb.py`` or Megatron-LM (the same flag names)."""
+        return cls(exact=args.enable_exactly_numeric_match, warmup_iters=args.post_validation_warmup_iters,
+                   fallback_clean_iters=args.post_validation_fallback_clean_iters,
+                   timeout_seconds=60.0 * args.distributed_timeout_minutes)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The optimizer and its learning-rate schedule (Megatron-LM's "training" / "learning rate" flags)."""
+
+    lr: float
+    """``--lr``: peak learning rate."""
+    optimizer: str = "adam"
+    """``--optimizer``: ``"adam"`` or ``"sgd"``."""
+    min_lr: float = 0.0
+    """``--min-lr``."""
+    weight_decay: float = 0.01
+    """``--weight-decay``."""
+    adam_beta1: float = 0.9
+    """``--adam-beta1``."""
+    adam_beta2: float = 0.999
+    """``--adam-beta2``."""
+    adam_eps: float = 1e-8
+    """``--adam-eps``."""
+    clip_grad: float = 1.0
+    """``--clip-grad``: gradient-norm clipping (0: off)."""
+    lr_warmup_iters: int = 0
+    """``--lr-warmup-iters`` [iterations]."""
+    lr_decay_iters: int | None = None
+    """``--lr-decay-iters`` [iterations] (validation: ``--train-iters``)."""
+    lr_decay_style: str = "linear"
+    """``--lr-decay-style``."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """``--use-checkpoint-opt_param-scheduler``."""
+    override_opt_param_scheduler: bool = False
+    """``--override-opt_param-scheduler``."""
+    post_validation: PostValidationConfig | None = None
+    """With ``--enable-optimizer-post-validation``: its settings; ``None``: off."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "OptimConfig":
+        """The optimizer section of validated ``args``."""
+        pv = PostValidationConfig.from_args(args) if args.enable_optimizer_post_validation else None
+        return _section(cls, args, post_validation=pv)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The pipeline schedule as validation resolved it (``--enable-zero-bubble`` and friends)."""
+
+    name: str
+    """The schedule's registry name (``1f1b`` without a zero-bubble flag)."""
+    placement: str
+    """``"plain"``, ``"interleaved"`` or ``"v"``."""
+    split_backward: bool
+    """Whether backward is split into B and W."""
+    cost_aware: bool
+    """Whether the schedule is rebuilt from profiled costs."""
+    num_model_chunks: int
+    """Model chunks (pipeline stages) per pipeline rank."""
+    layers_per_stage: tuple[int, ...]
+    """Transformer layers of each pipeline stage, stage order."""
+    max_pending_backward: int | None = None
+    """``--zero-bubble-max-pending-backward`` as resolved [micro batches of activations per rank]."""
+    memory_limit: float | None = None
+    """The same limit in the schedule library's unit (one stage's activation ``M_B``)."""
+    use_megatron_core_schedule: bool = False
+    """``--use-megatron-core-schedule``: megatron-core's own schedule (the parity reference)."""
+
+    @property
+    def num_pipeline_stages(self) -> int:
+        """Stages of the whole pipeline."""
+        return len(self.layers_per_stage)
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ScheduleConfig":
+        """The schedule section of validated ``args``."""
+        return cls(name=args.schedule, placement=args.schedule_placement, split_backward=args.split_backward,
+                   cost_aware=args.schedule_cost_aware, num_model_chunks=args.num_model_chunks,
+                   layers_per_stage=tuple(args.num_layers_per_stage),
+                   max_pending_backward=args.zero_bubble_max_pending_backward,
+                   memory_limit=args.schedule_memory_limit, use_megatron_core_schedule=args.use_megatron_core_schedule)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run: every section, built once from the validated command line (:func:`run_config`)."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    optim: OptimConfig
+    schedule: ScheduleConfig
+    micro_batch_size: int
+    """``--micro-batch-size`` [sequences]."""
+    global_batch_size: int
+    """``--global-batch-size`` [sequences per iteration]."""
+    num_microbatches: int
+    """Micro batches per iteration per data-parallel rank."""
+    train_iters: int
+    """``--train-iters`` [iterations]."""
+    seed: int = 1234
+    """``--seed``."""
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A copy with top-level fields replaced."""
+        return dataclasses.replace(self, **changes)
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The :class:`RunConfig` of validated ``args`` (after ``validate_args``)."""
+    return RunConfig(model=ModelConfig.from_args(args), parallel=ParallelConfig.from_args(args),
+                     precision=PrecisionConfig.from_args(args), optim=OptimConfig.from_args(args),
+                     schedule=ScheduleConfig.from_args(args), micro_batch_size=args.micro_batch_size,
+                     global_batch_size=args.global_batch_size, num_microbatches=args.num_microbatches,
+                     train_iters=args.train_iters, seed=args.seed)

@@ -1,0 +1,113 @@
+"""The typed run configuration (megatron_zb/training/run_config.py): what each flag becomes, and the
+defaults tests and benchmarks rely on when they build a section directly."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from megatron_zb.training import run_config as rc
+from megatron_zb.training.pretrain import parse_command_line
+
+BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+        "--train-iters 3 --lr 1e-3 --mock-data --pipeline-model-parallel-size 2").split()
+
+
+def _parsed(argv: list[str], world_size: int) -> rc.RunConfig:
+    """The run configuration of a ``pretrain_gpt_zb.py`` command line, as the Trainer builds it."""
+    return rc.run_config(parse_command_line(argv, world_size=world_size).args)
+
+
+def _config(*extra: str, world_size: int = 2) -> rc.RunConfig:
+    return _parsed(BASE + list(extra), world_size)
+
+
+def test_flags_land_in_their_sections():
+    """A command line with a value for each section: every value where the section says it goes."""
+    c = _config("--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000",
+                "--enable-zero-bubble", "--enable-optimizer-post-validation", "--enable-exactly-numeric-match",
+                "--post-validation-warmup-iters", "3", "--distributed-timeout-minutes", "2", "--clip-grad", "0.5",
+                "--weight-decay", "0.1", "--lr-warmup-iters", "1", "--seed", "7", "--global-batch-size", "8",
+                "--hysteresis", "3", "--min-loss-scale", "2", world_size=4)
+    assert (c.parallel.world_size, c.parallel.pipeline_model_parallel_size, c.parallel.data_parallel_size) == (4, 2, 2)
+    assert c.parallel.use_distributed_optimizer and c.parallel.overlap_grad_reduce
+    assert c.parallel.ddp_bucket_size == 5000 and c.parallel.distributed_timeout_minutes == 2
+    assert c.precision.bf16 and c.precision.params_dtype == torch.bfloat16
+    assert c.precision.grad_reduce_in_fp32  # Megatron-LM: bf16 accumulates and reduces gradients in fp32
+    assert (c.precision.hysteresis, c.precision.min_loss_scale) == (3, 2.0)
+    assert (c.optim.clip_grad, c.optim.weight_decay, c.optim.lr_warmup_iters, c.optim.lr_decay_iters) == (0.5, 0.1, 1, 3)
+    assert c.optim.post_validation == rc.PostValidationConfig(exact=True, warmup_iters=3, fallback_clean_iters=10,
+                                                              timeout_seconds=120.0)
+    assert (c.schedule.name, c.schedule.placement, c.schedule.split_backward) == ("zb", "plain", True)
+    assert c.schedule.layers_per_stage == (2, 2) and c.schedule.num_pipeline_stages == 2
+    assert (c.micro_batch_size, c.global_batch_size, c.num_microbatches, c.train_iters, c.seed) == (2, 8, 2, 3, 7)
+    assert c.model.moe is None and c.optim.post_validation is not None
+
+
+def test_megatron_core_schedule_and_no_post_validation():
+    c = _config("--use-megatron-core-schedule")
+    assert c.schedule.use_megatron_core_schedule and not c.schedule.split_backward
+    assert c.optim.post_validation is None and not c.precision.grad_reduce_in_fp32
+    assert c.precision.params_dtype == torch.float32
+
+
+def test_moe_section():
+    c = _config("--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--disable-bias-linear")
+    assert c.model.moe is not None and c.model.moe.num_experts == 4
+    assert c.model.moe.moe_layer_pattern == (1, 0, 1, 0)  # --moe-layer-freq 2: every other layer, from the first
+    kwargs = c.model.moe.transformer_config_kwargs(expert_model_parallel_size=1)
+    assert kwargs["moe_layer_freq"] == [1, 0, 1, 0] and kwargs["num_moe_experts"] == 4
+
+
+def test_sections_are_frozen():
+    c = _config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.model.hidden_size = 64  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("section", [rc.ParallelConfig, rc.PrecisionConfig, rc.RecomputeConfig])
+def test_defaults_are_the_command_lines(section):
+    """A section built directly (as tests and benchmarks build it) has the defaults a user's command
+    line without those flags gets (world size 1, the gloo backend resolved on this CPU machine)."""
+    parsed = _parsed(BASE[:-2], 1)
+    got = {rc.ParallelConfig: parsed.parallel, rc.PrecisionConfig: parsed.precision,
+           rc.RecomputeConfig: parsed.model.recompute}[section]
+    assert section() == got
+
+
+def test_optim_and_model_defaults_are_the_command_lines():
+    parsed = _parsed(BASE[:-2], 1)
+    assert dataclasses.replace(rc.OptimConfig(lr=1e-3), lr_decay_iters=3) == parsed.optim
+    m = parsed.model
+    direct = rc.ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                            padded_vocab_size=m.padded_vocab_size, ffn_hidden_size=128, kv_channels=8,
+                            max_position_embeddings=16)
+    assert direct == dataclasses.replace(m, transformer_impl_reason=direct.transformer_impl_reason,
+                                         wgrad_kernel=direct.wgrad_kernel)
+
+
+def test_every_field_has_a_docstring():
+    """Each field is documented (its flag and unit), as megatron-core's TransformerConfig."""
+    tree = ast.parse(inspect.getsource(rc))
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or node.name == "RunConfig":
+            continue
+        body = node.body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), \
+                    f"{node.name}.{stmt.target.id} has no docstring"
+
+
+def test_one_flag_one_field():
+    """--rotary-interleaved (a TransformerConfig field of the same name) needs only its field here:
+    the model section passes every field marked TC to TransformerConfig."""
+    on = _config("--position-embedding-type", "rope", "--rotary-interleaved").model
+    off = _config("--position-embedding-type", "rope").model
+    assert on.transformer_config_kwargs()["rotary_interleaved"] is True
+    assert off.transformer_config_kwargs()["rotary_interleaved"] is False
