@@ -47,13 +47,15 @@ class TorchImportError(ScheduleError):
     """A PyTorch schedule could not be built, converted, or does not validate in our IR."""
 
 
-_KIND = {
+TORCH_COMPUTE_OPS: dict[str, Op] = {
     "FORWARD": Op.F,
     "BACKWARD_INPUT": Op.B,
     "BACKWARD_WEIGHT": Op.W,
     "FULL_BACKWARD": Op.BW,
 }
-"""PyTorch computation type name -> our compute op."""
+"""PyTorch ``_ComputationType`` name -> our compute op: the one table for both directions (the export,
+:mod:`megatron_zb.torch_pipelining.export`, reads it inverted). PyTorch's letters differ from ours:
+its ``I`` is our ``B``, its ``B`` our fused ``BW``."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def convert_pipeline_order(order: Mapping[int, Sequence[Any]], *, num_microbatch
                     raise TorchImportError(f"rank {r} slot #{i}: OVERLAP_F_B without sub-actions")
                 for sub in a.sub_actions:
                     row.append(_convert_one(sub, r, i))
-            elif kind in _KIND:
+            elif kind in TORCH_COMPUTE_OPS:
                 row.append(_convert_one(a, r, i))
             else:
                 dropped[kind] = dropped.get(kind, 0) + 1
@@ -258,11 +260,11 @@ def _torch_schedules_module() -> Any:
 
 def _convert_one(a: Any, rank: int, slot: int) -> Action:
     kind = a.computation_type.name
-    if kind not in _KIND:
+    if kind not in TORCH_COMPUTE_OPS:
         raise TorchImportError(f"rank {rank} slot #{slot}: {kind} is not a compute action")
     if a.microbatch_index is None or a.stage_index is None or a.stage_index < 0:
         raise TorchImportError(f"rank {rank} slot #{slot}: {a!r} lacks a stage or microbatch index")
-    return Action(_KIND[kind], int(a.microbatch_index), int(a.stage_index))
+    return Action(TORCH_COMPUTE_OPS[kind], int(a.microbatch_index), int(a.stage_index))
 
 
 def _repair_1f1b_last_rank(sched: Schedule) -> str:
