@@ -103,51 +103,59 @@ def reference(cfg: LMConfig, num_microbatches: int) -> tuple[list[torch.Tensor],
     return losses, {n: p.grad / num_microbatches for n, p in model.named_parameters()}
 
 
-def run_rank(cfg: LMConfig, runs: list[tuple[str, object]], num_microbatches: int) -> dict[str, dict]:
-    """One rank: each run is ``(label, what)``, ``what`` being ``"torch:Schedule1F1B"`` (PyTorch's own
-    schedule) or a megatron-zb :class:`~megatron_zb.schedules.ir.Schedule`, loaded into
-    ``_PipelineScheduleRuntime`` from its CSV file (``meta["via"] == "csv"``, as torchtitan does)
-    or with :func:`~megatron_zb.torch_pipelining.export.prepare_runtime`.
+def run_rank(cfg: LMConfig, runs: list[tuple[str, object, str]], num_microbatches: int) -> dict[str, dict]:
+    """One rank: each run is ``(label, what, via)``: ``what`` is a megatron-zb
+    :class:`~megatron_zb.schedules.ir.Schedule` loaded into ``_PipelineScheduleRuntime`` from its CSV
+    file (``via="csv"``, as torchtitan does) or with
+    :func:`~megatron_zb.torch_pipelining.export.prepare_runtime` (``via="actions"``), or the name of
+    a PyTorch single-stage schedule class run as PyTorch builds it (``via="torch"``, e.g.
+    ``"Schedule1F1B"``).
 
-    Returns ``{label: {"losses": [...] (ranks with the last stage), "grads": {name: tensor}}}``;
-    label ``"refused"`` holds the message of a stage mismatch :func:`prepare_runtime` refuses.
+    Returns ``{label: {"losses": [...] (ranks with the last stage), "grads": {name: tensor},
+    "kinds": [...]}}``; ``kinds`` are the action kinds the runtime ran on this rank (PyTorch's
+    letters; empty for a PyTorch class, which runs its own loop). Label ``"refused"`` holds the
+    message with which :func:`prepare_runtime` refuses this rank's stages placed 'loop'-wise for
+    the first run whose schedule places them otherwise.
     """
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
 
     from megatron_zb.torch_pipelining.export import TorchExportError, prepare_runtime, write_torch_csv
 
     rank, p = dist.get_rank(), dist.get_world_size()
+    cpu = torch.device("cpu")
     x, y = batch(cfg, num_microbatches)
     out: dict[str, dict] = {}
-    for label, what in runs:
-        n = p if isinstance(what, str) else what.num_stages
-        mine = list(range(rank, n, p)) if isinstance(what, str) else what.stages_of(rank)
+    for label, what, via in runs:
+        n = p if via == "torch" else what.num_stages  # type: ignore[union-attr]
+        mine = [rank] if via == "torch" else what.stages_of(rank)  # type: ignore[union-attr]
         mods = {s: stage_module(cfg, s, n) for s in mine}
-        stages = [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
-        if isinstance(what, str):
-            sched = Schedule1F1B(stages[0], num_microbatches, loss_fn=loss_fn)
+        stages = [PipelineStage(mods[s], s, n, cpu) for s in mine]
+        if via == "torch":
+            sched = getattr(ts, str(what))(stages[0], num_microbatches, loss_fn=loss_fn)
         else:
-            sched = _PipelineScheduleRuntime(stages, num_microbatches, loss_fn=loss_fn)
-            if what.meta.get("via") == "csv":
+            sched = ts._PipelineScheduleRuntime(stages, num_microbatches, loss_fn=loss_fn)
+            if via == "csv":
                 with tempfile.TemporaryDirectory() as d:
                     path = Path(d) / f"{label}.csv"
-                    write_torch_csv(what, path)
+                    write_torch_csv(what, path)  # type: ignore[arg-type]
                     sched._load_csv(str(path), format="compute_only")
             else:
-                prepare_runtime(sched, what)
-        first, last = 0 in mine, n - 1 in mine
+                prepare_runtime(sched, what)  # type: ignore[arg-type]
         losses: list[torch.Tensor] = []
-        sched.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
+        sched.step(*((x,) if 0 in mine else ()), **({"target": y, "losses": losses} if n - 1 in mine else {}))
+        ran = getattr(sched, "pipeline_order_with_comms", {}).get(rank, [])
         out[label] = {"losses": [loss.detach() for loss in losses],
-                      "grads": {name: prm.grad.clone() for s in mine for name, prm in mods[s].named_parameters()}}
-    v_sched = next((w for _, w in runs if not isinstance(w, str) and w.num_stages != p), None)
-    if v_sched is not None:  # this rank's stages placed 'loop'-wise, for a schedule placing them otherwise
-        n = v_sched.num_stages
-        loop = [PipelineStage(stage_module(cfg, s, n), s, n, torch.device("cpu")) for s in range(rank, n, p)]
+                      "grads": {name: prm.grad.clone() for s in mine for name, prm in mods[s].named_parameters()},
+                      "kinds": sorted({a.computation_type.value for a in ran})}
+    other = next((w for _, w, via in runs if via != "torch" and w.stages_of(rank) != list(  # type: ignore[union-attr]
+        range(rank, w.num_stages, p))), None)  # type: ignore[union-attr]
+    if other is not None:
+        n = other.num_stages  # type: ignore[union-attr]
+        loop = [PipelineStage(stage_module(cfg, s, n), s, n, cpu) for s in range(rank, n, p)]
         try:
-            prepare_runtime(_PipelineScheduleRuntime(loop, num_microbatches, loss_fn=loss_fn), v_sched)
+            prepare_runtime(ts._PipelineScheduleRuntime(loop, num_microbatches, loss_fn=loss_fn), other)  # type: ignore[arg-type]
         except TorchExportError as e:
             out["refused"] = {"message": str(e)}
     return out
