@@ -25,7 +25,7 @@ from megatron_zb.cli import main as cli_main  # noqa: E402
 from megatron_zb.schedules.ir import BW, F, Placement, Schedule, make_schedule  # noqa: E402
 from megatron_zb.schedules.lowering import lower  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names  # noqa: E402
-from megatron_zb.schedules.torch_import import _StandInStage  # noqa: E402
+from megatron_zb.schedules.torch_import import StandInStage  # noqa: E402
 from megatron_zb.testing.distributed import run_distributed  # noqa: E402
 from megatron_zb.testing.torch_pipelining import LMConfig, reference, run_rank  # noqa: E402
 from megatron_zb.torch_pipelining.export import (TorchExportError, check_torch_version, parse_cell,  # noqa: E402
@@ -54,7 +54,7 @@ def _torch_split(order: dict) -> list[list[tuple[str, int, int]]]:
 def _runtime(s: Schedule) -> ts._PipelineScheduleRuntime:
     """PyTorch's runtime on stand-in stages (the four attributes its constructor reads; no process group)."""
     p, n = s.num_ranks, s.num_stages
-    return ts._PipelineScheduleRuntime([_StandInStage(n, p) for _ in range(n // p)], s.num_microbatches)
+    return ts._PipelineScheduleRuntime([StandInStage(n, p) for _ in range(n // p)], s.num_microbatches)
 
 
 def _check_in_pytorch(s: Schedule, path) -> None:
@@ -191,7 +191,7 @@ def test_runs_in_pytorchs_runtime_equal_to_reference_and_schedule1f1b():
 
 
 # ------------------------------------------------------------------------------ command line
-def test_cli_schedule_and_plan_write_the_csv(capsys, tmp_path):
+def test_cli_schedule_and_plan_write_the_csv(capsys, tmp_path, monkeypatch):
     out = tmp_path / "zbv.csv"
     rc = cli_main(["schedule", "--schedule", "zbv", "--pp", "2", "--microbatches", "4", "--no-timeline",
                    "--torch-csv", str(out)])
@@ -207,6 +207,14 @@ def test_cli_schedule_and_plan_write_the_csv(capsys, tmp_path):
     _, err = capsys.readouterr()
     assert rc == 2 and err.count("\n") == 1
     assert err.startswith(f"megatron-zb: error: --torch-csv {tmp_path / 'missing' / 'x.csv'}: cannot write")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(torch, "__version__", "2.14.0")
+        rc = cli_main(["schedule", "--schedule", "zb-h1", "--pp", "2", "--microbatches", "4", "--no-timeline",
+                       "--torch-csv", str(tmp_path / "x.csv")])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and not (tmp_path / "x.csv").exists()
+    assert "this is PyTorch 2.14.0: install torch 2.13" in err
 
     plan_csv = tmp_path / "plan.csv"
     rc = cli_main(["plan", "--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",

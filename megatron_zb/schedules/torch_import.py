@@ -3,7 +3,7 @@
 PyTorch's schedule classes compute every rank's compute-only action list in their constructor
 (``pipeline_order: dict[rank, list[_Action | None]]``). Building them needs no process group and
 no GPU: the constructors only read ``num_stages``, ``group_size``, ``group_rank`` and ``submod``
-from the stage objects, so :class:`_StandInStage` carries just those. ``group_rank`` is irrelevant
+from the stage objects, so :class:`StandInStage` carries just those. ``group_rank`` is irrelevant
 because the constructor computes all ranks.
 
 Conversion (:func:`convert_pipeline_order`):
@@ -113,8 +113,9 @@ def placement_of(cls_name: str, num_ranks: int, num_chunks: int = 2) -> list[int
     return info.placement.stage_to_rank(num_ranks, info.chunks(num_chunks))
 
 
-class _StandInStage:
-    """The four attributes PyTorch's schedule constructors read from a pipeline stage.
+class StandInStage:
+    """The four attributes PyTorch's schedule constructors read from a pipeline stage (also used
+    by the export, :mod:`megatron_zb.torch_pipelining.export`, to run PyTorch's lowering offline).
 
     The multi-stage constructors also *assign* ``stage_index_to_group_rank`` on it; a plain
     object accepts that.
@@ -149,9 +150,9 @@ def build_torch_order(cls_name: str, *, num_ranks: int, num_microbatches: int,
     n_stages = num_ranks * v
     try:
         if info.multi_stage:
-            obj = cls([_StandInStage(n_stages, num_ranks) for _ in range(v)], num_microbatches)
+            obj = cls([StandInStage(n_stages, num_ranks) for _ in range(v)], num_microbatches)
         else:
-            obj = cls(_StandInStage(n_stages, num_ranks), num_microbatches)
+            obj = cls(StandInStage(n_stages, num_ranks), num_microbatches)
     except (ValueError, AssertionError, RuntimeError) as e:
         raise TorchImportError(f"PyTorch's {cls_name} refuses p={num_ranks}, m={num_microbatches}"
                                f"{f', {v} chunks per rank' if v > 1 else ''}: {e}") from None

@@ -54,7 +54,7 @@ from torch.distributed.pipelining import schedules as _ts
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from ..schedules.ir import Action, Op, Placement, Schedule, ScheduleError, validate
-from ..schedules.torch_import import TORCH_COMPUTE_OPS, TORCH_SCHEDULES, _StandInStage
+from ..schedules.torch_import import TORCH_COMPUTE_OPS, TORCH_SCHEDULES, StandInStage
 
 __all__ = ["TESTED_TORCH", "TorchExportError", "TorchPlacement", "check_torch_version", "parse_cell",
            "prepare_runtime", "read_torch_csv", "to_torch_actions", "torch_csv_text", "torch_lowering",
@@ -221,7 +221,7 @@ def torch_lowering(schedule: Schedule) -> dict[int, list[Any]]:
     """
     actions = to_torch_actions(schedule)
     p, n, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
-    runtime = _ts._PipelineScheduleRuntime([_StandInStage(n, p) for _ in range(n // p)], m)
+    runtime = _ts._PipelineScheduleRuntime([StandInStage(n, p) for _ in range(n // p)], m)
     try:
         runtime._prepare_schedule_with_comms({r: list(acts) for r, acts in actions.items()})
         s2r = runtime.stage_index_to_group_rank
