@@ -228,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --json: write the lowered schedule (with SEND_*/RECV_* actions)")
     g.add_argument("--torch-csv", metavar="FILE",
                    help="write the schedule as the compute-only CSV of PyTorch's pipeline runtime "
-                        "(torch.distributed.pipelining _load_csv; torchtitan's pipeline_parallel_schedule_csv); "
-                        "docs/torch_pipelining.md")
+                        "(torch.distributed.pipelining's _load_csv; the file torchtitan's "
+                        "pipeline_parallel_schedule_csv names, not tested with torchtitan); docs/torch_pipelining.md")
     _add_output_flags(ps)
     ps.set_defaults(func=_cmd_schedule)
 

@@ -119,7 +119,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     g.add_argument("--plot", metavar="FILE", help="draw the recommended schedule (.png, .svg or .pdf)")
     g.add_argument("--torch-csv", metavar="FILE", help="write the recommended schedule as the compute-only CSV "
-                   "of PyTorch's pipeline runtime (docs/torch_pipelining.md)")
+                   "of PyTorch's pipeline runtime (torchtitan not tested; docs/torch_pipelining.md)")
     p.set_defaults(func=run_plan)
     return p
 

@@ -1,8 +1,8 @@
 """megatron-zb schedules in PyTorch's own pipeline runtime (``torch.distributed.pipelining``).
 
 :mod:`.export` turns any megatron-zb :class:`~megatron_zb.schedules.ir.Schedule` into PyTorch's
-compute-only actions and the compute-only CSV that ``_PipelineScheduleRuntime._load_csv`` and
-torchtitan read (docs/torch_pipelining.md). Importing this package imports nothing; importing
+compute-only actions and the compute-only CSV that ``_PipelineScheduleRuntime._load_csv`` reads (and torchtitan, not tested;
+docs/torch_pipelining.md). Importing this package imports nothing; importing
 :mod:`.export` imports torch. The reverse direction (PyTorch's schedules into our IR) is
 :mod:`megatron_zb.schedules.torch_import`.
 """
