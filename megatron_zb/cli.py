@@ -3,6 +3,7 @@
 Subcommands::
 
     megatron-zb schedule --schedule NAME --pp P --microbatches M [cost flags] [--json F] [--plot F]
+                         [--torch-csv F]
     megatron-zb simulate FILE.json [cost flags] [--plot F]
     megatron-zb list
 
@@ -30,7 +31,7 @@ from typing import NoReturn, Sequence
 
 # The operations re-exported here are the cli's public names (scripts/ and tests import them from here).
 from .cli_ops import (MEMORY_UNIT, CLIError, Costs, build_and_simulate, check_schedule, load_schedule, one_line,
-                      plot_to, report, schedule_table, simulate_file)
+                      plot_to, report, schedule_table, simulate_file, torch_csv_to)
 from .planning.command import add_plan_parser
 from .schedules import registry
 from .schedules.ir import Placement, dump
@@ -118,12 +119,15 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
             dump(out, args.json)
         except OSError as e:
             raise CLIError(f"--json {args.json}: cannot write the file: {e.strerror or e}") from None
+    torch_note = torch_csv_to(sched, args.torch_csv) if args.torch_csv else ""
     if args.plot:
         plot_to(result, args.plot)
     print(report(result, costs, timeline=not args.no_timeline, width=args.width, style=args.timeline_style))
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             print(f"wrote {path} ({flag})")
+    if torch_note:
+        print(f"wrote {args.torch_csv} (--torch-csv: {torch_note})")
     return 0
 
 
@@ -222,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", metavar="FILE", help="write the schedule to FILE in the IR's JSON form")
     g.add_argument("--lowered", action="store_true",
                    help="with --json: write the lowered schedule (with SEND_*/RECV_* actions)")
+    g.add_argument("--torch-csv", metavar="FILE",
+                   help="write the schedule as the compute-only CSV of PyTorch's pipeline runtime "
+                        "(torch.distributed.pipelining's _load_csv; the file torchtitan's "
+                        "pipeline_parallel_schedule_csv names, not tested with torchtitan); docs/torch_pipelining.md")
     _add_output_flags(ps)
     ps.set_defaults(func=_cmd_schedule)
 

@@ -282,6 +282,16 @@ def plot_to(result: SimResult, path: str) -> None:
         raise CLIError(f"--plot {path}: cannot write the file: {e.strerror or e}") from None
 
 
+def torch_csv_to(schedule: Schedule, path: str) -> str:
+    """``--torch-csv FILE``: write PyTorch's compute-only CSV; return the report's note on its placement."""
+    from .torch_pipelining import write_csv
+
+    try:
+        return write_csv(schedule, path)
+    except ValueError as e:
+        raise CLIError(f"--torch-csv {path}: {one_line(str(e))}") from None
+
+
 def schedule_table() -> list[tuple[str, str, str, str, str]]:
     """(name, placement, split backward, cost aware, description) for every registered schedule."""
     rows = []

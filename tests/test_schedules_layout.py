@@ -149,7 +149,7 @@ NO_TORCH = textwrap.dedent("""
 
 def test_schedules_and_the_planner_import_and_run_without_torch():
     """``megatron_zb.schedules`` (every generator, the simulator) and ``megatron-zb plan`` need no torch:
-    run in a subprocess where importing torch raises ImportError."""
+    run in a subprocess where importing torch raises ImportError (where ``--torch-csv`` is refused)."""
     code = NO_TORCH + textwrap.dedent("""
         from megatron_zb.schedules import CostModel, simulate
         from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
@@ -164,6 +164,12 @@ def test_schedules_and_the_planner_import_and_run_without_torch():
                    "--micro-batch-size", "1", "--vocab-size", "1000", "--pipeline-model-parallel-size", "2",
                    "--num-microbatches", "4", "--gpu", "A100", "--bf16", "--schedules", "1f1b,zb,zbv"])
         assert rc == 0, rc
+        import contextlib, io
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):  # --torch-csv needs torch: one line, exit 2
+            rc = main(["schedule", "--schedule", "zb-h1", "--pp", "2", "--microbatches", "4", "--no-timeline",
+                       "--torch-csv", "never-written.csv"])
+        assert rc == 2 and "--torch-csv never-written.csv: needs PyTorch" in err.getvalue(), err.getvalue()
         assert "torch" not in sys.modules
         print("ok")
     """)

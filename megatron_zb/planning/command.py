@@ -118,6 +118,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "exact solvers; large search-based ones are skipped with a note)")
     g.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     g.add_argument("--plot", metavar="FILE", help="draw the recommended schedule (.png, .svg or .pdf)")
+    g.add_argument("--torch-csv", metavar="FILE", help="write the recommended schedule as the compute-only CSV "
+                   "of PyTorch's pipeline runtime (torchtitan not tested; docs/torch_pipelining.md)")
     p.set_defaults(func=run_plan)
     return p
 
@@ -250,6 +252,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json} (--json)")
     if args.plot:
         _plot(result, args.plot)
+    if args.torch_csv:
+        _torch_csv(result, args.torch_csv)
     return 0
 
 
@@ -264,3 +268,17 @@ def _plot(result: Any, path: str) -> None:
     except OSError as e:
         raise PlanError("--plot", f"cannot write {path}: {e.strerror or e}") from None
     print(f"wrote {path} (--plot: {fam.name})")
+
+
+def _torch_csv(result: Any, path: str) -> None:
+    """``--torch-csv``: the recommended schedule as PyTorch's compute-only CSV."""
+    if result.recommended is None:
+        print(f"{PROG} plan: --torch-csv {path} not written: no schedule is recommended", file=sys.stderr)
+        return
+    from megatron_zb.torch_pipelining import write_csv
+    fam = next(f for f in result.families if f.name == result.recommended)
+    try:
+        note = write_csv(fam.result.schedule, path)
+    except ValueError as e:
+        raise PlanError("--torch-csv", f"{path}: {' '.join(str(e).split())}") from None
+    print(f"wrote {path} (--torch-csv: {fam.name}; {note})")

@@ -3,7 +3,7 @@
 PyTorch's schedule classes compute every rank's compute-only action list in their constructor
 (``pipeline_order: dict[rank, list[_Action | None]]``). Building them needs no process group and
 no GPU: the constructors only read ``num_stages``, ``group_size``, ``group_rank`` and ``submod``
-from the stage objects, so :class:`_StandInStage` carries just those. ``group_rank`` is irrelevant
+from the stage objects, so :class:`StandInStage` carries just those. ``group_rank`` is irrelevant
 because the constructor computes all ranks.
 
 Conversion (:func:`convert_pipeline_order`):
@@ -47,13 +47,15 @@ class TorchImportError(ScheduleError):
     """A PyTorch schedule could not be built, converted, or does not validate in our IR."""
 
 
-_KIND = {
+TORCH_COMPUTE_OPS: dict[str, Op] = {
     "FORWARD": Op.F,
     "BACKWARD_INPUT": Op.B,
     "BACKWARD_WEIGHT": Op.W,
     "FULL_BACKWARD": Op.BW,
 }
-"""PyTorch computation type name -> our compute op."""
+"""PyTorch ``_ComputationType`` name -> our compute op: the one table for both directions (the export,
+:mod:`megatron_zb.torch_pipelining.export`, reads it inverted). PyTorch's letters differ from ours:
+its ``I`` is our ``B``, its ``B`` our fused ``BW``."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,9 @@ def placement_of(cls_name: str, num_ranks: int, num_chunks: int = 2) -> list[int
     return info.placement.stage_to_rank(num_ranks, info.chunks(num_chunks))
 
 
-class _StandInStage:
-    """The four attributes PyTorch's schedule constructors read from a pipeline stage.
+class StandInStage:
+    """The four attributes PyTorch's schedule constructors read from a pipeline stage (also used
+    by the export, :mod:`megatron_zb.torch_pipelining.export`, to run PyTorch's lowering offline).
 
     The multi-stage constructors also *assign* ``stage_index_to_group_rank`` on it; a plain
     object accepts that.
@@ -147,9 +150,9 @@ def build_torch_order(cls_name: str, *, num_ranks: int, num_microbatches: int,
     n_stages = num_ranks * v
     try:
         if info.multi_stage:
-            obj = cls([_StandInStage(n_stages, num_ranks) for _ in range(v)], num_microbatches)
+            obj = cls([StandInStage(n_stages, num_ranks) for _ in range(v)], num_microbatches)
         else:
-            obj = cls(_StandInStage(n_stages, num_ranks), num_microbatches)
+            obj = cls(StandInStage(n_stages, num_ranks), num_microbatches)
     except (ValueError, AssertionError, RuntimeError) as e:
         raise TorchImportError(f"PyTorch's {cls_name} refuses p={num_ranks}, m={num_microbatches}"
                                f"{f', {v} chunks per rank' if v > 1 else ''}: {e}") from None
@@ -188,7 +191,7 @@ def convert_pipeline_order(order: Mapping[int, Sequence[Any]], *, num_microbatch
                     raise TorchImportError(f"rank {r} slot #{i}: OVERLAP_F_B without sub-actions")
                 for sub in a.sub_actions:
                     row.append(_convert_one(sub, r, i))
-            elif kind in _KIND:
+            elif kind in TORCH_COMPUTE_OPS:
                 row.append(_convert_one(a, r, i))
             else:
                 dropped[kind] = dropped.get(kind, 0) + 1
@@ -258,11 +261,11 @@ def _torch_schedules_module() -> Any:
 
 def _convert_one(a: Any, rank: int, slot: int) -> Action:
     kind = a.computation_type.name
-    if kind not in _KIND:
+    if kind not in TORCH_COMPUTE_OPS:
         raise TorchImportError(f"rank {rank} slot #{slot}: {kind} is not a compute action")
     if a.microbatch_index is None or a.stage_index is None or a.stage_index < 0:
         raise TorchImportError(f"rank {rank} slot #{slot}: {a!r} lacks a stage or microbatch index")
-    return Action(_KIND[kind], int(a.microbatch_index), int(a.stage_index))
+    return Action(TORCH_COMPUTE_OPS[kind], int(a.microbatch_index), int(a.stage_index))
 
 
 def _repair_1f1b_last_rank(sched: Schedule) -> str:
