@@ -79,10 +79,11 @@ from typing import Callable, Sequence
 from megatron_zb.model.gpt_chunks import split_layers
 
 from .checkpointing_logging import add_checkpointing_args, add_validation_and_logging_args
-from .common import ArgumentError
+from .common import ArgumentError, Problem
 from .flags import MegatronZBArgumentParser
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
 from .implementation import add_implementation_args
+from .kernels import add_kernel_args
 from .logging_flags import add_logging_extra_args
 from .model import add_network_args
 from .moe import add_moe_args
@@ -95,6 +96,7 @@ from .zero_bubble import (POST_VALIDATION_FALLBACK_CLEAN_ITERS, POST_VALIDATION_
 
 __all__ = [
     "ArgumentError",
+    "Problem",
     "POST_VALIDATION_FALLBACK_CLEAN_ITERS",
     "POST_VALIDATION_WARMUP_ITERS",
     "TOKENIZER_TYPES",
@@ -112,7 +114,7 @@ __all__ = [
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
-    add_network_args, add_implementation_args, add_training_args, add_learning_rate_args, add_mixed_precision_args,
+    add_network_args, add_implementation_args, add_kernel_args, add_training_args, add_learning_rate_args, add_mixed_precision_args,
     add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
     add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_zero_bubble_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
