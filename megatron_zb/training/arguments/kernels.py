@@ -38,7 +38,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from .common import ArgumentError, notice
 
-__all__ = ["FUSION_NEEDS", "NOT_YET_PASSED", "TE_ATTENTION_BACKENDS", "add_kernel_args", "check_attention_backend", "resolve_kernels"]
+__all__ = ["FLAG_FIELDS", "FUSION_NEEDS", "NOT_YET_PASSED", "TE_ATTENTION_BACKENDS", "add_kernel_args", "check_attention_backend", "resolve_kernels"]
 
 TE_ATTENTION_BACKENDS: tuple[AttnBackend, ...] = (AttnBackend.flash, AttnBackend.fused, AttnBackend.unfused)
 """Backends that choose among Transformer Engine's attention kernels (megatron-core sets TE's
@@ -62,6 +62,15 @@ NOT_YET_PASSED: tuple[str, ...] = ("attention_backend", "masked_softmax_fusion",
 """Fields resolved here that ``model_setup.gpt_config`` does not pass to ``TransformerConfig`` yet
 (megatron-core's defaults run: no fusion, ``AttnBackend.auto``); remove a name once it is passed.
 A resolved value that differs from megatron-core's default is then logged as not in effect."""
+
+FLAG_FIELDS: dict[str, str] = {
+    "--attention-backend": "attention_backend", "--no-masked-softmax-fusion": "masked_softmax_fusion",
+    "--no-bias-gelu-fusion": "bias_activation_fusion", "--no-bias-swiglu-fusion": "bias_activation_fusion",
+    "--no-bias-dropout-fusion": "bias_dropout_fusion", "--no-rope-fusion": "apply_rope_fusion",
+    "--no-persist-layer-norm": "persist_layer_norm", "--cross-entropy-loss-fusion": "cross_entropy_loss_fusion",
+    "--cross-entropy-fusion-impl": "cross_entropy_fusion_impl",
+}
+"""Each flag of this group -> the ``TransformerConfig`` field (and ``args`` attribute) it decides."""
 
 _CORE_DEFAULTS: dict[str, object] = {"attention_backend": AttnBackend.auto, "cross_entropy_fusion_impl": "native"}
 """megatron-core's defaults of the fields above that are not ``False``."""

@@ -33,7 +33,7 @@ from .training import check_learning_rate, check_precision, fill_training_values
 from .zero_bubble import check_layers, check_schedule_builds, check_zero_bubble_options, resolve_schedule
 
 __all__ = ["CHECKS", "NON_NEGATIVE", "POSITIVE", "REQUIRED", "UNIT_INTERVAL", "Check", "ValidatedArgs",
-           "check_ranges", "validate_args", "validate_args_and_schedule"]
+           "check_pipeline_timeout", "check_ranges", "validate_args", "validate_args_and_schedule"]
 
 # Numeric ranges, one table for every flag group; checked in this order (dest names).
 REQUIRED: tuple[str, ...] = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -66,6 +66,8 @@ class Check:
 
 CHECKS: tuple[Check, ...] = (
     Check("ranges", lambda a, r: check_ranges(a)),
+    Check("learning_rate", lambda a, r: check_learning_rate(a), needs=("ranges",)),
+    Check("pipeline_timeout", lambda a, r: check_pipeline_timeout(a)),
     Check("transformer_impl", lambda a, r: resolve_transformer_impl(a)),
     Check("gradient_accumulation_fusion", lambda a, r: resolve_gradient_accumulation_fusion(a),
           needs=("transformer_impl",)),
@@ -153,7 +155,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
 
 def check_ranges(args: argparse.Namespace) -> None:
     """Required flags given; the numeric ranges of :data:`POSITIVE`, :data:`NON_NEGATIVE`, :data:`UNIT_INTERVAL`.
-    Reports every flag out of range at once."""
+    Reports every flag out of range at once (most checks need these: they are skipped when it fails)."""
     errors = [ArgumentError(flag(d), f"is required; add {flag(d)} VALUE to the command line")
               for d in REQUIRED if getattr(args, d) is None]
     for dest in POSITIVE:
@@ -166,12 +168,10 @@ def check_ranges(args: argparse.Namespace) -> None:
     for dest in UNIT_INTERVAL:
         if not 0.0 <= getattr(args, dest) < 1.0:
             errors.append(ArgumentError(flag(dest), f"must be in [0, 1), got {getattr(args, dest)}"))
-    if args.lr is not None:
-        try:
-            check_learning_rate(args)
-        except ArgumentError as e:
-            errors.append(e)
-    if args.pipeline_timeout_seconds <= 0:
-        errors.append(ArgumentError("--pipeline-timeout-seconds", f"must be > 0, got {args.pipeline_timeout_seconds}"))
     if errors:
         raise ArgumentError.combine(errors)
+
+
+def check_pipeline_timeout(args: argparse.Namespace) -> None:
+    if args.pipeline_timeout_seconds <= 0:
+        raise ArgumentError("--pipeline-timeout-seconds", f"must be > 0, got {args.pipeline_timeout_seconds}")
