@@ -16,7 +16,7 @@ import pytest
 from megatron.core.transformer.enums import AttnBackend
 
 from megatron_zb.training import pretrain
-from megatron_zb.training.arguments import ArgumentError, build_parser, parse_args, validate_args_and_schedule
+from megatron_zb.training.arguments import ArgumentError, build_parser, validate_args_and_schedule
 from megatron_zb.training.arguments.developer import DEVELOPER_CHECK, add_developer_args
 from megatron_zb.training.arguments.megatron_flags import MEGATRON_LM_FLAGS
 
