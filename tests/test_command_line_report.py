@@ -146,6 +146,14 @@ def test_no_overlap_p2p_communication_derives_megatron_core_fields_and_says_what
                for n in off.notices)
 
 
+def test_ckpt_format_torch_dist_only_and_no_position_embedding_with_rope_only():
+    assert validate("--ckpt-format torch_dist").args.ckpt_format == "torch_dist"
+    err = report("--ckpt-format torch")
+    assert err.flag == "--ckpt-format" and "use --ckpt-format torch_dist" in str(err)
+    assert validate("--position-embedding-type rope --no-position-embedding").args.add_position_embedding is False
+    assert report("--no-position-embedding").flag == "--no-position-embedding"  # learned positions, as Megatron-LM
+
+
 def test_barrier_with_level_1_timing_flag():
     assert validate("").args.barrier_with_L1_time is True
     assert validate("--no-barrier-with-level-1-timing").args.barrier_with_L1_time is False
@@ -203,6 +211,16 @@ def test_cross_entropy_fusion_is_resolved_and_said_to_be_not_in_effect_yet():
         assert err.flag == "--cross-entropy-fusion-impl" and "Transformer Engine" in str(err)
 
 
+def test_validating_again_changes_nothing():
+    """The adjusted flags keep their requested values, so a second validation gives the same args and lines."""
+    validated = validate("--sequence-parallel --use-legacy-models --use-flash-attn --cross-entropy-loss-fusion "
+                         "--no-overlap-p2p-communication --position-embedding-type rope --no-persist-layer-norm")
+    before = {k: v for k, v in vars(validated.args).items() if k != "validation_notices"}
+    again = validate_args_and_schedule(validated.args, world_size=1, extra_checks=(DEVELOPER_CHECK,))
+    after = {k: v for k, v in vars(again.args).items() if k != "validation_notices"}
+    assert after == before and again.notices == validated.notices and len(again.notices) == 6
+
+
 def test_use_flash_attn_is_accepted_with_a_pointer_to_the_attention_backend():
     notices = validate("--use-flash-attn").notices
     assert any("--use-flash-attn has no effect on megatron-core's GPT" in n and "--attention-backend flash" in n
@@ -230,6 +248,9 @@ MEGATRON_LM_MEANINGS: dict[str, tuple[str, object, object]] = {
     "deprecated_use_mcore_models": ("--use-mcore-models", False, True),  # 2088-2089
     "use_legacy_models": ("--use-legacy-models", False, True),  # 2093
     "overlap_p2p_comm": ("--no-overlap-p2p-communication", True, False),  # 2232-2234
+    "add_position_embedding": ("--no-position-embedding", True, False),  # 1674-1677
+    # CheckpointConfig group (arguments.py 2152): training_config.py 411
+    "ckpt_format": ("--ckpt-format torch_dist", "torch_dist", "torch_dist"),
     # LoggerConfig group (arguments.py 1812): training_config.py 285
     "barrier_with_L1_time": ("--no-barrier-with-level-1-timing", True, False),
 }

@@ -43,6 +43,9 @@ def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
                         "--ffn-hidden-size then defaults to int(4 * hidden * 2 / 3 / 64) * 64.")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
                    default="learned_absolute", help="Position embedding type (default learned_absolute).")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="Megatron-LM's deprecated flag: accepted with --position-embedding-type rope (no learned "
+                        "position table there), an error otherwise (as Megatron-LM); use --position-embedding-type.")
     g.add_argument("--rotary-base", type=int, default=10000, help="Base of the rotary embeddings (default 10000).")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="Fraction of each head's channels that rotary embeddings rotate, in (0, 1] (default 1.0).")
@@ -73,7 +76,12 @@ def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
 
 
 def check_model_kind(args: argparse.Namespace) -> None:
-    """``--use-legacy-models``: say what is built instead (``--use-mcore-models`` is a no-op, as in Megatron-LM)."""
+    """``--use-legacy-models``: say what is built instead (``--use-mcore-models`` is a no-op, as in Megatron-LM);
+    ``--no-position-embedding`` only with RoPE (Megatron-LM's rule, its arguments.py 999-1000)."""
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ArgumentError("--no-position-embedding", "is deprecated and, as in Megatron-LM, accepted only with "
+                                                       "--position-embedding-type rope; use --position-embedding-type "
+                                                       "none (or rope) instead")
     if args.use_legacy_models:
         notice(args, "WARNING: --use-legacy-models: megatron-core has no legacy models; megatron-core's GPTModel (the "
                      "same architecture as Megatron-LM's legacy GPT) is built, and checkpoints are megatron-core's "

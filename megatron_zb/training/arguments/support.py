@@ -38,6 +38,10 @@ ACCEPTED: dict[str, str] = {
     "--no-barrier-with-level-1-timing": "no-op: megatron-zb's timers never put a barrier, which is what the flag asks "
                                         "for",
     "--context-parallel-size": "1 only (no context parallelism); a larger value is refused with the reason",
+    "--ckpt-format": "torch_dist only (Megatron-LM's default, what megatron-zb writes and reads); the other "
+                     "formats are refused with the reason",
+    "--no-position-embedding": "no-op with `--position-embedding-type rope` (no learned position table); refused "
+                               "otherwise, as Megatron-LM (deprecated there)",
 }
 """Megatron-LM flags the parser accepts without (full) effect -> why."""
 
