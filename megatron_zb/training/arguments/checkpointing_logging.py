@@ -9,7 +9,10 @@ import signal
 
 from .common import ArgumentError
 
-__all__ = ["add_checkpointing_args", "add_validation_and_logging_args", "check_checkpointing"]
+__all__ = ["CKPT_FORMATS", "add_checkpointing_args", "add_validation_and_logging_args", "check_checkpointing"]
+
+CKPT_FORMATS: tuple[str, ...] = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
+"""Megatron-LM core_v0.16.1's ``--ckpt-format`` choices (``CheckpointConfig.ckpt_format``)."""
 
 
 def _signal(name: str) -> signal.Signals:
@@ -27,6 +30,9 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
                    help="Directory to load a checkpoint from (the iteration its latest_checkpointed_iteration.txt "
                         "names). A damaged checkpoint, or one of another model or learning-rate schedule, is "
                         "refused in one line before anything is written.")
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
+                   help="Checkpoint format (Megatron-LM's choices, default torch_dist): megatron-zb writes and "
+                        "reads torch_dist only; the others are refused.")
     g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoint saves.")
     g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
                    help="With --load: load the checkpoint of iteration N (DIR/iter_NNNNNNN) instead of the one "
@@ -57,7 +63,11 @@ def add_validation_and_logging_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_checkpointing(args: argparse.Namespace) -> None:
-    """``--ckpt-step`` needs ``--load``; ``--exit-signal`` must be a signal a process can handle."""
+    """``--ckpt-step`` needs ``--load``; ``--exit-signal`` must be a signal a process can handle;
+    ``--ckpt-format`` is torch_dist."""
+    if args.ckpt_format != "torch_dist":
+        raise ArgumentError("--ckpt-format", f"{args.ckpt_format} is not supported: megatron-zb writes and reads "
+                                             f"Megatron-LM's torch_dist checkpoints only; use --ckpt-format torch_dist")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step", "names a checkpoint of --load DIR; add --load DIR")
     if args.exit_signal in (signal.SIGKILL, signal.SIGSTOP):

@@ -17,6 +17,9 @@ def add_logging_extra_args(parser: argparse.ArgumentParser) -> None:
                    help="Add the model's TFLOP/s per GPU (Megatron-LM's FLOPs formula) to the iteration line.")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="Write the timers (forward-backward, optimizer; seconds per iteration) to TensorBoard.")
+    g.add_argument("--no-barrier-with-level-1-timing", action="store_false", dest="barrier_with_L1_time",
+                   help="Megatron-LM: no barrier before level-1 timers. megatron-zb's timers never synchronise "
+                        "the ranks, so this is what always happens here.")
     g.add_argument("--wandb-project", type=str, default=None,
                    help="Log to Weights & Biases under this project (needs the wandb package; offline mode "
                         "when api.wandb.ai is unreachable or WANDB_MODE=offline).")

@@ -6,10 +6,10 @@ import argparse
 
 from megatron_zb.planning.model import default_ffn_hidden_size
 
-from .common import ArgumentError
+from .common import ArgumentError, notice
 
-__all__ = ["add_network_args", "check_architecture", "check_attention_heads", "check_position_embeddings",
-           "fill_model_sizes"]
+__all__ = ["add_network_args", "check_architecture", "check_attention_heads", "check_model_kind",
+           "check_position_embeddings", "fill_model_sizes"]
 
 
 def add_network_args(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +45,9 @@ def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
                         "--ffn-hidden-size then defaults to int(4 * hidden * 2 / 3 / 64) * 64.")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
                    default="learned_absolute", help="Position embedding type (default learned_absolute).")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="Megatron-LM's deprecated flag: accepted with --position-embedding-type rope (no learned "
+                        "position table there), an error otherwise (as Megatron-LM); use --position-embedding-type.")
     g.add_argument("--rotary-base", type=int, default=10000, help="Base of the rotary embeddings (default 10000).")
     g.add_argument("--rotary-interleaved", action="store_true",
                    help="Rotate interleaved pairs of a head's channels instead of its two halves (rope).")
@@ -65,9 +68,28 @@ def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
                    help="Compute the attention softmax in fp32 (with fp16/bf16).")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Give the output layer its own weight instead of sharing the word embedding's.")
+    g.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models",
+                   help="Megatron-LM's deprecated flag, ignored as there: megatron-core models are the default "
+                        "(and the only ones here).")
+    g.add_argument("--use-legacy-models", action="store_true",
+                   help="Megatron-LM's legacy GPT: megatron-core has none, so megatron-core's GPTModel (the same "
+                        "architecture) is built, with megatron-core's checkpoints; logged at start-up.")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="Normalise the loss by the number of non-padded tokens of the global batch instead of "
                         "averaging per micro batch (megatron-core's per-token loss).")
+
+
+def check_model_kind(args: argparse.Namespace) -> None:
+    """``--use-legacy-models``: say what is built instead (``--use-mcore-models`` is a no-op, as in Megatron-LM);
+    ``--no-position-embedding`` only with RoPE (Megatron-LM's rule, its arguments.py 999-1000)."""
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ArgumentError("--no-position-embedding", "is deprecated and, as in Megatron-LM, accepted only with "
+                                                       "--position-embedding-type rope; use --position-embedding-type "
+                                                       "none (or rope) instead")
+    if args.use_legacy_models:
+        notice(args, "WARNING: --use-legacy-models: megatron-core has no legacy models; megatron-core's GPTModel (the "
+                     "same architecture as Megatron-LM's legacy GPT) is built, and checkpoints are megatron-core's "
+                     "(torch_dist), not the legacy format")
 
 
 def check_attention_heads(args: argparse.Namespace) -> None:
