@@ -201,11 +201,13 @@ def test_fusions_megatron_lm_turns_on_are_off_here_with_one_line():
                                                    .notices)  # GeLU without biases: Megatron-LM turns it off
 
 
-def test_cross_entropy_fusion_is_resolved_and_said_to_be_not_in_effect_yet():
+def test_cross_entropy_fusion_reaches_megatron_core_config():
+    from megatron_zb.training.run_config import ModelConfig
+
     validated = validate("--cross-entropy-loss-fusion")
     assert validated.args.cross_entropy_loss_fusion is True
-    assert any(n.startswith("WARNING: cross_entropy_loss_fusion resolved as asked but not in effect")
-               for n in validated.notices)
+    kwargs = ModelConfig.from_args(validated.args).transformer_config_kwargs()
+    assert kwargs["cross_entropy_loss_fusion"] is True and kwargs["cross_entropy_fusion_impl"] == "native"
     if validated.args.transformer_engine_version is None:
         err = report("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te")
         assert err.flag == "--cross-entropy-fusion-impl" and "Transformer Engine" in str(err)
@@ -218,7 +220,7 @@ def test_validating_again_changes_nothing():
     before = {k: v for k, v in vars(validated.args).items() if k != "validation_notices"}
     again = validate_args_and_schedule(validated.args, world_size=1, extra_checks=(DEVELOPER_CHECK,))
     after = {k: v for k, v in vars(again.args).items() if k != "validation_notices"}
-    assert after == before and again.notices == validated.notices and len(again.notices) == 6
+    assert after == before and again.notices == validated.notices and len(again.notices) == 5
 
 
 def test_use_flash_attn_is_accepted_with_a_pointer_to_the_attention_backend():

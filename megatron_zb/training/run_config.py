@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import torch
+from megatron.core.transformer.enums import AttnBackend
 
 __all__ = ["ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "PostValidationConfig", "PrecisionConfig",
            "RecomputeConfig", "RunConfig", "ScheduleConfig", "TC", "run_config"]
@@ -152,6 +153,23 @@ class ModelConfig:
     """``--no-gradient-accumulation-fusion`` cleared, as resolved (apex's or megatron-zb's kernels)."""
     wgrad_kernel: str = "autograd"
     """Which kernel accumulates weight gradients (start-up log)."""
+    attention_backend: AttnBackend = field(default=AttnBackend.auto, metadata=TC)
+    """``--attention-backend``: megatron-core's ``AttnBackend``."""
+    masked_softmax_fusion: bool = field(default=False, metadata=TC)
+    """Fused scale-mask-softmax: on by Megatron-LM's default where its kernel runs (CUDA), else off
+    (``--no-masked-softmax-fusion`` turns it off)."""
+    bias_activation_fusion: bool = field(default=False, metadata=TC)
+    """Fused bias-GeLU / bias-SwiGLU (``--no-bias-gelu-fusion`` / ``--no-bias-swiglu-fusion``; CUDA only)."""
+    bias_dropout_fusion: bool = field(default=False, metadata=TC)
+    """Fused bias-dropout-add (``--no-bias-dropout-fusion``; CUDA only)."""
+    apply_rope_fusion: bool = field(default=False, metadata=TC)
+    """Transformer Engine's fused RoPE (``--no-rope-fusion``; RoPE, CUDA and Transformer Engine)."""
+    persist_layer_norm: bool = field(default=False, metadata=TC)
+    """apex's persistent LayerNorm (``--no-persist-layer-norm``; CUDA and apex)."""
+    cross_entropy_loss_fusion: bool = field(default=False, metadata=TC)
+    """``--cross-entropy-loss-fusion``: megatron-core's fused cross entropy."""
+    cross_entropy_fusion_impl: str = field(default="native", metadata=TC)
+    """``--cross-entropy-fusion-impl``: ``"native"`` (megatron-core's) or ``"te"`` (Transformer Engine's)."""
     recompute: RecomputeConfig = RecomputeConfig()
     """Activation recomputation."""
     moe: MoEConfig | None = None

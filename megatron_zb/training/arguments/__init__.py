@@ -100,8 +100,8 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``cross_entropy_loss_fusion``       -> ``TransformerConfig.cross_entropy_loss_fusion`` (the flag;
                                     ``cross_entropy_fusion_impl`` as parsed, ``te`` needs TE)
                                     (the four fusion flags above are kept as ``<dest>_requested``;
-                                    none of these kernel fields is passed to megatron-core yet:
-                                    :data:`.kernels.NOT_YET_PASSED`)
+                                    every kernel field reaches ``TransformerConfig`` through
+                                    :class:`~megatron_zb.training.run_config.ModelConfig`)
 ==================================  ===========================================================
 """
 

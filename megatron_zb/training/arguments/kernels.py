@@ -38,7 +38,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from .common import ArgumentError, notice
 
-__all__ = ["FLAG_FIELDS", "FUSION_NEEDS", "NOT_YET_PASSED", "TE_ATTENTION_BACKENDS", "add_kernel_args", "check_attention_backend", "resolve_kernels"]
+__all__ = ["FLAG_FIELDS", "FUSION_NEEDS", "TE_ATTENTION_BACKENDS", "add_kernel_args", "check_attention_backend", "resolve_kernels"]
 
 TE_ATTENTION_BACKENDS: tuple[AttnBackend, ...] = (AttnBackend.flash, AttnBackend.fused, AttnBackend.unfused)
 """Backends that choose among Transformer Engine's attention kernels (megatron-core sets TE's
@@ -56,13 +56,6 @@ CUDA, or ``None``). Without CUDA each is off: the fused functions target the GPU
 torch.compile of each costs ~10 s at first use, measured in Megatron-LM's loop; the GeLU fusion
 also uses the tanh approximation of GeLU)."""
 
-NOT_YET_PASSED: tuple[str, ...] = ("attention_backend", "masked_softmax_fusion", "bias_activation_fusion",
-                                   "bias_dropout_fusion", "apply_rope_fusion", "persist_layer_norm",
-                                   "cross_entropy_loss_fusion", "cross_entropy_fusion_impl")
-"""Fields resolved here that ``model_setup.gpt_config`` does not pass to ``TransformerConfig`` yet
-(megatron-core's defaults run: no fusion, ``AttnBackend.auto``); remove a name once it is passed.
-A resolved value that differs from megatron-core's default is then logged as not in effect."""
-
 FLAG_FIELDS: dict[str, str] = {
     "--attention-backend": "attention_backend", "--no-masked-softmax-fusion": "masked_softmax_fusion",
     "--no-bias-gelu-fusion": "bias_activation_fusion", "--no-bias-swiglu-fusion": "bias_activation_fusion",
@@ -71,9 +64,6 @@ FLAG_FIELDS: dict[str, str] = {
     "--cross-entropy-fusion-impl": "cross_entropy_fusion_impl",
 }
 """Each flag of this group -> the ``TransformerConfig`` field (and ``args`` attribute) it decides."""
-
-_CORE_DEFAULTS: dict[str, object] = {"attention_backend": AttnBackend.auto, "cross_entropy_fusion_impl": "native"}
-"""megatron-core's defaults of the fields above that are not ``False``."""
 
 _REQUESTED = ("masked_softmax_fusion", "bias_dropout_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion")
 """Flags whose resolved value replaces the parsed one (kept as ``<dest>_requested``)."""
@@ -170,11 +160,6 @@ def resolve_kernels(args: argparse.Namespace) -> None:
             off.append(f"{field} ({what}: needs {missing})")
     if off:
         notice(args, "> fusions Megatron-LM turns on that cannot run here, off: " + "; ".join(off))
-    pending = [f for f in NOT_YET_PASSED if getattr(args, f) != _CORE_DEFAULTS.get(f, False)
-               and (f != "cross_entropy_fusion_impl" or args.cross_entropy_loss_fusion)]
-    if pending:
-        notice(args, f"WARNING: {', '.join(pending)} resolved as asked but not in effect: megatron-zb's model set-up "
-                     f"does not pass these to megatron-core's TransformerConfig yet (its defaults run)")
     if args.use_flash_attn:
         notice(args, "WARNING: --use-flash-attn has no effect on megatron-core's GPT (Megatron-LM reads it only in "
                      "its legacy model); --attention-backend flash chooses flash attention (Transformer Engine)")

@@ -4,8 +4,7 @@ Every flag of Megatron-LM's parser (:data:`~.megatron_flags.MEGATRON_LM_FLAGS`) 
 class:
 
 * **implemented**: in ``pretrain_gpt_zb.py``'s parser and in effect, with Megatron-LM's meaning;
-* **accepted**: in the parser, but without effect or only partly (:data:`ACCEPTED` and the
-  kernel fields not passed to megatron-core yet, :data:`~.kernels.NOT_YET_PASSED`), with why;
+* **accepted**: in the parser, but without effect or only partly (:data:`ACCEPTED`), with why;
 * **refused**: not in the parser; the error says why and how to do without
   (:func:`~.flags.unknown_flag_error`: a reason of its own, or "not supported yet").
 
@@ -20,7 +19,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .flags import WHY_NOT, unknown_flag_error
-from .kernels import FLAG_FIELDS, FUSION_NEEDS, NOT_YET_PASSED
 from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_VERSION
 
 __all__ = ["ACCEPTED", "FlagSupport", "flag_support", "flag_table_markdown", "parser_flags"]
@@ -46,16 +44,6 @@ ACCEPTED: dict[str, str] = {
 """Megatron-LM flags the parser accepts without (full) effect -> why."""
 
 
-_FIELD_NOTES: dict[str, str] = {
-    **{f: " (Megatron-LM's default on; off where its kernel cannot run, e.g. without CUDA, logged)"
-       for f in FUSION_NEEDS},
-    "attention_backend": " (auto and local run on the local layer spec; flash, fused and unfused need the "
-                         "Transformer Engine spec and are refused without it, naming what is missing)",
-    "cross_entropy_loss_fusion": " (a start-up WARNING says it is not in effect yet)",
-    "cross_entropy_fusion_impl": " (te needs Transformer Engine; refused without it)",
-}
-
-
 @dataclass(frozen=True)
 class FlagSupport:
     """One flag's class (``"implemented"``, ``"accepted"``, ``"refused"``) and the why (empty when implemented)."""
@@ -75,11 +63,6 @@ def flag_support(name: str, supported: set[str]) -> FlagSupport:
         return FlagSupport("refused", unknown_flag_error(name, sorted(supported)).problems[0].text)
     if name in ACCEPTED:
         return FlagSupport("accepted", ACCEPTED[name])
-    field = FLAG_FIELDS.get(name)
-    if field is not None and field in NOT_YET_PASSED:
-        return FlagSupport("accepted", f"resolved into `args.{field}` for megatron-core's `TransformerConfig.{field}`"
-                                       f"{_FIELD_NOTES.get(field, '')}; not passed to megatron-core yet, so its "
-                                       f"default runs")
     return FlagSupport("implemented")
 
 
