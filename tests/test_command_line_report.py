@@ -23,8 +23,8 @@ from megatron_zb.training.arguments.megatron_flags import MEGATRON_LM_FLAGS
 REPO = Path(__file__).resolve().parents[1]
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
         "--train-iters 2 --lr 1e-4 --mock-data")
-FIVE = "--train-samples 100 --rampup-batch-size 4 4 100 --decoupled-lr 1e-4 --manual-gc --fp8-format hybrid"
-"""Five flags of NVIDIA's LLaMA-3 / GPT-3 scripts that megatron-zb does not support yet."""
+FIVE = "--use-torch-fsdp2 --tp-comm-overlap --enable-cuda-graph --mtp-num-layers 1 --fp8-format hybrid"
+"""Five Megatron-LM flags that megatron-zb does not support (yet)."""
 
 
 def validate(extra: str, *, world_size: int = 1, base: str = BASE):
@@ -57,10 +57,10 @@ def test_five_unsupported_flags_give_five_reasons_in_one_run_exit_2_under_10_s(t
     header = [i for i, ln in enumerate(lines) if ln.startswith("pretrain_gpt_zb.py: error:")]
     assert len(header) == 1 and "5 problems with the command line" in lines[header[0]]
     reasons = lines[header[0] + 1:header[0] + 6]
-    for reason, flag in zip(reasons, ("--train-samples", "--rampup-batch-size", "--decoupled-lr", "--manual-gc",
-                                      "--fp8-format")):
+    for reason, flag in zip(reasons, ("--use-torch-fsdp2", "--tp-comm-overlap", "--enable-cuda-graph",
+                                      "--mtp-num-layers", "--fp8-format")):
         assert reason.startswith(f"  {flag} is a Megatron-LM flag megatron-zb does not support yet")
-    assert "give --train-iters N instead" in reasons[0] and "FP8 needs Transformer Engine" in reasons[4]
+    assert "FP8 needs Transformer Engine" in reasons[4]
     assert "initializing torch distributed" not in proc.stdout + proc.stderr
     assert cpu_s < 10.0, f"{cpu_s:.1f} s of CPU time ({elapsed:.1f} s wall)"
     assert elapsed < 60.0, f"{elapsed:.1f} s wall"
@@ -68,10 +68,10 @@ def test_five_unsupported_flags_give_five_reasons_in_one_run_exit_2_under_10_s(t
 
 def test_unknown_flags_and_every_failing_check_in_one_report():
     """Unknown flags first (command-line order), then each failing check in validation's order."""
-    err = report("--manual-gc --fp16 --bf16 --context-parallel-size 2 --qqqzz --min-lr 1 --split a,b")
-    assert [p.flag for p in err.problems] == ["--manual-gc", "--qqqzz", "--min-lr", "--context-parallel-size",
+    err = report("--use-torch-fsdp2 --fp16 --bf16 --context-parallel-size 2 --qqqzz --min-lr 1 --split a,b")
+    assert [p.flag for p in err.problems] == ["--use-torch-fsdp2", "--qqqzz", "--min-lr", "--context-parallel-size",
                                              "--bf16", "--split"]
-    assert err.flag == "--manual-gc"
+    assert err.flag == "--use-torch-fsdp2"
     text = str(err)
     assert text.startswith("6 problems with the command line") and len(text.splitlines()) == 7
     assert "--context-parallel-size: 2 is not supported" in text and "use --context-parallel-size 1" in text
@@ -92,8 +92,8 @@ def test_ranges_report_every_flag_out_of_range():
 
 
 def test_developer_checks_join_the_report():
-    err = report("--manual-gc --exit-interval 0")
-    assert [p.flag for p in err.problems] == ["--manual-gc", "--exit-interval"]
+    err = report("--use-torch-fsdp2 --exit-interval 0")
+    assert [p.flag for p in err.problems] == ["--use-torch-fsdp2", "--exit-interval"]
 
 
 def test_one_problem_keeps_the_one_line_format():

@@ -123,6 +123,8 @@ class ModelConfig:
     """``--normalization``: ``"LayerNorm"`` or ``"RMSNorm"``."""
     norm_epsilon: float = 1e-5
     """``--norm-epsilon`` (``TransformerConfig.layernorm_epsilon``)."""
+    layernorm_zero_centered_gamma: bool = field(default=False, metadata=TC)
+    """``--apply-layernorm-1p``: LayerNorm weights centred on 0 (apex or Transformer Engine norms)."""
     swiglu: bool = False
     """``--swiglu``: gated linear unit with SiLU (else GeLU)."""
     add_bias_linear: bool = field(default=True, metadata=TC)
@@ -262,6 +264,8 @@ class PrecisionConfig:
     """``--hysteresis``: overflowing steps tolerated before the dynamic loss scale shrinks."""
     accumulate_allreduce_grads_in_fp32: bool = False
     """``--accumulate-allreduce-grads-in-fp32`` (implied by ``--bf16``, see :attr:`grad_reduce_in_fp32`)."""
+    grad_reduce_in_bf16: bool = False
+    """``--grad-reduce-in-bf16``: with bf16, gradients accumulated and reduced in bf16."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -271,7 +275,9 @@ class PrecisionConfig:
     @property
     def grad_reduce_in_fp32(self) -> bool:
         """Gradients accumulated and reduced in fp32: ``--accumulate-allreduce-grads-in-fp32``, which
-        Megatron-LM turns on for bf16."""
+        Megatron-LM turns on for bf16 -- and off for bf16 with ``--grad-reduce-in-bf16``."""
+        if self.bf16 and self.grad_reduce_in_bf16:
+            return False
         return self.accumulate_allreduce_grads_in_fp32 or self.bf16
 
     @classmethod
@@ -327,6 +333,10 @@ class OptimConfig:
     """``--lr-decay-iters`` [iterations] (validation: ``--train-iters``)."""
     lr_decay_style: str = "linear"
     """``--lr-decay-style``."""
+    decoupled_lr: float | None = None
+    """``--decoupled-lr``: peak learning rate of the input embedding and the output layer (``None``: ``lr``)."""
+    decoupled_min_lr: float | None = None
+    """``--decoupled-min-lr``: their minimum learning rate (``None``: ``min_lr``)."""
     use_checkpoint_opt_param_scheduler: bool = False
     """``--use-checkpoint-opt_param-scheduler``."""
     override_opt_param_scheduler: bool = False

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from megatron_zb.planning.model import default_ffn_hidden_size
 
 from .common import ArgumentError, notice
 
-__all__ = ["add_network_args", "check_architecture", "check_attention_heads", "check_model_kind",
+__all__ = ["add_network_args", "check_architecture", "check_zero_centered_gamma", "check_attention_heads", "check_model_kind",
            "check_position_embeddings", "fill_model_sizes"]
 
 
@@ -62,6 +63,9 @@ def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                    help="Disable the bias of the linear layers.")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys (the --normalization type).")
+    g.add_argument("--apply-layernorm-1p", action="store_true", dest="layernorm_zero_centered_gamma",
+                   help="LayerNorm weights centred on 0 (the norm multiplies by 1 + weight): better numerical "
+                        "stability. Needs apex or Transformer Engine.")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Standard deviation of the zero-mean normal weight initialisation (default 0.02).")
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
@@ -110,6 +114,22 @@ def check_position_embeddings(args: argparse.Namespace) -> None:
     if mp < args.seq_length:
         raise ArgumentError("--max-position-embeddings",
                             f"{mp} is smaller than --seq-length {args.seq_length}; raise it or omit it")
+
+
+def check_zero_centered_gamma(args: argparse.Namespace) -> None:
+    """``--apply-layernorm-1p`` only where the layer norm has a zero-centred gamma: Transformer Engine's,
+    or apex's fused LayerNorm of megatron-core's local spec (torch's own norms have none)."""
+    if not args.layernorm_zero_centered_gamma or args.transformer_impl == "transformer_engine":
+        return
+    if args.normalization != "LayerNorm":
+        raise ArgumentError("--apply-layernorm-1p", f"megatron-core's local {args.normalization} has no zero-centred "
+                                                    f"gamma; use --normalization LayerNorm with apex, or "
+                                                    f"--transformer-impl transformer_engine")
+    if importlib.util.find_spec("apex") is None:
+        raise ArgumentError("--apply-layernorm-1p", "megatron-core's local layer spec normalises with torch's LayerNorm "
+                                                    "here (apex is not installed), which has no zero-centred gamma; "
+                                                    "install apex, or use --transformer-impl transformer_engine "
+                                                    "(Transformer Engine and CUDA)")
 
 
 def check_architecture(args: argparse.Namespace) -> None:

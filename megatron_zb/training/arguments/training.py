@@ -43,6 +43,11 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
                    help="Iterations over which the learning rate decays to --min-lr. Default: --train-iters.")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",
                    help="Learning rate decay function (default linear).")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Separate peak learning rate of the input embedding and the output layer (default: --lr).")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="Minimum learning rate of the input embedding and the output layer with --decoupled-lr "
+                        "(default: --min-lr).")
 
 
 def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +65,10 @@ def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hysteresis", type=int, default=2,
                    help="Hysteresis for dynamic loss scaling: overflows tolerated before lowering (default 2).")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
-                   help="Gradient accumulation and all-reduce in fp32 (always on with --bf16, as Megatron-LM).")
+                   help="Gradient accumulation and all-reduce in fp32 (on with --bf16 unless --grad-reduce-in-bf16, "
+                        "as Megatron-LM).")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="With --bf16: accumulate and reduce gradients in bf16 instead of fp32.")
 
 
 def check_learning_rate(args: argparse.Namespace) -> None:

@@ -24,7 +24,7 @@ from .implementation import resolve_gradient_accumulation_fusion, resolve_transf
 from .kernels import resolve_kernels
 from .logging_flags import check_logging
 from .model import (check_architecture, check_attention_heads, check_model_kind, check_position_embeddings,
-                    fill_model_sizes)
+                    check_zero_centered_gamma, fill_model_sizes)
 from .moe import check_moe
 from .parallel import (check_batch_sizes, check_context_parallel, check_data_parallel_overlap, check_sequence_parallel,
                        check_world_size, resolve_backend, resolve_p2p_overlap)
@@ -77,6 +77,7 @@ CHECKS: tuple[Check, ...] = (
     Check("context_parallel", lambda a, r: check_context_parallel(a), needs=("ranges",)),
     Check("attention_heads", lambda a, r: check_attention_heads(a), needs=("ranges",)),
     Check("architecture", lambda a, r: check_architecture(a), needs=("ranges",)),
+    Check("zero_centered_gamma", lambda a, r: check_zero_centered_gamma(a), needs=("transformer_impl",)),
     Check("recompute", lambda a, r: check_recompute(a), needs=("ranges",)),
     Check("sequence_parallel", lambda a, r: check_sequence_parallel(a), needs=("ranges",)),
     Check("data_parallel_overlap", lambda a, r: check_data_parallel_overlap(a)),
