@@ -7,7 +7,8 @@ iteration --, on which peer ranks); when the deadline passes, :meth:`Awaited.err
 :class:`PipelineTimeoutError` message::
 
     rank 0: data-parallel all-reduce of stage 0, bucket 0 (iteration 3) with peer rank 1 did not
-    complete within 5 s (a peer process died, is frozen or never reached this collective)
+    complete within 3 s: a peer process died, is frozen or never reached this collective
+    (RuntimeError: Operation timed out!)
 
 How the deadline is kept depends on the backend (:class:`WaitPolicy`), so that no host-blocking wait
 is added to the GPU's hot path:
@@ -93,7 +94,7 @@ class Awaited:
               error_type: type[RuntimeError] = PipelineTimeoutError) -> RuntimeError:
         """The named error of this wait after ``timeout_s`` seconds (``detail``: the backend's own words)."""
         return error_type(f"{self.who}: {self.operation} with {_peers(self.peers)} did not complete within "
-                          f"{timeout_s:g} s{detail} ({HINT})")
+                          f"{timeout_s:g} s: {HINT}{detail}")
 
 
 def wait_host(work: Any, awaited: Awaited, timeout_s: float, *,

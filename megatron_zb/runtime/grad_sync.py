@@ -300,7 +300,8 @@ def _test_hook_matches(iteration: int) -> bool:
 
 
 def _freeze(iteration: int) -> None:
-    """The test hook: say so, then stop this whole process (``SIGSTOP``: every thread, as a frozen node)."""
-    print(f"TEST HOOK {TEST_HOOK_STOP_BEFORE_DP_REDUCE}: rank {dist.get_rank()} freezes before its first "
-          f"data-parallel reduce of iteration {iteration}", file=sys.stderr, flush=True)
+    """The test hook: say so (with the wall-clock time, ``time.time()`` seconds), then stop this whole
+    process (``SIGSTOP``: every thread, as a frozen node)."""
+    print(f"TEST HOOK {TEST_HOOK_STOP_BEFORE_DP_REDUCE}: rank {dist.get_rank()} freezes at {time.time():.3f} "
+          f"before its first data-parallel reduce of iteration {iteration}", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
