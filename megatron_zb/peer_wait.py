@@ -96,17 +96,26 @@ class Awaited:
         return error_type(f"{self.who}: {self.operation} with {_peers(self.peers)} did not complete within "
                           f"{timeout_s:g} s: {HINT}{detail}")
 
+    def failure(self, detail: str, *, error_type: type[RuntimeError] = PipelineTimeoutError) -> RuntimeError:
+        """The named error of this wait when the backend gave up before the deadline (gloo: a peer's
+        connection closed, i.e. the peer process died)."""
+        return error_type(f"{self.who}: {self.operation} with {_peers(self.peers)} failed: {HINT}{detail}")
+
 
 def wait_host(work: Any, awaited: Awaited, timeout_s: float, *,
               error_type: type[RuntimeError] = PipelineTimeoutError) -> None:
     """``WaitPolicy.HOST``: wait for ``work`` at most ``timeout_s`` seconds; raise ``awaited``'s error
-    (of ``error_type``) if it did not complete. gloo raises ``RuntimeError`` on expiry, and at once when
-    a peer's connection closed (a killed process); its first line is kept as the detail. A ``False``
-    return counts as expiry too."""
+    (of ``error_type``) if it did not complete. gloo raises ``RuntimeError`` on expiry ("timed out":
+    :meth:`Awaited.error`), and at once when a peer's connection closed, a killed process
+    (:meth:`Awaited.failure`); its first line is kept as the detail. A ``False`` return counts as
+    expiry too."""
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise awaited.error(timeout_s, f" ({e.__class__.__name__}: {_first_line(e)})", error_type=error_type) from None
+        detail = f" ({e.__class__.__name__}: {_first_line(e)})"
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise awaited.error(timeout_s, detail, error_type=error_type) from None
+        raise awaited.failure(detail, error_type=error_type) from None
     if ok is False:
         raise awaited.error(timeout_s, error_type=error_type)
 

@@ -125,6 +125,25 @@ def test_late_peer_in_a_host_wait_and_in_post_validation_is_named_within_the_tim
     assert r0["host value"] == r1["post-validation value"] == 2.0  # the late collectives still completed
 
 
+class _ClosedWork:
+    """A test double of a gloo ``Work`` whose peer process was killed: gloo raises at once."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:9654.\nmore")
+
+
+def test_a_killed_peer_is_named_at_once_as_a_failure_not_a_timeout():
+    from megatron_zb.peer_wait import Awaited, PipelineTimeoutError, wait_host
+
+    awaited = Awaited("rank 2", "data-parallel reduce-scatter of stage 1, bucket 0 (iteration 5)", (0, 3))
+    with pytest.raises(PipelineTimeoutError) as info:
+        wait_host(_ClosedWork(), awaited, 300.0)
+    assert str(info.value) == (
+        "rank 2: data-parallel reduce-scatter of stage 1, bucket 0 (iteration 5) with peer ranks 0, 3 failed: a peer "
+        "process died, is frozen or never reached this collective (RuntimeError: [gloo/transport/tcp/pair.cc:553] "
+        "Connection closed by peer [127.0.0.1]:9654.)")
+
+
 _SCRIPT_WITH_A_LATE_PEER = r"""
 import runpy, sys, threading, types
 from megatron_zb.peer_wait import PipelineTimeoutError
