@@ -199,9 +199,9 @@ def _stream_policy_rank(hook: str, stderr_dir: str) -> dict:
 
 
 def test_stream_policy_watchdog_names_the_late_reduce_and_ends_the_blocked_rank(tmp_path):
-    """NCCL's policy end to end (on gloo): iteration 1 runs with no host wait of ours;
-    in iteration 2 (no trainer: the runtime counts its calls) rank 1 freezes before its first reduce,
-    and rank 0, blocked in megatron-core's wait, is ended by the watchdog with the named message."""
+    """NCCL's policy end to end (on gloo): iteration 1 runs with no host wait of ours; in iteration 2
+    (no trainer: the runtime names its count of training calls) rank 1 freezes before its first
+    reduce, and rank 0, blocked in megatron-core's wait, is ended by the watchdog with the named message."""
     from megatron_zb.peer_wait import EXIT_GRACE_S
     from megatron_zb.testing import run_distributed
     from megatron_zb.testing.distributed import DistributedTimeout
@@ -219,6 +219,6 @@ def test_stream_policy_watchdog_names_the_late_reduce_and_ends_the_blocked_rank(
     # the timeout, one watchdog period (timeout / 4), the watchdog's grace, the launcher's grace
     assert TIMEOUT_S <= waited <= TIMEOUT_S * 1.25 + EXIT_GRACE_S + 2.0 + 8.0, waited
     err = (tmp_path / "rank0.err").read_text()
-    assert re.search(r"PipelineTimeoutError: rank 0: data-parallel all-reduce of stage 0, bucket \d+ \(iteration 2\) "
+    assert re.search(r"PipelineTimeoutError: rank 0: data-parallel all-reduce of stage 0, bucket \d+ \(training call 2\) "
                      rf"with peer rank 1 did not complete within {TIMEOUT_S:g} s", err), err[-3000:]
     assert "ending the process (exit status 1)" in err, err[-3000:]  # printed just before os._exit(1)

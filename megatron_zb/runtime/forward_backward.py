@@ -77,8 +77,8 @@ class ZeroBubbleForwardBackward:
     ``records``) and ``last_peak_bytes`` when asked for, and
     with megatron-core DDP's ``overlap_grad_reduce`` the bucket launches in ``last_grad_sync``.
     ``iteration`` is the caller's training iteration, for the errors that name a late reduce (the
-    trainer sets it: ``SchedulePlanner.begin_iteration``); left ``None``, the training calls are
-    counted instead (1, 2, ...).
+    trainer sets it: ``SchedulePlanner.begin_iteration``); left ``None`` (Megatron-LM's loop), the
+    errors name the count of training calls of this object instead ("training call 2").
     ``last_overhead`` (always measured) splits the last call's executor time into compute actions,
     p2p calls and the runtime's own overhead; ``overhead`` sums it over every call so far (reset it
     with ``fb.overhead = LoopOverhead()``).
@@ -198,7 +198,8 @@ class ZeroBubbleForwardBackward:
         grad_sync = None
         if not forward_only and overlapping_ddp_chunks(chunks):
             grad_sync = GradSync(dict(zip(stages, chunks)),
-                                 iteration=self._calls if self.iteration is None else self.iteration)
+                                 iteration=self._calls if self.iteration is None else self.iteration,
+                                 iteration_name="training call" if self.iteration is None else "iteration")
             no_sync = [c.no_sync for c in chunks]  # every chunk, whatever config says: GradSync reports
         if isinstance(no_sync, list):  # one per chunk, as megatron-core's interleaved schedule takes
             sync_ctx: contextlib.AbstractContextManager = contextlib.ExitStack()

@@ -57,7 +57,8 @@ __all__ = ["BucketLaunch", "GradSync", "GradSyncError", "GradSyncReport", "TEST_
 
 TEST_HOOK_STOP_BEFORE_DP_REDUCE = "MEGATRON_ZB_TEST_HOOK_STOP_BEFORE_DP_REDUCE"
 """Test hook only (``tests/test_dead_peer.py``): ``RANK:ITERATION`` freezes global rank ``RANK``
-(``SIGSTOP`` to itself) just before it would launch its first data-parallel reduce of ``ITERATION``."""
+(``SIGSTOP`` to itself) just before it would launch its first data-parallel reduce of ``ITERATION``
+(:attr:`GradSync.iteration`). Unset (always, outside tests): nothing."""
 
 
 class GradSyncError(RuntimeError):
@@ -134,15 +135,23 @@ class GradSync:
     """Reports parameters ready to megatron-core's buckets at the right points of a schedule.
 
     Built once per ``forward_backward`` call for the rank's chunks (``{stage: DDP module}``),
-    all with ``overlap_grad_reduce``, and the call's training ``iteration``. The executor calls :meth:`begin` before the first action
-    and :meth:`after_compute` after every compute action; the store's per-entry reports come
-    in through :meth:`_weights_done`. :meth:`end` checks that every bucket group was launched;
+    all with ``overlap_grad_reduce``, and the call's training ``iteration`` (``iteration_name``:
+    what the number counts, ``"iteration"`` or, when the caller does not say, ``"training
+    call"``). The executor calls :meth:`begin` before the first action and :meth:`after_compute`
+    after every compute action; the store's per-entry reports come in through
+    :meth:`_weights_done`. :meth:`end` checks that every bucket group was launched;
     :meth:`wait_launched` then keeps the deadline of the launched reduces.
     """
 
-    def __init__(self, chunks: dict[int, Any], *, iteration: int = 0) -> None:
+    def __init__(self, chunks: dict[int, Any], *, iteration: int = 0, iteration_name: str = "iteration") -> None:
         self.chunks = chunks
-        self.iteration = iteration  # the training iteration (names the reduces in errors)
+        self.iteration = iteration  # names the reduces in errors: f"({iteration_name} {iteration})"
+        self.iteration_name = iteration_name
+        for stage, ddp in chunks.items():
+            if getattr(ddp.ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+                raise GradSyncError(f"stage {stage}: DistributedDataParallelConfig.reduce_scatter_with_fp32_accumulation "
+                                    "gives megatron-core's own reduce handle, which has no Work to wait on with the "
+                                    "pipeline timeout; turn it off to overlap the reduce with megatron-zb's schedules")
         self._stage_of: dict[int, int] = {}
         self._group_of: dict[int, tuple[int, int, Any]] = {}   # id(param) -> (stage, index, group)
         self._params: dict[int, list[torch.Tensor]] = {}
@@ -252,7 +261,7 @@ class GradSync:
         """Keep the works of the reduce just launched for ``group`` with what they wait for."""
         _, kind, peers = _reduce_group(group, self.chunks[stage].force_all_reduce)
         awaited = Awaited(f"rank {dist.get_rank()}", f"data-parallel {kind} of stage {stage}, bucket {index} "
-                          f"(iteration {self.iteration})", peers)
+                          f"({self.iteration_name} {self.iteration})", peers)
         handle = group.grad_reduce_handle  # megatron-core's coalescing manager (its works), or one Work
         now = time.monotonic()
         self._in_flight += [(w, now, awaited) for w in getattr(handle, "works", [handle])]
