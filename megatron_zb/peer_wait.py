@@ -6,7 +6,7 @@ A wait is described by an :class:`Awaited` (who waits, for which operation -- st
 iteration --, on which peer ranks); when the deadline passes, :meth:`Awaited.error` is the one
 :class:`PipelineTimeoutError` message::
 
-    rank 0: data-parallel all-reduce of stage 0, bucket 0 (iteration 3) with peer rank 1 did not
+    rank 0: data-parallel all-reduce of stage 0, bucket 0 (iteration 2) with peer rank 1 did not
     complete within 3 s: a peer process died, is frozen or never reached this collective
     (RuntimeError: Operation timed out!)
 
@@ -22,12 +22,18 @@ is added to the GPU's hot path:
   ``.item()``, no ``synchronize()``, no timed wait. Once one is older than the timeout it prints the
   named error to stderr at once and keeps it; the main thread raises it at its next
   :meth:`Watchdog.check`. If the main thread has not raised it :data:`EXIT_GRACE_S` (or one watchdog
-  period, if longer) later, it is
-  blocked behind the stuck collective (a host synchronisation, which no Python code can interrupt),
-  and the watchdog ends the process with exit status :data:`PEER_TIMEOUT_EXIT_STATUS` -- what
+  period, if longer) later, it is blocked behind the stuck collective (a host synchronisation,
+  which no Python code can interrupt), and the watchdog ends the process with exit status :data:`PEER_TIMEOUT_EXIT_STATUS` -- what
   NCCL's own watchdog does at the process group's timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), only
   earlier and with the operation and the peers named. That path was run on gloo only (the main
   thread blocked in gloo's untimed wait); no NCCL run has checked it.
+
+The deadline of the p2p transfers and the data-parallel reduces is ``--pipeline-timeout-seconds``
+(``ZeroBubbleOptions.timeout``): the zero-bubble path's own "how long may a peer take". Megatron-LM's
+``--distributed-timeout-minutes`` is the process groups' own timeout (NCCL's watchdog, gloo's),
+given by megatron-core to every group it creates; the named error has to come before it, so it
+cannot be the same value (and minutes cannot express a test's seconds). Post-validation's waits
+take the wrapper's ``timeout`` (``PostValidationConfig``).
 
 No torch import here: the works are duck-typed (``wait(timeout=timedelta)``, ``is_completed()``).
 """
