@@ -110,6 +110,7 @@ class SchedulePlanner:
         self._bytes_only = profiling and not self.profiled_iterations and iteration < min(end - 1, self.args.train_iters)
         self._times_tracked = profiling and not self._bytes_only and not self.profiled_iterations
         if self.runtime is not None:
+            self.runtime.iteration = iteration  # names the iteration of a late data-parallel reduce
             self.runtime.options.time_actions = profiling
             self.runtime.options.track_memory = self._bytes_only or self._times_tracked or self._track_memory
         return profiling
