@@ -30,7 +30,8 @@ def test_flags_land_in_their_sections():
     """A command line with a value for each section: every value where the section says it goes."""
     c = _config("--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000",
                 "--enable-zero-bubble", "--enable-optimizer-post-validation", "--enable-exactly-numeric-match",
-                "--post-validation-warmup-iters", "3", "--distributed-timeout-minutes", "2", "--clip-grad", "0.5",
+                "--post-validation-warmup-iters", "3", "--distributed-timeout-minutes", "2",
+                "--pipeline-timeout-seconds", "45", "--clip-grad", "0.5",
                 "--weight-decay", "0.1", "--lr-warmup-iters", "1", "--seed", "7", "--global-batch-size", "8",
                 "--hysteresis", "3", "--min-loss-scale", "2", world_size=4)
     assert (c.parallel.world_size, c.parallel.pipeline_model_parallel_size, c.parallel.data_parallel_size) == (4, 2, 2)
@@ -41,7 +42,7 @@ def test_flags_land_in_their_sections():
     assert (c.precision.hysteresis, c.precision.min_loss_scale) == (3, 2.0)
     assert (c.optim.clip_grad, c.optim.weight_decay, c.optim.lr_warmup_iters, c.optim.lr_decay_iters) == (0.5, 0.1, 1, 3)
     assert c.optim.post_validation == rc.PostValidationConfig(exact=True, warmup_iters=3, fallback_clean_iters=10,
-                                                              timeout_seconds=120.0)
+                                                              timeout_seconds=45.0)
     assert (c.schedule.name, c.schedule.placement, c.schedule.split_backward) == ("zb", "plain", True)
     assert c.schedule.layers_per_stage == (2, 2) and c.schedule.num_pipeline_stages == 2
     assert (c.micro_batch_size, c.global_batch_size, c.num_microbatches, c.train_iters, c.seed) == (2, 8, 2, 3, 7)

@@ -296,15 +296,17 @@ class PostValidationConfig:
     """``--post-validation-warmup-iters``: synchronous steps first."""
     fallback_clean_iters: int = 10
     """``--post-validation-fallback-clean-iters``: synchronous after a rollback until this many clean steps."""
-    timeout_seconds: float = 600.0
-    """How long a rank waits for the others' statistics (``--distributed-timeout-minutes`` x 60) [s]."""
+    timeout_seconds: float = 300.0
+    """How long a rank waits for the others' statistics (``--pipeline-timeout-seconds``, the deadline of
+    every collective the zero-bubble path adds: it fires before the process groups' own
+    ``--distributed-timeout-minutes``) [s]."""
 
     @classmethod
     def from_args(cls, args: Any) -> "PostValidationConfig":
         """From ``args`` of ``pretrain_gpt_zb.py`` or Megatron-LM (the same flag names)."""
         return cls(exact=args.enable_exactly_numeric_match, warmup_iters=args.post_validation_warmup_iters,
                    fallback_clean_iters=args.post_validation_fallback_clean_iters,
-                   timeout_seconds=60.0 * args.distributed_timeout_minutes)
+                   timeout_seconds=args.pipeline_timeout_seconds)
 
 
 @dataclass(frozen=True)
