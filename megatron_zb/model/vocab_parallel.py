@@ -103,14 +103,16 @@ class VocabParallelSlices(torch.nn.Module):
     With ``seed``, each weight is megatron's CPU initialisation of the whole ``[V, h]`` matrix (fp32
     master drawn under ``derive_seed(seed, "word_embeddings")`` / ``"output_layer"``, as
     :func:`~megatron_zb.model.build_gpt_chunks` does, cast to ``params_dtype``), sliced: the same
-    values whatever ``n``. The parameters carry megatron's tensor-parallel attributes (``dim=0``: each
-    slice counted once in the grad norm over the model-parallel group) and
-    ``is_embedding_or_output_parameter`` (``--decoupled-lr``).
+    values for any ``n`` at a given ``padded_size``. ``output_init_method`` defaults to
+    ``init_method``; ``seed=None`` leaves the weights uninitialised. The parameters carry megatron's
+    tensor-parallel attributes (``dim=0``: each slice counted once in the grad norm over the
+    model-parallel group; not tested yet) and ``is_embedding_or_output_parameter`` (``--decoupled-lr``).
     """
 
     def __init__(self, *, padded_size: int, hidden_size: int, group: Any, tied: bool, seed: int | None,
-                 init_method: Callable[[torch.Tensor], Any], output_init_method: Callable[[torch.Tensor], Any] | None
-                 = None, params_dtype: torch.dtype = torch.float32) -> None:
+                 init_method: Callable[[torch.Tensor], Any],
+                 output_init_method: Callable[[torch.Tensor], Any] | None = None,
+                 params_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.vocab = VocabSlice.of_group(padded_size, group)
         self.group = group
