@@ -154,15 +154,11 @@ class WeightGrad:
         return self._compute()
 
     def __call__(self) -> None:
+        from megatron_zb.runtime.linear_route import add_weight_grad
+
         grad = self.compute()
         self._compute = None
-        main_grad = getattr(self.weight, "main_grad", None)
-        if main_grad is not None:
-            main_grad.add_(grad)
-        elif self.weight.grad is None:
-            self.weight.grad = grad
-        else:
-            self.weight.grad += grad
+        add_weight_grad(self.weight, grad)
 
 
 def broadcast_from(tensor: torch.Tensor, src: int, group: Any) -> torch.Tensor:
