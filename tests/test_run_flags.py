@@ -1,0 +1,210 @@
+"""Megatron-LM's loading, exit, logging, profiling and memory flags in ``pretrain_gpt_zb.py`` runs:
+``--log-params-norm``, ``--log-num-zeros-in-grad``, ``--manual-gc*``, ``--empty-unused-memory-level``,
+``--profile`` with PyTorch's profiler, ``--no-load-optim``, ``--no-load-rng``, ``--finetune`` and
+``--exit-duration-in-mins``.
+
+Five runs of the trainer (what ``pretrain_gpt_zb.py`` runs) in-process on 2 ranks of
+``run_distributed`` (PP=2, 4 layers, Megatron-LM's default dropout 0.1), sharing one checkpoint:
+
+  ``zb``      greedy zero bubble with every logging / GC / profiling flag, stopped at 3 (saves 3);
+  ``mcore``   megatron-core's 1F1B, 5 iterations, the same logging flags -- the reference;
+  ``no_optim`` ``zb``'s checkpoint resumed with ``--no-load-optim`` (iterations 4-5);
+  ``no_rng``  the same with ``--no-load-rng``;
+  ``finetune`` the same with ``--finetune --exit-duration-in-mins 0.0001`` (exits after its first iteration).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3", "--lr-warmup-iters", "2",
+         "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1", "--train-iters", "5",
+         "--distributed-backend", "gloo", "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2",
+         "--pipeline-model-parallel-size", "2", "--zero-bubble-pipeline-timers-start-iter", "8",
+         "--zero-bubble-pipeline-timers-end-iter", "9", "--untie-embeddings-and-output-weights"]
+"""PP=2, 4 micro batches, dropout 0.1 (Megatron-LM's default); the re-planning window after the last
+iteration (these tests are about the flags, not profiling-then-re-planning); untied embeddings, so
+that the input embedding's rows of tokens no batch holds get zero gradients (num zeros > 0)."""
+LOGGED = ["--log-params-norm", "--log-num-zeros-in-grad"]
+TIMEOUT = 240
+
+
+def _rank(argv: list[str], json_path: str) -> dict:
+    """One rank of the trainer on ``argv``: its log, exit status and what the housekeeping did."""
+    import contextlib
+    import gc
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_zb.training.pretrain import parse_command_line
+    from megatron_zb.training.trainer import Trainer
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        validated = parse_command_line(argv + ["--loss-log-json", json_path], world_size=dist.get_world_size())
+        print("\n".join(validated.notices))
+        trainer = Trainer(validated.args, schedule=validated.schedule)
+        try:
+            status = trainer.run()
+            gc_during = gc.isenabled()
+            collections = trainer.hooks.memory.collections
+            backend = trainer.hooks.profile.backend
+            traces = list(getattr(backend, "written", []))
+        finally:
+            trainer.close()
+    return {"log": log.getvalue(), "status": status, "gc_during": gc_during, "gc_after": gc.isenabled(),
+            "collections": collections, "traces": traces}
+
+
+def _run(root: Path, name: str, argv: list[str]) -> dict:
+    from megatron_zb.testing import run_distributed
+
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    ranks = run_distributed(_rank, world_size=2, args=(argv, str(d / "values.json")), timeout=TIMEOUT)
+    return {"ranks": ranks, "log": "".join(r["log"] for r in ranks),
+            "train": json.loads((d / "values.json").read_text())["train"]}
+
+
+class Runs:
+    """Each run starts once, on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.done = root, {}
+        self.ckpt, self.tb = root / "ckpt", root / "tb"
+
+    def get(self, name: str) -> dict:
+        if name not in self.done:
+            if name != "zb" and name != "mcore":
+                self.get("zb")  # the checkpoint
+            flags = {
+                "zb": ["--enable-zero-bubble", *LOGGED, "--manual-gc", "--manual-gc-interval", "2",
+                       "--empty-unused-memory-level", "1", "--profile", "--profile-step-start", "2",
+                       "--profile-step-end", "3", "--use-pytorch-profiler", "--tensorboard-dir", str(self.tb),
+                       "--save", str(self.ckpt), "--exit-interval", "3"],
+                "mcore": ["--use-megatron-core-schedule", *LOGGED],
+                "no_optim": ["--enable-zero-bubble", "--load", str(self.ckpt), "--no-load-optim"],
+                "no_rng": ["--enable-zero-bubble", "--load", str(self.ckpt), "--no-load-rng"],
+                "finetune": ["--enable-zero-bubble", "--load", str(self.ckpt), "--finetune", "--exit-duration-in-mins",
+                             "0.0001", "--save", str(self.root / "ckpt_ft")],
+            }[name]
+            self.done[name] = _run(self.root, name, SMALL + flags)
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("runflags"))
+
+
+def _by_iteration(run: dict, key: str) -> dict[int, object]:
+    return {r["iteration"]: r[key] for r in run["train"] if key in r}
+
+
+def _checkpoint_params_norm(path: Path) -> float:
+    """The L2 norm of every model tensor a checkpoint holds (each parameter once: tied output weights
+    and tensor-parallel copies are not stored twice), summed in float64 by this test. torch's
+    ``dcp_to_torch_save`` reads megatron-core's torch_dist directory into one state dict."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = path.parent / (path.name + ".pt")
+    dcp_to_torch_save(str(path), str(flat))
+    state = torch.load(flat, weights_only=False)
+    total = 0.0
+    for key, value in state.items():  # model tensors under their own names; the optimizer's under "optimizer."
+        if torch.is_tensor(value) and value.is_floating_point() and not key.startswith("optimizer."):
+            total += float((value.double() ** 2).sum())
+    return math.sqrt(total)
+
+
+def test_logged_norms_and_zeros_equal_megatron_core_and_the_checkpoint(runs):
+    """params norm and num zeros of the zero-bubble run are megatron-core 1F1B's, value for value;
+    the params norm after iteration 3 is the norm of the checkpoint saved there; the line has both."""
+    zb, mcore = runs.get("zb"), runs.get("mcore")
+    assert sorted(_by_iteration(zb, "lm loss")) == [1, 2, 3]
+    for key in ("lm loss", "params norm", "num zeros", "grad norm"):
+        got, want = _by_iteration(zb, key), _by_iteration(mcore, key)
+        assert set(got) == {1, 2, 3}, (key, got)
+        assert got == {it: want[it] for it in got}, key
+    # At least the embedding rows of the vocabulary's padding (258 byte-level ids padded to 384) have
+    # zero gradients: no input token selects them; at most every element of the input embedding.
+    for it, zeros in _by_iteration(zb, "num zeros").items():
+        assert zeros == int(zeros) and (384 - 258) * 32 <= zeros <= 384 * 32, (it, zeros)
+    norms = _by_iteration(zb, "params norm")
+    assert norms[3] == pytest.approx(_checkpoint_params_norm(runs.ckpt / "iter_0000003"), rel=1e-6)
+    assert norms[1] != norms[2] != norms[3]  # the parameters move
+    line = next(ln for ln in zb["log"].splitlines() if re.search(r"\] iteration\s+3/", ln))
+    from megatron_zb.training.logging_utils import parse_iteration_line
+
+    rec = parse_iteration_line(line)
+    assert rec["params norm"] == pytest.approx(norms[3], abs=5e-4)
+    assert rec["num zeros"] == _by_iteration(zb, "num zeros")[3]
+    assert line.index("grad norm:") < line.index("num zeros:") < line.index("params norm:")  # Megatron-LM's order
+
+
+def test_manual_gc_and_pytorch_profiler_trace(runs):
+    """--manual-gc: the collector is off during the run and back on after it; collections at the start
+    and after iteration 2 (--manual-gc-interval 2; the run stops at 3). --profile on rank 0 only:
+    one Chrome trace naming iteration 2 (ProfilerStep#2), not 1 or 3. --empty-unused-memory-level on
+    CPU: a start-up line says it is a no-op."""
+    zb = runs.get("zb")
+    r0, r1 = zb["ranks"]
+    for r in (r0, r1):
+        assert (r["gc_during"], r["gc_after"], r["collections"]) == (False, True, 2), r
+    assert r1["traces"] == [] and len(r0["traces"]) == 1
+    [trace] = r0["traces"]
+    assert Path(trace).parent == runs.tb and Path(trace).name.startswith("rank0.") and trace.endswith(".pt.trace.json")
+    assert f"> rank 0: PyTorch profiler trace of iterations 2-2 written to {trace}" in zb["log"]
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2"}, steps
+    assert any(e.get("name") == "aten::mm" for e in events)  # the iteration's work is in it
+    assert "--empty-unused-memory-level 1: no CUDA device" in zb["log"] and "a no-op here" in zb["log"]
+
+
+def test_no_load_optim_restores_model_and_rng_but_not_optimizer_or_scheduler(runs):
+    """Iteration 4's loss (computed before its step: model, data position and dropout streams) equals
+    the uninterrupted run's bit for bit; its learning rate is a fresh scheduler's first (the
+    uninterrupted run's iteration 1); iteration 5 then differs (fresh Adam moments)."""
+    got, ref = runs.get("no_optim"), runs.get("mcore")
+    loss, lr = _by_iteration(got, "lm loss"), _by_iteration(got, "learning rate")
+    ref_loss, ref_lr = _by_iteration(ref, "lm loss"), _by_iteration(ref, "learning rate")
+    assert sorted(loss) == [4, 5]
+    assert loss[4] == ref_loss[4] and loss[5] != ref_loss[5]
+    assert lr[4] == ref_lr[1] != ref_lr[4]
+    assert "--no-load-optim: not restored from the checkpoint: optimizer state and learning-rate scheduler" in got["log"]
+
+
+def test_no_load_rng_restores_model_optimizer_and_scheduler_but_not_the_random_streams(runs):
+    """Iteration 4's learning rate is the uninterrupted run's (scheduler restored); its loss is not
+    (dropout draws from the fresh --seed streams, not the saved ones)."""
+    got, ref = runs.get("no_rng"), runs.get("mcore")
+    assert sorted(_by_iteration(got, "lm loss")) == [4, 5]
+    assert _by_iteration(got, "learning rate") == {it: _by_iteration(ref, "learning rate")[it] for it in (4, 5)}
+    assert _by_iteration(got, "lm loss")[4] != _by_iteration(ref, "lm loss")[4]
+    assert "--no-load-rng: not restored from the checkpoint: random states" in got["log"]
+
+
+def test_finetune_starts_at_iteration_0_and_exit_duration_saves_and_exits_0(runs):
+    """--finetune: the model only, iteration 1 again (a fresh scheduler's learning rate, the first
+    samples); its loss is lower than the untrained model's there (the trained weights were loaded).
+    --exit-duration-in-mins 0.0001: exit status 0 after iteration 1, a checkpoint of iteration 1."""
+    got, ref = runs.get("finetune"), runs.get("mcore")
+    assert [r["status"] for r in got["ranks"]] == [0, 0]
+    assert sorted(_by_iteration(got, "lm loss")) == [1]
+    assert _by_iteration(got, "learning rate")[1] == _by_iteration(ref, "learning rate")[1]
+    assert _by_iteration(got, "lm loss")[1] < _by_iteration(ref, "lm loss")[1]
+    assert re.search(r"> exiting program at iteration 1 after [\d.]+ minutes \(--exit-duration-in-mins 0\.0001\)",
+                     got["log"]), got["log"][-2000:]
+    assert (runs.root / "ckpt_ft" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert "starting at iteration 0 with no consumed samples (--finetune)" in got["log"]
