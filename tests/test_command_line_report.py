@@ -23,7 +23,7 @@ from megatron_zb.training.arguments.megatron_flags import MEGATRON_LM_FLAGS
 REPO = Path(__file__).resolve().parents[1]
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
         "--train-iters 2 --lr 1e-4 --mock-data")
-FIVE = "--train-samples 100 --rampup-batch-size 4 4 100 --decoupled-lr 1e-4 --manual-gc --fp8-format hybrid"
+FIVE = "--train-samples 100 --rampup-batch-size 4 4 100 --decoupled-lr 1e-4 --log-straggler --fp8-format hybrid"
 """Five flags of NVIDIA's LLaMA-3 / GPT-3 scripts that megatron-zb does not support yet."""
 
 
@@ -57,7 +57,7 @@ def test_five_unsupported_flags_give_five_reasons_in_one_run_exit_2_under_10_s(t
     header = [i for i, ln in enumerate(lines) if ln.startswith("pretrain_gpt_zb.py: error:")]
     assert len(header) == 1 and "5 problems with the command line" in lines[header[0]]
     reasons = lines[header[0] + 1:header[0] + 6]
-    for reason, flag in zip(reasons, ("--train-samples", "--rampup-batch-size", "--decoupled-lr", "--manual-gc",
+    for reason, flag in zip(reasons, ("--train-samples", "--rampup-batch-size", "--decoupled-lr", "--log-straggler",
                                       "--fp8-format")):
         assert reason.startswith(f"  {flag} is a Megatron-LM flag megatron-zb does not support yet")
     assert "give --train-iters N instead" in reasons[0] and "FP8 needs Transformer Engine" in reasons[4]
@@ -68,10 +68,10 @@ def test_five_unsupported_flags_give_five_reasons_in_one_run_exit_2_under_10_s(t
 
 def test_unknown_flags_and_every_failing_check_in_one_report():
     """Unknown flags first (command-line order), then each failing check in validation's order."""
-    err = report("--manual-gc --fp16 --bf16 --context-parallel-size 2 --qqqzz --min-lr 1 --split a,b")
-    assert [p.flag for p in err.problems] == ["--manual-gc", "--qqqzz", "--min-lr", "--context-parallel-size",
+    err = report("--log-straggler --fp16 --bf16 --context-parallel-size 2 --qqqzz --min-lr 1 --split a,b")
+    assert [p.flag for p in err.problems] == ["--log-straggler", "--qqqzz", "--min-lr", "--context-parallel-size",
                                              "--bf16", "--split"]
-    assert err.flag == "--manual-gc"
+    assert err.flag == "--log-straggler"
     text = str(err)
     assert text.startswith("6 problems with the command line") and len(text.splitlines()) == 7
     assert "--context-parallel-size: 2 is not supported" in text and "use --context-parallel-size 1" in text
@@ -92,8 +92,8 @@ def test_ranges_report_every_flag_out_of_range():
 
 
 def test_developer_checks_join_the_report():
-    err = report("--manual-gc --exit-interval 0")
-    assert [p.flag for p in err.problems] == ["--manual-gc", "--exit-interval"]
+    err = report("--log-straggler --exit-interval 0")
+    assert [p.flag for p in err.problems] == ["--log-straggler", "--exit-interval"]
 
 
 def test_one_problem_keeps_the_one_line_format():
@@ -255,6 +255,25 @@ MEGATRON_LM_MEANINGS: dict[str, tuple[str, object, object]] = {
     "ckpt_format": ("--ckpt-format torch_dist", "torch_dist", "torch_dist"),
     # LoggerConfig group (arguments.py 1812): training_config.py 285
     "barrier_with_L1_time": ("--no-barrier-with-level-1-timing", True, False),
+    "log_params_norm": ("--log-params-norm", False, True),  # training_config.py 205
+    "log_memory_to_tensorboard": ("--log-memory-to-tensorboard", False, True),  # 258
+    "log_num_zeros_in_grad": ("--log-num-zeros-in-grad", False, True),  # 273
+    "finetune": ("--finetune", False, True),  # CheckpointConfig, 389
+    # arguments.py 2159-2162: store_true with default None
+    "no_load_optim": ("--no-load-optim", None, True),
+    "no_load_rng": ("--no-load-rng", None, True),
+    # TrainingConfig group (arguments.py 2002): training_config.py 35, 58, 70, 76, 81
+    "empty_unused_memory_level": ("--empty-unused-memory-level 2", 0, 2),
+    "exit_duration_in_mins": ("--exit-duration-in-mins 30", None, 30),
+    "manual_gc": ("--manual-gc", False, True),
+    "manual_gc_interval": ("--manual-gc-interval 5", 0, 5),
+    "manual_gc_eval": ("--no-manual-gc-eval", True, False),
+    # ProfilingConfig group (arguments.py 2000): common_config.py 26-42
+    "profile": ("--profile", False, True),
+    "profile_step_start": ("--profile-step-start 3", 10, 3),
+    "profile_step_end": ("--profile-step-end 5", 12, 5),
+    "use_pytorch_profiler": ("--use-pytorch-profiler", False, True),
+    "profile_ranks": ("--profile-ranks 0 1", [0], [0, 1]),
 }
 
 

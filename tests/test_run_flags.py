@@ -208,3 +208,152 @@ def test_finetune_starts_at_iteration_0_and_exit_duration_saves_and_exits_0(runs
                      got["log"]), got["log"][-2000:]
     assert (runs.root / "ckpt_ft" / "latest_checkpointed_iteration.txt").read_text() == "1"
     assert "starting at iteration 0 with no consumed samples (--finetune)" in got["log"]
+
+
+# ---------------------------------------------------------------------------- without processes
+class Recorder:
+    """Stands in for a profiler backend: CUDA's capture range cannot run without a GPU; it records
+    the calls :class:`ProfileWindow` (the code both backends share) makes."""
+
+    def __init__(self, continuous: bool) -> None:
+        self.continuous, self.calls = continuous, []
+
+    def start(self, completed: int) -> None:
+        self.calls.append(("start", completed))
+
+    def step(self) -> None:
+        self.calls.append("step")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
+def _drive(window, first: int, last: int) -> list:
+    """Run iterations ``first..last`` (1-based) through ``window``; the calls per iteration."""
+    backend = window.backend
+    window.start(first - 1)
+    seen = [("before run", list(backend.calls))]
+    for it in range(first, last + 1):
+        backend.calls.clear()
+        window.before_iteration(it)
+        window.after_iteration(it)
+        seen.append((it, list(backend.calls)))
+    backend.calls.clear()
+    window.close()
+    seen.append(("close", list(backend.calls)))
+    return seen
+
+
+def test_profile_window_capture_range_and_pytorch_profiler_as_megatron_lm():
+    """CUDA's capture range: started before iteration start+1, stopped after iteration end (Megatron-LM's
+    ``iteration == profile_step_start`` with 0-based completed iterations). PyTorch's profiler: started
+    before the run, stepped every iteration (its schedule picks the window), stopped after iteration
+    end; a run resumed at 3 starts it with the offset. Closing stops a window the run did not finish."""
+    import torch
+
+    from megatron_zb.training.profile_window import CudaCaptureRange, ProfileWindow, TorchProfiler, profile_window
+    from megatron_zb.training.run_config import ProfilingConfig
+
+    cfg = ProfilingConfig(profile=True, profile_step_start=2, profile_step_end=4, profile_ranks=(0, 1), trace_dir="t")
+    assert _drive(ProfileWindow(cfg, Recorder(continuous=False)), 1, 5) == [
+        ("before run", []), (1, []), (2, []), (3, [("start", 2)]), (4, ["stop"]), (5, []), ("close", [])]
+    assert _drive(ProfileWindow(cfg, Recorder(continuous=True)), 1, 5) == [
+        ("before run", [("start", 0)]), (1, ["step"]), (2, ["step"]), (3, ["step"]), (4, ["step", "stop"]), (5, []),
+        ("close", [])]
+    assert _drive(ProfileWindow(cfg, Recorder(continuous=True)), 4, 5)[0] == ("before run", [("start", 3)])
+    assert _drive(ProfileWindow(cfg, Recorder(continuous=True)), 5, 6)[0] == ("before run", [])  # window passed
+    assert _drive(ProfileWindow(cfg, Recorder(continuous=False)), 1, 3)[-1] == ("close", ["stop"])  # ended inside
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert isinstance(profile_window(cfg, rank=1, device=cuda).backend, CudaCaptureRange)
+    assert isinstance(profile_window(cfg, rank=1, device=cpu).backend, TorchProfiler)
+    pytorch = ProfilingConfig(profile=True, use_pytorch_profiler=True, profile_ranks=(0,), trace_dir="t")
+    assert isinstance(profile_window(pytorch, rank=0, device=cuda).backend, TorchProfiler)
+    assert profile_window(pytorch, rank=1, device=cpu).backend is None
+    assert profile_window(ProfilingConfig(), rank=0, device=cpu).backend is None
+
+
+def test_pytorch_profiler_window_of_a_resumed_run_is_on_global_iterations(tmp_path):
+    """Resumed after iteration 3 with the window 4-5 (--profile-step-start 4 --profile-step-end 6): the
+    trace holds this run's first two iterations (global 4 and 5), not the third (6)."""
+    import torch
+
+    from megatron_zb.training.profile_window import profile_window
+    from megatron_zb.training.run_config import ProfilingConfig
+
+    cfg = ProfilingConfig(profile=True, profile_step_start=4, profile_step_end=6, trace_dir=str(tmp_path))
+    window = profile_window(cfg, rank=0, device=torch.device("cpu"))
+    window.start(3)
+    for it in (4, 5, 6):
+        window.before_iteration(it)
+        torch.ones(8, 8) @ torch.ones(8, 8)
+        window.after_iteration(it)
+    window.close()
+    [trace] = window.backend.written
+    steps = sorted(e["name"] for e in json.loads(Path(trace).read_text())["traceEvents"]
+                   if e.get("name", "").startswith("ProfilerStep#"))
+    assert steps == ["ProfilerStep#1", "ProfilerStep#2"]
+
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 20 --lr 1e-4 --mock-data")
+
+
+def _validate(extra: str, world_size: int = 2):
+    import shlex
+
+    from megatron_zb.training.pretrain import parse_command_line
+
+    return parse_command_line(shlex.split(BASE + " " + extra), world_size=world_size)
+
+
+def test_refusals_name_the_flag_and_the_fix_all_in_one_report():
+    from megatron_zb.training.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError) as e:
+        _validate("--profile --profile-step-start 3 --profile-step-end 3 --manual-gc-interval -1 "
+                  "--exit-duration-in-mins -2")
+    assert [p.flag for p in e.value.problems] == ["--exit-duration-in-mins", "--profile-step-end",
+                                                 "--manual-gc-interval"]
+    for extra, flag, fix in [
+        ("--profile --profile-step-start 20 --profile-step-end 22 --tensorboard-dir t", "--profile-step-start",
+         "give a smaller value"),
+        ("--profile --profile-ranks 0 2 --tensorboard-dir t", "--profile-ranks", "[2] not among the job's ranks 0-1"),
+        ("--profile", "--profile", "add --tensorboard-dir DIR"),
+        ("--profile --use-pytorch-profiler", "--use-pytorch-profiler", "add --tensorboard-dir DIR"),
+    ]:
+        with pytest.raises(ArgumentError) as e:
+            _validate(extra)
+        assert e.value.flag == flag and fix in str(e.value), str(e.value)
+
+
+def test_flags_without_their_switch_or_device_are_accepted_with_a_start_up_line():
+    """As in Megatron-LM they do nothing there; a start-up line says so (never silently)."""
+    import torch
+
+    notices = "\n".join(_validate("--profile-step-start 2 --profile-ranks 1 --manual-gc-interval 3 "
+                                  "--no-manual-gc-eval --no-load-optim --finetune --log-memory-to-tensorboard").notices)
+    assert "WARNING: --profile-step-start, --profile-ranks without --profile: no effect" in notices
+    assert "WARNING: --manual-gc-interval, --no-manual-gc-eval without --manual-gc: no effect" in notices
+    assert "WARNING: --no-load-optim, --finetune without --load: nothing is loaded, no effect" in notices
+    if not torch.cuda.is_available():
+        assert "WARNING: --log-memory-to-tensorboard: no CUDA device" in notices
+        assert "PyTorch's profiler is used" in "\n".join(_validate("--profile --profile-step-start 2 "
+                                                                    "--tensorboard-dir t").notices)
+
+
+def test_exit_duration_takes_megatron_lm_s_whole_minutes_and_fractions():
+    args = _validate("--exit-duration-in-mins 5").args
+    assert args.exit_duration_in_mins == 5 and isinstance(args.exit_duration_in_mins, int)
+    assert _validate("--exit-duration-in-mins 0.25").args.exit_duration_in_mins == 0.25
+    from megatron_zb.training.run_config import run_config
+
+    assert run_config(_validate("--exit-duration-in-mins 0").args).checkpoint.exit_duration_in_mins is None  # off
+
+
+def test_memory_scalars_are_megatron_lm_s_four():
+    from megatron_zb.training.training_log import cuda_memory_scalars
+
+    stats = {"reserved_bytes.all.current": 4096, "allocated_bytes.all.current": 1024,
+             "allocated_bytes.all.peak": 2048, "allocation.all.current": 3, "other": 1}
+    assert cuda_memory_scalars(stats) == {"mem-reserved-bytes": 4096, "mem-allocated-bytes": 1024,
+                                          "mem-max-allocated-bytes": 2048, "mem-allocated-count": 3}
