@@ -6,7 +6,9 @@
 Five runs of the trainer (what ``pretrain_gpt_zb.py`` runs) in-process on 2 ranks of
 ``run_distributed`` (PP=2, 4 layers, Megatron-LM's default dropout 0.1), sharing one checkpoint:
 
-  ``zb``      greedy zero bubble with every logging / GC / profiling flag, stopped at 3 (saves 3);
+  ``zb``      greedy zero bubble with every logging / GC / profiling flag, stopped at 3 (saves 3), with
+              exact optimizer post-validation (eager steps after 1 warm-up step, also after a
+              clipped one: the line's values are the validated ones);
   ``mcore``   megatron-core's 1F1B, 5 iterations, the same logging flags -- the reference;
   ``no_optim`` ``zb``'s checkpoint resumed with ``--no-load-optim`` (iterations 4-5);
   ``no_rng``  the same with ``--no-load-rng``;
@@ -59,10 +61,11 @@ def _rank(argv: list[str], json_path: str) -> dict:
             collections = trainer.hooks.memory.collections
             backend = trainer.hooks.profile.backend
             traces = list(getattr(backend, "written", []))
+            eager = trainer.optimizer.counters().eager_steps if trainer.optim.post_validation else None
         finally:
             trainer.close()
     return {"log": log.getvalue(), "status": status, "gc_during": gc_during, "gc_after": gc.isenabled(),
-            "collections": collections, "traces": traces}
+            "collections": collections, "traces": traces, "eager_steps": eager}
 
 
 def _run(root: Path, name: str, argv: list[str]) -> dict:
@@ -87,7 +90,9 @@ class Runs:
             if name != "zb" and name != "mcore":
                 self.get("zb")  # the checkpoint
             flags = {
-                "zb": ["--enable-zero-bubble", *LOGGED, "--manual-gc", "--manual-gc-interval", "2",
+                "zb": ["--enable-zero-bubble", *LOGGED, "--enable-optimizer-post-validation",
+                       "--enable-exactly-numeric-match", "--post-validation-warmup-iters", "1",
+                       "--post-validation-fallback-clean-iters", "0", "--manual-gc", "--manual-gc-interval", "2",
                        "--empty-unused-memory-level", "1", "--profile", "--profile-step-start", "2",
                        "--profile-step-end", "3", "--use-pytorch-profiler", "--tensorboard-dir", str(self.tb),
                        "--save", str(self.ckpt), "--exit-interval", "3"],
@@ -128,8 +133,9 @@ def _checkpoint_params_norm(path: Path) -> float:
 
 
 def test_logged_norms_and_zeros_equal_megatron_core_and_the_checkpoint(runs):
-    """params norm and num zeros of the zero-bubble run are megatron-core 1F1B's, value for value;
-    the params norm after iteration 3 is the norm of the checkpoint saved there; the line has both."""
+    """params norm and num zeros of the zero-bubble run (post-validated eager steps at 2 and 3) are
+    megatron-core 1F1B's, value for value; the params norm after iteration 3 is the norm of the
+    checkpoint saved there; the line has both."""
     zb, mcore = runs.get("zb"), runs.get("mcore")
     assert sorted(_by_iteration(zb, "lm loss")) == [1, 2, 3]
     for key in ("lm loss", "params norm", "num zeros", "grad norm"):
@@ -150,6 +156,7 @@ def test_logged_norms_and_zeros_equal_megatron_core_and_the_checkpoint(runs):
     assert rec["params norm"] == pytest.approx(norms[3], abs=5e-4)
     assert rec["num zeros"] == _by_iteration(zb, "num zeros")[3]
     assert line.index("grad norm:") < line.index("num zeros:") < line.index("params norm:")  # Megatron-LM's order
+    assert [r["eager_steps"] for r in zb["ranks"]] == [2, 2]  # iterations 2 and 3 stepped eagerly
 
 
 def test_manual_gc_and_pytorch_profiler_trace(runs):
