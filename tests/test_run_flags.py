@@ -35,7 +35,9 @@ SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 """PP=2, 4 micro batches, dropout 0.1 (Megatron-LM's default); the re-planning window after the last
 iteration (these tests are about the flags, not profiling-then-re-planning); untied embeddings, so
 that the input embedding's rows of tokens no batch holds get zero gradients (num zeros > 0)."""
-LOGGED = ["--log-params-norm", "--log-num-zeros-in-grad"]
+LOGGED = ["--log-params-norm", "--log-num-zeros-in-grad", "--eval-interval", "2", "--eval-iters", "1"]
+"""The logging flags of both first runs, with a validation batch after iteration 2 (--manual-gc's
+collections around it)."""
 TIMEOUT = 240
 
 
@@ -160,14 +162,15 @@ def test_logged_norms_and_zeros_equal_megatron_core_and_the_checkpoint(runs):
 
 
 def test_manual_gc_and_pytorch_profiler_trace(runs):
-    """--manual-gc: the collector is off during the run and back on after it; collections at the start
-    and after iteration 2 (--manual-gc-interval 2; the run stops at 3). --profile on rank 0 only:
+    """--manual-gc: the collector is off during the run and back on after it; collections at the start,
+    before and after the evaluation of iteration 2 and after iteration 2 (--manual-gc-interval 2; the
+    run stops at 3). --profile on rank 0 only:
     one Chrome trace naming iteration 2 (ProfilerStep#2), not 1 or 3. --empty-unused-memory-level on
     CPU: a start-up line says it is a no-op."""
     zb = runs.get("zb")
     r0, r1 = zb["ranks"]
     for r in (r0, r1):
-        assert (r["gc_during"], r["gc_after"], r["collections"]) == (False, True, 2), r
+        assert (r["gc_during"], r["gc_after"], r["collections"]) == (False, True, 4), r
     assert r1["traces"] == [] and len(r0["traces"]) == 1
     [trace] = r0["traces"]
     assert Path(trace).parent == runs.tb and Path(trace).name.startswith("rank0.") and trace.endswith(".pt.trace.json")

@@ -161,7 +161,6 @@ class Trainer:
                     costs = self.planner.replan()
                     if costs is not None:
                         self.state.schedule_costs = costs
-            self.hooks.after_iteration(it)
             if self._after_iteration(it):
                 return True
         return False
@@ -209,6 +208,7 @@ class Trainer:
         if args.eval_iters > 0 and self.data.has_valid and it % args.eval_interval == 0:
             with self.log.excluding_time(), self.hooks.evaluation():
                 self._evaluate(f"iteration {it}", self.data.valid, valid=True)
+        self.hooks.after_iteration(it)  # Megatron-LM's post-step callbacks: the profile window's end, manual GC
         if args.save and args.save_interval and it % args.save_interval == 0:
             with self.log.excluding_time():
                 self._finalize_optimizer()
