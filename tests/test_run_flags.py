@@ -3,7 +3,7 @@
 ``--profile`` with PyTorch's profiler, ``--no-load-optim``, ``--no-load-rng``, ``--finetune`` and
 ``--exit-duration-in-mins``.
 
-Five runs of the trainer (what ``pretrain_gpt_zb.py`` runs) in-process on 2 ranks of
+Six runs of the trainer (what ``pretrain_gpt_zb.py`` runs) in-process on 2 ranks of
 ``run_distributed`` (PP=2, 4 layers, Megatron-LM's default dropout 0.1), sharing one checkpoint:
 
   ``zb``      greedy zero bubble with every logging / GC / profiling flag, stopped at 3 (saves 3), with
@@ -12,7 +12,8 @@ Five runs of the trainer (what ``pretrain_gpt_zb.py`` runs) in-process on 2 rank
   ``mcore``   megatron-core's 1F1B, 5 iterations, the same logging flags -- the reference;
   ``no_optim`` ``zb``'s checkpoint resumed with ``--no-load-optim`` (iterations 4-5);
   ``no_rng``  the same with ``--no-load-rng``;
-  ``finetune`` the same with ``--finetune --exit-duration-in-mins 0.0001`` (exits after its first iteration).
+  ``finetune`` the same with ``--finetune --exit-duration-in-mins 0.0001`` (exits after its first iteration);
+  ``bf16_distopt`` DP=2 (PP=1), bf16, the distributed optimizer, ``--log-params-norm``, 1 iteration.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Runs:
 
     def get(self, name: str) -> dict:
         if name not in self.done:
-            if name != "zb" and name != "mcore":
+            if name in ("no_optim", "no_rng", "finetune"):
                 self.get("zb")  # the checkpoint
             flags = {
                 "zb": ["--enable-zero-bubble", *LOGGED, "--enable-optimizer-post-validation",
@@ -103,6 +104,9 @@ class Runs:
                 "no_rng": ["--enable-zero-bubble", "--load", str(self.ckpt), "--no-load-rng"],
                 "finetune": ["--enable-zero-bubble", "--load", str(self.ckpt), "--finetune", "--exit-duration-in-mins",
                              "0.0001", "--save", str(self.root / "ckpt_ft")],
+                "bf16_distopt": ["--pipeline-model-parallel-size", "1", "--bf16", "--use-distributed-optimizer",
+                                 "--log-params-norm", "--train-iters", "1", "--lr-warmup-iters", "0",
+                                 "--save", str(self.root / "ckpt_bf16")],
             }[name]
             self.done[name] = _run(self.root, name, SMALL + flags)
         return self.done[name]
@@ -159,6 +163,17 @@ def test_logged_norms_and_zeros_equal_megatron_core_and_the_checkpoint(runs):
     assert rec["num zeros"] == _by_iteration(zb, "num zeros")[3]
     assert line.index("grad norm:") < line.index("num zeros:") < line.index("params norm:")  # Megatron-LM's order
     assert [r["eager_steps"] for r in zb["ranks"]] == [2, 2]  # iterations 2 and 3 stepped eagerly
+
+
+def test_params_norm_of_sharded_bf16_main_params(runs):
+    """bf16 with the distributed optimizer: the norm is over the fp32 main parameters, each DP rank's
+    shard summed over the data-parallel group; the checkpoint holds the bf16 parameters, which
+    differ from them by bf16's rounding (2^-9 relative at most per element). Half the shards alone
+    would give 1/sqrt(2) of it."""
+    run = runs.get("bf16_distopt")
+    norms = _by_iteration(run, "params norm")
+    assert sorted(norms) == [1]
+    assert norms[1] == pytest.approx(_checkpoint_params_norm(runs.root / "ckpt_bf16" / "iter_0000001"), rel=2.0 ** -9)
 
 
 def test_manual_gc_and_pytorch_profiler_trace(runs):
