@@ -77,7 +77,8 @@ def test_defaults_are_the_command_lines(section):
     parsed = _parsed(BASE[:-2], 1)
     got = {rc.ParallelConfig: parsed.parallel, rc.PrecisionConfig: parsed.precision,
            rc.RecomputeConfig: parsed.model.recompute, rc.CheckpointConfig: parsed.checkpoint,
-           rc.LoggingConfig: parsed.logging, rc.ProfilingConfig: parsed.profiling, rc.MemoryConfig: parsed.memory}[section]
+           rc.LoggingConfig: parsed.logging, rc.ProfilingConfig: parsed.profiling,
+           rc.MemoryConfig: parsed.memory}[section]
     assert section() == got
 
 

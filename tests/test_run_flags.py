@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3", "--lr-warmup-iters", "2",
@@ -207,7 +208,8 @@ def test_no_load_optim_restores_model_and_rng_but_not_optimizer_or_scheduler(run
     assert sorted(loss) == [4, 5]
     assert loss[4] == ref_loss[4] and loss[5] != ref_loss[5]
     assert lr[4] == ref_lr[1] != ref_lr[4]
-    assert "--no-load-optim: not restored from the checkpoint: optimizer state and learning-rate scheduler" in got["log"]
+    assert ("--no-load-optim: not restored from the checkpoint: optimizer state and learning-rate scheduler"
+            in got["log"])
 
 
 def test_no_load_rng_restores_model_optimizer_and_scheduler_but_not_the_random_streams(runs):

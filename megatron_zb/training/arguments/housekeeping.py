@@ -13,7 +13,8 @@ from .common import ArgumentError, notice
 
 __all__ = ["add_housekeeping_args", "check_memory_flags", "check_profiling"]
 
-PROFILE_DEFAULTS = {"profile_step_start": 10, "profile_step_end": 12, "profile_ranks": [0], "use_pytorch_profiler": False}
+PROFILE_DEFAULTS = {"profile_step_start": 10, "profile_step_end": 12, "profile_ranks": [0],
+                    "use_pytorch_profiler": False}
 """Megatron-LM core_v0.16.1's defaults (``megatron/training/common_config.py``, ``ProfilingConfig``)."""
 
 
@@ -28,7 +29,8 @@ def add_housekeeping_args(parser: argparse.ArgumentParser) -> None:
                    help="Iterations completed when profiling starts (default 10). PyTorch's profiler records "
                         "iterations START to END-1 (the one before is its warm-up); CUDA's capture range "
                         "START+1 to END, as Megatron-LM.")
-    g.add_argument("--profile-step-end", type=int, default=12, help="Iteration after which profiling stops (default 12).")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="Iteration after which profiling stops (default 12).")
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="Use PyTorch's profiler (traces for TensorBoard's profiler plugin or Perfetto) instead of "
                         "CUDA's capture range.")
