@@ -24,7 +24,7 @@ def error_for(extra: str) -> ArgumentError:
 
 
 @pytest.mark.parametrize("extra,flag", [("--train-samples 2", "--train-samples"),
-                                        ("--manual-gc", "--manual-gc"),
+                                        ("--log-straggler", "--log-straggler"),
                                         ("--fp8-format=hybrid", "--fp8-format")])
 def test_megatron_lm_flag_not_supported_yet(extra, flag):
     err = error_for(extra)

@@ -70,13 +70,16 @@ def test_sections_are_frozen():
         c.model.hidden_size = 64  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("section", [rc.ParallelConfig, rc.PrecisionConfig, rc.RecomputeConfig])
+@pytest.mark.parametrize("section", [rc.ParallelConfig, rc.PrecisionConfig, rc.RecomputeConfig, rc.CheckpointConfig,
+                                     rc.LoggingConfig, rc.ProfilingConfig, rc.MemoryConfig])
 def test_defaults_are_the_command_lines(section):
     """A section built directly (as tests and benchmarks build it) has the defaults a user's command
     line without those flags gets (world size 1, the gloo backend resolved on this CPU machine)."""
     parsed = _parsed(BASE[:-2], 1)
     got = {rc.ParallelConfig: parsed.parallel, rc.PrecisionConfig: parsed.precision,
-           rc.RecomputeConfig: parsed.model.recompute}[section]
+           rc.RecomputeConfig: parsed.model.recompute, rc.CheckpointConfig: parsed.checkpoint,
+           rc.LoggingConfig: parsed.logging, rc.ProfilingConfig: parsed.profiling,
+           rc.MemoryConfig: parsed.memory}[section]
     assert section() == got
 
 

@@ -19,7 +19,8 @@ derived values: :mod:`.model` (network size), :mod:`.training` (batch, iteration
 learning rate, mixed precision), :mod:`.implementation` (``--transformer-impl``, gradient-accumulation
 fusion), :mod:`.kernels` (attention backend, fusions), :mod:`.recompute` (activation recomputation, uneven pipeline split), :mod:`.parallel`
 (distributed), :mod:`.data` (data and
-tokenizer), :mod:`.checkpointing_logging`, :mod:`.zero_bubble` (schedule, memory limit, profiling,
+tokenizer), :mod:`.checkpointing_logging`, :mod:`.housekeeping` (profiling, garbage collection, the
+CUDA cache), :mod:`.zero_bubble` (schedule, memory limit, profiling,
 post-validation) and :mod:`.developer` (``pretrain_gpt_zb.py``'s extra flags). :mod:`.validation`
 orders the checks (with what each needs) and holds the numeric ranges of all flags;
 :mod:`.flags` turns unknown flags into problems; :mod:`.support` classes every Megatron-LM flag
@@ -115,6 +116,7 @@ from megatron_zb.model.gpt_chunks import split_layers
 from .checkpointing_logging import add_checkpointing_args, add_validation_and_logging_args
 from .common import ArgumentError, Problem
 from .flags import MegatronZBArgumentParser
+from .housekeeping import add_housekeeping_args
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
 from .implementation import add_implementation_args
 from .kernels import add_kernel_args
@@ -150,7 +152,8 @@ ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_network_args, add_implementation_args, add_kernel_args, add_training_args, add_learning_rate_args, add_mixed_precision_args,
     add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
-    add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_zero_bubble_args)
+    add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_housekeeping_args,
+    add_zero_bubble_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
 
 

@@ -17,12 +17,13 @@ from typing import Any, Callable, Sequence
 
 from megatron_zb.schedules.ir import Schedule
 
-from .checkpointing_logging import check_checkpointing
+from .checkpointing_logging import check_checkpointing, check_exit_duration, check_load_flags
 from .common import NOTICES, ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
+from .housekeeping import check_memory_flags, check_profiling
 from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
 from .kernels import resolve_kernels
-from .logging_flags import check_logging
+from .logging_flags import check_logging, check_memory_logging
 from .model import (check_architecture, check_attention_heads, check_model_kind, check_position_embeddings,
                     check_zero_centered_gamma, fill_model_sizes)
 from .moe import check_moe
@@ -95,6 +96,11 @@ CHECKS: tuple[Check, ...] = (
     Check("moe", lambda a, r: check_moe(a), needs=("world_size", "model_sizes", "sequence_parallel", "schedule")),
     Check("logging", lambda a, r: check_logging(a)),
     Check("checkpointing", lambda a, r: check_checkpointing(a)),
+    Check("load_flags", lambda a, r: check_load_flags(a)),
+    Check("exit_duration", lambda a, r: check_exit_duration(a)),
+    Check("memory_logging", lambda a, r: check_memory_logging(a)),
+    Check("profiling", lambda a, r: check_profiling(a), needs=("ranges",)),
+    Check("memory_flags", lambda a, r: check_memory_flags(a)),
     Check("training_values", lambda a, r: fill_training_values(a), needs=("ranges",)),
     Check("backend", lambda a, r: resolve_backend(a)),
 )
