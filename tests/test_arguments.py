@@ -310,7 +310,9 @@ def test_required_flags():
         argv = shlex.split(BASE)
         i = argv.index(flag)
         del argv[i:i + 2]
-        with pytest.raises(ArgumentError, match=f"^{flag}: is required"):
+        # the training length: --train-iters or --train-samples, as Megatron-LM
+        message = "give exactly one of --train-iters N and --train-samples N" if flag == "--train-iters" else "is required"
+        with pytest.raises(ArgumentError, match=f"^{flag}: {message}"):
             validate_args(parse_args(argv), world_size=1)
 
 

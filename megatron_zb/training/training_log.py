@@ -42,6 +42,8 @@ class IterationRecord:
         loss_scale: the loss scale after the step.
         timers: seconds spent in named parts of the iteration (``"forward-backward"``,
             ``"optimizer"``), for ``--log-timers-to-tensorboard``.
+        global_batch_size: the iteration's samples, all data-parallel ranks (grows with
+            ``--rampup-batch-size``; ``None``: ``--global-batch-size``).
     """
 
     iteration: int
@@ -51,6 +53,7 @@ class IterationRecord:
     lr: float
     loss_scale: float
     timers: dict[str, float] = field(default_factory=dict)
+    global_batch_size: int | None = None
 
 
 def gather_losses(values: Sequence[tuple[float, float] | None], *, stage_to_rank: Sequence[int],
@@ -135,29 +138,35 @@ class TrainingLog:
             value = num / den if den > 0 else float("nan")
             per_iter.append(value)
             self.history.append({"iteration": r.iteration, "lm loss": value, "skipped": r.skipped,
-                                 "learning rate": r.lr, "grad norm": r.grad_norm, "loss scale": r.loss_scale})
+                                 "learning rate": r.lr, "grad norm": r.grad_norm, "loss scale": r.loss_scale,
+                                 "global batch size": self._batch_size(r)})
         kept = [v for r, v in zip(records, per_iter) if not r.skipped]
         nan_iters = sum(1 for r, v in zip(records, per_iter) if r.skipped and not math.isfinite(v))
         skipped = sum(1 for r in records if r.skipped)
         self.total_skipped += skipped
         elapsed = max(0.0, now - self.interval_start - self.excluded) / max(1, len(records))
         last = records[-1]
+        batch = self._batch_size(last)  # as Megatron-LM: the current global batch
         tflops = None
         if args.log_throughput and elapsed > 0 and self.config is not None:
-            tflops = tflops_per_gpu(self.config.model, global_batch_size=self.config.global_batch_size,
+            tflops = tflops_per_gpu(self.config.model, global_batch_size=batch,
                                     world_size=self.config.parallel.world_size, seconds_per_iteration=elapsed)
         if print_line:
             print_rank_last(format_iteration_line(
                 iteration=last.iteration, train_iters=args.train_iters, consumed_samples=consumed_samples,
-                elapsed_ms=1e3 * elapsed, throughput=args.global_batch_size / elapsed if elapsed > 0 else None,
+                elapsed_ms=1e3 * elapsed, throughput=batch / elapsed if elapsed > 0 else None,
                 tflops_per_gpu=tflops,
-                learning_rate=last.lr, global_batch_size=args.global_batch_size,
+                learning_rate=last.lr, global_batch_size=self._batch_size(last),
                 losses={"lm loss": sum(kept) / len(kept)} if kept else {},
                 loss_scale=last.loss_scale, grad_norm=last.grad_norm, skipped_iterations=skipped,
                 nan_iterations=nan_iters, rollbacks=rollbacks))
             self._tensorboard_interval(last, kept, elapsed, tflops)
         self.write_json()
         self.start_interval()
+
+    def _batch_size(self, record: IterationRecord) -> int:
+        """The global batch size of ``record``'s iteration [samples]."""
+        return record.global_batch_size if record.global_batch_size is not None else self.args.global_batch_size
 
     def _tensorboard_interval(self, last: IterationRecord, kept: list[float], elapsed: float,
                               tflops: float | None) -> None:
