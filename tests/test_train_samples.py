@@ -4,9 +4,10 @@
 ``tests/test_pretrain.py``; a few seconds per run): PP=2, DP=1, micro batch 2, tiny GPT, mock data,
 Megatron-LM's default dropout (0.1).
 
-* ``--train-samples`` / ``--lr-decay-samples`` / ``--lr-warmup-samples`` train the same iterations
-  with the same LR sequence and loss curve, bit for bit, as the equivalent ``--train-iters`` /
-  ``--lr-decay-iters`` / ``--lr-warmup-iters``;
+* ``--train-samples`` / ``--lr-decay-samples`` / ``--lr-warmup-samples`` / ``--lr-wsd-decay-samples``
+  train the same iterations with the same LR sequence and loss curve, bit for bit, as the
+  equivalent ``--train-iters`` / ``--lr-decay-iters`` / ``--lr-warmup-iters`` / ``--lr-wsd-decay-iters``
+  (``--lr-decay-style WSD``);
 * ``--rampup-batch-size 4 2 16`` with ``--global-batch-size 8`` and ``--train-samples 64``: global
   batches 4, 4, 6, 6, 8, 8, 8, 8, 8 (megatron-core's calculator: 2 increments of 8 samples; the
   ramp's iterations and then (64 - 20) // 8 = 5, Megatron-LM's ``update_train_iters``), so 2, 3 and
@@ -44,18 +45,19 @@ def _lr_and_loss(run: dict) -> list[tuple]:
 
 
 def test_samples_flags_train_as_the_equivalent_iteration_flags(tmp_path):
-    """48 samples of 8 = 6 iterations; warm-up 8 samples = 1 iteration; decay 32 samples = 4 iterations
-    (iterations 5 and 6 at --min-lr)."""
-    iters = in_process(tmp_path, "iters", 2, BASE + [
-        "--use-megatron-core-schedule", "--global-batch-size", "8", "--train-iters", "6", "--lr-warmup-iters", "1",
-        "--lr-decay-iters", "4"])
-    samples = in_process(tmp_path, "samples", 2, BASE + [
-        "--use-megatron-core-schedule", "--global-batch-size", "8", "--train-samples", "48",
-        "--lr-warmup-samples", "8", "--lr-decay-samples", "32"])
+    """48 samples of 8 = 6 iterations; warm-up 8 samples = 1 iteration; decay 32 samples = 4 iterations,
+    WSD with a linear annealing phase of 16 samples = 2 iterations at its end (iterations 5 and 6 at --min-lr)."""
+    wsd = ["--use-megatron-core-schedule", "--global-batch-size", "8", "--lr-decay-style", "WSD",
+           "--lr-wsd-decay-style", "linear"]
+    iters = in_process(tmp_path, "iters", 2, BASE + wsd + [
+        "--train-iters", "6", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", "--lr-wsd-decay-iters", "2"])
+    samples = in_process(tmp_path, "samples", 2, BASE + wsd + [
+        "--train-samples", "48", "--lr-warmup-samples", "8", "--lr-decay-samples", "32", "--lr-wsd-decay-samples", "16"])
     assert sorted(losses(samples)) == list(range(1, 7))
     assert _lr_and_loss(samples) == _lr_and_loss(iters)
-    lrs = [r["learning rate"] for r in train(samples)]
-    assert lrs[0] == 2e-3 and lrs[4:] == [2e-4, 2e-4]  # warm-up done after 8 samples; decayed after 32
+    # after 8, 16, ... samples: warm-up to --lr; stable until 32 - 16; linear to --min-lr at 32; then --min-lr
+    want = [2e-3, 2e-3, 2e-4 + 0.5 * 1.8e-3, 2e-4, 2e-4, 2e-4]
+    assert [r["learning rate"] for r in train(samples)] == pytest.approx(want, rel=1e-12)
     assert all(r["global batch size"] == 8 for r in train(samples))
     assert "consumed samples:           48" in samples["log"]
 
@@ -141,6 +143,12 @@ def _validate(extra: str):
     ("--global-batch-size 12 --train-samples 64 --rampup-batch-size 3 3 16", "--rampup-batch-size",
      "multiples of --micro-batch-size"),
     ("--global-batch-size 8 --train-samples 4", "--train-samples", "less than one global batch"),
+    ("--train-iters 4 --lr-decay-style WSD", "--lr-decay-style", "add --lr-wsd-decay-iters N"),
+    ("--train-iters 4 --lr-decay-style WSD --lr-wsd-decay-iters 5", "--lr-wsd-decay-iters", "within the decay"),
+    ("--train-iters 4 --lr-decay-style WSD --lr-wsd-decay-samples 5", "--lr-wsd-decay-samples",
+     "use --lr-wsd-decay-iters"),
+    ("--train-samples 32 --lr-decay-style WSD --lr-wsd-decay-iters 1", "--lr-wsd-decay-iters",
+     "use --lr-wsd-decay-samples"),
 ])
 def test_training_length_flags_are_checked_as_megatron_lm(extra, flag, text):
     from megatron_zb.training.arguments import ArgumentError
@@ -151,10 +159,12 @@ def test_training_length_flags_are_checked_as_megatron_lm(extra, flag, text):
 
 
 @pytest.mark.parametrize("extra,steps,iters", [
-    ("--global-batch-size 8 --train-iters 6 --lr-decay-iters 4 --lr-warmup-fraction 0.25", (8.0, 32, 48), 6),
-    ("--global-batch-size 8 --train-samples 52 --lr-decay-samples 32 --lr-warmup-fraction 0.25", (8.0, 32, 52), 6),
-    ("--global-batch-size 8 --train-samples 52 --lr-warmup-samples 5", (5, 52, 52), 6),
-    ("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 2 16", (0, 64, 64), 9),
+    ("--global-batch-size 8 --train-iters 6 --lr-decay-iters 4 --lr-warmup-fraction 0.25", (8.0, 32, 48, None), 6),
+    ("--global-batch-size 8 --train-samples 52 --lr-decay-samples 32 --lr-warmup-fraction 0.25", (8.0, 32, 52, None),
+     6),
+    ("--global-batch-size 8 --train-samples 52 --lr-warmup-samples 5", (5, 52, 52, None), 6),
+    ("--global-batch-size 8 --train-iters 6 --lr-decay-style WSD --lr-wsd-decay-iters 2", (0, 48, 48, 16), 6),
+    ("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 2 16", (0, 64, 64, None), 9),
 ])
 def test_lr_schedule_lengths_in_samples(extra, steps, iters):
     """Megatron-LM's get_optimizer_param_scheduler: lengths in samples; --lr-warmup-fraction x the decay;
@@ -164,7 +174,7 @@ def test_lr_schedule_lengths_in_samples(extra, steps, iters):
     validated = _validate(extra)
     config = run_config(validated.args)
     got = config.scheduler_steps()
-    assert (got.lr_warmup_steps, got.lr_decay_steps, got.wd_incr_steps) == steps
+    assert (got.lr_warmup_steps, got.lr_decay_steps, got.wd_incr_steps, got.wsd_decay_steps) == steps
     assert config.train_iters == iters == validated.args.train_iters
     before = dict(vars(validated.args))
     from megatron_zb.training.arguments import validate_args

@@ -70,6 +70,7 @@ def build_optimizer(config: RunConfig, *, model: ModelBundle,
         lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
         wd_incr_steps=steps.wd_incr_steps, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=optim.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=optim.override_opt_param_scheduler)
+        override_opt_param_scheduler=optim.override_opt_param_scheduler,
+        wsd_decay_steps=steps.wsd_decay_steps, lr_wsd_decay_style=optim.lr_wsd_decay_style)
     return OptimizerBundle(optimizer=optimizer, inner=inner, scheduler=scheduler,
                            post_validation=optim.post_validation is not None)

@@ -311,6 +311,8 @@ class SchedulerSteps:
     """Decay to ``--min-lr``."""
     wd_incr_steps: int
     """Weight decay's increment length: the whole run."""
+    wsd_decay_steps: int | None = None
+    """WSD's annealing phase, at the end of the decay (``None``: not given)."""
 
 
 @dataclass(frozen=True)
@@ -344,6 +346,12 @@ class OptimConfig:
     lr_warmup_fraction: float | None = None
     """``--lr-warmup-fraction``: the warm-up as a fraction of the decay length, instead of
     ``lr_warmup_iters`` / ``lr_warmup_samples`` (``None``: not given)."""
+    lr_wsd_decay_style: str = "exponential"
+    """``--lr-wsd-decay-style``: the annealing phase of ``--lr-decay-style WSD``."""
+    lr_wsd_decay_iters: int | None = None
+    """``--lr-wsd-decay-iters`` [iterations]: WSD's annealing phase (with ``--train-iters``)."""
+    lr_wsd_decay_samples: int | None = None
+    """``--lr-wsd-decay-samples`` [samples]: WSD's annealing phase (with ``--train-samples``)."""
     lr_decay_style: str = "linear"
     """``--lr-decay-style``."""
     use_checkpoint_opt_param_scheduler: bool = False
@@ -357,17 +365,20 @@ class OptimConfig:
                         global_batch_size: int) -> "SchedulerSteps":
         """The LR scheduler's lengths in samples, Megatron-LM's rule (``get_optimizer_param_scheduler``):
         iteration-based (``train_samples`` ``None``): iterations x ``global_batch_size`` (the final one);
-        sample-based: the sample counts as given; ``--lr-warmup-fraction`` x the decay length either way."""
+        sample-based: the sample counts as given; ``--lr-warmup-fraction`` x the decay length either way;
+        WSD's annealing phase likewise (``--lr-wsd-decay-iters`` / ``--lr-wsd-decay-samples``)."""
         if train_samples is None:
             decay = (self.lr_decay_iters if self.lr_decay_iters is not None else train_iters) * global_batch_size
             warmup: float = self.lr_warmup_iters * global_batch_size
             wd_incr = train_iters * global_batch_size
+            wsd = self.lr_wsd_decay_iters * global_batch_size if self.lr_wsd_decay_iters is not None else None
         else:
             decay = self.lr_decay_samples if self.lr_decay_samples is not None else train_samples
-            warmup, wd_incr = self.lr_warmup_samples, train_samples
+            warmup, wd_incr, wsd = self.lr_warmup_samples, train_samples, self.lr_wsd_decay_samples
         if self.lr_warmup_fraction is not None:
             warmup = self.lr_warmup_fraction * decay
-        return SchedulerSteps(lr_warmup_steps=warmup, lr_decay_steps=decay, wd_incr_steps=wd_incr)
+        return SchedulerSteps(lr_warmup_steps=warmup, lr_decay_steps=decay, wd_incr_steps=wd_incr,
+                              wsd_decay_steps=wsd)
 
     @classmethod
     def from_args(cls, args: Any) -> "OptimConfig":

@@ -63,8 +63,17 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-samples", type=int, default=None,
                    help="Samples over which the learning rate decays to --min-lr (with --train-samples). "
                         "Default: --train-samples.")
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear",
-                   help="Learning rate decay function (default linear).")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "WSD"),
+                   default="linear", help="Learning rate decay function (default linear; megatron-core's "
+                                          "OptimizerParamScheduler).")
+    g.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                   default="exponential", help="With --lr-decay-style WSD: the decay of its annealing phase "
+                                               "(default exponential).")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="With --lr-decay-style WSD: iterations of the annealing phase, at the end of the decay "
+                        "(with --train-iters).")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="With --lr-decay-style WSD: samples of the annealing phase (with --train-samples).")
 
 
 def add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +109,8 @@ def check_training_length(args: argparse.Namespace) -> None:
     if iters is not None:
         for given, dest, fix in ((args.lr_decay_samples is not None, "lr_decay_samples", "--lr-decay-iters"),
                                  (args.lr_warmup_samples != 0, "lr_warmup_samples", "--lr-warmup-iters"),
+                                 (args.lr_wsd_decay_samples is not None, "lr_wsd_decay_samples",
+                                  "--lr-wsd-decay-iters"),
                                  (args.rampup_batch_size is not None, "rampup_batch_size", "--train-samples")):
             if given:
                 errors.append(ArgumentError(flag(dest), f"counts samples, and this run counts iterations "
@@ -109,7 +120,9 @@ def check_training_length(args: argparse.Namespace) -> None:
                                                                 "keep one of them"))
     else:
         for given, dest, fix in ((args.lr_decay_iters is not None, "lr_decay_iters", "--lr-decay-samples"),
-                                 (args.lr_warmup_iters != 0, "lr_warmup_iters", "--lr-warmup-samples")):
+                                 (args.lr_warmup_iters != 0, "lr_warmup_iters", "--lr-warmup-samples"),
+                                 (args.lr_wsd_decay_iters is not None, "lr_wsd_decay_iters",
+                                  "--lr-wsd-decay-samples")):
             if given:
                 errors.append(ArgumentError(flag(dest), f"counts iterations, and this run counts samples "
                                                         f"(--train-samples); use {fix} instead"))
@@ -201,9 +214,16 @@ def check_lr_schedule(args: argparse.Namespace) -> None:
 
     optim = OptimConfig(lr=args.lr, lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
                         lr_warmup_samples=args.lr_warmup_samples, lr_decay_samples=args.lr_decay_samples,
-                        lr_warmup_fraction=args.lr_warmup_fraction)
+                        lr_warmup_fraction=args.lr_warmup_fraction, lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+                        lr_wsd_decay_samples=args.lr_wsd_decay_samples)
     steps = optim.scheduler_steps(train_iters=args.train_iters, train_samples=args.train_samples,
                                   global_batch_size=args.global_batch_size)
+    wsd = "--lr-wsd-decay-iters" if args.train_samples is None else "--lr-wsd-decay-samples"
+    if args.lr_decay_style == "WSD" and steps.wsd_decay_steps is None:
+        raise ArgumentError("--lr-decay-style", f"WSD needs the length of its annealing phase: add {wsd} N")
+    if args.lr_decay_style == "WSD" and not 0 < steps.wsd_decay_steps <= steps.lr_decay_steps:  # type: ignore[operator]
+        raise ArgumentError(wsd, f"the annealing phase ({steps.wsd_decay_steps} samples) must be within the decay "
+                                 f"({steps.lr_decay_steps} samples) and at least one sample")
     if steps.lr_decay_steps <= 0:
         raise ArgumentError("--lr-decay-iters" if args.train_samples is None else "--lr-decay-samples",
                             f"the decay must last at least one sample, got {steps.lr_decay_steps}")
