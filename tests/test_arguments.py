@@ -79,7 +79,7 @@ def test_megatron_defaults_and_choices():
     assert (a.zero_bubble_pipeline_timers_start_iter, a.zero_bubble_pipeline_timers_end_iter) == (2, 4)
     by_flag = {s: x for x in build_parser()._actions for s in x.option_strings}
     assert list(by_flag["--schedule"].choices) == schedule_names()
-    assert set(by_flag["--lr-decay-style"].choices) == {"constant", "linear", "cosine"}
+    assert set(by_flag["--lr-decay-style"].choices) == {"constant", "linear", "cosine", "WSD"}
     assert set(by_flag["--tokenizer-type"].choices) == {"ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer",
                                                             "NullTokenizer"}
     assert set(by_flag["--distributed-backend"].choices) == {"auto", "gloo", "nccl"}

@@ -13,6 +13,10 @@ sets a ``TransformerConfig`` field of another name or that needs a rule is mappe
 ``TransformerConfig`` field is one field here, with ``metadata=TC`` (same name in both), plus the
 parser's ``add_argument``.
 
+The training length (``--train-iters`` / ``--train-samples``) and the batch-size ramp-up are
+top-level fields of :class:`RunConfig` beside the batch sizes; the LR schedule's lengths in samples
+are :meth:`OptimConfig.scheduler_steps` (Megatron-LM's rule, written once).
+
 Sections still read from ``args`` (not yet typed): data, checkpointing, logging, re-planning.
 """
 

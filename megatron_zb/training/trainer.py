@@ -138,8 +138,10 @@ class Trainer:
         self.log.start_interval()
         start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
         print_rank_0(f"> training: iterations {self.state.iteration + 1} to {args.train_iters}, "
-                     f"{args.num_microbatches} micro batches of {args.micro_batch_size} per iteration per "
+                     f"{self.batch.num_microbatches} micro batches of {args.micro_batch_size} per iteration per "
                      f"data-parallel rank"
+                     + (f" (growing to {args.num_microbatches}: --rampup-batch-size)"
+                        if self.batch.num_microbatches != args.num_microbatches else "")
                      + (f"; profiling iterations {start}-{end - 1}, then re-planning"
                         if self.planner.profiles_after(self.state.iteration) else ""))
         while self.state.iteration < args.train_iters:
@@ -254,9 +256,10 @@ class Trainer:
         batch = self.config.batch_ramp(consumed_samples=self.state.consumed_train_samples)
         if batch.ramps:
             start, increment, samples = self.config.rampup_batch_size  # type: ignore[misc]
-            print_rank_0(f"> batch size ramp-up (--rampup-batch-size): global batch {start} growing by {increment} "
-                         f"to {self.config.global_batch_size} over {samples} samples; {batch.global_batch_size} "
-                         f"after {self.state.consumed_train_samples} consumed samples")
+            print_rank_0(f"> batch size ramp-up (--rampup-batch-size {start} {increment} {samples}): the global "
+                         f"batch grows from {start} by {increment} to {self.config.global_batch_size} over the first "
+                         f"{samples} samples; {batch.global_batch_size} at {self.state.consumed_train_samples} "
+                         f"consumed samples")
             self.planner.use_microbatches(batch.num_microbatches,
                                           why=f"global batch size {batch.global_batch_size} to start with")
         return batch
