@@ -34,8 +34,11 @@ BASE = _without(SMALL, "--hidden-dropout", "--attention-dropout", "--global-batc
     "--pipeline-model-parallel-size", "2", "--lr-decay-style", "cosine", "--min-lr", "2e-4"]
 """SMALL of test_pretrain with Megatron's default dropout, PP=2 (2 ranks: DP=1), cosine decay to 2e-4."""
 
-RAMP = BASE + ["--global-batch-size", "8", "--train-samples", "64", "--rampup-batch-size", "4", "2", "16",
-               "--lr-warmup-samples", "8"]
+RAMP = _without(BASE, "--eval-iters") + [
+    "--global-batch-size", "8", "--train-samples", "64", "--rampup-batch-size", "4", "2", "16",
+    "--lr-warmup-samples", "8", "--eval-interval", "3", "--eval-iters", "1"]
+"""Evaluation (one batch of --global-batch-size, as Megatron-LM's) after iterations 3 (mid-ramp), 6 and 9, then
+the validation and test sets at the end."""
 RAMP_BATCHES = [4, 4, 6, 6, 8, 8, 8, 8, 8]
 """The global batch of each iteration of RAMP, worked out by hand from megatron-core's rule."""
 
@@ -78,6 +81,8 @@ def test_rampup_batch_size_rebuilds_the_schedule_and_matches_megatron_core(tmp_p
     for run in (zb, mcore):
         assert [r["global batch size"] for r in train(run)] == RAMP_BATCHES
     assert _lr_and_loss(zb) == _lr_and_loss(mcore)
+    valid = [v["lm loss"] for v in zb["values"]["valid"]]
+    assert len(valid) == 5 and valid == [v["lm loss"] for v in mcore["values"]["valid"]]  # 3, 6, 9, valid, test
     assert sorted(losses(zb)) == list(range(1, 10))
     # the LR scheduler counts the samples of each iteration: warm-up over 8 samples, cosine decay to
     # --min-lr over --train-samples (Megatron-LM's default --lr-decay-samples)
@@ -112,6 +117,7 @@ def test_rampup_batch_size_rebuilds_the_schedule_and_matches_megatron_core(tmp_p
     assert "at iteration 2" in resumed["log"] and "random states are not restored" not in resumed["log"]
     assert [r["global batch size"] for r in train(resumed)] == RAMP_BATCHES[2:]
     assert _lr_and_loss(resumed) == _lr_and_loss(zb)[2:]
+    assert [v["lm loss"] for v in resumed["values"]["valid"]] == valid  # iterations 3, 6, 9, valid and test
     # the checkpoint holds 8 consumed samples: the ramp resumes at 6 (megatron-core's calculator, as Megatron-LM)
     assert "global batch size 6 to start with: schedule 'zb' rebuilt for 3 micro batches" in resumed["log"]
     assert [re.search(r"(\d+ -> \d+) at iteration (\d+)", ln).groups() for ln in _ramp_lines(resumed["log"])] == [

@@ -324,7 +324,7 @@ class SchedulePlanner:
             hidden_size=self.args.hidden_size, num_attention_heads=self.args.num_attention_heads,
             seq_length=self.args.seq_length))
         sim = simulate(self._current(), costs, enforce_memory=False)
-        built = "kept" if seconds is None else f"built in {seconds:.2f} s"
+        built = "built at an earlier evaluation" if seconds is None else f"built in {seconds:.2f} s"
         print_rank_0(f"> {why}: schedule {self.args.schedule!r} rebuilt for {num_microbatches} micro batches "
                      f"{source} ({built}); predicted bubble rate {100 * sim.bubble_rate:.1f}%")
 
