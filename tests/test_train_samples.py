@@ -146,6 +146,8 @@ def _validate(extra: str):
     ("--train-samples 32 --lr-warmup-fraction 1.5", "--lr-warmup-fraction", "[0, 1)"),
     ("--train-samples 32 --lr-warmup-samples 32", "--lr-warmup-samples", "shorter than the decay"),
     ("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 3 16", "--rampup-batch-size", "does not reach"),
+    ("--global-batch-size 8 --train-samples 64 --rampup-batch-size 8 2 16", "--rampup-batch-size", "does not reach"),
+    ("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 2 0", "--rampup-batch-size", "must be >= 1"),
     ("--global-batch-size 12 --train-samples 64 --rampup-batch-size 3 3 16", "--rampup-batch-size",
      "multiples of --micro-batch-size"),
     ("--global-batch-size 8 --train-samples 4", "--train-samples", "less than one global batch"),

@@ -135,19 +135,21 @@ def check_training_length(args: argparse.Namespace) -> None:
 
 def check_rampup_batch_size(args: argparse.Namespace) -> None:
     """``--rampup-batch-size START INCREMENT SAMPLES``: megatron-core's calculator's conditions
-    (``START`` <= ``--global-batch-size``, their difference a multiple of ``INCREMENT``), and every
+    (``START`` < ``--global-batch-size``, their difference a multiple of ``INCREMENT``, ``SAMPLES`` >= 1:
+    it divides by both), and every
     global batch of the ramp a multiple of ``--micro-batch-size`` x DP (megatron-core checks it at
     each change; here before the run starts)."""
     if args.rampup_batch_size is None:
         return
     start, increment, samples = args.rampup_batch_size
     gbs, unit = args.global_batch_size, args.micro_batch_size * args.data_parallel_size
-    if start < 1 or increment < 1 or samples < 0:
-        raise ArgumentError("--rampup-batch-size", f"START and INCREMENT must be >= 1 and SAMPLES >= 0, got "
+    if start < 1 or increment < 1 or samples < 1:
+        raise ArgumentError("--rampup-batch-size", f"START, INCREMENT and SAMPLES must be >= 1, got "
                                                    f"{start} {increment} {samples}")
-    if start > gbs or (gbs - start) % increment:
+    if start >= gbs or (gbs - start) % increment:
+        # megatron-core's calculator divides SAMPLES by (GBS - START) / INCREMENT steps
         raise ArgumentError("--rampup-batch-size", f"the ramp from {start} by {increment} does not reach "
-                                                   f"--global-batch-size {gbs}; START must be <= it and "
+                                                   f"--global-batch-size {gbs}; START must be below it and "
                                                    f"{gbs} - START a multiple of INCREMENT")
     if start % unit or increment % unit:
         raise ArgumentError("--rampup-batch-size", f"START {start} and INCREMENT {increment} must be multiples of "
