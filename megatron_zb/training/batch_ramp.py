@@ -9,7 +9,7 @@ consumed samples until it reaches ``--global-batch-size``; the number of micro b
 iteration per data-parallel rank, ``m = batch / (micro batch x DP)``, grows with it.
 
 :func:`train_iters_from_samples` is Megatron-LM's ``update_train_iters`` (``--train-samples`` ->
-iterations, the ramp's included); :func:`ramp_batch_sizes` lists the batch sizes a run goes through.
+iterations, the ramp's included); :func:`samples_of_iterations` the samples those iterations read.
 Nothing here needs a process group.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["BatchRamp", "ramp_batch_sizes", "samples_of_iterations", "train_iters_from_samples"]
+__all__ = ["BatchRamp", "samples_of_iterations", "train_iters_from_samples"]
 
 _QUIET_RANK = -1
 """The ``rank`` given to megatron-core's calculators: only its rank 0 logs, so they stay quiet (the
@@ -89,24 +89,6 @@ def train_iters_from_samples(train_samples: int, *, global_batch_size: int, micr
     if train_samples > consumed:
         iterations += (train_samples - consumed) // global_batch_size
     return iterations
-
-
-def ramp_batch_sizes(train_iters: int, *, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                     rampup_batch_size: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """``(first iteration, global batch size)`` of each batch size a run of ``train_iters`` iterations
-    from the start goes through, in order (one entry for a constant batch)."""
-    ramp = BatchRamp(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                     data_parallel_size=data_parallel_size, rampup_batch_size=rampup_batch_size)
-    out: list[tuple[int, int]] = []
-    consumed = 0
-    for it in range(1, train_iters + 1):
-        ramp.update(consumed)
-        if not out or out[-1][1] != ramp.global_batch_size:
-            out.append((it, ramp.global_batch_size))
-        if ramp.global_batch_size == global_batch_size:
-            break  # constant from here on
-        consumed += ramp.global_batch_size
-    return out
 
 
 def samples_of_iterations(train_iters: int, *, global_batch_size: int, micro_batch_size: int,
