@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from megatron.core.transformer.enums import AttnBackend
+
+if TYPE_CHECKING:
+    from megatron_zb.training.batch_ramp import BatchRamp
 
 __all__ = ["ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "PostValidationConfig", "PrecisionConfig",
            "RecomputeConfig", "RunConfig", "ScheduleConfig", "SchedulerSteps", "TC", "run_config"]
@@ -456,7 +459,7 @@ class RunConfig:
     seed: int = 1234
     """``--seed``."""
 
-    def batch_ramp(self, *, consumed_samples: int = 0) -> Any:
+    def batch_ramp(self, *, consumed_samples: int = 0) -> "BatchRamp":
         """The :class:`~megatron_zb.training.batch_ramp.BatchRamp` of this run at ``consumed_samples``."""
         from megatron_zb.training.batch_ramp import BatchRamp
 

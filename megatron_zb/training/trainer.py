@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from megatron_zb.schedules.ir import Schedule
 from megatron_zb.training.arguments import initial_schedule
+from megatron_zb.training.batch_ramp import BatchRamp
 from megatron_zb.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_zb.training.data_setup import DataBundle, build_data
 from megatron_zb.training.distributed import DistributedContext, init_distributed, shutdown_distributed
@@ -98,7 +99,7 @@ class Trainer:
             self.state: TrainState = self._load() if args.load else TrainState()
             self.last_saved: int | None = self.state.iteration if args.load else None
             self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state)
-            self.batch = self._start_batch_ramp()
+            self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                                    tensorboard=tensorboard_writer(args.tensorboard_dir), config=self.config)
@@ -250,7 +251,7 @@ class Trainer:
                      f"{time.perf_counter() - self.t_start:.1f} s in all")
 
     # ------------------------------------------------------------------ the global batch (--rampup-batch-size)
-    def _start_batch_ramp(self) -> Any:
+    def _start_batch_ramp(self) -> BatchRamp:
         """The batch of the first iteration of this run (after ``--load``: where the ramp stood); the
         planner's schedule for its micro batches. Collective."""
         batch = self.config.batch_ramp(consumed_samples=self.state.consumed_train_samples)
