@@ -13,6 +13,10 @@ sets a ``TransformerConfig`` field of another name or that needs a rule is mappe
 ``TransformerConfig`` field is one field here, with ``metadata=TC`` (same name in both), plus the
 parser's ``add_argument``.
 
+The training length (``--train-iters`` / ``--train-samples``) and the batch-size ramp-up are
+top-level fields of :class:`RunConfig` beside the batch sizes; the LR schedule's lengths in samples
+are :meth:`OptimConfig.scheduler_steps` (Megatron-LM's rule, written once).
+
 Sections still read from ``args`` (not yet typed): data, most of checkpointing and logging, re-planning.
 Typed so far of those: what Megatron-LM's loading, exit, logging, profiling and memory flags add
 (:class:`CheckpointConfig`, :class:`LoggingConfig`, :class:`ProfilingConfig`, :class:`MemoryConfig`).
@@ -23,14 +27,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from megatron.core.transformer.enums import AttnBackend
 
+if TYPE_CHECKING:
+    from megatron_zb.training.batch_ramp import BatchRamp
+
 __all__ = ["CheckpointConfig", "LoggingConfig", "MemoryConfig", "ModelConfig", "MoEConfig", "OptimConfig",
            "ParallelConfig", "PostValidationConfig", "PrecisionConfig", "ProfilingConfig", "RecomputeConfig",
-           "RunConfig", "ScheduleConfig", "TC", "run_config"]
+           "RunConfig", "ScheduleConfig", "SchedulerSteps", "TC", "run_config"]
 
 TC = {"transformer_config": True}
 """Field metadata: the field is passed to ``TransformerConfig`` under its own name."""
@@ -313,6 +320,20 @@ class PostValidationConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerSteps:
+    """Lengths of megatron-core's ``OptimizerParamScheduler``, which counts samples [samples]."""
+
+    lr_warmup_steps: float
+    """Linear warm-up (a float with ``--lr-warmup-fraction``, as Megatron-LM passes it)."""
+    lr_decay_steps: int
+    """Decay to ``--min-lr``."""
+    wd_incr_steps: int
+    """Weight decay's increment length: the whole run."""
+    wsd_decay_steps: int | None = None
+    """WSD's annealing phase, at the end of the decay (``None``: not given)."""
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     """The optimizer and its learning-rate schedule (Megatron-LM's "training" / "learning rate" flags)."""
 
@@ -333,9 +354,22 @@ class OptimConfig:
     clip_grad: float = 1.0
     """``--clip-grad``: gradient-norm clipping (0: off)."""
     lr_warmup_iters: int = 0
-    """``--lr-warmup-iters`` [iterations]."""
+    """``--lr-warmup-iters`` [iterations] (with ``--train-iters``)."""
     lr_decay_iters: int | None = None
-    """``--lr-decay-iters`` [iterations] (validation: ``--train-iters``)."""
+    """``--lr-decay-iters`` [iterations] (validation: ``--train-iters``; ``None`` with ``--train-samples``)."""
+    lr_warmup_samples: int = 0
+    """``--lr-warmup-samples`` [samples] (with ``--train-samples``)."""
+    lr_decay_samples: int | None = None
+    """``--lr-decay-samples`` [samples] (validation: ``--train-samples``; ``None`` with ``--train-iters``)."""
+    lr_warmup_fraction: float | None = None
+    """``--lr-warmup-fraction``: the warm-up as a fraction of the decay length, instead of
+    ``lr_warmup_iters`` / ``lr_warmup_samples`` (``None``: not given)."""
+    lr_wsd_decay_style: str = "exponential"
+    """``--lr-wsd-decay-style``: the annealing phase of ``--lr-decay-style WSD``."""
+    lr_wsd_decay_iters: int | None = None
+    """``--lr-wsd-decay-iters`` [iterations]: WSD's annealing phase (with ``--train-iters``)."""
+    lr_wsd_decay_samples: int | None = None
+    """``--lr-wsd-decay-samples`` [samples]: WSD's annealing phase (with ``--train-samples``)."""
     lr_decay_style: str = "linear"
     """``--lr-decay-style``."""
     decoupled_lr: float | None = None
@@ -351,6 +385,25 @@ class OptimConfig:
     log_num_zeros_in_grad: bool = False
     """``--log-num-zeros-in-grad``: megatron-core's ``OptimizerConfig.log_num_zeros_in_grad`` (the
     optimizer counts the zero gradient elements of each step) [elements]."""
+
+    def scheduler_steps(self, *, train_iters: int, train_samples: int | None,
+                        global_batch_size: int) -> "SchedulerSteps":
+        """The LR scheduler's lengths in samples, Megatron-LM's rule (``get_optimizer_param_scheduler``):
+        iteration-based (``train_samples`` ``None``): iterations x ``global_batch_size`` (the final one);
+        sample-based: the sample counts as given; ``--lr-warmup-fraction`` x the decay length either way;
+        WSD's annealing phase likewise (``--lr-wsd-decay-iters`` / ``--lr-wsd-decay-samples``)."""
+        if train_samples is None:
+            decay = (self.lr_decay_iters if self.lr_decay_iters is not None else train_iters) * global_batch_size
+            warmup: float = self.lr_warmup_iters * global_batch_size
+            wd_incr = train_iters * global_batch_size
+            wsd = self.lr_wsd_decay_iters * global_batch_size if self.lr_wsd_decay_iters is not None else None
+        else:
+            decay = self.lr_decay_samples if self.lr_decay_samples is not None else train_samples
+            warmup, wd_incr, wsd = self.lr_warmup_samples, train_samples, self.lr_wsd_decay_samples
+        if self.lr_warmup_fraction is not None:
+            warmup = self.lr_warmup_fraction * decay
+        return SchedulerSteps(lr_warmup_steps=warmup, lr_decay_steps=decay, wd_incr_steps=wd_incr,
+                              wsd_decay_steps=wsd)
 
     @classmethod
     def from_args(cls, args: Any) -> "OptimConfig":
@@ -497,11 +550,18 @@ class RunConfig:
     micro_batch_size: int
     """``--micro-batch-size`` [sequences]."""
     global_batch_size: int
-    """``--global-batch-size`` [sequences per iteration]."""
+    """``--global-batch-size`` [sequences per iteration] (after any ramp-up)."""
     num_microbatches: int
-    """Micro batches per iteration per data-parallel rank."""
+    """Micro batches per iteration per data-parallel rank (after any ramp-up)."""
     train_iters: int
-    """``--train-iters`` [iterations]."""
+    """``--train-iters``, or with ``--train-samples`` the iterations Megatron-LM derives from it
+    (:func:`~megatron_zb.training.batch_ramp.train_iters_from_samples`) [iterations]."""
+    train_samples: int | None = None
+    """``--train-samples`` [samples]; ``None``: the run counts iterations (``--train-iters``)."""
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """``--rampup-batch-size START INCREMENT SAMPLES`` [samples]: the global batch grows from START by
+    INCREMENT to ``global_batch_size`` over the first SAMPLES samples (:mod:`.batch_ramp`); ``None``:
+    constant. ``global_batch_size`` and ``num_microbatches`` above are the final values."""
     seed: int = 1234
     """``--seed``."""
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -512,6 +572,19 @@ class RunConfig:
     """Megatron-LM's ``--profile`` window."""
     memory: MemoryConfig = MemoryConfig()
     """Manual garbage collection, ``torch.cuda.empty_cache()``."""
+
+    def batch_ramp(self, *, consumed_samples: int = 0) -> "BatchRamp":
+        """The :class:`~megatron_zb.training.batch_ramp.BatchRamp` of this run at ``consumed_samples``."""
+        from megatron_zb.training.batch_ramp import BatchRamp
+
+        return BatchRamp(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
+                         data_parallel_size=self.parallel.data_parallel_size,
+                         rampup_batch_size=self.rampup_batch_size, consumed_samples=consumed_samples)
+
+    def scheduler_steps(self) -> SchedulerSteps:
+        """The LR scheduler's lengths of this run (:meth:`OptimConfig.scheduler_steps`) [samples]."""
+        return self.optim.scheduler_steps(train_iters=self.train_iters, train_samples=self.train_samples,
+                                          global_batch_size=self.global_batch_size)
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with top-level fields replaced."""
@@ -524,6 +597,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                      precision=PrecisionConfig.from_args(args), optim=OptimConfig.from_args(args),
                      schedule=ScheduleConfig.from_args(args), micro_batch_size=args.micro_batch_size,
                      global_batch_size=args.global_batch_size, num_microbatches=args.num_microbatches,
-                     train_iters=args.train_iters, seed=args.seed, checkpoint=CheckpointConfig.from_args(args),
+                     train_iters=args.train_iters, train_samples=args.train_samples,
+                     rampup_batch_size=(tuple(args.rampup_batch_size) if args.rampup_batch_size is not None
+                                        else None), seed=args.seed, checkpoint=CheckpointConfig.from_args(args),
                      logging=LoggingConfig.from_args(args), profiling=ProfilingConfig.from_args(args),
                      memory=MemoryConfig.from_args(args))

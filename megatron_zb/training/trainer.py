@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from megatron_zb.schedules.ir import Schedule
 from megatron_zb.training.arguments import initial_schedule
+from megatron_zb.training.batch_ramp import BatchRamp
 from megatron_zb.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_zb.training.data_setup import DataBundle, build_data
 from megatron_zb.training.distributed import DistributedContext, init_distributed, shutdown_distributed
@@ -75,6 +76,8 @@ class Trainer:
         state: iteration, consumed samples, profiled costs (what checkpoints carry).
         data: this rank's iterators.
         log: the current log interval and the run's history.
+        batch: the global batch of the next iteration (:class:`~megatron_zb.training.batch_ramp.BatchRamp`:
+            constant, or growing with ``--rampup-batch-size``).
         last_saved: the iteration of the last checkpoint this run saved or loaded (``None``: none).
         exit_signal: with ``--exit-signal-handler``, the handler of ``--exit-signal``
             (:mod:`.preemption`); checked after every iteration.
@@ -90,7 +93,8 @@ class Trainer:
         self.args = args
         self.config: RunConfig = run_config(args)
         self.t_start = time.perf_counter()
-        self._iteration_of_step: dict[int, int] = {}  # post-validation: optimizer step index -> iteration
+        # post-validation: optimizer step index -> (iteration, its global batch size)
+        self._iteration_of_step: dict[int, tuple[int, int]] = {}
         self.dist: DistributedContext = init_distributed(self.config.parallel, seed=self.config.seed)
         self.exit_signal = ExitSignalHandler(args.exit_signal).install() if args.exit_signal_handler else None
         minutes = self.config.checkpoint.exit_duration_in_mins
@@ -105,6 +109,7 @@ class Trainer:
             self.state: TrainState = self._load() if args.load else TrainState()
             self.last_saved: int | None = self.state.iteration if args.load else None
             self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state)
+            self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                                    tensorboard=tensorboard_writer(args.tensorboard_dir), config=self.config)
@@ -145,16 +150,19 @@ class Trainer:
         self.log.start_interval()
         start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
         print_rank_0(f"> training: iterations {self.state.iteration + 1} to {args.train_iters}, "
-                     f"{args.num_microbatches} micro batches of {args.micro_batch_size} per iteration per "
+                     f"{self.batch.num_microbatches} micro batches of {args.micro_batch_size} per iteration per "
                      f"data-parallel rank"
+                     + (f" (growing to {args.num_microbatches}: --rampup-batch-size)"
+                        if self.batch.num_microbatches != args.num_microbatches else "")
                      + (f"; profiling iterations {start}-{end - 1}, then re-planning"
                         if self.planner.profiles_after(self.state.iteration) else ""))
         self.hooks.start(self.state.iteration)
         while self.state.iteration < args.train_iters:
             it = self.state.iteration + 1
             self.hooks.before_iteration(it)
+            self._update_batch(it)
             record, replan_due = self._train_step(it)
-            self.state.advance(global_batch_size=args.global_batch_size)
+            self.state.advance(global_batch_size=self.batch.global_batch_size)
             self.log.records.append(record)
             if replan_due:
                 with self.log.excluding_time():
@@ -175,13 +183,15 @@ class Trainer:
             m.zero_grad_buffer()
         opt.optimizer.zero_grad()
         t0 = time.perf_counter()
+        gbs = self.batch.global_batch_size
         out = run_batch(self.planner.forward_backward, model=self.model.modules, iterators=self.data.train,
-                        args=args, device=self.dist.device, forward_only=False)
+                        args=args, device=self.dist.device, forward_only=False,
+                        num_microbatches=self.batch.num_microbatches)
         fb_seconds = time.perf_counter() - t0
         self.hooks.after_forward_backward()
         replan_due = self.planner.end_iteration(it, profiling=profiling, seconds=fb_seconds)
         if opt.post_validation:
-            self._iteration_of_step[opt.optimizer.iteration] = it
+            self._iteration_of_step[opt.optimizer.iteration] = (it, gbs)
         t1 = time.perf_counter()
         update_successful, grad_norm, num_zeros = opt.optimizer.step()
         timers = {"forward-backward": fb_seconds, "optimizer": time.perf_counter() - t1}
@@ -189,7 +199,7 @@ class Trainer:
         if opt.post_validation and not opt.optimizer.pending:
             self._iteration_of_step.pop(opt.optimizer.iteration - 1, None)  # final already (synchronous step)
         if update_successful:
-            opt.scheduler.step(increment=args.global_batch_size)
+            opt.scheduler.step(increment=gbs)  # samples, as Megatron-LM's scheduler counts
         loss = None
         if out:
             total = sum_lm_loss(out)
@@ -197,7 +207,8 @@ class Trainer:
         record = IterationRecord(iteration=it, loss=loss, skipped=not update_successful,
                                  grad_norm=None if grad_norm is None else float(grad_norm),
                                  lr=opt.learning_rate(), loss_scale=opt.loss_scale(), timers=timers,
-                                 num_zeros=None if num_zeros is None else float(num_zeros))
+                                 num_zeros=None if num_zeros is None else float(num_zeros),
+                                 global_batch_size=gbs)
         return record, replan_due
 
     def _after_iteration(self, it: int) -> bool:
@@ -260,6 +271,37 @@ class Trainer:
         print_rank_0(f"> training done: {it} iterations, {self.log.total_skipped} skipped, "
                      f"{time.perf_counter() - self.t_start:.1f} s in all")
 
+    # ------------------------------------------------------------------ the global batch (--rampup-batch-size)
+    def _start_batch_ramp(self) -> BatchRamp:
+        """The batch of the first iteration of this run (after ``--load``: where the ramp stood); the
+        planner's schedule for its micro batches. Collective."""
+        batch = self.config.batch_ramp(consumed_samples=self.state.consumed_train_samples)
+        if batch.ramps:
+            start, increment, samples = self.config.rampup_batch_size  # type: ignore[misc]
+            print_rank_0(f"> batch size ramp-up (--rampup-batch-size {start} {increment} {samples}): the global "
+                         f"batch grows from {start} by {increment} to {self.config.global_batch_size} over the first "
+                         f"{samples} samples; {batch.global_batch_size} at {self.state.consumed_train_samples} "
+                         f"consumed samples")
+            self.planner.use_microbatches(batch.num_microbatches,
+                                          why=f"global batch size {batch.global_batch_size} to start with")
+        return batch
+
+    def _update_batch(self, it: int) -> None:
+        """Before iteration ``it``: the global batch for the consumed samples (Megatron-LM's
+        ``update_num_microbatches``). When it grows, as Megatron-LM: a checkpoint of the iteration
+        before (with ``--save``), then the schedule for the new number of micro batches. Collective."""
+        before = self.batch.global_batch_size
+        if not self.batch.update(self.state.consumed_train_samples):
+            return
+        with self.log.excluding_time():
+            if self.args.save and self.state.iteration > 0 and self.last_saved != self.state.iteration:
+                self._finalize_optimizer()
+                self._save()
+            self.planner.use_microbatches(
+                self.batch.num_microbatches,
+                why=f"global batch size {before} -> {self.batch.global_batch_size} at iteration {it} "
+                    f"({self.state.consumed_train_samples} samples consumed)")
+
     # ------------------------------------------------------------------ post-validation
     def _finalize_optimizer(self) -> None:
         if self.optim.post_validation:
@@ -267,10 +309,10 @@ class Trainer:
 
     def _on_validation_report(self, report: Any) -> None:
         """A post-validation report of an earlier step: fix the LR schedule and that iteration's record."""
-        it = self._iteration_of_step.pop(report.iteration, None)
-        if it is None:
+        entry = self._iteration_of_step.pop(report.iteration, None)
+        if entry is None:
             return
-        gbs = self.args.global_batch_size
+        it, gbs = entry  # the iteration and its global batch [samples]
         if report.changed:  # the step was redone or undone: the scheduler follows the validated outcome
             self.optim.scheduler.step(increment=gbs if report.result.update_successful else -gbs)
         record = self.log.find(it)
@@ -307,6 +349,7 @@ class Trainer:
         args = self.args
         if self.optim.post_validation:
             self.optim.optimizer.validate()  # evaluate the validated parameters
+        self.planner.ensure_installed(args.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
         loss = evaluate(args, forward_backward=self.planner.forward_backward, modules=self.model.modules,
                         iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                         after_step=self.hooks.after_eval_step)

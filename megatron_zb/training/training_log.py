@@ -44,6 +44,8 @@ class IterationRecord:
             ``"optimizer"``), for ``--log-timers-to-tensorboard``.
         num_zeros: with ``--log-num-zeros-in-grad``, the step's zero gradient elements (megatron-core's
             count over the model-parallel group; validated with post-validation), else ``None``.
+        global_batch_size: the iteration's samples, all data-parallel ranks (grows with
+            ``--rampup-batch-size``; ``None``: ``--global-batch-size``).
     """
 
     iteration: int
@@ -54,6 +56,7 @@ class IterationRecord:
     loss_scale: float
     timers: dict[str, float] = field(default_factory=dict)
     num_zeros: float | None = None
+    global_batch_size: int | None = None
 
 
 def cuda_memory_scalars(stats: dict[str, Any]) -> dict[str, float]:
@@ -152,6 +155,7 @@ class TrainingLog:
             per_iter.append(value)
             self.history.append({"iteration": r.iteration, "lm loss": value, "skipped": r.skipped,
                                  "learning rate": r.lr, "grad norm": r.grad_norm, "loss scale": r.loss_scale,
+                                 "global batch size": self._batch_size(r),
                                  **({"num zeros": r.num_zeros} if r.num_zeros is not None else {})})
         if params_norm is not None and self.history:
             self.history[-1]["params norm"] = params_norm
@@ -161,22 +165,27 @@ class TrainingLog:
         self.total_skipped += skipped
         elapsed = max(0.0, now - self.interval_start - self.excluded) / max(1, len(records))
         last = records[-1]
+        batch = self._batch_size(last)  # as Megatron-LM: the current global batch
         tflops = None
         if args.log_throughput and elapsed > 0 and self.config is not None:
-            tflops = tflops_per_gpu(self.config.model, global_batch_size=self.config.global_batch_size,
+            tflops = tflops_per_gpu(self.config.model, global_batch_size=batch,
                                     world_size=self.config.parallel.world_size, seconds_per_iteration=elapsed)
         if print_line:
             print_rank_last(format_iteration_line(
                 iteration=last.iteration, train_iters=args.train_iters, consumed_samples=consumed_samples,
-                elapsed_ms=1e3 * elapsed, throughput=args.global_batch_size / elapsed if elapsed > 0 else None,
+                elapsed_ms=1e3 * elapsed, throughput=batch / elapsed if elapsed > 0 else None,
                 tflops_per_gpu=tflops,
-                learning_rate=last.lr, global_batch_size=args.global_batch_size,
+                learning_rate=last.lr, global_batch_size=self._batch_size(last),
                 losses={"lm loss": sum(kept) / len(kept)} if kept else {},
                 loss_scale=last.loss_scale, grad_norm=last.grad_norm, num_zeros_in_grad=last.num_zeros,
                 params_norm=params_norm, skipped_iterations=skipped, nan_iterations=nan_iters, rollbacks=rollbacks))
             self._tensorboard_interval(last, kept, elapsed, tflops, params_norm=params_norm)
         self.write_json()
         self.start_interval()
+
+    def _batch_size(self, record: IterationRecord) -> int:
+        """The global batch size of ``record``'s iteration [samples]."""
+        return record.global_batch_size if record.global_batch_size is not None else self.args.global_batch_size
 
     def _tensorboard_interval(self, last: IterationRecord, kept: list[float], elapsed: float,
                               tflops: float | None, *, params_norm: float | None = None) -> None:

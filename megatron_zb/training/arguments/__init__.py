@@ -60,7 +60,11 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``max_position_embeddings``         default ``seq_length``
 ``kv_channels``                     ``--kv-channels``, default ``hidden_size / num_attention_heads``
 ``params_dtype``                    ``torch.float16`` / ``torch.bfloat16`` / ``torch.float32``
-``lr_decay_iters``                  default ``train_iters`` [iterations]
+``train_iters``                     ``--train-iters``, or from ``--train-samples`` (Megatron-LM's
+                                    ``update_train_iters``, the ramp-up's iterations included)
+                                    [iterations]; the flag itself is ``train_iters_requested``
+``lr_decay_iters``                  with ``--train-iters``: default ``train_iters`` [iterations]
+``lr_decay_samples``                with ``--train-samples``: default ``train_samples`` [samples]
 ``distributed_backend``             ``"nccl"`` or ``"gloo"`` (``auto`` resolved)
 ``post_validation_warmup_iters``    with ``--enable-optimizer-post-validation``: the flag's value,
                                     default 10 [iterations]; ``None`` without post-validation

@@ -46,12 +46,6 @@ WHY_NOT: dict[str, str] = {
 
 _FP8 = "drop it (FP8 needs Transformer Engine's FP8 recipes on an FP8-capable GPU; not supported by megatron-zb yet)"
 FIXES: dict[str, str] = {
-    "--train-samples": "give --train-iters N instead (samples / --global-batch-size)",
-    "--lr-decay-samples": "give --lr-decay-iters N instead (samples / --global-batch-size)",
-    "--lr-warmup-samples": "give --lr-warmup-iters N instead (samples / --global-batch-size)",
-    "--lr-warmup-fraction": "give --lr-warmup-iters N instead (fraction x --lr-decay-iters)",
-    "--rampup-batch-size": "drop it (a constant --global-batch-size: megatron-zb does not rebuild its schedule for "
-                           "a changing number of micro batches yet)",
     "--fp8-format": _FP8, "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8,
     "--fp8-param-gather": _FP8, "--fp8-recipe": _FP8, "--fp8-margin": _FP8, "--fp8-interval": _FP8,
 }

@@ -30,7 +30,8 @@ from .moe import check_moe
 from .parallel import (check_batch_sizes, check_context_parallel, check_data_parallel_overlap, check_sequence_parallel,
                        check_world_size, resolve_backend, resolve_p2p_overlap)
 from .recompute import check_recompute
-from .training import check_learning_rate, check_precision, fill_training_values
+from .training import (check_learning_rate, check_lr_schedule, check_precision, check_rampup_batch_size,
+                       check_rampup_schedule, check_training_length, fill_training_values)
 from .zero_bubble import check_layers, check_schedule_builds, check_zero_bubble_options, resolve_schedule
 
 __all__ = ["CHECKS", "NON_NEGATIVE", "POSITIVE", "REQUIRED", "UNIT_INTERVAL", "Check", "ValidatedArgs",
@@ -38,19 +39,20 @@ __all__ = ["CHECKS", "NON_NEGATIVE", "POSITIVE", "REQUIRED", "UNIT_INTERVAL", "C
 
 # Numeric ranges, one table for every flag group; checked in this order (dest names).
 REQUIRED: tuple[str, ...] = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                             "train_iters", "lr")
-"""Flags without a default."""
+                             "lr")
+"""Flags without a default (and one of ``--train-iters`` / ``--train-samples``: ``check_training_length``)."""
 POSITIVE: tuple[str, ...] = (
     "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
+    "train_samples", "lr_decay_iters", "lr_decay_samples",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "global_batch_size", "ffn_hidden_size",
     "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "num_virtual_stages_per_pipeline_rank",
     "log_interval", "eval_interval", "save_interval", "distributed_timeout_minutes", "ckpt_step",
     "context_parallel_size")
 """Integer flags that must be >= 1 when given."""
-NON_NEGATIVE: tuple[str, ...] = ("eval_iters", "lr_warmup_iters", "num_workers")
+NON_NEGATIVE: tuple[str, ...] = ("eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers")
 """Integer flags that must be >= 0."""
-UNIT_INTERVAL: tuple[str, ...] = ("hidden_dropout", "attention_dropout")
-"""Probabilities in [0, 1)."""
+UNIT_INTERVAL: tuple[str, ...] = ("hidden_dropout", "attention_dropout", "lr_warmup_fraction")
+"""Probabilities and fractions in [0, 1) (when given)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Check:
 CHECKS: tuple[Check, ...] = (
     Check("ranges", lambda a, r: check_ranges(a)),
     Check("learning_rate", lambda a, r: check_learning_rate(a), needs=("ranges",)),
+    Check("training_length", lambda a, r: check_training_length(a)),
     Check("pipeline_timeout", lambda a, r: check_pipeline_timeout(a)),
     Check("transformer_impl", lambda a, r: resolve_transformer_impl(a)),
     Check("gradient_accumulation_fusion", lambda a, r: resolve_gradient_accumulation_fusion(a),
@@ -89,6 +92,10 @@ CHECKS: tuple[Check, ...] = (
     Check("p2p_overlap", lambda a, r: resolve_p2p_overlap(a), needs=("schedule",)),
     Check("layers", lambda a, r: check_layers(a), needs=("schedule",)),
     Check("schedule_builds", lambda a, r: check_schedule_builds(a, r["schedule"]), needs=("schedule", "batch_sizes")),
+    Check("rampup_batch_size", lambda a, r: check_rampup_batch_size(a),
+          needs=("ranges", "batch_sizes", "training_length")),
+    Check("rampup_schedule", lambda a, r: check_rampup_schedule(a),
+          needs=("schedule_builds", "rampup_batch_size")),
     Check("zero_bubble_options", lambda a, r: check_zero_bubble_options(a, r["schedule"]), needs=("schedule",)),
     Check("data", lambda a, r: check_data(a)),
     Check("tokenizer_vocab", lambda a, r: resolve_tokenizer_vocab(a), needs=("ranges",)),
@@ -101,7 +108,9 @@ CHECKS: tuple[Check, ...] = (
     Check("memory_logging", lambda a, r: check_memory_logging(a)),
     Check("profiling", lambda a, r: check_profiling(a), needs=("ranges",)),
     Check("memory_flags", lambda a, r: check_memory_flags(a)),
-    Check("training_values", lambda a, r: fill_training_values(a), needs=("ranges",)),
+    Check("training_values", lambda a, r: fill_training_values(a),
+          needs=("ranges", "batch_sizes", "training_length", "rampup_batch_size")),
+    Check("lr_schedule", lambda a, r: check_lr_schedule(a), needs=("training_values",)),
     Check("backend", lambda a, r: resolve_backend(a)),
 )
 """Every check in order; the names are what ``needs`` refer to (extra checks may name them too)."""
@@ -173,8 +182,9 @@ def check_ranges(args: argparse.Namespace) -> None:
         if getattr(args, dest) < 0:
             errors.append(ArgumentError(flag(dest), f"must be >= 0, got {getattr(args, dest)}"))
     for dest in UNIT_INTERVAL:
-        if not 0.0 <= getattr(args, dest) < 1.0:
-            errors.append(ArgumentError(flag(dest), f"must be in [0, 1), got {getattr(args, dest)}"))
+        value = getattr(args, dest)
+        if value is not None and not 0.0 <= value < 1.0:
+            errors.append(ArgumentError(flag(dest), f"must be in [0, 1), got {value}"))
     if errors:
         raise ArgumentError.combine(errors)
 
