@@ -38,13 +38,14 @@ import argparse
 import sys
 from typing import Any, Callable
 
+from .schedules.ir import V_CHUNKS_PER_RANK, v_stages
 from .training.arguments.common import ArgumentError
 
 __all__ = ["V_CHUNKS", "VForwardBackward", "VModelProvider", "activate", "check_provider", "check_v", "deactivate",
            "v_model_provider"]
 
-V_CHUNKS = 2
-"""Model chunks per pipeline rank in a V."""
+V_CHUNKS = V_CHUNKS_PER_RANK
+"""Model chunks per pipeline rank in a V (:data:`~megatron_zb.schedules.ir.V_CHUNKS_PER_RANK`)."""
 
 _PROVIDERS: list["VModelProvider"] = []
 _ACTIVE: dict[str, str] = {}  # "schedule", "flag" while a V schedule is installed
@@ -129,7 +130,7 @@ def activate(schedule: str, flag: str) -> None:
         """Megatron-LM's question, answered by the V: does this chunk hold stage 0 or the loss stage?"""
         if vp_stage is None:
             return original(vp_stage)
-        return _v_stage(vp_stage) in (0, 2 * _pp()[0] - 1)
+        return _v_stage(vp_stage) in (0, V_CHUNKS * _pp()[0] - 1)
 
     # pretrain_gpt.py imported the name before this runs: rebind it wherever it is held, as patch_megatron does
     for module in list(sys.modules.values()):
@@ -149,7 +150,7 @@ def _v_float16_module(config: Any, module: Any) -> Any:
     from .megatron_compat import chunk_float16_module
 
     stage = _v_stage(module.vp_stage)
-    return chunk_float16_module(config, module, first=stage == 0, last=stage == 2 * _pp()[0] - 1)
+    return chunk_float16_module(config, module, first=stage == 0, last=stage == V_CHUNKS * _pp()[0] - 1)
 
 
 def check_provider() -> None:
@@ -183,7 +184,7 @@ def _v_stage(vp_stage: int, pg_collection: Any = None) -> int:
     p, r = _pp(pg_collection)
     if vp_stage not in range(V_CHUNKS):
         raise ValueError(f"a V has {V_CHUNKS} model chunks per rank; Megatron-LM asked for chunk {vp_stage}")
-    return r if vp_stage == 0 else 2 * p - 1 - r
+    return v_stages(p, r)[vp_stage]
 
 
 class VModelProvider:

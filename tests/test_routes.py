@@ -100,7 +100,7 @@ def test_store_is_current_only_inside_its_b_window():
     assert current_store() is None
     with a.deferring(0, 0):
         assert current_store() is a and a.is_deferring
-        with pytest.raises(WeightGradStoreError, match="B of chunk 1 microbatch 0 started while B of chunk 0 "
+        with pytest.raises(WeightGradStoreError, match="B of stage 1 microbatch 0 started while B of stage 0 "
                                                        "microbatch 0 is open"):
             with b.deferring(1, 0):
                 pass
@@ -113,8 +113,8 @@ def test_store_is_current_only_inside_its_b_window():
 
 
 def test_store_runs_each_w_entry_and_reports_a_params_last_w():
-    """Chunk 0 runs 3 W's (params w0, w1), chunk 1 runs 2 (param v): each chunk's params are
-    reported once, right after that chunk's last W, and remaining_w counts down to 0."""
+    """Stage 0 runs 3 W's (params w0, w1), stage 1 runs 2 (param v): each stage's params are
+    reported once, right after that stage's last W, and remaining_w counts down to 0."""
     w0, w1, v = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
     log: list[str] = []
     done: list[tuple[list[str], tuple[torch.Tensor, ...]]] = []
@@ -154,17 +154,17 @@ def test_store_refuses_w_beyond_the_announced_count_and_hook_without_counts():
         with store.deferring(0, mb):
             store.put(_adder(p, [], ""), params=(p,))
     store.run(0, 0)
-    with pytest.raises(WeightGradStoreError, match="W of chunk 0 microbatch 1 is one more W than begin_iteration"):
+    with pytest.raises(WeightGradStoreError, match="W of stage 0 microbatch 1 is one more W than begin_iteration"):
         store.run(0, 1)
     assert p.grad is not None and float(p.grad) == 1.0  # the refused W did not run
     with pytest.raises(WeightGradStoreError, match="iteration started with weight gradients still pending for "
-                                                   r"\(chunk 0, microbatch 1\)"):
+                                                   r"\(stage 0, microbatch 1\)"):
         store.begin_iteration({0: 1})
     store.clear()
     store.on_params_done = lambda params: None
     with store.deferring(0, 0):
         store.put(_adder(p, [], ""), params=(p,))
-    with pytest.raises(WeightGradStoreError, match="on_params_done set but no W count for chunk 0"):
+    with pytest.raises(WeightGradStoreError, match="on_params_done set but no W count for stage 0"):
         store.run(0, 0)
 
 
@@ -236,9 +236,9 @@ def _params_done_in_a_v_schedule() -> dict:
     events: list[tuple] = []
     run = store.run
 
-    def logged_run(chunk: int, microbatch: int) -> int:
-        events.append(("W", chunk))
-        return run(chunk, microbatch)
+    def logged_run(stage: int, microbatch: int) -> int:
+        events.append(("W", stage))
+        return run(stage, microbatch)
 
     store.run = logged_run  # type: ignore[method-assign]
     stage_of = {id(p): c.plan.stage for c in chunks for p in c.module.parameters()}

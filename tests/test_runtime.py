@@ -135,7 +135,7 @@ def test_missing_w_is_caught_by_the_weight_gradient_store():
 
     bad = _zb_h1_pp2()
     bad.ranks[1] = [a for a in bad.ranks[1] if not (a.op == "W" and a.mb == 3)]
-    with pytest.raises(WeightGradStoreError, match=r"pending for \(chunk 1, microbatch 3\)"):
+    with pytest.raises(WeightGradStoreError, match=r"pending for \(stage 1, microbatch 3\)"):
         run_distributed(partial(run_step, TinyGPT(pp=2), schedule=bad, validate=False), world_size=2, timeout=60)
 
 

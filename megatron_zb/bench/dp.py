@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..schedules.ir import Op
 from .progress import RoundProgress
 
 __all__ = ["DPBenchSpec", "DPStage", "bench_costs", "dp_bench_rank", "fit_reduce", "reduce_model"]
@@ -78,7 +79,7 @@ class _Compute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, stage, *weights):  # noqa: D401 - autograd signature
-        stage.clock.sleep(stage.t_f, "F")
+        stage.clock.sleep(stage.t_f, Op.F)
         ctx.stage, ctx.in_shape = stage, None if x is None else tuple(x.shape)
         return weights[0].new_zeros(()) if stage.is_last else weights[0].new_zeros(stage.shape)
 
@@ -91,10 +92,10 @@ class _Compute(torch.autograd.Function):
         grad_in = None if ctx.in_shape is None else grad.new_zeros(ctx.in_shape)
         if store is None:
             raise RuntimeError("the dp benchmark stage needs split backward (B and W)")
-        stage.clock.sleep(stage.t_b, "B")
+        stage.clock.sleep(stage.t_b, Op.B)
         for w in reversed(stage.weights):   # the last layer's weight gradient first, as in a real stack
             def weight_grad(w: torch.Tensor = w) -> None:
-                stage.clock.sleep(stage.t_w / len(stage.weights), "W")
+                stage.clock.sleep(stage.t_w / len(stage.weights), Op.W)
                 w.main_grad.add_(1.0)
             store.put(weight_grad, params=(w,))
         # what a real deferred-W layer returns (megatron-core's convention): a placeholder weight

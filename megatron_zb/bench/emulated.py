@@ -33,6 +33,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ..schedules.ir import COMPUTE_OPS, Op
 from .progress import RoundProgress
 
 __all__ = [
@@ -92,17 +93,17 @@ class SleepClock:
     ``B``, ``W``, ``BW``); :meth:`update` learns it from the runtime's measured action durations.
     """
 
-    offset: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0, "W": 0.0, "BW": 0.0})
+    offset: dict[Op, float] = field(default_factory=lambda: dict.fromkeys(COMPUTE_OPS, 0.0))
     enabled: bool = True
 
-    def sleep(self, seconds: float, op: str) -> None:
+    def sleep(self, seconds: float, op: Op) -> None:
         if not self.enabled:
             return
         t = seconds - self.offset.get(op, 0.0)
         if t > 0:
             time.sleep(t)
 
-    def update(self, errors: dict[str, list[float]], gain: float = 1.0) -> None:
+    def update(self, errors: dict[Op, list[float]], gain: float = 1.0) -> None:
         """Add ``gain *`` the median error (measured - target, seconds) of each op to its offset."""
         for op, errs in errors.items():
             if errs:
@@ -115,7 +116,7 @@ class _EmulatedCompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, stage):  # noqa: D401 - autograd signature
         c: EmulatedCosts = stage.costs
-        stage.clock.sleep(c.t_f, "F")
+        stage.clock.sleep(c.t_f, Op.F)
         ctx.stage = stage
         ctx.in_shape = None if x is None else tuple(x.shape)
         held = []
@@ -138,12 +139,12 @@ class _EmulatedCompute(torch.autograd.Function):
         store = current_store()
         grad_in = None if ctx.in_shape is None else grad.new_zeros(ctx.in_shape)
         if store is not None:  # B now, W later
-            stage.clock.sleep(c.t_b, "B")
+            stage.clock.sleep(c.t_b, Op.B)
             keep = saved[1] if len(saved) > 1 and saved[1].numel() > 0 else None
             weight, clock = stage.weight, stage.clock
 
             def weight_grad(keep=keep) -> None:  # holds mem_w until W
-                clock.sleep(c.t_w, "W")
+                clock.sleep(c.t_w, Op.W)
                 if weight.grad is None:
                     weight.grad = torch.ones_like(weight)
                 else:
@@ -153,7 +154,7 @@ class _EmulatedCompute(torch.autograd.Function):
             store.put(weight_grad, params=(weight,))
             stage.deferred += 1
             return grad_in, None, None
-        stage.clock.sleep(c.t_b + c.t_w, "BW")  # fused backward
+        stage.clock.sleep(c.t_b + c.t_w, Op.BW)  # fused backward
         return grad_in, torch.ones_like(stage.weight), None
 
 
@@ -271,6 +272,17 @@ def _stage_costs(schedule_name: str, p: int, base: EmulatedCosts) -> list[Emulat
     return [c] * (p * v)
 
 
+def _sleep_errors(fb: Any, chunks: Sequence["EmulatedStage"]) -> dict[Op, list[float]]:
+    """Measured - target (seconds) of each compute action of ``fb``'s last iteration, per op."""
+    by_stage = {c.stage: c.costs for c in chunks}
+    out: dict[Op, list[float]] = {}
+    for a, t0, t1 in fb.last_timing.records:
+        c = by_stage[a.stage]
+        target = {Op.F: c.t_f, Op.B: c.t_b, Op.W: c.t_w, Op.BW: c.t_b + c.t_w}[a.op]
+        out.setdefault(a.op, []).append((t1 - t0) - target)
+    return out
+
+
 def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
     """Benchmark body for one rank of the emulated cluster (run under ``run_distributed``).
 
@@ -338,17 +350,6 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"{name}: weight-gradient work left pending: {r['fb'].store.pending()}")
         return t0, t1, losses
 
-    def errors_of(name: str) -> dict[str, list[float]]:
-        """measured - target (seconds) of each compute action of the last iteration."""
-        r = runs[name]
-        by_stage = {c.stage: c.costs for c in r["chunks"]}
-        out: dict[str, list[float]] = {}
-        for a, t0, t1 in r["fb"].last_timing.records:
-            c = by_stage[a.stage]
-            target = {"F": c.t_f, "B": c.t_b, "W": c.t_w, "BW": c.t_b + c.t_w}[a.op]
-            out.setdefault(a.op, []).append((t1 - t0) - target)
-        return out
-
     calibrate = spec.get("calibrate", True)
     progress = RoundProgress(f"emulated p={p}", int(spec["warmup"]) + int(spec["repeats"]), enabled=rank == 0)
     for it in range(int(spec["warmup"])):
@@ -357,7 +358,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
         for name in spec["schedules"]:
             t0, t1, _ = one_iteration(name)
             round_ms[name] = 1e3 * (t1 - t0)
-            for op, e in errors_of(name).items():
+            for op, e in _sleep_errors(runs[name]["fb"], runs[name]["chunks"]).items():
                 errs.setdefault(op, []).extend(e)
         progress.round(m=m, times_ms=round_ms, what="warm-up (calibration) round")
         if calibrate and it >= 1:  # the first round pays one-time costs: do not learn from it
@@ -368,7 +369,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
     records: dict[str, list[list[tuple[str, int, int, float, float]]]] = {n: [] for n in spec["schedules"]}
     startup: dict[str, list[float]] = {n: [] for n in spec["schedules"]}
     send_calls: dict[str, list[float]] = {n: [] for n in spec["schedules"]}  # isend call, seconds
-    achieved: dict[str, dict[str, dict[int, list[float]]]] = {}
+    achieved: dict[str, dict[Op, dict[int, list[float]]]] = {}
     losses_ok: dict[str, bool] = {}
     for _ in range(int(spec["repeats"])):
         comm_samples.append(measure_p2p_latency(shape, peer_pairs=pairs, rounds=10, warmup=2, passes=1))
@@ -382,7 +383,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
             send_calls[name].extend(b - a for act, a, b in runs[name]["fb"].last_timing.comm
                                     if act.op.startswith("SEND"))
             rec = achieved.setdefault(name, {})
-            for op in ("F", "B", "W", "BW"):
+            for op in COMPUTE_OPS:
                 for st, ds in runs[name]["fb"].last_timing.durations(op).items():
                     rec.setdefault(op, {}).setdefault(st, []).extend(ds)
             holds_loss = runs[name]["s2r"][-1] == rank

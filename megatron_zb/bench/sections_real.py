@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schedules import CostModel, simulate
-from ..schedules.ir import Op, Placement
+from ..schedules.ir import V_CHUNKS_PER_RANK, Op, Placement
 from ..schedules.registry import build_schedule
 from ..schedules.spread import DurationSpread, simulate_spread
 from .progress import log
@@ -329,7 +329,7 @@ def section_memory(cfg: dict[str, Any], rows: list[Row], md: list[str], timeout:
     for run in cfg["mem"]:
         p, m = run["p"], run["m"]
         model = asdict(cfg["model"])
-        model["num_layers"] = max(model["num_layers"], 2 * p)  # the V placement needs 2p chunks of >= 1 layer
+        model["num_layers"] = max(model["num_layers"], V_CHUNKS_PER_RANK * p)  # the V: 2p chunks of >= 1 layer
         log(f"memory: PP={p}, m={m}, {model['num_layers']} layers")
         rcfg = dict(model=model, memory_schedules=["1f1b", "zb-h1", "zb-2p", "zbv", "v-half"],
                     memory_m=m, measure_m=m, measure_iters=1)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..schedules.ir import Op
 from .hardware import Hardware
 from .layout import StageShape
 from .model import ModelConfig, ParallelConfig
@@ -201,29 +202,29 @@ def _layer_backward_w(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
         k.tp(2 * d.e * d.T * d.h, ring_factor=d.ar / 2)
 
 
-def _embedding(k: _Kernels, op: str, m: ModelConfig, d: _Dims) -> None:
+def _embedding(k: _Kernels, op: Op, m: ModelConfig, d: _Dims) -> None:
     e, A = d.e, d.T * d.h / d.r
     drop = 1 if m.hidden_dropout > 0 else 0
     learned = m.position_embedding_type == "learned_absolute"
-    if op == "F":
+    if op is Op.F:
         k.ew(2 * e * d.T * d.h)  # row gather (vocab-parallel: every TP rank writes the full output)
         k.tp(e * d.T * d.h, ring_factor=d.ar / (2 if d.r > 1 else 1))
         k.ew((3 * e if learned else 0) * A + (2 * e + drop) * A)  # + position, dropout
-    elif op == "B":
+    elif op is Op.B:
         k.ew((2 * e + drop) * A)
     else:  # scatter-add into the fp32 gradient of the table (and sum of the position gradient)
         k.ew(e * d.T * d.h + FP32_ACCUMULATE * d.T * d.h + (e * A if learned else 0))
 
 
-def _loss(k: _Kernels, op: str, m: ModelConfig, d: _Dims, vocab_per_gpu: float) -> None:
+def _loss(k: _Kernels, op: Op, m: ModelConfig, d: _Dims, vocab_per_gpu: float) -> None:
     e, A, N = d.e, d.T * d.h / d.r, d.T * vocab_per_gpu
     cast = e + 4 if e < 4 else 0  # 16-bit logits: .float() in F, the cast back in B
-    if op == "F":
+    if op is Op.F:
         k.ew(2 * e * A)  # final norm
         k.tp(e * d.T * d.h, ring_factor=d.ar / 2 if d.r > 1 else 0)  # SP all-gather
         k.gemm(d.T, d.h, vocab_per_gpu)
         k.ew((CE_FORWARD_BYTES + cast) * N)
-    elif op == "B":
+    elif op is Op.B:
         k.ew((CE_BACKWARD_BYTES + cast) * N)
         k.gemm(d.T, vocab_per_gpu, d.h)
         k.tp(e * d.T * d.h, ring_factor=d.ar / (2 if d.r > 1 else 1))
@@ -247,11 +248,11 @@ class StageCost:
     w: PassCost
 
 
-def layer_cost(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> dict[str, PassCost]:
+def layer_cost(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> dict[Op, PassCost]:
     """``F``, ``B`` and ``W`` of one transformer layer on one GPU."""
     d = _Dims.of(model, par)
     out = {}
-    for op, fn in (("F", _layer_forward), ("B", _layer_backward_b), ("W", _layer_backward_w)):
+    for op, fn in ((Op.F, _layer_forward), (Op.B, _layer_backward_b), (Op.W, _layer_backward_w)):
         k = _Kernels(hw, e=d.e)
         fn(k, model, d)
         out[op] = k.cost
@@ -267,14 +268,14 @@ def stage_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware,
     out = []
     for sh in shapes:
         passes = {}
-        for op in ("F", "B", "W"):
+        for op in (Op.F, Op.B, Op.W):
             k = _Kernels(hw, layer[op].scaled(sh.num_layers), d.e)
             if sh.embedding:
                 _embedding(k, op, model, d)
             if sh.loss:
                 _loss(k, op, model, d, vocab)
             passes[op] = k.cost
-        out.append(StageCost(sh, passes["F"], passes["B"], passes["W"]))
+        out.append(StageCost(sh, passes[Op.F], passes[Op.B], passes[Op.W]))
     return out
 
 

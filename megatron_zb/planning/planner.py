@@ -291,7 +291,8 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
     model, par = source.model, source.par
     spec = get_spec(name)
     placement = Placement(spec.placement)
-    chunks = {Placement.PLAIN: 1, Placement.V: 2}.get(placement) or _interleaved_chunks(model, par)
+    chunks = (_interleaved_chunks(model, par) if placement is Placement.INTERLEAVED
+              else placement.chunks_per_rank(1))
     if not explicit and name in EXCLUDED_BY_DEFAULT:
         return FamilyResult(name, "skipped", f"{EXCLUDED_BY_DEFAULT[name]}; request it with --schedules", chunks)
     try:

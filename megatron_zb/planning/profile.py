@@ -214,7 +214,7 @@ def _spread(raw: Any) -> DurationSpread | None:
     """``duration_spread``: ``None``, or ``{"F" | "B" | "W": [ascending quantiles > 0]}`` (``ValueError`` otherwise)."""
     if raw is None:
         return None
-    if not isinstance(raw, dict) or not set(raw) <= {"F", "B", "W"} or any(
+    if not isinstance(raw, dict) or not set(raw) <= {Op.F, Op.B, Op.W} or any(
             not isinstance(q, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in q)
             for q in raw.values()):
         raise ValueError(f"duration_spread must map F, B, W to lists of numbers, got {raw!r}")

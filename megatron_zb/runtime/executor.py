@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..schedules import Action, Op
+from ..schedules.lowering import pipeline_neighbours
 from .action_timing import ActionTiming
 from .grad_sync import GradSync
 from .memory import ActivationMemoryTracker
@@ -146,72 +147,109 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
     parameters ready to megatron-core's DDP buckets (:mod:`megatron_zb.runtime.grad_sync`).
     ``overhead`` (filled in place) receives where this call's time went (:class:`LoopOverhead`).
     """
-    clock, cpu = time.perf_counter, time.thread_time
-    ov = overhead if overhead is not None else LoopOverhead()
-    wall0, cpu0 = clock(), cpu()
-    if timing is not None:
-        timing.start = wall0
+    watch = _Stopwatch(timing)    # first: the call's wall and CPU time include the set-up
     it = _Iteration(plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func,
                     config=config, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size,
                     first_val_step=first_val_step, memory=memory)
-    shape, dtype, device = runtime.tensor_shape, runtime.dtype, runtime.device
-    if not plan.forward_only:
-        store.begin_iteration(plan.w_per_stage)
-        if grad_sync is not None:
-            grad_sync.begin(actions=plan.actions, store=store)
-    else:
-        grad_sync = None
-    # One branch per step kind: per step this costs a few comparisons, four clock reads and no
-    # allocation beyond the (mb, stage) key (the runtime's overhead budget is tens of
-    # microseconds per compute action, see LoopOverhead).
-    comm_wall = comm_cpu = compute_wall = compute_cpu = 0.0
-    n_compute = 0
+    grad_sync = _begin_iteration(plan, store, grad_sync)
     for issue in plan.program.issues:
         step, a = issue.step, issue.action
-        if step is not Step.RUN:
-            t0, u0 = clock(), cpu()
-            if step is Step.POST:
-                comm.post_recv(a, shape, dtype, device)
-            elif step is Step.WAIT:
-                it.received(a, comm.wait_recv(a))
-            elif step is Step.SEND:
-                comm.send(a, it.to_send(a, (a.mb, a.stage)))
-                it.sent(a)
-            else:
-                comm.release(a)
-            t1, u1 = clock(), cpu()
-            comm_wall += t1 - t0
-            comm_cpu += u1 - u0
-            if timing is not None and step is not Step.POST and step is not Step.RELEASE:
-                timing.add_comm(a, t0, t1)
-            continue
-        key, op = (a.mb, a.stage), a.op
-        mark = timing.mark() if timing is not None else None
-        t0, u0 = clock(), cpu()
-        if op is Op.F:
-            it.forward(a, key)
-        elif op is Op.W:
-            store.run(a.stage, a.mb)
-        else:  # B (weight gradients queued in the store) or BW (megatron-core's fused backward)
-            it.backward(a, key, deferred=op is Op.B)
-        t1, u1 = clock(), cpu()
-        compute_wall += t1 - t0
-        compute_cpu += u1 - u0
-        n_compute += 1
-        if timing is not None:
-            timing.add_compute(a, t0, t1, u1 - u0, mark)
-        if grad_sync is not None:
-            grad_sync.after_compute(a, t0)
-    p0, q0 = clock(), cpu()
+        if step is Step.RUN:
+            mark, t0, u0 = watch.before_compute()
+            it.compute(a)
+            watch.after_compute(a, t0, u0, mark)
+            if grad_sync is not None:
+                grad_sync.after_compute(a, t0)
+        else:
+            t0, u0 = watch.now()
+            _communicate(step, a, it, comm, runtime)
+            watch.after_comm(a if step is Step.WAIT or step is Step.SEND else None, t0, u0)
+    t0, u0 = watch.now()
     comm.finish()
-    comm_wall += clock() - p0
-    comm_cpu += cpu() - q0
+    watch.after_comm(None, t0, u0)
     if not plan.forward_only:
         store.assert_empty()
     result = it.result()
-    ov.add(actions=n_compute, wall=clock() - wall0, cpu=cpu() - cpu0, compute_wall=compute_wall,
-           compute_cpu=compute_cpu, comm_wall=comm_wall, comm_cpu=comm_cpu)
+    watch.report(overhead if overhead is not None else LoopOverhead())
     return result
+
+
+def _begin_iteration(plan: RankPlan, store: WeightGradStore, grad_sync: GradSync | None) -> GradSync | None:
+    """Tell the store (and data-parallel overlap) how many W's each stage runs; the ``grad_sync``
+    to tell after every compute action (``None`` when forward-only: no gradients)."""
+    if plan.forward_only:
+        return None
+    store.begin_iteration(plan.w_per_stage)
+    if grad_sync is not None:
+        grad_sync.begin(actions=plan.actions, store=store)
+    return grad_sync
+
+
+def _communicate(step: Step, a: Action, it: "_Iteration", comm: PipeComm, runtime: StageRuntime) -> None:
+    """One p2p step of the rank's program: post or wait for a receive, send, or release a send."""
+    if step is Step.POST:
+        comm.post_recv(a, runtime.tensor_shape, runtime.dtype, runtime.device)
+    elif step is Step.WAIT:
+        it.received(a, comm.wait_recv(a))
+    elif step is Step.SEND:
+        comm.send(a, it.to_send(a, (a.mb, a.stage)))
+        it.sent(a)
+    else:
+        comm.release(a)
+
+
+class _Stopwatch:
+    """Where one :func:`execute` call's time goes (:class:`LoopOverhead`) and, with an
+    :class:`ActionTiming`, each action's record.
+
+    Per step this costs a few comparisons, four clock reads and no allocation (the runtime's
+    overhead budget is tens of microseconds per compute action, see :class:`LoopOverhead`).
+    """
+
+    def __init__(self, timing: ActionTiming | None) -> None:
+        self.now = _now
+        self.timing = timing
+        self.wall0, self.cpu0 = _now()
+        if timing is not None:
+            timing.start = self.wall0
+        self.comm_wall = self.comm_cpu = self.compute_wall = self.compute_cpu = 0.0
+        self.n_compute = 0
+
+    def before_compute(self) -> tuple[Any, float, float]:
+        """``(timing mark, wall, cpu)`` just before a compute action."""
+        mark = self.timing.mark() if self.timing is not None else None
+        t0, u0 = _now()
+        return mark, t0, u0
+
+    def after_compute(self, a: Action, t0: float, u0: float, mark: Any) -> None:
+        """Count the compute action ``a`` that started at ``(t0, u0)`` and record it."""
+        t1, u1 = _now()
+        self.compute_wall += t1 - t0
+        self.compute_cpu += u1 - u0
+        self.n_compute += 1
+        if self.timing is not None:
+            self.timing.add_compute(a, t0, t1, u1 - u0, mark)
+
+    def after_comm(self, recorded: Action | None, t0: float, u0: float) -> None:
+        """Count a p2p call that started at ``(t0, u0)``; record ``recorded`` (a wait or a send) if given."""
+        t1, u1 = _now()
+        self.comm_wall += t1 - t0
+        self.comm_cpu += u1 - u0
+        if self.timing is not None and recorded is not None:
+            self.timing.add_comm(recorded, t0, t1)
+
+    def report(self, overhead: LoopOverhead) -> None:
+        """Add this call's numbers to ``overhead``."""
+        wall, cpu = _now()
+        overhead.add(actions=self.n_compute, wall=wall - self.wall0, cpu=cpu - self.cpu0,
+                     compute_wall=self.compute_wall, compute_cpu=self.compute_cpu, comm_wall=self.comm_wall,
+                     comm_cpu=self.comm_cpu)
+
+
+def _now(clock: Callable[[], float] = time.perf_counter, cpu: Callable[[], float] = time.thread_time
+         ) -> tuple[float, float]:
+    """``(wall seconds, this thread's CPU seconds)``."""
+    return clock(), cpu()
 
 
 class _Iteration:
@@ -258,10 +296,11 @@ class _Iteration:
     # ------------------------------------------------------------------ communication
     def received(self, a: Action, t: torch.Tensor) -> None:
         """Keep the tensor of a ``RECV_F`` / ``RECV_B`` (``a.stage`` is the producing stage)."""
+        _, dst = pipeline_neighbours(a.op.direction, a.stage, self.last + 1)   # the stage it feeds
         if a.op is Op.RECV_F:
-            self.stage_inputs[(a.mb, a.stage + 1)] = t.requires_grad_(not self.forward_only)
+            self.stage_inputs[(a.mb, dst)] = t.requires_grad_(not self.forward_only)
         else:
-            self.output_grads[(a.mb, a.stage - 1)] = t
+            self.output_grads[(a.mb, dst)] = t
 
     def sent(self, a: Action) -> None:
         """After a ``SEND_F`` was issued: pseudo-free the stage output (the send holds its own view
@@ -278,6 +317,16 @@ class _Iteration:
         return self.input_grads.pop(key)
 
     # ------------------------------------------------------------------ compute
+    def compute(self, a: Action) -> None:
+        """Run the compute action ``a`` (``F``, ``B``, ``W`` or ``BW``)."""
+        op = a.op
+        if op is Op.F:
+            self.forward(a, (a.mb, a.stage))
+        elif op is Op.W:
+            self.store.run(a.stage, a.mb)
+        else:  # B (weight gradients queued in the store) or BW (megatron-core's fused backward)
+            self.backward(a, (a.mb, a.stage), deferred=op is Op.B)
+
     def forward(self, a: Action, key: tuple[int, int]) -> None:
         """``F``: megatron-core's ``forward_step`` (data on stage 0, loss on the last stage)."""
         stage, fo = a.stage, self.forward_only
@@ -299,10 +348,11 @@ class _Iteration:
         self.total_tokens += n_tok
         if data:
             self.stage_data[key] = data
-        handed_over = stage < self.last and self.stage_to_rank[stage + 1] == self.rank
+        _, dst = pipeline_neighbours(Op.F, stage, self.last + 1)
+        handed_over = dst is not None and self.stage_to_rank[dst] == self.rank
         if handed_over:  # next stage lives on this rank (tip of the V): its input, detached
-            self.stage_inputs[(a.mb, stage + 1)] = _first(out).detach().requires_grad_(not fo)
-        if not fo or (stage < self.last and not handed_over):  # for B/BW, or for the SEND_F
+            self.stage_inputs[(a.mb, dst)] = _first(out).detach().requires_grad_(not fo)
+        if not fo or (dst is not None and not handed_over):  # for B/BW, or for the SEND_F
             self.outputs[key] = out
         if self.pseudo_free and (stage == self.last or handed_over):  # nothing to send: free it now
             self._deallocate(_first(out), True)
@@ -319,9 +369,10 @@ class _Iteration:
                                   stage=stage, microbatch=a.mb):
             in_grad = self._backward_step(inp, out, out_grad, self.config)
         del out, out_grad
-        if stage > 0:
-            if self.stage_to_rank[stage - 1] == self.rank:  # previous stage on this rank
-                self.output_grads[(a.mb, stage - 1)] = in_grad
+        _, dst = pipeline_neighbours(a.op, stage, self.last + 1)
+        if dst is not None:
+            if self.stage_to_rank[dst] == self.rank:  # previous stage on this rank
+                self.output_grads[(a.mb, dst)] = in_grad
             else:
                 self.input_grads[key] = in_grad  # picked up by the SEND_B that follows
 

@@ -148,15 +148,13 @@ class ZeroBubbleForwardBackward:
                  collect_non_loss_data: bool = False, first_val_step: bool | None = None,
                  adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
+        """One iteration, as megatron-core's ``forward_backward_func``: plan this rank's part of the
+        schedule, execute it with gradient reduction held back, then finish the gradients; returns
+        the last stage's forward data (reduced losses) in microbatch order."""
         from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
-        from ..megatron_compat import pipeline_step_functions
-
-        if not forward_only:
-            self._calls += 1
-            if self._reduce_watchdog is not None:
-                self._reduce_watchdog.check()  # the last call's reduces, if one was late
+        self._begin_call(forward_only)
         install_routes()
         chunks = model if isinstance(model, list) else [model]
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(chunks)
@@ -165,58 +163,63 @@ class ZeroBubbleForwardBackward:
         p, rank = pp_group.size(), pp_group.rank()
         sched = self.schedule_for(p, num_microbatches)
         plan = self.plan_for(p, num_microbatches, rank, forward_only=forward_only)
-        if not forward_only:
-            check_schedule(sched, chunks)  # e.g. TE modules need W's in B order on every stage
-        stages = sched.stages_of(rank)
-        if len(chunks) != len(stages):
-            raise ValueError(f"schedule {sched.name or '(given)'} places stages {stages} on pipeline rank {rank}, "
-                             f"but model has {len(chunks)} chunk(s); build the model for this placement "
-                             f"(megatron_zb.model.build_gpt_chunks with stage_to_rank={sched.stage_to_rank})")
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        cp_group = parallel_state.get_context_parallel_group()
-        get_tensor_shapes = pipeline_step_functions().get_tensor_shapes
-        shapes = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                   decoder_seq_length=decoder_seq_length, config=config,
-                                   tp_group=tp_group, cp_group=cp_group)
-        if adjust_tensor_shapes_fn is not None:
-            shapes, _ = adjust_tensor_shapes_fn(shapes, shapes)
-        device = next(chunks[0].parameters()).device
+        stages = _check_chunks(sched, rank, chunks, forward_only)
+        shape = _tensor_shape(config, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                              decoder_seq_length=decoder_seq_length, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn)
         runtime = StageRuntime(chunks=dict(zip(stages, chunks)), data_iterators=dict(zip(stages, iters)),
-                               tensor_shape=shapes[0], dtype=config.pipeline_dtype or torch.float32,
-                               device=device)
+                               tensor_shape=shape, dtype=config.pipeline_dtype or torch.float32,
+                               device=next(chunks[0].parameters()).device)
         memory = None
         if self.options.track_memory:
             memory = ActivationMemoryTracker(p for c in chunks for p in c.parameters())
         comm = PipeComm(channels=pipe_channels(pp_group, timeout=self.options.timeout), rank=rank,
                         timeout=self.options.timeout, policy=self.options.wait_policy, memory=memory,
                         max_outstanding_sends=plan.program.max_outstanding_sends)
-
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-        no_sync = config.no_sync_func
-        store = self.store
-        grad_sync = None
-        if not forward_only and overlapping_ddp_chunks(chunks):
-            grad_sync = GradSync(dict(zip(stages, chunks)),
-                                 iteration=self._calls if self.iteration is None else self.iteration,
-                                 iteration_name="training call" if self.iteration is None else "iteration")
-            no_sync = [c.no_sync for c in chunks]  # every chunk, whatever config says: GradSync reports
-        if isinstance(no_sync, list):  # one per chunk, as megatron-core's interleaved schedule takes
-            sync_ctx: contextlib.AbstractContextManager = contextlib.ExitStack()
-            for f in no_sync:
-                sync_ctx.enter_context(f())
-        else:
-            sync_ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
+        grad_sync = None if forward_only else self._grad_sync(chunks, stages)
+        sync_ctx = _no_sync_context(config, chunks, grad_sync)
         overhead = LoopOverhead()
         # created last: on CUDA it records the iteration's start event (ActionTiming)
         timing = ActionTiming(device=runtime.device) if self.options.time_actions else None
+        data, total_tokens = self._execute(
+            comm=comm, grad_sync=grad_sync, sync_ctx=sync_ctx, plan=plan,
+            runtime=runtime, forward_step_func=forward_step_func, config=config,
+            collect_non_loss_data=collect_non_loss_data,
+            cp_group_size=parallel_state.get_context_parallel_group().size(), first_val_step=first_val_step,
+            timing=timing, memory=memory, overhead=overhead)
+        if not forward_only:
+            _finish_gradients(config, chunks, grad_sync_launched=grad_sync is not None, schedule=sched,
+                              total_tokens=total_tokens, pp_group=pp_group, pg_collection=pg_collection,
+                              force_all_reduce=force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        self._keep_measurements(timing, overhead, memory)
+        return data
+
+    # ------------------------------------------------------------------ the steps of one call
+    def _begin_call(self, forward_only: bool) -> None:
+        """Count a training call; fail now if the last call's data-parallel reduces were late."""
+        if not forward_only:
+            self._calls += 1
+            if self._reduce_watchdog is not None:
+                self._reduce_watchdog.check()  # the last call's reduces, if one was late
+
+    def _grad_sync(self, chunks: list[torch.nn.Module], stages: list[int]) -> GradSync | None:
+        """With megatron-core DDP's ``overlap_grad_reduce``: the :class:`GradSync` that launches each
+        bucket's reduce once its last W ran (``None`` otherwise)."""
+        if not overlapping_ddp_chunks(chunks):
+            return None
+        return GradSync(dict(zip(stages, chunks)), iteration=self._calls if self.iteration is None else self.iteration,
+                        iteration_name="training call" if self.iteration is None else "iteration")
+
+    def _execute(self, *, comm: PipeComm, grad_sync: GradSync | None, sync_ctx: contextlib.AbstractContextManager,
+                 **execute_args: Any) -> tuple[list[Any], torch.Tensor]:
+        """:func:`execute` under ``sync_ctx``, then the deadline of the reduces launched from W; on any
+        failure abort the p2p, drop the queued W's and the launched reduces, and re-raise."""
         try:
             with sync_ctx:  # no gradient reduction while W may still add to the gradients
-                data, total_tokens = execute(
-                    plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func, config=config,
-                    comm=comm, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group.size(),
-                    first_val_step=first_val_step, timing=timing, memory=memory, grad_sync=grad_sync,
-                    overhead=overhead)
+                result = execute(comm=comm, store=self.store, grad_sync=grad_sync, **execute_args)
             self.last_grad_sync = grad_sync.end() if grad_sync is not None else None
             if grad_sync is not None:  # the deadline of the reduces launched from W (before finalize waits)
                 if self._reduce_watchdog is not None:
@@ -225,33 +228,88 @@ class ZeroBubbleForwardBackward:
                                                                 policy=self.options.wait_policy)
         except BaseException:
             comm.abort()
-            store.clear()
+            self.store.clear()
             if grad_sync is not None:
                 grad_sync.end_failed()
             raise
-        if not forward_only:
-            # with overlap, the buckets were launched as they became ready (GradSync): calling
-            # grad_sync_func (megatron-core's start_grad_sync) again would launch them twice
-            if config.grad_sync_func is not None and grad_sync is None:  # one function, or one per chunk
-                sync = config.grad_sync_func
-                for f, c in zip(sync if isinstance(sync, list) else [sync] * len(chunks), chunks):
-                    f(c.parameters())
-            if config.calculate_per_token_loss and sched.stage_to_rank[-1] != p - 1:
-                # megatron-core's finalize_model_grads broadcasts the token count from the last
-                # pipeline rank; in a V the loss stage is on rank 0 (the others count 0 tokens).
-                torch.distributed.all_reduce(total_tokens, group=pp_group)
-            if config.finalize_model_grads_func is not None:
-                config.finalize_model_grads_func(
-                    chunks, total_tokens if config.calculate_per_token_loss else None,
-                    pg_collection=pg_collection, force_all_reduce=force_all_reduce)
-        if config.timers is not None:
-            config.timers("forward-backward").stop()
+        return result
+
+    def _keep_measurements(self, timing: ActionTiming | None, overhead: LoopOverhead,
+                           memory: ActivationMemoryTracker | None) -> None:
+        """Publish the call's measurements (``last_timing``, ``last_overhead``, ``overhead``, memory)."""
         self.last_timing = timing
         self.last_overhead = overhead
         self.overhead.merge(overhead)
         self.last_peak_bytes = memory.peak_bytes if memory is not None else None
         self.last_memory = memory
-        return data
+
+
+def _check_chunks(schedule: Schedule, rank: int, chunks: list[torch.nn.Module], forward_only: bool) -> list[int]:
+    """``rank``'s stages, checked against the model chunks it was given (one chunk per stage) and,
+    when training, against every route's needs (e.g. TE modules need W's in B order on every stage)."""
+    if not forward_only:
+        check_schedule(schedule, chunks)
+    stages = schedule.stages_of(rank)
+    if len(chunks) != len(stages):
+        raise ValueError(f"schedule {schedule.name or '(given)'} places stages {stages} on pipeline rank {rank}, "
+                         f"but model has {len(chunks)} chunk(s); build the model for this placement "
+                         f"(megatron_zb.model.build_gpt_chunks with stage_to_rank={schedule.stage_to_rank})")
+    return stages
+
+
+def _tensor_shape(config: Any, *, seq_length: int, micro_batch_size: int, decoder_seq_length: int | None,
+                  adjust_tensor_shapes_fn: Callable | None) -> Any:
+    """The shape of the hidden states sent between stages, as megatron-core's schedules compute it."""
+    from megatron.core import parallel_state
+
+    from ..megatron_compat import pipeline_step_functions
+
+    shapes = pipeline_step_functions().get_tensor_shapes(
+        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+        config=config, tp_group=parallel_state.get_tensor_model_parallel_group(),
+        cp_group=parallel_state.get_context_parallel_group())
+    if adjust_tensor_shapes_fn is not None:
+        shapes, _ = adjust_tensor_shapes_fn(shapes, shapes)
+    return shapes[0]
+
+
+def _no_sync_context(config: Any, chunks: list[torch.nn.Module],
+                     grad_sync: GradSync | None) -> contextlib.AbstractContextManager:
+    """The context that holds gradient reduction back during the schedule: megatron-core's
+    ``config.no_sync_func`` (one function, or one per chunk as its interleaved schedule takes),
+    overridden by every chunk's own ``no_sync`` when :class:`GradSync` reports the buckets itself."""
+    no_sync = [c.no_sync for c in chunks] if grad_sync is not None else config.no_sync_func
+    if isinstance(no_sync, list):
+        stack = contextlib.ExitStack()
+        for f in no_sync:
+            stack.enter_context(f())
+        return stack
+    return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+
+def _finish_gradients(config: Any, chunks: list[torch.nn.Module], *, grad_sync_launched: bool, schedule: Schedule,
+                      total_tokens: torch.Tensor, pp_group: Any, pg_collection: Any,
+                      force_all_reduce: bool | None) -> None:
+    """After a training iteration, as megatron-core's schedules: start the gradient sync (unless
+    :class:`GradSync` launched the buckets as they became ready: launching them again would reduce
+    twice), share the token count where the loss is not on the last rank, finalize the gradients."""
+    if config.grad_sync_func is not None and not grad_sync_launched:  # one function, or one per chunk
+        sync = config.grad_sync_func
+        for f, c in zip(sync if isinstance(sync, list) else [sync] * len(chunks), chunks):
+            f(c.parameters())
+    _share_token_count(config, schedule, total_tokens, pp_group)
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(
+            chunks, total_tokens if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def _share_token_count(config: Any, schedule: Schedule, total_tokens: torch.Tensor, pp_group: Any) -> None:
+    """Per-token loss with the loss stage off the last pipeline rank (the V: rank 0): sum the token
+    count over the pipeline in place. megatron-core's ``finalize_model_grads`` broadcasts it from the
+    last pipeline rank, which in a V counts 0 tokens."""
+    if config.calculate_per_token_loss and schedule.stage_to_rank[-1] != pp_group.size() - 1:
+        torch.distributed.all_reduce(total_tokens, group=pp_group)
 
 
 def get_forward_backward_func(schedule: str | Schedule = "zb", **options: Any) -> ZeroBubbleForwardBackward:

@@ -1,6 +1,6 @@
 """The weight-gradient store: B now, W later, for every layer with a route into it.
 
-During a ``B`` action the runtime opens :meth:`WeightGradStore.deferring` for the (chunk,
+During a ``B`` action the runtime opens :meth:`WeightGradStore.deferring` for the (stage,
 microbatch) being back-propagated; that makes the store the *current* one
 (:func:`current_store`). A layer with a route into the store (see
 :mod:`megatron_zb.runtime.routes`, e.g. megatron-core's linear layers) finds it there during its
@@ -12,11 +12,11 @@ Outside a deferring window (``BW`` actions, forward-only, megatron-core's own sc
 is current and every routed layer behaves exactly as megatron-core's.
 
 Parameter bookkeeping (for overlapping the data-parallel gradient reduction with the
-schedule): the runtime tells the store, per iteration, how many W actions each chunk runs
+schedule): the runtime tells the store, per iteration, how many W actions each stage runs
 (:meth:`WeightGradStore.begin_iteration`). The store then knows how many W's of a parameter's
-chunk are still to come (:meth:`WeightGradStore.remaining_w`) and calls
-:attr:`WeightGradStore.on_params_done` after the last W of a chunk with every parameter whose
-weight-gradient work was queued on that chunk this iteration: their gradients are final.
+stage are still to come (:meth:`WeightGradStore.remaining_w`) and calls
+:attr:`WeightGradStore.on_params_done` after the last W of a stage with every parameter whose
+weight-gradient work was queued on that stage this iteration: their gradients are final.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ def current_store() -> WeightGradStore | None:
 
 
 class WeightGradStore:
-    """Queues of deferred weight-gradient computations, one per (model chunk, microbatch).
+    """Queues of deferred weight-gradient computations, one per (pipeline stage, microbatch).
+
+    ``stage`` is always the global pipeline stage index of the schedule (the ``Action.stage`` of
+    the B and W), not the index of a model chunk on this rank.
 
     Each queue entry is ``(fn, params)``: ``fn()`` adds a weight gradient into the gradients
     of ``params`` (``.main_grad`` or ``.grad``). The runtime's
@@ -53,12 +56,12 @@ class WeightGradStore:
 
     Attributes:
         executed: queue entries run by W since creation (for tests and statistics).
-        on_params_done: called after the last W of a chunk in an iteration (see
-            :meth:`begin_iteration`) with the parameters whose weight-gradient work that chunk
+        on_params_done: called after the last W of a stage in an iteration (see
+            :meth:`begin_iteration`) with the parameters whose weight-gradient work that stage
             queued in the iteration, in first-queued order; ``None``: nobody is told. Setting it
             requires :meth:`begin_iteration` before every iteration.
         report_per_entry: when ``True``, ``on_params_done`` is called in pieces during the
-            chunk's last W instead of once after it: first with the parameters that W does not
+            stage's last W instead of once after it: first with the parameters that W does not
             touch (their work ran in earlier W's), then after each queued entry with the
             parameters whose last entry that was -- every parameter once, as soon as nothing
             more is added into its gradient (the contract of Transformer Engine's
@@ -69,24 +72,24 @@ class WeightGradStore:
     def __init__(self) -> None:
         self._queues: dict[tuple[int, int], list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]] = {}
         self._active: tuple[int, int] | None = None
-        self._w_left: dict[int, int] = {}        # chunk -> W actions still to run this iteration
-        self._params: dict[int, dict[int, torch.Tensor]] = {}  # chunk -> {id(param): param} queued
+        self._w_left: dict[int, int] = {}        # stage -> W actions still to run this iteration
+        self._params: dict[int, dict[int, torch.Tensor]] = {}  # stage -> {id(param): param} queued
         self.executed = 0
         self.on_params_done: Callable[[tuple[torch.Tensor, ...]], None] | None = None
         self.report_per_entry = False
 
     # ------------------------------------------------------------------ B: queue
     @contextlib.contextmanager
-    def deferring(self, chunk: int, microbatch: int) -> Iterator[None]:
-        """Make this store current and queue routed weight-gradient work for ``(chunk, mb)``."""
+    def deferring(self, stage: int, microbatch: int) -> Iterator[None]:
+        """Make this store current and queue routed weight-gradient work for ``(stage, mb)``."""
         global _CURRENT
-        key = (chunk, microbatch)
+        key = (stage, microbatch)
         if _CURRENT is not None:
-            c, m = _CURRENT._active or (None, None)
-            raise WeightGradStoreError(f"B of chunk {chunk} microbatch {microbatch} started while "
-                                       f"B of chunk {c} microbatch {m} is open")
+            s, m = _CURRENT._active or (None, None)
+            raise WeightGradStoreError(f"B of stage {stage} microbatch {microbatch} started while "
+                                       f"B of stage {s} microbatch {m} is open")
         if key in self._queues:
-            raise WeightGradStoreError(f"B of chunk {chunk} microbatch {microbatch} ran twice before its W")
+            raise WeightGradStoreError(f"B of stage {stage} microbatch {microbatch} ran twice before its W")
         self._queues[key] = []
         self._active = key
         _CURRENT = self
@@ -102,7 +105,7 @@ class WeightGradStore:
         return self._active is not None
 
     def put(self, fn: Callable[[], None], *, params: tuple[torch.Tensor, ...]) -> None:
-        """Queue ``fn`` (which adds into the gradients of ``params``) for the W of the open (chunk, mb).
+        """Queue ``fn`` (which adds into the gradients of ``params``) for the W of the open (stage, mb).
 
         A ``fn`` with a ``prefetch()`` method has it called before the previous entry of its W
         runs, to launch its communication early (see :func:`_run_entries`)."""
@@ -118,45 +121,45 @@ class WeightGradStore:
                 known[id(p)] = p
 
     # ------------------------------------------------------------------ W: run
-    def run(self, chunk: int, microbatch: int) -> int:
-        """Run (and drop) the queued weight-gradient work of ``(chunk, microbatch)``; return its size."""
-        key = (chunk, microbatch)
+    def run(self, stage: int, microbatch: int) -> int:
+        """Run (and drop) the queued weight-gradient work of ``(stage, microbatch)``; return its size."""
+        key = (stage, microbatch)
         queue = self._queues.get(key)
         if queue is None:
             raise WeightGradStoreError(
-                f"W of chunk {chunk} microbatch {microbatch} has nothing to run: its B has not run "
+                f"W of stage {stage} microbatch {microbatch} has nothing to run: its B has not run "
                 f"(or this W already ran)")
-        left = self._w_left.get(chunk)
+        left = self._w_left.get(stage)
         if left == 0:
-            raise WeightGradStoreError(f"W of chunk {chunk} microbatch {microbatch} is one more W than "
-                                       f"begin_iteration announced for chunk {chunk}")
+            raise WeightGradStoreError(f"W of stage {stage} microbatch {microbatch} is one more W than "
+                                       f"begin_iteration announced for stage {stage}")
         if left is None and self.on_params_done is not None:
-            raise WeightGradStoreError(f"W of chunk {chunk} ran with on_params_done set but no W count for "
-                                       f"chunk {chunk}: call begin_iteration first")
+            raise WeightGradStoreError(f"W of stage {stage} ran with on_params_done set but no W count for "
+                                       f"stage {stage}: call begin_iteration first")
         del self._queues[key]
         if left == 1 and self.on_params_done is not None and self.report_per_entry:
-            self._w_left[chunk] = 0
-            self._run_reporting(chunk, queue, self.on_params_done)
+            self._w_left[stage] = 0
+            self._run_reporting(stage, queue, self.on_params_done)
             self.executed += len(queue)
             return len(queue)
         _run_entries(queue)
         self.executed += len(queue)
         if left is not None:
-            self._w_left[chunk] = left - 1
+            self._w_left[stage] = left - 1
             if left == 1 and self.on_params_done is not None:
-                done = tuple(self._params.get(chunk, {}).values())
+                done = tuple(self._params.get(stage, {}).values())
                 if done:
                     self.on_params_done(done)
         return len(queue)
 
-    def _run_reporting(self, chunk: int, queue: list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]],
+    def _run_reporting(self, stage: int, queue: list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]],
                        report: Callable[[tuple[torch.Tensor, ...]], None]) -> None:
-        """The chunk's last W with per-entry reports (see :attr:`report_per_entry`)."""
+        """The stage's last W with per-entry reports (see :attr:`report_per_entry`)."""
         last_entry: dict[int, int] = {}
         for i, (_, params) in enumerate(queue):
             for p in params:
                 last_entry[id(p)] = i
-        untouched = tuple(p for k, p in self._params.get(chunk, {}).items() if k not in last_entry)
+        untouched = tuple(p for k, p in self._params.get(stage, {}).items() if k not in last_entry)
         if untouched:
             report(untouched)
 
@@ -168,33 +171,33 @@ class WeightGradStore:
         _run_entries(queue, after)
 
     # ------------------------------------------------------------------ per-iteration bookkeeping
-    def begin_iteration(self, w_per_chunk: Mapping[int, int]) -> None:
-        """Start an iteration in which chunk ``c`` runs ``w_per_chunk[c]`` W actions."""
+    def begin_iteration(self, w_per_stage: Mapping[int, int]) -> None:
+        """Start an iteration in which stage ``s`` runs ``w_per_stage[s]`` W actions."""
         if self._queues:
             raise WeightGradStoreError("an iteration started with weight gradients still pending for "
                                        + self._pending_text())
-        self._w_left = dict(w_per_chunk)
+        self._w_left = dict(w_per_stage)
         self._params.clear()
 
     def remaining_w(self, param: torch.Tensor) -> int | None:
-        """W actions still to run this iteration on the chunk that queued work for ``param``.
+        """W actions still to run this iteration on the stage that queued work for ``param``.
 
         0 once the last one ran: nothing is added into the gradient of ``param`` any more this
         iteration. ``None`` when no work for ``param`` was queued this iteration, or no W counts
-        were given (:meth:`begin_iteration`). Counted per chunk because a W runs everything its
-        chunk's B queued; a layer a microbatch skipped contributes nothing to that W.
+        were given (:meth:`begin_iteration`). Counted per stage because a W runs everything its
+        stage's B queued; a layer a microbatch skipped contributes nothing to that W.
         """
-        for chunk, left in self._w_left.items():
-            if id(param) in self._params.get(chunk, ()):
+        for stage, left in self._w_left.items():
+            if id(param) in self._params.get(stage, ()):
                 return left
         return None
 
     def pending(self) -> list[tuple[int, int]]:
-        """(chunk, microbatch) pairs whose W has not run yet."""
+        """(stage, microbatch) pairs whose W has not run yet."""
         return sorted(self._queues)
 
     def _pending_text(self) -> str:
-        return ", ".join(f"(chunk {c}, microbatch {m})" for c, m in self.pending())
+        return ", ".join(f"(stage {s}, microbatch {m})" for s, m in self.pending())
 
     def assert_empty(self) -> None:
         """Raise when an iteration ends with W still pending (a schedule that lost a W)."""

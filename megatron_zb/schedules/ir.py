@@ -108,7 +108,7 @@ class Placement(_StrEnum):
 
     def chunks_per_rank(self, num_chunks: int) -> int:
         """Model chunks per rank; ``num_chunks`` matters only for ``INTERLEAVED``."""
-        return {Placement.PLAIN: 1, Placement.INTERLEAVED: num_chunks, Placement.V: 2}[self]
+        return {Placement.PLAIN: 1, Placement.INTERLEAVED: num_chunks, Placement.V: V_CHUNKS_PER_RANK}[self]
 
     def stage_to_rank(self, num_ranks: int, num_chunks: int = 2) -> list[int]:
         """The placement's ``stage_to_rank`` for ``num_ranks`` ranks."""
@@ -282,9 +282,23 @@ def interleaved_placement(num_ranks: int, num_chunks: int) -> list[int]:
     return [s % num_ranks for s in range(num_ranks * num_chunks)]
 
 
+V_CHUNKS_PER_RANK = 2
+"""Model chunks (stages) per rank of the V placement: :func:`v_stages`."""
+
+
+def v_stages(num_ranks: int, rank: int) -> tuple[int, int]:
+    """The V rule: rank ``r`` of ``p`` holds stage ``r`` (its chunk 0, down the V) and stage ``2p-1-r``
+    (its chunk 1, back up), so rank 0 holds the first and the last stage."""
+    return rank, V_CHUNKS_PER_RANK * num_ranks - 1 - rank
+
+
 def v_placement(num_ranks: int) -> list[int]:
-    """V layout: rank ``r`` holds stage ``r`` and stage ``2p-1-r`` (rank 0: first and last)."""
-    return list(range(num_ranks)) + list(reversed(range(num_ranks)))
+    """V layout (:func:`v_stages`): rank ``r`` holds stage ``r`` and stage ``2p-1-r``."""
+    s2r = [0] * (V_CHUNKS_PER_RANK * num_ranks)
+    for r in range(num_ranks):
+        for s in v_stages(num_ranks, r):
+            s2r[s] = r
+    return s2r
 
 
 # ---------------------------------------------------------------------- validation

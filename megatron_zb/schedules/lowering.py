@@ -22,6 +22,25 @@ from collections import Counter
 from .ir import Action, Op, Schedule, ScheduleError, validate
 
 
+def pipeline_neighbours(op: Op, stage: int, num_stages: int) -> tuple[int | None, int | None]:
+    """``(source, destination)``: the stages a compute action's data crosses to and from.
+
+    ``F`` on ``stage`` reads the activation of ``stage - 1`` and feeds ``stage + 1``; ``B`` and
+    ``BW`` read the output gradient of ``stage + 1`` (its input-gradient backward) and feed
+    ``stage - 1``; ``W`` neither. ``None`` past either end of the pipeline. When the other stage
+    lives on another rank the data is a transfer (a send/receive pair, ``t_comm`` in the timing
+    kernel), else it is handed over in memory. The one cross-stage dependency rule: :func:`lower`,
+    the timing kernel's :func:`~.timing.inputs` and the runtime's executor all call it.
+    """
+    if op is Op.F:
+        return (stage - 1 if stage > 0 else None), (stage + 1 if stage < num_stages - 1 else None)
+    if op is Op.B or op is Op.BW:
+        return (stage + 1 if stage < num_stages - 1 else None), (stage - 1 if stage > 0 else None)
+    if op is Op.W:
+        return None, None
+    raise ScheduleError(f"{op} is not a compute action")
+
+
 def lower(schedule: Schedule, *, check: bool = True) -> Schedule:
     """Return a copy of ``schedule`` with send/recv actions inserted (see module docstring).
 
@@ -35,15 +54,13 @@ def lower(schedule: Schedule, *, check: bool = True) -> Schedule:
     for r, acts in enumerate(schedule.ranks):
         row: list[Action] = []
         for a in acts:
-            if a.op is Op.F and a.stage > 0 and s2r[a.stage - 1] != r:
-                row.append(Action(Op.RECV_F, a.mb, a.stage - 1, peer=s2r[a.stage - 1]))
-            if a.op in (Op.B, Op.BW) and a.stage < n - 1 and s2r[a.stage + 1] != r:
-                row.append(Action(Op.RECV_B, a.mb, a.stage + 1, peer=s2r[a.stage + 1]))
+            src, dst = pipeline_neighbours(a.op, a.stage, n) if a.is_compute else (None, None)
+            forward = a.op is Op.F
+            if src is not None and s2r[src] != r:
+                row.append(Action(Op.RECV_F if forward else Op.RECV_B, a.mb, src, peer=s2r[src]))
             row.append(a)
-            if a.op is Op.F and a.stage < n - 1 and s2r[a.stage + 1] != r:
-                row.append(Action(Op.SEND_F, a.mb, a.stage, peer=s2r[a.stage + 1]))
-            if a.op in (Op.B, Op.BW) and a.stage > 0 and s2r[a.stage - 1] != r:
-                row.append(Action(Op.SEND_B, a.mb, a.stage, peer=s2r[a.stage - 1]))
+            if dst is not None and s2r[dst] != r:
+                row.append(Action(Op.SEND_F if forward else Op.SEND_B, a.mb, a.stage, peer=s2r[dst]))
         ranks.append(row)
     out = Schedule(schedule.num_microbatches, list(s2r), ranks, schedule.name, dict(schedule.meta))
     if check:

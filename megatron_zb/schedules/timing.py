@@ -24,13 +24,14 @@ exact solver's model all use them (the zero-bubble paper's model):
   that scores candidates through this class sees the exposed reduce.
 
 Actions are integer-coded for speed: a :data:`Code` is ``(op, mb, stage)`` with ``op`` one of
-:data:`F`, :data:`B`, :data:`W`, :data:`BW`; :func:`encode` / :func:`decode` convert from and to
-:class:`~.ir.Action`. Units: times in the unit of the costs, memory in the unit of ``mem_b``.
+:data:`F_CODE`, :data:`B_CODE`, :data:`W_CODE`, :data:`BW_CODE` (the kernel's names for
+:class:`~.ir.Op`'s compute kinds: ``F``/``B``/``W``/``BW`` are :class:`~.ir.Action` builders in
+:mod:`.ir`); :func:`encode` / :func:`decode` convert from and to :class:`~.ir.Action`. Units: times in the unit of the costs, memory in the unit of ``mem_b``.
 
 Example (two stages on two ranks, unit costs)::
 
     tl = Timeline([0, 1], 1, CostModel().resolve(2))
-    tl.play([[(F, 0, 0), (B, 0, 0), (W, 0, 0)], [(F, 0, 1), (B, 0, 1), (W, 0, 1)]])
+    tl.play([[encode(a) for a in (F(0, 0), B(0, 0), W(0, 0))], [encode(a) for a in (F(0, 1), B(0, 1), W(0, 1))]])
     tl.clock  # [5.0, 4.0]: rank 0 ends at 5 (F 0-1, B 3-4, W 4-5), rank 1 at 4
 """
 
@@ -42,12 +43,13 @@ from typing import Callable, Sequence
 from .costs import StageCosts
 from .ir import Action, Op, ScheduleError
 from .limits import slack_ceiling
+from .lowering import pipeline_neighbours
 
-__all__ = ["B", "BW", "Bucket", "Code", "DeadlockError", "F", "OPS", "Timeline", "W", "decode", "drain", "encode",
-           "inputs"]
+__all__ = ["BW_CODE", "B_CODE", "Bucket", "Code", "DeadlockError", "F_CODE", "OPS", "Timeline", "W_CODE", "decode",
+           "drain", "encode", "inputs"]
 
-F, B, W, BW = 0, 1, 2, 3
-"""Integer op codes of the compute actions."""
+F_CODE, B_CODE, W_CODE, BW_CODE = 0, 1, 2, 3
+"""Integer op codes of the compute actions (``OPS[F_CODE] is Op.F``, ...), for the kernel's hot loops."""
 
 OPS: tuple[Op, ...] = (Op.F, Op.B, Op.W, Op.BW)
 """Op code -> :class:`~.ir.Op`."""
@@ -91,14 +93,15 @@ def decode(code: Code) -> Action:
 def inputs(op: int, stage: int, num_stages: int) -> tuple[tuple[int, int], ...]:
     """The events ``(op code, stage)`` of the same microbatch that ``op`` on ``stage`` waits for.
 
-    ``B`` in a result stands for the input-gradient backward, ``B`` or ``BW`` (whichever the schedule
-    runs). This is the dependency rule of every schedule (see the module docstring).
+    ``B_CODE`` in a result stands for the input-gradient backward, ``B`` or ``BW`` (whichever the
+    schedule runs). This is the dependency rule of every schedule (see the module docstring); which
+    stages the data crosses is :func:`~.lowering.pipeline_neighbours`.
     """
-    if op == F:
-        return ((F, stage - 1),) if stage > 0 else ()
-    if op == W:
-        return ((B, stage),)
-    return ((F, stage),) + (((B, stage + 1),) if stage < num_stages - 1 else ())
+    if op == W_CODE:
+        return ((B_CODE, stage),)
+    src, _ = pipeline_neighbours(OPS[op], stage, num_stages)   # the rule of every schedule
+    across = () if src is None else ((F_CODE if op == F_CODE else B_CODE, src),)
+    return across if op == F_CODE else ((F_CODE, stage),) + across
 
 
 def _ready_fn(ins: tuple[tuple[list[float], float], ...]) -> Callable[[int], float]:
@@ -220,9 +223,9 @@ class Timeline:
             clk = clock[rank]
             start = ready if ready > clk else clk
             end = start + (duration[op][stage] if per_action is None else per_action[op][stage][mb])
-            if op == F:
+            if op == F_CODE:
                 f_end[stage][mb] = end
-            elif op != W:
+            elif op != W_CODE:
                 b_end[stage][mb] = end
             clock[rank] = end
             if start < first[rank]:
@@ -245,7 +248,7 @@ class Timeline:
 
         def run_dp(rank: int, op: int, mb: int, stage: int, ready: float) -> float:
             start = run(rank, op, mb, stage, ready)
-            if op == W or op == BW:
+            if op == W_CODE or op == BW_CODE:
                 left[stage] -= 1
                 if left[stage] == 0:
                     d = action_time(op, mb, stage)

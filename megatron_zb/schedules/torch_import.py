@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .ir import Action, Op, Placement, Schedule, ScheduleError, validate
+from .ir import V_CHUNKS_PER_RANK, Action, Op, Placement, Schedule, ScheduleError, validate
 
 
 class TorchImportError(ScheduleError):
@@ -91,8 +91,8 @@ TORCH_SCHEDULES: dict[str, TorchScheduleInfo] = {
         TorchScheduleInfo("ScheduleLoopedBFS", Placement.INTERLEAVED, True, None, "any m >= 1"),
         TorchScheduleInfo("ScheduleInterleavedZeroBubble", Placement.INTERLEAVED, True, None,
                           "m % max(1, m // p) == 0"),
-        TorchScheduleInfo("ScheduleZBVZeroBubble", Placement.V, True, 2, "exactly 2 stages per rank"),
-        TorchScheduleInfo("ScheduleDualPipeV", Placement.V, True, 2, "exactly 2 stages per rank; m >= 2p"),
+        TorchScheduleInfo("ScheduleZBVZeroBubble", Placement.V, True, V_CHUNKS_PER_RANK, "exactly 2 stages per rank"),
+        TorchScheduleInfo("ScheduleDualPipeV", Placement.V, True, V_CHUNKS_PER_RANK, "exactly 2 stages per rank; m >= 2p"),
     ]
 }
 """The PyTorch schedule classes we import, by class name."""

@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from ..schedules.ir import V_CHUNKS_PER_RANK
+
 VARIANTS = ("megatron-1f1b", "zb", "zb-2p", "zbv")
 """What is timed: megatron-core's own 1F1B, then megatron-zb's schedules."""
 
@@ -168,8 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if given is not None:
             sizes[k] = given
     spec = BenchModel(**sizes, warmup=args.warmup, iters=args.iters)
-    if spec.layers % (2 * pp):
-        print(f"gpu_bench: --layers {spec.layers} must be a multiple of 2 * PP = {2 * pp} (zbv: two stages per rank)",
+    if spec.layers % (V_CHUNKS_PER_RANK * pp):
+        print(f"gpu_bench: --layers {spec.layers} must be a multiple of 2 * PP = {V_CHUNKS_PER_RANK * pp} "
+              "(zbv: two stages per rank)",
               file=sys.stderr)
         return 2
     ranks = run_distributed(bench_rank, world_size=pp, args=(asdict(spec),), timeout=args.timeout)

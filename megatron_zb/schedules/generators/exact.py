@@ -64,7 +64,7 @@ from ..costs import CostModel, StageCosts
 from ..ir import Op, Placement, Schedule, ScheduleError, make_schedule, plain_placement, v_placement
 from ..limits import check_minimum, resolve_limit, slack_ceiling
 from ..simulator import simulate
-from ..timing import B, F, OPS, W, Code, decode, encode, inputs
+from ..timing import B_CODE, F_CODE, OPS, W_CODE, Code, decode, encode, inputs
 from .common import check_cost_model, check_count
 from .greedy import DEFAULT_LIMIT_IN_P, zb_greedy
 from .vshape import check_v_chunks, zbv
@@ -124,7 +124,7 @@ def _mem_scale(values: Sequence[float]) -> int:
 class _Problem:
     """The integer data of one instance (times scaled by ``tscale``, memory by a memory scale).
 
-    ``dur[op][s]`` / ``delta[op][s]`` are indexed by kernel op code (F, B, W); ``delta`` is ``None``
+    ``dur[op][s]`` / ``delta[op][s]`` are indexed by kernel op code (F_CODE, B_CODE, W_CODE); ``delta`` is ``None``
     without a finite memory limit. ``deps[a]`` lists the actions ``a`` waits for.
     """
 
@@ -143,7 +143,7 @@ class _Problem:
 def _problem(s2r: list[int], m: int, sc: StageCosts) -> _Problem:
     n = len(s2r)
     tscale, exact_t = _scale(list(sc.t_f) + list(sc.t_b) + list(sc.t_w) + [sc.t_comm])
-    dur = [[int(round(sc.duration(OPS[op], s) * tscale)) for s in range(n)] for op in (F, B, W)]
+    dur = [[int(round(sc.duration(OPS[op], s) * tscale)) for s in range(n)] for op in (F_CODE, B_CODE, W_CODE)]
     delta, mem_cap = None, 0
     if sc.memory_limit is not None and math.isfinite(sc.memory_limit):
         mscale = _mem_scale(list(sc.mem_b) + list(sc.mem_w) + [sc.memory_limit])
@@ -152,7 +152,7 @@ def _problem(s2r: list[int], m: int, sc: StageCosts) -> _Problem:
         # B's share keeps F + B + W summing to exactly zero in integers
         delta = [alloc, [-(a + w) for a, w in zip(alloc, free_w)], free_w]
         mem_cap = int(math.floor(slack_ceiling(sc.memory_limit) * mscale))  # what the simulator accepts
-    acts = [(op, i, s) for s in range(n) for i in range(m) for op in (F, B, W)]
+    acts = [(op, i, s) for s in range(n) for i in range(m) for op in (F_CODE, B_CODE, W_CODE)]
     deps = {(op, i, s): [(q_op, i, q) for q_op, q in inputs(op, s, n)] for op, i, s in acts}
     return _Problem(s2r, m, tscale, exact_t, dur, int(round(sc.t_comm * tscale)), delta, mem_cap, acts, deps)
 
@@ -162,7 +162,7 @@ def _predecessors(pb: _Problem) -> dict[Code, frozenset]:
     (stage-0 forwards in microbatch order); used to prune impossible arcs."""
     edges = {a: list(pb.deps[a]) for a in pb.acts}
     for i in range(1, pb.m):
-        edges[(F, i, 0)].append((F, i - 1, 0))
+        edges[(F_CODE, i, 0)].append((F_CODE, i - 1, 0))
     preds: dict[Code, frozenset] = {}
     indeg = {a: len(edges[a]) for a in pb.acts}
     users: dict[Code, list] = {a: [] for a in pb.acts}
@@ -211,7 +211,7 @@ def _build_model(cp_model: Any, pb: _Problem) -> _Model:
         for d in pb.deps[a]:
             model.Add(start[a] >= end[d] + (comm if s2r[d[2]] != s2r[a[2]] else 0))
     for i in range(1, pb.m):
-        model.Add(start[(F, i, 0)] >= end[(F, i - 1, 0)])
+        model.Add(start[(F_CODE, i, 0)] >= end[(F_CODE, i - 1, 0)])
 
     rank_acts = [[a for a in pb.acts if s2r[a[2]] == r] for r in range(p)]
     first = [model.NewIntVar(0, horizon, f"first{r}") for r in range(p)]

@@ -67,7 +67,7 @@ from ..costs import CostModel, StageCosts
 from ..ir import Placement, Schedule, ScheduleError, plain_placement
 from ..limits import check_minimum, count_that_fit, fits, resolve_limit, slack_ceiling
 from ..simulator import SimResult, simulate
-from ..timing import B, F, W, Code, Timeline, decode, encode
+from ..timing import B_CODE, F_CODE, W_CODE, Code, Timeline, decode, encode
 from .baselines import one_f_one_b_order
 from .common import check_cost_model, check_count, first_b_caps
 
@@ -112,9 +112,9 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
     """
     p = len(sc.t_f)
     tl = Timeline(plain_placement(p), m, sc)
-    ready_f, ready_b, ready_w = tl.ready_of[F], tl.ready_of[B], tl.ready_of[W]
+    ready_f, ready_b, ready_w = tl.ready_of[F_CODE], tl.ready_of[B_CODE], tl.ready_of[W_CODE]
     run, free, mem = tl.run, tl.clock, tl.mem
-    d_f, d_w, tw = tl.delta[F], tl.delta[W], tl.duration[W]
+    d_f, d_w, tw = tl.delta[F_CODE], tl.delta[W_CODE], tl.duration[W_CODE]
     lim = slack_ceiling(limit)
     inf = math.inf
     caps, prefer_f, w_gap, eager_w, balance = v.caps, v.prefer_f, v.w_gap, v.eager_w, v.balance
@@ -149,8 +149,8 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
 
     def put_w(r: int) -> None:
         i = nw[r]
-        order[r].append((W, i, r))
-        run(r, W, i, r, ready_w[r](i))
+        order[r].append((W_CODE, i, r))
+        run(r, W_CODE, i, r, ready_w[r](i))
         nw[r] = i + 1
 
     # A rank's ready times change only through events that replan it (its own step, an F of the
@@ -178,14 +178,14 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
             continue
         t_f, t_b = ready_now[r]
         if t_b <= t and (t_f > t or not prefer_f):
-            op, rd = B, t_b
+            op, rd = B_CODE, t_b
         elif t_f <= t:
-            op, rd = F, t_f
+            op, rd = F_CODE, t_f
         else:                                  # all B's done: flush the remaining W's
             put_w(r)
             replan(r)
             continue
-        if op == F:
+        if op == F_CODE:
             while mem[r] + d_f[r] > lim and nw[r] < nb[r]:   # W's the memory limit forces
                 put_w(r)
         while nw[r] < nb[r] and free[r] + tw[r] <= rd:     # W's that fit the idle gap exactly
@@ -196,14 +196,14 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
             put_w(r)                           # a W that overruns a short gap
             fr = free[r]
         had_f = nf[r] > 0
-        i = nf[r] if op == F else nb[r]
+        i = nf[r] if op == F_CODE else nb[r]
         order[r].append((op, i, r))
         start = run(r, op, i, r, rd)
         if had_f:
             bubble[r] += start - fr
             if bubble[r] > max_bubble:
                 max_bubble = bubble[r]
-        if op == F:
+        if op == F_CODE:
             nf[r] = i + 1
             if r < last:
                 replan(r + 1)
@@ -217,11 +217,15 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
                 replan(r - 1)
         replan(r)
 
-    for r in range(p):
-        if nw[r] != m:   # cannot happen: some rank can always progress (see module docstring)
-            raise RuntimeError(f"greedy scheduler stalled on rank {r} "
-                               f"(F {nf[r]}, B {nb[r]}, W {nw[r]} of {m})")
+    _check_finished(nf, nb, nw, m)
     return order, tl.makespan(), tl.total_time()
+
+
+def _check_finished(nf: list[int], nb: list[int], nw: list[int], m: int) -> None:
+    """Every rank ran its ``m`` W's (cannot fail: some rank can always progress, see the module docstring)."""
+    for r, w in enumerate(nw):
+        if w != m:
+            raise RuntimeError(f"greedy scheduler stalled on rank {r} (F {nf[r]}, B {nb[r]}, W {w} of {m})")
 
 
 # ---------------------------------------------------------------------------- candidates

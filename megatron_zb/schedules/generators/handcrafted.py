@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ..catalog import register
 from ..costs import CostModel
-from ..ir import Action, Op, Placement, Schedule, make_schedule, plain_placement
+from ..ir import Action, Op, Placement, Schedule, make_schedule, plain_placement, v_stages
 from .baselines import check_shape, one_f_one_b_order
 
 __all__ = ["zb_h1", "zb_h2", "zbv_handcrafted_order"]
@@ -69,7 +69,7 @@ def zbv_handcrafted_order(num_ranks: int, num_microbatches: int) -> list[list[Ac
     n = max(m, 2 * p - 1)
     ranks = []
     for r in range(p):
-        stage = (r, 2 * p - 1 - r)
+        stage = v_stages(p, r)
         done = {(op, c): 0 for op in (Op.F, Op.B, Op.W) for c in (0, 1)}
         acts: list[Action] = []
 

@@ -33,7 +33,7 @@ from typing import Sequence
 from ..costs import StageCosts
 from ..ir import Action
 from ..limits import slack_ceiling
-from ..timing import B, F, W, Code, DeadlockError, Timeline, decode, encode
+from ..timing import B_CODE, F_CODE, W_CODE, Code, DeadlockError, Timeline, decode, encode
 
 __all__ = ["Knobs", "asap_times", "improve", "list_schedule"]
 
@@ -99,10 +99,10 @@ class _ListScheduler:
         self.tl = Timeline(s2r, m, sc)
         self.local = [[s for s in range(n) if s2r[s] == r] for r in range(p)]
         self.lim = slack_ceiling(limit)
-        alloc = self.tl.delta[F]
+        alloc = self.tl.delta[F_CODE]
         # memory an F on stage s needs: its own activation plus the rank's later chunks (same mb)
         self.need = [alloc[s] + sum(alloc[q] for q in self.local[s2r[s]] if q > s) for s in range(n)]
-        self.freed_by_w = [-d for d in self.tl.delta[W]]
+        self.freed_by_w = [-d for d in self.tl.delta[W_CODE]]
         self.nf, self.nb = [0] * n, [0] * n
         self.wq: list[list[tuple[int, int]]] = [[] for _ in range(p)]   # pending W (mb, stage), FIFO
         self.wq_head = [0] * p
@@ -114,8 +114,8 @@ class _ListScheduler:
         """Run rank ``r``'s oldest pending ``W`` now."""
         i, s = self.wq[r][self.wq_head[r]]
         self.wq_head[r] += 1
-        self.orders[r].append((W, i, s))
-        self.tl.run(r, W, i, s, self.tl.ready(W, i, s))
+        self.orders[r].append((W_CODE, i, s))
+        self.tl.run(r, W_CODE, i, s, self.tl.ready(W_CODE, i, s))
         self.wq_mem[r] -= self.freed_by_w[s]
         self.left[r] -= 1
 
@@ -128,12 +128,12 @@ class _ListScheduler:
         for s in local:
             i = nb[s]
             if i < nf[s]:
-                rt = tl.ready(B, i, s)
+                rt = tl.ready(B_CODE, i, s)
                 if rt < math.inf:
                     bs.append((rt, s, i))
             i = nf[s]
             if i < m:
-                rt = tl.ready(F, i, s)
+                rt = tl.ready(F_CODE, i, s)
                 if s == 0 and knobs.pace is not None and i >= knobs.pace[1]:
                     rt = max(rt, (i - knobs.pace[1]) * knobs.pace[0])
                 if rt == math.inf:
@@ -150,8 +150,8 @@ class _ListScheduler:
 
     def place(self, r: int, op: int, rt: float, s: int, i: int) -> None:
         """Run the chosen ``op`` on ``(i, s)`` (ready at ``rt``) and the ``W``'s due before and after it."""
-        tl, wq, head, tw = self.tl, self.wq[r], self.wq_head, self.tl.duration[W]
-        if op == F:
+        tl, wq, head, tw = self.tl, self.wq[r], self.wq_head, self.tl.duration[W_CODE]
+        if op == F_CODE:
             while tl.mem[r] + self.need[s] > self.lim:    # W's the memory needs
                 self.run_w(r)
         while head[r] < len(wq) and tl.clock[r] + tw[wq[head[r]][1]] <= rt + _TOL:
@@ -161,7 +161,7 @@ class _ListScheduler:
             self.run_w(r)                                # (knob) one that overruns a gap of w_gap * T_W
         self.orders[r].append((op, i, s))
         tl.run(r, op, i, s, rt)
-        if op == F:
+        if op == F_CODE:
             self.nf[s] = i + 1
         else:
             self.nb[s] = i + 1
@@ -187,9 +187,9 @@ class _ListScheduler:
             b_now = [c for c in bs if c[0] <= now]
             f_now = [c for c in fs if c[0] <= now]
             if b_now and not (knobs.f_first and f_now):
-                op, (rt, s, i) = B, _pick(b_now, knobs.b_pick)
+                op, (rt, s, i) = B_CODE, _pick(b_now, knobs.b_pick)
             elif f_now:
-                op, (rt, s, i) = F, _pick(f_now, knobs.f_pick)
+                op, (rt, s, i) = F_CODE, _pick(f_now, knobs.f_pick)
             elif not bs and not fs and self.wq_head[r] < len(self.wq[r]) and all(
                     self.nb[q] == self.m for q in self.local[r]):
                 while self.wq_head[r] < len(self.wq[r]):   # cool-down: only W's are left
@@ -203,7 +203,7 @@ class _ListScheduler:
             self.place(r, op, rt, s, i)
             if left[r]:
                 heapq.heappush(heap, (tl.clock[r], r))
-            nxt = s + 1 if op == F else s - 1           # wake the rank this result goes to
+            nxt = s + 1 if op == F_CODE else s - 1           # wake the rank this result goes to
             if 0 <= nxt < n:
                 q = s2r[nxt]
                 if q != r and left[q]:

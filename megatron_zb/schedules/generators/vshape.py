@@ -66,7 +66,7 @@ from typing import Callable
 from ..catalog import register
 from ..costs import CostModel, StageCosts
 from ..dp_reduce import overlapped_reduce_tail
-from ..ir import Action, Placement, Schedule, ScheduleError, make_schedule, v_placement
+from ..ir import V_CHUNKS_PER_RANK, Action, Placement, Schedule, ScheduleError, make_schedule, v_placement, v_stages
 from ..limits import check_minimum, fits, resolve_limit
 from ..simulator import simulate
 from .common import check_cost_model, check_count
@@ -84,7 +84,7 @@ _IMPROVE_MAX_ACTIONS = 200
 # ---------------------------------------------------------------------------- the V family
 def check_v_chunks(num_chunks: object) -> None:
     """The V placement has exactly two chunks per rank; anything else is a :class:`ScheduleError`."""
-    if num_chunks != 2:
+    if num_chunks != V_CHUNKS_PER_RANK:
         kind = "an odd" if isinstance(num_chunks, int) and num_chunks % 2 else "a"
         raise ScheduleError(f"the V placement has exactly 2 chunks per rank (stage r and stage 2p-1-r); "
                             f"got {kind} chunk count {num_chunks!r}")
@@ -92,9 +92,14 @@ def check_v_chunks(num_chunks: object) -> None:
 
 def v_full_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
     """``M``: the largest per-rank share of one microbatch's activations, ``mem_b[r] + mem_b[2p-1-r]``."""
-    sc = costs.resolve(2 * num_ranks) if isinstance(costs, CostModel) else costs
-    p = num_ranks
-    return max(sc.mem_b[r] + sc.mem_b[2 * p - 1 - r] for r in range(p))
+    sc = costs.resolve(V_CHUNKS_PER_RANK * num_ranks) if isinstance(costs, CostModel) else costs
+    return max(_rank_share(sc, num_ranks, r) for r in range(num_ranks))
+
+
+def _rank_share(sc: StageCosts, num_ranks: int, rank: int) -> float:
+    """Rank ``rank``'s share of one microbatch's activations: the ``mem_b`` of both its V stages."""
+    first, second = v_stages(num_ranks, rank)
+    return sc.mem_b[first] + sc.mem_b[second]
 
 
 def one_f_one_b_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
@@ -104,7 +109,7 @@ def one_f_one_b_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
     ``p - r`` microbatches in flight at its peak (``m >= p``), so
     ``R = max_r (p - r) * (mem_b[2r] + mem_b[2r+1])`` in units of ``mem_b``.
     """
-    sc = costs.resolve(2 * num_ranks) if isinstance(costs, CostModel) else costs
+    sc = costs.resolve(V_CHUNKS_PER_RANK * num_ranks) if isinstance(costs, CostModel) else costs
     p = num_ranks
     return max((p - r) * (sc.mem_b[2 * r] + sc.mem_b[2 * r + 1]) for r in range(p))
 
@@ -145,15 +150,15 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
     s2r = v_placement(p)
-    base = check_cost_model(costs).resolve(2 * p)
+    base = check_cost_model(costs).resolve(len(s2r))
     full = v_full_memory(p, base)
     frac = default_fraction(p) if default_fraction is not None else float(p)
     limit = resolve_limit(memory_limit, costs, v_default_limit(p, base, frac))
-    worst = max(range(p), key=lambda r: base.mem_b[r] + base.mem_b[2 * p - 1 - r])
-    check_minimum(limit, full, f"rank {worst} must hold both of its chunks' activations of one microbatch "
-                               f"(mem_b[{worst}] + mem_b[{2 * p - 1 - worst}]) at once, so no schedule fits",
+    worst = max(range(p), key=lambda r: _rank_share(base, p, r))
+    check_minimum(limit, full, "rank {} must hold both of its chunks' activations of one microbatch "
+                               "(mem_b[{}] + mem_b[{}]) at once, so no schedule fits".format(worst, *v_stages(p, worst)),
                   placement="V")
-    sc = costs.with_limit(limit).resolve(2 * p)
+    sc = costs.with_limit(limit).resolve(len(s2r))
     ranks, variant = _best_order(s2r, m, sc, limit, full, name)
     res = simulate(Schedule(m, s2r, ranks, name), sc)    # validates; checks memory and deadlock
     return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name,
