@@ -173,3 +173,30 @@ def test_cli_schedule_verb(capsys, tmp_path):
     assert rc == 0
     assert "peak memory         5 M_B" in out and "S output layer forward" in out
     assert json.loads(out_json.read_text())["vocab_barriers"] == 1
+
+
+def test_warm_up_of_p_minus_r_plus_barriers_is_the_smallest_without_extra_bubble():
+    # Each barrier can hold the last stage's backward up to one backward of the slowest rank, so the
+    # last stage needs `barriers` more forwards in flight; one fewer leaves a bubble, one more gains
+    # nothing (it only holds one more microbatch). p=4, m=16, unit transformer costs.
+    from megatron_zb.schedules.generators.baselines import one_f_one_b_order
+    from megatron_zb.schedules.generators.vocab import place_vocab_passes
+    p, m = 4, 16
+    costs = CostModel(vocab=VocabCosts(t_if=0.05, t_s=0.5, t_t=0.5, t_ib=0.05, t_collective=0.1))
+    for barriers in (1, 2):
+        span = {}
+        for extra in (barriers - 1, barriers, barriers + 1):
+            base = one_f_one_b_order(p, m, warmup=[p - r + extra for r in range(p)])
+            ranks = place_vocab_passes(base, plain_placement(p), m, costs, barriers)
+            s = make_schedule(num_microbatches=m, stage_to_rank=plain_placement(p), ranks=ranks,
+                              vocab_barriers=barriers)
+            span[extra] = simulate(s, costs).makespan
+        assert span[barriers - 1] > 1.05 * span[barriers], (barriers, span)
+        assert span[barriers + 1] >= span[barriers] - 1e-9, (barriers, span)
+
+
+def test_duration_spread_refuses_vocabulary_passes():
+    from megatron_zb.schedules.spread import DurationSpread, simulate_spread
+    s = build_schedule("1f1b-vocab-2", num_ranks=2, num_microbatches=2)
+    with pytest.raises(ScheduleError, match="not modelled for vocabulary passes"):
+        simulate_spread(s, CostModel(), DurationSpread({}))
