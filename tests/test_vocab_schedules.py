@@ -173,6 +173,11 @@ def test_cli_schedule_verb(capsys, tmp_path):
     assert rc == 0
     assert "peak memory         5 M_B" in out and "S output layer forward" in out
     assert json.loads(out_json.read_text())["vocab_barriers"] == 1
+    rc = main(["simulate", str(out_json), "--no-timeline"])     # the file simulates to the same numbers
+    again = capsys.readouterr().out
+    assert rc == 0
+    line = next(ln for ln in out.splitlines() if ln.startswith("makespan"))
+    assert line in again.splitlines()
 
 
 def test_warm_up_of_p_minus_r_plus_barriers_is_the_smallest_without_extra_bubble():
