@@ -98,7 +98,7 @@ def test_second_chunk_is_a_lighter_shade(tmp_path):
     for c in OP_COLORS.values():
         base, light = shade(c, 0, 2), shade(c, 1, 2)
         assert all(lt > b for lt, b in zip(light, base) if b < 1) and light != base
-    assert len(set(OP_COLORS.values())) == 4
+    assert len(set(OP_COLORS.values())) == 8   # F, B, W, BW and the four vocabulary passes
     _, res = build_and_simulate("interleaved-1f1b", pp=2, microbatches=4, chunks=2)
     out = tmp_path / "il.png"
     plot_timeline(res, out, title="my title")

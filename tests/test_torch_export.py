@@ -76,7 +76,7 @@ def _check_in_pytorch(s: Schedule, path) -> None:
                                 for r, acts in lowered.items()}, lambda i: mapping[i], n)
 
 
-@pytest.mark.parametrize("name", schedule_names())
+@pytest.mark.parametrize("name", [n for n in schedule_names() if not get_spec(n).vocab_parallel])
 def test_every_family_passes_pytorchs_checks(name, tmp_path):
     for p, m in (EXACT_SHAPES if name in EXACT else SHAPES):
         s = build_schedule(name, num_ranks=p, num_microbatches=m)

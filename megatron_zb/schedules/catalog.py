@@ -43,6 +43,10 @@ class ScheduleSpec:
         split_backward: whether the schedule splits backward into B and W.
         cost_aware: whether the generator uses the cost model / memory limit.
         build: the generator (see :class:`Builder`).
+        vocab_parallel: whether the schedule holds vocabulary-parallel passes (``IF``, ``S``,
+            ``T``, ``IB``; ``Schedule.vocab_barriers > 0``). The simulator, the plots and the
+            JSON form take them; the runtime and the exports to PyTorch do not run them yet
+            (docs/vocab_parallel_schedules.md), so their callers refuse such a schedule by this flag.
     """
 
     name: str
@@ -51,6 +55,7 @@ class ScheduleSpec:
     split_backward: bool
     cost_aware: bool
     build: Callable[..., Schedule]
+    vocab_parallel: bool = False
 
     def chunks_per_rank(self, num_chunks: int) -> int:
         """Model chunks per rank; ``num_chunks`` matters only for the interleaved placement."""
@@ -62,8 +67,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
 def register(name: str, description: str, *, placement: Placement, split_backward: bool,
-             cost_aware: bool) -> Callable[[Builder], Builder]:
-    """Decorator: register the decorated builder as schedule ``name`` (returns it unchanged).
+             cost_aware: bool, vocab_parallel: bool = False) -> Callable[[Builder], Builder]:
+    """Decorator: register the decorated builder as schedule ``name`` (returns it unchanged);
+    the keyword arguments are :class:`ScheduleSpec`'s fields.
 
     Raises:
         ScheduleError: ``name`` is registered already.
@@ -72,6 +78,7 @@ def register(name: str, description: str, *, placement: Placement, split_backwar
         if name in SCHEDULES:
             raise ScheduleError(f"schedule {name!r} is registered twice "
                                 f"({SCHEDULES[name].build.__module__} and {build.__module__})")
-        SCHEDULES[name] = ScheduleSpec(name, description, Placement(placement), split_backward, cost_aware, build)
+        SCHEDULES[name] = ScheduleSpec(name, description, Placement(placement), split_backward, cost_aware, build,
+                                       vocab_parallel)
         return build
     return add

@@ -96,6 +96,46 @@ class DPReduceModel:
 
 
 @dataclass(frozen=True)
+class VocabCosts:
+    """Costs of the vocabulary-parallel passes (the :attr:`CostModel.vocab` field), per *rank*.
+
+    Each rank holds ``1/p`` of the vocabulary, so these are the times of one rank's slice. Times
+    in the unit of the costs; memory in the unit of ``mem_b``. The timing rule that uses them is
+    in :mod:`.timing` (docs/vocab_parallel_schedules.md).
+
+    Attributes:
+        t_if: input embedding forward of the slice (``IF``).
+        t_s: output layer forward of the slice (``S``: local logits, max, sum-exp; with one
+            barrier also the partial input gradient).
+        t_t: output layer backward of the slice (``T``: softmax gradient, partial input gradient,
+            weight gradient).
+        t_ib: input embedding backward of the slice (``IB``, its weight gradient).
+        t_collective: time of one collective over the pipeline group (the broadcast of the last
+            stage's output, the all-reduces ``C1``/``C2``, the embedding's all-reduce and the
+            broadcast of its gradient). It runs beside compute (a side stream) and occupies no
+            rank; what waits for it waits ``t_collective`` after its last input.
+        mem_s: activation memory a rank allocates in ``S`` and frees in ``T`` (its logits slice
+            and the broadcast input).
+    """
+
+    t_if: PerStage = 0.1
+    t_s: PerStage = 0.5
+    t_t: PerStage = 0.5
+    t_ib: PerStage = 0.1
+    t_collective: float = 0.0
+    mem_s: PerStage = 0.0
+
+    def resolve(self, num_ranks: int) -> "VocabCosts":
+        """Check the values; the same costs with one value per rank (tuples)."""
+        c = float(self.t_collective)
+        if not math.isfinite(c) or c < 0:
+            raise ScheduleError(f"vocab.t_collective is {self.t_collective}; it must be finite and >= 0")
+        vals = {k: _expand(f"vocab.{k}", getattr(self, k), num_ranks, positive=False)
+                for k in ("t_if", "t_s", "t_t", "t_ib", "mem_s")}
+        return replace(self, t_collective=c, **vals)
+
+
+@dataclass(frozen=True)
 class CostModel:
     """Per-stage costs of one microbatch, and the activation memory it holds.
 
@@ -117,6 +157,9 @@ class CostModel:
             is modelled and every predicted time is the compute's alone. When given, the simulator
             and the generators' timing kernel add each rank's reduce to its end (see
             :mod:`.timing`).
+        vocab: costs of the vocabulary-parallel passes (:class:`VocabCosts`, per rank), used
+            only by schedules with vocabulary passes (``Schedule.vocab_barriers > 0``); ``None``
+            (default): such a schedule is timed with ``VocabCosts()``'s defaults.
     """
 
     t_f: PerStage = 1.0
@@ -127,6 +170,7 @@ class CostModel:
     mem_w: PerStage | None = None
     memory_limit: float | None = None
     dp_reduce: DPReduceModel | None = None
+    vocab: VocabCosts | None = None
 
     def with_limit(self, memory_limit: float | None) -> "CostModel":
         return replace(self, memory_limit=memory_limit)
@@ -162,6 +206,7 @@ class CostModel:
             t_w=_expand("t_w", self.t_w, num_stages, positive=False),
             t_comm=t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=self.memory_limit,
             dp_reduce=None if self.dp_reduce is None else self.dp_reduce.resolve(num_stages),
+            vocab=self.vocab,
         )
 
 
@@ -177,6 +222,11 @@ class StageCosts:
     mem_w: tuple[float, ...]
     memory_limit: float | None
     dp_reduce: DPReduceModel | None = None  # resolved: one byte count per stage
+    vocab: VocabCosts | None = None  # per rank; resolved by the timing kernel, which knows the ranks
+
+    def vocab_for(self, num_ranks: int) -> VocabCosts:
+        """The vocabulary passes' costs resolved for ``num_ranks`` (``VocabCosts()`` when unset)."""
+        return (self.vocab or VocabCosts()).resolve(num_ranks)
 
     def duration(self, op: Op | str, stage: int) -> float:
         """Time of one compute action ``op`` on ``stage``."""

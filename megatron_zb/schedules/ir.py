@@ -6,7 +6,26 @@ actions that rank performs in one training iteration:
 * ``F``  -- forward of one microbatch through one pipeline stage,
 * ``B``  -- backward w.r.t. the stage *input* (on the critical path),
 * ``W``  -- backward w.r.t. the stage *weights* (free to move later),
-* ``BW`` -- fused backward (``B`` and ``W`` together, as plain 1F1B does).
+* ``BW`` -- fused backward (``B`` and ``W`` together, as plain 1F1B does),
+
+and, with vocabulary parallelism (the embedding and the output layer split over every pipeline
+rank; docs/vocab_parallel_schedules.md), one pass of each vocabulary layer per (microbatch, rank):
+
+* ``IF`` -- input embedding forward of the rank's vocabulary slice (masked lookup); an all-reduce
+  over the pipeline group sums the slices before ``F`` of the first stage,
+* ``S``  -- output layer forward of the rank's slice (local logits, max, sum-exp), after the
+  last stage's output is broadcast; an all-reduce (barrier ``C1``) combines the statistics,
+* ``T``  -- output layer backward of the rank's slice (softmax gradient, partial input gradient,
+  its weight gradient), after ``C1``,
+* ``IB`` -- input embedding backward (weight gradient of the slice), after the first stage's
+  input gradient is broadcast.
+
+A vocabulary pass's ``stage`` field is the rank that runs it (its vocabulary slice).
+``Schedule.vocab_barriers`` says which of the paper's algorithms the passes implement: ``2``
+(Vocab-1, Algorithm 1: the last stage's backward waits for a second all-reduce ``C2`` of the
+input gradient after every ``T``) or ``1`` (Vocab-2, Algorithm 2: ``S`` also computes the input
+gradient, so the last stage's backward waits only for ``C1``); ``0`` (default): no vocabulary
+parallelism and no vocabulary pass.
 
 ``stage_to_rank`` maps each pipeline stage to the rank that runs it, so the plain layout
 (stage ``s`` on rank ``s``), the interleaved layout (stage ``s`` on rank ``s % p``) and the
@@ -20,7 +39,8 @@ JSON form (see :meth:`Schedule.to_json` / :meth:`Schedule.from_json`)::
 
     {"num_microbatches": m,
      "stage_to_rank": [r0, r1, ...],
-     "ranks": [[{"op": "F", "mb": 0, "stage": 0}, ...], ...]}
+     "ranks": [[{"op": "F", "mb": 0, "stage": 0}, ...], ...],
+     "vocab_barriers": 2}            # only with vocabulary parallelism (1 or 2)
 """
 
 from __future__ import annotations
@@ -54,6 +74,10 @@ class Op(_StrEnum):
     B = "B"
     W = "W"
     BW = "BW"
+    IF = "IF"
+    S = "S"
+    T = "T"
+    IB = "IB"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -62,6 +86,11 @@ class Op(_StrEnum):
     @property
     def is_compute(self) -> bool:
         return self in _COMPUTE
+
+    @property
+    def is_vocab(self) -> bool:
+        """A vocabulary-parallel pass (``IF``, ``S``, ``T``, ``IB``); its ``stage`` is its rank."""
+        return self in _VOCAB
 
     @property
     def is_send(self) -> bool:
@@ -84,11 +113,19 @@ class Op(_StrEnum):
         return _MATCHING[self]
 
 
-_COMPUTE = frozenset({Op.F, Op.B, Op.W, Op.BW})
+_VOCAB = frozenset({Op.IF, Op.S, Op.T, Op.IB})
+_COMPUTE = frozenset({Op.F, Op.B, Op.W, Op.BW}) | _VOCAB
 _MATCHING = {Op.SEND_F: Op.RECV_F, Op.RECV_F: Op.SEND_F, Op.SEND_B: Op.RECV_B, Op.RECV_B: Op.SEND_B}
 
 COMPUTE_OPS: tuple[Op, ...] = (Op.F, Op.B, Op.W, Op.BW)
 """Compute action kinds, in the order they happen to one (microbatch, stage)."""
+
+VOCAB_OPS: tuple[Op, ...] = (Op.IF, Op.S, Op.T, Op.IB)
+"""Vocabulary-parallel passes, in the order they happen to one microbatch (see the module docstring)."""
+
+VOCAB_BARRIERS: tuple[int, ...] = (1, 2)
+"""Allowed non-zero :attr:`Schedule.vocab_barriers`: all-reduce barriers between ``S`` and the last
+stage's backward (``2``: the paper's Vocab-1 / Algorithm 1; ``1``: Vocab-2 / Algorithm 2)."""
 
 COMM_OPS: tuple[Op, ...] = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
 """Communication action kinds produced by lowering (never by a generator); see :class:`Op`."""
@@ -180,6 +217,13 @@ def BW(mb: int, stage: int) -> Action:
     return Action(Op.BW, mb, stage)
 
 
+def vocab_pass(op: Op, mb: int, rank: int) -> Action:
+    """Vocabulary pass ``op`` (``IF``, ``S``, ``T`` or ``IB``) of microbatch ``mb`` on ``rank``'s slice."""
+    if not op.is_vocab:
+        raise ScheduleError(f"{op} is not a vocabulary pass; expected one of {tuple(o.value for o in VOCAB_OPS)}")
+    return Action(op, mb, rank)
+
+
 @dataclass(slots=True)
 class Schedule:
     """A pipeline schedule for one iteration.
@@ -191,6 +235,9 @@ class Schedule:
         ranks: per-rank ordered action lists (compute actions; lowered schedules also carry
             communication actions).
         name: free-form label (e.g. ``"zb-h1"``); not part of the JSON contract.
+        vocab_barriers: ``0`` (no vocabulary parallelism), or the all-reduce barriers between the
+            vocabulary passes ``S`` and the last stage's backward: ``2`` (Vocab-1) or ``1``
+            (Vocab-2); see the module docstring. In the JSON form only when non-zero.
     """
 
     num_microbatches: int
@@ -198,6 +245,7 @@ class Schedule:
     ranks: list[list[Action]]
     name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    vocab_barriers: int = 0
 
     # ------------------------------------------------------------------ shape
     @property
@@ -221,7 +269,8 @@ class Schedule:
     def compute_only(self) -> "Schedule":
         """The schedule with communication actions removed (undoes :func:`lower`)."""
         return Schedule(self.num_microbatches, list(self.stage_to_rank),
-                        [[a for a in acts if a.is_compute] for acts in self.ranks], self.name, dict(self.meta))
+                        [[a for a in acts if a.is_compute] for acts in self.ranks], self.name, dict(self.meta),
+                        self.vocab_barriers)
 
     @property
     def splits_backward(self) -> bool:
@@ -230,11 +279,14 @@ class Schedule:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "num_microbatches": self.num_microbatches,
             "stage_to_rank": list(self.stage_to_rank),
             "ranks": [[a.to_dict() for a in acts] for acts in self.ranks],
         }
+        if self.vocab_barriers:
+            d["vocab_barriers"] = self.vocab_barriers
+        return d
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -253,7 +305,8 @@ class Schedule:
                 except (KeyError, TypeError) as e:
                     raise ScheduleError(f"rank {r} action #{i} {a!r} is not an action: {e}") from None
             ranks.append(row)
-        return cls(int(d["num_microbatches"]), [int(x) for x in d["stage_to_rank"]], ranks, name=name)
+        return cls(int(d["num_microbatches"]), [int(x) for x in d["stage_to_rank"]], ranks, name=name,
+                   vocab_barriers=int(d.get("vocab_barriers", 0)))
 
     @classmethod
     def from_json(cls, text: str, name: str = "") -> "Schedule":
@@ -322,8 +375,9 @@ def validate(schedule: Schedule) -> None:
         if not 0 <= r < p:
             raise ScheduleError(f"stage {s} is placed on rank {r}, but the schedule has ranks 0..{p - 1}")
     seen: dict[tuple[Op, int, int], tuple[int, int]] = {}
+    validate_vocab(schedule)
     for r, i, a in schedule.actions():
-        if not a.is_compute:
+        if not a.is_compute or a.op.is_vocab:
             continue
         op, mb, stage = a.op, a.mb, a.stage
         if not 0 <= stage < len(s2r):
@@ -354,6 +408,44 @@ def validate(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {s2r[s]} lacks {missing}(mb={mb}, stage={s})")
 
 
+def validate_vocab(schedule: Schedule) -> None:
+    """The rules of vocabulary passes; raise :class:`ScheduleError` naming the first offence.
+
+    With ``vocab_barriers == 0`` there is none. With ``1`` or ``2``: every rank runs exactly one
+    ``IF``, ``S``, ``T`` and ``IB`` of every microbatch, with ``stage`` equal to its rank; on each
+    rank ``IF`` precedes ``IB`` and ``S`` precedes ``T``, and each kind runs in ascending
+    microbatch order (its collectives over the pipeline group are matched by order, so every rank
+    must issue them in the same order).
+    """
+    vb, m = schedule.vocab_barriers, schedule.num_microbatches
+    if vb == 0:
+        for r, i, a in schedule.actions():
+            if a.op.is_vocab:
+                raise ScheduleError(f"{_where(r, i, a)} is a vocabulary pass, but the schedule's vocab_barriers is 0; "
+                                    f"set it to one of {VOCAB_BARRIERS}")
+        return
+    if vb not in VOCAB_BARRIERS:
+        raise ScheduleError(f"vocab_barriers is {vb!r}; it must be 0 or one of {VOCAB_BARRIERS}")
+    for r, acts in enumerate(schedule.ranks):
+        nxt = {op: 0 for op in VOCAB_OPS}   # next microbatch expected of each kind
+        for i, a in enumerate(acts):
+            if not a.op.is_vocab:
+                continue
+            if a.stage != r:
+                raise ScheduleError(f"{_where(r, i, a)}: a vocabulary pass names its rank as stage; expected {r}")
+            if a.mb != nxt[a.op]:
+                raise ScheduleError(f"{_where(r, i, a)}: expected {a.op}(mb={nxt[a.op]}) next (each vocabulary "
+                                    f"pass runs once per microbatch, in ascending microbatch order)")
+            before = {Op.IB: Op.IF, Op.T: Op.S}.get(a.op)
+            if before is not None and nxt[before] <= a.mb:
+                raise ScheduleError(f"{_where(r, i, a)} comes before {before}(mb={a.mb}) on its rank")
+            nxt[a.op] += 1
+        for op, k in nxt.items():
+            if k != m:
+                raise ScheduleError(f"rank {r} lacks {op}(mb={k}, stage={r})" if k < m else
+                                    f"rank {r} runs {k} {op} passes for {m} microbatches")
+
+
 def _where(rank: int, position: int, a: Action) -> str:
     """How errors name an action: ``rank R action #i: OP(mb, stage)``."""
     return f"rank {rank} action #{position}: {a}"
@@ -366,9 +458,10 @@ def backward_kinds(schedule: Schedule) -> set[Op]:
 
 def make_schedule(
     *, num_microbatches: int, stage_to_rank: Sequence[int], ranks: Iterable[Iterable[Action]], name: str = "",
-    **meta: Any,
+    vocab_barriers: int = 0, **meta: Any,
 ) -> Schedule:
     """Build and validate a schedule (the common tail of every generator)."""
-    sched = Schedule(num_microbatches, list(stage_to_rank), [list(r) for r in ranks], name, dict(meta))
+    sched = Schedule(num_microbatches, list(stage_to_rank), [list(r) for r in ranks], name, dict(meta),
+                     vocab_barriers)
     validate(sched)
     return sched

@@ -10,6 +10,8 @@ Generators only write compute actions. :func:`lower` inserts, on each rank,
 A ``RECV`` marks the latest point where the data must have arrived; a runtime may post the
 receive earlier (the executor posts it as soon as the previous receive from that peer is
 consumed). Transfers between two stages on the same rank (e.g. the tip of the V) need no action.
+Vocabulary passes (``IF``, ``S``, ``T``, ``IB``) are kept as they are: their collectives run over
+the whole pipeline group, not point to point, and are not lowered here.
 Each transfer is identified by ``(direction, mb, stage)``; the runtime matches a send with its
 receive by order (as NCCL does), posting each peer's receives in the order that peer sends them
 (:class:`megatron_zb.runtime.executor.RankPlan`).
@@ -62,7 +64,8 @@ def lower(schedule: Schedule, *, check: bool = True) -> Schedule:
             if dst is not None and s2r[dst] != r:
                 row.append(Action(Op.SEND_F if forward else Op.SEND_B, a.mb, a.stage, peer=s2r[dst]))
         ranks.append(row)
-    out = Schedule(schedule.num_microbatches, list(s2r), ranks, schedule.name, dict(schedule.meta))
+    out = Schedule(schedule.num_microbatches, list(s2r), ranks, schedule.name, dict(schedule.meta),
+                   schedule.vocab_barriers)
     if check:
         check_lowered(out)
     return out

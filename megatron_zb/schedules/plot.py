@@ -4,7 +4,8 @@ Ranks are rows (rank 0 on top), time runs left to right, and every compute actio
 its simulated start to its end. Op kinds have distinct colours from the Okabe-Ito palette, which
 stays distinguishable under the common colour-vision deficiencies; a rank's later chunks (the
 second model chunk of an interleaved or V placement) use lighter shades of the same colours.
-The output format follows the file extension (``.png``, ``.svg``, ``.pdf``).
+Vocabulary-parallel passes (``IF``, ``S``, ``T``, ``IB``) have colours of their own, in the
+first chunk's shade. The output format follows the file extension (``.png``, ``.svg``, ``.pdf``).
 
 When the simulation models the data-parallel reduce (``costs.dp_reduce``), each rank's bucket
 reduces are drawn as a hatched vermillion bar in the lower part of its row, from each bucket's
@@ -19,7 +20,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .ir import COMPUTE_OPS, Op
+from .ir import COMPUTE_OPS, VOCAB_OPS, Op
 from .simulator import SimResult
 
 OP_COLORS: dict[Op, str] = {
@@ -27,12 +28,20 @@ OP_COLORS: dict[Op, str] = {
     Op.B: "#E69F00",   # orange
     Op.W: "#009E73",   # bluish green
     Op.BW: "#CC79A7",  # reddish purple
+    Op.IF: "#999999",  # grey: input embedding forward (vocabulary parallel)
+    Op.S: "#F0E442",   # yellow: output layer forward
+    Op.T: "#56B4E9",   # sky blue: output layer backward
+    Op.IB: "#555555",  # dark grey: input embedding backward
 }
 OP_NAMES: dict[Op, str] = {
     Op.F: "F  forward",
     Op.B: "B  input-gradient backward",
     Op.W: "W  weight-gradient backward",
     Op.BW: "BW  fused backward",
+    Op.IF: "IF  embedding forward (vocab slice)",
+    Op.S: "S  output layer forward (vocab slice)",
+    Op.T: "T  output layer backward (vocab slice)",
+    Op.IB: "IB  embedding backward (vocab slice)",
 }
 _LIGHTEST = 0.5  # how far the last chunk's shade is mixed towards white
 REDUCE_COLOR = "#D55E00"  # vermillion (Okabe-Ito): the data-parallel reduce
@@ -110,7 +119,7 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     if width_inches is None:
         width_inches = min(24.0, max(9.0, 2.5 + 0.17 * n_actions))
     row_h = 0.5
-    legend_rows = 2 if result.reduce is not None else 1
+    legend_rows = 1 + (result.reduce is not None) + (sched.vocab_barriers > 0)
     height = 1.9 + 0.25 * (legend_rows - 1) + row_h * p
     fig = Figure(figsize=(width_inches, height), dpi=dpi)
     # Fixed margins in inches, so rows keep their height whatever p is.
@@ -130,7 +139,7 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
         for a, s, e in zip(acts, result.start[r], result.end[r]):
             if a.op not in ops_present:
                 ops_present.append(a.op)
-            rgb = shade(OP_COLORS[a.op], chunks.get(a.stage, 0), num_chunks)
+            rgb = shade(OP_COLORS[a.op], 0 if a.op.is_vocab else chunks.get(a.stage, 0), num_chunks)
             ax.add_patch(Rectangle((s, r - 0.4), e - s, 0.8, facecolor=rgb, edgecolor="#333333",
                                    linewidth=0.4))
             label = str(a.mb)
@@ -165,7 +174,7 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     fig.text(left_in / width_inches, 1 - 0.52 / height, stats, ha="left", va="top", fontsize=9,
              color="#333333")
 
-    order = [op for op in COMPUTE_OPS if op in ops_present]
+    order = [op for op in COMPUTE_OPS + VOCAB_OPS if op in ops_present]
     handles = [Patch(facecolor=OP_COLORS[op], edgecolor="#333333", linewidth=0.4, label=OP_NAMES[op])
                for op in order]
     if num_chunks > 1:

@@ -10,6 +10,10 @@ are ignored: transfers are modelled this way.
 Memory: ``F`` allocates ``mem_b``; ``B`` frees ``mem_b - mem_w``; ``W`` frees ``mem_w``; ``BW``
 frees ``mem_b``. The peak is taken over each rank's action order.
 
+Vocabulary passes (``IF``, ``S``, ``T``, ``IB``; schedules with ``vocab_barriers`` 1 or 2) are
+timed with ``costs.vocab`` and their collectives as barriers across ranks (:mod:`.timing`); ``S``
+allocates ``vocab.mem_s`` and ``T`` frees it.
+
 Data-parallel reduce (opt-in: ``costs.dp_reduce``, a :class:`~.dp_reduce.DPReduceModel`; default
 ``None`` models none): each rank's gradient buckets are reduced as :mod:`.timing` describes, and a
 rank's iteration ends when its compute and its reduce are both done, so ``total_time``, ``span``,
@@ -135,7 +139,8 @@ def simulate(schedule: Schedule, costs: CostModel | StageCosts, *, enforce_memor
     sc = costs.resolve(sched.num_stages) if isinstance(costs, CostModel) else costs
     if len(sc.t_f) != sched.num_stages:
         raise ScheduleError(f"costs are resolved for {len(sc.t_f)} stages, schedule has {sched.num_stages}")
-    timeline = Timeline(sched.stage_to_rank, sched.num_microbatches, sc, num_ranks=sched.num_ranks)
+    timeline = Timeline(sched.stage_to_rank, sched.num_microbatches, sc, num_ranks=sched.num_ranks,
+                        vocab_barriers=sched.vocab_barriers)
     orders = [[encode(a) for a in acts] for acts in sched.ranks]
     start, end = timeline.play(orders, record=True)
     peaks = timeline.peak

@@ -114,7 +114,8 @@ def simulate_spread(schedule: Schedule, costs: CostModel | StageCosts, spread: D
     sc = costs.resolve(sched.num_stages) if isinstance(costs, CostModel) else costs
     n, m = sched.num_stages, sched.num_microbatches
     table = [[[0.0] * m for _ in range(n)] for _ in OPS]  # [op code][stage][mb], refilled per draw
-    tl = Timeline(sched.stage_to_rank, m, sc, num_ranks=sched.num_ranks, per_action=table)
+    tl = Timeline(sched.stage_to_rank, m, sc, num_ranks=sched.num_ranks, per_action=table,
+                  vocab_barriers=sched.vocab_barriers)  # refuses a schedule with vocabulary passes
     orders = [[encode(a) for a in acts] for acts in sched.ranks]
     rng = random.Random(seed)
     spans = []

@@ -2,7 +2,8 @@
 
 The timeline draws one line per rank on a common time axis cut into equal columns. Each column
 shows what the rank is doing at the column's midpoint: an op letter (``F``, ``B``, ``W``, or
-``X`` for a fused ``BW``) or the microbatch number, and ``.`` when the rank is idle. A column is
+``X`` for a fused ``BW``; ``I``, ``S``, ``T``, ``E`` for the vocabulary passes ``IF``, ``S``, ``T``,
+``IB``) or the microbatch number, and ``.`` when the rank is idle. A column is
 ``total_time / width`` long, so an action shorter than one column may not show; the default
 width gives the shortest action at least one column (up to :data:`MAX_AUTO_WIDTH` columns).
 """
@@ -15,8 +16,12 @@ from typing import Literal
 from .ir import Op
 from .simulator import SimResult
 
-OP_SYMBOLS: dict[Op, str] = {Op.F: "F", Op.B: "B", Op.W: "W", Op.BW: "X"}
-"""One character per compute op in the ``"op"`` style. ``BW`` gets ``X``: it must not read as B or W."""
+OP_SYMBOLS: dict[Op, str] = {Op.F: "F", Op.B: "B", Op.W: "W", Op.BW: "X", Op.IF: "I", Op.S: "S", Op.T: "T", Op.IB: "E"}
+"""One character per compute op in the ``"op"`` style. ``BW`` gets ``X``: it must not read as B or W.
+The vocabulary passes: ``I`` embedding forward (``IF``), ``S`` / ``T`` output layer forward /
+backward, ``E`` embedding backward (``IB``)."""
+VOCAB_LEGEND = "; I embedding forward, S output layer forward, T output layer backward, E embedding backward"
+"""Added to the ``"op"`` legend when the schedule has vocabulary passes."""
 
 IDLE = "."
 MAX_AUTO_WIDTH = 120
@@ -81,6 +86,8 @@ def timeline_text(result: SimResult, width: int | None = None, *, style: Style =
         dt = result.total_time / width if width else 0.0
         what = ("F forward, B input-gradient backward, W weight-gradient backward, X fused backward (BW)"
                 if style == "op" else "microbatch number (0-9, then a-z)")
+        if style == "op" and result.schedule.vocab_barriers:
+            what += VOCAB_LEGEND
         lines.append(f"timeline: 1 column = {dt:.4g} time units; {what}; {IDLE} idle")
     for r, row in enumerate(rows):
         lines.append(f"{f'rank {r}':<{label_w}} |{row}|")

@@ -23,10 +23,22 @@ exact solver's model all use them (the zero-bubble paper's model):
   :meth:`~Timeline.makespan` and :meth:`~Timeline.total_time` count that end, so every generator
   that scores candidates through this class sees the exposed reduce.
 
+* vocabulary passes, only when the schedule has them (``vocab_barriers`` 1 or 2; costs from
+  ``costs.vocab``, per rank; docs/vocab_parallel_schedules.md): ``S(i, r)`` waits for the last
+  stage's ``F(i)`` and its broadcast; the all-reduce ``C1(i)`` ends ``t_collective`` after the
+  last ``S(i, *)`` of any rank (a barrier); ``T(i, r)`` waits for ``C1(i)``; the last stage's
+  input-gradient backward of ``i`` waits for ``C1(i)`` (one barrier) or for ``C2(i)``, the
+  all-reduce ending ``t_collective`` after the last ``T(i, *)`` (two barriers); ``F(i)`` of the
+  first stage waits for the embedding's all-reduce, ``t_collective`` after the last ``IF(i, *)``;
+  ``IB(i, r)`` waits for the first stage's input-gradient backward of ``i`` and its broadcast.
+  Collectives occupy no rank (a side stream). ``S`` allocates ``mem_s``, ``T`` frees it.
+
 Actions are integer-coded for speed: a :data:`Code` is ``(op, mb, stage)`` with ``op`` one of
 :data:`F_CODE`, :data:`B_CODE`, :data:`W_CODE`, :data:`BW_CODE` (the kernel's names for
 :class:`~.ir.Op`'s compute kinds: ``F``/``B``/``W``/``BW`` are :class:`~.ir.Action` builders in
-:mod:`.ir`); :func:`encode` / :func:`decode` convert from and to :class:`~.ir.Action`. Units: times in the unit of the costs, memory in the unit of ``mem_b``.
+:mod:`.ir`), or a vocabulary pass :data:`IF_CODE`, :data:`S_CODE`, :data:`T_CODE`, :data:`IB_CODE`
+(whose ``stage`` is its rank); :func:`encode` / :func:`decode` convert from and to
+:class:`~.ir.Action`. Units: times in the unit of the costs, memory in the unit of ``mem_b``.
 
 Example (two stages on two ranks, unit costs)::
 
@@ -41,20 +53,26 @@ import math
 from typing import Callable, Sequence
 
 from .costs import StageCosts
-from .ir import Action, Op, ScheduleError
+from .ir import VOCAB_OPS, Action, Op, ScheduleError
 from .limits import slack_ceiling
 from .lowering import pipeline_neighbours
 
-__all__ = ["BW_CODE", "B_CODE", "Bucket", "Code", "DeadlockError", "F_CODE", "OPS", "Timeline", "W_CODE", "decode",
-           "drain", "encode", "inputs"]
+__all__ = ["BW_CODE", "B_CODE", "Bucket", "Code", "DeadlockError", "F_CODE", "IB_CODE", "IF_CODE", "OPS", "S_CODE",
+           "T_CODE", "Timeline", "W_CODE", "decode", "drain", "encode", "inputs"]
 
 F_CODE, B_CODE, W_CODE, BW_CODE = 0, 1, 2, 3
 """Integer op codes of the compute actions (``OPS[F_CODE] is Op.F``, ...), for the kernel's hot loops."""
 
-OPS: tuple[Op, ...] = (Op.F, Op.B, Op.W, Op.BW)
-"""Op code -> :class:`~.ir.Op`."""
+IF_CODE, S_CODE, T_CODE, IB_CODE = 4, 5, 6, 7
+"""Integer op codes of the vocabulary passes (their ``stage`` is the rank)."""
 
-_CODE_OF: dict[Op, int] = {op: k for k, op in enumerate(OPS)}
+OPS: tuple[Op, ...] = (Op.F, Op.B, Op.W, Op.BW)
+"""Op code -> :class:`~.ir.Op` for the transformer stages' actions."""
+
+ALL_OPS: tuple[Op, ...] = OPS + VOCAB_OPS
+"""Op code -> :class:`~.ir.Op`, vocabulary passes included."""
+
+_CODE_OF: dict[Op, int] = {op: k for k, op in enumerate(ALL_OPS)}
 
 Code = tuple[int, int, int]
 """An integer-coded compute action ``(op code, microbatch, stage)``."""
@@ -87,7 +105,7 @@ def encode(a: Action) -> Code:
 def decode(code: Code) -> Action:
     """The :class:`~.ir.Action` of a :data:`Code`."""
     op, mb, stage = code
-    return Action(OPS[op], mb, stage)
+    return Action(ALL_OPS[op], mb, stage)
 
 
 def inputs(op: int, stage: int, num_stages: int) -> tuple[tuple[int, int], ...]:
@@ -102,6 +120,19 @@ def inputs(op: int, stage: int, num_stages: int) -> tuple[tuple[int, int], ...]:
     src, _ = pipeline_neighbours(OPS[op], stage, num_stages)   # the rule of every schedule
     across = () if src is None else ((F_CODE if op == F_CODE else B_CODE, src),)
     return across if op == F_CODE else ((F_CODE, stage),) + across
+
+
+def _barrier_fn(rows: Sequence[list[float]], latency: float,
+                after: Callable[[int], float] | None = None) -> Callable[[int], float]:
+    """``mb ->`` ``latency`` after the latest of ``rows[*][mb]`` (a collective over the ranks whose
+    end times are ``rows``), and not before ``after(mb)`` when given."""
+    def ready(mb: int) -> float:
+        t = max(row[mb] for row in rows) + latency
+        if after is not None:
+            a = after(mb)
+            return a if a > t else t
+        return t
+    return ready
 
 
 def _ready_fn(ins: tuple[tuple[list[float], float], ...]) -> Callable[[int], float]:
@@ -154,7 +185,8 @@ class Timeline:
     """
 
     def __init__(self, stage_to_rank: Sequence[int], num_microbatches: int, costs: StageCosts, *,
-                 num_ranks: int | None = None, per_action: list[list[list[float]]] | None = None) -> None:
+                 num_ranks: int | None = None, per_action: list[list[list[float]]] | None = None,
+                 vocab_barriers: int = 0) -> None:
         s2r = list(stage_to_rank)
         n, m = len(s2r), num_microbatches
         if len(costs.t_f) != n:
@@ -172,6 +204,10 @@ class Timeline:
             tuple(_ready_fn(tuple((ends[q_op][q], costs.t_comm if s2r[q] != s2r[s] else 0.0)
                                   for q_op, q in inputs(op, s, n))) for s in range(n))
             for op in range(len(OPS)))
+        self.vocab_barriers = vocab_barriers
+        self.v_end: list[list[list[float]]] = []   # [op code - IF][rank][mb]
+        if vocab_barriers:
+            self._add_vocab(costs, p)
         self.clock = [0.0] * p
         self.first = [math.inf] * p
         self.mem = [0.0] * p
@@ -187,6 +223,32 @@ class Timeline:
             self._runner(), [[(done, dp.reduce_time(size)) for done, size in dp.ready_fractions(s)]
                              for s in range(n)])
 
+    def _add_vocab(self, costs: StageCosts, p: int) -> None:
+        """Extend the tables with the vocabulary passes (rows indexed by rank) and their barriers."""
+        if self.per_action is not None:
+            raise ScheduleError("per-action durations (a duration spread) are not modelled for vocabulary passes yet; "
+                                "simulate the schedule without a spread")
+        if self.vocab_barriers not in (1, 2):
+            raise ScheduleError(f"vocab_barriers is {self.vocab_barriers}; it must be 0, 1 or 2")
+        vc, m, n = costs.vocab_for(p), self.num_microbatches, len(self.stage_to_rank)
+        c = vc.t_collective
+        self.v_end = [[[math.inf] * m for _ in range(p)] for _ in VOCAB_OPS]
+        if_end, s_end, t_end, _ = self.v_end
+        times = {IF_CODE: vc.t_if, S_CODE: vc.t_s, T_CODE: vc.t_t, IB_CODE: vc.t_ib}
+        self.duration += tuple(times[k] for k in (IF_CODE, S_CODE, T_CODE, IB_CODE))
+        self.delta += ((0.0,) * p, vc.mem_s, tuple(-x for x in vc.mem_s), (0.0,) * p)
+        ready = [list(row) for row in self.ready_of]
+        last_f, first_b = self.f_end[n - 1], self.b_end[0]
+        ready[F_CODE][0] = _barrier_fn(if_end, c, ready[F_CODE][0])                      # embedding all-reduce
+        last_b = _barrier_fn(s_end if self.vocab_barriers == 1 else t_end, c, ready[B_CODE][n - 1])  # C1 or C2
+        ready[B_CODE][n - 1] = ready[BW_CODE][n - 1] = last_b
+        c1 = _barrier_fn(s_end, c)
+        ready.append([lambda mb: 0.0] * p)                                     # IF: no input
+        ready.append([lambda mb: last_f[mb] + c] * p)                          # S: broadcast of X
+        ready.append([c1] * p)                                                 # T: after C1
+        ready.append([lambda mb: first_b[mb] + c] * p)                         # IB: broadcast of dX
+        self.ready_of = tuple(tuple(row) for row in ready)
+
     def action_time(self, op: int, mb: int, stage: int) -> float:
         """Duration of ``op`` on ``(mb, stage)``: ``per_action``'s when given, else the stage's."""
         return self.duration[op][stage] if self.per_action is None else self.per_action[op][stage][mb]
@@ -201,7 +263,7 @@ class Timeline:
     def reset(self) -> None:
         """Forget every action run so far (the tables stay), ready for another pass."""
         unset = [math.inf] * self.num_microbatches
-        for row in self.f_end + self.b_end:
+        for row in self.f_end + self.b_end + [r for rows in self.v_end for r in rows]:
             row[:] = unset
         p = len(self.clock)
         self.clock[:], self.first[:] = [0.0] * p, [math.inf] * p
@@ -216,6 +278,7 @@ class Timeline:
         """Build :attr:`run` (a closure over the state lists: hot loops call it for every action)."""
         clock, first, mem, peak, count, over = self.clock, self.first, self.mem, self.peak, self.count, self.over
         duration, delta, f_end, b_end, limit = self.duration, self.delta, self.f_end, self.b_end, self._limit
+        v_end = self.v_end
         per_action = self.per_action  # the same lists: a caller may refill them between plays
 
         def run(rank: int, op: int, mb: int, stage: int, ready: float) -> float:
@@ -225,8 +288,10 @@ class Timeline:
             end = start + (duration[op][stage] if per_action is None else per_action[op][stage][mb])
             if op == F_CODE:
                 f_end[stage][mb] = end
-            elif op != W_CODE:
+            elif op == B_CODE or op == BW_CODE:
                 b_end[stage][mb] = end
+            elif op != W_CODE:                # a vocabulary pass: stage is the rank
+                v_end[op - IF_CODE][stage][mb] = end
             clock[rank] = end
             if start < first[rank]:
                 first[rank] = start
@@ -306,7 +371,10 @@ class Timeline:
                 continue
             op, mb, stage = seq[ptr[r]]
             waits = ", ".join(f"{OPS[q_op]}(mb={mb}, stage={q})" for q_op, q in inputs(op, stage, n)
-                              if ends[q_op][q][mb] == math.inf)
+                              if op < IF_CODE and ends[q_op][q][mb] == math.inf)
+            if self.vocab_barriers and (op >= IF_CODE or (op == F_CODE and stage == 0)
+                                        or (op != W_CODE and stage == n - 1)):
+                waits = ", ".join(w for w in (waits, f"the vocabulary passes of mb={mb} (a collective)") if w)
             lines.append(f"rank {r} blocked at action #{ptr[r]} {decode(seq[ptr[r]])} waiting for {waits}")
         return "schedule deadlocks:\n  " + "\n  ".join(lines)
 

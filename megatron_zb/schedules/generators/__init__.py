@@ -13,6 +13,7 @@ module              schedules
 ``vshape``          ``zbv``, ``v-half``, ``v-min`` (with ``list_scheduler`` and ``search``)
 ``interleaved_zb``  ``interleaved-zb``
 ``exact``           ``zb-optimal``, ``zbv-optimal`` (CP-SAT; OR-Tools imported on use)
+``vocab``           ``1f1b-vocab-1``, ``1f1b-vocab-2``, ``zb-h1-vocab-1``, ``zb-h1-vocab-2``
 ==================  =====================================================================
 """
 
@@ -23,3 +24,4 @@ from . import greedy  # noqa: F401
 from . import vshape  # noqa: F401
 from . import interleaved_zb  # noqa: F401
 from . import exact  # noqa: F401
+from . import vocab  # noqa: F401
