@@ -205,3 +205,28 @@ def test_duration_spread_refuses_vocabulary_passes():
     s = build_schedule("1f1b-vocab-2", num_ranks=2, num_microbatches=2)
     with pytest.raises(ScheduleError, match="not modelled for vocabulary passes"):
         simulate_spread(s, CostModel(), DurationSpread({}))
+
+
+def test_executing_consumers_refuse_vocabulary_passes_by_name():
+    """The runtime (its factory and install_schedule), pretrain_gpt_zb.py's --schedule and the PyTorch
+    export refuse a schedule with IF/S/T/IB passes, naming it, instead of running the passes as backwards."""
+    from megatron_zb.runtime import get_forward_backward_func
+    from megatron_zb.schedules.registry import build_schedule
+    from megatron_zb.torch_pipelining.export import TorchExportError, to_torch_actions
+    from megatron_zb.training.arguments import ArgumentError
+    from megatron_zb.training.pretrain import parse_command_line
+
+    sched = build_schedule("1f1b-vocab-1", num_ranks=2, num_microbatches=4)
+    with pytest.raises(ValueError, match="'1f1b-vocab-1' holds vocabulary-parallel passes"):
+        get_forward_backward_func("1f1b-vocab-1")
+    with pytest.raises(ValueError, match="holds vocabulary-parallel passes"):
+        get_forward_backward_func(sched)
+    with pytest.raises(ValueError, match="holds vocabulary-parallel passes"):
+        get_forward_backward_func("1f1b").install_schedule(sched)
+    with pytest.raises(TorchExportError, match="holds vocabulary-parallel passes"):
+        to_torch_actions(sched)
+    argv = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+            "--global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data --pipeline-model-parallel-size 2 "
+            "--schedule 1f1b-vocab-2").split()
+    with pytest.raises(ArgumentError, match=r"--schedule: schedule '1f1b-vocab-2' holds vocabulary-parallel"):
+        parse_command_line(argv, world_size=2)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..schedules.costs import CostModel
-from ..schedules.ir import Schedule
+from ..schedules.ir import Schedule, vocab_passes_unsupported
 from ..schedules.registry import build_schedule, get_spec
 from .executor import ActionTiming, LoopOverhead, RankPlan, StageRuntime, execute, plan_rank
 from .rank_plan import RECV_LOOKAHEAD
@@ -127,6 +127,9 @@ class ZeroBubbleForwardBackward:
     def install_schedule(self, schedule: Schedule) -> None:
         """Use ``schedule`` for its ``(p, m)`` from now on (e.g. one built on another rank and
         broadcast, so that every rank runs the identical action lists)."""
+        refusal = vocab_passes_unsupported(schedule)
+        if refusal is not None:
+            raise ValueError(refusal)
         self._cache[(schedule.num_ranks, schedule.num_microbatches)] = schedule
         self._drop_plans(schedule.num_ranks, schedule.num_microbatches)
 
@@ -322,6 +325,8 @@ def get_forward_backward_func(schedule: str | Schedule = "zb", **options: Any) -
     Returns:
         a callable with megatron-core's ``forward_backward_func`` keyword signature.
     """
-    if not isinstance(schedule, Schedule):
-        get_spec(schedule)  # fail early on an unknown name
+    refusal = (vocab_passes_unsupported(schedule) if isinstance(schedule, Schedule) else
+               vocab_passes_unsupported(name=schedule, vocab_parallel=get_spec(schedule).vocab_parallel))
+    if refusal is not None:  # (get_spec above also fails early on an unknown name)
+        raise ValueError(refusal)
     return ZeroBubbleForwardBackward(ZeroBubbleOptions(schedule=schedule, **options))

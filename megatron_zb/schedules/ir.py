@@ -123,6 +123,21 @@ COMPUTE_OPS: tuple[Op, ...] = (Op.F, Op.B, Op.W, Op.BW)
 VOCAB_OPS: tuple[Op, ...] = (Op.IF, Op.S, Op.T, Op.IB)
 """Vocabulary-parallel passes, in the order they happen to one microbatch (see the module docstring)."""
 
+def vocab_passes_unsupported(schedule: "Schedule | None" = None, *, name: str | None = None,
+                             vocab_parallel: bool = False) -> str | None:
+    """Why a consumer that executes schedules (megatron-zb's runtime, the PyTorch export) cannot take
+    this one yet -- it holds vocabulary-parallel passes -- or ``None``. Give a built ``schedule``, or a
+    registry ``name`` with its spec's ``vocab_parallel``. The one copy of the refusal's text."""
+    holds = vocab_parallel if schedule is None else (
+        schedule.vocab_barriers > 0 or any(a.op in VOCAB_OPS for _, _, a in schedule.actions()))
+    if not holds:
+        return None
+    what = repr(name if name is not None else schedule.name)  # type: ignore[union-attr]
+    return (f"schedule {what} holds vocabulary-parallel passes (IF/S/T/IB), which only the simulator, the "
+            f"plots and `megatron-zb schedule` take so far (docs/vocab_parallel_schedules.md); choose a schedule "
+            f"without them")
+
+
 VOCAB_BARRIERS: tuple[int, ...] = (1, 2)
 """Allowed non-zero :attr:`Schedule.vocab_barriers`: all-reduce barriers between ``S`` and the last
 stage's backward (``2``: the paper's Vocab-1 / Algorithm 1; ``1``: Vocab-2 / Algorithm 2)."""

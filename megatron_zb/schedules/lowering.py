@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .ir import Action, Op, Schedule, ScheduleError, validate
+from .ir import VOCAB_OPS, Action, Op, Schedule, ScheduleError, validate
 
 
 def pipeline_neighbours(op: Op, stage: int, num_stages: int) -> tuple[int | None, int | None]:
@@ -29,7 +29,8 @@ def pipeline_neighbours(op: Op, stage: int, num_stages: int) -> tuple[int | None
 
     ``F`` on ``stage`` reads the activation of ``stage - 1`` and feeds ``stage + 1``; ``B`` and
     ``BW`` read the output gradient of ``stage + 1`` (its input-gradient backward) and feed
-    ``stage - 1``; ``W`` neither. ``None`` past either end of the pipeline. When the other stage
+    ``stage - 1``; ``W`` and the vocabulary passes (``IF``/``S``/``T``/``IB``, whose collectives
+    the timing kernel models as barriers) neither. ``None`` past either end of the pipeline. When the other stage
     lives on another rank the data is a transfer (a send/receive pair, ``t_comm`` in the timing
     kernel), else it is handed over in memory. The one cross-stage dependency rule: :func:`lower`,
     the timing kernel's :func:`~.timing.inputs` and the runtime's executor all call it.
@@ -38,7 +39,7 @@ def pipeline_neighbours(op: Op, stage: int, num_stages: int) -> tuple[int | None
         return (stage - 1 if stage > 0 else None), (stage + 1 if stage < num_stages - 1 else None)
     if op is Op.B or op is Op.BW:
         return (stage + 1 if stage < num_stages - 1 else None), (stage - 1 if stage > 0 else None)
-    if op is Op.W:
+    if op is Op.W or op in VOCAB_OPS:  # a vocabulary pass talks through its collectives, not p2p
         return None, None
     raise ScheduleError(f"{op} is not a compute action")
 

@@ -53,7 +53,7 @@ import torch
 from torch.distributed.pipelining import schedules as _ts
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from ..schedules.ir import Action, Op, Placement, Schedule, ScheduleError, validate
+from ..schedules.ir import Action, Op, Placement, Schedule, ScheduleError, validate, vocab_passes_unsupported
 from ..schedules.torch_import import TORCH_COMPUTE_OPS, TORCH_SCHEDULES, StandInStage
 
 __all__ = ["TESTED_TORCH", "TorchExportError", "TorchPlacement", "check_torch_version", "parse_cell",
@@ -138,6 +138,9 @@ def torch_placement(schedule: Schedule) -> TorchPlacement:
 def to_torch_actions(schedule: Schedule) -> dict[int, list[Any]]:
     """``schedule`` as PyTorch's compute-only actions, ``{rank: [_Action, ...]}`` (module doc)."""
     check_torch_version()
+    refusal = vocab_passes_unsupported(schedule)
+    if refusal is not None:
+        raise TorchExportError(refusal)
     if any(not a.is_compute for _, _, a in schedule.actions()):
         raise TorchExportError(f"{_name(schedule)} carries send/receive actions: PyTorch's runtime derives its "
                                f"own, so export the compute-only schedule (schedule.compute_only())")

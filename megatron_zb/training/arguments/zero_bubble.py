@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_zb.planning.layout import LayerSplit, layers_per_stage
-from megatron_zb.schedules.ir import Placement, Schedule, ScheduleError
+from megatron_zb.schedules.ir import Placement, Schedule, ScheduleError, vocab_passes_unsupported
 from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spec, schedule_names
 
 from .common import ArgumentError, flag
@@ -130,6 +130,9 @@ def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
     except ScheduleError as e:
         raise ArgumentError(selected_by, f"schedule {name!r} is not available in this installation ({e}); "
                                          f"choose another schedule") from None
+    refusal = vocab_passes_unsupported(name=name, vocab_parallel=spec.vocab_parallel)
+    if refusal is not None:
+        raise ArgumentError(selected_by, refusal)
     if args.enable_zero_bubble and not spec.split_backward:
         raise ArgumentError("--schedule", f"{name!r} is not a zero-bubble schedule (it does not split the backward); "
                                           f"drop --enable-zero-bubble or choose a zero-bubble schedule")
