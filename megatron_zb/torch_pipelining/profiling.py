@@ -1,0 +1,205 @@
+"""Measure T_F, T_I (our B), T_W per stage inside PyTorch's pipeline runtime and re-plan from them.
+
+Tested with PyTorch 2.13 (CPU, gloo). What is timed (:class:`StageTimer`, wall-clock
+``time.perf_counter``; on CUDA with ``torch.cuda.synchronize`` before and after each call --
+not run on a GPU): the public methods of PyTorch's ``PipelineStage`` that the runtime calls for
+each compute action, wrapped on the stage *objects* (instance attributes, removed again when the
+timer closes; PyTorch's classes and private code are not touched):
+
+* ``forward_one_chunk`` -> ``F``, plus the loss the runtime computes right after it on the last
+  stage (the loss function given to :func:`~.runtime.build_pipeline` is wrapped for that);
+* ``backward_one_chunk(full_backward=False)`` -> ``B`` (PyTorch's ``I``; on stage 0 it computes
+  nothing, see :mod:`.runtime`); with ``full_backward=True`` -> ``BW`` (PyTorch's ``B``);
+* ``backward_weight_one_chunk`` -> ``W`` (on stage 0 the whole backward).
+
+The waits for a peer's activation or gradient are *outside* these calls (the runtime waits on its
+receives before calling them), so a duration is the stage's own compute. Not measured: ``T_comm``
+and the runtime's own time between actions (the re-planned cost model keeps the ``t_comm`` of the
+pipeline's costs; with unit costs that is 0), and memory (``mem_b``, ``mem_w`` and the memory
+limit are kept, in their unit).
+
+:func:`profile_and_replan`: ``warmup`` untimed iterations, then ``iterations`` timed ones, each one
+call of the user's ``train_step`` (which calls ``pipe.step(...)`` and whatever else an iteration
+does). While timing, a family that splits the backward runs with every ``I`` and ``W`` as separate
+actions (the export otherwise writes an ``I`` directly followed by its ``W`` as one ``B``; the order
+is the same), so every stage has ``T_I`` and ``T_W``. Then every rank all-gathers the medians per
+``(op, stage)`` over the stages' process group (so all ranks hold identical numbers), builds the
+measured :class:`~megatron_zb.schedules.costs.CostModel` (:func:`measured_costs`, milliseconds),
+rebuilds the family's schedule from it and reloads the runtime (every rank checks that all built
+the same schedule). Stage 0's quirk needs no correction here: the measured ``T_I`` of stage 0 is
+the runtime's near-zero call and its ``T_W`` the whole backward, exactly what the runtime spends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.costs import CostModel
+from ..schedules.ir import Schedule
+from .export import TorchExportError, prepare_runtime
+from .runtime import TorchPipeline
+
+__all__ = ["MIN_COST_MS", "Replan", "StageTimer", "agree_medians", "measured_costs", "profile_and_replan"]
+
+MIN_COST_MS = 1e-6
+"""Floor of a measured ``t_f``/``t_b`` [ms]: the cost model needs them ``> 0`` (stage 0's ``I`` is ~0)."""
+
+_TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+class StageTimer:
+    """While open (``with StageTimer(pipe):``), the wall time of every compute call of this rank's
+    stages, per ``(op, stage)`` in seconds (module doc)."""
+
+    def __init__(self, pipe: TorchPipeline) -> None:
+        self.pipe = pipe
+        self.durations: dict[tuple[str, int], list[float]] = {}
+        self._last_forward: tuple[str, int] | None = None
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "StageTimer":
+        for st in self.pipe.stages:
+            for name in _TIMED:
+                self._saved.append((st, name, vars(st).get(name)))
+                setattr(st, name, self._wrap(st, name, getattr(st, name)))
+        if self.pipe.loss is not None:
+            self.pipe.loss.timer = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for st, name, before in reversed(self._saved):
+            if before is None:
+                delattr(st, name)
+            else:
+                setattr(st, name, before)
+        self._saved = []
+        if self.pipe.loss is not None:
+            self.pipe.loss.timer = None
+
+    def _wrap(self, stage: Any, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        cuda = stage.device.type == "cuda"
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if name == "forward_one_chunk":
+                op = "F"
+            elif name == "backward_weight_one_chunk":
+                op = "W"
+            else:
+                full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+                op = "BW" if full else "B"
+            if cuda:
+                torch.cuda.synchronize(stage.device)
+            t0 = time.perf_counter()
+            out = method(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize(stage.device)
+            key = (op, stage.stage_index)
+            self.durations.setdefault(key, []).append(time.perf_counter() - t0)
+            self._last_forward = key if op == "F" else None
+            return out
+        return timed
+
+    @contextlib.contextmanager
+    def loss(self) -> Iterator[None]:
+        """Add the time of the block (the loss) to the forward that ran just before it."""
+        t0 = time.perf_counter()
+        yield
+        if self._last_forward is not None:
+            self.durations[self._last_forward][-1] += time.perf_counter() - t0
+
+    def medians_ms(self) -> dict[tuple[str, int], float]:
+        """Median duration per ``(op, stage)`` [ms] (robust to one call the OS descheduled)."""
+        return {k: 1e3 * statistics.median(v) for k, v in self.durations.items()}
+
+
+def agree_medians(mine: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int], float]:
+    """Every pipeline rank's medians, merged (an all-gather over ``group``): identical on all ranks."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    out: dict[tuple[str, int], float] = {}
+    for g in gathered:
+        out.update(g)
+    return out
+
+
+def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, num_stages: int) -> CostModel:
+    """The cost model [ms] from measured medians per ``(op, stage)``: ``t_f`` from ``F``; ``t_b``,
+    ``t_w`` from ``B`` (PyTorch's ``I``) and ``W`` when every stage has both, else ``t_b`` from ``BW``
+    and ``t_w = 0`` (a fused backward simulates exactly so); ``t_f``, ``t_b`` floored at
+    :data:`MIN_COST_MS`. Memory, memory limit and ``t_comm`` are ``base``'s.
+
+    Raises:
+        TorchExportError: a stage has no forward or no backward time.
+    """
+    def per_stage(op: str) -> list[float] | None:
+        vals = [medians_ms.get((op, s)) for s in range(num_stages)]
+        return None if any(v is None for v in vals) else [float(v) for v in vals]  # type: ignore[arg-type]
+
+    t_f = per_stage("F")
+    t_b, t_w = per_stage("B"), per_stage("W")
+    if t_b is None or t_w is None:
+        t_b, t_w = per_stage("BW"), [0.0] * num_stages
+    if t_f is None or t_b is None:
+        missing = sorted(s for s in range(num_stages) if ("F", s) not in medians_ms or not any(
+            (op, s) in medians_ms for op in ("B", "BW")))
+        raise TorchExportError(f"no forward or backward time was measured for stage(s) {missing}: run at least one "
+                               f"training step (pipe.step with target and losses) inside the profiling window")
+    return replace(base, t_f=[max(v, MIN_COST_MS) for v in t_f], t_b=[max(v, MIN_COST_MS) for v in t_b], t_w=t_w)
+
+
+@dataclass
+class Replan:
+    """What :func:`profile_and_replan` measured and loaded.
+
+    Attributes:
+        medians_ms: median time per ``(op, stage)`` [ms], all stages (ops ``F``, ``B`` = PyTorch's
+            ``I``, ``W``, ``BW`` = PyTorch's ``B``).
+        costs: the measured cost model the new schedule was built from [ms].
+        before, after: the schedule loaded before and after.
+        iterations: timed iterations.
+    """
+
+    medians_ms: dict[tuple[str, int], float]
+    costs: CostModel
+    before: Schedule
+    after: Schedule
+    iterations: int
+    samples: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, iterations: int = 3,
+                       warmup: int = 1) -> Replan:
+    """Time ``iterations`` calls of ``train_step`` (after ``warmup`` untimed ones) inside PyTorch's
+    runtime, agree on the medians across the pipeline ranks, rebuild ``pipe``'s schedule from the
+    measured costs and reload its runtime (module doc). Collective over the stages' group: every
+    pipeline rank calls it with the same ``iterations`` and ``warmup``.
+    """
+    if iterations < 1 or warmup < 0:
+        raise TorchExportError(f"iterations={iterations}, warmup={warmup}: time at least one iteration "
+                               f"(iterations >= 1, warmup >= 0)")
+    before = pipe.schedule
+    for _ in range(warmup):
+        train_step()
+    split = pipe.spec.split_backward
+    if split:  # the same order, every I and W its own action (checked the same on every rank at its load)
+        prepare_runtime(pipe.runtime, before, merge_iw=False)
+    timer = StageTimer(pipe)
+    try:
+        with timer:
+            for _ in range(iterations):
+                train_step()
+    finally:
+        if split:
+            prepare_runtime(pipe.runtime, before)
+    medians = agree_medians(timer.medians_ms(), pipe.group)
+    costs = measured_costs(medians, pipe.costs, before.num_stages)
+    after = pipe.rebuild(costs)
+    samples = {k: len(v) for k, v in timer.durations.items()}
+    return Replan(medians, costs, before, after, iterations, samples)
