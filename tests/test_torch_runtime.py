@@ -64,6 +64,12 @@ def test_build_profile_replan_and_refusals_on_2_processes():
     for s in range(n):  # measured inside the runtime, I and W apart on every stage
         assert {("F", s), ("B", s), ("W", s)} <= set(medians), s
         assert rep[0]["t_w"][s] > 0 and medians[("W", s)] > 0
+    # PyTorch's I frees none of what F saved (runtime_costs' mem_w = mem_b), on every stage
+    nbytes = rep[0]["bytes"]
+    assert rep[1]["bytes"] == nbytes
+    for s in range(n):
+        assert nbytes[("F", s)] > 0 and abs(nbytes[("B", s)]) <= 0.05 * nbytes[("F", s)], (s, nbytes)
+    assert all(0.95 * b <= w <= b for w, b in zip(rep[0]["mem_w"], rep[0]["mem_b"]))  # measured_costs' mem_w
     # stage 0's quirk, measured: PyTorch's I on stage 0 computes nothing, its W the whole backward
     assert medians[("B", 0)] < 0.25 * medians[("W", 0)]
     assert medians[("B", 0)] < 0.25 * min(medians[("B", s)] for s in range(1, n))
@@ -89,7 +95,7 @@ def test_stage0_quirk_in_the_cost_model():
     rc = runtime_costs(costs, 3)
     assert rc.t_b[0] == pytest.approx(2.5e-6, rel=1e-12) and rc.t_b[0] + rc.t_w[0] == pytest.approx(2.5, rel=1e-12)
     assert list(rc.t_b[1:]) == [2.0, 2.0] and list(rc.t_w[1:]) == [0.5, 0.5] and list(rc.t_f) == [1.0] * 3
-    assert list(rc.mem_w) == [4.0, 1.0, 1.0] and list(rc.mem_b) == [4.0] * 3
+    assert list(rc.mem_w) == [4.0] * 3 and list(rc.mem_b) == [4.0] * 3  # PyTorch's I frees nothing
     # the schedule built from it is one PyTorch's runtime accepts
     torch_lowering(build_schedule("zb-1p", num_ranks=3, num_microbatches=6, costs=rc))
 

@@ -46,7 +46,8 @@ def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) ->
     ``replan_name`` profiled (1 warm-up, 2 timed iterations), re-planned and stepped again; then
     the refusals (a DDP-wrapped and a compiled stage module for ``zb-1p``; DDP over a one-rank group).
 
-    Returns ``{name: {"losses", "grads"}, "replan": {"medians", "t_b", "t_w", "after", "step"},
+    Returns ``{name: {"losses", "grads"}, "replan": {"medians", "bytes", "t_b", "t_w", "mem_b", "mem_w",
+    "before", "after", "loaded", "samples", "step"},
     "refused": {"ddp": message, "compiled": message, "compiled_in_place": message}}``.
     """
     import torch.distributed as dist
@@ -66,7 +67,8 @@ def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) ->
     mods, stages = _stages(cfg, replan_name)
     pipe = build_pipeline(stages, replan_name, num_microbatches=m, loss_fn=loss_fn)
     rep = profile_and_replan(pipe, lambda: _step(pipe, mods, cfg, m), iterations=2, warmup=1)
-    out["replan"] = {"medians": rep.medians_ms, "t_b": list(rep.costs.t_b), "t_w": list(rep.costs.t_w),  # type: ignore[arg-type]
+    out["replan"] = {"medians": rep.medians_ms, "bytes": rep.bytes, "t_b": list(rep.costs.t_b),  # type: ignore[arg-type]
+                     "t_w": list(rep.costs.t_w), "mem_b": list(rep.costs.mem_b), "mem_w": list(rep.costs.mem_w),  # type: ignore[arg-type]
                      "before": rep.before, "after": rep.after, "loaded": pipe.schedule is rep.after,
                      "samples": rep.samples, "step": _step(pipe, mods, cfg, m)}
 

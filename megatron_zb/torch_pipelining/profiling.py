@@ -46,7 +46,7 @@ from ..schedules.ir import Schedule
 from .export import TorchExportError, prepare_runtime
 from .runtime import TorchPipeline
 
-__all__ = ["MIN_COST_MS", "Replan", "StageTimer", "agree_medians", "measured_costs", "profile_and_replan"]
+__all__ = ["MIN_COST_MS", "Replan", "StageTimer", "agree", "measured_costs", "profile_and_replan"]
 
 MIN_COST_MS = 1e-6
 """Floor of a measured ``t_f``/``t_b`` [ms]: the cost model needs them ``> 0`` (stage 0's ``I`` is ~0)."""
@@ -61,6 +61,7 @@ class StageTimer:
     def __init__(self, pipe: TorchPipeline) -> None:
         self.pipe = pipe
         self.durations: dict[tuple[str, int], list[float]] = {}
+        self.spans: list[tuple[tuple[str, int], float, float]] = []  # ((op, stage), start, end) perf_counter [s]
         self._last_forward: tuple[str, int] | None = None
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -100,8 +101,9 @@ class StageTimer:
             out = method(*args, **kwargs)
             if cuda:
                 torch.cuda.synchronize(stage.device)
-            key = (op, stage.stage_index)
-            self.durations.setdefault(key, []).append(time.perf_counter() - t0)
+            key, t1 = (op, stage.stage_index), time.perf_counter()
+            self.durations.setdefault(key, []).append(t1 - t0)
+            self.spans.append((key, t0, t1))
             self._last_forward = key if op == "F" else None
             return out
         return timed
@@ -112,15 +114,28 @@ class StageTimer:
         t0 = time.perf_counter()
         yield
         if self._last_forward is not None:
-            self.durations[self._last_forward][-1] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.durations[self._last_forward][-1] += t1 - t0
+            key, start, _ = self.spans[-1]
+            self.spans[-1] = (key, start, t1)
 
     def medians_ms(self) -> dict[tuple[str, int], float]:
         """Median duration per ``(op, stage)`` [ms] (robust to one call the OS descheduled)."""
         return {k: 1e3 * statistics.median(v) for k, v in self.durations.items()}
 
 
-def agree_medians(mine: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int], float]:
-    """Every pipeline rank's medians, merged (an all-gather over ``group``): identical on all ranks."""
+    def mean_bytes(self, tracker: Any) -> dict[tuple[str, int], float]:
+        """Mean net change per ``(op, stage)`` call of the bytes ``tracker`` (an
+        :class:`~megatron_zb.runtime.memory.ActivationMemoryTracker`) counted [bytes]."""
+        sums: dict[tuple[str, int], list[float]] = {}
+        for key, t0, t1 in self.spans:
+            sums.setdefault(key, []).append(float(tracker.bytes_between(t0, t1)))
+        return {k: statistics.fmean(v) for k, v in sums.items()}
+
+
+def agree(mine: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int], float]:
+    """Every pipeline rank's values per ``(op, stage)``, merged (an all-gather over ``group``):
+    identical on all ranks."""
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     out: dict[tuple[str, int], float] = {}
@@ -129,29 +144,43 @@ def agree_medians(mine: dict[tuple[str, int], float], group: Any) -> dict[tuple[
     return out
 
 
-def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, num_stages: int) -> CostModel:
+def _per_stage(values: dict[tuple[str, int], float], op: str, num_stages: int) -> list[float] | None:
+    vals = [values.get((op, s)) for s in range(num_stages)]
+    return None if any(v is None for v in vals) else [float(v) for v in vals]  # type: ignore[arg-type]
+
+
+def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, num_stages: int,
+                   nbytes: dict[tuple[str, int], float] | None = None) -> CostModel:
     """The cost model [ms] from measured medians per ``(op, stage)``: ``t_f`` from ``F``; ``t_b``,
     ``t_w`` from ``B`` (PyTorch's ``I``) and ``W`` when every stage has both, else ``t_b`` from ``BW``
     and ``t_w = 0`` (a fused backward simulates exactly so); ``t_f``, ``t_b`` floored at
-    :data:`MIN_COST_MS`. Memory, memory limit and ``t_comm`` are ``base``'s.
+    :data:`MIN_COST_MS`. ``mem_b``, the memory limit and ``t_comm`` are ``base``'s (their units).
+    With ``nbytes`` (mean net saved-activation bytes per ``(op, stage)`` call) and a split backward,
+    ``mem_w = mem_b x (M_B + dM_I) / M_B`` per stage, clipped to ``[0, mem_b]``: the share of a
+    microbatch's activations PyTorch's ``I`` leaves held until ``W`` (``M_B``: the bytes one ``F``
+    leaves; ``dM_I``: the net change over one ``I``); else ``base``'s ``mem_w``.
 
     Raises:
         TorchExportError: a stage has no forward or no backward time.
     """
-    def per_stage(op: str) -> list[float] | None:
-        vals = [medians_ms.get((op, s)) for s in range(num_stages)]
-        return None if any(v is None for v in vals) else [float(v) for v in vals]  # type: ignore[arg-type]
-
-    t_f = per_stage("F")
-    t_b, t_w = per_stage("B"), per_stage("W")
-    if t_b is None or t_w is None:
-        t_b, t_w = per_stage("BW"), [0.0] * num_stages
+    t_f = _per_stage(medians_ms, "F", num_stages)
+    t_b, t_w = _per_stage(medians_ms, "B", num_stages), _per_stage(medians_ms, "W", num_stages)
+    split = t_b is not None and t_w is not None
+    if not split:
+        t_b, t_w = _per_stage(medians_ms, "BW", num_stages), [0.0] * num_stages
     if t_f is None or t_b is None:
         missing = sorted(s for s in range(num_stages) if ("F", s) not in medians_ms or not any(
             (op, s) in medians_ms for op in ("B", "BW")))
         raise TorchExportError(f"no forward or backward time was measured for stage(s) {missing}: run at least one "
                                f"training step (pipe.step with target and losses) inside the profiling window")
-    return replace(base, t_f=[max(v, MIN_COST_MS) for v in t_f], t_b=[max(v, MIN_COST_MS) for v in t_b], t_w=t_w)
+    res = base.resolve(num_stages)
+    mem_w = list(res.mem_w)
+    m_f = _per_stage(nbytes or {}, "F", num_stages)
+    d_i = _per_stage(nbytes or {}, "B", num_stages)
+    if split and m_f is not None and d_i is not None and all(v > 0 for v in m_f):
+        mem_w = [b * min(1.0, max(0.0, (f + d) / f)) for b, f, d in zip(res.mem_b, m_f, d_i)]
+    return replace(base, t_f=[max(v, MIN_COST_MS) for v in t_f], t_b=[max(v, MIN_COST_MS) for v in t_b], t_w=t_w,
+                   mem_b=list(res.mem_b), mem_w=mem_w)
 
 
 @dataclass
@@ -161,12 +190,16 @@ class Replan:
     Attributes:
         medians_ms: median time per ``(op, stage)`` [ms], all stages (ops ``F``, ``B`` = PyTorch's
             ``I``, ``W``, ``BW`` = PyTorch's ``B``).
+        bytes: mean net saved-activation bytes per ``(op, stage)`` call, all stages (empty when
+            memory was not measured).
         costs: the measured cost model the new schedule was built from [ms].
         before, after: the schedule loaded before and after.
         iterations: timed iterations.
+        samples: timed calls per ``(op, stage)`` of this rank.
     """
 
     medians_ms: dict[tuple[str, int], float]
+    bytes: dict[tuple[str, int], float]
     costs: CostModel
     before: Schedule
     after: Schedule
@@ -175,12 +208,16 @@ class Replan:
 
 
 def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, iterations: int = 3,
-                       warmup: int = 1) -> Replan:
+                       warmup: int = 1, memory: bool = True) -> Replan:
     """Time ``iterations`` calls of ``train_step`` (after ``warmup`` untimed ones) inside PyTorch's
     runtime, agree on the medians across the pipeline ranks, rebuild ``pipe``'s schedule from the
-    measured costs and reload its runtime (module doc). Collective over the stages' group: every
-    pipeline rank calls it with the same ``iterations`` and ``warmup``.
+    measured costs and reload its runtime (module doc). ``memory``: one more call with the
+    saved-activation tracker on (its hooks slow the calls, so its times are not used), for
+    ``mem_w / mem_b`` (:func:`measured_costs`). Collective over the stages' group: every pipeline
+    rank calls it with the same arguments.
     """
+    from ..runtime.memory import ActivationMemoryTracker
+
     if iterations < 1 or warmup < 0:
         raise TorchExportError(f"iterations={iterations}, warmup={warmup}: time at least one iteration "
                                f"(iterations >= 1, warmup >= 0)")
@@ -191,15 +228,22 @@ def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, it
     if split:  # the same order, every I and W its own action (checked the same on every rank at its load)
         prepare_runtime(pipe.runtime, before, merge_iw=False)
     timer = StageTimer(pipe)
+    mine_bytes: dict[tuple[str, int], float] = {}
     try:
         with timer:
             for _ in range(iterations):
                 train_step()
+        if memory:
+            tracker = ActivationMemoryTracker([q for st in pipe.stages for q in st.submod.parameters()])
+            with StageTimer(pipe) as spans, tracker.saving():
+                train_step()
+            mine_bytes = spans.mean_bytes(tracker)
     finally:
         if split:
             prepare_runtime(pipe.runtime, before)
-    medians = agree_medians(timer.medians_ms(), pipe.group)
-    costs = measured_costs(medians, pipe.costs, before.num_stages)
+    medians = agree(timer.medians_ms(), pipe.group)
+    nbytes = agree(mine_bytes, pipe.group)
+    costs = measured_costs(medians, pipe.costs, before.num_stages, nbytes)
     after = pipe.rebuild(costs)
     samples = {k: len(v) for k, v in timer.durations.items()}
-    return Replan(medians, costs, before, after, iterations, samples)
+    return Replan(medians, nbytes, costs, before, after, iterations, samples)

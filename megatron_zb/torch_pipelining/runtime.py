@@ -10,29 +10,37 @@ validation and lowering). ``TorchPipeline.step`` is the runtime's ``step``.
 :func:`~.profiling.profile_and_replan` measures the stages' times inside that runtime and reloads
 it with the schedule rebuilt from them.
 
-Stage 0 in PyTorch's runtime
-----------------------------
-PyTorch 2.13's ``PipelineStage.backward_one_chunk(full_backward=False)`` -- the runtime's ``I`` --
-computes nothing on stage 0 (the first stage has no input gradient to send), and
-``backward_weight_one_chunk`` -- its ``W`` -- then runs stage 0's *whole* backward. The schedule
-stays valid (nothing waits for stage 0's input gradient), but on stage 0 the time of ``B`` is spent
-in ``W`` and the whole activation memory ``M_B`` stays held until ``W``. :func:`runtime_costs` puts
-this into the cost model the schedule is built from: stage 0's ``t_b`` becomes a negligible
-``1e-6 x (t_b + t_w)`` (the cost model needs ``t_b > 0``), its ``t_w`` the rest of ``t_b + t_w``,
-and its ``mem_w`` its ``mem_b``. :func:`build_pipeline` applies it to the costs it is given (the
-model's own ``T_B``/``T_W``); costs measured inside the runtime have it already.
+What PyTorch's runtime spends, in the cost model
+------------------------------------------------
+Two facts of PyTorch 2.13's split backward, read from ``torch/distributed/pipelining/stage.py``
+and ``_backward.py`` and measured by the tests (``tests/test_torch_runtime.py``):
+
+* **Stage 0's ``I`` computes nothing** (``backward_one_chunk(full_backward=False)`` skips the
+  first stage: it has no input gradient to send) and its ``W`` (``backward_weight_one_chunk``)
+  runs the stage's *whole* backward. The schedule stays valid (nothing waits for stage 0's input
+  gradient), but on stage 0 the time of ``B`` is spent in ``W``.
+* **``I`` frees no activations**: ``stage_backward_input`` runs ``torch.autograd.grad`` with
+  ``retain_graph=True`` and keeps the graph's weight-side nodes for ``W``, so what a forward saved
+  stays held until that microbatch's ``W`` -- ``M_W = M_B`` (measured 1.00 on every stage of the
+  test model), not the smaller ``M_W`` of megatron-zb's own runtime.
+
+:func:`runtime_costs` puts both into the cost model the schedule is built from: stage 0's ``t_b``
+becomes a negligible ``1e-6 x (t_b + t_w)`` (the cost model needs ``t_b > 0``) and its ``t_w`` the
+rest of ``t_b + t_w``; every stage's ``mem_w`` becomes its ``mem_b``. :func:`build_pipeline`
+applies it to the costs it is given (the model's own ``T_B``/``T_W``); costs measured inside the
+runtime (:mod:`.profiling`) have both already.
 
 Refused up front (:func:`check_stage_modules`, one line naming the cause and the fix) for a
 schedule that splits the backward (``I``/``W``):
 
-* a stage module that is, or contains, ``DistributedDataParallel``: PyTorch's split backward calls
-  ``torch.autograd.grad`` on parts of the graph, so DDP's gradient hooks never see the weight
-  gradients of ``W`` (pytorch issue 144530);
+* a stage module that is, or contains, ``DistributedDataParallel``: PyTorch's split backward
+  computes gradients with ``torch.autograd.grad`` on parts of the graph and writes ``.grad``
+  itself, which bypasses the gradient hooks DDP's reducer relies on (pytorch issue 144530);
 * a compiled stage module (``torch.compile(module)``, which returns a
   ``torch._dynamo.eval_frame.OptimizedModule``, or ``module.compile()``, which sets the private
   ``nn.Module._compiled_call_impl``; both private names of PyTorch 2.13, read here and nowhere
-  else): a compiled graph's backward is one autograd node, which cannot be split into ``I`` and
-  ``W`` (PyTorch's own zero-bubble classes refuse ``OptimizedModule`` too).
+  else): the backward of a compiled region is one autograd node, which PyTorch's split backward
+  cannot separate into ``I`` and ``W`` (PyTorch's own zero-bubble classes refuse ``OptimizedModule``).
 
 A schedule with fused backwards (``1f1b``, ``interleaved-1f1b``) takes such stages; that is
 PyTorch's own path and not tested here.
@@ -71,15 +79,14 @@ def stages_for_rank(schedule_name: str, *, num_ranks: int, rank: int, num_chunks
 
 def runtime_costs(costs: CostModel, num_stages: int) -> CostModel:
     """``costs`` (the model's own per-stage times and memory) as PyTorch's runtime spends them:
-    stage 0's backward time moved from ``t_b`` into ``t_w``, its ``mem_w`` set to its ``mem_b``
-    (module doc). Units are kept; the other stages are unchanged."""
+    stage 0's backward time moved from ``t_b`` into ``t_w``, and every stage's ``mem_w`` set to its
+    ``mem_b`` (module doc). Units are kept; the other stages' times are unchanged."""
     res = costs.resolve(num_stages)
     whole = res.t_b[0] + res.t_w[0]
-    t_b, t_w, mem_w = list(res.t_b), list(res.t_w), list(res.mem_w)
+    t_b, t_w = list(res.t_b), list(res.t_w)
     t_b[0] = STAGE0_TB_FRACTION * whole
     t_w[0] = whole - t_b[0]
-    mem_w[0] = res.mem_b[0]
-    return replace(costs, t_f=list(res.t_f), t_b=t_b, t_w=t_w, mem_b=list(res.mem_b), mem_w=mem_w)
+    return replace(costs, t_f=list(res.t_f), t_b=t_b, t_w=t_w, mem_b=list(res.mem_b), mem_w=list(res.mem_b))
 
 
 def _compiled(module: torch.nn.Module) -> bool:
@@ -198,8 +205,8 @@ def build_pipeline(stages: Sequence[Any], schedule_name: str, *, num_microbatche
         num_microbatches: microbatches per ``step``.
         loss_fn: as PyTorch's schedules take it (``None``: forward only).
         costs: the model's per-stage costs (times in any one unit, ``t_b`` the input-gradient
-            backward; memory in bytes or units of ``mem_b``); ``None``: unit costs. Stage 0's
-            PyTorch quirk is applied here (:func:`runtime_costs`).
+            backward; memory in bytes or units of ``mem_b``); ``None``: unit costs. What PyTorch's
+            runtime spends differently is applied here (:func:`runtime_costs`).
         memory_limit: per-rank activation limit in the unit of ``costs.mem_b`` (``None``: the
             family's default).
         runtime_kwargs: passed to ``_PipelineScheduleRuntime`` (e.g. ``scale_grads``).
