@@ -45,7 +45,7 @@ __all__ = ["TorchBenchConfig", "bench_rank", "report"]
 
 BUILTINS = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
             "ScheduleDualPipeV")
-OURS = ("zb-1p", "zb-2p", "zbv", "v-half", "v-min", "interleaved-zb")
+OURS = ("1f1b", "zb-1p", "zb-2p", "zbv", "v-half", "v-min", "interleaved-zb")
 
 
 @dataclass(frozen=True)
@@ -166,16 +166,19 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
                      f"{med[k]:.1f} | {ratio} | {_mib(peak[k])} | {', '.join(_mib(r['peaks'][k]) for r in results)} |")
     if r0["absent"]:
         lines.append(f"\nnot in this torch: {', '.join(r0['absent'])}")
-    lines += ["", "Measured inside PyTorch's runtime by profile_and_replan (ms, median; B = PyTorch's I; "
-              "stage 0's I does nothing and its W is the whole backward):", "",
-              "| schedule | stage | T_F | T_I | T_W | M_B MiB | held after I (M_W / M_B) |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "Measured inside PyTorch's runtime by profile_and_replan (ms, median; T_I: PyTorch's I, our B; "
+              "T_B (fused): PyTorch's B, for a fused-backward schedule; stage 0's I does nothing and its W is the "
+              "whole backward; M_B: saved bytes one F leaves, mean):", "",
+              "| schedule | stage | T_F | T_I | T_W | T_B (fused) | M_B MiB | held after I (M_W / M_B) |",
+              "|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for name, (med_ms, nbytes) in r0["profiles"].items():
         n = 1 + max(s for _, s in med_ms)
         for s in range(n):
             m_b = nbytes.get(("F", s), nan)
-            lines.append(f"| {name} | {s} | {med_ms.get(('F', s), nan):.2f} | {med_ms.get(('B', s), nan):.2f} | "
-                         f"{med_ms.get(('W', s), nan):.2f} | {_mib(m_b)} | {(m_b + nbytes.get(('B', s), nan)) / m_b:.2f} |")
+            cells = [f"{med_ms[(op, s)]:.2f}" if (op, s) in med_ms else "-" for op in ("F", "B", "W", "BW")]
+            held = f"{(m_b + nbytes[('B', s)]) / m_b:.2f}" if ("B", s) in nbytes else "-"
+            lines.append(f"| {name} | {s} | {' | '.join(cells)} | {_mib(m_b)} | {held} |")
     if best_builtin is not None:
         ours = [k for k in labels if k not in bc.builtins and peak[k] <= peak[best_builtin]]
         if ours:
