@@ -20,7 +20,8 @@ the others). Per schedule:
   median over rounds, and the median over rounds of the ratio to the fastest built-in in the same
   round (paired: both ran in the same round, so the machine's load then affects both);
 * peak activation memory: one more step per schedule with
-  :class:`~megatron_zb.runtime.memory.ActivationMemoryTracker` on -- the largest number of bytes of
+  :class:`~megatron_zb.runtime.memory.ActivationMemoryTracker` counting through
+  :func:`~megatron_zb.torch_pipelining.profiling.saving` (detached aliases: no reference cycles) -- the largest number of bytes of
   tensors autograd saved for backward (each storage counted once, parameters excluded) alive at the
   same time on a rank, from when a forward saves them until autograd frees them (after ``B`` for a
   fused backward, after ``W`` for a split one). Not counted: PyTorch's send/receive buffers, the
@@ -91,7 +92,7 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
 
     from ..runtime.memory import ActivationMemoryTracker
     from ..schedules.torch_import import TORCH_SCHEDULES
-    from ..torch_pipelining.profiling import profile_and_replan
+    from ..torch_pipelining.profiling import profile_and_replan, saving
     from ..torch_pipelining.runtime import build_pipeline, stages_for_rank
 
     rank, p, m = dist.get_rank(), dist.get_world_size(), bc.microbatches
@@ -136,7 +137,7 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
     for e in entries:
         tracker = ActivationMemoryTracker(e.params)
         dist.barrier()
-        with tracker.saving():
+        with saving(tracker):
             e.step()
         peaks[e.label] = tracker.peak_bytes
     return {"times": times, "peaks": peaks, "profiles": profiles, "absent": absent,

@@ -46,7 +46,7 @@ from ..schedules.ir import Schedule
 from .export import TorchExportError, prepare_runtime
 from .runtime import TorchPipeline
 
-__all__ = ["MIN_COST_MS", "Replan", "StageTimer", "agree", "measured_costs", "profile_and_replan"]
+__all__ = ["MIN_COST_MS", "Replan", "StageTimer", "agree", "measured_costs", "profile_and_replan", "saving"]
 
 MIN_COST_MS = 1e-6
 """Floor of a measured ``t_f``/``t_b`` [ms]: the cost model needs them ``> 0`` (stage 0's ``I`` is ~0)."""
@@ -131,6 +131,24 @@ class StageTimer:
         for key, t0, t1 in self.spans:
             sums.setdefault(key, []).append(float(tracker.bytes_between(t0, t1)))
         return {k: statistics.fmean(v) for k, v in sums.items()}
+
+
+@contextlib.contextmanager
+def saving(tracker: Any) -> Iterator[None]:
+    """Count every tensor autograd saves inside the block with ``tracker`` (an
+    :class:`~megatron_zb.runtime.memory.ActivationMemoryTracker`), as its ``saving()`` does, but
+    keep a *detached* alias (same storage, no ``grad_fn``): a pack hook that returns the tensor
+    itself makes a node that saves its own output (softmax, ReLU, attention) reference itself
+    through that output, and PyTorch's ``W`` -- which runs only the weight-side part of the graph --
+    never releases the buffers of the other nodes, so with ``tracker.saving()`` those nodes and
+    what they saved would stay alive after the step (measured: a last stage's saved bytes
+    held after every ``W``). Gradients are unchanged (``tests/test_torch_runtime.py``)."""
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        tracker.track(t)
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
 
 
 def agree(mine: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int], float]:
@@ -235,7 +253,7 @@ def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, it
                 train_step()
         if memory:
             tracker = ActivationMemoryTracker([q for st in pipe.stages for q in st.submod.parameters()])
-            with StageTimer(pipe) as spans, tracker.saving():
+            with StageTimer(pipe) as spans, saving(tracker):
                 train_step()
             mine_bytes = spans.mean_bytes(tracker)
     finally:

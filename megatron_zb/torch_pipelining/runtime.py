@@ -19,10 +19,12 @@ and ``_backward.py`` and measured by the tests (``tests/test_torch_runtime.py``)
   first stage: it has no input gradient to send) and its ``W`` (``backward_weight_one_chunk``)
   runs the stage's *whole* backward. The schedule stays valid (nothing waits for stage 0's input
   gradient), but on stage 0 the time of ``B`` is spent in ``W``.
-* **``I`` frees no activations**: ``stage_backward_input`` runs ``torch.autograd.grad`` with
-  ``retain_graph=True`` and keeps the graph's weight-side nodes for ``W``, so what a forward saved
-  stays held until that microbatch's ``W`` -- ``M_W = M_B`` (measured 1.00 on every stage of the
-  test model), not the smaller ``M_W`` of megatron-zb's own runtime.
+* **``I`` frees no activations** (but on the last stage what the loss saved):
+  ``stage_backward_input`` runs ``torch.autograd.grad`` with ``retain_graph=True`` and keeps the
+  graph's weight-side nodes for ``W``, so what a forward saved stays held until that microbatch's
+  ``W`` -- ``M_W = M_B``, not the smaller ``M_W`` of megatron-zb's own runtime. Measured on the
+  test model: the net change of saved bytes over an ``I`` is exactly 0 on every stage but the
+  last, whose ``I`` frees the loss's part (its log-softmax of the logits; 14% of ``M_B`` there).
 
 :func:`runtime_costs` puts both into the cost model the schedule is built from: stage 0's ``t_b``
 becomes a negligible ``1e-6 x (t_b + t_w)`` (the cost model needs ``t_b > 0``) and its ``t_w`` the
