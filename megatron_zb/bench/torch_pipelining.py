@@ -25,7 +25,12 @@ the others). Per schedule:
   tensors autograd saved for backward (each storage counted once, parameters excluded) alive at the
   same time on a rank, from when a forward saves them until autograd frees them (after ``B`` for a
   fused backward, after ``W`` for a split one). Not counted: PyTorch's send/receive buffers, the
-  gradients, the last stage's kept outputs. Reported per rank and the maximum over ranks [MiB].
+  gradients, the last stage's kept outputs themselves. Reported per rank and the maximum over ranks
+  [MiB]. Every step runs with ``return_outputs=False`` (a training step needs the losses only); the
+  peak is measured once more with PyTorch's default ``return_outputs=True``, with which the last
+  stage keeps each microbatch's output -- and, when that output is a view (this model's 3-D output
+  layer result is), the part of its autograd graph a split backward's ``W`` does not run, with
+  everything it saved, until the step's outputs are dropped.
 
 The measured T_F, T_I (our B) and T_W per stage of our re-planned schedules are printed too (the
 profile the schedules were rebuilt from), to show where T_W differs from T_F.
@@ -67,7 +72,7 @@ class TorchBenchConfig:
 class _Entry:
     label: str
     placement: str
-    step: Callable[[], None]
+    step: Callable[..., None]
     params: list[torch.Tensor]
 
 
@@ -77,11 +82,12 @@ def _modules(cfg: LMConfig, mine: list[int], n: int) -> tuple[dict[int, Any], li
     return mods, [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
 
 
-def _stepper(sched: Any, mods: dict[int, Any], n: int, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
+def _stepper(sched: Any, mods: dict[int, Any], n: int, x: torch.Tensor, y: torch.Tensor) -> Callable[..., None]:
+    def step(return_outputs: bool = False) -> None:
         for mod in mods.values():
             mod.zero_grad(set_to_none=True)
-        sched.step(*((x,) if 0 in mods else ()), **({"target": y, "losses": []} if n - 1 in mods else {}))
+        kw: dict[str, Any] = {"target": y, "losses": []} if n - 1 in mods else {}
+        sched.step(*((x,) if 0 in mods else ()), return_outputs=return_outputs, **kw)
     return step
 
 
@@ -134,13 +140,15 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
             dist.barrier()
             times[e.label].append(1e3 * (time.perf_counter() - t0))
     peaks: dict[str, int] = {}
+    peaks_outputs: dict[str, int] = {}
     for e in entries:
-        tracker = ActivationMemoryTracker(e.params)
-        dist.barrier()
-        with saving(tracker):
-            e.step()
-        peaks[e.label] = tracker.peak_bytes
-    return {"times": times, "peaks": peaks, "profiles": profiles, "absent": absent,
+        for ret, into in ((False, peaks), (True, peaks_outputs)):
+            tracker = ActivationMemoryTracker(e.params)
+            dist.barrier()
+            with saving(tracker):
+                e.step(return_outputs=ret)
+            into[e.label] = tracker.peak_bytes
+    return {"times": times, "peaks": peaks, "peaks_outputs": peaks_outputs, "profiles": profiles, "absent": absent,
             "placement": {e.label: e.placement for e in entries}}
 
 
@@ -158,13 +166,15 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
     peak = {k: max(r["peaks"][k] for r in results) for k in labels}
     lines = [f"PP={bc.pp}, {bc.microbatches} microbatches, {bc.rounds} paired rounds; model {bc.model}",
              "", "| schedule | by | placement | iteration ms (median) | paired ratio to fastest built-in "
-             f"({best_builtin}) | peak activation MiB (max over ranks) | per rank |", "|---|---|---|---|---|---|---|"]
+             f"({best_builtin}) | peak activation MiB (max over ranks) | per rank | with return_outputs=True |",
+             "|---|---|---|---|---|---|---|---|"]
     for k in labels:
         ratio = "-"
         if best_builtin is not None:
             ratio = f"{statistics.median(a / b for a, b in zip(r0['times'][k], r0['times'][best_builtin])):.3f}"
         lines.append(f"| {k} | {'PyTorch' if k in bc.builtins else 'megatron-zb, profiled'} | {r0['placement'][k]} | "
-                     f"{med[k]:.1f} | {ratio} | {_mib(peak[k])} | {', '.join(_mib(r['peaks'][k]) for r in results)} |")
+                     f"{med[k]:.1f} | {ratio} | {_mib(peak[k])} | {', '.join(_mib(r['peaks'][k]) for r in results)} | "
+                     f"{_mib(max(r['peaks_outputs'][k] for r in results))} |")
     if r0["absent"]:
         lines.append(f"\nnot in this torch: {', '.join(r0['absent'])}")
     lines += ["", "Measured inside PyTorch's runtime by profile_and_replan (ms, median; T_I: PyTorch's I, our B; "
