@@ -15,8 +15,9 @@ timer closes; PyTorch's classes and private code are not touched):
 The waits for a peer's activation or gradient are *outside* these calls (the runtime waits on its
 receives before calling them), so a duration is the stage's own compute. Not measured: ``T_comm``
 and the runtime's own time between actions (the re-planned cost model keeps the ``t_comm`` of the
-pipeline's costs; with unit costs that is 0), and memory (``mem_b``, ``mem_w`` and the memory
-limit are kept, in their unit).
+pipeline's costs; with unit costs that is 0). Memory: ``mem_b`` and the memory limit are kept in
+their unit; ``mem_w / mem_b`` is measured (one more iteration with the saved-activation tracker,
+:func:`saving`; :func:`measured_costs`).
 
 :func:`profile_and_replan`: ``warmup`` untimed iterations, then ``iterations`` timed ones, each one
 call of the user's ``train_step`` (which calls ``pipe.step(...)`` and whatever else an iteration
@@ -26,8 +27,9 @@ is the same), so every stage has ``T_I`` and ``T_W``. Then every rank all-gather
 ``(op, stage)`` over the stages' process group (so all ranks hold identical numbers), builds the
 measured :class:`~megatron_zb.schedules.costs.CostModel` (:func:`measured_costs`, milliseconds),
 rebuilds the family's schedule from it and reloads the runtime (every rank checks that all built
-the same schedule). Stage 0's quirk needs no correction here: the measured ``T_I`` of stage 0 is
-the runtime's near-zero call and its ``T_W`` the whole backward, exactly what the runtime spends.
+the same schedule). Stage 0's quirk and ``M_W = M_B`` (:mod:`.runtime`) need no correction here:
+the measured ``T_I`` of stage 0 is the runtime's near-zero call, its ``T_W`` the whole backward,
+and the measured bytes what the runtime holds.
 """
 
 from __future__ import annotations
