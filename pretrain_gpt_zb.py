@@ -12,10 +12,15 @@ family) or ``--schedule NAME`` (any schedule of the library). Launch with torchr
 
 ``python pretrain_gpt_zb.py --help`` lists every flag; ``docs/training.md`` describes the run.
 A bad flag prints one line naming it and exits with status 2 before any process group starts.
+A peer that died or froze in a collective of the zero-bubble path ends the rank with the named
+``PipelineTimeoutError`` (``megatron_zb/peer_wait.py``) and exit status 1, without tearing the process
+groups down: the late collective is still pending in the backend, and destroying its group would wait
+for it (as NCCL's own watchdog, this exits without clean-up).
 """
 
 import os
 import sys
+import traceback
 import warnings
 
 # Known, harmless notices of megatron-core / torch on a CPU-only or apex-less install; each is
@@ -39,4 +44,12 @@ def main() -> int:
 
 
 if __name__ == "__main__":  # required: megatron-core's checkpoint writer starts processes
-    sys.exit(main())
+    from megatron_zb.peer_wait import PEER_TIMEOUT_EXIT_STATUS, PipelineTimeoutError  # no torch import
+
+    try:
+        sys.exit(main())
+    except PipelineTimeoutError:  # module docstring: no process-group teardown
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(PEER_TIMEOUT_EXIT_STATUS)

@@ -108,6 +108,10 @@ PRIVATE_API: dict[str, dict[str, Private | None]] = {
     "prepare_input_tensors_for_wgrad_compute": {
         r: Private("megatron.core.utils:prepare_input_tensors_for_wgrad_compute",
                    "(grad_output, all_gathered_input)") for r in RELEASES},
+    # -- model: vocabulary parallelism (megatron_zb/model/vocab_parallel.py) reuses the group-free
+    # arithmetic of megatron-core's vocab-parallel cross entropy (not exported by tensor_parallel)
+    "VocabParallelCrossEntropy": {
+        r: Private("megatron.core.tensor_parallel.cross_entropy:VocabParallelCrossEntropy") for r in RELEASES},
 }
 """The table: private name -> release line -> :class:`Private` (``None``: absent in that release).
 Rows are added as the sections below need them; :func:`private` resolves one."""
@@ -244,6 +248,16 @@ def pipeline_step_functions() -> PipelineStepFunctions:
     return PipelineStepFunctions(private("forward_step"), uniform_backward_step,
                                  private("check_first_val_step"), private("get_tensor_shapes"),
                                  private("deallocate_output_tensor"))
+
+
+# ------------------------------------------------------------------------------------- model
+def vocab_parallel_cross_entropy_math() -> Any:
+    """megatron-core's ``VocabParallelCrossEntropy``: the static methods of its vocab-parallel cross
+    entropy (``calculate_logits_max``, ``calculate_predicted_logits``, ``calculate_cross_entropy_loss``,
+    ``prepare_gradient_calculation_operands``, ``calculate_gradients``), which take no process group;
+    :mod:`megatron_zb.model.vocab_parallel` runs them with its own collectives over the pipeline group.
+    The same class and methods in 0.16.1 and 0.19."""
+    return private("VocabParallelCrossEntropy")
 
 
 # ---------------------------------------------------------------------------- platform shim

@@ -260,7 +260,7 @@ class ReplanningForwardBackward:
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
         """megatron-core's ``forward_backward_func`` (same keywords); a training call is one iteration."""
         planner = self._planner(num_microbatches)
-        planner.args.num_microbatches = num_microbatches
+        planner.args.num_microbatches = planner.num_microbatches = num_microbatches
         call = functools.partial(
             planner.forward_backward, forward_step_func=forward_step_func, data_iterator=data_iterator,
             model=model, num_microbatches=num_microbatches, seq_length=seq_length,

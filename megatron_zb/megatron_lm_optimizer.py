@@ -7,8 +7,8 @@ and ``train`` call them by those names), as :func:`megatron_zb.patch_megatron` r
 * ``get_megatron_optimizer``: the optimizer Megatron-LM builds is wrapped in
   :class:`~megatron_zb.optimizer.PostValidationOptimizer`, with the settings of ``pretrain_gpt_zb.py``
   (:func:`~megatron_zb.training.wiring.wrap_post_validation`: ``--enable-exactly-numeric-match``,
-  ``--post-validation-warmup-iters``, ``--post-validation-fallback-clean-iters``, Megatron-LM's
-  ``--distributed-timeout-minutes``). Megatron-LM's LR scheduler, ``grad_scale_func`` and checkpoints
+  ``--post-validation-warmup-iters``, ``--post-validation-fallback-clean-iters``,
+  ``--pipeline-timeout-seconds``). Megatron-LM's LR scheduler, ``grad_scale_func`` and checkpoints
   then use the wrapper (its ``state_dict`` / ``load_state_dict`` validate first).
 * ``train_step``: :func:`post_validated_train_step`. Megatron-LM's own ``train_step`` runs with the
   wrapper: its ``optimizer.step()`` updates eagerly, without waiting for the pipeline-wide found-inf

@@ -79,7 +79,7 @@ def test_megatron_defaults_and_choices():
     assert (a.zero_bubble_pipeline_timers_start_iter, a.zero_bubble_pipeline_timers_end_iter) == (2, 4)
     by_flag = {s: x for x in build_parser()._actions for s in x.option_strings}
     assert list(by_flag["--schedule"].choices) == schedule_names()
-    assert set(by_flag["--lr-decay-style"].choices) == {"constant", "linear", "cosine"}
+    assert set(by_flag["--lr-decay-style"].choices) == {"constant", "linear", "cosine", "WSD"}
     assert set(by_flag["--tokenizer-type"].choices) == {"ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer",
                                                             "NullTokenizer"}
     assert set(by_flag["--distributed-backend"].choices) == {"auto", "gloo", "nccl"}
@@ -248,7 +248,8 @@ BAD = [
     ("--decoder-last-pipeline-num-layers 2", 1, "--decoder-last-pipeline-num-layers",
      "--pipeline-model-parallel-size > 1"),
     ("--enable-optimizer-post-validation", 1, "--enable-optimizer-post-validation", "--enable-zero-bubble"),
-    ("--sequence-parallel", 1, "--sequence-parallel", "--tensor-model-parallel-size > 1"),
+    # --sequence-parallel at TP 1 is now turned off with a log line, as Megatron-LM
+    # (tests/test_command_line_report.py::test_sequence_parallel_at_tp1_is_turned_off_with_a_log_line)
     ("--fp16 --bf16", 1, "--bf16", "--fp16"),
     ("--pipeline-model-parallel-size 2 --enable-zero-bubble --zero-bubble-max-pending-backward 0", 2,
      "--zero-bubble-max-pending-backward", "raise"),
@@ -309,7 +310,9 @@ def test_required_flags():
         argv = shlex.split(BASE)
         i = argv.index(flag)
         del argv[i:i + 2]
-        with pytest.raises(ArgumentError, match=f"^{flag}: is required"):
+        # the training length: --train-iters or --train-samples, as Megatron-LM
+        message = "give exactly one of --train-iters N and --train-samples N" if flag == "--train-iters" else "is required"
+        with pytest.raises(ArgumentError, match=f"^{flag}: {message}"):
             validate_args(parse_args(argv), world_size=1)
 
 

@@ -160,7 +160,8 @@ def test_other_train_iters_names_megatrons_flags_and_honours_them(tmp_path, save
     argv = _without(ARGV, "--train-iters") + ["--train-iters", "10", "--load", str(root), "--ckpt-step", "4"]
     line = _refused(argv, root)
     assert "--override-opt_param-scheduler" in line and "--use-checkpoint-opt_param-scheduler" in line, line
-    assert "--lr-decay-iters, default --train-iters [samples]: checkpoint 64, this run 80" in line, line
+    assert "--lr-decay-iters / --lr-decay-samples, default the training length [samples]: checkpoint 64, this run 80" \
+        in line, line
     gbs, warmup = 8, 2 * 8
     for flag, decay_iters in (("--use-checkpoint-opt_param-scheduler", 8), ("--override-opt_param-scheduler", 10)):
         run = in_process(tmp_path, flag.strip("-"), 2, argv + [flag, "--exit-interval", "6"])

@@ -1,4 +1,4 @@
-"""End-to-end tests of the megatron-zb command line (megatron_zb/cli.py)."""
+"""End-to-end tests of the megatron-zb command line (megatron_zb/cli/)."""
 
 from __future__ import annotations
 

@@ -99,6 +99,18 @@ def test_schedule_report():
     assert "not measured" in bare and "not profiled" in bare and "bubble" not in bare
 
 
+def test_schedule_report_says_when_cpu_processes_share_cores(monkeypatch):
+    """The CPU demo: 4 pipeline processes on 2 cores measure mostly time-slicing as idle time."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    report = dict(schedule="zb", num_ranks=4, num_microbatches=8, measured_idle_fraction=[0.5, 0.4, 0.3, 0.6])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert "note: 4 processes share 2 CPU core(s) on this machine" in format_schedule_report(**report)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "note:" not in format_schedule_report(**report)
+
+
 def test_tensorboard_writer_disabled_without_dir():
     w = tensorboard_writer(None)
     assert not w.enabled

@@ -342,7 +342,7 @@ def test_default_families_progress_and_search_limit(capsys, tmp_path, monkeypatc
     """Default run: every family planned or listed with a reason; the search-based multi-chunk
     generators are left out above the size limit unless named; a progress line per family once
     planning passes the threshold."""
-    import megatron_zb.planning.command as command
+    import megatron_zb.cli.plan as command
     import megatron_zb.planning.planner as planner
     monkeypatch.setattr(command, "PROGRESS_AFTER_S", 0.0)
     monkeypatch.setattr(planner, "SEARCH_LIMIT", 40)  # V: 8 stages x 8 microbatches = 64 > 40

@@ -30,7 +30,8 @@ def test_flags_land_in_their_sections():
     """A command line with a value for each section: every value where the section says it goes."""
     c = _config("--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000",
                 "--enable-zero-bubble", "--enable-optimizer-post-validation", "--enable-exactly-numeric-match",
-                "--post-validation-warmup-iters", "3", "--distributed-timeout-minutes", "2", "--clip-grad", "0.5",
+                "--post-validation-warmup-iters", "3", "--distributed-timeout-minutes", "2",
+                "--pipeline-timeout-seconds", "45", "--clip-grad", "0.5",
                 "--weight-decay", "0.1", "--lr-warmup-iters", "1", "--seed", "7", "--global-batch-size", "8",
                 "--hysteresis", "3", "--min-loss-scale", "2", world_size=4)
     assert (c.parallel.world_size, c.parallel.pipeline_model_parallel_size, c.parallel.data_parallel_size) == (4, 2, 2)
@@ -41,7 +42,7 @@ def test_flags_land_in_their_sections():
     assert (c.precision.hysteresis, c.precision.min_loss_scale) == (3, 2.0)
     assert (c.optim.clip_grad, c.optim.weight_decay, c.optim.lr_warmup_iters, c.optim.lr_decay_iters) == (0.5, 0.1, 1, 3)
     assert c.optim.post_validation == rc.PostValidationConfig(exact=True, warmup_iters=3, fallback_clean_iters=10,
-                                                              timeout_seconds=120.0)
+                                                              timeout_seconds=45.0)
     assert (c.schedule.name, c.schedule.placement, c.schedule.split_backward) == ("zb", "plain", True)
     assert c.schedule.layers_per_stage == (2, 2) and c.schedule.num_pipeline_stages == 2
     assert (c.micro_batch_size, c.global_batch_size, c.num_microbatches, c.train_iters, c.seed) == (2, 8, 2, 3, 7)
@@ -69,13 +70,16 @@ def test_sections_are_frozen():
         c.model.hidden_size = 64  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("section", [rc.ParallelConfig, rc.PrecisionConfig, rc.RecomputeConfig])
+@pytest.mark.parametrize("section", [rc.ParallelConfig, rc.PrecisionConfig, rc.RecomputeConfig, rc.CheckpointConfig,
+                                     rc.LoggingConfig, rc.ProfilingConfig, rc.MemoryConfig])
 def test_defaults_are_the_command_lines(section):
     """A section built directly (as tests and benchmarks build it) has the defaults a user's command
     line without those flags gets (world size 1, the gloo backend resolved on this CPU machine)."""
     parsed = _parsed(BASE[:-2], 1)
     got = {rc.ParallelConfig: parsed.parallel, rc.PrecisionConfig: parsed.precision,
-           rc.RecomputeConfig: parsed.model.recompute}[section]
+           rc.RecomputeConfig: parsed.model.recompute, rc.CheckpointConfig: parsed.checkpoint,
+           rc.LoggingConfig: parsed.logging, rc.ProfilingConfig: parsed.profiling,
+           rc.MemoryConfig: parsed.memory}[section]
     assert section() == got
 
 
@@ -111,3 +115,70 @@ def test_one_flag_one_field():
     off = _config("--position-embedding-type", "rope").model
     assert on.transformer_config_kwargs()["rotary_interleaved"] is True
     assert off.transformer_config_kwargs()["rotary_interleaved"] is False
+
+
+def _decoupled_lr_run(argv: list[str]) -> dict:
+    """In one process: the product's set-up (build_model, build_optimizer) from a command line; the
+    learning rates of the embedding's parameter group and of another group after one scheduler step."""
+    from megatron_zb.training.distributed import init_distributed
+    from megatron_zb.training.model_setup import build_model
+    from megatron_zb.training.optimizer_setup import build_optimizer
+
+    config = _parsed(argv, 1)
+    ctx = init_distributed(config.parallel, seed=config.seed)
+    model = build_model(config, stage_to_rank=[0], dist=ctx)
+    optim = build_optimizer(config, model=model, on_validation_report=lambda report: None)
+    embedding = model.gpt_models[0].embedding.word_embeddings.weight
+    optim.scheduler.step(increment=config.global_batch_size)
+    out = {}
+    for group in optim.optimizer.param_groups:
+        params = group["params"]
+        holds = any(p is embedding or getattr(p, "main_param", None) is embedding for p in params) or any(
+            getattr(p, "is_embedding_or_output_parameter", False) for p in params)
+        out["embedding" if holds else "other"] = group["lr"]
+    return out
+
+
+def test_decoupled_lr_gives_the_embedding_and_output_layer_their_own_schedule():
+    """--decoupled-lr / --decoupled-min-lr (Megatron-LM's flags, megatron-core's param-group overrides):
+    after one of three iterations with linear decay and no warm-up, lr = min + (max - min) * 2/3."""
+    from megatron_zb.testing import run_distributed
+
+    argv = BASE[:-2] + ["--lr", "1e-3", "--min-lr", "0", "--decoupled-lr", "5e-3", "--decoupled-min-lr", "1e-4"]
+    [got] = run_distributed(_decoupled_lr_run, world_size=1, args=(argv,), timeout=120)
+    assert got["other"] == pytest.approx(1e-3 * 2 / 3, rel=1e-12)
+    assert got["embedding"] == pytest.approx(1e-4 + (5e-3 - 1e-4) * 2 / 3, rel=1e-12)
+
+
+@pytest.mark.parametrize("bf16,in_bf16,accumulate,want", [
+    (False, False, False, False), (False, False, True, True), (True, False, False, True),
+    (True, True, False, False), (True, True, True, False), (False, True, False, False)])
+def test_gradient_reduce_dtype_follows_megatron_lm(bf16, in_bf16, accumulate, want):
+    """Megatron-LM's rule (arguments.py: bf16 turns --accumulate-allreduce-grads-in-fp32 on unless
+    --grad-reduce-in-bf16, which turns it off)."""
+    from megatron_zb.training.wiring import ddp_config
+
+    precision = rc.PrecisionConfig(bf16=bf16, grad_reduce_in_bf16=in_bf16, accumulate_allreduce_grads_in_fp32=accumulate)
+    assert precision.grad_reduce_in_fp32 is want
+    assert ddp_config(rc.ParallelConfig(), precision).grad_reduce_in_fp32 is want
+
+
+def test_grad_reduce_in_bf16_from_the_command_line():
+    assert not _config("--bf16", "--grad-reduce-in-bf16").precision.grad_reduce_in_fp32
+    assert _config("--bf16").precision.grad_reduce_in_fp32
+
+
+def test_apply_layernorm_1p_reaches_the_config_or_is_refused_naming_what_is_missing():
+    import importlib.util
+
+    from megatron_zb.training.arguments import ArgumentError
+
+    kwargs = dataclasses.replace(_config().model, layernorm_zero_centered_gamma=True).transformer_config_kwargs()
+    assert kwargs["layernorm_zero_centered_gamma"] is True
+    with pytest.raises(ArgumentError, match=r"--apply-layernorm-1p: megatron-core's local RMSNorm"):
+        _config("--apply-layernorm-1p", "--normalization", "RMSNorm")
+    if importlib.util.find_spec("apex") is None:
+        with pytest.raises(ArgumentError, match=r"--apply-layernorm-1p: .*apex is not installed.*install apex"):
+            _config("--apply-layernorm-1p")
+    else:  # not tested here (no apex on this machine)
+        assert _config("--apply-layernorm-1p").model.layernorm_zero_centered_gamma

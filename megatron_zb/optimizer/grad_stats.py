@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zb import megatron_compat_optimizer
+from megatron_zb.peer_wait import Awaited, wait_host
 from megatron_zb.optimizer.values import PostValidationTimeout
 
 __all__ = [
@@ -96,18 +97,16 @@ def stage_agreement_group(stats_group: Any, pp_group: Any, timeout: float) -> An
     return result
 
 
-def wait_for(work: Any, *, timeout: float, iteration: int, what: str) -> None:
-    """Wait for an asynchronous collective at most ``timeout`` seconds; on expiry raise
-    :class:`PostValidationTimeout` naming the ``iteration`` and ``what`` was awaited."""
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise PostValidationTimeout(
-                f"post-validation of iteration {iteration}: the {what} did not complete within "
-                f"{timeout:g} s (a rank of the optimizer's grad-stats group never reached "
-                f"its step?)") from e
-        raise
+def wait_for(work: Any, *, timeout: float, iteration: int, what: str, group: Any) -> None:
+    """Wait for an asynchronous collective on ``group`` at most ``timeout`` seconds, by the deadline rule of
+    :mod:`megatron_zb.peer_wait` (a timed host wait: the result is read on the host right after, so
+    the wait is where the host would block anyway); on expiry raise :class:`PostValidationTimeout`
+    naming this rank, ``what`` was awaited, the step ``iteration`` (the wrapper's 0-based count)
+    and the other ranks of ``group``."""
+    me = dist.get_rank()
+    awaited = Awaited(f"rank {me}", f"post-validation's {what} of iteration {iteration}",
+                      tuple(r for r in _ranks(group) if r != me))
+    wait_host(work, awaited, timeout, error_type=PostValidationTimeout)
 
 
 @dataclass
@@ -134,6 +133,7 @@ class GradStatsInFlight:
     found_work: Any = None
     norm_work: Any = None
     zeros_work: Any = None
+    group: Any = None
 
     @classmethod
     def launch(cls, *, found: torch.Tensor | None, norm_sq: torch.Tensor | None, zeros: torch.Tensor | None,
@@ -149,7 +149,7 @@ class GradStatsInFlight:
         return cls(found=found, norm_sq=norm_sq, zeros=zeros,
                    local_found_inf=bool(local_found is not None and local_found.item()),
                    local_norm_sq=float(local_norm.item()) if local_norm is not None else None,
-                   found_work=works[0], norm_work=works[1], zeros_work=works[2])
+                   found_work=works[0], norm_work=works[1], zeros_work=works[2], group=group)
 
     def agree_in_stage(self, agree_group: Any, *, timeout: float, iteration: int) -> tuple[bool, float | None]:
         """Sum (inf flag, squared norm) over the stage-local group *H* (waited, ``timeout`` s):
@@ -161,7 +161,7 @@ class GradStatsInFlight:
         vec = torch.tensor([1.0 if self.local_found_inf else 0.0, self.local_norm_sq or 0.0],
                            dtype=torch.float64, device=device)
         wait_for(dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=agree_group, async_op=True),
-                 timeout=timeout, iteration=iteration, what="stage agreement all-reduce")
+                 timeout=timeout, iteration=iteration, what="stage agreement all-reduce", group=agree_group)
         return vec[0].item() > 0, vec[1].item()
 
     def wait(self, *, timeout: float, iteration: int) -> None:
@@ -169,7 +169,8 @@ class GradStatsInFlight:
         for work, what in ((self.found_work, "found-inf all-reduce"), (self.norm_work, "grad-norm all-reduce"),
                            (self.zeros_work, "zero-count all-reduce")):
             if work is not None:
-                wait_for(work, timeout=timeout, iteration=iteration, what=what)
+                wait_for(work, timeout=timeout, iteration=iteration, what=what + " over the grad-stats group",
+                         group=self.group)
 
     def global_grad_norm(self) -> float | None:
         """The all-reduced grad norm as ``get_grad_norm_fp32`` returns it (after :meth:`wait`)."""

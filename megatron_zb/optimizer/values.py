@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from megatron_zb.optimizer.policy import check_iteration_counts
+from megatron_zb.peer_wait import PipelineTimeoutError
 
 __all__ = [
     "PostValidationConfig",
@@ -124,5 +125,6 @@ class PostValidationError(RuntimeError):
     """Post-validation cannot guarantee the synchronous result (misuse or unsupported setup)."""
 
 
-class PostValidationTimeout(PostValidationError, TimeoutError):
-    """A wait of :class:`PostValidationOptimizer` passed its ``timeout``."""
+class PostValidationTimeout(PostValidationError, PipelineTimeoutError, TimeoutError):
+    """A wait of :class:`PostValidationOptimizer` passed its ``timeout``: the one named error of a late
+    peer (:class:`~megatron_zb.peer_wait.PipelineTimeoutError`, :mod:`megatron_zb.peer_wait`)."""

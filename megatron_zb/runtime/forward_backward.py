@@ -15,7 +15,8 @@ from .executor import ActionTiming, LoopOverhead, RankPlan, StageRuntime, execut
 from .rank_plan import RECV_LOOKAHEAD
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
-from .p2p import PipeComm, WaitPolicy, pipe_channels
+from ..peer_wait import WaitPolicy, Watchdog
+from .p2p import PipeComm, pipe_channels
 from .routes import check_schedule, install_routes
 from .wgrad_store import WeightGradStore
 
@@ -34,13 +35,15 @@ class ZeroBubbleOptions:
         memory_limit: per-rank activation limit in units of one stage's ``M_B`` (``None``: the
             schedule's default, e.g. ``p`` for ``"zb"``).
         num_chunks: model chunks per rank for interleaved placements.
-        timeout: seconds any single p2p transfer may take before the run fails with an error
-            naming the rank, action and peer.
+        timeout: seconds any single p2p transfer, and any data-parallel reduce launched from W
+            (``overlap_grad_reduce``), may take before the run fails with a
+            :class:`~megatron_zb.peer_wait.PipelineTimeoutError` naming the rank, the operation and
+            the peer (:mod:`megatron_zb.peer_wait`).
         recv_lookahead: how many actions ahead receives are posted (each direction of a pair of
             ranks has its own communicator, so posting early never holds a send back); default
             :data:`~megatron_zb.runtime.rank_plan.RECV_LOOKAHEAD`.
-        wait_policy: how p2p waits (:class:`~megatron_zb.runtime.p2p.WaitPolicy`); ``None``
-            (default): from the pipeline group's backend (NCCL: stream waits and a watchdog;
+        wait_policy: how p2p and the data-parallel reduces wait (:class:`~megatron_zb.peer_wait.WaitPolicy`);
+            ``None`` (default): from each group's backend (NCCL: stream waits and a watchdog;
             otherwise host waits with the timeout).
         track_memory: measure bytes of saved activations per iteration (see ``last_peak_bytes``).
         time_actions: record the seconds of every compute action (see ``last_timing``): host
@@ -73,6 +76,9 @@ class ZeroBubbleForwardBackward:
     -- one synchronisation -- or ``resolve_timings`` over several calls before reading its
     ``records``) and ``last_peak_bytes`` when asked for, and
     with megatron-core DDP's ``overlap_grad_reduce`` the bucket launches in ``last_grad_sync``.
+    ``iteration`` is the caller's training iteration, for the errors that name a late reduce (the
+    trainer sets it: ``SchedulePlanner.begin_iteration``); left ``None`` (Megatron-LM's loop), the
+    errors name the count of training calls of this object instead ("training call 2").
     ``last_overhead`` (always measured) splits the last call's executor time into compute actions,
     p2p calls and the runtime's own overhead; ``overhead`` sums it over every call so far (reset it
     with ``fb.overhead = LoopOverhead()``).
@@ -86,6 +92,9 @@ class ZeroBubbleForwardBackward:
     last_grad_sync: GradSyncReport | None = None
     last_overhead: LoopOverhead | None = None
     overhead: LoopOverhead = field(default_factory=LoopOverhead)
+    iteration: int | None = None
+    _calls: int = 0  # training (not forward-only) calls so far
+    _reduce_watchdog: Watchdog | None = None  # NCCL: the last call's data-parallel reduces
     _cache: dict[tuple[int, int], Schedule] = field(default_factory=dict)
     _plans: dict[tuple[int, int, int, bool], RankPlan] = field(default_factory=dict)
 
@@ -144,6 +153,10 @@ class ZeroBubbleForwardBackward:
 
         from ..megatron_compat import pipeline_step_functions
 
+        if not forward_only:
+            self._calls += 1
+            if self._reduce_watchdog is not None:
+                self._reduce_watchdog.check()  # the last call's reduces, if one was late
         install_routes()
         chunks = model if isinstance(model, list) else [model]
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(chunks)
@@ -184,7 +197,9 @@ class ZeroBubbleForwardBackward:
         store = self.store
         grad_sync = None
         if not forward_only and overlapping_ddp_chunks(chunks):
-            grad_sync = GradSync(dict(zip(stages, chunks)))
+            grad_sync = GradSync(dict(zip(stages, chunks)),
+                                 iteration=self._calls if self.iteration is None else self.iteration,
+                                 iteration_name="training call" if self.iteration is None else "iteration")
             no_sync = [c.no_sync for c in chunks]  # every chunk, whatever config says: GradSync reports
         if isinstance(no_sync, list):  # one per chunk, as megatron-core's interleaved schedule takes
             sync_ctx: contextlib.AbstractContextManager = contextlib.ExitStack()
@@ -203,6 +218,11 @@ class ZeroBubbleForwardBackward:
                     first_val_step=first_val_step, timing=timing, memory=memory, grad_sync=grad_sync,
                     overhead=overhead)
             self.last_grad_sync = grad_sync.end() if grad_sync is not None else None
+            if grad_sync is not None:  # the deadline of the reduces launched from W (before finalize waits)
+                if self._reduce_watchdog is not None:
+                    self._reduce_watchdog.stop()
+                self._reduce_watchdog = grad_sync.wait_launched(timeout_s=self.options.timeout,
+                                                                policy=self.options.wait_policy)
         except BaseException:
             comm.abort()
             store.clear()

@@ -23,20 +23,42 @@ Every stage is handled on its own (plain, interleaved and V placements: a V rank
 finish at different times). Each launch is recorded (:class:`BucketLaunch`) with its time and
 how many compute actions of the iteration had finished, for the overlap evidence in tests and
 benchmarks (:class:`GradSyncReport`).
+
+**Dead peers.** Each launched reduce is kept with what it waits for (which reduce, stage, bucket,
+iteration, the peer ranks of its group); :meth:`GradSync.wait_launched` applies the deadline rule
+of :mod:`megatron_zb.peer_wait` to them before megatron-core's ``finish_grad_sync`` waits: on gloo
+a timed host wait at the point where megatron-core's wait would block the host anyway, on NCCL no
+host wait at all (a watchdog thread over ``is_completed()``; megatron-core's untimed ``wait()`` only
+orders the stream). A dead or frozen data-parallel peer then ends the run with a
+:class:`~megatron_zb.peer_wait.PipelineTimeoutError` naming all of that. The first iteration's
+reduces (launched by megatron-core's ``finish_grad_sync`` itself) and the reduces without overlap
+are megatron-core's synchronous collectives: their bound is the process group's own timeout
+(``--distributed-timeout-minutes``).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 
+from ..peer_wait import Awaited, WaitPolicy, Watchdog, Watched, wait_host
 from ..schedules import Action, Op
 from .wgrad_store import WeightGradStore
 
-__all__ = ["BucketLaunch", "GradSync", "GradSyncError", "GradSyncReport", "overlapping_ddp_chunks"]
+__all__ = ["BucketLaunch", "GradSync", "GradSyncError", "GradSyncReport", "TEST_HOOK_STOP_BEFORE_DP_REDUCE",
+           "overlapping_ddp_chunks"]
+
+TEST_HOOK_STOP_BEFORE_DP_REDUCE = "MEGATRON_ZB_TEST_HOOK_STOP_BEFORE_DP_REDUCE"
+"""Test hook only (``tests/test_dead_peer.py``): ``RANK:ITERATION`` freezes global rank ``RANK``
+(``SIGSTOP`` to itself) just before it would launch its first data-parallel reduce of ``ITERATION``
+(:attr:`GradSync.iteration`). Unset (always, outside tests): nothing."""
 
 
 class GradSyncError(RuntimeError):
@@ -113,13 +135,23 @@ class GradSync:
     """Reports parameters ready to megatron-core's buckets at the right points of a schedule.
 
     Built once per ``forward_backward`` call for the rank's chunks (``{stage: DDP module}``),
-    all with ``overlap_grad_reduce``. The executor calls :meth:`begin` before the first action
-    and :meth:`after_compute` after every compute action; the store's per-entry reports come
-    in through :meth:`_weights_done`. :meth:`end` checks that every bucket group was launched.
+    all with ``overlap_grad_reduce``, and the call's training ``iteration`` (``iteration_name``:
+    what the number counts, ``"iteration"`` or, when the caller does not say, ``"training
+    call"``). The executor calls :meth:`begin` before the first action and :meth:`after_compute`
+    after every compute action; the store's per-entry reports come in through
+    :meth:`_weights_done`. :meth:`end` checks that every bucket group was launched;
+    :meth:`wait_launched` then keeps the deadline of the launched reduces.
     """
 
-    def __init__(self, chunks: dict[int, Any]) -> None:
+    def __init__(self, chunks: dict[int, Any], *, iteration: int = 0, iteration_name: str = "iteration") -> None:
         self.chunks = chunks
+        self.iteration = iteration  # names the reduces in errors: f"({iteration_name} {iteration})"
+        self.iteration_name = iteration_name
+        for stage, ddp in chunks.items():
+            if getattr(ddp.ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+                raise GradSyncError(f"stage {stage}: DistributedDataParallelConfig.reduce_scatter_with_fp32_accumulation "
+                                    "gives megatron-core's own reduce handle, which has no Work to wait on with the "
+                                    "pipeline timeout; turn it off to overlap the reduce with megatron-zb's schedules")
         self._stage_of: dict[int, int] = {}
         self._group_of: dict[int, tuple[int, int, Any]] = {}   # id(param) -> (stage, index, group)
         self._params: dict[int, list[torch.Tensor]] = {}
@@ -139,10 +171,14 @@ class GradSync:
         self._backward_done: set[int] = set()
         self._last_w = -1
         self._computes = 0
+        self._in_flight: list[Watched] = []   # the launched reduces' works, oldest first
+        self._freeze_at_first_launch = False  # the test hook (TEST_HOOK_STOP_BEFORE_DP_REDUCE)
 
     # ------------------------------------------------------------------ per iteration
     def begin(self, *, actions: tuple[Action, ...], store: WeightGradStore) -> None:
         """Start an iteration over ``actions`` (the rank's plan); hook into ``store``."""
+        self._in_flight = []
+        self._freeze_at_first_launch = _test_hook_matches(self.iteration)
         self._last_backward = {}
         self._last_w, n = -1, 0
         for a in actions:
@@ -198,6 +234,9 @@ class GradSync:
         self._ready([p for p in params if self._stage_of.get(id(p)) in self._backward_done])
 
     def _ready(self, params: list[torch.Tensor]) -> None:
+        if params and self._freeze_at_first_launch:
+            self._freeze_at_first_launch = False
+            _freeze(self.iteration)
         for p in params:
             entry = self._group_of.get(id(p))
             if entry is None:
@@ -215,3 +254,63 @@ class GradSync:
                 self.report.launches.append(BucketLaunch(
                     stage=stage, bucket=index, numel=sum(b.grad_data.numel() for b in group.buckets),
                     time=time.perf_counter(), computes_done=self._computes))
+                self._keep_in_flight(stage, index, group)
+
+    # ------------------------------------------------------------------ dead peers
+    def _keep_in_flight(self, stage: int, index: int, group: Any) -> None:
+        """Keep the works of the reduce just launched for ``group`` with what they wait for."""
+        _, kind, peers = _reduce_group(group, self.chunks[stage].force_all_reduce)
+        awaited = Awaited(f"rank {dist.get_rank()}", f"data-parallel {kind} of stage {stage}, bucket {index} "
+                          f"({self.iteration_name} {self.iteration})", peers)
+        handle = group.grad_reduce_handle  # megatron-core's coalescing manager (its works), or one Work
+        now = time.monotonic()
+        self._in_flight += [(w, now, awaited) for w in getattr(handle, "works", [handle])]
+
+    def wait_launched(self, *, timeout_s: float, policy: WaitPolicy | None = None) -> Watchdog | None:
+        """Keep the deadline of this iteration's launched reduces (module docstring), before
+        megatron-core's ``finish_grad_sync`` waits for them.
+
+        ``policy`` (default: from the reduce group's backend): ``HOST`` waits for each on the host, at
+        most ``timeout_s`` seconds, and raises :class:`~megatron_zb.peer_wait.PipelineTimeoutError`;
+        ``STREAM`` returns a :class:`~megatron_zb.peer_wait.Watchdog` over them that stops once all
+        completed (check it at the next iteration). Returns ``None`` when nothing was launched or
+        the waits are done."""
+        works, self._in_flight = self._in_flight, []
+        if not works:
+            return None
+        if policy is None:
+            pg, _, _ = _reduce_group(self._groups[0][2], False)
+            policy = WaitPolicy.for_backend(dist.get_backend(pg))
+        if policy is WaitPolicy.STREAM:
+            return Watchdog(lambda: works, timeout_s=timeout_s, stop_when_idle=True,
+                            name=f"megatron-zb-dp-reduce-watchdog-{self.iteration}")
+        for work, _, awaited in works:
+            wait_host(work, awaited, timeout_s)
+        return None
+
+
+def _reduce_group(group: Any, force_all_reduce: bool) -> tuple[Any, str, tuple[int, ...]]:
+    """A megatron-core bucket group's reduce: its process group, ``"all-reduce"`` or
+    ``"reduce-scatter"`` (as ``start_grad_sync`` chooses), the other ranks of the group."""
+    distopt = group.ddp_config.use_distributed_optimizer
+    pg = group.intra_distributed_optimizer_instance_group if distopt else group.data_parallel_group
+    kind = "reduce-scatter" if distopt and not force_all_reduce else "all-reduce"
+    me = dist.get_rank()
+    return pg, kind, tuple(r for r in dist.get_process_group_ranks(pg) if r != me)
+
+
+def _test_hook_matches(iteration: int) -> bool:
+    """Whether :data:`TEST_HOOK_STOP_BEFORE_DP_REDUCE` asks this rank to freeze in ``iteration``."""
+    hook = os.environ.get(TEST_HOOK_STOP_BEFORE_DP_REDUCE)
+    if not hook:
+        return False
+    rank, at = (int(x) for x in hook.split(":"))
+    return rank == dist.get_rank() and at == iteration
+
+
+def _freeze(iteration: int) -> None:
+    """The test hook: say so (with the wall-clock time, ``time.time()`` seconds), then stop this whole
+    process (``SIGSTOP``: every thread, as a frozen node)."""
+    print(f"TEST HOOK {TEST_HOOK_STOP_BEFORE_DP_REDUCE}: rank {dist.get_rank()} freezes at {time.time():.3f} "
+          f"before its first data-parallel reduce of iteration {iteration}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)

@@ -85,9 +85,15 @@ def _accumulate_wgrad(weight: torch.Tensor, main_grad: torch.Tensor | None, fusi
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
         return
-    grad_weight = grad_output.t().matmul(total_input)
-    if hasattr(weight, "main_grad") and weight.main_grad is not None:
-        weight.main_grad.add_(grad_weight)  # what megatron-core DDP's grad hook adds
+    add_weight_grad(weight, grad_output.t().matmul(total_input))
+
+
+def add_weight_grad(weight: torch.Tensor, grad_weight: torch.Tensor) -> None:
+    """Add a computed weight gradient where megatron-core keeps it: ``weight.main_grad`` (what
+    megatron-core DDP's grad hook adds into), else ``weight.grad``. The one copy of the rule (the
+    linear route's W and the vocabulary-parallel slices' W)."""
+    if getattr(weight, "main_grad", None) is not None:
+        weight.main_grad.add_(grad_weight)
     elif weight.grad is None:
         weight.grad = grad_weight
     else:

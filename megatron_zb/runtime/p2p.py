@@ -12,11 +12,13 @@ direction, waits that do not block the host on NCCL, sends released when sent, t
 * **Matching** is by order, never by tag (NCCL ignores tags): the receives of a direction are
   posted in the order the peer sends them (:attr:`RankPlan.recv_order`); they are identified by
   ``(op, microbatch, producing stage)`` and posted ahead of use (:meth:`PipeComm.post_recv`).
-* **Waits** (:class:`WaitPolicy`): on gloo the host waits with the pipeline timeout and a late
-  transfer raises :class:`PipelineTimeoutError` naming the rank, action and peer. On NCCL
-  ``Work.wait()`` is called without a timeout, which only makes the compute stream wait (with a
-  timeout PyTorch's NCCL ``wait`` polls on the host); a watchdog thread checks the outstanding
-  transfers every few seconds and the next p2p call raises the same named error, while the
+* **Waits** follow the one deadline rule of :mod:`megatron_zb.peer_wait` (:class:`WaitPolicy`):
+  on gloo the host waits with the pipeline timeout and a late transfer raises
+  :class:`PipelineTimeoutError` naming the rank, action and peer. On NCCL ``Work.wait()`` is
+  called without a timeout, which only makes the compute stream wait (with a timeout PyTorch's
+  NCCL ``wait`` polls on the host); a :class:`~megatron_zb.peer_wait.Watchdog` thread checks the
+  outstanding transfers every few seconds, and the next p2p call raises the same named error (or,
+  with the main thread blocked behind the transfer, the watchdog ends the process with it); the
   communicators' own NCCL timeout (the pipeline timeout plus a margin) is the last resort.
 * **Memory.** A send's tensor is dropped once the send completes (checked without blocking at
   every p2p call) and at the latest at its ``RELEASE`` step (:mod:`~megatron_zb.runtime.comm_program`),
@@ -27,9 +29,6 @@ direction, waits that do not block the host on NCCL, sends released when sent, t
 from __future__ import annotations
 
 import datetime
-import enum
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -37,12 +36,11 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..peer_wait import Awaited, PipelineTimeoutError, WaitPolicy, Watchdog, wait_host
 from ..schedules.ir import Action
 from .comm_program import transfer_key
 
-
-class PipelineTimeoutError(RuntimeError):
-    """A pipeline transfer did not complete in time (a peer died, or the schedule is inconsistent)."""
+__all__ = ["PipeChannels", "PipeComm", "PipelineTimeoutError", "WaitPolicy", "pipe_channels", "ring_directions"]
 
 
 PIPELINE_TAG = 0
@@ -51,18 +49,6 @@ PIPELINE_TAG = 0
 NCCL_TIMEOUT_MARGIN_S = 60.0
 """Seconds the communicators' own timeout (NCCL's watchdog) adds to the pipeline timeout, so that
 the named :class:`PipelineTimeoutError` comes first."""
-
-
-class WaitPolicy(enum.Enum):
-    """How :class:`PipeComm` waits for a transfer (module docstring)."""
-
-    HOST = "host"        # gloo: Work.wait(timeout) blocks the host; a late transfer raises at once
-    STREAM = "stream"    # NCCL: Work.wait() makes the compute stream wait; a watchdog keeps the timeout
-
-    @staticmethod
-    def for_backend(backend: str) -> "WaitPolicy":
-        """``STREAM`` for NCCL (also a mixed ``"cpu:gloo,cuda:nccl"`` group), ``HOST`` otherwise."""
-        return WaitPolicy.STREAM if "nccl" in str(backend) else WaitPolicy.HOST
 
 
 class PipeChannels:
@@ -152,7 +138,9 @@ class PipeComm:
         self.memory, self.max_sends = memory, max_outstanding_sends
         self._recvs: dict[tuple, _Pending] = {}
         self._sends: dict[tuple, _Pending] = {}
-        self._watchdog = _Watchdog(self) if self.policy is WaitPolicy.STREAM else None
+        self._watchdog = None
+        if self.policy is WaitPolicy.STREAM:
+            self._watchdog = Watchdog(self._watched, timeout_s=timeout, name=f"megatron-zb-p2p-watchdog-{rank}")
 
     def post_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
         """Post the receive of ``a`` (a ``RECV_F``/``RECV_B``) into a new buffer on ``device``."""
@@ -220,63 +208,27 @@ class PipeComm:
             del self._sends[key]
 
     def _check(self) -> None:
-        if self._watchdog is not None and self._watchdog.error is not None:
-            raise self._watchdog.error
+        if self._watchdog is not None:
+            self._watchdog.check()
 
     def _wait(self, p: _Pending, what: str) -> None:
         if self.policy is WaitPolicy.STREAM:
             self._check()
             p.work.wait()  # the current stream waits; the host goes on (the watchdog keeps the timeout)
             return
-        try:
-            ok = p.work.wait(timeout=self.timeout)
-        except RuntimeError as e:  # gloo raises on timeout
-            raise self.timeout_error(p, what, f" ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-        if ok is False:
-            raise self.timeout_error(p, what)
+        wait_host(p.work, self.awaited(p, what), self.timeout.total_seconds())
 
-    def timeout_error(self, p: _Pending, what: str, detail: str = "") -> PipelineTimeoutError:
+    def awaited(self, p: _Pending, what: str) -> Awaited:
+        """What waiting for transfer ``p`` (a ``"receive"`` / ``"send"``) waits for, for the named error."""
+        return Awaited(f"pipeline rank {self.rank}", f"{what} for {p.action}", (p.action.peer,))
+
+    def timeout_error(self, p: _Pending, what: str, detail: str = "") -> RuntimeError:
         """The named error for transfer ``p`` that did not complete within the timeout."""
-        return PipelineTimeoutError(
-            f"pipeline rank {self.rank}: {what} for {p.action} with peer rank {p.action.peer} did not "
-            f"complete within {self.timeout.total_seconds():g} s{detail}")
+        return self.awaited(p, what).error(self.timeout.total_seconds(), detail)
+
+    def _watched(self) -> list[tuple[Any, float, Awaited]]:
+        return [(p.work, p.since, self.awaited(p, what)) for p, what in self.outstanding()]
 
     def outstanding(self) -> list[tuple[_Pending, str]]:
         """Every transfer issued and not yet consumed or dropped, with ``"receive"`` / ``"send"``."""
         return [(p, "receive") for p in list(self._recvs.values())] + [(p, "send") for p in list(self._sends.values())]
-
-
-class _Watchdog:
-    """The pipeline timeout without host-blocking waits (:attr:`WaitPolicy.STREAM`).
-
-    A daemon thread wakes every ``min(5 s, timeout / 4)``, asks each outstanding transfer
-    ``is_completed()`` (no blocking) and, once one is older than the timeout, keeps the named
-    :class:`PipelineTimeoutError` (raised by the next p2p call) and prints it to stderr at once
-    (the main thread may be inside a kernel wait).
-    """
-
-    def __init__(self, comm: PipeComm) -> None:
-        self.comm, self.error = comm, None
-        self._stop = threading.Event()
-        self.period = min(5.0, comm.timeout.total_seconds() / 4)
-        self._thread = threading.Thread(target=self._run, name=f"megatron-zb-p2p-watchdog-{comm.rank}", daemon=True)
-        self._thread.start()
-
-    def check(self, now: float) -> PipelineTimeoutError | None:
-        """The error for the oldest transfer past the timeout at ``now`` (``time.monotonic``), if any."""
-        limit = self.comm.timeout.total_seconds()
-        for p, what in self.comm.outstanding():
-            if now - p.since > limit and not p.work.is_completed():
-                return self.comm.timeout_error(p, what)
-        return None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            err = self.check(time.monotonic())
-            if err is not None:
-                self.error = err
-                print(f"PipelineTimeoutError: {err}", file=sys.stderr, flush=True)
-                return
-
-    def stop(self) -> None:
-        self._stop.set()

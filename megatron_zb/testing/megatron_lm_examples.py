@@ -1,4 +1,5 @@
-"""NVIDIA's own Megatron-LM example scripts, scaled to CPU, for runs of Megatron-LM's loop (tests).
+"""Public launch scripts -- NVIDIA's Megatron-LM examples and the zero-bubble fork's -- scaled to
+CPU, for runs of Megatron-LM's loop and of ``pretrain_gpt_zb.py`` (tests).
 
 Test code, not the product's run path. Each :class:`ExampleScript` holds the ``pretrain_gpt.py``
 arguments of one launch script of Megatron-LM core_v0.16.1 (``examples/...``), flag for flag as the
@@ -25,7 +26,8 @@ from pathlib import Path
 
 from .megatron_lm import CPU_FLAGS
 
-__all__ = ["ExampleScript", "LLAMA3_8B", "MIXTRAL_8X7B", "PATH_FLAGS"]
+__all__ = ["ExampleScript", "GPT3_175B", "LLAMA3_8B", "LLAMA3_8B_FP8", "MIXTRAL_8X7B", "PATH_FLAGS", "ZB_FORK",
+           "ZB_FORK_ZERO_BUBBLE"]
 
 PATH_FLAGS = ("--save", "--load", "--tensorboard-dir", "--data-cache-path")
 """Flags whose value is a path: set under the run's folder."""
@@ -37,7 +39,8 @@ class ExampleScript:
 
     Attributes:
         source: the script, as a path in Megatron-LM at tag core_v0.16.1.
-        flags: its arguments in its order: ``(flag, value or None)``, values as the script gives them.
+        flags: its arguments in its order: ``(flag, value or None)``, values as the script gives them
+            (several values of one flag joined by spaces).
         sizes: flag -> the CPU value (the script's value replaced; a flag absent from the script is
             added; None: a flag without value).
         dropped: flag -> why a CPU run cannot pass it.
@@ -62,10 +65,10 @@ class ExampleScript:
             if flag in PATH_FLAGS:
                 value = str(Path(folder) / str(value))
             value = self.sizes[flag] if flag in self.sizes else value
-            out += [flag] if value is None else [flag, value]
+            out += [flag] if value is None else [flag, *value.split()]
         for flag, value in self.sizes.items():
             if flag not in seen:
-                out += [flag] if value is None else [flag, value]
+                out += [flag] if value is None else [flag, *value.split()]
         return [*out, *CPU_FLAGS]
 
 
@@ -75,9 +78,9 @@ def _pairs(*args: str) -> tuple[tuple[str, str | None], ...]:
     for a in args:
         if a.startswith("--"):
             out.append((a, None))
-        else:
-            flag, _ = out.pop()
-            out.append((flag, a))
+        else:  # a flag's value; several values (--rampup-batch-size A B C) joined by spaces
+            flag, value = out.pop()
+            out.append((flag, a if value is None else f"{value} {a}"))
     return tuple(out)
 
 
@@ -166,3 +169,72 @@ MIXTRAL_8X7B = ExampleScript(
 )
 """NVIDIA's Mixtral 8x7B script: 4 iterations of 8 samples, PP=2 x DP=2 with expert parallelism 2
 (4 experts, top-2, all-to-all dispatcher), world 4."""
+
+LLAMA3_8B_FP8 = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
+                 "--fp8-param-gather")
+"""The FP8 variant's extra flags of NVIDIA's LLaMA-3 8B script (``DTYPE=fp8``): refused on CPU."""
+
+GPT3_175B = ExampleScript(
+    source="examples/gpt3/train_gpt3_175b_distributed.sh",
+    flags=_pairs(
+        # GPT_MODEL_ARGS
+        "--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
+        "--max-position-embeddings", "2048", "--attention-backend", "auto",
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "1536", "--rampup-batch-size", "16", "16", "5859375",
+        "--train-iters", "500000", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine",
+        "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001", "--lr-decay-iters", "430000",
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+        # DATA_ARGS
+        "--data-path", "data", "--vocab-file", "gpt2-vocab.json", "--merge-file", "gpt2-merges.txt",
+        "--split", "949,50,1",
+        # EVAL_AND_LOGGING_ARGS
+        "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000", "--save", "ckpt",
+        "--load", "ckpt", "--eval-iters", "10", "--tensorboard-dir", "tb"),
+    sizes={"--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32",
+           "--max-position-embeddings": "32", "--global-batch-size": "8", "--rampup-batch-size": "4 4 16",
+           "--train-iters": "6", "--lr-decay-iters": "5", "--tensor-model-parallel-size": "1",
+           "--pipeline-model-parallel-size": "2", "--log-interval": "1", "--eval-iters": "1",
+           "--mock-data": None, "--tokenizer-type": "NullTokenizer", "--vocab-size": "255"},
+    dropped={"--data-path": _MOCK_DATA, "--vocab-file": _MOCK_DATA, "--merge-file": _MOCK_DATA},
+    world_size=2,
+)
+"""NVIDIA's GPT-3 175B script: 6 iterations with the batch ramping 4 -> 8 samples (m = 4 -> 8
+micro batches of 1), PP=2, world 2."""
+
+ZB_FORK = ExampleScript(
+    source="sail-sg/zero-bubble-pipeline-parallelism examples/pretrain_zero_bubble.sh (its defaults: TP_SIZE=2, "
+           "PIPELINE_SIZE=2, LAYERS=8, HIDDEN_SIZE=8192, ATTENTION_HEADS=64, FP32 unset -> --fp16; its "
+           "schedule flags are ZB_FORK_ZERO_BUBBLE)",
+    flags=_pairs(
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "8",
+        "--hidden-size", "8192", "--num-attention-heads", "64", "--exit-interval", "1000", "--seq-length", "4096",
+        "--max-position-embeddings", "8192", "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--train-samples", "146484375", "--lr-decay-samples", "126953125", "--lr-warmup-samples", "183105",
+        "--lr", "6.0e-5", "--min-lr", "6.0e-6", "--lr-decay-style", "cosine", "--log-interval", "10",
+        "--eval-iters", "40", "--eval-interval", "10000", "--data-path", "data",
+        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "tokenizer.model", "--split", "98,2,0",
+        "--clip-grad", "8.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--no-barrier-with-level-1-timing", "--profile-step-start", "150",
+        "--profile-step-end", "170", "--untie-embeddings-and-output-weights", "--use-legacy-models",
+        "--sequence-parallel", "--use-flash-attn", "--transformer-impl", "local", "--use-distributed-optimizer",
+        "--no-overlap-p2p-communication", "--profile-ranks", "0", "--fp16"),
+    sizes={"--tensor-model-parallel-size": "1", "--num-layers": "4", "--hidden-size": "64",
+           "--num-attention-heads": "4", "--seq-length": "32", "--max-position-embeddings": "64",
+           "--train-samples": "48", "--lr-decay-samples": "40", "--lr-warmup-samples": "8", "--log-interval": "1",
+           "--eval-iters": "1", "--profile-step-start": "2", "--profile-step-end": "3",
+           "--tokenizer-type": "NullTokenizer", "--vocab-size": "255", "--mock-data": None},
+    dropped={"--data-path": _MOCK_DATA, "--tokenizer-model": _MOCK_DATA},
+    world_size=2,
+)
+"""The zero-bubble fork's own script: 6 iterations of 8 samples, PP=2 (TP 2 -> 1 for 2 cores, so its
+``--sequence-parallel`` is turned off with Megatron-LM's warning), world 2. ``--profile-ranks`` is
+the script's list for world 2."""
+
+ZB_FORK_ZERO_BUBBLE = ("--enable-zero-bubble", "--zero-bubble-pipeline-timers-start-iter", "2",
+                       "--zero-bubble-pipeline-timers-end-iter", "4", "--zero-bubble-max-pending-backward", "4",
+                       "--enable-optimizer-post-validation")
+"""What the fork's script adds with ``ENABLE_ZERO_BUBBLE=1`` (timers 100/110 -> 2/4 for 6 iterations;
+memory limit ``2 * PIPELINE_SIZE``; post-validation because it runs fp16)."""

@@ -34,10 +34,11 @@ REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
 """Files of every ``torch_dist`` checkpoint directory besides the shards."""
 
 SCHEDULER_FIELDS: tuple[tuple[str, str], ...] = (
-    ("max_lr", "--lr"), ("min_lr", "--min-lr"), ("lr_warmup_steps", "--lr-warmup-iters [samples]"),
-    ("lr_decay_steps", "--lr-decay-iters, default --train-iters [samples]"), ("lr_decay_style", "--lr-decay-style"),
-    ("start_wd", "--weight-decay"), ("end_wd", "--weight-decay"),
-    ("wd_incr_steps", "weight decay's increment length, --train-iters [samples]"),
+    ("max_lr", "--lr"), ("min_lr", "--min-lr"),
+    ("lr_warmup_steps", "--lr-warmup-iters / --lr-warmup-samples / --lr-warmup-fraction [samples]"),
+    ("lr_decay_steps", "--lr-decay-iters / --lr-decay-samples, default the training length [samples]"),
+    ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"), ("end_wd", "--weight-decay"),
+    ("wd_incr_steps", "weight decay's increment length, --train-iters / --train-samples [samples]"),
     ("wd_incr_style", "weight decay's increment style"))
 """megatron-core ``OptimizerParamScheduler`` state fields checked on load, and the flags that set them."""
 

@@ -6,7 +6,7 @@ Tokenizers (:func:`build_tokenizer`, ``--tokenizer-type``) live in
 Datasets (:func:`build_datasets`): ``MockGPTDataset`` for ``--mock-data``, else ``GPTDataset``
 (one prefix) or ``BlendedDataset`` over ``GPTDataset`` (several prefixes / weights) split by
 ``--split``, through ``BlendedMegatronDatasetBuilder`` and ``GPTDatasetConfig``. Sizes are
-Megatron's: ``train_iters * global_batch_size`` training samples, ``(train_iters //
+Megatron's: ``--train-samples`` or ``train_iters * global_batch_size`` training samples, ``(train_iters //
 eval_interval + 1) * eval_iters * global_batch_size`` validation samples and ``eval_iters *
 global_batch_size`` test samples (:func:`train_valid_test_num_samples`). Nothing depends on the
 pipeline schedule, so the same seed gives the same samples in the same order for every schedule
@@ -89,10 +89,23 @@ fix_gpt_dataset_mask_cache()
 
 # ---------------------------------------------------------------------------- datasets
 def train_valid_test_num_samples(args: argparse.Namespace) -> tuple[int, int, int]:
-    """Samples to draw per split (Megatron's sizing; unit: sequences of ``seq_length`` tokens)."""
+    """Samples to draw per split (Megatron's sizing; unit: sequences of ``seq_length`` tokens).
+
+    Training: ``--train-samples`` when given, else ``train_iters * global_batch_size``; with
+    ``--rampup-batch-size`` at least what the iterations read (they overshoot ``--train-samples`` by up
+    to one batch when it ends inside the ramp, as Megatron-LM counts them)."""
     gbs = args.global_batch_size
     evaluations = args.train_iters // args.eval_interval + 1
-    return args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs
+    train_samples = getattr(args, "train_samples", None)
+    train = train_samples if train_samples else args.train_iters * gbs
+    if getattr(args, "rampup_batch_size", None) is not None:
+        from megatron_zb.training.batch_ramp import samples_of_iterations
+
+        train = max(train, samples_of_iterations(args.train_iters, global_batch_size=gbs,
+                                                 micro_batch_size=args.micro_batch_size,
+                                                 data_parallel_size=args.data_parallel_size,
+                                                 rampup_batch_size=args.rampup_batch_size))
+    return train, evaluations * args.eval_iters * gbs, args.eval_iters * gbs
 
 
 def resolve_data_cache_dir(args: argparse.Namespace) -> str | None:

@@ -15,8 +15,11 @@ __all__ = ["evaluate"]
 
 
 def evaluate(args: argparse.Namespace, *, forward_backward: Callable[..., list[Any]], modules: Sequence[Any],
-             iterators: Sequence[Any], stage_to_rank: Sequence[int], dist_ctx: DistributedContext) -> float:
+             iterators: Sequence[Any], stage_to_rank: Sequence[int], dist_ctx: DistributedContext,
+             after_step: Callable[[], None] | None = None) -> float:
     """The lm loss over ``args.eval_iters`` global batches (masked sum / tokens, all DP ranks).
+
+    ``after_step`` runs after each batch (``--empty-unused-memory-level``'s cache emptying).
 
     Puts ``modules`` in eval mode (no dropout) and back in train mode; no gradients. Collective;
     the result is the same on every rank (``nan`` when no token was unmasked).
@@ -29,6 +32,8 @@ def evaluate(args: argparse.Namespace, *, forward_backward: Callable[..., list[A
             out = run_batch(forward_backward, model=modules, iterators=iterators, args=args, device=dist_ctx.device,
                             forward_only=True)
             sum_lm_loss(out or [], into=total)
+            if after_step is not None:
+                after_step()
     for m in modules:
         m.train()
     [(num, den)] = gather_losses([(float(total[0]), float(total[1]))], stage_to_rank=stage_to_rank,

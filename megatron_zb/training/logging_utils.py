@@ -170,6 +170,21 @@ def parse_iteration_line(line: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- schedule report
+def cpu_oversubscription() -> tuple[int, int] | None:
+    """``(processes on this node, CPU cores this process may use)`` when a CPU run's processes
+    outnumber the cores (then measured idle time is mostly time-slicing), else ``None``. Processes:
+    the launcher's ``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``; never on CUDA."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (processes, cores) if processes > cores else None
+
+
 def format_schedule_report(
     *,
     schedule: str,
@@ -212,6 +227,11 @@ def format_schedule_report(
     if measured_idle_fraction is not None:
         vals = ", ".join(pct(v) for v in measured_idle_fraction)
         lines.append(f"    measured idle fraction per rank: [{vals}]")
+        shared = cpu_oversubscription()
+        if shared is not None:
+            lines.append(f"    note: {shared[0]} processes share {shared[1]} CPU core(s) on this machine, so the "
+                         f"measured idle time includes waiting for a core; it is not comparable with the "
+                         f"predicted bubble rate")
     else:
         lines.append("    measured idle fraction per rank: not measured")
     if measured_costs:

@@ -22,7 +22,9 @@ class OptimizerBundle:
             :class:`~megatron_zb.optimizer.PostValidationOptimizer` wrapping it.
         inner: megatron-core's optimizer (``get_megatron_optimizer``'s result).
         scheduler: megatron-core's ``OptimizerParamScheduler``; steps counted in samples
-            (``global batch size`` per successful iteration), as Megatron counts them.
+            (the iteration's global batch size per successful iteration, which grows with
+            ``--rampup-batch-size``), as Megatron counts them; lengths from
+            :meth:`~megatron_zb.training.run_config.RunConfig.scheduler_steps`.
         post_validation: whether ``optimizer`` is the post-validation wrapper.
     """
 
@@ -61,13 +63,14 @@ def build_optimizer(config: RunConfig, *, model: ModelBundle,
         optimizer.register_validation_hook(on_validation_report)
     for chunk in model.chunks:
         chunk.module.config.grad_scale_func = optimizer.scale_loss
-    gbs = config.global_batch_size  # the scheduler counts samples, as Megatron-LM's
+    steps = config.scheduler_steps()  # the scheduler counts samples, as Megatron-LM's
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
-        lr_warmup_steps=optim.lr_warmup_iters * gbs, lr_decay_steps=optim.lr_decay_iters * gbs,
+        lr_warmup_steps=steps.lr_warmup_steps, lr_decay_steps=steps.lr_decay_steps,
         lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
-        wd_incr_steps=config.train_iters * gbs, wd_incr_style="constant",
+        wd_incr_steps=steps.wd_incr_steps, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=optim.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=optim.override_opt_param_scheduler)
+        override_opt_param_scheduler=optim.override_opt_param_scheduler,
+        wsd_decay_steps=steps.wsd_decay_steps, lr_wsd_decay_style=optim.lr_wsd_decay_style)
     return OptimizerBundle(optimizer=optimizer, inner=inner, scheduler=scheduler,
                            post_validation=optim.post_validation is not None)

@@ -8,17 +8,22 @@ one integer) whether any of them received it, and if so the trainer saves a chec
 with status 0, as Megatron-LM's ``checkpoint_and_decide_exit``. Data-loader workers ignore the
 signal (:class:`IgnoreSignalInWorker`), so that a signal sent to every process does not end
 them before the save.
+
+``--exit-duration-in-mins`` (:class:`ExitDuration`) is the same decision on a clock: after every
+iteration the ranks agree whether any has run longer than the limit (Megatron-LM's
+``checkpoint_and_decide_exit``), and the trainer then saves and exits with status 0.
 """
 
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExitSignalHandler", "IgnoreSignalInWorker"]
+__all__ = ["ExitDuration", "ExitSignalHandler", "IgnoreSignalInWorker"]
 
 
 class ExitSignalHandler:
@@ -51,6 +56,24 @@ class ExitSignalHandler:
         if self._installed:
             signal.signal(self.sig, self._previous)
             self._installed = False
+
+
+class ExitDuration:
+    """``--exit-duration-in-mins``: whether the run has lasted ``minutes`` since ``started``
+    (``time.perf_counter()`` [s], when the run started)."""
+
+    def __init__(self, minutes: float, *, started: float) -> None:
+        self.minutes, self.started = minutes, started
+
+    def elapsed_minutes(self) -> float:
+        """Minutes since the run started on this rank."""
+        return (time.perf_counter() - self.started) / 60.0
+
+    def any_rank_over(self, device: torch.device) -> bool:
+        """Collective over the default group: whether any rank has run longer than the limit."""
+        flag = torch.tensor([1 if self.elapsed_minutes() > self.minutes else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 class IgnoreSignalInWorker:

@@ -6,7 +6,9 @@
 1. parse and validate the command line (:mod:`megatron_zb.training.arguments`, plus the
    developer flags of :mod:`megatron_zb.training.arguments.developer`) *before* any process group
    exists; a bad flag prints one ``pretrain_gpt_zb.py: error: --flag: ...`` line (on local rank 0)
-   and exits with status 2;
+   and exits with status 2 -- several bad flags, one report: a header line and one line per flag,
+   the unknown flags first; global rank 0 then prints validation's start-up lines (adjusted flags,
+   ``WARNING: ...`` as Megatron-LM);
 2. :class:`~megatron_zb.training.trainer.Trainer` sets the run up and trains (see its module); a
    checkpoint ``--load`` cannot load (:class:`~megatron_zb.training.checkpoint_check.CheckpointError`)
    prints one ``pretrain_gpt_zb.py: error: ...`` line (global rank 0) and exits with status 1
@@ -22,7 +24,7 @@ import time
 from typing import Sequence
 
 from megatron_zb.training.arguments import ArgumentError, ValidatedArgs, build_parser, validate_args_and_schedule
-from megatron_zb.training.arguments.developer import add_developer_args, validate_developer_args
+from megatron_zb.training.arguments.developer import DEVELOPER_CHECK, add_developer_args
 from megatron_zb.training.checkpoint_check import CheckpointError
 from megatron_zb.training.distributed import local_rank
 from megatron_zb.training.trainer import Trainer
@@ -44,8 +46,8 @@ def _usage_error(message: str) -> int:
 def parse_command_line(argv: Sequence[str] | None, *, world_size: int) -> ValidatedArgs:
     """Parse and validate ``argv`` (developer flags included) for ``world_size`` processes.
 
-    Raises ``ArgumentError`` (a check failed) or ``SystemExit(2)`` (argparse: unknown flag, bad
-    value; the usage and one error line are printed on local rank 0).
+    Raises ``ArgumentError`` (every unknown flag and every failed check, in one report) or
+    ``SystemExit(2)`` (argparse: a bad value; the usage and one error line are printed on local rank 0).
     """
     parser = build_parser(extra_args_provider=add_developer_args)
 
@@ -55,9 +57,8 @@ def parse_command_line(argv: Sequence[str] | None, *, world_size: int) -> Valida
         raise SystemExit(_usage_error(message))
 
     parser.error = error  # type: ignore[method-assign]
-    validated = validate_args_and_schedule(parser.parse_args(argv), world_size=world_size)
-    validate_developer_args(validated.args)
-    return validated
+    args, unknown = parser.parse_known_flags(argv)
+    return validate_args_and_schedule(args, world_size=world_size, unknown=unknown, extra_checks=(DEVELOPER_CHECK,))
 
 
 def parse_and_validate(argv: Sequence[str] | None, world_size: int) -> argparse.Namespace:
@@ -72,6 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         validated = parse_command_line(argv, world_size=world_size)
     except ArgumentError as e:
         return _usage_error(str(e))
+    if os.environ.get("RANK", "0") == "0":
+        for line in validated.notices:
+            print(line, flush=True)
     try:
         trainer = Trainer(validated.args, schedule=validated.schedule)
     except CheckpointError:

@@ -13,7 +13,11 @@ plan then). With megatron-zb's runtime:
   and installed everywhere, and rank 0 prints the schedule report; with ``--profile-out FILE``
   global rank 0 also writes the measured costs as a planning profile
   (:mod:`megatron_zb.planning.profile`, what ``megatron-zb plan --profile FILE`` reads);
-* a run resumed after the window rebuilds the schedule from the costs its checkpoint stored.
+* a run resumed after the window rebuilds the schedule from the costs its checkpoint stored;
+* when the number of micro batches per iteration changes (``--rampup-batch-size``,
+  :meth:`SchedulePlanner.use_microbatches`), global rank 0 builds the schedule for the new ``m`` --
+  from the measured costs once the window re-planned (or the checkpoint's), else from unit costs --
+  and installs it on every rank, with a report line; a schedule is never reused for another ``m``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class SchedulePlanner:
             their events are resolved with one synchronisation at the window's end).
         profiled_iterations: the iterations profiled so far.
         restored_costs: the cost model a resumed run re-planned from (``None`` otherwise).
+        num_microbatches: micro batches per iteration per data-parallel rank of the next training
+            iteration (changes with ``--rampup-batch-size``).
     """
 
     def __init__(self, args: argparse.Namespace, *, schedule: Schedule, dist_ctx: DistributedContext,
@@ -65,6 +71,8 @@ class SchedulePlanner:
         self.profiled_iterations: list[int] = []
         self.restored_costs: CostModel | None = None
         self.runtime: Any = None
+        self.num_microbatches: int = schedule.num_microbatches
+        self._installed: set[int] = {schedule.num_microbatches}  # m's whose schedule is rank 0's, current costs
         self._timed_previous = False  # the last profiled iteration measured times (its end starts a step_ms sample)
         self._bookkeeping = 0.0  # seconds the profiler itself spent after that iteration (left out of step_ms)
         self._bytes_only = self._times_tracked = False  # this iteration measures activation bytes (only)
@@ -110,6 +118,7 @@ class SchedulePlanner:
         self._bytes_only = profiling and not self.profiled_iterations and iteration < min(end - 1, self.args.train_iters)
         self._times_tracked = profiling and not self._bytes_only and not self.profiled_iterations
         if self.runtime is not None:
+            self.runtime.iteration = iteration  # names the iteration of a late data-parallel reduce
             self.runtime.options.time_actions = profiling
             self.runtime.options.track_memory = self._bytes_only or self._times_tracked or self._track_memory
         return profiling
@@ -180,7 +189,7 @@ class SchedulePlanner:
         peak, limit, unit = _memory_in_report(costs, sim.peak_memory)
         report = format_schedule_report(
             schedule=args.schedule, num_ranks=args.pipeline_model_parallel_size,
-            num_microbatches=args.num_microbatches, predicted_bubble_rate=sim.bubble_rate,
+            num_microbatches=self.num_microbatches, predicted_bubble_rate=sim.bubble_rate,
             peak_activation_memory=peak, memory_limit=limit, memory_unit=unit,
             measured_idle_fraction=agreed.idle_fraction, measured_costs=agreed.report_costs(stages),
             title=f"schedule report after profiling iterations {first}-{last} "
@@ -270,6 +279,7 @@ class SchedulePlanner:
         if status == "ok":
             self.runtime.replan(costs, memory_limit=costs.memory_limit)
             self.runtime.install_schedule(self._rank0_schedule(payload))
+            self._installed = {self.num_microbatches}  # the other m's: built again from these costs when used
         else:
             self.runtime.install_schedule(old)
         return status, payload, seconds
@@ -288,7 +298,63 @@ class SchedulePlanner:
         """The schedule the next iteration runs."""
         if self.runtime is None:
             return self._initial
-        return self.runtime.schedule_for(self.args.pipeline_model_parallel_size, self.args.num_microbatches)
+        return self.runtime.schedule_for(self.args.pipeline_model_parallel_size, self.num_microbatches)
+
+    # ------------------------------------------------------------------ a new number of micro batches
+    def use_microbatches(self, num_microbatches: int, *, why: str) -> None:
+        """Run ``num_microbatches`` per training iteration from now on (``--rampup-batch-size``): with
+        megatron-zb's runtime, global rank 0's schedule for it is installed (:meth:`ensure_installed`)
+        and rank 0 prints one line -- ``why`` (the batch change), how the schedule was built and its
+        predicted bubble rate under those costs. Nothing when ``m`` does not change. Collective."""
+        if num_microbatches == self.num_microbatches:
+            return
+        self.num_microbatches = num_microbatches
+        if self.runtime is None:
+            print_rank_0(f"> {why}: megatron-core's forward_backward_func runs {num_microbatches} micro batches "
+                         f"per iteration")
+            return
+        seconds = self.ensure_installed(num_microbatches)
+        measured = self.runtime.options.costs
+        if not self.args.schedule_cost_aware:
+            source = "(not cost-aware)"
+        elif measured is None:
+            source = "from unit costs (before profiling)"
+        else:
+            source = "re-planned from the measured costs"
+        costs = measured if measured is not None else CostModel(mem_w=mem_w_ratio(
+            hidden_size=self.args.hidden_size, num_attention_heads=self.args.num_attention_heads,
+            seq_length=self.args.seq_length))
+        sim = simulate(self._current(), costs, enforce_memory=False)
+        built = "built at an earlier evaluation" if seconds is None else f"built in {seconds:.2f} s"
+        print_rank_0(f"> {why}: schedule {self.args.schedule!r} rebuilt for {num_microbatches} micro batches "
+                     f"{source} ({built}); predicted bubble rate {100 * sim.bubble_rate:.1f}%")
+
+    def ensure_installed(self, num_microbatches: int) -> float | None:
+        """Make every rank run global rank 0's schedule for ``num_microbatches`` under the current costs;
+        returns the seconds rank 0 took to build it (``None``: installed already). Raises
+        ``RuntimeError`` on every rank when it cannot be built. Collective (megatron-zb's runtime only)."""
+        if self.runtime is None or num_microbatches in self._installed:
+            return None
+        outcome: list[Any] = [None]
+        if dist.get_rank() == 0:
+            t0 = time.perf_counter()
+            try:
+                sched = self.runtime.schedule_for(self.args.pipeline_model_parallel_size, num_microbatches)
+                outcome = [("ok", sched, time.perf_counter() - t0)]
+            except ScheduleError as e:
+                outcome = [("error", str(e), time.perf_counter() - t0)]
+        dist.broadcast_object_list(outcome, src=0)
+        status, payload, seconds = outcome[0]
+        if status != "ok":
+            raise RuntimeError(f"--rampup-batch-size: schedule {self.args.schedule!r} cannot be built for "
+                               f"{num_microbatches} micro batches per iteration ({payload}); change the ramp or "
+                               f"the schedule")
+        if list(payload.stage_to_rank) != self._stage_to_rank:
+            raise RuntimeError(f"rank 0's schedule places stages as {payload.stage_to_rank}, this rank built "
+                               f"{self._stage_to_rank}")
+        self.runtime.install_schedule(payload)  # rank 0's (broadcast above)
+        self._installed.add(num_microbatches)
+        return seconds
 
     # ------------------------------------------------------------------ the first report
     def report_initial(self) -> None:
@@ -311,7 +377,7 @@ class SchedulePlanner:
                         "T_W": sum(sc.t_w) / len(sc.t_w), "T_comm": sc.t_comm}
             peak, limit, unit = _memory_in_report(self.restored_costs, sim.peak_memory)
         print_rank_0(format_schedule_report(
-            schedule=name, num_ranks=args.pipeline_model_parallel_size, num_microbatches=args.num_microbatches,
+            schedule=name, num_ranks=args.pipeline_model_parallel_size, num_microbatches=self.num_microbatches,
             predicted_bubble_rate=sim.bubble_rate, peak_activation_memory=peak,
             memory_limit=limit, memory_unit=unit, measured_costs=measured, title=title))
 

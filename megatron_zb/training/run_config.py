@@ -13,7 +13,13 @@ sets a ``TransformerConfig`` field of another name or that needs a rule is mappe
 ``TransformerConfig`` field is one field here, with ``metadata=TC`` (same name in both), plus the
 parser's ``add_argument``.
 
-Sections still read from ``args`` (not yet typed): data, checkpointing, logging, re-planning.
+The training length (``--train-iters`` / ``--train-samples``) and the batch-size ramp-up are
+top-level fields of :class:`RunConfig` beside the batch sizes; the LR schedule's lengths in samples
+are :meth:`OptimConfig.scheduler_steps` (Megatron-LM's rule, written once).
+
+Sections still read from ``args`` (not yet typed): data, most of checkpointing and logging, re-planning.
+Typed so far of those: what Megatron-LM's loading, exit, logging, profiling and memory flags add
+(:class:`CheckpointConfig`, :class:`LoggingConfig`, :class:`ProfilingConfig`, :class:`MemoryConfig`).
 """
 
 from __future__ import annotations
@@ -21,12 +27,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from megatron.core.transformer.enums import AttnBackend
 
-__all__ = ["ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "PostValidationConfig", "PrecisionConfig",
-           "RecomputeConfig", "RunConfig", "ScheduleConfig", "TC", "run_config"]
+if TYPE_CHECKING:
+    from megatron_zb.training.batch_ramp import BatchRamp
+
+__all__ = ["CheckpointConfig", "LoggingConfig", "MemoryConfig", "ModelConfig", "MoEConfig", "OptimConfig",
+           "ParallelConfig", "PostValidationConfig", "PrecisionConfig", "ProfilingConfig", "RecomputeConfig",
+           "RunConfig", "ScheduleConfig", "SchedulerSteps", "TC", "run_config"]
 
 TC = {"transformer_config": True}
 """Field metadata: the field is passed to ``TransformerConfig`` under its own name."""
@@ -122,6 +133,8 @@ class ModelConfig:
     """``--normalization``: ``"LayerNorm"`` or ``"RMSNorm"``."""
     norm_epsilon: float = 1e-5
     """``--norm-epsilon`` (``TransformerConfig.layernorm_epsilon``)."""
+    layernorm_zero_centered_gamma: bool = field(default=False, metadata=TC)
+    """``--apply-layernorm-1p``: LayerNorm weights centred on 0 (apex or Transformer Engine norms)."""
     swiglu: bool = False
     """``--swiglu``: gated linear unit with SiLU (else GeLU)."""
     add_bias_linear: bool = field(default=True, metadata=TC)
@@ -152,6 +165,23 @@ class ModelConfig:
     """``--no-gradient-accumulation-fusion`` cleared, as resolved (apex's or megatron-zb's kernels)."""
     wgrad_kernel: str = "autograd"
     """Which kernel accumulates weight gradients (start-up log)."""
+    attention_backend: AttnBackend = field(default=AttnBackend.auto, metadata=TC)
+    """``--attention-backend``: megatron-core's ``AttnBackend``."""
+    masked_softmax_fusion: bool = field(default=False, metadata=TC)
+    """Fused scale-mask-softmax: on by Megatron-LM's default where its kernel runs (CUDA), else off
+    (``--no-masked-softmax-fusion`` turns it off)."""
+    bias_activation_fusion: bool = field(default=False, metadata=TC)
+    """Fused bias-GeLU / bias-SwiGLU (``--no-bias-gelu-fusion`` / ``--no-bias-swiglu-fusion``; CUDA only)."""
+    bias_dropout_fusion: bool = field(default=False, metadata=TC)
+    """Fused bias-dropout-add (``--no-bias-dropout-fusion``; CUDA only)."""
+    apply_rope_fusion: bool = field(default=False, metadata=TC)
+    """Transformer Engine's fused RoPE (``--no-rope-fusion``; RoPE, CUDA and Transformer Engine)."""
+    persist_layer_norm: bool = field(default=False, metadata=TC)
+    """apex's persistent LayerNorm (``--no-persist-layer-norm``; CUDA and apex)."""
+    cross_entropy_loss_fusion: bool = field(default=False, metadata=TC)
+    """``--cross-entropy-loss-fusion``: megatron-core's fused cross entropy."""
+    cross_entropy_fusion_impl: str = field(default="native", metadata=TC)
+    """``--cross-entropy-fusion-impl``: ``"native"`` (megatron-core's) or ``"te"`` (Transformer Engine's)."""
     recompute: RecomputeConfig = RecomputeConfig()
     """Activation recomputation."""
     moe: MoEConfig | None = None
@@ -244,6 +274,8 @@ class PrecisionConfig:
     """``--hysteresis``: overflowing steps tolerated before the dynamic loss scale shrinks."""
     accumulate_allreduce_grads_in_fp32: bool = False
     """``--accumulate-allreduce-grads-in-fp32`` (implied by ``--bf16``, see :attr:`grad_reduce_in_fp32`)."""
+    grad_reduce_in_bf16: bool = False
+    """``--grad-reduce-in-bf16``: with bf16, gradients accumulated and reduced in bf16."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -253,7 +285,9 @@ class PrecisionConfig:
     @property
     def grad_reduce_in_fp32(self) -> bool:
         """Gradients accumulated and reduced in fp32: ``--accumulate-allreduce-grads-in-fp32``, which
-        Megatron-LM turns on for bf16."""
+        Megatron-LM turns on for bf16 -- and off for bf16 with ``--grad-reduce-in-bf16``."""
+        if self.bf16 and self.grad_reduce_in_bf16:
+            return False
         return self.accumulate_allreduce_grads_in_fp32 or self.bf16
 
     @classmethod
@@ -272,15 +306,31 @@ class PostValidationConfig:
     """``--post-validation-warmup-iters``: synchronous steps first."""
     fallback_clean_iters: int = 10
     """``--post-validation-fallback-clean-iters``: synchronous after a rollback until this many clean steps."""
-    timeout_seconds: float = 600.0
-    """How long a rank waits for the others' statistics (``--distributed-timeout-minutes`` x 60) [s]."""
+    timeout_seconds: float = 300.0
+    """How long a rank waits for the others' statistics (``--pipeline-timeout-seconds``, the deadline of
+    every collective the zero-bubble path adds: it fires before the process groups' own
+    ``--distributed-timeout-minutes``) [s]."""
 
     @classmethod
     def from_args(cls, args: Any) -> "PostValidationConfig":
         """From ``args`` of ``pretrain_gpt_zb.py`` or Megatron-LM (the same flag names)."""
         return cls(exact=args.enable_exactly_numeric_match, warmup_iters=args.post_validation_warmup_iters,
                    fallback_clean_iters=args.post_validation_fallback_clean_iters,
-                   timeout_seconds=60.0 * args.distributed_timeout_minutes)
+                   timeout_seconds=args.pipeline_timeout_seconds)
+
+
+@dataclass(frozen=True)
+class SchedulerSteps:
+    """Lengths of megatron-core's ``OptimizerParamScheduler``, which counts samples [samples]."""
+
+    lr_warmup_steps: float
+    """Linear warm-up (a float with ``--lr-warmup-fraction``, as Megatron-LM passes it)."""
+    lr_decay_steps: int
+    """Decay to ``--min-lr``."""
+    wd_incr_steps: int
+    """Weight decay's increment length: the whole run."""
+    wsd_decay_steps: int | None = None
+    """WSD's annealing phase, at the end of the decay (``None``: not given)."""
 
 
 @dataclass(frozen=True)
@@ -304,17 +354,56 @@ class OptimConfig:
     clip_grad: float = 1.0
     """``--clip-grad``: gradient-norm clipping (0: off)."""
     lr_warmup_iters: int = 0
-    """``--lr-warmup-iters`` [iterations]."""
+    """``--lr-warmup-iters`` [iterations] (with ``--train-iters``)."""
     lr_decay_iters: int | None = None
-    """``--lr-decay-iters`` [iterations] (validation: ``--train-iters``)."""
+    """``--lr-decay-iters`` [iterations] (validation: ``--train-iters``; ``None`` with ``--train-samples``)."""
+    lr_warmup_samples: int = 0
+    """``--lr-warmup-samples`` [samples] (with ``--train-samples``)."""
+    lr_decay_samples: int | None = None
+    """``--lr-decay-samples`` [samples] (validation: ``--train-samples``; ``None`` with ``--train-iters``)."""
+    lr_warmup_fraction: float | None = None
+    """``--lr-warmup-fraction``: the warm-up as a fraction of the decay length, instead of
+    ``lr_warmup_iters`` / ``lr_warmup_samples`` (``None``: not given)."""
+    lr_wsd_decay_style: str = "exponential"
+    """``--lr-wsd-decay-style``: the annealing phase of ``--lr-decay-style WSD``."""
+    lr_wsd_decay_iters: int | None = None
+    """``--lr-wsd-decay-iters`` [iterations]: WSD's annealing phase (with ``--train-iters``)."""
+    lr_wsd_decay_samples: int | None = None
+    """``--lr-wsd-decay-samples`` [samples]: WSD's annealing phase (with ``--train-samples``)."""
     lr_decay_style: str = "linear"
     """``--lr-decay-style``."""
+    decoupled_lr: float | None = None
+    """``--decoupled-lr``: peak learning rate of the input embedding and the output layer (``None``: ``lr``)."""
+    decoupled_min_lr: float | None = None
+    """``--decoupled-min-lr``: their minimum learning rate (``None``: ``min_lr``)."""
     use_checkpoint_opt_param_scheduler: bool = False
     """``--use-checkpoint-opt_param-scheduler``."""
     override_opt_param_scheduler: bool = False
     """``--override-opt_param-scheduler``."""
     post_validation: PostValidationConfig | None = None
     """With ``--enable-optimizer-post-validation``: its settings; ``None``: off."""
+    log_num_zeros_in_grad: bool = False
+    """``--log-num-zeros-in-grad``: megatron-core's ``OptimizerConfig.log_num_zeros_in_grad`` (the
+    optimizer counts the zero gradient elements of each step) [elements]."""
+
+    def scheduler_steps(self, *, train_iters: int, train_samples: int | None,
+                        global_batch_size: int) -> "SchedulerSteps":
+        """The LR scheduler's lengths in samples, Megatron-LM's rule (``get_optimizer_param_scheduler``):
+        iteration-based (``train_samples`` ``None``): iterations x ``global_batch_size`` (the final one);
+        sample-based: the sample counts as given; ``--lr-warmup-fraction`` x the decay length either way;
+        WSD's annealing phase likewise (``--lr-wsd-decay-iters`` / ``--lr-wsd-decay-samples``)."""
+        if train_samples is None:
+            decay = (self.lr_decay_iters if self.lr_decay_iters is not None else train_iters) * global_batch_size
+            warmup: float = self.lr_warmup_iters * global_batch_size
+            wd_incr = train_iters * global_batch_size
+            wsd = self.lr_wsd_decay_iters * global_batch_size if self.lr_wsd_decay_iters is not None else None
+        else:
+            decay = self.lr_decay_samples if self.lr_decay_samples is not None else train_samples
+            warmup, wd_incr, wsd = self.lr_warmup_samples, train_samples, self.lr_wsd_decay_samples
+        if self.lr_warmup_fraction is not None:
+            warmup = self.lr_warmup_fraction * decay
+        return SchedulerSteps(lr_warmup_steps=warmup, lr_decay_steps=decay, wd_incr_steps=wd_incr,
+                              wsd_decay_steps=wsd)
 
     @classmethod
     def from_args(cls, args: Any) -> "OptimConfig":
@@ -362,6 +451,94 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """What ``--load`` restores and when a run saves and exits early (Megatron-LM's meanings)."""
+
+    no_load_optim: bool = False
+    """``--no-load-optim``: keep this run's fresh optimizer state and LR scheduler; the fp32 main
+    parameters are refreshed from the loaded model (megatron-core's ``reload_model_params``)."""
+    no_load_rng: bool = False
+    """``--no-load-rng``: keep this run's random states (seeded by ``--seed``)."""
+    finetune: bool = False
+    """``--finetune``: load the model only: iteration 0, no consumed samples, no optimizer / LR
+    scheduler / random states / profiled costs from the checkpoint."""
+    exit_duration_in_mins: float | None = None
+    """``--exit-duration-in-mins``: after the first iteration that ends this long after the run
+    started, save (``--save``) and exit 0; checked on every rank after every iteration [minutes]."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "CheckpointConfig":
+        """The section of validated ``args`` (Megatron-LM's ``--no-load-*`` default to ``None``: off)."""
+        return cls(no_load_optim=bool(args.no_load_optim), no_load_rng=bool(args.no_load_rng),
+                   finetune=args.finetune, exit_duration_in_mins=args.exit_duration_in_mins or None)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the iteration line and TensorBoard report besides the loss (Megatron-LM's "logging" flags)."""
+
+    log_params_norm: bool = False
+    """``--log-params-norm``: ``params norm`` in the iteration line and ``params-norm`` in TensorBoard:
+    the L2 norm of the model's parameters after the step, over all ranks (Megatron-LM's
+    ``calc_params_l2_norm``) [parameter units]."""
+    log_memory_to_tensorboard: bool = False
+    """``--log-memory-to-tensorboard``: CUDA caching-allocator statistics in TensorBoard
+    (``mem-reserved-bytes``, ``mem-allocated-bytes``, ``mem-max-allocated-bytes`` [bytes],
+    ``mem-allocated-count``); nothing on CPU."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "LoggingConfig":
+        """The section of validated ``args``."""
+        return _section(cls, args)
+
+
+@dataclass(frozen=True)
+class ProfilingConfig:
+    """Megatron-LM's ``--profile`` window (its ``ProfilingConfig``); iterations are global, 1-based."""
+
+    profile: bool = False
+    """``--profile``: profile the window below on the ranks of :attr:`profile_ranks`."""
+    profile_step_start: int = 10
+    """``--profile-step-start`` [iterations completed when the window opens]."""
+    profile_step_end: int = 12
+    """``--profile-step-end`` [iteration after which the window closes]."""
+    profile_ranks: tuple[int, ...] = (0,)
+    """``--profile-ranks``: global ranks that profile."""
+    use_pytorch_profiler: bool = False
+    """``--use-pytorch-profiler``: PyTorch's profiler (always on CPU); else CUDA's capture range
+    (``cudaProfilerStart/Stop`` with NVTX ranges, for ``nsys --capture-range=cudaProfilerApi``)."""
+    trace_dir: str | None = None
+    """Where the PyTorch profiler writes one Chrome trace per profiled rank: ``--tensorboard-dir``."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ProfilingConfig":
+        """The section of validated ``args``."""
+        return _section(cls, args, profile_ranks=tuple(args.profile_ranks), trace_dir=args.tensorboard_dir)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Host garbage collection and the CUDA caching allocator (Megatron-LM's training flags)."""
+
+    manual_gc: bool = False
+    """``--manual-gc``: Python's automatic garbage collector off for the run; collections at
+    :attr:`manual_gc_interval` and around evaluation instead, at the same point on every rank."""
+    manual_gc_interval: int = 0
+    """``--manual-gc-interval``: a full collection after every this many iterations (0: none) [iterations]."""
+    manual_gc_eval: bool = True
+    """Cleared by ``--no-manual-gc-eval``: with ``--manual-gc``, collect before and after each
+    evaluation during training."""
+    empty_unused_memory_level: int = 0
+    """``--empty-unused-memory-level``: ``torch.cuda.empty_cache()`` after forward-backward and each
+    evaluation step (1), and also after the optimizer step (2); 0: never. No-op on CPU."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "MemoryConfig":
+        """The section of validated ``args``."""
+        return _section(cls, args)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One run: every section, built once from the validated command line (:func:`run_config`)."""
 
@@ -373,13 +550,41 @@ class RunConfig:
     micro_batch_size: int
     """``--micro-batch-size`` [sequences]."""
     global_batch_size: int
-    """``--global-batch-size`` [sequences per iteration]."""
+    """``--global-batch-size`` [sequences per iteration] (after any ramp-up)."""
     num_microbatches: int
-    """Micro batches per iteration per data-parallel rank."""
+    """Micro batches per iteration per data-parallel rank (after any ramp-up)."""
     train_iters: int
-    """``--train-iters`` [iterations]."""
+    """``--train-iters``, or with ``--train-samples`` the iterations Megatron-LM derives from it
+    (:func:`~megatron_zb.training.batch_ramp.train_iters_from_samples`) [iterations]."""
+    train_samples: int | None = None
+    """``--train-samples`` [samples]; ``None``: the run counts iterations (``--train-iters``)."""
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """``--rampup-batch-size START INCREMENT SAMPLES`` [samples]: the global batch grows from START by
+    INCREMENT to ``global_batch_size`` over the first SAMPLES samples (:mod:`.batch_ramp`); ``None``:
+    constant. ``global_batch_size`` and ``num_microbatches`` above are the final values."""
     seed: int = 1234
     """``--seed``."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """What ``--load`` restores; ``--exit-duration-in-mins``."""
+    logging: LoggingConfig = LoggingConfig()
+    """Extra statistics of the iteration line and TensorBoard."""
+    profiling: ProfilingConfig = ProfilingConfig()
+    """Megatron-LM's ``--profile`` window."""
+    memory: MemoryConfig = MemoryConfig()
+    """Manual garbage collection, ``torch.cuda.empty_cache()``."""
+
+    def batch_ramp(self, *, consumed_samples: int = 0) -> "BatchRamp":
+        """The :class:`~megatron_zb.training.batch_ramp.BatchRamp` of this run at ``consumed_samples``."""
+        from megatron_zb.training.batch_ramp import BatchRamp
+
+        return BatchRamp(global_batch_size=self.global_batch_size, micro_batch_size=self.micro_batch_size,
+                         data_parallel_size=self.parallel.data_parallel_size,
+                         rampup_batch_size=self.rampup_batch_size, consumed_samples=consumed_samples)
+
+    def scheduler_steps(self) -> SchedulerSteps:
+        """The LR scheduler's lengths of this run (:meth:`OptimConfig.scheduler_steps`) [samples]."""
+        return self.optim.scheduler_steps(train_iters=self.train_iters, train_samples=self.train_samples,
+                                          global_batch_size=self.global_batch_size)
 
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with top-level fields replaced."""
@@ -392,4 +597,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                      precision=PrecisionConfig.from_args(args), optim=OptimConfig.from_args(args),
                      schedule=ScheduleConfig.from_args(args), micro_batch_size=args.micro_batch_size,
                      global_batch_size=args.global_batch_size, num_microbatches=args.num_microbatches,
-                     train_iters=args.train_iters, seed=args.seed)
+                     train_iters=args.train_iters, train_samples=args.train_samples,
+                     rampup_batch_size=(tuple(args.rampup_batch_size) if args.rampup_batch_size is not None
+                                        else None), seed=args.seed, checkpoint=CheckpointConfig.from_args(args),
+                     logging=LoggingConfig.from_args(args), profiling=ProfilingConfig.from_args(args),
+                     memory=MemoryConfig.from_args(args))

@@ -23,9 +23,11 @@ post-validation validates the previous step, gradient buffers are zeroed, one
 window), the optimizer steps and the LR scheduler follows a successful step. Then, as Megatron:
 re-planning at the end of the profiling window, the log line every ``--log-interval``,
 evaluation every ``--eval-interval``, a checkpoint every ``--save-interval``, the
-``--exit-interval`` check, and with ``--exit-signal-handler`` whether any rank was signalled (then
-save and exit 0). After the last iteration: a checkpoint (if not just saved), the
-validation and the test set.
+``--exit-interval`` check, and with ``--exit-signal-handler`` whether any rank was signalled and with
+``--exit-duration-in-mins`` whether any ran out of time (then save and exit 0). After the last
+iteration: a checkpoint (if not just saved), the validation and the test set. Around each
+iteration, :class:`~.housekeeping.LoopHooks` runs Megatron-LM's manual garbage collection, CUDA
+cache emptying and ``--profile`` window.
 """
 
 from __future__ import annotations
@@ -40,15 +42,18 @@ import torch.distributed as dist
 
 from megatron_zb.schedules.ir import Schedule
 from megatron_zb.training.arguments import initial_schedule
+from megatron_zb.training.batch_ramp import BatchRamp
 from megatron_zb.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_zb.training.data_setup import DataBundle, build_data
 from megatron_zb.training.distributed import DistributedContext, init_distributed, shutdown_distributed
 from megatron_zb.training.evaluation import evaluate
 from megatron_zb.training.gpt_step import run_batch, sum_lm_loss
+from megatron_zb.training.housekeeping import LoopHooks
 from megatron_zb.training.logging_utils import print_rank_0, tensorboard_writer
 from megatron_zb.training.model_setup import ModelBundle, build_model
 from megatron_zb.training.optimizer_setup import OptimizerBundle, build_optimizer
-from megatron_zb.training.preemption import ExitSignalHandler
+from megatron_zb.training.params_norm import params_l2_norm
+from megatron_zb.training.preemption import ExitDuration, ExitSignalHandler
 from megatron_zb.training.replanning import SchedulePlanner
 from megatron_zb.training.run_config import RunConfig, run_config
 from megatron_zb.training.state import TrainState
@@ -71,9 +76,14 @@ class Trainer:
         state: iteration, consumed samples, profiled costs (what checkpoints carry).
         data: this rank's iterators.
         log: the current log interval and the run's history.
+        batch: the global batch of the next iteration (:class:`~megatron_zb.training.batch_ramp.BatchRamp`:
+            constant, or growing with ``--rampup-batch-size``).
         last_saved: the iteration of the last checkpoint this run saved or loaded (``None``: none).
         exit_signal: with ``--exit-signal-handler``, the handler of ``--exit-signal``
             (:mod:`.preemption`); checked after every iteration.
+        exit_duration: with ``--exit-duration-in-mins``, its clock (:mod:`.preemption`); checked
+            after every iteration.
+        hooks: garbage collection, CUDA cache and ``--profile`` window around iterations (:mod:`.housekeeping`).
         t_start: ``time.perf_counter()`` when the run started [s].
     """
 
@@ -83,9 +93,13 @@ class Trainer:
         self.args = args
         self.config: RunConfig = run_config(args)
         self.t_start = time.perf_counter()
-        self._iteration_of_step: dict[int, int] = {}  # post-validation: optimizer step index -> iteration
+        # post-validation: optimizer step index -> (iteration, its global batch size)
+        self._iteration_of_step: dict[int, tuple[int, int]] = {}
         self.dist: DistributedContext = init_distributed(self.config.parallel, seed=self.config.seed)
         self.exit_signal = ExitSignalHandler(args.exit_signal).install() if args.exit_signal_handler else None
+        minutes = self.config.checkpoint.exit_duration_in_mins
+        self.exit_duration = ExitDuration(minutes, started=self.t_start) if minutes else None
+        self.hooks = LoopHooks(self.config, rank=dist.get_rank(), device=self.dist.device)
         try:
             schedule = schedule if schedule is not None else initial_schedule(args)
             self.model: ModelBundle = build_model(self.config, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
@@ -95,6 +109,7 @@ class Trainer:
             self.state: TrainState = self._load() if args.load else TrainState()
             self.last_saved: int | None = self.state.iteration if args.load else None
             self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state)
+            self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                                    tensorboard=tensorboard_writer(args.tensorboard_dir), config=self.config)
@@ -120,6 +135,7 @@ class Trainer:
 
     def close(self) -> None:
         """Close the TensorBoard writer; destroy the process groups this run started."""
+        self.hooks.close()
         self.log.close()
         shutdown_distributed(self.dist)
         if self.exit_signal is not None:
@@ -134,14 +150,19 @@ class Trainer:
         self.log.start_interval()
         start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
         print_rank_0(f"> training: iterations {self.state.iteration + 1} to {args.train_iters}, "
-                     f"{args.num_microbatches} micro batches of {args.micro_batch_size} per iteration per "
+                     f"{self.batch.num_microbatches} micro batches of {args.micro_batch_size} per iteration per "
                      f"data-parallel rank"
+                     + (f" (growing to {args.num_microbatches}: --rampup-batch-size)"
+                        if self.batch.num_microbatches != args.num_microbatches else "")
                      + (f"; profiling iterations {start}-{end - 1}, then re-planning"
                         if self.planner.profiles_after(self.state.iteration) else ""))
+        self.hooks.start(self.state.iteration)
         while self.state.iteration < args.train_iters:
             it = self.state.iteration + 1
+            self.hooks.before_iteration(it)
+            self._update_batch(it)
             record, replan_due = self._train_step(it)
-            self.state.advance(global_batch_size=args.global_batch_size)
+            self.state.advance(global_batch_size=self.batch.global_batch_size)
             self.log.records.append(record)
             if replan_due:
                 with self.log.excluding_time():
@@ -162,26 +183,32 @@ class Trainer:
             m.zero_grad_buffer()
         opt.optimizer.zero_grad()
         t0 = time.perf_counter()
+        gbs = self.batch.global_batch_size
         out = run_batch(self.planner.forward_backward, model=self.model.modules, iterators=self.data.train,
-                        args=args, device=self.dist.device, forward_only=False)
+                        args=args, device=self.dist.device, forward_only=False,
+                        num_microbatches=self.batch.num_microbatches)
         fb_seconds = time.perf_counter() - t0
+        self.hooks.after_forward_backward()
         replan_due = self.planner.end_iteration(it, profiling=profiling, seconds=fb_seconds)
         if opt.post_validation:
-            self._iteration_of_step[opt.optimizer.iteration] = it
+            self._iteration_of_step[opt.optimizer.iteration] = (it, gbs)
         t1 = time.perf_counter()
-        update_successful, grad_norm, _ = opt.optimizer.step()
+        update_successful, grad_norm, num_zeros = opt.optimizer.step()
         timers = {"forward-backward": fb_seconds, "optimizer": time.perf_counter() - t1}
+        self.hooks.after_optimizer_step()
         if opt.post_validation and not opt.optimizer.pending:
             self._iteration_of_step.pop(opt.optimizer.iteration - 1, None)  # final already (synchronous step)
         if update_successful:
-            opt.scheduler.step(increment=args.global_batch_size)
+            opt.scheduler.step(increment=gbs)  # samples, as Megatron-LM's scheduler counts
         loss = None
         if out:
             total = sum_lm_loss(out)
             loss = (float(total[0]), float(total[1]))
         record = IterationRecord(iteration=it, loss=loss, skipped=not update_successful,
                                  grad_norm=None if grad_norm is None else float(grad_norm),
-                                 lr=opt.learning_rate(), loss_scale=opt.loss_scale(), timers=timers)
+                                 lr=opt.learning_rate(), loss_scale=opt.loss_scale(), timers=timers,
+                                 num_zeros=None if num_zeros is None else float(num_zeros),
+                                 global_batch_size=gbs)
         return record, replan_due
 
     def _after_iteration(self, it: int) -> bool:
@@ -190,14 +217,19 @@ class Trainer:
         if it % args.log_interval == 0:
             self._log_interval()
         if args.eval_iters > 0 and self.data.has_valid and it % args.eval_interval == 0:
-            with self.log.excluding_time():
+            with self.log.excluding_time(), self.hooks.evaluation():
                 self._evaluate(f"iteration {it}", self.data.valid, valid=True)
+        self.hooks.after_iteration(it)  # Megatron-LM's post-step callbacks: the profile window's end, manual GC
         if args.save and args.save_interval and it % args.save_interval == 0:
             with self.log.excluding_time():
                 self._finalize_optimizer()
                 self._save()
         if self.exit_signal is not None and self.exit_signal.any_rank_received(self.dist.device):
             self._exit_early(it, f"after receiving {args.exit_signal.name} (--exit-signal-handler)")
+            return True
+        if self.exit_duration is not None and self.exit_duration.any_rank_over(self.dist.device):
+            self._exit_early(it, f"after {self.exit_duration.elapsed_minutes():.3f} minutes "
+                                 f"(--exit-duration-in-mins {self.exit_duration.minutes})")
             return True
         if args.exit_interval and it % args.exit_interval == 0:
             self._exit_early(it, f"(--exit-interval {args.exit_interval})")
@@ -239,6 +271,37 @@ class Trainer:
         print_rank_0(f"> training done: {it} iterations, {self.log.total_skipped} skipped, "
                      f"{time.perf_counter() - self.t_start:.1f} s in all")
 
+    # ------------------------------------------------------------------ the global batch (--rampup-batch-size)
+    def _start_batch_ramp(self) -> BatchRamp:
+        """The batch of the first iteration of this run (after ``--load``: where the ramp stood); the
+        planner's schedule for its micro batches. Collective."""
+        batch = self.config.batch_ramp(consumed_samples=self.state.consumed_train_samples)
+        if batch.ramps:
+            start, increment, samples = self.config.rampup_batch_size  # type: ignore[misc]
+            print_rank_0(f"> batch size ramp-up (--rampup-batch-size {start} {increment} {samples}): the global "
+                         f"batch grows from {start} by {increment} to {self.config.global_batch_size} over the first "
+                         f"{samples} samples; {batch.global_batch_size} at {self.state.consumed_train_samples} "
+                         f"consumed samples")
+            self.planner.use_microbatches(batch.num_microbatches,
+                                          why=f"global batch size {batch.global_batch_size} to start with")
+        return batch
+
+    def _update_batch(self, it: int) -> None:
+        """Before iteration ``it``: the global batch for the consumed samples (Megatron-LM's
+        ``update_num_microbatches``). When it grows, as Megatron-LM: a checkpoint of the iteration
+        before (with ``--save``), then the schedule for the new number of micro batches. Collective."""
+        before = self.batch.global_batch_size
+        if not self.batch.update(self.state.consumed_train_samples):
+            return
+        with self.log.excluding_time():
+            if self.args.save and self.state.iteration > 0 and self.last_saved != self.state.iteration:
+                self._finalize_optimizer()
+                self._save()
+            self.planner.use_microbatches(
+                self.batch.num_microbatches,
+                why=f"global batch size {before} -> {self.batch.global_batch_size} at iteration {it} "
+                    f"({self.state.consumed_train_samples} samples consumed)")
+
     # ------------------------------------------------------------------ post-validation
     def _finalize_optimizer(self) -> None:
         if self.optim.post_validation:
@@ -246,16 +309,18 @@ class Trainer:
 
     def _on_validation_report(self, report: Any) -> None:
         """A post-validation report of an earlier step: fix the LR schedule and that iteration's record."""
-        it = self._iteration_of_step.pop(report.iteration, None)
-        if it is None:
+        entry = self._iteration_of_step.pop(report.iteration, None)
+        if entry is None:
             return
-        gbs = self.args.global_batch_size
+        it, gbs = entry  # the iteration and its global batch [samples]
         if report.changed:  # the step was redone or undone: the scheduler follows the validated outcome
             self.optim.scheduler.step(increment=gbs if report.result.update_successful else -gbs)
         record = self.log.find(it)
         if record is not None:
             record.skipped = not report.result.update_successful
             record.grad_norm = report.result.grad_norm
+            nz = report.result.num_zeros_in_grad
+            record.num_zeros = None if nz is None else float(nz)
             record.lr = self.optim.learning_rate()
             record.loss_scale = self.optim.loss_scale()
 
@@ -272,14 +337,22 @@ class Trainer:
             dist.all_reduce(c, op=dist.ReduceOp.MAX)
             rollbacks = int(c.item())
         self.log.close_interval(now=now, consumed_samples=self.state.consumed_train_samples, rollbacks=rollbacks,
-                                print_line=print_line)
+                                print_line=print_line, params_norm=self._params_norm())
+
+    def _params_norm(self) -> float | None:
+        """``--log-params-norm``: the parameters' L2 norm now (collective), else ``None``."""
+        if not self.config.logging.log_params_norm:
+            return None
+        return params_l2_norm(self.model.modules, bf16=self.config.precision.bf16, device=self.dist.device)
 
     def _evaluate(self, prefix: str, iterators: Sequence[Any], *, valid: bool) -> float:
         args = self.args
         if self.optim.post_validation:
             self.optim.optimizer.validate()  # evaluate the validated parameters
+        self.planner.ensure_installed(args.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
         loss = evaluate(args, forward_backward=self.planner.forward_backward, modules=self.model.modules,
-                        iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist)
+                        iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
+                        after_step=self.hooks.after_eval_step)
         if valid:
             self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.log.add_validation(prefix, iteration=self.state.iteration, loss=loss, tensorboard=valid)
@@ -290,8 +363,12 @@ class Trainer:
         args = self.args
         t0 = time.perf_counter()
         print_rank_0(f"> loading checkpoint from {args.load} ...")
-        loaded = load_checkpoint(args.load, chunks=self.model.gpt_models, optimizer=self.optim.optimizer,
-                                 scheduler=self.optim.scheduler, args=args)
+        ckpt = self.config.checkpoint
+        load_optim = not (ckpt.no_load_optim or ckpt.finetune)
+        loaded = load_checkpoint(args.load, chunks=self.model.gpt_models,
+                                 optimizer=self.optim.optimizer if load_optim else None,
+                                 scheduler=self.optim.scheduler if load_optim else None, args=args,
+                                 load_rng=not (ckpt.no_load_rng or ckpt.finetune))
         if loaded is None:
             print_rank_0(f"WARNING: no checkpoint in {args.load} (no latest_checkpointed_iteration.txt); "
                          f"training from scratch")
@@ -300,6 +377,10 @@ class Trainer:
             which = ("this command line's (--override-opt_param-scheduler)" if args.override_opt_param_scheduler
                      else "the checkpoint's (--use-checkpoint-opt_param-scheduler)")
             print_rank_0(f"> learning-rate schedule: {which}; they differ in " + "; ".join(loaded.scheduler_differences))
+        if not load_optim:
+            self.optim.optimizer.reload_model_params()  # the fp32 main params from the loaded model, as Megatron-LM
+        if ckpt.no_load_rng or ckpt.finetune or ckpt.no_load_optim:
+            return self._loaded_partly(loaded, load_optim=load_optim, seconds=time.perf_counter() - t0)
         if not loaded.rng_restored:
             print_rank_0("WARNING: the checkpoint was saved with another (pipeline, tensor, data)-parallel layout; "
                          "random states are not restored (dropout streams start afresh)")
@@ -307,6 +388,23 @@ class Trainer:
         print_rank_0(f"  successfully loaded checkpoint from {loaded.path} at iteration {loaded.state.iteration} "
                      f"({time.perf_counter() - t0:.1f} s)")
         return loaded.state
+
+    def _loaded_partly(self, loaded: Any, *, load_optim: bool, seconds: float) -> TrainState:
+        """After a load with ``--no-load-optim``, ``--no-load-rng`` or ``--finetune``: say what was not
+        restored; the state to continue from (``--finetune``: iteration 0, nothing consumed, no costs)."""
+        ckpt = self.config.checkpoint
+        kept = [what for what, fresh in (("optimizer state and learning-rate scheduler", not load_optim),
+                                         ("random states", not loaded.rng_restored)) if fresh]
+        flags = " ".join(f for f, on in (("--finetune", ckpt.finetune), ("--no-load-optim", ckpt.no_load_optim),
+                                         ("--no-load-rng", ckpt.no_load_rng)) if on)
+        print_rank_0(f"> {flags}: not restored from the checkpoint: {', '.join(kept) or 'nothing'}"
+                     + ("; starting at iteration 0 with no consumed samples (--finetune)" if ckpt.finetune else ""))
+        state = TrainState() if ckpt.finetune else loaded.state
+        if not ckpt.finetune:
+            self.planner.restore(loaded.state.schedule_costs, iteration=loaded.state.iteration)
+        print_rank_0(f"  successfully loaded checkpoint from {loaded.path} at iteration {state.iteration} "
+                     f"({seconds:.1f} s)")
+        return state
 
     def _save(self) -> None:
         t0 = time.perf_counter()

@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.flops import tflops_per_gpu
-from megatron_zb.training.run_config import RunConfig
+from megatron_zb.training.run_config import LoggingConfig, RunConfig
 from megatron_zb.training.logging_utils import WandbWriter, format_iteration_line, is_last_rank, print_rank_last
 
-__all__ = ["IterationRecord", "TrainingLog", "gather_losses"]
+__all__ = ["IterationRecord", "TrainingLog", "cuda_memory_scalars", "gather_losses"]
 
 
 @dataclass
@@ -42,6 +42,10 @@ class IterationRecord:
         loss_scale: the loss scale after the step.
         timers: seconds spent in named parts of the iteration (``"forward-backward"``,
             ``"optimizer"``), for ``--log-timers-to-tensorboard``.
+        num_zeros: with ``--log-num-zeros-in-grad``, the step's zero gradient elements (megatron-core's
+            count over the model-parallel group; validated with post-validation), else ``None``.
+        global_batch_size: the iteration's samples, all data-parallel ranks (grows with
+            ``--rampup-batch-size``; ``None``: ``--global-batch-size``).
     """
 
     iteration: int
@@ -51,6 +55,17 @@ class IterationRecord:
     lr: float
     loss_scale: float
     timers: dict[str, float] = field(default_factory=dict)
+    num_zeros: float | None = None
+    global_batch_size: int | None = None
+
+
+def cuda_memory_scalars(stats: dict[str, Any]) -> dict[str, float]:
+    """``--log-memory-to-tensorboard``: Megatron-LM's four scalars of ``torch.cuda.memory_stats()``
+    (bytes, and the count of live allocations)."""
+    return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
+            "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+            "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+            "mem-allocated-count": stats["allocation.all.current"]}
 
 
 def gather_losses(values: Sequence[tuple[float, float] | None], *, stage_to_rank: Sequence[int],
@@ -122,8 +137,12 @@ class TrainingLog:
         """This interval's record of ``iteration`` (``None`` when it was logged already)."""
         return next((r for r in self.records if r.iteration == iteration), None)
 
-    def close_interval(self, *, now: float, consumed_samples: int, rollbacks: int | None, print_line: bool) -> None:
+    def close_interval(self, *, now: float, consumed_samples: int, rollbacks: int | None, print_line: bool,
+                       params_norm: float | None = None) -> None:
         """End the interval at ``now``: Megatron's line (when ``print_line``), TensorBoard, the JSON. Collective.
+
+        ``params_norm``: with ``--log-params-norm``, the parameters' norm after the interval's last
+        step (line, TensorBoard and the last iteration's JSON record).
 
         As Megatron: skipped iterations do not enter the average; a skipped iteration whose loss is
         inf/nan counts as a nan iteration; the loss field is left out when nothing is averaged.
@@ -135,32 +154,41 @@ class TrainingLog:
             value = num / den if den > 0 else float("nan")
             per_iter.append(value)
             self.history.append({"iteration": r.iteration, "lm loss": value, "skipped": r.skipped,
-                                 "learning rate": r.lr, "grad norm": r.grad_norm, "loss scale": r.loss_scale})
+                                 "learning rate": r.lr, "grad norm": r.grad_norm, "loss scale": r.loss_scale,
+                                 "global batch size": self._batch_size(r),
+                                 **({"num zeros": r.num_zeros} if r.num_zeros is not None else {})})
+        if params_norm is not None and self.history:
+            self.history[-1]["params norm"] = params_norm
         kept = [v for r, v in zip(records, per_iter) if not r.skipped]
         nan_iters = sum(1 for r, v in zip(records, per_iter) if r.skipped and not math.isfinite(v))
         skipped = sum(1 for r in records if r.skipped)
         self.total_skipped += skipped
         elapsed = max(0.0, now - self.interval_start - self.excluded) / max(1, len(records))
         last = records[-1]
+        batch = self._batch_size(last)  # as Megatron-LM: the current global batch
         tflops = None
         if args.log_throughput and elapsed > 0 and self.config is not None:
-            tflops = tflops_per_gpu(self.config.model, global_batch_size=self.config.global_batch_size,
+            tflops = tflops_per_gpu(self.config.model, global_batch_size=batch,
                                     world_size=self.config.parallel.world_size, seconds_per_iteration=elapsed)
         if print_line:
             print_rank_last(format_iteration_line(
                 iteration=last.iteration, train_iters=args.train_iters, consumed_samples=consumed_samples,
-                elapsed_ms=1e3 * elapsed, throughput=args.global_batch_size / elapsed if elapsed > 0 else None,
+                elapsed_ms=1e3 * elapsed, throughput=batch / elapsed if elapsed > 0 else None,
                 tflops_per_gpu=tflops,
-                learning_rate=last.lr, global_batch_size=args.global_batch_size,
+                learning_rate=last.lr, global_batch_size=self._batch_size(last),
                 losses={"lm loss": sum(kept) / len(kept)} if kept else {},
-                loss_scale=last.loss_scale, grad_norm=last.grad_norm, skipped_iterations=skipped,
-                nan_iterations=nan_iters, rollbacks=rollbacks))
-            self._tensorboard_interval(last, kept, elapsed, tflops)
+                loss_scale=last.loss_scale, grad_norm=last.grad_norm, num_zeros_in_grad=last.num_zeros,
+                params_norm=params_norm, skipped_iterations=skipped, nan_iterations=nan_iters, rollbacks=rollbacks))
+            self._tensorboard_interval(last, kept, elapsed, tflops, params_norm=params_norm)
         self.write_json()
         self.start_interval()
 
+    def _batch_size(self, record: IterationRecord) -> int:
+        """The global batch size of ``record``'s iteration [samples]."""
+        return record.global_batch_size if record.global_batch_size is not None else self.args.global_batch_size
+
     def _tensorboard_interval(self, last: IterationRecord, kept: list[float], elapsed: float,
-                              tflops: float | None) -> None:
+                              tflops: float | None, *, params_norm: float | None = None) -> None:
         """TensorBoard and W&B scalars of the interval (Megatron's names; timers in seconds per iteration)."""
         tb = self.tb is not None and self.tb.enabled
         if not tb and not self.wandb.enabled:
@@ -172,6 +200,13 @@ class TrainingLog:
             scalars["grad-norm"] = last.grad_norm
         if tflops is not None:
             scalars["throughput"] = tflops
+        if last.num_zeros is not None:
+            scalars["num-zeros"] = last.num_zeros
+        if params_norm is not None:
+            scalars["params-norm"] = params_norm
+        logging = self.config.logging if self.config is not None else LoggingConfig()
+        if logging.log_memory_to_tensorboard and self._dist is not None and self._dist.device.type == "cuda":
+            scalars.update(cuda_memory_scalars(torch.cuda.memory_stats(self._dist.device)))
         if self.args.log_timers_to_tensorboard:
             for name in sorted({n for r in self.records for n in r.timers}):
                 scalars[f"{name}-time"] = sum(r.timers.get(name, 0.0) for r in self.records) / len(self.records)

@@ -105,10 +105,12 @@ def megatron_optimizer(optim: OptimConfig, *, precision: PrecisionConfig, parall
     cfg = OptimizerConfig(
         optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-        clip_grad=optim.clip_grad, fp16=precision.fp16, bf16=precision.bf16, params_dtype=precision.params_dtype,
+        clip_grad=optim.clip_grad, decoupled_lr=optim.decoupled_lr, decoupled_min_lr=optim.decoupled_min_lr,
+        fp16=precision.fp16, bf16=precision.bf16, params_dtype=precision.params_dtype,
         loss_scale=precision.loss_scale, initial_loss_scale=precision.initial_loss_scale,
         min_loss_scale=precision.min_loss_scale, loss_scale_window=precision.loss_scale_window,
-        hysteresis=precision.hysteresis, use_distributed_optimizer=parallel.use_distributed_optimizer)
+        hysteresis=precision.hysteresis, use_distributed_optimizer=parallel.use_distributed_optimizer,
+        log_num_zeros_in_grad=optim.log_num_zeros_in_grad)
     return get_megatron_optimizer(cfg, list(modules), use_gloo_process_groups=parallel.distributed_backend != "gloo")
 
 

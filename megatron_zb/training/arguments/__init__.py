@@ -6,25 +6,34 @@ command keeps working with ``--enable-zero-bubble`` added. Entry points:
 * :func:`build_parser` -- the :class:`argparse.ArgumentParser` (groups as in Megatron);
 * :func:`parse_args` -- parse ``argv`` (no checks beyond argparse's own);
 * :func:`validate_args_and_schedule` -- check every flag combination *before* any process group
-  starts, raising :class:`ArgumentError` (names the flag and the fix), fill in derived values and
-  return them with the schedule built (unit costs) to check that it exists (:class:`ValidatedArgs`);
+  starts, fill in derived values and return them with the schedule built (unit costs) to check
+  that it exists and the start-up log lines of adjusted flags (:class:`ValidatedArgs`);
   :func:`validate_args` is the same returning only the args (Megatron-LM's contract). Both are
-  idempotent: validating validated args again changes nothing.
+  idempotent: validating validated args again changes nothing. Everything wrong is reported at
+  once: one :class:`ArgumentError` whose ``problems`` each name a flag and the fix (the parser's
+  unknown flags, ``parser.parse_known_flags``, first; then every failing check of
+  :data:`.validation.CHECKS`, skipping the checks whose inputs a failed check was to provide).
 
 One module per flag group, each holding the group's flags (``add_*_args``), its checks and its
 derived values: :mod:`.model` (network size), :mod:`.training` (batch, iterations, optimizer,
 learning rate, mixed precision), :mod:`.implementation` (``--transformer-impl``, gradient-accumulation
-fusion), :mod:`.recompute` (activation recomputation, uneven pipeline split), :mod:`.parallel`
+fusion), :mod:`.kernels` (attention backend, fusions), :mod:`.recompute` (activation recomputation, uneven pipeline split), :mod:`.parallel`
 (distributed), :mod:`.data` (data and
-tokenizer), :mod:`.checkpointing_logging`, :mod:`.zero_bubble` (schedule, memory limit, profiling,
+tokenizer), :mod:`.checkpointing_logging`, :mod:`.housekeeping` (profiling, garbage collection, the
+CUDA cache), :mod:`.zero_bubble` (schedule, memory limit, profiling,
 post-validation) and :mod:`.developer` (``pretrain_gpt_zb.py``'s extra flags). :mod:`.validation`
-orders the checks and holds the numeric ranges of all flags.
+orders the checks (with what each needs) and holds the numeric ranges of all flags;
+:mod:`.flags` turns unknown flags into problems; :mod:`.support` classes every Megatron-LM flag
+(implemented / accepted / refused) for the table of docs/training.md (``scripts/flag_table.py``).
 
 Adding a flag: ``g.add_argument`` in its group's ``add_*_args`` (Megatron's name, default and
 help; a new group is a new module whose ``add_*_args`` joins ``_GROUPS`` below); a numeric range
 in the tables of :mod:`.validation`; a check across flags, or a derived value, as a function of
-the group's module called from :func:`.validation.validate_args_and_schedule` (raise
-:class:`ArgumentError` naming the flag to change); list derived values in the table below.
+the group's module, added to :data:`.validation.CHECKS` with the checks it needs (raise
+:class:`ArgumentError` naming the flag to change; a flag adjusted or accepted without effect adds a
+start-up line with :func:`.common.notice`); list derived values in the table below, and a
+Megatron-LM flag accepted without (full) effect in :data:`.support.ACCEPTED`; then run
+``python scripts/flag_table.py``.
 
 Derived values set by :func:`validate_args` (units in brackets):
 
@@ -51,7 +60,11 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``max_position_embeddings``         default ``seq_length``
 ``kv_channels``                     ``--kv-channels``, default ``hidden_size / num_attention_heads``
 ``params_dtype``                    ``torch.float16`` / ``torch.bfloat16`` / ``torch.float32``
-``lr_decay_iters``                  default ``train_iters`` [iterations]
+``train_iters``                     ``--train-iters``, or from ``--train-samples`` (Megatron-LM's
+                                    ``update_train_iters``, the ramp-up's iterations included)
+                                    [iterations]; the flag itself is ``train_iters_requested``
+``lr_decay_iters``                  with ``--train-iters``: default ``train_iters`` [iterations]
+``lr_decay_samples``                with ``--train-samples``: default ``train_samples`` [samples]
 ``distributed_backend``             ``"nccl"`` or ``"gloo"`` (``auto`` resolved)
 ``post_validation_warmup_iters``    with ``--enable-optimizer-post-validation``: the flag's value,
                                     default 10 [iterations]; ``None`` without post-validation
@@ -68,6 +81,32 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``gradient_accumulation_fusion``    resolved (default: apex's fused kernels importable with CUDA);
                                     the flag itself is ``gradient_accumulation_fusion_requested``
 ``wgrad_kernel``                    which kernel accumulates weight gradients (start-up log)
+``validation_notices``              the start-up log lines (also ``ValidatedArgs.notices``)
+``sequence_parallel``               off at TP 1 (logged, as Megatron-LM); the flag itself is
+                                    ``sequence_parallel_requested``
+``overlap_p2p_comm``                -> ``ModelParallelConfig.overlap_p2p_comm``: several model chunks
+                                    per rank and no ``--no-overlap-p2p-communication`` (Megatron-LM's
+                                    rule); the flag itself is ``overlap_p2p_comm_requested``
+``batch_p2p_comm``                  -> ``ModelParallelConfig.batch_p2p_comm``: ``not overlap_p2p_comm``
+``barrier_with_L1_time``            -> ``ModelParallelConfig.barrier_with_L1_time`` (the flag's value;
+                                    megatron-zb's timers never put a barrier)
+``attention_backend``               -> ``TransformerConfig.attention_backend`` (``AttnBackend``;
+                                    checked against the layer spec)
+``masked_softmax_fusion``           -> ``TransformerConfig.masked_softmax_fusion``: the flag (default
+                                    on, as Megatron-LM) and CUDA with the fused softmax kernels
+``bias_activation_fusion``          -> ``TransformerConfig.bias_activation_fusion``: ``--swiglu``:
+                                    ``bias_swiglu_fusion``, else ``bias_gelu_fusion`` and linear
+                                    biases (Megatron-LM's rules); and CUDA
+``bias_dropout_fusion``             -> ``TransformerConfig.bias_dropout_fusion``: the flag and CUDA
+``apply_rope_fusion``               -> ``TransformerConfig.apply_rope_fusion``: the flag, RoPE, CUDA and
+                                    Transformer Engine
+``persist_layer_norm``              -> ``TransformerConfig.persist_layer_norm``: not
+                                    ``--no-persist-layer-norm``, CUDA and apex
+``cross_entropy_loss_fusion``       -> ``TransformerConfig.cross_entropy_loss_fusion`` (the flag;
+                                    ``cross_entropy_fusion_impl`` as parsed, ``te`` needs TE)
+                                    (the four fusion flags above are kept as ``<dest>_requested``;
+                                    every kernel field reaches ``TransformerConfig`` through
+                                    :class:`~megatron_zb.training.run_config.ModelConfig`)
 ==================================  ===========================================================
 """
 
@@ -79,10 +118,12 @@ from typing import Callable, Sequence
 from megatron_zb.model.gpt_chunks import split_layers
 
 from .checkpointing_logging import add_checkpointing_args, add_validation_and_logging_args
-from .common import ArgumentError
+from .common import ArgumentError, Problem
 from .flags import MegatronZBArgumentParser
+from .housekeeping import add_housekeeping_args
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
 from .implementation import add_implementation_args
+from .kernels import add_kernel_args
 from .logging_flags import add_logging_extra_args
 from .model import add_network_args
 from .moe import add_moe_args
@@ -95,6 +136,7 @@ from .zero_bubble import (POST_VALIDATION_FALLBACK_CLEAN_ITERS, POST_VALIDATION_
 
 __all__ = [
     "ArgumentError",
+    "Problem",
     "POST_VALIDATION_FALLBACK_CLEAN_ITERS",
     "POST_VALIDATION_WARMUP_ITERS",
     "TOKENIZER_TYPES",
@@ -112,9 +154,10 @@ __all__ = [
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
-    add_network_args, add_implementation_args, add_training_args, add_learning_rate_args, add_mixed_precision_args,
+    add_network_args, add_implementation_args, add_kernel_args, add_training_args, add_learning_rate_args, add_mixed_precision_args,
     add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
-    add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_zero_bubble_args)
+    add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_housekeeping_args,
+    add_zero_bubble_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
 
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 import argparse
 import signal
 
-from .common import ArgumentError
+from .common import ArgumentError, notice
 
-__all__ = ["add_checkpointing_args", "add_validation_and_logging_args", "check_checkpointing"]
+__all__ = ["CKPT_FORMATS", "add_checkpointing_args", "add_validation_and_logging_args", "check_checkpointing",
+           "check_exit_duration", "check_load_flags"]
+
+CKPT_FORMATS: tuple[str, ...] = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
+"""Megatron-LM core_v0.16.1's ``--ckpt-format`` choices (``CheckpointConfig.ckpt_format``)."""
 
 
 def _signal(name: str) -> signal.Signals:
@@ -27,6 +31,9 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
                    help="Directory to load a checkpoint from (the iteration its latest_checkpointed_iteration.txt "
                         "names). A damaged checkpoint, or one of another model or learning-rate schedule, is "
                         "refused in one line before anything is written.")
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
+                   help="Checkpoint format (Megatron-LM's choices, default torch_dist): megatron-zb writes and "
+                        "reads torch_dist only; the others are refused.")
     g.add_argument("--save-interval", type=int, default=None, help="Iterations between checkpoint saves.")
     g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
                    help="With --load: load the checkpoint of iteration N (DIR/iter_NNNNNNN) instead of the one "
@@ -42,6 +49,34 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
                    help="Data-loader worker processes (--num-workers > 0) ignore --exit-signal, so that a signal "
                         "sent to every process of the job does not end them before the checkpoint is saved "
                         "(with --exit-signal-handler they always do, as Megatron-LM).")
+    add_loading_and_exit_args(g)
+
+
+def _minutes(text: str) -> int | float:
+    """``--exit-duration-in-mins``: Megatron-LM's whole minutes (an ``int``), or here also a fraction."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+
+
+def add_loading_and_exit_args(g: argparse._ArgumentGroup) -> None:
+    """Megatron-LM's ``--no-load-optim``, ``--no-load-rng``, ``--finetune``, ``--exit-duration-in-mins``."""
+    g.add_argument("--no-load-optim", action="store_true", default=None,
+                   help="With --load: do not load the optimizer state nor the learning-rate scheduler (fresh "
+                        "ones; the fp32 main parameters are refreshed from the loaded model), as Megatron-LM.")
+    g.add_argument("--no-load-rng", action="store_true", default=None,
+                   help="With --load: do not restore the random states (this run's --seed streams).")
+    g.add_argument("--finetune", action="store_true",
+                   help="With --load: load the model only and start at iteration 0 (no optimizer, scheduler, "
+                        "random states, consumed samples or profiled costs from the checkpoint), as Megatron-LM.")
+    g.add_argument("--exit-duration-in-mins", type=_minutes, default=None, metavar="MINUTES",
+                   help="Save (with --save) and exit with status 0 after the first iteration that ends this many "
+                        "minutes after the run started; every rank checks after every iteration (as Megatron-LM, "
+                        "which takes whole minutes; a fraction is accepted here). 0: off.")
 
 
 def add_validation_and_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -57,9 +92,29 @@ def add_validation_and_logging_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_checkpointing(args: argparse.Namespace) -> None:
-    """``--ckpt-step`` needs ``--load``; ``--exit-signal`` must be a signal a process can handle."""
+    """``--ckpt-step`` needs ``--load``; ``--exit-signal`` must be a signal a process can handle;
+    ``--ckpt-format`` is torch_dist."""
+    if args.ckpt_format != "torch_dist":
+        raise ArgumentError("--ckpt-format", f"{args.ckpt_format} is not supported: megatron-zb writes and reads "
+                                             f"Megatron-LM's torch_dist checkpoints only; use --ckpt-format torch_dist")
     if args.ckpt_step is not None and not args.load:
         raise ArgumentError("--ckpt-step", "names a checkpoint of --load DIR; add --load DIR")
     if args.exit_signal in (signal.SIGKILL, signal.SIGSTOP):
         raise ArgumentError("--exit-signal", f"{args.exit_signal.name} cannot be handled by a process; use SIGTERM "
                                              f"or SIGUSR1")
+
+
+def check_load_flags(args: argparse.Namespace) -> None:
+    """``--no-load-optim`` / ``--no-load-rng`` / ``--finetune`` without ``--load`` do nothing, as in
+    Megatron-LM: a start-up line says so."""
+    given = [f for f, v in (("--no-load-optim", args.no_load_optim), ("--no-load-rng", args.no_load_rng),
+                            ("--finetune", args.finetune)) if v]
+    if given and not args.load:
+        notice(args, f"WARNING: {', '.join(given)} without --load: nothing is loaded, no effect (as Megatron-LM)")
+
+
+def check_exit_duration(args: argparse.Namespace) -> None:
+    """``--exit-duration-in-mins`` is a duration: not negative (0 is off, as Megatron-LM's ``if`` reads it)."""
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
+        raise ArgumentError("--exit-duration-in-mins", f"must be >= 0 minutes, got {args.exit_duration_in_mins}; "
+                                                       f"give the time after which to save and exit")

@@ -1,7 +1,8 @@
 """Developer flags of ``pretrain_gpt_zb.py`` (group "megatron-zb developer"): the megatron-core
 reference schedule, exact loss logging, ``--exit-interval`` and Megatron's LR-scheduler-on-load
 flags. Added with ``build_parser(extra_args_provider=add_developer_args)``; checked after
-``validate_args`` by :func:`validate_developer_args`."""
+``validate_args`` by :func:`validate_developer_args` (pass :data:`DEVELOPER_CHECK` to
+``validate_args_and_schedule(extra_checks=...)`` to have its problems in the same report)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import argparse
 import os
 
 from .common import ArgumentError
+from .validation import Check
 
-__all__ = ["add_developer_args", "validate_developer_args"]
+__all__ = ["DEVELOPER_CHECK", "add_developer_args", "validate_developer_args"]
 
 
 def add_developer_args(parser: argparse.ArgumentParser) -> None:
@@ -55,3 +57,7 @@ def validate_developer_args(args: argparse.Namespace) -> None:
             raise ArgumentError("--loss-log-json", f"directory {parent!r} does not exist")
     if args.load and not os.path.isdir(args.load):
         raise ArgumentError("--load", f"{args.load!r} is not a directory")
+
+
+DEVELOPER_CHECK = Check("developer", lambda args, results: validate_developer_args(args), needs=("schedule",))
+""":func:`validate_developer_args` as a step of validation (it reads the resolved schedule)."""

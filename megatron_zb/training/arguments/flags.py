@@ -11,6 +11,10 @@ any process group starts) naming the first unknown flag:
   "--context-parallel-size is a Megatron-LM flag megatron-zb does not support yet; ...";
 * anything else: "--flag is not a flag of pretrain_gpt_zb.py; did you mean --closest?" (the
   closest supported flag by ``difflib`` similarity, when one is similar enough).
+
+Every unknown flag of a command line is reported, in the order given, in one error (one
+:class:`~.common.Problem` each); :meth:`MegatronZBArgumentParser.parse_known_flags` returns them
+instead of raising, so that validation can add its own problems to the same report.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import argparse
 import difflib
 from typing import Sequence
 
-from .common import ArgumentError
+from .common import ArgumentError, Problem
 from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_VERSION
 
 __all__ = ["MegatronZBArgumentParser", "UnsupportedFlagError", "unknown_flag_error"]
@@ -29,8 +33,7 @@ class UnsupportedFlagError(ArgumentError):
     """An unknown flag on the command line; the message starts with the flag itself."""
 
     def __init__(self, flag: str, message: str) -> None:
-        ValueError.__init__(self, message)
-        self.flag = flag
+        self._set((Problem(flag, message),))
 
 
 WHY_NOT: dict[str, str] = {
@@ -41,14 +44,23 @@ WHY_NOT: dict[str, str] = {
 }
 """Megatron-LM flags refused for a reason of their own (flag -> why), not as "not supported yet"."""
 
+_FP8 = "drop it (FP8 needs Transformer Engine's FP8 recipes on an FP8-capable GPU; not supported by megatron-zb yet)"
+FIXES: dict[str, str] = {
+    "--fp8-format": _FP8, "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8,
+    "--fp8-param-gather": _FP8, "--fp8-recipe": _FP8, "--fp8-margin": _FP8, "--fp8-interval": _FP8,
+}
+"""How to do without a Megatron-LM flag not supported yet (flag -> fix), where there is more to say
+than "remove it"."""
+
 
 def unknown_flag_error(flag: str, supported: Sequence[str]) -> UnsupportedFlagError:
     """The error for ``flag`` (``--name``, no value), which is not among ``supported``."""
     if flag in WHY_NOT:
         return UnsupportedFlagError(flag, f"{flag} is refused: {WHY_NOT[flag]}; remove it")
     if flag in MEGATRON_LM_FLAGS:
+        fix = FIXES.get(flag, "remove it")
         return UnsupportedFlagError(flag, f"{flag} is a Megatron-LM flag megatron-zb does not support yet "
-                                          f"(Megatron-LM {MEGATRON_LM_VERSION.split()[0]}); remove it "
+                                          f"(Megatron-LM {MEGATRON_LM_VERSION.split()[0]}); {fix} "
                                           f"(docs/training.md lists the supported flags)")
     close = difflib.get_close_matches(flag, list(supported), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}?" if close else "see pretrain_gpt_zb.py --help for the supported flags"
@@ -56,15 +68,26 @@ def unknown_flag_error(flag: str, supported: Sequence[str]) -> UnsupportedFlagEr
 
 
 class MegatronZBArgumentParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose unknown flags raise :class:`UnsupportedFlagError`."""
+    """``argparse.ArgumentParser`` whose unknown flags raise :class:`UnsupportedFlagError` (all of them
+    in one :class:`~.common.ArgumentError`)."""
+
+    def parse_known_flags(self, args: Sequence[str] | None = None,
+                          namespace: argparse.Namespace | None = None
+                          ) -> tuple[argparse.Namespace, ArgumentError | None]:
+        """Parse ``args``; return the namespace of the known flags and the error naming every unknown
+        flag (``None`` when there is none). Bad values of known flags are argparse's errors, as ever."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if not extras:
+            return parsed, None
+        flags = list(dict.fromkeys(e.split("=", 1)[0] for e in extras if e.startswith("--")))
+        if not flags:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        supported = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        return parsed, ArgumentError.combine([unknown_flag_error(f, supported) for f in flags])
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
-        parsed, extras = self.parse_known_args(args, namespace)
-        if extras:
-            flags = [e.split("=", 1)[0] for e in extras if e.startswith("--")]
-            if not flags:
-                self.error(f"unrecognized arguments: {' '.join(extras)}")
-            supported = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-            raise unknown_flag_error(flags[0], supported)
+        parsed, unknown = self.parse_known_flags(args, namespace)
+        if unknown is not None:
+            raise unknown
         return parsed

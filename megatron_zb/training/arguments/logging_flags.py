@@ -1,14 +1,17 @@
 """Logging flags beyond the basic ones (Megatron's "logging" group): ``--log-throughput``,
-``--log-timers-to-tensorboard`` and Weights & Biases (``--wandb-project`` ...); their checks."""
+``--log-timers-to-tensorboard``, ``--log-params-norm``, ``--log-num-zeros-in-grad``,
+``--log-memory-to-tensorboard`` and Weights & Biases (``--wandb-project`` ...); their checks."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 
-from .common import ArgumentError
+import torch
 
-__all__ = ["add_logging_extra_args", "check_logging"]
+from .common import ArgumentError, notice
+
+__all__ = ["add_logging_extra_args", "check_logging", "check_memory_logging"]
 
 
 def add_logging_extra_args(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +20,20 @@ def add_logging_extra_args(parser: argparse.ArgumentParser) -> None:
                    help="Add the model's TFLOP/s per GPU (Megatron-LM's FLOPs formula) to the iteration line.")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="Write the timers (forward-backward, optimizer; seconds per iteration) to TensorBoard.")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="Add the L2 norm of the model's parameters after the step to the iteration line "
+                        "(params norm) and TensorBoard (params-norm), over all ranks, as Megatron-LM.")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="Add the number of zero gradient elements of the step to the iteration line (num zeros) "
+                        "and TensorBoard (num-zeros): megatron-core's OptimizerConfig.log_num_zeros_in_grad; with "
+                        "optimizer post-validation, the validated count.")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="Write the CUDA caching allocator's statistics to TensorBoard (mem-reserved-bytes, "
+                        "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count), as Megatron-LM; "
+                        "nothing without CUDA (a start-up line says so).")
+    g.add_argument("--no-barrier-with-level-1-timing", action="store_false", dest="barrier_with_L1_time",
+                   help="Megatron-LM: no barrier before level-1 timers. megatron-zb's timers never synchronise "
+                        "the ranks, so this is what always happens here.")
     g.add_argument("--wandb-project", type=str, default=None,
                    help="Log to Weights & Biases under this project (needs the wandb package; offline mode "
                         "when api.wandb.ai is unreachable or WANDB_MODE=offline).")
@@ -35,3 +52,16 @@ def check_logging(args: argparse.Namespace) -> None:
     if importlib.util.find_spec("wandb") is None:
         raise ArgumentError("--wandb-project", "needs the wandb package, which is not installed; pip install wandb "
                                                "or drop --wandb-project")
+
+
+def check_memory_logging(args: argparse.Namespace) -> None:
+    """``--log-memory-to-tensorboard`` writes nothing without CUDA or without ``--tensorboard-dir``:
+    a start-up line says which."""
+    if not args.log_memory_to_tensorboard:
+        return
+    if not torch.cuda.is_available():
+        notice(args, "WARNING: --log-memory-to-tensorboard: no CUDA device, so torch.cuda.memory_stats() has "
+                     "nothing to report: no memory scalars are written")
+    elif args.tensorboard_dir is None:
+        notice(args, "WARNING: --log-memory-to-tensorboard without --tensorboard-dir: no TensorBoard, no memory "
+                     "scalars (as Megatron-LM); add --tensorboard-dir DIR")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from megatron_zb.planning.model import default_ffn_hidden_size
 
-from .common import ArgumentError
+from .common import ArgumentError, notice
 
-__all__ = ["add_network_args", "check_architecture", "check_attention_heads", "check_position_embeddings",
-           "fill_model_sizes"]
+__all__ = ["add_network_args", "check_architecture", "check_zero_centered_gamma", "check_attention_heads", "check_model_kind",
+           "check_position_embeddings", "fill_model_sizes"]
 
 
 def add_network_args(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +46,9 @@ def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
                         "--ffn-hidden-size then defaults to int(4 * hidden * 2 / 3 / 64) * 64.")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
                    default="learned_absolute", help="Position embedding type (default learned_absolute).")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="Megatron-LM's deprecated flag: accepted with --position-embedding-type rope (no learned "
+                        "position table there), an error otherwise (as Megatron-LM); use --position-embedding-type.")
     g.add_argument("--rotary-base", type=int, default=10000, help="Base of the rotary embeddings (default 10000).")
     g.add_argument("--rotary-interleaved", action="store_true",
                    help="Rotate interleaved pairs of a head's channels instead of its two halves (rope).")
@@ -59,15 +63,37 @@ def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                    help="Disable the bias of the linear layers.")
     g.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys (the --normalization type).")
+    g.add_argument("--apply-layernorm-1p", action="store_true", dest="layernorm_zero_centered_gamma",
+                   help="LayerNorm weights centred on 0 (the norm multiplies by 1 + weight): better numerical "
+                        "stability. Needs apex or Transformer Engine.")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Standard deviation of the zero-mean normal weight initialisation (default 0.02).")
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
                    help="Compute the attention softmax in fp32 (with fp16/bf16).")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="Give the output layer its own weight instead of sharing the word embedding's.")
+    g.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models",
+                   help="Megatron-LM's deprecated flag, ignored as there: megatron-core models are the default "
+                        "(and the only ones here).")
+    g.add_argument("--use-legacy-models", action="store_true",
+                   help="Megatron-LM's legacy GPT: megatron-core has none, so megatron-core's GPTModel (the same "
+                        "architecture) is built, with megatron-core's checkpoints; logged at start-up.")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="Normalise the loss by the number of non-padded tokens of the global batch instead of "
                         "averaging per micro batch (megatron-core's per-token loss).")
+
+
+def check_model_kind(args: argparse.Namespace) -> None:
+    """``--use-legacy-models``: say what is built instead (``--use-mcore-models`` is a no-op, as in Megatron-LM);
+    ``--no-position-embedding`` only with RoPE (Megatron-LM's rule, its arguments.py 999-1000)."""
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ArgumentError("--no-position-embedding", "is deprecated and, as in Megatron-LM, accepted only with "
+                                                       "--position-embedding-type rope; use --position-embedding-type "
+                                                       "none (or rope) instead")
+    if args.use_legacy_models:
+        notice(args, "WARNING: --use-legacy-models: megatron-core has no legacy models; megatron-core's GPTModel (the "
+                     "same architecture as Megatron-LM's legacy GPT) is built, and checkpoints are megatron-core's "
+                     "(torch_dist), not the legacy format")
 
 
 def check_attention_heads(args: argparse.Namespace) -> None:
@@ -88,6 +114,22 @@ def check_position_embeddings(args: argparse.Namespace) -> None:
     if mp < args.seq_length:
         raise ArgumentError("--max-position-embeddings",
                             f"{mp} is smaller than --seq-length {args.seq_length}; raise it or omit it")
+
+
+def check_zero_centered_gamma(args: argparse.Namespace) -> None:
+    """``--apply-layernorm-1p`` only where the layer norm has a zero-centred gamma: Transformer Engine's,
+    or apex's fused LayerNorm of megatron-core's local spec (torch's own norms have none)."""
+    if not args.layernorm_zero_centered_gamma or args.transformer_impl == "transformer_engine":
+        return
+    if args.normalization != "LayerNorm":
+        raise ArgumentError("--apply-layernorm-1p", f"megatron-core's local {args.normalization} has no zero-centred "
+                                                    f"gamma; use --normalization LayerNorm with apex, or "
+                                                    f"--transformer-impl transformer_engine")
+    if importlib.util.find_spec("apex") is None:
+        raise ArgumentError("--apply-layernorm-1p", "megatron-core's local layer spec normalises with torch's LayerNorm "
+                                                    "here (apex is not installed), which has no zero-centred gamma; "
+                                                    "install apex, or use --transformer-impl transformer_engine "
+                                                    "(Transformer Engine and CUDA)")
 
 
 def check_architecture(args: argparse.Namespace) -> None:

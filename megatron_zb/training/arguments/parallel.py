@@ -7,10 +7,11 @@ import argparse
 
 import torch
 
-from .common import ArgumentError
+from .common import ArgumentError, notice
 
-__all__ = ["add_distributed_args", "check_batch_sizes", "check_data_parallel_overlap", "check_sequence_parallel",
-           "check_world_size", "data_parallel_summary", "resolve_backend"]
+__all__ = ["add_distributed_args", "check_batch_sizes", "check_context_parallel", "check_data_parallel_overlap",
+           "check_sequence_parallel", "check_world_size", "data_parallel_summary", "resolve_backend",
+           "resolve_p2p_overlap"]
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +22,15 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="Model chunks per pipeline rank for interleaved schedules (--schedule "
                         "interleaved-1f1b / interleaved-zb). Default 2 for those; V schedules always use 2.")
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism (needs --tensor-model-parallel-size > 1).")
+                   help="Megatron sequence parallelism; at --tensor-model-parallel-size 1 it is turned off with a "
+                        "log line (as Megatron-LM).")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Context-parallel size; only 1 (no context parallelism) is supported.")
+    g.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
+                   help="Megatron-LM: do not overlap the interleaved schedule's p2p with compute (batched p2p "
+                        "instead). megatron-zb's runtime never batches its transfers (each is its own isend/irecv, "
+                        "receives posted ahead), so its schedules run the same; sets megatron-core's "
+                        "overlap_p2p_comm/batch_p2p_comm.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state over data-parallel ranks (Megatron distributed optimizer).")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -57,9 +66,39 @@ def check_world_size(args: argparse.Namespace, world_size: int) -> None:
 
 
 def check_sequence_parallel(args: argparse.Namespace) -> None:
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
-        raise ArgumentError("--sequence-parallel", "needs --tensor-model-parallel-size > 1; drop --sequence-parallel "
-                                                   "or raise the tensor-parallel size")
+    """``--sequence-parallel`` at TP 1 is turned off with a log line, as Megatron-LM does (arguments.py
+    906-913); the flag itself is kept as ``sequence_parallel_requested``."""
+    if not hasattr(args, "sequence_parallel_requested"):
+        args.sequence_parallel_requested = args.sequence_parallel
+    args.sequence_parallel = args.sequence_parallel_requested and args.tensor_model_parallel_size > 1
+    if args.sequence_parallel_requested and not args.sequence_parallel:
+        notice(args, "WARNING: Disabling sequence parallelism because tensor model parallelism is disabled "
+                     "(--sequence-parallel at --tensor-model-parallel-size 1)")
+
+
+def check_context_parallel(args: argparse.Namespace) -> None:
+    """Only ``--context-parallel-size 1``."""
+    cp = args.context_parallel_size
+    if cp != 1:
+        raise ArgumentError("--context-parallel-size", f"{cp} is not supported: megatron-zb's pipeline runtime and data "
+                                                       f"set-up do not split sequences over ranks (context parallelism "
+                                                       f"also needs Transformer Engine's attention with CUDA); use "
+                                                       f"--context-parallel-size 1")
+
+
+def resolve_p2p_overlap(args: argparse.Namespace) -> None:
+    """megatron-core's ``overlap_p2p_comm`` / ``batch_p2p_comm`` as Megatron-LM derives them (arguments.py
+    573-585, 1326): overlap only with several model chunks per rank and without
+    ``--no-overlap-p2p-communication``; batched exactly when not overlapped. Needs ``num_model_chunks``.
+    The flag is kept as ``overlap_p2p_comm_requested``."""
+    if not hasattr(args, "overlap_p2p_comm_requested"):
+        args.overlap_p2p_comm_requested = args.overlap_p2p_comm
+    args.overlap_p2p_comm = args.overlap_p2p_comm_requested and args.num_model_chunks > 1
+    args.batch_p2p_comm = not args.overlap_p2p_comm
+    if not args.overlap_p2p_comm_requested:
+        notice(args, "WARNING: --no-overlap-p2p-communication changes nothing in megatron-zb's schedules: the runtime "
+                     "never batches its p2p (each transfer is its own isend/irecv on one communicator per direction, "
+                     "receives posted ahead); it sets megatron-core's overlap_p2p_comm=False, batch_p2p_comm=True")
 
 
 def check_batch_sizes(args: argparse.Namespace) -> None:

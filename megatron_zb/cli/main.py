@@ -29,16 +29,14 @@ import sys
 import textwrap
 from typing import NoReturn, Sequence
 
-# The operations re-exported here are the cli's public names (scripts/ and tests import them from here).
-from .cli_ops import (MEMORY_UNIT, CLIError, Costs, build_and_simulate, check_schedule, load_schedule, one_line,
-                      plot_to, report, schedule_table, simulate_file, torch_csv_to)
-from .planning.command import add_plan_parser
-from .schedules import registry
-from .schedules.ir import Placement, dump
-from .schedules.lowering import lower
+from ..schedules import registry
+from ..schedules.ir import Placement, dump
+from ..schedules.lowering import lower
+from .ops import (CLIError, Costs, build_and_simulate, one_line, plot_to, report, schedule_table, simulate_file,
+                  torch_csv_to)
+from .plan import add_plan_parser
 
-__all__ = ["CLIError", "Costs", "EXIT_USAGE", "MEMORY_UNIT", "PROG", "build_and_simulate", "build_parser",
-           "check_schedule", "load_schedule", "main", "report", "schedule_table", "simulate_file"]
+__all__ = ["EXIT_USAGE", "PROG", "build_parser", "main"]
 
 PROG = "megatron-zb"
 EXIT_USAGE = 2
@@ -200,7 +198,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (schedule choices are read from the registry now)."""
-    from . import __version__
+    from .. import __version__
     names = registry.schedule_names()
     parser = _Parser(prog=PROG, description=_wrap("Build, simulate, print and plot pipeline-parallel schedules "
                      "(zero-bubble and baselines)."), epilog=UNITS_HELP,

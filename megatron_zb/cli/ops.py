@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .schedules import registry
-from .schedules.costs import CostModel
-from .schedules.dp_reduce import DPReduceModel
-from .schedules.ir import Placement, Schedule, ScheduleError, validate
-from .schedules.lowering import check_lowered, lower
-from .schedules.simulator import DeadlockError, MemoryLimitError, SimResult, simulate
-from .schedules.text import summary_table, timeline_text
+from ..schedules import registry
+from ..schedules.costs import CostModel
+from ..schedules.dp_reduce import DPReduceModel
+from ..schedules.ir import Placement, Schedule, ScheduleError, validate
+from ..schedules.lowering import check_lowered, lower
+from ..schedules.simulator import DeadlockError, MemoryLimitError, SimResult, simulate
+from ..schedules.text import summary_table, timeline_text
 
 MEMORY_UNIT = "M_B"  # the unit of --mem-b: one rank's share of the model
 
@@ -272,7 +272,7 @@ def _dp_line(result: SimResult, costs: Costs) -> str:
 
 def plot_to(result: SimResult, path: str) -> None:
     """Draw ``result``'s timeline to ``path`` (``--plot``: .png, .svg or .pdf)."""
-    from .schedules.plot import plot_timeline
+    from ..schedules.plot import plot_timeline
 
     if Path(path).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise CLIError(f"--plot {path}: the file name must end in .png, .svg or .pdf")
@@ -284,7 +284,7 @@ def plot_to(result: SimResult, path: str) -> None:
 
 def torch_csv_to(schedule: Schedule, path: str) -> str:
     """``--torch-csv FILE``: write PyTorch's compute-only CSV; return the report's note on its placement."""
-    from .torch_pipelining import write_csv
+    from ..torch_pipelining import write_csv
 
     try:
         return write_csv(schedule, path)

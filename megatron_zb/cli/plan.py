@@ -2,8 +2,8 @@
 
 The model flags are Megatron-LM's (same names and defaults as ``pretrain_gpt_zb.py``), the layout
 is PP x TP x DP with ``--num-microbatches`` or ``--global-batch-size``, the hardware is ``--gpu
-NAME`` from :mod:`.hardware` (any value overridable) or a custom GPU. ``--profile FILE`` plans
-from measured costs instead (:mod:`.profile`); the model and layout then come from the file.
+NAME`` from :mod:`megatron_zb.planning.hardware` (any value overridable) or a custom GPU. ``--profile FILE`` plans
+from measured costs instead (:mod:`megatron_zb.planning.profile`); the model and layout then come from the file.
 
 Every user error prints one line ``megatron-zb: error: <flag>: <message>`` on stderr and returns
 exit status 2 (argparse's own errors go through the main parser, same form).
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .hardware import DEFAULT_HBM_EFFICIENCY, DEFAULT_MFU, HardwareError, gpu_names, resolve_hardware
-from .model import ModelConfig, ParallelConfig, PlanError, make_model, make_parallel
+from megatron_zb.planning.hardware import DEFAULT_HBM_EFFICIENCY, DEFAULT_MFU, HardwareError, gpu_names, resolve_hardware
+from megatron_zb.planning.model import ModelConfig, ParallelConfig, PlanError, make_model, make_parallel
 
 PROG = "megatron-zb"
 EXIT_USAGE = 2
@@ -191,7 +191,7 @@ def _from_profile(args: argparse.Namespace, prof: Any) -> tuple[ModelConfig, Par
 
 def _inputs(args: argparse.Namespace) -> tuple[ModelConfig, ParallelConfig, Any]:
     if args.profile is not None:
-        from .profile import read_profile
+        from megatron_zb.planning.profile import read_profile
         prof = read_profile(args.profile)
         model, par = _from_profile(args, prof)
         return model, par, prof
@@ -229,8 +229,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .planner import plan
-    from .report import render, to_json
+    from megatron_zb.planning.planner import plan
+    from megatron_zb.planning.report import render, to_json
     if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
         raise PlanError("--plot", f"{args.plot}: the file name must end in {', '.join(PLOT_SUFFIXES)}")
     hw = resolve_hardware(gpu=args.gpu, tflops=args.gpu_tflops, memory_gib=args.gpu_memory_gib,
