@@ -36,15 +36,16 @@ class LMConfig:
     seq: int = 8
     mbs: int = 2
     seed: int = 1234
+    dtype: str = "float64"  # a torch dtype's name (the benchmark of bench/torch_pipelining.py uses float32)
 
 
 class TinyLM(nn.Module):
-    """Embedding -> ``layers`` encoder blocks -> LayerNorm -> output layer, float64, no dropout."""
+    """Embedding -> ``layers`` encoder blocks -> LayerNorm -> output layer, ``cfg.dtype``, no dropout."""
 
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
         torch.manual_seed(cfg.seed)
-        kw = dict(dtype=torch.float64)
+        kw = dict(dtype=getattr(torch, cfg.dtype))
         self.emb = nn.Embedding(cfg.vocab, cfg.hidden, **kw)
         self.blocks = nn.ModuleDict({str(i): nn.TransformerEncoderLayer(
             cfg.hidden, cfg.heads, cfg.ffn, dropout=0.0, batch_first=True, **kw) for i in range(cfg.layers)})

@@ -135,8 +135,13 @@ def torch_placement(schedule: Schedule) -> TorchPlacement:
     return TorchPlacement(style, placement, n // p, classes)
 
 
-def to_torch_actions(schedule: Schedule) -> dict[int, list[Any]]:
-    """``schedule`` as PyTorch's compute-only actions, ``{rank: [_Action, ...]}`` (module doc)."""
+def to_torch_actions(schedule: Schedule, *, merge_iw: bool = True) -> dict[int, list[Any]]:
+    """``schedule`` as PyTorch's compute-only actions, ``{rank: [_Action, ...]}`` (module doc).
+
+    ``merge_iw=False`` keeps an ``I`` directly followed by its own ``W`` as two actions (the
+    profiler of :mod:`.runtime` runs so, to time ``I`` and ``W`` on every stage); the default
+    writes the pair as one ``B``.
+    """
     check_torch_version()
     refusal = vocab_passes_unsupported(schedule)
     if refusal is not None:
@@ -156,7 +161,7 @@ def to_torch_actions(schedule: Schedule) -> dict[int, list[Any]]:
         while i < len(acts):
             a = acts[i]
             nxt = acts[i + 1] if i + 1 < len(acts) else None
-            if a.op is Op.B and nxt is not None and nxt == Action(Op.W, a.mb, a.stage):
+            if merge_iw and a.op is Op.B and nxt is not None and nxt == Action(Op.W, a.mb, a.stage):
                 row.append(_ts._Action(a.stage, _TORCH_TYPE[Op.BW], a.mb))  # I + its W -> B
                 i += 2
                 continue
@@ -240,11 +245,12 @@ def torch_lowering(schedule: Schedule) -> dict[int, list[Any]]:
     return lowered
 
 
-def prepare_runtime(runtime: Any, schedule: Schedule) -> None:
+def prepare_runtime(runtime: Any, schedule: Schedule, *, merge_iw: bool = True) -> None:
     """Load ``schedule`` into ``runtime``, a ``_PipelineScheduleRuntime`` of this rank's stages.
 
     Checked first: the runtime's microbatches, number of stages and pipeline size are the
     schedule's, and this rank's ``PipelineStage`` indices are the stages the schedule places on it.
+    ``merge_iw``: as in :func:`to_torch_actions`.
     """
     check_torch_version()
     if not isinstance(runtime, _ts._PipelineScheduleRuntime):
@@ -265,7 +271,7 @@ def prepare_runtime(runtime: Any, schedule: Schedule) -> None:
         raise TorchExportError(f"rank {runtime.rank} holds stages {mine}, but {_name(schedule)} places stages "
                                f"{want_stages} on it: build its PipelineStages with those stage indices "
                                f"(PyTorch's '{style}' placement)")
-    runtime._prepare_schedule_with_comms(to_torch_actions(schedule))
+    runtime._prepare_schedule_with_comms(to_torch_actions(schedule, merge_iw=merge_iw))
 
 
 # ---------------------------------------------------------------------- helpers

@@ -1,0 +1,206 @@
+"""Benchmark section: megatron-zb's profiled schedules beside PyTorch's built-in schedules, all run
+by PyTorch's own pipeline runtime (``torch.distributed.pipelining``, PyTorch 2.13, CPU, gloo).
+
+One run (``scripts/bench_torch_pipelining.py``), ``pp`` processes of one thread each. The model is
+:class:`~megatron_zb.testing.torch_pipelining.TinyLM` in float32 (``nn.TransformerEncoderLayer``
+blocks, no dropout), the same weights for every schedule, split as each schedule places its stages
+(one stage per rank for ``Schedule1F1B``/``zb-1p``/``zb-2p``; two per rank, ``loop`` or ``v``, for
+the others). Per schedule:
+
+* PyTorch's classes (``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+  ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``; one missing from the installed torch is reported
+  as absent) are built as PyTorch documents them;
+* ours are built with :func:`~megatron_zb.torch_pipelining.runtime.build_pipeline` from unit costs
+  and re-planned once with :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan`
+  (1 warm-up, ``profile_iterations`` timed iterations), so they run from costs measured inside
+  PyTorch's runtime;
+* every schedule runs one warm-up step, then ``rounds`` paired rounds: each round runs every
+  schedule once (the order rotated by one each round), each step between two barriers; the
+  iteration time is rank 0's wall time from the first barrier to the second [ms]. Reported: the
+  median over rounds, and the median over rounds of the ratio to the fastest built-in in the same
+  round (paired: both ran in the same round, so the machine's load then affects both);
+* peak activation memory: one more step per schedule with
+  :class:`~megatron_zb.runtime.memory.ActivationMemoryTracker` counting through
+  :func:`~megatron_zb.torch_pipelining.profiling.saving` (detached aliases: no reference cycles) -- the largest number of bytes of
+  tensors autograd saved for backward (each storage counted once, parameters excluded) alive at the
+  same time on a rank, from when a forward saves them until autograd frees them (after ``B`` for a
+  fused backward, after ``W`` for a split one). Not counted: PyTorch's send/receive buffers, the
+  gradients, the last stage's kept outputs themselves. Reported per rank and the maximum over ranks
+  [MiB]. Every step runs with ``return_outputs=False`` (a training step needs the losses only); the
+  peak is measured once more with PyTorch's default ``return_outputs=True``, with which the last
+  stage keeps each microbatch's output -- and, when that output is a view (this model's 3-D output
+  layer result is), the part of its autograd graph a split backward's ``W`` does not run, with
+  everything it saved, until the step's outputs are dropped.
+
+The measured T_F, T_I (our B) and T_W per stage of our re-planned schedules are printed too (the
+profile the schedules were rebuilt from), to show where T_W differs from T_F.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..testing.torch_pipelining import LMConfig, batch, loss_fn, stage_module
+
+__all__ = ["TorchBenchConfig", "bench_rank", "report"]
+
+BUILTINS = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+            "ScheduleDualPipeV")
+OURS = ("1f1b", "zb-1p", "zb-2p", "zbv", "v-half", "v-min", "interleaved-zb")
+
+
+@dataclass(frozen=True)
+class TorchBenchConfig:
+    """One benchmark run: pipeline ranks, microbatches, paired rounds, the model, the schedules."""
+
+    pp: int = 2
+    microbatches: int = 8
+    rounds: int = 7
+    profile_iterations: int = 2
+    model: LMConfig = field(default_factory=lambda: LMConfig(vocab=256, hidden=128, heads=4, ffn=512, layers=8,
+                                                             seq=256, mbs=1, dtype="float32"))
+    builtins: tuple[str, ...] = BUILTINS
+    ours: tuple[str, ...] = OURS
+
+
+@dataclass
+class _Entry:
+    label: str
+    placement: str
+    step: Callable[..., None]
+    params: list[torch.Tensor]
+
+
+def _modules(cfg: LMConfig, mine: list[int], n: int) -> tuple[dict[int, Any], list[Any]]:
+    from torch.distributed.pipelining import PipelineStage
+    mods = {s: stage_module(cfg, s, n) for s in mine}
+    return mods, [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
+
+
+def _stepper(sched: Any, mods: dict[int, Any], n: int, x: torch.Tensor, y: torch.Tensor) -> Callable[..., None]:
+    def step(return_outputs: bool = False) -> None:
+        for mod in mods.values():
+            mod.zero_grad(set_to_none=True)
+        kw: dict[str, Any] = {"target": y, "losses": []} if n - 1 in mods else {}
+        sched.step(*((x,) if 0 in mods else ()), return_outputs=return_outputs, **kw)
+    return step
+
+
+def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
+    """One rank of the benchmark (module doc); returns its times, peaks and the measured profiles."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules as ts
+
+    from ..runtime.memory import ActivationMemoryTracker
+    from ..schedules.torch_import import TORCH_SCHEDULES
+    from ..torch_pipelining.profiling import profile_and_replan, saving
+    from ..torch_pipelining.runtime import build_pipeline, stages_for_rank
+
+    rank, p, m = dist.get_rank(), dist.get_world_size(), bc.microbatches
+    x, y = batch(bc.model, m)
+    entries: list[_Entry] = []
+    absent: list[str] = []
+    for name in bc.builtins:
+        cls = getattr(ts, name, None)
+        if cls is None:
+            absent.append(name)
+            continue
+        pl = TORCH_SCHEDULES[name].placement
+        mine = [s for s, r in enumerate(pl.stage_to_rank(p, 2)) if r == rank]
+        n = p * len(mine)
+        mods, stages = _modules(bc.model, mine, n)
+        sched = cls(stages[0] if len(stages) == 1 else stages, m, loss_fn=loss_fn)
+        entries.append(_Entry(name, pl.value, _stepper(sched, mods, n, x, y),
+                              [q for mod in mods.values() for q in mod.parameters()]))
+    profiles: dict[str, Any] = {}
+    for name in bc.ours:
+        mine = stages_for_rank(name, num_ranks=p, rank=rank)
+        n = p * len(mine)
+        mods, stages = _modules(bc.model, mine, n)
+        pipe = build_pipeline(stages, name, num_microbatches=m, loss_fn=loss_fn)
+        step = _stepper(pipe, mods, n, x, y)
+        rep = profile_and_replan(pipe, step, iterations=bc.profile_iterations, warmup=1)
+        profiles[name] = (rep.medians_ms, rep.bytes)
+        entries.append(_Entry(name, pipe.spec.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
+
+    for e in entries:  # warm-up (PyTorch's shape inference on a class's first step)
+        e.step()
+    times: dict[str, list[float]] = {e.label: [] for e in entries}
+    for r in range(bc.rounds):
+        k = r % len(entries)
+        for e in entries[k:] + entries[:k]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            e.step()
+            dist.barrier()
+            times[e.label].append(1e3 * (time.perf_counter() - t0))
+    peaks: dict[str, int] = {}
+    peaks_outputs: dict[str, int] = {}
+    for e in entries:
+        for ret, into in ((False, peaks), (True, peaks_outputs)):
+            tracker = ActivationMemoryTracker(e.params)
+            dist.barrier()
+            with saving(tracker):
+                e.step(return_outputs=ret)
+            into[e.label] = tracker.peak_bytes
+    return {"times": times, "peaks": peaks, "peaks_outputs": peaks_outputs, "profiles": profiles, "absent": absent,
+            "placement": {e.label: e.placement for e in entries}}
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
+    """Markdown tables of one run (rank 0's times; peaks of every rank)."""
+    r0 = results[0]
+    labels = list(r0["times"])
+    med = {k: statistics.median(v) for k, v in r0["times"].items()}
+    builtins = [k for k in labels if k in bc.builtins]
+    best_builtin = min(builtins, key=lambda k: med[k]) if builtins else None
+    peak = {k: max(r["peaks"][k] for r in results) for k in labels}
+    lines = [f"PP={bc.pp}, {bc.microbatches} microbatches, {bc.rounds} paired rounds; model {bc.model}",
+             "", "| schedule | by | placement | iteration ms (median) | paired ratio to fastest built-in "
+             f"({best_builtin}) | peak activation MiB (max over ranks) | per rank | with return_outputs=True |",
+             "|---|---|---|---|---|---|---|---|"]
+    for k in labels:
+        ratio = "-"
+        if best_builtin is not None:
+            ratio = f"{statistics.median(a / b for a, b in zip(r0['times'][k], r0['times'][best_builtin])):.3f}"
+        lines.append(f"| {k} | {'PyTorch' if k in bc.builtins else 'megatron-zb, profiled'} | {r0['placement'][k]} | "
+                     f"{med[k]:.1f} | {ratio} | {_mib(peak[k])} | {', '.join(_mib(r['peaks'][k]) for r in results)} | "
+                     f"{_mib(max(r['peaks_outputs'][k] for r in results))} |")
+    if r0["absent"]:
+        lines.append(f"\nnot in this torch: {', '.join(r0['absent'])}")
+    lines += ["", "Measured inside PyTorch's runtime by profile_and_replan (ms, median; T_I: PyTorch's I, our B; "
+              "T_B (fused): PyTorch's B, for a fused-backward schedule; stage 0's I does nothing and its W is the "
+              "whole backward; M_B: saved bytes one F leaves, mean):", "",
+              "| schedule | stage | T_F | T_I | T_W | T_B (fused) | M_B MiB | held after I (M_W / M_B) |",
+              "|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
+    for name, (med_ms, nbytes) in r0["profiles"].items():
+        n = 1 + max(s for _, s in med_ms)
+        for s in range(n):
+            m_b = nbytes.get(("F", s), nan)
+            cells = [f"{med_ms[(op, s)]:.2f}" if (op, s) in med_ms else "-" for op in ("F", "B", "W", "BW")]
+            held = f"{(m_b + nbytes[('B', s)]) / m_b:.2f}" if ("B", s) in nbytes else "-"
+            lines.append(f"| {name} | {s} | {' | '.join(cells)} | {_mib(m_b)} | {held} |")
+    if best_builtin is not None:
+        ours = [k for k in labels if k not in bc.builtins and peak[k] <= peak[best_builtin]]
+        if ours:
+            best = min(ours, key=lambda k: med[k])
+            ratio = statistics.median(a / b for a, b in zip(r0["times"][best], r0["times"][best_builtin]))
+            lines.append(f"\nfastest of ours at or below {best_builtin}'s peak activation memory "
+                         f"({_mib(peak[best_builtin])} MiB): {best} ({_mib(peak[best])} MiB), paired median ratio "
+                         f"{ratio:.3f} of {best_builtin}'s iteration time")
+        else:
+            lines.append(f"\nnone of ours is at or below {best_builtin}'s peak activation memory")
+    if "v-half" in peak and "ScheduleZBVZeroBubble" in peak:
+        lines.append(f"v-half / ScheduleZBVZeroBubble peak activation memory: "
+                     f"{peak['v-half'] / peak['ScheduleZBVZeroBubble']:.3f}")
+    return "\n".join(lines)

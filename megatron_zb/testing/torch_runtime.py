@@ -1,0 +1,92 @@
+"""One rank of the tests of :mod:`megatron_zb.torch_pipelining.runtime` and ``.profiling``.
+
+The float64 :class:`~megatron_zb.testing.torch_pipelining.TinyLM` (no dropout, for the reason given
+there) split into ``PipelineStage``s as the family places them, run by PyTorch's own
+``_PipelineScheduleRuntime`` built with :func:`~megatron_zb.torch_pipelining.runtime.build_pipeline`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .torch_pipelining import LMConfig, batch, loss_fn, stage_module
+
+__all__ = ["api_rank"]
+
+
+def _stages(cfg: LMConfig, name: str) -> tuple[dict[int, Any], list[Any]]:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from megatron_zb.torch_pipelining.runtime import stages_for_rank
+
+    p, rank = dist.get_world_size(), dist.get_rank()
+    mine = stages_for_rank(name, num_ranks=p, rank=rank)
+    n = p * len(mine)
+    mods = {s: stage_module(cfg, s, n) for s in mine}
+    return mods, [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
+
+
+def _step(pipe: Any, mods: dict[int, Any], cfg: LMConfig, m: int) -> dict[str, Any]:
+    """One zero-grad + step; the losses (last stage's rank) and this rank's gradients."""
+    x, y = batch(cfg, m)
+    for mod in mods.values():
+        mod.zero_grad(set_to_none=True)
+    n = pipe.schedule.num_stages
+    losses: list[torch.Tensor] = []
+    pipe.step(*((x,) if 0 in mods else ()), **({"target": y, "losses": losses} if n - 1 in mods else {}))
+    return {"losses": [v.detach() for v in losses],
+            "grads": {k: prm.grad.clone() for mod in mods.values() for k, prm in mod.named_parameters()}}
+
+
+def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) -> dict[str, Any]:
+    """One rank: every family of ``names`` built by ``build_pipeline`` and stepped once; then
+    ``replan_name`` profiled (1 warm-up, 2 timed iterations), re-planned and stepped again; then
+    the refusals (a DDP-wrapped and a compiled stage module for ``zb-1p``; DDP over a one-rank group).
+
+    Returns ``{name: {"losses", "grads"}, "replan": {"medians", "bytes", "t_b", "t_w", "mem_b", "mem_w",
+    "before", "after", "loaded", "samples", "step"},
+    "refused": {"ddp": message, "compiled": message, "compiled_in_place": message}}``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.nn.parallel import DistributedDataParallel
+
+    from megatron_zb.torch_pipelining.export import TorchExportError
+    from megatron_zb.torch_pipelining.profiling import profile_and_replan
+    from megatron_zb.torch_pipelining.runtime import build_pipeline
+
+    out: dict[str, Any] = {}
+    for name in names:
+        mods, stages = _stages(cfg, name)
+        pipe = build_pipeline(stages, name, num_microbatches=m, loss_fn=loss_fn)
+        out[name] = _step(pipe, mods, cfg, m)
+
+    mods, stages = _stages(cfg, replan_name)
+    pipe = build_pipeline(stages, replan_name, num_microbatches=m, loss_fn=loss_fn)
+    rep = profile_and_replan(pipe, lambda: _step(pipe, mods, cfg, m), iterations=2, warmup=1)
+    out["replan"] = {"medians": rep.medians_ms, "bytes": rep.bytes, "t_b": list(rep.costs.t_b),  # type: ignore[arg-type]
+                     "t_w": list(rep.costs.t_w), "mem_b": list(rep.costs.mem_b), "mem_w": list(rep.costs.mem_w),  # type: ignore[arg-type]
+                     "before": rep.before, "after": rep.after, "loaded": pipe.schedule is rep.after,
+                     "samples": rep.samples, "step": _step(pipe, mods, cfg, m)}
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    own = [dist.new_group([r]) for r in range(p)]  # every rank creates every group
+    refused: dict[str, str] = {}
+    for label in ("ddp", "compiled", "compiled_in_place"):
+        mod: Any = stage_module(cfg, rank, p)
+        if label == "ddp":
+            mod = DistributedDataParallel(mod, process_group=own[rank])
+        elif label == "compiled":
+            mod = torch.compile(mod)  # compiles lazily, on the first call: nothing runs here
+        else:
+            mod.compile()
+        try:
+            build_pipeline([PipelineStage(mod, rank, p, torch.device("cpu"))], "zb-1p", num_microbatches=m,
+                           loss_fn=loss_fn)
+        except TorchExportError as e:
+            refused[label] = str(e)
+    out["refused"] = refused
+    return out

@@ -1,0 +1,269 @@
+"""Measure T_F, T_I (our B), T_W per stage inside PyTorch's pipeline runtime and re-plan from them.
+
+Tested with PyTorch 2.13 (CPU, gloo). What is timed (:class:`StageTimer`, wall-clock
+``time.perf_counter``; on CUDA with ``torch.cuda.synchronize`` before and after each call --
+not run on a GPU): the public methods of PyTorch's ``PipelineStage`` that the runtime calls for
+each compute action, wrapped on the stage *objects* (instance attributes, removed again when the
+timer closes; PyTorch's classes and private code are not touched):
+
+* ``forward_one_chunk`` -> ``F``, plus the loss the runtime computes right after it on the last
+  stage (the loss function given to :func:`~.runtime.build_pipeline` is wrapped for that);
+* ``backward_one_chunk(full_backward=False)`` -> ``B`` (PyTorch's ``I``; on stage 0 it computes
+  nothing, see :mod:`.runtime`); with ``full_backward=True`` -> ``BW`` (PyTorch's ``B``);
+* ``backward_weight_one_chunk`` -> ``W`` (on stage 0 the whole backward).
+
+The waits for a peer's activation or gradient are *outside* these calls (the runtime waits on its
+receives before calling them), so a duration is the stage's own compute. Not measured: ``T_comm``
+and the runtime's own time between actions (the re-planned cost model keeps the ``t_comm`` of the
+pipeline's costs; with unit costs that is 0). Memory: ``mem_b`` and the memory limit are kept in
+their unit; ``mem_w / mem_b`` is measured (one more iteration with the saved-activation tracker,
+:func:`saving`; :func:`measured_costs`).
+
+:func:`profile_and_replan`: ``warmup`` untimed iterations, then ``iterations`` timed ones, each one
+call of the user's ``train_step`` (which calls ``pipe.step(...)`` and whatever else an iteration
+does). While timing, a family that splits the backward runs with every ``I`` and ``W`` as separate
+actions (the export otherwise writes an ``I`` directly followed by its ``W`` as one ``B``; the order
+is the same), so every stage has ``T_I`` and ``T_W``. Then every rank all-gathers the medians per
+``(op, stage)`` over the stages' process group (so all ranks hold identical numbers), builds the
+measured :class:`~megatron_zb.schedules.costs.CostModel` (:func:`measured_costs`, milliseconds),
+rebuilds the family's schedule from it and reloads the runtime (every rank checks that all built
+the same schedule). Stage 0's quirk and ``M_W = M_B`` (:mod:`.runtime`) need no correction here:
+the measured ``T_I`` of stage 0 is the runtime's near-zero call, its ``T_W`` the whole backward,
+and the measured bytes what the runtime holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.costs import CostModel
+from ..schedules.ir import Schedule
+from .export import TorchExportError, prepare_runtime
+from .runtime import TorchPipeline
+
+__all__ = ["MIN_COST_MS", "Replan", "StageTimer", "agree", "measured_costs", "profile_and_replan", "saving"]
+
+MIN_COST_MS = 1e-6
+"""Floor of a measured ``t_f``/``t_b`` [ms]: the cost model needs them ``> 0`` (stage 0's ``I`` is ~0)."""
+
+_TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+class StageTimer:
+    """While open (``with StageTimer(pipe):``), the wall time of every compute call of this rank's
+    stages, per ``(op, stage)`` in seconds (module doc)."""
+
+    def __init__(self, pipe: TorchPipeline) -> None:
+        self.pipe = pipe
+        self.durations: dict[tuple[str, int], list[float]] = {}
+        self.spans: list[tuple[tuple[str, int], float, float]] = []  # ((op, stage), start, end) perf_counter [s]
+        self._last_forward: tuple[str, int] | None = None
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> "StageTimer":
+        for st in self.pipe.stages:
+            for name in _TIMED:
+                self._saved.append((st, name, vars(st).get(name)))
+                setattr(st, name, self._wrap(st, name, getattr(st, name)))
+        if self.pipe.loss is not None:
+            self.pipe.loss.timer = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for st, name, before in reversed(self._saved):
+            if before is None:
+                delattr(st, name)
+            else:
+                setattr(st, name, before)
+        self._saved = []
+        if self.pipe.loss is not None:
+            self.pipe.loss.timer = None
+
+    def _wrap(self, stage: Any, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        cuda = stage.device.type == "cuda"
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if name == "forward_one_chunk":
+                op = "F"
+            elif name == "backward_weight_one_chunk":
+                op = "W"
+            else:
+                full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
+                op = "BW" if full else "B"
+            if cuda:
+                torch.cuda.synchronize(stage.device)
+            t0 = time.perf_counter()
+            out = method(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize(stage.device)
+            key, t1 = (op, stage.stage_index), time.perf_counter()
+            self.durations.setdefault(key, []).append(t1 - t0)
+            self.spans.append((key, t0, t1))
+            self._last_forward = key if op == "F" else None
+            return out
+        return timed
+
+    @contextlib.contextmanager
+    def loss(self) -> Iterator[None]:
+        """Add the time of the block (the loss) to the forward that ran just before it."""
+        t0 = time.perf_counter()
+        yield
+        if self._last_forward is not None:
+            t1 = time.perf_counter()
+            self.durations[self._last_forward][-1] += t1 - t0
+            key, start, _ = self.spans[-1]
+            self.spans[-1] = (key, start, t1)
+
+    def medians_ms(self) -> dict[tuple[str, int], float]:
+        """Median duration per ``(op, stage)`` [ms] (robust to one call the OS descheduled)."""
+        return {k: 1e3 * statistics.median(v) for k, v in self.durations.items()}
+
+
+    def mean_bytes(self, tracker: Any) -> dict[tuple[str, int], float]:
+        """Mean net change per ``(op, stage)`` call of the bytes ``tracker`` (an
+        :class:`~megatron_zb.runtime.memory.ActivationMemoryTracker`) counted [bytes]."""
+        sums: dict[tuple[str, int], list[float]] = {}
+        for key, t0, t1 in self.spans:
+            sums.setdefault(key, []).append(float(tracker.bytes_between(t0, t1)))
+        return {k: statistics.fmean(v) for k, v in sums.items()}
+
+
+@contextlib.contextmanager
+def saving(tracker: Any) -> Iterator[None]:
+    """Count every tensor autograd saves inside the block with ``tracker`` (an
+    :class:`~megatron_zb.runtime.memory.ActivationMemoryTracker`), as its ``saving()`` does, but
+    keep a *detached* alias (same storage, no ``grad_fn``): a pack hook that returns the tensor
+    itself makes a node that saves its own output (softmax, ReLU, attention) reference itself
+    through that output, and PyTorch's ``W`` -- which runs only the weight-side part of the graph --
+    never releases the buffers of the other nodes, so with ``tracker.saving()`` those nodes and
+    what they saved would stay alive after the step (measured: a last stage's saved bytes
+    held after every ``W``). Gradients are unchanged (``tests/test_torch_runtime.py``)."""
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        tracker.track(t)
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def agree(mine: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int], float]:
+    """Every pipeline rank's values per ``(op, stage)``, merged (an all-gather over ``group``):
+    identical on all ranks."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    out: dict[tuple[str, int], float] = {}
+    for g in gathered:
+        out.update(g)
+    return out
+
+
+def _per_stage(values: dict[tuple[str, int], float], op: str, num_stages: int) -> list[float] | None:
+    vals = [values.get((op, s)) for s in range(num_stages)]
+    return None if any(v is None for v in vals) else [float(v) for v in vals]  # type: ignore[arg-type]
+
+
+def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, num_stages: int,
+                   nbytes: dict[tuple[str, int], float] | None = None) -> CostModel:
+    """The cost model [ms] from measured medians per ``(op, stage)``: ``t_f`` from ``F``; ``t_b``,
+    ``t_w`` from ``B`` (PyTorch's ``I``) and ``W`` when every stage has both, else ``t_b`` from ``BW``
+    and ``t_w = 0`` (a fused backward simulates exactly so); ``t_f``, ``t_b`` floored at
+    :data:`MIN_COST_MS`. ``mem_b``, the memory limit and ``t_comm`` are ``base``'s (their units).
+    With ``nbytes`` (mean net saved-activation bytes per ``(op, stage)`` call) and a split backward,
+    ``mem_w = mem_b x (M_B + dM_I) / M_B`` per stage, clipped to ``[0, mem_b]``: the share of a
+    microbatch's activations PyTorch's ``I`` leaves held until ``W`` (``M_B``: the bytes one ``F``
+    leaves; ``dM_I``: the net change over one ``I``); else ``base``'s ``mem_w``.
+
+    Raises:
+        TorchExportError: a stage has no forward or no backward time.
+    """
+    t_f = _per_stage(medians_ms, "F", num_stages)
+    t_b, t_w = _per_stage(medians_ms, "B", num_stages), _per_stage(medians_ms, "W", num_stages)
+    split = t_b is not None and t_w is not None
+    if not split:
+        t_b, t_w = _per_stage(medians_ms, "BW", num_stages), [0.0] * num_stages
+    if t_f is None or t_b is None:
+        missing = sorted(s for s in range(num_stages) if ("F", s) not in medians_ms or not any(
+            (op, s) in medians_ms for op in ("B", "BW")))
+        raise TorchExportError(f"no forward or backward time was measured for stage(s) {missing}: run at least one "
+                               f"training step (pipe.step with target and losses) inside the profiling window")
+    res = base.resolve(num_stages)
+    mem_w = list(res.mem_w)
+    m_f = _per_stage(nbytes or {}, "F", num_stages)
+    d_i = _per_stage(nbytes or {}, "B", num_stages)
+    if split and m_f is not None and d_i is not None and all(v > 0 for v in m_f):
+        mem_w = [b * min(1.0, max(0.0, (f + d) / f)) for b, f, d in zip(res.mem_b, m_f, d_i)]
+    return replace(base, t_f=[max(v, MIN_COST_MS) for v in t_f], t_b=[max(v, MIN_COST_MS) for v in t_b], t_w=t_w,
+                   mem_b=list(res.mem_b), mem_w=mem_w)
+
+
+@dataclass
+class Replan:
+    """What :func:`profile_and_replan` measured and loaded.
+
+    Attributes:
+        medians_ms: median time per ``(op, stage)`` [ms], all stages (ops ``F``, ``B`` = PyTorch's
+            ``I``, ``W``, ``BW`` = PyTorch's ``B``).
+        bytes: mean net saved-activation bytes per ``(op, stage)`` call, all stages (empty when
+            memory was not measured).
+        costs: the measured cost model the new schedule was built from [ms].
+        before, after: the schedule loaded before and after.
+        iterations: timed iterations.
+        samples: timed calls per ``(op, stage)`` of this rank.
+    """
+
+    medians_ms: dict[tuple[str, int], float]
+    bytes: dict[tuple[str, int], float]
+    costs: CostModel
+    before: Schedule
+    after: Schedule
+    iterations: int
+    samples: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, iterations: int = 3,
+                       warmup: int = 1, memory: bool = True) -> Replan:
+    """Time ``iterations`` calls of ``train_step`` (after ``warmup`` untimed ones) inside PyTorch's
+    runtime, agree on the medians across the pipeline ranks, rebuild ``pipe``'s schedule from the
+    measured costs and reload its runtime (module doc). ``memory``: one more call with the
+    saved-activation tracker on (its hooks slow the calls, so its times are not used), for
+    ``mem_w / mem_b`` (:func:`measured_costs`). Collective over the stages' group: every pipeline
+    rank calls it with the same arguments.
+    """
+    from ..runtime.memory import ActivationMemoryTracker
+
+    if iterations < 1 or warmup < 0:
+        raise TorchExportError(f"iterations={iterations}, warmup={warmup}: time at least one iteration "
+                               f"(iterations >= 1, warmup >= 0)")
+    before = pipe.schedule
+    for _ in range(warmup):
+        train_step()
+    split = pipe.spec.split_backward
+    if split:  # the same order, every I and W its own action (checked the same on every rank at its load)
+        prepare_runtime(pipe.runtime, before, merge_iw=False)
+    timer = StageTimer(pipe)
+    mine_bytes: dict[tuple[str, int], float] = {}
+    try:
+        with timer:
+            for _ in range(iterations):
+                train_step()
+        if memory:
+            tracker = ActivationMemoryTracker([q for st in pipe.stages for q in st.submod.parameters()])
+            with StageTimer(pipe) as spans, saving(tracker):
+                train_step()
+            mine_bytes = spans.mean_bytes(tracker)
+    finally:
+        if split:
+            prepare_runtime(pipe.runtime, before)
+    medians = agree(timer.medians_ms(), pipe.group)
+    nbytes = agree(mine_bytes, pipe.group)
+    costs = measured_costs(medians, pipe.costs, before.num_stages, nbytes)
+    after = pipe.rebuild(costs)
+    samples = {k: len(v) for k, v in timer.durations.items()}
+    return Replan(medians, nbytes, costs, before, after, iterations, samples)

@@ -1,0 +1,142 @@
+"""megatron-zb schedules built for the user's stages and re-planned inside PyTorch's runtime
+(megatron_zb.torch_pipelining.runtime and .profiling), on 2 gloo processes.
+
+PyTorch 2.13's own ``_PipelineScheduleRuntime`` runs every step; the expected losses and gradients
+come from the unpipelined float64 model (``testing.torch_pipelining.reference``), and the re-planned
+schedule is judged by PyTorch's ``_validate_schedule``, lowering and simulator
+(``export.torch_lowering``). Dropout is off (testing/torch_pipelining.py says why).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import pytest
+
+pytest.importorskip("torch.distributed.pipelining")
+
+import torch  # noqa: E402
+from torch.distributed.pipelining import schedules as ts  # noqa: E402
+
+from megatron_zb.schedules.costs import CostModel  # noqa: E402
+from megatron_zb.schedules.registry import build_schedule  # noqa: E402
+from megatron_zb.testing.distributed import run_distributed  # noqa: E402
+from megatron_zb.testing.torch_pipelining import LMConfig, reference  # noqa: E402
+from megatron_zb.testing.torch_runtime import api_rank  # noqa: E402
+from megatron_zb.torch_pipelining.export import torch_lowering  # noqa: E402
+from megatron_zb.torch_pipelining.runtime import runtime_costs, stages_for_rank  # noqa: E402
+
+M = 4
+RTOL = 1e-12
+"""Relative tolerance against the unpipelined model, per tensor (norm of the difference / norm of the
+reference): the pipeline sums the microbatches' gradients in its own order and scales by 1/m in
+place, float64 rounding of which is ~m * 2.2e-16 relative; a lost or doubled microbatch is O(1/m)."""
+
+
+def _check(result: dict, ref_losses: list, ref_grads: dict, label: str) -> None:
+    grads = {k: g for r in result for k, g in r["grads"].items()}
+    losses = [v for r in result for v in r["losses"]]
+    assert set(grads) == set(ref_grads), label
+    assert len(losses) == M and all(torch.allclose(a, b, rtol=RTOL, atol=0) for a, b in zip(losses, ref_losses)), label
+    for k, g in grads.items():
+        assert (g - ref_grads[k]).norm() <= RTOL * ref_grads[k].norm(), (label, k)
+
+
+def test_build_profile_replan_and_refusals_on_2_processes():
+    """``build_pipeline`` runs zb-1p and zbv; ``profile_and_replan`` measures every stage inside the
+    runtime and reloads a re-planned zbv that PyTorch validates and that still computes the same
+    step; DDP-wrapped and compiled stage modules are refused in one line."""
+    cfg = LMConfig()
+    t0 = time.perf_counter()
+    res = run_distributed(partial(api_rank, cfg, M, ("zb-1p", "zbv"), "zbv"), world_size=2, timeout=180,
+                          preload=("torch", "torch.distributed", "megatron_zb"))
+    print(f"distributed part, 2 processes: {time.perf_counter() - t0:.1f} s")
+    ref_losses, ref_grads = reference(cfg, M)
+    for name in ("zb-1p", "zbv"):
+        _check([r[name] for r in res], ref_losses, ref_grads, name)
+
+    rep = [r["replan"] for r in res]
+    assert rep[0]["medians"] == rep[1]["medians"] and rep[0]["after"] == rep[1]["after"]  # agreed on every rank
+    medians, after = rep[0]["medians"], rep[0]["after"]
+    n = after.num_stages
+    assert n == 4 and all(r["loaded"] for r in rep)
+    for s in range(n):  # measured inside the runtime, I and W apart on every stage
+        assert {("F", s), ("B", s), ("W", s)} <= set(medians), s
+        assert rep[0]["t_w"][s] > 0 and medians[("W", s)] > 0
+    # PyTorch's I frees none of what F saved (runtime_costs' mem_w = mem_b) on every stage but the last,
+    # whose I frees what the loss saved (its log-softmax of the logits), not more than half
+    nbytes = rep[0]["bytes"]
+    assert rep[1]["bytes"] == nbytes
+    assert all(nbytes[("F", s)] > 0 for s in range(n))
+    assert [nbytes[("B", s)] for s in range(n - 1)] == [0.0] * (n - 1), nbytes
+    assert -0.5 * nbytes[("F", n - 1)] <= nbytes[("B", n - 1)] < 0, nbytes
+    mem_w, mem_b = rep[0]["mem_w"], rep[0]["mem_b"]  # measured_costs' mem_w follows
+    assert mem_w[:-1] == mem_b[:-1] and 0.5 * mem_b[-1] <= mem_w[-1] < mem_b[-1]
+    # stage 0's quirk, measured: PyTorch's I on stage 0 computes nothing, its W the whole backward
+    assert medians[("B", 0)] < 0.25 * medians[("W", 0)]
+    assert medians[("B", 0)] < 0.25 * min(medians[("B", s)] for s in range(1, n))
+    for r in rep:  # every timed iteration ran every (op, stage) of that rank once per microbatch
+        assert set(r["samples"].values()) == {2 * M}
+    lowered = torch_lowering(after)  # PyTorch's _validate_schedule, lowering and simulator
+    assert any(a.computation_type == ts.BACKWARD_INPUT for acts in lowered.values() for a in acts)
+    _check([r["step"] for r in rep], ref_losses, ref_grads, "zbv after re-planning")
+
+    for r, res_r in enumerate(res):
+        msgs = res_r["refused"]
+        assert set(msgs) == {"ddp", "compiled", "compiled_in_place"}, msgs
+        assert all("\n" not in v for v in msgs.values())
+        assert msgs["ddp"].startswith(f"stage {r}'s module is wrapped in DistributedDataParallel")
+        assert "pytorch issue 144530" in msgs["ddp"] and "fused-backward schedule (1f1b" in msgs["ddp"]
+        for label in ("compiled", "compiled_in_place"):
+            assert msgs[label].startswith(f"stage {r}'s module is compiled (torch.compile)")
+            assert "pass the module uncompiled" in msgs[label]
+
+
+def test_stage0_quirk_in_the_cost_model():
+    costs = CostModel(t_f=[1.0, 1.0, 1.0], t_b=[2.0, 2.0, 2.0], t_w=[0.5, 0.5, 0.5], mem_b=4.0, mem_w=1.0)
+    rc = runtime_costs(costs, 3)
+    assert rc.t_b[0] == pytest.approx(2.5e-6, rel=1e-12) and rc.t_b[0] + rc.t_w[0] == pytest.approx(2.5, rel=1e-12)
+    assert list(rc.t_b[1:]) == [2.0, 2.0] and list(rc.t_w[1:]) == [0.5, 0.5] and list(rc.t_f) == [1.0] * 3
+    assert list(rc.mem_w) == [4.0] * 3 and list(rc.mem_b) == [4.0] * 3  # PyTorch's I frees nothing
+    # the schedule built from it is one PyTorch's runtime accepts
+    torch_lowering(build_schedule("zb-1p", num_ranks=3, num_microbatches=6, costs=rc))
+
+
+def test_stages_for_rank_follows_the_placement():
+    assert stages_for_rank("zb-1p", num_ranks=4, rank=1) == [1]
+    assert stages_for_rank("zbv", num_ranks=4, rank=1) == [1, 6]
+    assert stages_for_rank("interleaved-zb", num_ranks=4, rank=1, num_chunks=3) == [1, 5, 9]
+
+
+def test_saving_keeps_no_graph_alive_and_leaves_gradients_unchanged():
+    """``profiling.saving`` counts what autograd saves without the reference cycles of a pack hook
+    returning the tensor itself: after a partial backward (as PyTorch's W runs one) and dropping the
+    graph, nothing but the inputs the caller holds stays counted; with ``ActivationMemoryTracker.saving()`` the nodes that saved their
+    own outputs stay alive. Gradients with ``saving`` are bitwise those without any hook."""
+    from megatron_zb.runtime.memory import ActivationMemoryTracker
+    from megatron_zb.testing.torch_pipelining import TinyLM, batch, loss_fn
+    from megatron_zb.torch_pipelining.profiling import saving
+
+    cfg = LMConfig()
+    x, y = batch(cfg, 1)
+    plain = TinyLM(cfg)
+    loss_fn(plain(x), y).backward()
+    model = TinyLM(cfg)
+    tracker = ActivationMemoryTracker(model.parameters())
+    with saving(tracker):
+        loss = loss_fn(model(x), y)
+    assert tracker.current_bytes > 0
+    loss.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    held = x.nbytes + y.nbytes  # the token ids and targets, saved by the embedding and the loss, alive here
+    assert tracker.current_bytes <= held
+
+    for ctx, left in ((saving, False), (lambda t: t.saving(), True)):
+        model = TinyLM(cfg)
+        tracker = ActivationMemoryTracker(model.parameters())
+        with ctx(tracker):
+            loss = loss_fn(model(x), y)
+        torch.autograd.grad(loss, [model.head.weight])  # only the output layer's part of the graph
+        del loss
+        assert (tracker.current_bytes > held) == left, (left, tracker.current_bytes)
