@@ -452,3 +452,16 @@ def test_preprocess_tokenizer_errors_exit_2(gpt2_files, tmp_path, capsys):
             pre.main(["--input", str(src), "--output-prefix", str(tmp_path / "o"), *shlex.split(extra)])
         assert info.value.code == 2 and line in capsys.readouterr().err
     assert not list(tmp_path.glob("o*"))
+
+
+def test_preprocess_warns_about_ignored_tiktoken_flags(tmp_path, capsys):
+    """As pretrain_gpt_zb.py: --tiktoken-pattern with another tokenizer is ignored, with a warning line."""
+    from test_data import load_preprocess
+    src = tmp_path / "c.txt"
+    src.write_text("hello\n")
+    [prefix] = load_preprocess().main(["--input", str(src), "--output-prefix", str(tmp_path / "o"),
+                                       "--tiktoken-pattern", "v2"])
+    assert ("WARNING: --tiktoken-pattern is only read by --tokenizer-type TikTokenizer; ignored with ByteLevel, as in "
+            "Megatron-LM") in capsys.readouterr().err
+    ds = IndexedDataset(prefix)  # kept alive: its items are views of its memory map
+    assert ds[0].tolist() == [*b"hello", 256]
