@@ -17,9 +17,9 @@ Iterators (:func:`build_data_iterators`) yield one micro batch per ``next()``: a
 ``loss_mask`` ``[b, s]`` float32, ``attention_mask`` ``[b, 1, s, s]`` bool (True = masked out,
 megatron-core's convention; absent with ``--no-create-attention-mask-in-dataloader``, when
 megatron-core's causal attention builds its own) and ``position_ids`` ``[b, s]`` int64, with
-``b = micro_batch_size`` and ``s = seq_length``. Each global batch is ``micro_batch_size * DP`` consecutive samples; data
-parallel rank ``r`` takes the ``r``-th slice (Megatron's pretraining sampler), resuming after
-``consumed_samples``.
+``b = micro_batch_size`` and ``s = seq_length``. Each global batch is ``micro_batch_size * DP``
+consecutive samples; data parallel rank ``r`` takes the ``r``-th slice (Megatron's pretraining
+sampler), resuming after ``consumed_samples``.
 
 **Only the pipeline ranks holding the first or the last stage consume data** (the first needs
 ``tokens``/``position_ids``/``attention_mask``, the last ``labels``/``loss_mask``): ranks ``0``

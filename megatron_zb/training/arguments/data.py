@@ -114,9 +114,9 @@ def check_data(args: argparse.Namespace) -> None:
                                            "from tools/preprocess_data.py), --train-data-path PREFIX or --mock-data")
     check_split(args.split)
     if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
-        raise ArgumentError("--no-create-attention-mask-in-dataloader", "with --reset-attention-mask the "
-                            "per-document attention mask is built by the dataloader only (without it megatron-core "
-                            "attends across documents, which Megatron-LM does silently); drop one of the two")
+        raise ArgumentError("--no-create-attention-mask-in-dataloader", "with --reset-attention-mask: only the "
+                            "dataloader builds the per-document attention mask, without it attention crosses "
+                            "documents (Megatron-LM does that silently); drop one of the two")
     args.data_blend = args.data_blend_per_split = None
     if sources[0] == "--data-path":
         args.data_blend = _checked_blend(args.data_path, "--data-path")
