@@ -23,12 +23,19 @@ setup(
         "matplotlib",
         "psutil",   # megatron-core's async checkpoint writer hangs without it
         "ortools>=9.10",  # exact schedule solver (CP-SAT)
+        # tokenizers read from local files (docs/training.md "Tokenizers"); small wheels, checked with
+        # `pip download --no-deps` for CPython 3.11 x86-64: sentencepiece 0.2.3 1.7 MB (no dependencies),
+        # tiktoken 0.14.0 1.2 MB (+ regex, requests), regex 0.8 MB
+        "sentencepiece",  # GPTSentencePieceTokenizer, Llama2Tokenizer (through megatron-core's wrapper)
+        "tiktoken",  # TikTokenizer (through megatron-core's wrapper)
+        "regex",  # GPT2BPETokenizer's pre-tokenization pattern (Unicode classes)
     ],
     extras_require={
-        # transformers: the GPT2BPETokenizer / HuggingFaceTokenizer tests (tests/test_tokenizers.py);
-        # pyyaml, regex, pydantic, six: imported at top level by Megatron-LM's training package, which
-        # tests/test_megatron_lm_loop.py runs (megatron_zb/testing/megatron_lm.py; not needed otherwise)
-        "test": ["pytest>=8", "hypothesis>=6", "transformers", "pyyaml", "regex", "pydantic", "six"],
+        # transformers: the HuggingFaceTokenizer tests (tests/test_tokenizers.py);
+        # pyyaml, pydantic, six (and regex, a default dependency): imported at top level by Megatron-LM's
+        # training package, which tests/test_megatron_lm_loop.py runs (megatron_zb/testing/megatron_lm.py)
+        # and tests/test_tokenizers_vs_megatron_lm.py imports; not needed otherwise
+        "test": ["pytest>=8", "hypothesis>=6", "transformers", "pyyaml", "pydantic", "six"],
         # GPU only: fused wgrad_gemm_accum kernels and TE layers. Neither runs on a CPU machine;
         # apex is not on PyPI (the "apex" there is an unrelated project): build NVIDIA apex from
         # source with --cpp_ext --cuda_ext.

@@ -81,7 +81,8 @@ def test_megatron_defaults_and_choices():
     assert list(by_flag["--schedule"].choices) == schedule_names()
     assert set(by_flag["--lr-decay-style"].choices) == {"constant", "linear", "cosine", "WSD"}
     assert set(by_flag["--tokenizer-type"].choices) == {"ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer",
-                                                            "NullTokenizer"}
+                                                            "NullTokenizer", "GPTSentencePieceTokenizer",
+                                                            "Llama2Tokenizer", "TikTokenizer"}
     assert set(by_flag["--distributed-backend"].choices) == {"auto", "gloo", "nccl"}
     with pytest.raises(SystemExit):
         parse_args(shlex.split(BASE + " --schedule no-such-schedule"))

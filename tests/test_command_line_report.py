@@ -255,6 +255,14 @@ MEGATRON_LM_MEANINGS: dict[str, tuple[str, object, object]] = {
     "ckpt_format": ("--ckpt-format torch_dist", "torch_dist", "torch_dist"),
     # LoggerConfig group (arguments.py 1812): training_config.py 285
     "barrier_with_L1_time": ("--no-barrier-with-level-1-timing", True, False),
+    # _add_data_args: arguments.py 2476-2478, 2505-2507 (store_false flags, default True)
+    "mmap_bin_files": ("--no-mmap-bin-files", True, False),
+    "create_attention_mask_in_dataloader": ("--no-create-attention-mask-in-dataloader", True, False),
+    # _add_tokenizer_args: arguments.py 2405, 2410-2416
+    "tokenizer_special_tokens": ("--tokenizer-special-tokens <s> </s>", None, ["<s>", "</s>"]),
+    "tiktoken_pattern": ("--tiktoken-pattern v2", None, "v2"),
+    "tiktoken_num_special_tokens": ("--tiktoken-num-special-tokens 16", 1000, 16),
+    "tiktoken_special_tokens": ("--tiktoken-special-tokens <unk> <s>", None, ["<unk>", "<s>"]),
 }
 
 

@@ -286,3 +286,59 @@ def test_per_split_data_path_errors_name_the_flag(corpus, extra, flag):
     with pytest.raises(ArgumentError) as e:
         resolve(extra.format(c=corpus))
     assert e.value.flag == flag
+
+
+# ---------------------------------------------------------------------------- --no-mmap-bin-files, attention mask
+def _batches(args, n: int = 6) -> list[dict[str, torch.Tensor]]:
+    datasets = data.build_datasets(args)
+    train, _, _ = data.build_data_iterators(args, datasets=datasets, data_parallel_rank=0)
+    return datasets[0], [next(train) for _ in range(n)]
+
+
+def test_no_mmap_bin_files_reads_the_same_batches(corpus, tmp_path):
+    """GPTDatasetConfig.mmap_bin_files=False: megatron-core reads the .bin with file reads, same batches."""
+    base = f"--data-path {corpus} --split 8,1,1 --data-cache-path {tmp_path / 'cache'}"
+    mmap_ds, mmap_batches = _batches(resolve(base))
+    file_ds, file_batches = _batches(resolve(base + " --no-mmap-bin-files"))
+    assert mmap_ds.config.mmap_bin_files and not file_ds.config.mmap_bin_files
+    assert type(mmap_ds.dataset.bin_reader).__name__ == "_MMapBinReader"
+    assert type(file_ds.dataset.bin_reader).__name__ == "_FileBinReader"
+    for a, b in zip(mmap_batches, file_batches):
+        assert set(a) == set(b) == set(data.BATCH_KEYS) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_no_attention_mask_in_dataloader_leaves_the_rest_of_the_batch(corpus, tmp_path):
+    """GPTDatasetConfig.create_attention_mask=False: the batch has no attention_mask, the rest is the same."""
+    for source in (f"--data-path {corpus} --split 8,1,1 --data-cache-path {tmp_path / 'cache'}", "--mock-data"):
+        _, with_mask = _batches(resolve(source))
+        _, without = _batches(resolve(source + " --no-create-attention-mask-in-dataloader"))
+        for a, b in zip(with_mask, without):
+            assert set(b) == set(data.BATCH_KEYS) - {"attention_mask"} and "attention_mask" in a
+            assert all(torch.equal(a[k], b[k]) for k in b)
+            assert "attention_mask" not in data.get_batch(iter([b]), device="cpu")
+
+
+def test_no_attention_mask_with_reset_attention_mask_is_refused():
+    """Megatron-LM then drops the per-document mask silently (its dataset builds none)."""
+    with pytest.raises(ArgumentError, match="^--no-create-attention-mask-in-dataloader: with --reset-attention-mask"):
+        resolve("--mock-data --reset-attention-mask --no-create-attention-mask-in-dataloader")
+
+
+def test_loss_curve_without_the_dataloader_mask_and_mmap_is_bitwise_the_same(corpus, tmp_path):
+    """pretrain_gpt_zb.py's trainer (in-process, 2 ranks, PP=2, greedy zero bubble, dropout on, real
+    data): without the dataloader's attention mask the first stage's attention builds megatron-core's
+    causal mask itself -- every iteration's lm loss and grad norm bitwise equal (with --no-mmap-bin-files
+    too, which reads the same tokens)."""
+    from test_pretrain import in_process
+
+    argv = shlex.split(f"--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+                       f"--global-batch-size 8 --train-iters 4 --lr 2e-3 --num-workers 0 --eval-iters 0 "
+                       f"--log-interval 1 --data-path {corpus} --split 8,1,1 --data-cache-path {tmp_path / 'cache'} "
+                       f"--pipeline-model-parallel-size 2 --enable-zero-bubble --distributed-backend gloo "
+                       f"--pipeline-timeout-seconds 60 --distributed-timeout-minutes 2")
+    ref = in_process(tmp_path, "mask", 2, argv)["values"]["train"]
+    got = in_process(tmp_path, "no_mask", 2, argv + ["--no-create-attention-mask-in-dataloader",
+                                                      "--no-mmap-bin-files"])["values"]["train"]
+    assert [r["iteration"] for r in ref] == [1, 2, 3, 4]
+    for a, b in zip(ref, got):
+        assert (a["lm loss"], a["grad norm"]) == (b["lm loss"], b["grad norm"]), (a, b)

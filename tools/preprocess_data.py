@@ -17,6 +17,12 @@ Examples::
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
 
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type Llama2Tokenizer --tokenizer-model /models/llama2/tokenizer.model
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type TikTokenizer --tokenizer-model tokenizer.json --tiktoken-pattern v2 --vocab-size 131072
+
 The tokenizer flags are ``pretrain_gpt_zb.py``'s (:func:`megatron_zb.training.tokenizer_flags.add_tokenizer_args`);
 pass the same ones to both. ``--help`` does not import megatron-core (it is imported to tokenize).
 """
@@ -48,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("tokenizer (the flags of pretrain_gpt_zb.py)")
     add_tokenizer_args(g)
-    g.add_argument("--vocab-size", type=int, default=None, help="Number of ids for --tokenizer-type NullTokenizer.")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="Number of ids for --tokenizer-type NullTokenizer; the whole vocabulary (special tokens "
+                        "included, default 131072) for TikTokenizer. Pass pretrain_gpt_zb.py the same value.")
     g.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                    help="Append the end-of-document id to every document.")
     g = p.add_argument_group("output")
@@ -117,15 +125,16 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 def main(argv: Sequence[str] | None = None) -> list[str]:
     """Run the tool; returns the dataset prefixes written (one per JSON key).
 
-    Bad flags (including an unusable tokenizer: missing files, ``transformers`` not installed)
+    Bad flags (including an unusable tokenizer: missing files, a missing package)
     exit with status 2 and one ``error:`` line naming the flag, before any input is read.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be >= 1")
-    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer":
-        parser.error(f"--vocab-size is only read by --tokenizer-type NullTokenizer, not {args.tokenizer_type}; drop it")
+    if args.vocab_size is not None and args.tokenizer_type not in ("NullTokenizer", "TikTokenizer"):
+        parser.error(f"--vocab-size is only read by --tokenizer-type NullTokenizer / TikTokenizer, not "
+                     f"{args.tokenizer_type}; drop it")
     fmt = args.input_format
     if fmt == "auto":
         fmt = "jsonl" if args.input.endswith((".jsonl", ".json")) else "text"
@@ -136,14 +145,17 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     import numpy
     import torch
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-    from megatron_zb.training.tokenizers import TokenizerError, tokenizer_from_args
+    from megatron_zb.training.tokenizer_flags import TIKTOKEN_FLAGS
+    from megatron_zb.training.tokenizers import TokenizerError, ignored_tokenizer_flags, tokenizer_from_args
 
     tokenizer_args = argparse.Namespace(**{k: getattr(args, k) for k in (
-        "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")})
+        "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size", *TIKTOKEN_FLAGS)})
     try:
         tokenizer = tokenizer_from_args(tokenizer_args)
     except TokenizerError as e:
         parser.error(str(e))
+    for line in ignored_tokenizer_flags(tokenizer_args):
+        print(line, file=sys.stderr, flush=True)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)

@@ -12,7 +12,8 @@ tag core_v0.16.1 (commit 55ac708) and megatron-core 0.16.1: review them at each 
 here: they belong to the product's CPU shim (``megatron_zb/platform/cpu_shim.py``; e.g.
 ``rerun_state_machine._reduce_any``'s ``device="cuda"`` is in its ``CUDA_FACTORY_MODULES``).
 
-Not answered here (answered by installing packages, the ``test`` extras of setup.py):
+Not answered here (answered by installing packages, the ``test`` extras of setup.py; ``regex`` is a
+default dependency):
 ``megatron/training/yaml_arguments.py`` imports ``yaml`` (pyyaml),
 ``megatron/training/tokenizer/gpt2_tokenization.py`` imports ``regex``, ``megatron/rl/__init__.py``
 (reached from ``megatron/training/training.py``) imports ``pydantic``.

@@ -15,10 +15,11 @@ pipeline schedule, so the same seed gives the same samples in the same order for
 Iterators (:func:`build_data_iterators`) yield one micro batch per ``next()``: a dict of
 ``tokens`` ``[b, s]`` int64, ``labels`` ``[b, s]`` int64 (tokens shifted by one),
 ``loss_mask`` ``[b, s]`` float32, ``attention_mask`` ``[b, 1, s, s]`` bool (True = masked out,
-megatron-core's convention) and ``position_ids`` ``[b, s]`` int64, with ``b = micro_batch_size``
-and ``s = seq_length``. Each global batch is ``micro_batch_size * DP`` consecutive samples; data
-parallel rank ``r`` takes the ``r``-th slice (Megatron's pretraining sampler), resuming after
-``consumed_samples``.
+megatron-core's convention; absent with ``--no-create-attention-mask-in-dataloader``, when
+megatron-core's causal attention builds its own) and ``position_ids`` ``[b, s]`` int64, with
+``b = micro_batch_size`` and ``s = seq_length``. Each global batch is ``micro_batch_size * DP``
+consecutive samples; data parallel rank ``r`` takes the ``r``-th slice (Megatron's pretraining
+sampler), resuming after ``consumed_samples``.
 
 **Only the pipeline ranks holding the first or the last stage consume data** (the first needs
 ``tokens``/``position_ids``/``attention_mask``, the last ``labels``/``loss_mask``): ranks ``0``
@@ -80,7 +81,7 @@ __all__ = [
 ]
 
 BATCH_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-"""Keys of every micro batch an iterator yields."""
+"""Keys of a micro batch (``attention_mask`` only with ``create_attention_mask_in_dataloader``)."""
 
 
 # megatron-core 0.16.1's GPTDataset mask cache leaks the first sample's padding into later samples.
@@ -135,8 +136,8 @@ def gpt_dataset_config(args: argparse.Namespace, tokenizer: MegatronTokenizerBas
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=True,
-        mmap_bin_files=True,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mmap_bin_files=args.mmap_bin_files,
     )
 
 

@@ -35,7 +35,8 @@ def forward_step(data_iterator: Iterator[Any] | None, model: Any, *, device: Any
     batch = get_batch(data_iterator, device=device)
     if batch is None:
         return model(None, None, None), partial(loss_func, None)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    # No mask with --no-create-attention-mask-in-dataloader: megatron-core's causal attention makes its own.
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
 

@@ -8,9 +8,10 @@ import math
 import os
 from typing import Sequence
 
-from megatron_zb.training.tokenizers import TOKENIZER_TYPES, TokenizerError, add_tokenizer_args, tokenizer_from_args
+from megatron_zb.training.tokenizers import (TOKENIZER_TYPES, TokenizerError, add_tokenizer_args,
+                                             ignored_tokenizer_flags, tokenizer_from_args)
 
-from .common import ArgumentError
+from .common import ArgumentError, notice
 
 __all__ = ["TOKENIZER_TYPES", "add_data_args", "check_data", "check_split", "parse_data_blend",
            "resolve_tokenizer_vocab"]
@@ -42,6 +43,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="Do not attend across EOD tokens (per-document attention mask).")
     g.add_argument("--eod-mask-loss", action="store_true", help="Do not compute the loss on EOD tokens.")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="If set, do not create attention_masks in dataloader: micro batches carry no attention "
+                        "mask and megatron-core's causal attention builds its own (same result).")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="Disable mmap-ing of .bin files (read them with file reads instead).")
     add_tokenizer_args(g)
 
 
@@ -106,6 +113,10 @@ def check_data(args: argparse.Namespace) -> None:
         raise ArgumentError("--data-path", "no training data: give --data-path PREFIX (files PREFIX.bin and PREFIX.idx "
                                            "from tools/preprocess_data.py), --train-data-path PREFIX or --mock-data")
     check_split(args.split)
+    if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
+        raise ArgumentError("--no-create-attention-mask-in-dataloader", "with --reset-attention-mask: only the "
+                            "dataloader builds the per-document attention mask, without it attention crosses "
+                            "documents (Megatron-LM does that silently); drop one of the two")
     args.data_blend = args.data_blend_per_split = None
     if sources[0] == "--data-path":
         args.data_blend = _checked_blend(args.data_path, "--data-path")
@@ -133,9 +144,13 @@ def resolve_tokenizer_vocab(args: argparse.Namespace) -> None:
         tok = tokenizer_from_args(args)
     except TokenizerError as e:  # names its flag: a missing or unused file flag, transformers not installed ...
         raise ArgumentError(e.flag, e.message) from None
+    for line in ignored_tokenizer_flags(args):
+        notice(args, line)
     args.tokenizer_vocab_size = tok.vocab_size
     if args.tokenizer_type == "NullTokenizer":
         vocab = tok.vocab_size  # --vocab-size ids plus the EOD id; args.vocab_size keeps the flag's value
+    elif args.tokenizer_type == "TikTokenizer":  # --vocab-size is the tokenizer's whole vocabulary (default 2**17)
+        vocab = args.vocab_size = tok.vocab_size
     elif args.vocab_size is None:
         vocab = args.vocab_size = tok.vocab_size
     elif args.vocab_size < tok.vocab_size:
