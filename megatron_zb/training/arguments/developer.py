@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .common import ArgumentError
+from .common import ArgumentError, notice
 from .validation import Check
 
 __all__ = ["DEVELOPER_CHECK", "add_developer_args", "validate_developer_args"]
@@ -55,8 +55,11 @@ def validate_developer_args(args: argparse.Namespace) -> None:
         parent = os.path.dirname(os.path.abspath(args.loss_log_json))
         if not os.path.isdir(parent):
             raise ArgumentError("--loss-log-json", f"directory {parent!r} does not exist")
-    if args.load and not os.path.isdir(args.load):
+    if args.load and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise ArgumentError("--load", f"{args.load!r} is not a directory")
+    if args.load and not os.path.exists(args.load):  # Megatron-LM: no checkpoint there, start from scratch
+        notice(args, f"WARNING: --load {args.load} does not exist: no checkpoint to load, training from scratch "
+                     f"(as Megatron-LM; a launch script that passes the same --save and --load starts this way)")
 
 
 DEVELOPER_CHECK = Check("developer", lambda args, results: validate_developer_args(args), needs=("schedule",))

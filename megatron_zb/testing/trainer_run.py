@@ -1,0 +1,65 @@
+"""``pretrain_gpt_zb.py``'s Trainer run in-process on ``run_distributed`` ranks (tests).
+
+Test code, not the product's run path. :func:`in_process` runs the product's own parse, validation
+and :class:`~megatron_zb.training.trainer.Trainer` on every rank of
+:func:`megatron_zb.testing.run_distributed` (its forkserver has torch and megatron-core imported:
+no process start-up per run) with ``--loss-log-json``, and returns rank 0's view: the logged values,
+every rank's stdout, the installed schedule and the costs the run re-planned from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RUN_TIMEOUT", "in_process", "trainer_rank"]
+
+RUN_TIMEOUT = 240.0
+"""Seconds per run (2 shared cores; a PP=4 run takes ~30 s)."""
+
+
+def trainer_rank(argv: list[str], json_path: str) -> dict[str, Any]:
+    """One rank of the trainer on ``argv`` (+ ``--loss-log-json json_path``): this rank's log, the
+    installed schedule and the costs the run re-planned from."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_zb.training.pretrain import parse_and_validate
+    from megatron_zb.training.trainer import Trainer
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        trainer = Trainer(parse_and_validate(argv + ["--loss-log-json", json_path], dist.get_world_size()))
+        try:
+            assert trainer.run() == 0
+            args, planner = trainer.args, trainer.planner
+            installed = None
+            if planner.runtime is not None:
+                installed = planner.runtime.schedule_for(args.pipeline_model_parallel_size, args.num_microbatches)
+            out = {"costs": trainer.state.schedule_costs, "installed": installed,
+                   "memory_limit": args.schedule_memory_limit, "m": args.num_microbatches}
+        finally:
+            trainer.close()
+    out["log"] = log.getvalue()
+    return out
+
+
+def in_process(tmp_path: Path, name: str, world: int, argv: list[str], *,
+               timeout: float = RUN_TIMEOUT) -> dict[str, Any]:
+    """The trainer on ``argv`` in ``world`` ranks, writing ``tmp_path/name/values.json``. Rank 0's
+    results; ``log`` is every rank's stdout in rank order (as torchrun's log has them all);
+    ``values`` the ``--loss-log-json`` file."""
+    from megatron_zb.testing import run_distributed
+
+    d = tmp_path / name
+    d.mkdir(parents=True, exist_ok=True)
+    ranks = run_distributed(trainer_rank, world_size=world, args=(argv, str(d / "values.json")), timeout=timeout)
+    out = dict(ranks[0])
+    out["log"] = "".join(r["log"] for r in ranks)
+    # Read here, every rank done: the last rank rewrites the file as it goes, so a rank that
+    # finished first could read an older version.
+    out["values"] = json.loads((d / "values.json").read_text())
+    return out
