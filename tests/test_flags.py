@@ -25,7 +25,7 @@ def error_for(extra: str) -> ArgumentError:
 
 @pytest.mark.parametrize("extra,flag", [("--use-torch-fsdp2", "--use-torch-fsdp2"),
                                         ("--log-straggler", "--log-straggler"),
-                                        ("--fp8-format=hybrid", "--fp8-format")])
+                                        ("--mtp-num-layers=1", "--mtp-num-layers")])
 def test_megatron_lm_flag_not_supported_yet(extra, flag):
     err = error_for(extra)
     assert err.flag == flag

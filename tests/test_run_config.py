@@ -182,3 +182,28 @@ def test_apply_layernorm_1p_reaches_the_config_or_is_refused_naming_what_is_miss
             _config("--apply-layernorm-1p")
     else:  # not tested here (no apex on this machine)
         assert _config("--apply-layernorm-1p").model.layernorm_zero_centered_gamma
+
+
+def test_fp8_and_tp_comm_overlap_flags_map_to_transformer_config_or_are_refused():
+    """Megatron-LM's FP8 flags (dest fp8 for --fp8-format, fp8_param from --fp8-param-gather) land on
+    TransformerConfig's fields of the same names; without Transformer Engine's layers (this machine)
+    one problem names every FP8 flag given."""
+    from megatron_zb.training.arguments import ArgumentError, build_parser
+
+    fp8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
+           "--fp8-param-gather", "--use-distributed-optimizer"]
+    parsed = build_parser().parse_args(BASE + fp8)
+    assert (parsed.fp8, parsed.fp8_amax_history_len, parsed.fp8_amax_compute_algo, parsed.fp8_param_gather,
+            parsed.fp8_recipe, parsed.fp8_margin) == ("hybrid", 1024, "max", True, "delayed", 0)
+    kwargs = dataclasses.replace(_config().model, fp8="hybrid", fp8_amax_history_len=1024, fp8_amax_compute_algo="max",
+                                 fp8_param=True, tp_comm_overlap=True).transformer_config_kwargs()
+    assert (kwargs["fp8"], kwargs["fp8_amax_history_len"], kwargs["fp8_amax_compute_algo"], kwargs["fp8_param"],
+            kwargs["tp_comm_overlap"], kwargs["fp8_recipe"]) == ("hybrid", 1024, "max", True, True, "delayed")
+    assert _config().model.transformer_config_kwargs()["fp8"] is None
+    with pytest.raises(ArgumentError) as e:
+        _config(*fp8)
+    [problem] = e.value.problems
+    assert problem.text.startswith("--fp8-format: --fp8-format, --fp8-amax-history-len, --fp8-amax-compute-algo, "
+                                   "--fp8-param-gather: FP8 needs Transformer Engine's layers")
+    with pytest.raises(ArgumentError, match="--tp-comm-overlap: overlaps through Transformer Engine's userbuffers"):
+        _config("--tp-comm-overlap")

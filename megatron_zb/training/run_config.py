@@ -182,6 +182,22 @@ class ModelConfig:
     """``--cross-entropy-loss-fusion``: megatron-core's fused cross entropy."""
     cross_entropy_fusion_impl: str = field(default="native", metadata=TC)
     """``--cross-entropy-fusion-impl``: ``"native"`` (megatron-core's) or ``"te"`` (Transformer Engine's)."""
+    fp8: str | None = field(default=None, metadata=TC)
+    """``--fp8-format``: ``"e4m3"`` or ``"hybrid"`` FP8 through Transformer Engine (``None``: off)."""
+    fp8_recipe: str = field(default="delayed", metadata=TC)
+    """``--fp8-recipe``: the FP8 scaling recipe."""
+    fp8_margin: int = field(default=0, metadata=TC)
+    """``--fp8-margin``: margin of the scaling factor."""
+    fp8_interval: int = field(default=1, metadata=TC)
+    """``--fp8-interval`` (ignored by Transformer Engine >= 1.8) [iterations]."""
+    fp8_amax_history_len: int = field(default=1, metadata=TC)
+    """``--fp8-amax-history-len``: the amax history window [iterations]."""
+    fp8_amax_compute_algo: str = field(default="most_recent", metadata=TC)
+    """``--fp8-amax-compute-algo``: ``"most_recent"`` or ``"max"`` of the history."""
+    fp8_param: bool = field(default=False, metadata=TC)
+    """``--fp8-param-gather``: parameters kept (and all-gathered) in FP8."""
+    tp_comm_overlap: bool = field(default=False, metadata=TC)
+    """``--tp-comm-overlap``: Transformer Engine's userbuffer overlap of tensor-parallel communication."""
     recompute: RecomputeConfig = RecomputeConfig()
     """Activation recomputation."""
     moe: MoEConfig | None = None
@@ -212,6 +228,7 @@ class ModelConfig:
         """The model section of validated ``args``."""
         modules = args.recompute_modules
         return _section(cls, args, num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                        fp8_param=args.fp8_param_gather,
                         recompute=_section(RecomputeConfig, args, recompute_modules=(
                             tuple(modules) if modules is not None else None)),
                         moe=MoEConfig.from_args(args))

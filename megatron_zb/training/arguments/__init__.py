@@ -123,6 +123,7 @@ from .flags import MegatronZBArgumentParser
 from .housekeeping import add_housekeeping_args
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
 from .implementation import add_implementation_args
+from .fp8 import add_fp8_args
 from .kernels import add_kernel_args
 from .logging_flags import add_logging_extra_args
 from .model import add_network_args
@@ -154,8 +155,8 @@ __all__ = [
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
-    add_network_args, add_implementation_args, add_kernel_args, add_training_args, add_learning_rate_args, add_mixed_precision_args,
-    add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
+    add_network_args, add_implementation_args, add_kernel_args, add_training_args, add_learning_rate_args,
+    add_mixed_precision_args, add_fp8_args, add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
     add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_housekeeping_args,
     add_zero_bubble_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""

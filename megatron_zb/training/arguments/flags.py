@@ -44,23 +44,13 @@ WHY_NOT: dict[str, str] = {
 }
 """Megatron-LM flags refused for a reason of their own (flag -> why), not as "not supported yet"."""
 
-_FP8 = "drop it (FP8 needs Transformer Engine's FP8 recipes on an FP8-capable GPU; not supported by megatron-zb yet)"
-FIXES: dict[str, str] = {
-    "--fp8-format": _FP8, "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8,
-    "--fp8-param-gather": _FP8, "--fp8-recipe": _FP8, "--fp8-margin": _FP8, "--fp8-interval": _FP8,
-}
-"""How to do without a Megatron-LM flag not supported yet (flag -> fix), where there is more to say
-than "remove it"."""
-
-
 def unknown_flag_error(flag: str, supported: Sequence[str]) -> UnsupportedFlagError:
     """The error for ``flag`` (``--name``, no value), which is not among ``supported``."""
     if flag in WHY_NOT:
         return UnsupportedFlagError(flag, f"{flag} is refused: {WHY_NOT[flag]}; remove it")
     if flag in MEGATRON_LM_FLAGS:
-        fix = FIXES.get(flag, "remove it")
         return UnsupportedFlagError(flag, f"{flag} is a Megatron-LM flag megatron-zb does not support yet "
-                                          f"(Megatron-LM {MEGATRON_LM_VERSION.split()[0]}); {fix} "
+                                          f"(Megatron-LM {MEGATRON_LM_VERSION.split()[0]}); remove it "
                                           f"(docs/training.md lists the supported flags)")
     close = difflib.get_close_matches(flag, list(supported), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}?" if close else "see pretrain_gpt_zb.py --help for the supported flags"

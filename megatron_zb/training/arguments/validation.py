@@ -22,6 +22,7 @@ from .common import NOTICES, ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
 from .housekeeping import check_memory_flags, check_profiling
 from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
+from .fp8 import check_fp8
 from .kernels import resolve_kernels
 from .logging_flags import check_logging, check_memory_logging
 from .model import (check_architecture, check_attention_heads, check_model_kind, check_position_embeddings,
@@ -84,6 +85,7 @@ CHECKS: tuple[Check, ...] = (
     Check("zero_centered_gamma", lambda a, r: check_zero_centered_gamma(a), needs=("transformer_impl",)),
     Check("recompute", lambda a, r: check_recompute(a), needs=("ranges",)),
     Check("sequence_parallel", lambda a, r: check_sequence_parallel(a), needs=("ranges",)),
+    Check("fp8", lambda a, r: check_fp8(a), needs=("transformer_impl", "sequence_parallel")),
     Check("data_parallel_overlap", lambda a, r: check_data_parallel_overlap(a)),
     Check("precision", lambda a, r: check_precision(a)),
     Check("position_embeddings", lambda a, r: check_position_embeddings(a), needs=("ranges",)),
