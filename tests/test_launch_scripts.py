@@ -39,7 +39,7 @@ def test_launch_script_trains_with_every_schedule_family(tmp_path, name):
 
     def run(label: str, flags: list[str]) -> list:
         """The script with ``flags`` added; its own folder (the scripts --save and --load one path)."""
-        return _curve(in_process(tmp_path, label, script.world_size, script.argv(tmp_path / label) + flags))
+        return _curve(in_process(tmp_path, label, script.world_size, script.argv(tmp_path / label, pretrain=True) + flags))
 
     ref = run("mcore", ["--use-megatron-core-schedule"])
     assert len(ref) >= 4 and all(math.isfinite(loss) for _, loss, *_ in ref), ref
@@ -58,7 +58,7 @@ def test_llama3_fp8_variant_is_refused_naming_every_fp8_flag(tmp_path):
     from megatron_zb.training.arguments import ArgumentError
     from megatron_zb.training.pretrain import parse_command_line
 
-    argv = LLAMA3_8B.argv(tmp_path / "run") + list(LLAMA3_8B_FP8) + ["--enable-zero-bubble"]
+    argv = LLAMA3_8B.argv(tmp_path / "run", pretrain=True) + list(LLAMA3_8B_FP8) + ["--enable-zero-bubble"]
     with pytest.raises(ArgumentError) as e:
         parse_command_line(argv, world_size=LLAMA3_8B.world_size)
     [problem] = e.value.problems  # one problem naming every FP8 flag of the script

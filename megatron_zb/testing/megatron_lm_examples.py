@@ -21,7 +21,7 @@ overlapped reduce/gather, MoE routing and dispatcher, logging, checkpoint format
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .megatron_lm import CPU_FLAGS
@@ -45,6 +45,8 @@ class ExampleScript:
             added; None: a flag without value).
         dropped: flag -> why a CPU run cannot pass it.
         world_size: processes of the CPU run.
+        pretrain_sizes, pretrain_dropped: further changes for ``pretrain_gpt_zb.py``'s CPU run, whose
+            checks refuse what Megatron-LM's loop accepts and ignores (each with its reason).
     """
 
     source: str
@@ -52,21 +54,26 @@ class ExampleScript:
     sizes: dict[str, str | None]
     dropped: dict[str, str]
     world_size: int
+    pretrain_sizes: dict[str, str | None] = field(default_factory=dict)
+    pretrain_dropped: dict[str, str] = field(default_factory=dict)
 
-    def argv(self, folder: str | Path) -> list[str]:
-        """The CPU run's ``pretrain_gpt.py`` arguments: the script's flags with :attr:`sizes` applied,
-        :attr:`dropped` removed, paths under ``folder``, then :data:`CPU_FLAGS`."""
+    def argv(self, folder: str | Path, *, pretrain: bool = False) -> list[str]:
+        """The CPU run's ``pretrain_gpt.py`` arguments (``pretrain``: ``pretrain_gpt_zb.py``'s): the
+        script's flags with :attr:`sizes` applied, :attr:`dropped` removed, paths under ``folder``,
+        then :data:`CPU_FLAGS`."""
+        sizes = {**self.sizes, **(self.pretrain_sizes if pretrain else {})}
+        dropped = {**self.dropped, **(self.pretrain_dropped if pretrain else {})}
         out: list[str] = []
         seen = set()
         for flag, value in self.flags:
             seen.add(flag)
-            if flag in self.dropped:
+            if flag in dropped:
                 continue
             if flag in PATH_FLAGS:
                 value = str(Path(folder) / str(value))
-            value = self.sizes[flag] if flag in self.sizes else value
+            value = sizes[flag] if flag in sizes else value
             out += [flag] if value is None else [flag, *value.split()]
-        for flag, value in self.sizes.items():
+        for flag, value in sizes.items():
             if flag not in seen:
                 out += [flag] if value is None else [flag, *value.split()]
         return [*out, *CPU_FLAGS]
@@ -127,6 +134,9 @@ LLAMA3_8B = ExampleScript(
            "--pipeline-model-parallel-size": "2"},
     dropped={"--apply-layernorm-1p": _LAYER_NORM_1P},
     world_size=2,
+    pretrain_sizes={"--profile-step-start": "2", "--profile-step-end": "3"},  # inside the 4 iterations
+    pretrain_dropped={"--attention-backend": "fused chooses Transformer Engine's attention kernels, which "
+                                             "pretrain_gpt_zb.py refuses on megatron-core's local spec"},
 )
 """NVIDIA's LLaMA-3 8B script: 4 iterations of 8 samples (4 micro batches of 1), PP=2, world 2."""
 
