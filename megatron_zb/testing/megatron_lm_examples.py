@@ -94,6 +94,9 @@ def _pairs(*args: str) -> tuple[tuple[str, str | None], ...]:
 _LAYER_NORM_1P = ("megatron-core's local layer spec without apex builds torch's LayerNorm, which has no "
                   "zero-centred gamma (TENorm or apex's FusedLayerNorm on GPU)")
 _MOCK_DATA = "real data replaced by mock data: --mock-data, NullTokenizer"
+_RAMP_BY_ITERATIONS = ("the script ramps the batch with --train-iters, which Megatron-LM core_v0.16.1 refuses "
+                       "(arguments.py: 'expected no batch-size rampup for iteration-based training'); the CPU run "
+                       "counts samples: --train-samples, --lr-decay-samples")
 
 LLAMA3_8B = ExampleScript(
     source="examples/llama/train_llama3_8b_h100_fp8.sh (its DTYPE=fp8 flags --fp8-format hybrid "
@@ -205,14 +208,16 @@ GPT3_175B = ExampleScript(
         "--load", "ckpt", "--eval-iters", "10", "--tensorboard-dir", "tb"),
     sizes={"--num-layers": "4", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "32",
            "--max-position-embeddings": "32", "--global-batch-size": "8", "--rampup-batch-size": "4 4 16",
-           "--train-iters": "6", "--lr-decay-iters": "5", "--tensor-model-parallel-size": "1",
+           "--train-samples": "48", "--lr-decay-samples": "40", "--tensor-model-parallel-size": "1",
            "--pipeline-model-parallel-size": "2", "--log-interval": "1", "--eval-iters": "1",
            "--mock-data": None, "--tokenizer-type": "NullTokenizer", "--vocab-size": "255"},
-    dropped={"--data-path": _MOCK_DATA, "--vocab-file": _MOCK_DATA, "--merge-file": _MOCK_DATA},
+    dropped={"--data-path": _MOCK_DATA, "--vocab-file": _MOCK_DATA, "--merge-file": _MOCK_DATA,
+             "--train-iters": _RAMP_BY_ITERATIONS, "--lr-decay-iters": _RAMP_BY_ITERATIONS},
     world_size=2,
 )
-"""NVIDIA's GPT-3 175B script: 6 iterations with the batch ramping 4 -> 8 samples (m = 4 -> 8
-micro batches of 1), PP=2, world 2."""
+"""NVIDIA's GPT-3 175B script: 48 samples with the batch ramping 4 -> 8 (m = 4 -> 8 micro batches
+of 1), PP=2, world 2. Counted in samples: the script as published passes ``--rampup-batch-size``
+with ``--train-iters``, which Megatron-LM core_v0.16.1 itself refuses."""
 
 ZB_FORK = ExampleScript(
     source="sail-sg/zero-bubble-pipeline-parallelism examples/pretrain_zero_bubble.sh (its defaults: TP_SIZE=2, "
