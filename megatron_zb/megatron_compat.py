@@ -282,6 +282,17 @@ RNG_STATE_HELPERS: tuple[str, str] = ("_get_cuda_rng_state", "_set_cuda_rng_stat
 """Private (get, set) CUDA RNG state helpers of :data:`RNG_MODULE` the shim replaces."""
 
 
+IMPORT_NOTICES: tuple[tuple[str, str], ...] = (
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+)
+"""(logger, message start) of what importing megatron-core makes torch log on a machine without a
+GPU, which the CPU shim drops (installed by ``megatron_zb.platform``'s import hook *before*
+``megatron.core`` loads). megatron-core 0.19's ``tensor_parallel/random.py`` imports
+``torch.utils.cpp_extension`` (``load_inline``) at module level, whose import logs
+"No CUDA runtime is found, using CUDA_HOME=..." when ``nvcc`` or ``CUDA_HOME`` is found but no GPU
+(0.16.1 does not import it; the filter is harmless there)."""
+
+
 MOE_TE_NAMES: tuple[str, tuple[str, ...]] = ("megatron.core.transformer.moe.moe_utils", ("te_general_gemm",))
 """(module, names): Transformer Engine functions ``moe_utils`` tests with ``is not None`` but only
 defines when TE imports (the router's ``RouterGatingLinearFunction``); the shim sets them to ``None``."""
@@ -458,6 +469,25 @@ def te_delayed_weight_params(module: Any) -> tuple[Any, ...]:
     if names is None:
         names = [n for n, _ in module.named_parameters(recurse=False) if _TE_WEIGHT_NAME.fullmatch(n)]
     return tuple(getattr(module, n) for n in names)
+
+
+TE_WRAPPER_KEYWORDS: dict[str, tuple[str, ...]] = {
+    "0.16": (),
+    "0.19": ("name",),
+}
+"""Per release: the keyword arguments megatron-core's TE linear wrappers (``TEColumnParallelLinear``,
+``TERowParallelLinear``, ``TELayerNormColumnParallelLinear`` in
+``megatron/core/extensions/transformer_engine.py``) take beyond 0.16.1's. 0.19 adds ``name`` (the
+layer's dotted name, e.g. ``"...self_attention.linear_proj"``, which attention and MLP pass and the
+wrapper hands to TE's module). megatron-zb never builds these wrappers itself (megatron-core's
+``get_gpt_layer_with_transformer_engine_spec`` does); the CPU test double of TE
+(``tests/te_double.py``) accepts exactly these, and ``tests/test_te_contract.py`` compares them with
+the installed megatron-core's source (the wrappers are stubs without TE)."""
+
+
+def te_wrapper_keywords() -> tuple[str, ...]:
+    """:data:`TE_WRAPPER_KEYWORDS` of the installed release."""
+    return TE_WRAPPER_KEYWORDS[release()]
 
 
 TE_OP_FUSER_CLASSES: tuple[str, ...] = ("TEFusedMLP",)
