@@ -1,8 +1,9 @@
 """Regenerate a Megatron-LM flag list of megatron_zb/training/arguments/ from Megatron-LM.
 
 One list per supported Megatron-LM release, the one that goes with the installed megatron-core
-(``megatron_compat.megatron_lm_tag()``): core_v0.16.1 -> ``megatron_flags.py`` (megatron-core
-0.16.1, Python 3.11), core_v0.19.0 -> ``megatron_flags_0_19.py`` (megatron-core 0.19.x, Python
+(``megatron_compat.megatron_lm_tag()``), in the module ``megatron_flags.FLAG_MODULES`` names:
+core_v0.16.1 -> ``megatron_flags.py`` (megatron-core 0.16.1, Python 3.11; its selection function
+below the list is kept), core_v0.19.0 -> ``megatron_flags_0_19.py`` (megatron-core 0.19.x, Python
 >= 3.12). Usage, with a Megatron-LM checkout at that tag (e.g.
 ``git clone -b core_v0.19.0 https://github.com/NVIDIA/Megatron-LM``)::
 
@@ -31,8 +32,9 @@ from pathlib import Path
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = {"core_v0.16.1": "megatron_flags.py", "core_v0.19.0": "megatron_flags_0_19.py"}
-"""Megatron-LM tag -> the module (in megatron_zb/training/arguments/) holding its flags."""
+KEEP_MARKER = "# ---------------------------------------------------------------------- not generated:"
+"""A module's text from this line on is kept when the list above it is rewritten (megatron_flags.py's
+selection function)."""
 
 _STUB_PACKAGES = {"tensorstore", "zarr", "wandb", "one_logger_utils", "modelopt",
                   "flask_restful", "flask"}
@@ -85,13 +87,15 @@ def module_text(tag: str, commit: str, flags: list[str], megatron_core: str) -> 
                          subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
     return f'''"""Every command-line flag of Megatron-LM's ``pretrain_gpt.py`` parser at {tag}, as data.
 
-Source: Megatron-LM tag ``{tag}`` (commit {commit}, the release that goes with megatron-core
-{megatron_core}), ``megatron/training/arguments.py``: ``add_megatron_arguments(parser)`` -- including
-the flags it generates from megatron-core's config dataclasses -- collected from the built parser's
-option strings by ``scripts/update_megatron_lm_flags.py --write`` (generated: do not edit). {len(flags)} flags.
+Source: Megatron-LM tag ``{tag}`` (commit {commit}),
+the release that goes with megatron-core {megatron_core}: ``megatron/training/arguments.py``'s
+``add_megatron_arguments(parser)`` -- including the flags it generates from megatron-core's config
+dataclasses -- collected from the built parser's option strings by
+``scripts/update_megatron_lm_flags.py --write`` (generated: do not edit the list). {len(flags)} flags.
 
 Used by :mod:`.flags` (through :func:`.megatron_flags.megatron_lm_flags`, which picks the list of the
-installed megatron-core's release) to tell a Megatron-LM flag megatron-zb does not support yet from a typo.
+installed megatron-core's release) to tell a Megatron-LM flag megatron-zb does not support yet from a
+typo.
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ def main() -> None:
     opts = cli.parse_args()
     sys.path.insert(0, str(ROOT))
     from megatron_zb.megatron_compat import megatron_core_version, megatron_lm_tag
+    from megatron_zb.training.arguments.megatron_flags import FLAG_MODULES
 
     flags = megatron_lm_flags(opts.megatron_lm)
     if not opts.write:
@@ -125,8 +130,10 @@ def main() -> None:
         sys.exit(f"update_megatron_lm_flags.py: error: {opts.megatron_lm} is Megatron-LM {tag or 'of unknown tag'}, "
                  f"not {megatron_lm_tag()} (the release that goes with the installed megatron-core "
                  f"{megatron_core_version()})")
-    path = ROOT / "megatron_zb" / "training" / "arguments" / MODULES[tag]
-    path.write_text(module_text(tag, commit or "unknown", flags, megatron_core_version()))
+    path = ROOT / "megatron_zb" / "training" / "arguments" / f"{FLAG_MODULES[tag]}.py"
+    kept = path.read_text() if path.is_file() else ""
+    kept = "\n\n" + kept[kept.index(KEEP_MARKER):] if KEEP_MARKER in kept else ""
+    path.write_text(module_text(tag, commit or "unknown", flags, megatron_core_version()) + kept)
     print(f"{path.relative_to(ROOT)}: {len(flags)} flags of Megatron-LM {tag}")
 
 
