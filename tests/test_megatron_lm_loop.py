@@ -296,3 +296,17 @@ def test_configure_profiles_cost_aware_schedules_with_profile_out() -> None:
     args = _flags("--enable-zero-bubble", "--profile-out", "p.json")
     assert configure(args) == {"schedule": "zb", "timeout": 300.0, "memory_limit": 2.0}
     assert args.zero_bubble_max_pending_backward == 2  # resolved: PP (ZB-1p), as pretrain_gpt_zb.py does
+
+
+@pytest.mark.skipif(megatron_lm_tag() != "core_v0.19.0", reason="Megatron-LM core_v0.16.1's loop has the V route "
+                                                                "(tests/test_megatron_lm_v.py)")
+def test_v_is_refused_where_the_loop_has_no_v_route() -> None:
+    """core_v0.19.0: a V schedule chosen by either flag is refused by configure() (exit 2 in the loop,
+    one line naming the flag: :data:`V_WITHOUT_WRAPPER`), before any process group."""
+    from megatron_zb.megatron_lm import configure
+    from megatron_zb.training.arguments.common import ArgumentError
+
+    for argv in (("--zero-bubble-v-schedule",), ("--schedule", "zbv")):
+        with pytest.raises(ArgumentError, match=f"^{argv[0]}: the V schedule 'zbv' is not supported inside this "
+                                                f"Megatron-LM's loop: Megatron-LM core_v0.19.0's pretrain"):
+            configure(_flags(*argv))
