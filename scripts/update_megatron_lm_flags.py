@@ -121,15 +121,15 @@ def main() -> None:
     from megatron_zb.megatron_compat import megatron_core_version, megatron_lm_tag
     from megatron_zb.training.arguments.megatron_flags import FLAG_MODULES
 
-    flags = megatron_lm_flags(opts.megatron_lm)
     if not opts.write:
-        print(json.dumps(flags))
+        print(json.dumps(megatron_lm_flags(opts.megatron_lm)))
         return
     tag, commit = checkout_release(opts.megatron_lm)
     if tag != megatron_lm_tag():
         sys.exit(f"update_megatron_lm_flags.py: error: {opts.megatron_lm} is Megatron-LM {tag or 'of unknown tag'}, "
                  f"not {megatron_lm_tag()} (the release that goes with the installed megatron-core "
                  f"{megatron_core_version()})")
+    flags = megatron_lm_flags(opts.megatron_lm)
     path = ROOT / "megatron_zb" / "training" / "arguments" / f"{FLAG_MODULES[tag]}.py"
     kept = path.read_text() if path.is_file() else ""
     kept = "\n\n" + kept[kept.index(KEEP_MARKER):] if KEEP_MARKER in kept else ""
