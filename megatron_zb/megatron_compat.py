@@ -27,6 +27,56 @@ RELEASES: dict[str, str] = {"0.16": "0.16.1", "0.19": "0.19.0 to 0.19.2"}
 0.18 are not tested and refused (setup.py excludes them)."""
 
 
+MEGATRON_LM_TAGS: dict[str, str] = {"0.16": "core_v0.16.1", "0.19": "core_v0.19.0"}
+"""Per release line: the NVIDIA Megatron-LM release (git tag) whose training loop goes with it --
+the ``pretrain_gpt.py`` the CPU harness runs (``megatron_zb/testing/megatron_lm_workarounds.py``)
+and the flag list of ``megatron_zb/training/arguments/megatron_flags.py``. core_v0.19.0's
+``package_info`` says 0.19.1; it runs with the megatron-core 0.19.2 wheel (docs/megatron_lm.md)."""
+
+
+def megatron_lm_tag() -> str:
+    """:data:`MEGATRON_LM_TAGS` of the installed megatron-core."""
+    return MEGATRON_LM_TAGS[release()]
+
+
+class MegatronLMLoop(NamedTuple):
+    """Where megatron-zb's route into Megatron-LM's own loop (``megatron_zb/megatron_lm*.py``) hooks
+    into one Megatron-LM release (a row of :data:`MEGATRON_LM_LOOP`)."""
+
+    parse_args_holders: tuple[str, ...]
+    """Modules whose global ``parse_args`` Megatron-LM calls; the route wraps it in each."""
+    validate_args_holder: str | None
+    """The module whose global ``validate_args`` Megatron-LM calls inside ``pretrain()``, once the
+    script's model provider exists (the V route's check wraps it); ``None``: validation runs before
+    ``pretrain()``."""
+    v_route_refused: str | None
+    """Why V schedules are refused inside this release's loop; ``None``: the V route works."""
+
+
+MEGATRON_LM_LOOP: dict[str, MegatronLMLoop] = {
+    "0.16": MegatronLMLoop(
+        # arguments.parse_args, and initialize.py's name for it: initialize_megatron parses again
+        parse_args_holders=("megatron.training.arguments", "megatron.training.initialize"),
+        validate_args_holder="megatron.training.initialize",
+        v_route_refused=None),
+    "0.19": MegatronLMLoop(
+        # pretrain_gpt.py's __main__ calls arguments.parse_and_validate_args (parse_args, validate_args of
+        # that module) before pretrain(); initialize.py no longer parses
+        parse_args_holders=("megatron.training.arguments",),
+        validate_args_holder=None,
+        v_route_refused="Megatron-LM core_v0.19.0's pretrain() builds the model from its config "
+                        "(megatron/training/models/), not from a model provider that megatron_zb.megatron_lm."
+                        "v_model_provider could wrap; use pretrain_gpt_zb.py, or Megatron-LM core_v0.16.1 with "
+                        "megatron-core 0.16.1"),
+}
+"""Per release line: the Megatron-LM loop's hooks (the release of :data:`MEGATRON_LM_TAGS`)."""
+
+
+def megatron_lm_loop() -> MegatronLMLoop:
+    """:data:`MEGATRON_LM_LOOP` of the installed megatron-core."""
+    return MEGATRON_LM_LOOP[release()]
+
+
 class UnsupportedMegatronCore(RuntimeError):
     """The installed megatron-core is not a supported release, or lacks what was asked for."""
 
@@ -80,6 +130,13 @@ PRIVATE_API: dict[str, dict[str, Private | None]] = {
                         "(input_tensor, output_tensor, output_tensor_grad, model_type, config)"),
         "0.19": Private(f"{_SCHED}:backward_step",
                         "(input_tensor, output_tensor, output_tensor_grad, config)")},
+    # -- patching: megatron-core's schedule selector, which patch_megatron replaces (megatron_zb/patching.py)
+    "get_forward_backward_func": {
+        "0.16": Private(f"{_SCHED}:get_forward_backward_func",
+                        "(pp_size: Optional[int] = None, vp_size: Optional[int] = None)"),
+        "0.19": Private(f"{_SCHED}:get_forward_backward_func",
+                        "(pp_size: Optional[int] = None, vp_size: Optional[int] = None, schedule_pg_collection: "
+                        "Optional[megatron.core.process_groups_config.MultiModuleProcessGroupCollection] = None)")},
     "check_first_val_step": {
         r: Private(f"{_SCHED}:check_first_val_step", "(first_val_step, forward_only, cond)")
         for r in RELEASES},
@@ -210,6 +267,25 @@ def set_grad_accum_fusion_kernels(kernels: Any) -> None:
     layers._grad_accum_fusion_available = True
 
 
+def check_schedule_selection(selector_kwargs: dict[str, Any]) -> None:
+    """Refuse what megatron-zb's schedules cannot run among the keyword arguments megatron-core's
+    ``get_forward_backward_func`` got beyond ``pp_size`` / ``vp_size`` (see its
+    :data:`PRIVATE_API` row): 0.19's ``schedule_pg_collection`` holding a
+    ``MultiModuleProcessGroupCollection`` (multi-module models on separate process grids, run by
+    megatron-core's cross-grid bridge schedule). Megatron-LM core_v0.19.0's ``train`` passes its
+    ordinary ``ProcessGroupCollection`` there, which is accepted."""
+    collection = selector_kwargs.get("schedule_pg_collection")
+    if collection is None:
+        return
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+    if isinstance(collection, MultiModuleProcessGroupCollection):
+        raise UnsupportedMegatronCore(
+            f"megatron-core {megatron_core_version()}'s multi-module pipeline (get_forward_backward_func("
+            "schedule_pg_collection=MultiModuleProcessGroupCollection)) is not supported by megatron-zb's "
+            "schedules; run it without megatron-zb (unpatch_megatron) or on one process grid")
+
+
 class PipelineStepFunctions(NamedTuple):
     """Per-microbatch helpers of ``megatron.core.pipeline_parallel.schedules`` (not exported by
     ``megatron.core.pipeline_parallel``; their signatures change between releases), each called
@@ -294,6 +370,17 @@ RNG_MODULE: str = "megatron.core.tensor_parallel.random"
 
 RNG_STATE_HELPERS: tuple[str, str] = ("_get_cuda_rng_state", "_set_cuda_rng_state")
 """Private (get, set) CUDA RNG state helpers of :data:`RNG_MODULE` the shim replaces."""
+
+
+IMPORT_NOTICES: tuple[tuple[str, str], ...] = (
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+)
+"""(logger, message start) of what importing megatron-core makes torch log on a machine without a
+GPU, which the CPU shim drops (installed by ``megatron_zb.platform``'s import hook *before*
+``megatron.core`` loads). megatron-core 0.19's ``tensor_parallel/random.py`` imports
+``torch.utils.cpp_extension`` (``load_inline``) at module level, whose import logs
+"No CUDA runtime is found, using CUDA_HOME=..." when ``nvcc`` or ``CUDA_HOME`` is found but no GPU
+(0.16.1 does not import it; the filter is harmless there)."""
 
 
 MOE_TE_NAMES: tuple[str, tuple[str, ...]] = ("megatron.core.transformer.moe.moe_utils", ("te_general_gemm",))
@@ -472,6 +559,25 @@ def te_delayed_weight_params(module: Any) -> tuple[Any, ...]:
     if names is None:
         names = [n for n, _ in module.named_parameters(recurse=False) if _TE_WEIGHT_NAME.fullmatch(n)]
     return tuple(getattr(module, n) for n in names)
+
+
+TE_WRAPPER_KEYWORDS: dict[str, tuple[str, ...]] = {
+    "0.16": (),
+    "0.19": ("name",),
+}
+"""Per release: the keyword arguments megatron-core's TE linear wrappers (``TEColumnParallelLinear``,
+``TERowParallelLinear``, ``TELayerNormColumnParallelLinear`` in
+``megatron/core/extensions/transformer_engine.py``) take beyond 0.16.1's. 0.19 adds ``name`` (the
+layer's dotted name, e.g. ``"...self_attention.linear_proj"``, which attention and MLP pass and the
+wrapper hands to TE's module). megatron-zb never builds these wrappers itself (megatron-core's
+``get_gpt_layer_with_transformer_engine_spec`` does); the CPU test double of TE
+(``tests/te_double.py``) accepts exactly these, and ``tests/test_te_contract.py`` compares them with
+the installed megatron-core's source (the wrappers are stubs without TE)."""
+
+
+def te_wrapper_keywords() -> tuple[str, ...]:
+    """:data:`TE_WRAPPER_KEYWORDS` of the installed release."""
+    return TE_WRAPPER_KEYWORDS[release()]
 
 
 TE_OP_FUSER_CLASSES: tuple[str, ...] = ("TEFusedMLP",)

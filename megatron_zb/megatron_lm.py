@@ -6,8 +6,10 @@ Two lines at the top of the user's ``pretrain_gpt.py`` (before ``pretrain(...)``
     import megatron_zb.megatron_lm
     megatron_zb.megatron_lm.install()
 
-:func:`install` wraps Megatron-LM's ``parse_args`` (``megatron.training.arguments`` and the name
-``megatron.training.initialize`` imported): the parser gets the zero-bubble flags beside whatever
+:func:`install` wraps Megatron-LM's ``parse_args`` (where Megatron-LM calls it:
+``megatron_compat.MEGATRON_LM_LOOP``, per release -- core_v0.16.1: ``megatron.training.arguments`` and
+the name ``megatron.training.initialize`` imported; core_v0.19.0: ``megatron.training.arguments``,
+whose ``parse_and_validate_args`` ``pretrain_gpt.py`` calls before ``pretrain()``): the parser gets the zero-bubble flags beside whatever
 ``extra_args_provider`` the script passes, and right after parsing -- before any process group --
 the zero-bubble flags are checked (one line per problem naming the flag, exit 2) and
 :func:`megatron_zb.patch_megatron` routes megatron-core's ``get_forward_backward_func`` to the
@@ -29,7 +31,9 @@ counts its iterations from 1 again, so it profiles and re-plans again.
 ``--enable-optimizer-post-validation`` wraps the optimizer Megatron-LM builds and validates each
 step when Megatron-LM's ``train_step`` returns (:mod:`megatron_zb.megatron_lm_optimizer`). V schedules
 (``--zero-bubble-v-schedule``, ``--schedule zbv|v-half|v-min``) need the model provider wrapped in the
-script: :func:`v_model_provider` (:mod:`megatron_zb.megatron_lm_v`).
+script: :func:`v_model_provider` (:mod:`megatron_zb.megatron_lm_v`); inside Megatron-LM core_v0.19.0's
+loop, which builds the model from its config instead of a provider, they are refused (one line naming
+the flag, exit 2).
 
 Resuming: :func:`install` also runs Megatron-LM's ``load_checkpoint`` inside
 :func:`~megatron_zb.training.checkpointing.repaired_distributed_adam_load` (megatron-core 0.16.1's
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import sys
 import time
 from typing import Any, Callable
@@ -68,10 +73,13 @@ _INSTALLED: list[tuple[Any, str, Callable]] = []
 def install() -> None:
     """Add the zero-bubble flags to Megatron-LM's parser and route the schedule (module docstring).
     Idempotent; :func:`uninstall` restores Megatron-LM's ``parse_args`` and ``validate_args``."""
-    from megatron.training import arguments, initialize
+    from megatron.training import arguments
+
+    from .megatron_compat import megatron_lm_loop
 
     if _INSTALLED:
         return
+    loop = megatron_lm_loop()
     original = arguments.parse_args
 
     def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args: bool = False) -> argparse.Namespace:
@@ -94,7 +102,7 @@ def install() -> None:
             from .patching import patch_megatron
 
             name = options.pop("schedule")
-            patch_megatron(name, wrapper=functools.partial(_wrap, args=args, schedule=name, v=v_flag is not None),
+            patch_megatron(name, wrapper=functools.partial(_wrap, schedule=name, v=v_flag is not None),
                            **options)
             if args.enable_optimizer_post_validation:
                 from .megatron_lm_optimizer import install as install_post_validation
@@ -102,10 +110,19 @@ def install() -> None:
                 install_post_validation(args)
         return args
 
-    for module in (arguments, initialize):
+    for name in loop.parse_args_holders:
+        module = importlib.import_module(name)
         _INSTALLED.append((module, "parse_args", module.parse_args))
         module.parse_args = parse_args
-    validate = initialize.validate_args
+    if loop.validate_args_holder is not None:
+        _install_provider_check(importlib.import_module(loop.validate_args_holder))
+    _install_load_repairs()
+
+
+def _install_provider_check(holder: Any) -> None:
+    """``holder.validate_args`` (Megatron-LM's, called inside ``pretrain()``) after megatron-zb's check
+    that the script wrapped its model provider for a V (:func:`megatron_lm_v.check_provider`)."""
+    validate = holder.validate_args
 
     def validate_args(*args: Any, **kwargs: Any) -> Any:
         """Megatron-LM's, after megatron-zb's check that needs pretrain()'s arguments: a V schedule's
@@ -118,9 +135,8 @@ def install() -> None:
             raise SystemExit(2) from None
         return validate(*args, **kwargs)
 
-    _INSTALLED.append((initialize, "validate_args", validate))
-    initialize.validate_args = validate_args
-    _install_load_repairs()
+    _INSTALLED.append((holder, "validate_args", validate))
+    holder.validate_args = validate_args
 
 
 def uninstall() -> None:
@@ -137,10 +153,10 @@ def uninstall() -> None:
     megatron_lm_v.deactivate()
 
 
-def _wrap(runtime: Any, *, args: argparse.Namespace, schedule: str, v: bool) -> Callable:
+def _wrap(runtime: Any, *, schedule: str, v: bool) -> Callable:
     """megatron-zb's ``forward_backward_func`` as Megatron-LM gets it: re-planned for a cost-aware
     schedule, its losses handed to the last pipeline rank for a V."""
-    fb = ReplanningForwardBackward(runtime, args=args, schedule=schedule) if get_spec(schedule).cost_aware else runtime
+    fb = ReplanningForwardBackward(runtime, schedule=schedule) if get_spec(schedule).cost_aware else runtime
     return megatron_lm_v.VForwardBackward(fb) if v else fb
 
 
@@ -179,6 +195,12 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
     _check_profiling(args, name)
     check_post_validation(args, spec)
     if spec.placement is Placement.V:
+        from .megatron_compat import megatron_lm_loop
+
+        refused = megatron_lm_loop().v_route_refused
+        if refused is not None:
+            raise ArgumentError(selected_by, f"the V schedule {name!r} is not supported inside this Megatron-LM's "
+                                             f"loop: {refused}")
         megatron_lm_v.check_v(args, name, selected_by)
     chunks = _virtual_chunks(args)
     if spec.placement is not Placement.V and (spec.placement is Placement.INTERLEAVED) != (chunks > 1):
@@ -244,13 +266,15 @@ class ReplanningForwardBackward:
         planner: the :class:`SchedulePlanner` (``None`` before the first call).
     """
 
-    def __init__(self, runtime: Any, *, args: argparse.Namespace, schedule: str) -> None:
-        """``args``: Megatron-LM's parsed arguments (read at the first call: Megatron-LM fills some
-        in later, e.g. ``train_iters`` from ``--train-samples``); ``schedule``: the schedule's name."""
+    def __init__(self, runtime: Any, *, schedule: str) -> None:
+        """``schedule``: the schedule's name. The planner reads Megatron-LM's validated global
+        arguments (``megatron.training.get_args()``) at the first call: Megatron-LM fills some in
+        late (e.g. ``train_iters`` from ``--train-samples``), and the latest parse is not always the
+        validated one (core_v0.19.0's ``pretrain()`` re-parses for fault tolerance without validating,
+        after ``pretrain_gpt.py`` validated its own parse)."""
         self.runtime = runtime
         self.iteration = 0
         self.planner: Any = None
-        self._args = args
         self._schedule = schedule
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
@@ -282,11 +306,12 @@ class ReplanningForwardBackward:
         """The planner, built at the first call with global rank 0's unit-cost schedule (collective)."""
         if self.planner is None:
             from megatron.core import parallel_state
+            from megatron.training import get_args
 
             from .training.distributed import context_from_parallel_state
             from .training.replanning import SchedulePlanner
 
-            args = planner_args(self._args, schedule=self._schedule, num_microbatches=num_microbatches,
+            args = planner_args(get_args(), schedule=self._schedule, num_microbatches=num_microbatches,
                                 memory_limit=self.runtime.options.memory_limit)
             pp = parallel_state.get_pipeline_model_parallel_world_size()
             self.planner = SchedulePlanner(

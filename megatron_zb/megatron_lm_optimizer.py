@@ -122,18 +122,20 @@ def uninstall() -> None:
 
 
 def post_validated_train_step(original: Callable) -> Callable:
-    """Megatron-LM core_v0.16.1's ``train_step`` (``original``, same arguments) around a
+    """Megatron-LM's ``train_step`` (core_v0.16.1, core_v0.19.0; ``original``, same arguments) around a
     :class:`~megatron_zb.optimizer.PostValidationOptimizer`: ``begin_iteration`` first, the step
     validated when ``original`` returns and its returned values repaired (module docstring)."""
 
     @functools.wraps(original)
     def train_step(forward_step_func: Callable, data_iterator: Any, model: Any, optimizer: Any,
                    opt_param_scheduler: Any, config: Any, forward_backward_func: Callable,
-                   iteration: int | None = None) -> tuple:
+                   iteration: int | None = None, **kwargs: Any) -> tuple:
+        """``kwargs``: what a later release's ``train_step`` takes besides (core_v0.19.0:
+        ``pg_collection``, ``p2p_communicator``), passed on."""
         optimizer.begin_iteration()  # nothing pending (validated at the end of the previous call)
         eager_steps = optimizer.counters().eager_steps
         out = original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
-                       forward_backward_func, iteration=iteration)
+                       forward_backward_func, iteration=iteration, **kwargs)
         if optimizer.counters().eager_steps == eager_steps:  # megatron-core's synchronous step (warm-up,
             return out                                       # fallback), or no step: its values stand
         return _validated(out, optimizer, opt_param_scheduler, iteration)

@@ -60,6 +60,7 @@ def patch_megatron(schedule: str = "zb", *, wrapper: Callable[[Any], Callable] |
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
 
+    from .megatron_compat import check_schedule_selection
     from .runtime.forward_backward import get_forward_backward_func
     from .runtime.routes import install_routes
 
@@ -70,13 +71,16 @@ def patch_megatron(schedule: str = "zb", *, wrapper: Callable[[Any], Callable] |
     if wrapper is not None:
         ours = wrapper(ours)
 
-    def patched_get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None):
-        """megatron-zb's forward_backward_func when pipelining, megatron-core's otherwise."""
+    def patched_get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None, **kwargs: Any):
+        """megatron-zb's forward_backward_func when pipelining, megatron-core's otherwise. ``kwargs``:
+        what the installed release's selector takes besides (megatron_compat's
+        ``get_forward_backward_func`` row), checked by ``megatron_compat.check_schedule_selection``."""
         if pp_size is None:
             pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         if pp_size > 1:
+            check_schedule_selection(kwargs)
             return ours
-        return original(pp_size=pp_size, vp_size=vp_size)
+        return original(pp_size=pp_size, vp_size=vp_size, **kwargs)
 
     for mod in list(sys.modules.values()):
         if mod is not None and getattr(mod, "get_forward_backward_func", None) is original:

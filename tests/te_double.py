@@ -39,7 +39,8 @@ the lines it relies on in each released wheel):
 
 and megatron-core 0.16.1's wrappers (``megatron/core/extensions/transformer_engine.py``):
 ``TEColumnParallelLinear``, ``TERowParallelLinear``, ``TELayerNormColumnParallelLinear`` -- their
-constructor keywords, ``fuse_wgrad_accumulation=config.gradient_accumulation_fusion``,
+constructor keywords (plus those a later release adds, taken from
+``megatron_compat.TE_WRAPPER_KEYWORDS``: 0.19's ``name``, accepted and unused), ``fuse_wgrad_accumulation=config.gradient_accumulation_fusion``,
 ``delay_wgrad_compute=config.delay_wgrad_compute``, ``return_bias = skip_bias_add and bias``,
 ``is_first_microbatch`` (True for the module's first forward), ``forward`` returning
 ``(output, bias or None)``, and ``backward_dw()`` that calls TE's only when
@@ -488,6 +489,17 @@ class _MegatronTEWrapper:
             super().backward_dw()
 
 
+def _check_release_keywords(cls: type, extra: dict[str, Any]) -> None:
+    """Refuse, as Python would, a keyword the installed megatron-core's wrappers do not take:
+    the wrappers' keywords beyond 0.16.1's are :func:`megatron_compat.te_wrapper_keywords`
+    (the double does not use them: TE's ``name`` serves its debug tools)."""
+    from megatron_zb.megatron_compat import te_wrapper_keywords
+
+    unknown = sorted(set(extra) - set(te_wrapper_keywords()))
+    if unknown:
+        raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+
+
 def _te_kwargs(config: Any, *, bias: bool, skip_bias_add: bool, init_method: Any,
                parallel_mode: str) -> dict[str, Any]:
     return dict(bias=bias, return_bias=skip_bias_add and bias, parallel_mode=parallel_mode,
@@ -506,7 +518,9 @@ class TEColumnParallelLinear(_MegatronTEWrapper, Linear):
 
     def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable, gather_output: bool,
                  bias: bool, skip_bias_add: bool, is_expert: bool, skip_weight_param_allocation: bool = False,
-                 tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None, stride: int = 1) -> None:
+                 tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None, stride: int = 1,
+                 **release_keywords: Any) -> None:
+        _check_release_keywords(type(self), release_keywords)
         _refuse_gather(gather_output, skip_weight_param_allocation)
         Linear.__init__(self, input_size, output_size,
                         **_te_kwargs(config, bias=bias, skip_bias_add=skip_bias_add, init_method=init_method,
@@ -519,7 +533,9 @@ class TERowParallelLinear(_MegatronTEWrapper, Linear):
 
     def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable, bias: bool,
                  input_is_parallel: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None) -> None:
+                 tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None,
+                 **release_keywords: Any) -> None:
+        _check_release_keywords(type(self), release_keywords)
         if not input_is_parallel:
             raise ValueError("Transformer Engine linear layers do not support input_is_parallel = False")
         Linear.__init__(self, input_size, output_size,
@@ -533,7 +549,9 @@ class TELayerNormColumnParallelLinear(_MegatronTEWrapper, LayerNormLinear):
 
     def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable, gather_output: bool,
                  bias: bool, skip_bias_add: bool, is_expert: bool, skip_weight_param_allocation: bool = False,
-                 tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None, stride: int = 1) -> None:
+                 tp_comm_buffer_name: Optional[str] = None, tp_group: Any = None, stride: int = 1,
+                 **release_keywords: Any) -> None:
+        _check_release_keywords(type(self), release_keywords)
         _refuse_gather(gather_output, skip_weight_param_allocation)
         LayerNormLinear.__init__(self, input_size, output_size, eps=config.layernorm_epsilon,
                                  normalization=config.normalization,

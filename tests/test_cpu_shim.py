@@ -6,6 +6,7 @@ Distributed parts run in harness processes (gloo on 127.0.0.1); results are comp
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from functools import partial
@@ -63,6 +64,20 @@ def test_shim_changes_nothing_when_cuda_is_available():
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
+
+
+def test_megatron_core_import_notice_of_torch_is_dropped_without_cuda(tmp_path):
+    """With ``CUDA_HOME`` set and no GPU, torch's ``cpp_extension._find_cuda_home()`` logs "No CUDA
+    runtime is found" (a CUDA build of torch does so when megatron-core 0.19's ``import megatron.core``
+    imports ``torch.utils.cpp_extension``): after ``import megatron_zb`` that one notice is dropped;
+    another warning of the same logger is not."""
+    code = ("import logging, megatron_zb, megatron.core, torch.utils.cpp_extension as ext\n"
+            "ext._find_cuda_home()\n"
+            "logging.getLogger('torch.utils.cpp_extension').warning('another notice')\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, CUDA_HOME=str(tmp_path)))
+    assert res.returncode == 0, res.stderr
+    assert "another notice" in res.stderr and "No CUDA runtime" not in res.stderr, res.stderr
 
 
 def test_tensor_cuda_callers_can_be_widened_by_prefix():

@@ -71,3 +71,38 @@ def test_pipeline_backward_step_called_uniformly():
     y = (x * x).sum()
     grad = mc.pipeline_step_functions().backward_step([x], [y], None, config)
     assert torch.equal(grad[0], 2 * x.detach())
+
+
+# Spot checks read by hand in Megatron-LM's megatron/training/arguments.py at each tag (grep add_argument):
+# --legacy-tokenizer exists at core_v0.16.1 (line 2408) and not at core_v0.19.0;
+# --dataloader-inter-document-masking exists at core_v0.19.0 (line 3159) and not at core_v0.16.1.
+_FLAG_SPOT_CHECKS = {"core_v0.16.1": ("--legacy-tokenizer", "--dataloader-inter-document-masking"),
+                     "core_v0.19.0": ("--dataloader-inter-document-masking", "--legacy-tokenizer")}
+
+
+def test_megatron_lm_flag_list_follows_the_installed_release():
+    """The unknown-flag messages' list is the Megatron-LM release's that goes with the installed
+    megatron-core: its version string names that tag, and a flag only that release has is in it,
+    one only the other release has is not."""
+    from megatron_zb.training.arguments.megatron_flags import megatron_lm_flags
+
+    version, flags = megatron_lm_flags()
+    tag = mc.megatron_lm_tag()
+    assert version.split()[0] == tag == mc.MEGATRON_LM_TAGS[mc.release()]
+    present, absent = _FLAG_SPOT_CHECKS[tag]
+    assert present in flags and absent not in flags and len(flags) > 600
+
+
+def test_schedule_selection_refuses_only_a_multi_module_collection():
+    """megatron-core 0.19's get_forward_backward_func(schedule_pg_collection=...): Megatron-LM's
+    ordinary ProcessGroupCollection (and None) pass, a MultiModuleProcessGroupCollection is refused
+    naming the version (an instance made without __init__: no process groups exist here)."""
+    mc.check_schedule_selection({})
+    mc.check_schedule_selection({"schedule_pg_collection": None})
+    config = pytest.importorskip("megatron.core.process_groups_config")
+    if not hasattr(config, "MultiModuleProcessGroupCollection"):
+        pytest.skip(f"megatron-core {mc.megatron_core_version()} has no MultiModuleProcessGroupCollection")
+    mc.check_schedule_selection({"schedule_pg_collection": object.__new__(config.ProcessGroupCollection)})
+    with pytest.raises(mc.UnsupportedMegatronCore, match=r"multi-module pipeline .* megatron-zb's schedules"):
+        mc.check_schedule_selection(
+            {"schedule_pg_collection": object.__new__(config.MultiModuleProcessGroupCollection)})

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_zb.megatron_compat import megatron_lm_tag
 from megatron_zb.testing import megatron_lm as mlm
 from megatron_zb.testing.megatron_lm import (IterationLog, MegatronLMRun, bitwise_differences, find_megatron_lm,
                                              parse_iteration_lines, run_megatron_lm)
-from megatron_zb.testing.megatron_lm_workarounds import check_sites
+from megatron_zb.testing.megatron_lm_workarounds import RELEASES, check_sites
 from megatron_zb.testing.megatron_lm_zygote import MAIN_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ def test_parse_iteration_lines_reads_loss_and_grad_norm() -> None:
 
 def test_find_megatron_lm_prefers_the_env_var_then_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     project, mine = tmp_path / "project", tmp_path / "mine"
-    shared = tmp_path / "shared" / "megatron-lm-core_v0.16.1"
+    shared = tmp_path / "shared" / f"megatron-lm-{megatron_lm_tag()}"  # the release going with megatron-core
     for folder in (project, mine, shared):
         folder.mkdir(parents=True)
     monkeypatch.delenv(mlm.MEGATRON_LM_ENV, raising=False)
@@ -106,3 +107,15 @@ def test_entry_script_top_level_is_light() -> None:
 @pytest.mark.skipif(find_megatron_lm() is None, reason=mlm.SKIP_REASON)
 def test_every_answered_line_still_says_what_the_workaround_expects() -> None:
     assert check_sites(find_megatron_lm()) == []
+
+
+def test_the_other_releases_training_files_do_not_pass_the_site_check() -> None:
+    """A rank refuses Megatron-LM files of another release than the one going with the installed
+    megatron-core (``apply_workarounds`` runs :func:`check_sites` first): the other supported
+    release's files, where present beside the project, differ at some site."""
+    others = [ROOT.parent / "shared" / f"megatron-lm-{tag}" for tag in RELEASES if tag != megatron_lm_tag()]
+    present = [folder for folder in others if (folder / "pretrain_gpt.py").is_file()]
+    if not present:
+        pytest.skip(f"no other release's training files beside the project ({[str(f) for f in others]})")
+    for folder in present:
+        assert check_sites(folder), folder

@@ -1,7 +1,8 @@
-"""megatron-zb inside NVIDIA Megatron-LM's own training loop (core_v0.16.1's ``pretrain_gpt.py``), on CPU.
+"""megatron-zb inside NVIDIA Megatron-LM's own training loop (``pretrain_gpt.py`` of core_v0.16.1 with
+megatron-core 0.16.1, or of core_v0.19.0 with megatron-core 0.19.x), on CPU.
 
 Every run goes through :func:`megatron_zb.testing.megatron_lm.run_megatron_lm`: Megatron-LM's files,
-unmodified, from ``$MEGATRON_LM_DIR`` or ``../shared/megatron-lm-core_v0.16.1``; gloo on 127.0.0.1;
+unmodified, from ``$MEGATRON_LM_DIR`` or ``../shared/megatron-lm-<tag>``; gloo on 127.0.0.1;
 4 iterations; mock data; default dropout. Per configuration, megatron-core's own 1F1B runs once
 (a module-scoped fixture) and every megatron-zb variant is compared with it bitwise: each
 iteration's lm loss and grad norm, and every rank's parameters after training.
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from megatron_zb.megatron_compat import megatron_lm_tag
 from megatron_zb.testing.megatron_lm import (CPU_FLAGS, LLAMA_FLAGS, MOCK_DATA_FLAGS, SKIP_REASON, TINY_GPT_FLAGS,
                                              MegatronLMError, MegatronLMRun, bitwise_differences, find_megatron_lm,
                                              run_megatron_lm)
@@ -181,10 +183,18 @@ def test_pp2_profile_then_replan_on_the_flags_route(mcore_pp2: tuple[MegatronLMR
     assert_bitwise_equal(run, mcore_pp2[0])
 
 
+V_WITHOUT_WRAPPER = {
+    "core_v0.16.1": "--zero-bubble-v-schedule: 'zbv' is a V schedule: its two model chunks per rank must be built for "
+                    "the V, so in pretrain_gpt.py pass megatron_zb.megatron_lm.v_model_provider(partial(model_provider, "
+                    "gpt_builder)) to pretrain()",
+    "core_v0.19.0": "--zero-bubble-v-schedule: the V schedule 'zbv' is not supported inside this Megatron-LM's loop: "
+                    "Megatron-LM core_v0.19.0's pretrain() builds the model from its config",
+}
+"""What a V schedule without the provider wrapper gets, per Megatron-LM release (core_v0.19.0: no V route)."""
+
+
 @pytest.mark.parametrize("bad,message", [
-    (("--zero-bubble-v-schedule",), "--zero-bubble-v-schedule: 'zbv' is a V schedule: its two model chunks per rank "
-                                    "must be built for the V, so in pretrain_gpt.py pass megatron_zb.megatron_lm."
-                                    "v_model_provider(partial(model_provider, gpt_builder)) to pretrain()"),  # no wrapper
+    (("--zero-bubble-v-schedule",), V_WITHOUT_WRAPPER[megatron_lm_tag()]),  # no wrapper
     (("--enable-optimizer-post-validation",),
      "--enable-optimizer-post-validation: needs a zero-bubble schedule"),
     (("--zero-bubble-max-pending-backward", "2"), "--zero-bubble-max-pending-backward: only applies with"),
@@ -231,7 +241,7 @@ def test_replanning_wrapper_counts_training_calls_only() -> None:
     from megatron_zb.runtime import get_forward_backward_func
 
     runtime = get_forward_backward_func("zb")
-    wrapper = ReplanningForwardBackward(runtime, args=argparse.Namespace(), schedule="zb")
+    wrapper = ReplanningForwardBackward(runtime, schedule="zb")
     def keywords(fn: Any) -> list[tuple[str, Any, Any]]:
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
@@ -286,3 +296,17 @@ def test_configure_profiles_cost_aware_schedules_with_profile_out() -> None:
     args = _flags("--enable-zero-bubble", "--profile-out", "p.json")
     assert configure(args) == {"schedule": "zb", "timeout": 300.0, "memory_limit": 2.0}
     assert args.zero_bubble_max_pending_backward == 2  # resolved: PP (ZB-1p), as pretrain_gpt_zb.py does
+
+
+@pytest.mark.skipif(megatron_lm_tag() != "core_v0.19.0", reason="Megatron-LM core_v0.16.1's loop has the V route "
+                                                                "(tests/test_megatron_lm_v.py)")
+def test_v_is_refused_where_the_loop_has_no_v_route() -> None:
+    """core_v0.19.0: a V schedule chosen by either flag is refused by configure() (exit 2 in the loop,
+    one line naming the flag: :data:`V_WITHOUT_WRAPPER`), before any process group."""
+    from megatron_zb.megatron_lm import configure
+    from megatron_zb.training.arguments.common import ArgumentError
+
+    for argv in (("--zero-bubble-v-schedule",), ("--schedule", "zbv")):
+        with pytest.raises(ArgumentError, match=f"^{argv[0]}: the V schedule 'zbv' is not supported inside this "
+                                                f"Megatron-LM's loop: Megatron-LM core_v0.19.0's pretrain"):
+            configure(_flags(*argv))

@@ -76,6 +76,38 @@ def reference() -> dict:
     return ref
 
 
+# ---------------------------------------------------------------------- the wrappers' signatures
+def _source_keywords(cls_name: str) -> set[str]:
+    """Keyword-only parameters of ``cls_name.__init__`` in the installed megatron-core's
+    ``extensions/transformer_engine.py``, read from its source (without TE the classes are stubs)."""
+    import ast
+    import importlib.util
+
+    path = importlib.util.find_spec("megatron.core.extensions.transformer_engine").origin
+    tree = ast.parse(open(path).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {a.arg for a in init.args.kwonlyargs}
+
+
+@pytest.mark.parametrize("cls", [te_double.TEColumnParallelLinear, te_double.TERowParallelLinear,
+                                 te_double.TELayerNormColumnParallelLinear], ids=lambda c: c.__name__)
+def test_double_wrappers_take_the_installed_megatron_core_keywords(cls):
+    """The double's wrappers accept every keyword of the installed megatron-core's wrappers (its
+    own keyword-only parameters plus ``megatron_compat.te_wrapper_keywords()``) and no other."""
+    import inspect
+
+    from megatron_zb.megatron_compat import te_wrapper_keywords
+
+    params = inspect.signature(cls.__init__).parameters.values()
+    own = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert own | set(te_wrapper_keywords()) == _source_keywords(cls.__name__)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'not_a_megatron_keyword'"):
+        cls(8, 8, config=None, init_method=None, bias=True, skip_bias_add=False, is_expert=False,
+            **({"input_is_parallel": True} if "input_is_parallel" in own else {"gather_output": False}),
+            not_a_megatron_keyword=1)
+
+
 # ---------------------------------------------------------------------- every schedule family
 @pytest.mark.parametrize("schedule", FAMILIES)
 def test_delayed_te_gradients_equal_the_non_delayed_path_bitwise(reference, schedule):

@@ -4,7 +4,8 @@ When CUDA is absent the CPU shim (:mod:`megatron_zb.platform.cpu_shim`) is insta
 megatron-core is already imported, otherwise the moment ``megatron.core`` is first imported (an
 import hook, which asks torch whether CUDA is available only then), so tools that never touch
 megatron-core -- the schedule CLI, the simulator, the planner -- import neither megatron-core nor
-torch. When CUDA is available nothing is patched.
+torch. Without CUDA the hook also drops, before megatron-core loads, the notices its import makes
+torch log (``megatron_compat.IMPORT_NOTICES``). When CUDA is available nothing is patched.
 See ``docs/cpu_support.md``.
 """
 
@@ -24,6 +25,17 @@ def _cuda_absent() -> bool:
     import torch
 
     return not torch.cuda.is_available()
+
+
+def _drop_import_notices() -> None:
+    """Drop the log records of :data:`megatron_zb.megatron_compat.IMPORT_NOTICES` (what importing
+    megatron-core makes torch say on a machine without a GPU); called before megatron-core loads."""
+    import logging
+
+    from megatron_zb.megatron_compat import IMPORT_NOTICES
+
+    for logger, start in IMPORT_NOTICES:
+        logging.getLogger(logger).addFilter(lambda r, start=start: not r.getMessage().startswith(start))
 
 
 def _install_if_cpu() -> None:
@@ -56,6 +68,8 @@ class _InstallAfterMegatronCore(importlib.abc.MetaPathFinder, importlib.abc.Load
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
+        if _cuda_absent():
+            _drop_import_notices()
         self._loader.exec_module(module)
         if self in sys.meta_path:
             sys.meta_path.remove(self)

@@ -13,8 +13,10 @@ Test code, not the product's run path. :func:`run_megatron_lm` starts ``world_si
    dist-checkpointing's results process (spawn start method, re-imports ``__main__``) imports
    the harness's entry script, not a bare ``pretrain_gpt.py`` without the workarounds.
 
-Megatron-LM's files are found through ``MEGATRON_LM_DIR`` or ``../shared/megatron-lm-core_v0.16.1``
-relative to the project root (:func:`find_megatron_lm`); they are never copied or edited.
+Megatron-LM's files -- the release that goes with the installed megatron-core
+(``megatron_compat.megatron_lm_tag()``: core_v0.16.1 for 0.16.1, core_v0.19.0 for 0.19.x) -- are
+found through ``MEGATRON_LM_DIR`` or ``../shared/megatron-lm-<tag>`` relative to the project root
+(:func:`find_megatron_lm`); they are never copied or edited.
 
 What comes back (:class:`MegatronLMRun`): per iteration the ``lm loss`` and ``grad norm`` as
 Megatron-LM prints them (the last rank's `` iteration N/ M | ...`` lines), the same values exactly
@@ -44,12 +46,12 @@ __all__ = [
 ]
 
 MEGATRON_LM_ENV = "MEGATRON_LM_DIR"
-"""Environment variable naming a Megatron-LM checkout (core_v0.16.1) holding ``pretrain_gpt.py``."""
+"""Environment variable naming a Megatron-LM checkout holding ``pretrain_gpt.py``, of the release that
+goes with the installed megatron-core (core_v0.16.1 for 0.16.1, core_v0.19.0 for 0.19.x)."""
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-SHARED_RELATIVE = Path("..") / "shared" / "megatron-lm-core_v0.16.1"
-"""Where Megatron-LM's files are looked for, relative to the project root, without ``MEGATRON_LM_ENV``."""
-SKIP_REASON = (f"Megatron-LM core_v0.16.1 not found: set {MEGATRON_LM_ENV} to a checkout holding pretrain_gpt.py "
-               f"(or provide ../shared/megatron-lm-core_v0.16.1 beside the project root)")
+SKIP_REASON = (f"Megatron-LM not found: set {MEGATRON_LM_ENV} to a checkout holding pretrain_gpt.py of the release "
+               f"that goes with the installed megatron-core (core_v0.16.1 for 0.16.1, core_v0.19.0 for 0.19.x), "
+               f"or provide ../shared/megatron-lm-<that tag> beside the project root")
 """The one sentence tests skip with when :func:`find_megatron_lm` finds nothing."""
 
 CPU_FLAGS: tuple[str, ...] = (
@@ -105,13 +107,23 @@ PLUGIN_CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _ITERATION_RE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 
 
+def shared_relative() -> Path:
+    """Where Megatron-LM's files are looked for, relative to the project root, without
+    ``MEGATRON_LM_ENV``: ``../shared/megatron-lm-<tag>``, the tag going with the installed
+    megatron-core (``megatron_compat.megatron_lm_tag()``)."""
+    from megatron_zb.megatron_compat import megatron_lm_tag
+
+    return Path("..") / "shared" / f"megatron-lm-{megatron_lm_tag()}"
+
+
 def find_megatron_lm(project_root: str | Path | None = None) -> Path | None:
     """The Megatron-LM folder to run: ``$MEGATRON_LM_DIR`` when set (and holding ``pretrain_gpt.py``),
-    else ``../shared/megatron-lm-core_v0.16.1`` relative to ``project_root`` (default: this
-    project's root); None when neither holds ``pretrain_gpt.py``."""
+    else :func:`shared_relative` relative to ``project_root`` (default: this project's root); None
+    when neither holds ``pretrain_gpt.py``. Whether the folder is the right release is checked when a
+    rank starts (``megatron_lm_workarounds.apply_workarounds``)."""
     root = Path(project_root) if project_root is not None else PROJECT_ROOT
     candidates = [Path(os.environ[MEGATRON_LM_ENV])] if os.environ.get(MEGATRON_LM_ENV) else []
-    candidates.append(root / SHARED_RELATIVE)
+    candidates.append(root / shared_relative())
     for folder in candidates:
         if (folder / "pretrain_gpt.py").is_file():
             return folder.resolve()

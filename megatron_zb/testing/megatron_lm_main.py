@@ -79,7 +79,7 @@ def _save_params(model: list[Any], path: str) -> None:
     """Every chunk's parameters (``chunk<i>.<name>``), after any pending parameter all-gather."""
     import torch
     from megatron.training import get_args
-    from megatron.training.utils import unwrap_model
+    from megatron.core.utils import unwrap_model  # Megatron-LM core_v0.16.1 re-exported it from megatron.training.utils
 
     args = get_args()
     tensors = {}

@@ -1,16 +1,20 @@
-"""What NVIDIA Megatron-LM core_v0.16.1's own training loop needs to run on a CPU-only torch.
+"""What NVIDIA Megatron-LM's own training loop (core_v0.16.1, core_v0.19.0) needs to run on a CPU-only torch.
 
 Test code (the harness of :mod:`megatron_zb.testing.megatron_lm`), not the product's run path.
 :func:`apply_workarounds` is called inside each rank process *before* Megatron-LM's
 ``pretrain_gpt.py`` runs; it changes nothing in Megatron-LM's files (they are never copied or
 edited), only module attributes seen from outside, the way a user's launcher would.
 
-Each workaround names the Megatron-LM / megatron-core file and line (or function) it answers, at
-tag core_v0.16.1 (commit 55ac708) and megatron-core 0.16.1: review them at each upgrade, like
-``megatron_zb/megatron_compat.py``. The measured facts behind them are in
-``../shared/notes/megatron-lm-loop-on-cpu.md``. megatron-core's *own* CUDA assumptions are not
-here: they belong to the product's CPU shim (``megatron_zb/platform/cpu_shim.py``; e.g.
-``rerun_state_machine._reduce_any``'s ``device="cuda"`` is in its ``CUDA_FACTORY_MODULES``).
+Which Megatron-LM release goes with the installed megatron-core is
+``megatron_compat.megatron_lm_tag()`` (0.16.1 -> core_v0.16.1, 0.19.x -> core_v0.19.0); what differs
+between the two is one row each of :data:`RELEASES`. Each workaround names the Megatron-LM /
+megatron-core file and line it answers at core_v0.16.1 (commit 55ac708) with megatron-core 0.16.1
+in its docstring; the row's ``sites`` list the lines of each release (core_v0.19.0: commit 5be9626,
+megatron-core 0.19.2). Review them at each upgrade, like ``megatron_zb/megatron_compat.py``. The
+measured facts behind them are in ``../shared/notes/megatron-lm-loop-on-cpu.md``. megatron-core's
+*own* CUDA assumptions are not here: they belong to the product's CPU shim
+(``megatron_zb/platform/cpu_shim.py``; e.g. ``rerun_state_machine._reduce_any``'s ``device="cuda"``
+is in its ``CUDA_FACTORY_MODULES``).
 
 Not answered here (answered by installing packages, the ``test`` extras of setup.py; ``regex`` is a
 default dependency):
@@ -26,72 +30,141 @@ import importlib.util
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["SITES", "TRAINING_MODULES", "apply_workarounds", "check_sites", "is_applied", "override_transformer_config"]
+__all__ = ["RELEASES", "HarnessRelease", "apply_workarounds", "check_sites", "harness_release", "is_applied",
+           "override_transformer_config"]
 
-TRAINING_MODULES: tuple[str, ...] = (
-    "megatron.training.initialize",
-    "megatron.training.training",
-    "megatron.training.utils",
-    "megatron.training.checkpointing",
-)
-"""Megatron-LM modules whose module-global ``torch`` is replaced by a CPU stand-in (see
-:func:`_answer_cuda_queries`)."""
 
-SITES: tuple[tuple[str, int, str], ...] = (
-    # (file, line, text on that line): every line of Megatron-LM core_v0.16.1 / megatron-core 0.16.1 that a
-    # workaround here, or a recorder of megatron_lm_main.py, answers. tests/test_megatron_lm_harness.py
-    # checks each still says that text: after an upgrade a mismatch names the workaround to review.
-    ("megatron/training/initialize.py", 25, "batch_invariant_kernels import enable_batch_invariant_mode"),
-    ("megatron/core/transformer/custom_layers/batch_invariant_kernels.py", 15, "import triton"),
-    ("megatron/training/initialize.py", 62, "assert torch.cuda.is_available()"),
-    ("megatron/training/initialize.py", 319, "device_count = torch.cuda.device_count()"),
-    ("megatron/training/initialize.py", 331, "torch.cuda.set_device(args.local_rank)"),
-    ("megatron/training/initialize.py", 360, "if device_count > 0:"),
-    ("megatron/training/initialize.py", 422, "if torch.cuda.device_count() > 0:"),
-    ("megatron/training/training.py", 1325, "torch.cuda.Stream()"),
-    ("megatron/training/training.py", 1344, "torch.cuda.current_stream().wait_stream(ddp_stream)"),
-    ("megatron/training/training.py", 806, "device='cuda'"),
-    ("megatron/training/training.py", 812, "device='cuda'"),
-    ("megatron/training/training.py", 1816, "device='cuda'"),
-    ("megatron/training/training.py", 2072, "device='cuda'"),
-    ("megatron/training/training.py", 2373, "device='cuda'"),
-    ("megatron/training/training.py", 3149, "device='cuda'"),
-    ("megatron/training/training.py", 3225, "device='cuda'"),
-    ("megatron/training/training.py", 3227, "device='cuda'"),
-    ("megatron/training/training.py", 3406, "device='cuda'"),
-    ("megatron/training/training.py", 3409, "device='cuda'"),
-    ("megatron/training/utils.py", 117, "device='cuda'"),
-    ("megatron/training/checkpointing.py", 315, "device='cuda'"),
-    ("megatron/training/utils.py", 534, '.cuda(non_blocking=True)'),
-    ("megatron/training/training.py", 3112, ").cuda()"),
-    ("megatron/training/training.py", 1258, "model_module.cuda(torch.cuda.current_device())"),
-    ("megatron/training/initialize.py", 192, "compile_helpers()"),
-    ("megatron/core/datasets/utils.py", 25, 'command = ["make", "-C"'),
-    ("megatron/training/initialize.py", 224, "fused_kernels.load(args)"),
-    ("megatron/training/initialize.py", 228, "fused_kernels.load(args)"),
-    ("megatron/legacy/fused_kernels/__init__.py", 59, '"/bin/nvcc", "-V"'),
-    ("megatron/training/training.py", 138, "from megatron.training.initialize import set_jit_fusion_options"),
-    ("megatron/training/training.py", 792, "set_jit_fusion_options()"),
-    ("megatron/training/training.py", 1773, "def training_log("),
-    ("megatron/training/training.py", 1603, "def train_step("),
-    ("megatron/training/training.py", 2795, ") = train_step("),
-    ("megatron/training/training.py", 2417, "def train("),
-    ("megatron/training/training.py", 1031, "= train("),
-    ("megatron/training/arguments.py", 1306, "def core_transformer_config_from_args(args, config_class=None):"),
-    ("megatron/training/arguments.py", 1324, "kw_args['deallocate_pipeline_outputs'] = True"),
-)
+class HarnessRelease(NamedTuple):
+    """What the workarounds need to know about one Megatron-LM release (a row of :data:`RELEASES`)."""
+
+    sites: tuple[tuple[str, int, str], ...]
+    """(file, line, text on that line): every line of this Megatron-LM release / its megatron-core that a
+    workaround here, or a recorder of megatron_lm_main.py, answers. tests/test_megatron_lm_harness.py (and
+    :func:`apply_workarounds`, before anything runs) checks each still says that text: after an upgrade a
+    mismatch names the workaround to review."""
+    training_modules: tuple[str, ...]
+    """Megatron-LM modules whose module-global ``torch`` is replaced by a CPU stand-in
+    (:func:`_answer_cuda_queries`)."""
+    tensor_cuda_callers: tuple[str, ...]
+    """Module prefixes whose ``Tensor.cuda()`` returns the CPU tensor (:func:`_cuda_methods_from_training`)."""
+    triton_stub: bool
+    """Whether megatron-core's ``batch_invariant_kernels`` imports triton unguarded (:func:`_stub_batch_invariant_kernels`)."""
+    legacy_fused_kernels: bool
+    """Whether ``initialize`` loads ``megatron.legacy.fused_kernels`` (:func:`_skip_fused_kernels_load`)."""
+
+
+_TRAINING = "megatron/training/training.py"
+_INIT = "megatron/training/initialize.py"
+_DIST_UTILS = "megatron/training/models/dist_utils.py"
+RELEASES: dict[str, HarnessRelease] = {
+    "core_v0.16.1": HarnessRelease(
+        sites=(
+            (_INIT, 25, "batch_invariant_kernels import enable_batch_invariant_mode"),
+            ("megatron/core/transformer/custom_layers/batch_invariant_kernels.py", 15, "import triton"),
+            (_INIT, 62, "assert torch.cuda.is_available()"),
+            (_INIT, 319, "device_count = torch.cuda.device_count()"),
+            (_INIT, 331, "torch.cuda.set_device(args.local_rank)"),
+            (_INIT, 360, "if device_count > 0:"),
+            (_INIT, 422, "if torch.cuda.device_count() > 0:"),
+            (_TRAINING, 1325, "torch.cuda.Stream()"),
+            (_TRAINING, 1344, "torch.cuda.current_stream().wait_stream(ddp_stream)"),
+            *((_TRAINING, line, "device='cuda'") for line in (806, 812, 1816, 2072, 2373, 3149, 3225, 3227, 3406,
+                                                              3409)),
+            ("megatron/training/utils.py", 117, "device='cuda'"),
+            ("megatron/training/checkpointing.py", 315, "device='cuda'"),
+            ("megatron/training/utils.py", 534, '.cuda(non_blocking=True)'),
+            (_TRAINING, 3112, ").cuda()"),
+            (_TRAINING, 1258, "model_module.cuda(torch.cuda.current_device())"),
+            (_INIT, 192, "compile_helpers()"),
+            ("megatron/core/datasets/utils.py", 25, 'command = ["make", "-C"'),
+            (_INIT, 224, "fused_kernels.load(args)"),
+            (_INIT, 228, "fused_kernels.load(args)"),
+            ("megatron/legacy/fused_kernels/__init__.py", 59, '"/bin/nvcc", "-V"'),
+            (_TRAINING, 138, "from megatron.training.initialize import set_jit_fusion_options"),
+            (_TRAINING, 792, "set_jit_fusion_options()"),
+            (_TRAINING, 1773, "def training_log("),
+            (_TRAINING, 1603, "def train_step("),
+            (_TRAINING, 2795, ") = train_step("),
+            (_TRAINING, 2417, "def train("),
+            (_TRAINING, 1031, "= train("),
+            ("megatron/training/arguments.py", 1306, "def core_transformer_config_from_args(args, config_class=None):"),
+            ("megatron/training/arguments.py", 1324, "kw_args['deallocate_pipeline_outputs'] = True"),
+        ),
+        training_modules=("megatron.training.initialize", "megatron.training.training", "megatron.training.utils",
+                          "megatron.training.checkpointing"),
+        tensor_cuda_callers=("megatron.training.",),
+        triton_stub=True,
+        legacy_fused_kernels=True,
+    ),
+    # core_v0.19.0: utils.py became the package megatron/training/utils/ (the CUDA tensors of
+    # calc_params_l2_norm in common_utils.py), the model is built and wrapped in DDP (on a side stream)
+    # by megatron/training/models/dist_utils.py, get_batch_on_this_tp_rank moved to megatron.core.utils
+    # (the product shim's), pretrain_gpt.py's get_batch moves the batch with .cuda() itself (line 128:
+    # run as the rank's __main__), megatron/legacy is gone (no fused_kernels.load), megatron-core 0.19
+    # imports triton in a try (no stub), set_jit_fusion_options takes tp_size, and
+    # core_transformer_config_from_args lives in argument_utils.py (arguments.py re-exports it).
+    "core_v0.19.0": HarnessRelease(
+        sites=(
+            (_INIT, 66, "assert torch.cuda.is_available()"),
+            (_INIT, 270, "device_count = torch.cuda.device_count()"),
+            (_INIT, 282, "torch.cuda.set_device(args.local_rank)"),
+            (_INIT, 281, "if device_count > 0:"),
+            (_INIT, 447, "if torch.cuda.device_count() > 0:"),
+            (_TRAINING, 1876, "torch.cuda.Stream()"),
+            (_TRAINING, 1896, "torch.cuda.current_stream().wait_stream(ddp_stream)"),
+            *((_TRAINING, line, "device='cuda'") for line in (1131, 1137, 2613, 2884, 3298, 4270, 4299, 4377, 4379,
+                                                              4588, 4591, 4644, 4653)),
+            *(("megatron/training/utils/common_utils.py", line, "device='cuda'") for line in (55, 60, 222, 223, 227)),
+            ("megatron/training/checkpointing.py", 375, "device='cuda'"),
+            ("pretrain_gpt.py", 128, ".cuda(non_blocking=True)"),
+            (_TRAINING, 2311, ".cuda(non_blocking=True)"),
+            (_TRAINING, 1818, "model_module.cuda(torch.cuda.current_device())"),
+            (_DIST_UTILS, 174, "model_module.cuda(torch.cuda.current_device())"),
+            (_DIST_UTILS, 303, "torch.cuda.Stream()"),
+            (_DIST_UTILS, 366, "torch.cuda.current_stream().wait_stream(ddp_stream)"),
+            (_INIT, 178, "compile_helpers()"),
+            ("megatron/core/datasets/utils.py", 25, 'command = ["make", "-C"'),
+            (_TRAINING, 150, "set_jit_fusion_options,"),
+            (_TRAINING, 1117, "set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)"),
+            (_TRAINING, 2568, "def training_log("),
+            (_TRAINING, 2336, "def train_step("),
+            (_TRAINING, 3856, ") = train_step("),
+            (_TRAINING, 3342, "def train("),
+            (_TRAINING, 1423, "= train("),
+            ("megatron/training/argument_utils.py", 277,
+             "def core_transformer_config_from_args(args, config_class=None):"),
+            ("megatron/training/argument_utils.py", 305, "kw_args['deallocate_pipeline_outputs'] = True"),
+        ),
+        training_modules=("megatron.training.initialize", "megatron.training.training",
+                          "megatron.training.utils.common_utils", "megatron.training.checkpointing",
+                          "megatron.training.models.dist_utils"),
+        tensor_cuda_callers=("megatron.training.", "__main__"),
+        triton_stub=False,
+        legacy_fused_kernels=False,
+    ),
+}
+"""Per Megatron-LM release (the tag of ``megatron_compat.MEGATRON_LM_TAGS``): what the workarounds answer."""
+
+
+def harness_release() -> tuple[str, HarnessRelease]:
+    """The Megatron-LM tag that goes with the installed megatron-core and its :data:`RELEASES` row."""
+    from megatron_zb.megatron_compat import megatron_lm_tag
+
+    tag = megatron_lm_tag()
+    return tag, RELEASES[tag]
 
 
 def check_sites(megatron_lm_dir: str | Path) -> list[str]:
-    """The :data:`SITES` whose line no longer holds the expected text (``megatron/core/...`` is read
-    from the installed megatron-core, the rest from ``megatron_lm_dir``); empty when all match."""
+    """The sites of the installed release's :data:`RELEASES` row whose line no longer holds the
+    expected text (``megatron/core/...`` is read from the installed megatron-core, the rest from
+    ``megatron_lm_dir``); empty when all match."""
     import megatron.core
 
     core_root = Path(megatron.core.__file__).resolve().parents[2]
     wrong = []
-    for path, line, text in SITES:
+    for path, line, text in harness_release()[1].sites:
         root = core_root if path.startswith("megatron/core/") else Path(megatron_lm_dir)
         try:
             found = (root / path).read_text().splitlines()[line - 1]
@@ -117,8 +190,10 @@ def apply_workarounds(megatron_lm_dir: str | Path) -> None:
 
     Puts ``megatron_lm_dir`` first on ``sys.path`` (``megatron`` is a namespace package:
     ``megatron.core`` stays the installed wheel, ``megatron.training`` comes from there), installs
-    megatron-zb's CPU shim, then applies every workaround below. Idempotent. Raises
-    ``RuntimeError`` when CUDA is available (nothing here is meant for a GPU).
+    megatron-zb's CPU shim, then applies the workarounds of the installed megatron-core's release
+    (:func:`harness_release`). Idempotent. Raises ``RuntimeError`` when CUDA is available (nothing
+    here is meant for a GPU) or when a site of that release does not say what its workaround
+    expects -- e.g. core_v0.16.1's training files beside megatron-core 0.19 -- naming the first.
     """
     global _applied
     if _applied:
@@ -131,14 +206,23 @@ def apply_workarounds(megatron_lm_dir: str | Path) -> None:
     if path not in sys.path:
         sys.path.insert(0, path)
     import megatron_zb  # noqa: F401  (the product's CPU shim for megatron-core)
+    from megatron_zb.megatron_compat import megatron_core_version
 
-    _stub_batch_invariant_kernels()
-    for name in ("megatron.training.training", *TRAINING_MODULES):
+    tag, release = harness_release()
+    wrong = check_sites(megatron_lm_dir)
+    if wrong:
+        raise RuntimeError(f"Megatron-LM at {path} is not {tag}, the release that goes with megatron-core "
+                           f"{megatron_core_version()} ({len(wrong)} workaround sites differ; first: {wrong[0]}); "
+                           f"set MEGATRON_LM_DIR to a {tag} checkout")
+    if release.triton_stub:
+        _stub_batch_invariant_kernels()
+    for name in ("megatron.training.training", *release.training_modules):
         importlib.import_module(name)
-    _answer_cuda_queries()
-    _cuda_methods_from_training()
+    _answer_cuda_queries(release.training_modules)
+    _cuda_methods_from_training(release.tensor_cuda_callers)
     _skip_dataset_helpers_build()
-    _skip_fused_kernels_load()
+    if release.legacy_fused_kernels:
+        _skip_fused_kernels_load()
     _skip_jit_warmup()
     _applied = True
 
@@ -164,8 +248,8 @@ def _stub_batch_invariant_kernels() -> None:
 
 
 # ---------------------------------------------------------------------- CUDA queries and devices
-def _answer_cuda_queries() -> None:
-    """Inside :data:`TRAINING_MODULES` only, ``torch`` is a stand-in (the product shim's
+def _answer_cuda_queries(training_modules: tuple[str, ...]) -> None:
+    """Inside ``training_modules`` only (a :data:`RELEASES` row's), ``torch`` is a stand-in (the product shim's
     ``cpu_torch_stand_in``) whose ``torch.cuda`` answers:
 
     * ``is_available() -> True``: initialize.py:62 ``assert torch.cuda.is_available()``;
@@ -189,18 +273,20 @@ def _answer_cuda_queries() -> None:
         """Nothing to select: one CPU."""
 
     stand_in = cpu_torch_stand_in(is_available=lambda: True, device_count=lambda: 1, set_device=set_device)
-    for name in TRAINING_MODULES:
+    for name in training_modules:
         module = sys.modules[name]
         if module.__dict__.get("torch") is not torch:
             raise RuntimeError(f"Megatron-LM CPU harness: {name}.torch is not the torch module; Megatron-LM changed?")
         module.torch = stand_in
 
 
-def _cuda_methods_from_training() -> None:
+def _cuda_methods_from_training(tensor_cuda_callers: tuple[str, ...]) -> None:
     """``.cuda()`` called from Megatron-LM's training package returns the CPU object:
 
     * ``Tensor.cuda``: utils.py:534-556 (``get_batch_on_this_tp_rank``, every micro batch),
-      training.py:3112 (``evaluate``). Through the product shim's caller prefixes
+      training.py:3112 (``evaluate``); at core_v0.19.0 also ``pretrain_gpt.py``'s own ``get_batch``
+      (line 128), which runs as the rank's ``__main__``. From the modules of
+      ``tensor_cuda_callers`` (a :data:`RELEASES` row's), through the product shim's caller prefixes
       (``allow_tensor_cuda_from``): it judges the caller inside its own wrapper, which a second
       wrapper here would hide.
     * ``Module.cuda``: training.py:1258 (``get_model``: ``model_module.cuda(torch.cuda.current_device())``)
@@ -210,7 +296,7 @@ def _cuda_methods_from_training() -> None:
 
     from megatron_zb.platform.cpu_shim import allow_tensor_cuda_from
 
-    allow_tensor_cuda_from(_TRAINING_PREFIX)
+    allow_tensor_cuda_from(*tensor_cuda_callers)
     real_cuda = torch.nn.Module.cuda
     if getattr(real_cuda, "_megatron_lm_harness", False):
         return
@@ -254,11 +340,11 @@ def _skip_fused_kernels_load() -> None:
 
 def _skip_jit_warmup() -> None:
     """training.py:792 ``set_jit_fusion_options()`` (imported by name at training.py:138;
-    initialize.py:439) warms up the bias-GeLU / bias-dropout-add fusions on ``device="cuda"`` tensors,
+    initialize.py:439; core_v0.19.0: training.py:1117, with ``tp_size=``) warms up the bias-GeLU / bias-dropout-add fusions on ``device="cuda"`` tensors,
     then torch.compiles them on CPU (about 17 s). The run's own first iteration compiles whatever
     fusion its flags enable (none with :data:`~megatron_zb.testing.megatron_lm.CPU_FLAGS`): skipped."""
     training = sys.modules["megatron.training.training"]
-    training.set_jit_fusion_options = lambda: None
+    training.set_jit_fusion_options = lambda *args, **kwargs: None
 
 
 # ---------------------------------------------------------------------- plugin-step helpers (not applied by default)
@@ -266,7 +352,8 @@ def override_transformer_config(**fields: Any) -> None:
     """For a plugin step: every ``TransformerConfig`` Megatron-LM builds from its arguments gets ``fields``.
 
     Wraps megatron/training/arguments.py:1306 ``core_transformer_config_from_args`` (which, line
-    1324, always sets ``deallocate_pipeline_outputs=True``), in that module and in every module that
+    1324, always sets ``deallocate_pipeline_outputs=True``; core_v0.19.0: argument_utils.py:277 and
+    305, re-exported by arguments.py), in that module and in every module that
     already imported it by name; ``pretrain_gpt.py`` and ``gpt_builders.py``, imported later, get the
     wrapper. E.g. ``override_transformer_config(deallocate_pipeline_outputs=False)``: the workaround
     of issue 22 for a runtime that does not pseudo-free stage outputs.

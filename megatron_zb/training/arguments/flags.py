@@ -7,7 +7,8 @@ any process group starts) naming the first unknown flag:
 
 * a Megatron-LM flag refused for a reason of its own (:data:`WHY_NOT`):
   "--delay-wgrad-compute is refused: <why>; remove it";
-* a flag of Megatron-LM's parser (:data:`~.megatron_flags.MEGATRON_LM_FLAGS`):
+* a flag of Megatron-LM's parser (:func:`~.megatron_flags.megatron_lm_flags`: the list of the
+  Megatron-LM release that goes with the installed megatron-core):
   "--context-parallel-size is a Megatron-LM flag megatron-zb does not support yet; ...";
 * anything else: "--flag is not a flag of pretrain_gpt_zb.py; did you mean --closest?" (the
   closest supported flag by ``difflib`` similarity, when one is similar enough).
@@ -24,7 +25,7 @@ import difflib
 from typing import Sequence
 
 from .common import ArgumentError, Problem
-from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_VERSION
+from .megatron_flags import megatron_lm_flags
 
 __all__ = ["MegatronZBArgumentParser", "UnsupportedFlagError", "unknown_flag_error"]
 
@@ -48,9 +49,10 @@ def unknown_flag_error(flag: str, supported: Sequence[str]) -> UnsupportedFlagEr
     """The error for ``flag`` (``--name``, no value), which is not among ``supported``."""
     if flag in WHY_NOT:
         return UnsupportedFlagError(flag, f"{flag} is refused: {WHY_NOT[flag]}; remove it")
-    if flag in MEGATRON_LM_FLAGS:
+    version, flags = megatron_lm_flags()  # the installed megatron-core's Megatron-LM release
+    if flag in flags:
         return UnsupportedFlagError(flag, f"{flag} is a Megatron-LM flag megatron-zb does not support yet "
-                                          f"(Megatron-LM {MEGATRON_LM_VERSION.split()[0]}); remove it "
+                                          f"(Megatron-LM {version.split()[0]}); remove it "
                                           f"(docs/training.md lists the supported flags)")
     close = difflib.get_close_matches(flag, list(supported), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}?" if close else "see pretrain_gpt_zb.py --help for the supported flags"

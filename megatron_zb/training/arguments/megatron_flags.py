@@ -1,12 +1,14 @@
-"""Every command-line flag of Megatron-LM's ``pretrain_gpt.py`` parser, as data.
+"""Every command-line flag of Megatron-LM's ``pretrain_gpt.py`` parser at core_v0.16.1, as data.
 
-Source: Megatron-LM tag ``core_v0.16.1`` (commit 55ac7082517c3878ae653c07c09c534b8aed49f6, the
-release matching megatron-core 0.16.1), ``megatron/training/arguments.py``:
+Source: Megatron-LM tag ``core_v0.16.1`` (commit 55ac7082517c3878ae653c07c09c534b8aed49f6),
+the release that goes with megatron-core 0.16.1: ``megatron/training/arguments.py``'s
 ``add_megatron_arguments(parser)`` -- including the flags it generates from megatron-core's config
-dataclasses (``ArgumentGroupFactory``) -- collected from the built parser's option strings
-(``scripts/update_megatron_lm_flags.py`` regenerates this file). 681 flags.
+dataclasses -- collected from the built parser's option strings by
+``scripts/update_megatron_lm_flags.py --write`` (generated: do not edit the list). 681 flags.
 
-Used by :mod:`.flags` to tell a Megatron-LM flag megatron-zb does not support yet from a typo.
+Used by :mod:`.flags` (through :func:`.megatron_flags.megatron_lm_flags`, which picks the list of the
+installed megatron-core's release) to tell a Megatron-LM flag megatron-zb does not support yet from a
+typo.
 """
 
 from __future__ import annotations
@@ -211,3 +213,22 @@ MEGATRON_LM_FLAGS: frozenset[str] = frozenset((
     "--weight-decay-incr-style", "--wgrad-deferral-limit", "--window-attn-skip-freq", "--window-size", "--yaml-cfg",
 ))
 """Every ``--flag`` Megatron-LM's GPT pretraining parser accepts (long option strings only)."""
+
+
+# ---------------------------------------------------------------------- not generated: selection by release
+# (kept by scripts/update_megatron_lm_flags.py --write; the lists are one module per Megatron-LM release)
+
+FLAG_MODULES: dict[str, str] = {"core_v0.16.1": "megatron_flags", "core_v0.19.0": "megatron_flags_0_19"}
+"""Megatron-LM tag (``megatron_compat.MEGATRON_LM_TAGS``) -> the module of this package holding its flags."""
+
+
+def megatron_lm_flags() -> tuple[str, frozenset[str]]:
+    """(``MEGATRON_LM_VERSION``, ``MEGATRON_LM_FLAGS``) of the Megatron-LM release that goes with the
+    installed megatron-core (``megatron_compat.megatron_lm_tag()``: core_v0.16.1 for 0.16.1, this
+    module's list; core_v0.19.0 for 0.19.x, :mod:`.megatron_flags_0_19`'s). Imports megatron-core."""
+    import importlib
+
+    from ...megatron_compat import megatron_lm_tag
+
+    module = importlib.import_module(f"{__package__}.{FLAG_MODULES[megatron_lm_tag()]}")
+    return module.MEGATRON_LM_VERSION, module.MEGATRON_LM_FLAGS
