@@ -104,6 +104,33 @@ def release() -> str:
     return line
 
 
+COMMON_STATE_IN_FILE: dict[str, bool] = {"0.16": True, "0.19": False}
+"""Per release: whether megatron-core's dist-checkpointing writes the common (non-sharded) state to
+``common.pt`` (0.16) or, as a ``ShardedObject`` ``"common_state"``, inside the torch_dist checkpoint
+(0.19; it still reads a ``common.pt`` of an older checkpoint)."""
+
+
+def common_state_in_file() -> bool:
+    """Whether the installed megatron-core writes ``common.pt`` (:data:`COMMON_STATE_IN_FILE`)."""
+    return COMMON_STATE_IN_FILE[release()]
+
+
+RAMPUP_CALCULATOR: dict[str, str | None] = {
+    "0.16": "megatron.core.num_microbatches_calculator:RampupBatchsizeNumMicroBatchesCalculator", "0.19": None}
+"""Per release: megatron-core's batch-size ramp-up calculator (``--rampup-batch-size``); 0.19 has
+none (its step schedule, Megatron-LM's ``--step-batch-size-schedule``, replaced it)."""
+
+
+def rampup_calculator() -> Any:
+    """The installed megatron-core's ramp-up calculator class, or ``None`` where the release has none
+    (:data:`RAMPUP_CALCULATOR`)."""
+    where = RAMPUP_CALCULATOR[release()]
+    if where is None:
+        return None
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 class Private(NamedTuple):
     """Where a private name lives in one release: ``"module:attribute"`` (``module:Class.attr``
     for a class attribute), and, for a callable megatron-zb calls, its parameter list as

@@ -36,8 +36,9 @@ class BatchRamp:
     def __init__(self, *, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
                  rampup_batch_size: Sequence[int] | None = None, consumed_samples: int = 0) -> None:
         """The batch of the iteration that starts after ``consumed_samples`` [samples]."""
-        from megatron.core.num_microbatches_calculator import (ConstantNumMicroBatchesCalculator,
-                                                               RampupBatchsizeNumMicroBatchesCalculator)
+        from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
+
+        from megatron_zb.megatron_compat import rampup_calculator
 
         self.ramps = rampup_batch_size is not None
         if rampup_batch_size is None:
@@ -46,7 +47,10 @@ class BatchRamp:
                 data_parallel_size=data_parallel_size, decrease_batch_size_if_needed=False, rank=_QUIET_RANK)
         else:
             start, increment, samples = (int(v) for v in rampup_batch_size)
-            self._calc = RampupBatchsizeNumMicroBatchesCalculator(
+            calculator = rampup_calculator()
+            if calculator is None:  # validation refuses the flag on such a release first
+                raise RuntimeError("the installed megatron-core has no batch-size ramp-up calculator")
+            self._calc = calculator(
                 global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
                 data_parallel_size=data_parallel_size, decrease_batch_size_if_needed=False, rank=_QUIET_RANK,
                 start_global_batch_size=start, batch_size_increment=increment, ramup_samples=samples)

@@ -30,7 +30,7 @@ __all__ = ["CheckpointError", "REQUIRED_FILES", "SCHEDULER_FIELDS", "TRACKER_FIL
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 """Under ``--save``: the iteration of the last complete checkpoint, written after all its files."""
-REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
+REQUIRED_FILES = ("metadata.json", ".metadata")
 """Files of every ``torch_dist`` checkpoint directory besides the shards."""
 
 SCHEDULER_FIELDS: tuple[tuple[str, str], ...] = (
@@ -80,14 +80,19 @@ def first_line(error: BaseException) -> str:
 def damage(path: str) -> str | None:
     """Why the checkpoint directory ``path`` cannot be read (``"FILE ...: problem"``); ``None`` when whole.
 
-    Checks that the directory and :data:`REQUIRED_FILES` exist, that ``.metadata`` and
-    ``common.pt`` can be read, and that every shard file ``.metadata`` names exists and holds at
+    Checks that the directory and :data:`REQUIRED_FILES` exist, that ``.metadata`` and the common
+    state can be read (``common.pt``; with megatron-core 0.19 the ``"common_state"`` entry inside the
+    torch_dist checkpoint, or an older checkpoint's ``common.pt``:
+    :func:`~megatron_zb.megatron_compat.common_state_in_file`), and that every shard file
+    ``.metadata`` names exists and holds at
     least the bytes (offset + length) of every item stored in it. Bytes changed in place
     (same length) are not detected here; the load itself then fails (see
     :func:`megatron_zb.training.checkpointing.load_checkpoint`).
     """
     import torch
     from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_zb.megatron_compat import common_state_in_file
 
     if not os.path.isdir(path):
         return f"{path} does not exist"
@@ -98,10 +103,16 @@ def damage(path: str) -> str | None:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 -- any failure to read it is the damage reported
         return f"{os.path.join(path, '.metadata')} cannot be read ({first_line(e)})"
-    try:
-        torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001
-        return f"{os.path.join(path, 'common.pt')} cannot be read ({first_line(e)})"
+    common = os.path.join(path, "common.pt")
+    if os.path.isfile(common):
+        try:
+            torch.load(common, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001
+            return f"{common} cannot be read ({first_line(e)})"
+    elif common_state_in_file():
+        return f"{common} is missing"
+    elif not any(key.startswith("common_state") for key in metadata.state_dict_metadata):
+        return f"{os.path.join(path, '.metadata')} names no common state (common_state) and {common} is missing"
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

@@ -149,6 +149,12 @@ def check_rampup_batch_size(args: argparse.Namespace) -> None:
     each change; here before the run starts)."""
     if args.rampup_batch_size is None:
         return
+    from megatron_zb.megatron_compat import megatron_core_version, rampup_calculator
+
+    if rampup_calculator() is None:
+        raise ArgumentError("--rampup-batch-size", f"megatron-core {megatron_core_version()} has no batch-size "
+                                                   f"ramp-up calculator (its step schedule replaced it); use a "
+                                                   f"constant --global-batch-size, or megatron-core 0.16.1")
     start, increment, samples = args.rampup_batch_size
     gbs, unit = args.global_batch_size, args.micro_batch_size * args.data_parallel_size
     if start < 1 or increment < 1 or samples < 1:
