@@ -221,7 +221,7 @@ def test_planner_resolves_at_the_window_end_only(monkeypatch):
     cuda = FakeCuda(script).install(monkeypatch)
     args = argparse.Namespace(use_megatron_core_schedule=True, zero_bubble_pipeline_timers_start_iter=2,
                               zero_bubble_pipeline_timers_end_iter=5, train_iters=10)
-    planner = SchedulePlanner(args, schedule=SimpleNamespace(stage_to_rank=[0]), dist_ctx=None)
+    planner = SchedulePlanner(args, schedule=SimpleNamespace(stage_to_rank=[0], num_microbatches=1), dist_ctx=None)
     runtime = SimpleNamespace(options=SimpleNamespace(time_actions=False, track_memory=False),
                               last_timing=None, last_memory=None)
     planner.runtime = runtime             # a runtime whose iterations are scripted

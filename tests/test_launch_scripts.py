@@ -4,7 +4,8 @@ examples and the zero-bubble fork's pretrain_zero_bubble.sh, scaled to CPU
 flags dropped with their reason, every other flag verbatim).
 
 Each script trains with ``--use-megatron-core-schedule`` (the reference), ``--enable-zero-bubble``
-(bitwise the same loss, grad norm and loss scale every iteration) and ``--zero-bubble-v-schedule``.
+(bitwise the same loss, grad norm and loss scale every iteration) and ``--zero-bubble-v-schedule``
+(Mixtral's V: see :data:`SCRIPTS`).
 The V placement puts the last stage's layers on rank 0, where the dropout streams are another
 rank's, so V is compared within 1e-5 relative on the scripts without dropout (LLaMA-3, Mixtral:
 hidden and attention dropout 0; the difference is the tied-gradient summation order and the
@@ -24,9 +25,11 @@ from megatron_zb.testing.megatron_lm_examples import (GPT3_175B, LLAMA3_8B, LLAM
                                                       ZB_FORK_ZERO_BUBBLE)
 from megatron_zb.testing.trainer_run import in_process
 
-SCRIPTS = {"llama3_8b": (LLAMA3_8B, True), "mixtral_8x7b": (MIXTRAL_8X7B, True), "gpt3_175b": (GPT3_175B, False),
+SCRIPTS = {"llama3_8b": (LLAMA3_8B, True), "mixtral_8x7b": (MIXTRAL_8X7B, None), "gpt3_175b": (GPT3_175B, False),
            "zb_fork": (ZB_FORK, False)}
-"""name -> (script, whether it trains without dropout)."""
+"""name -> (script, whether it trains without dropout; ``None``: no V run here -- Mixtral's 4-process V
+run would add ~80 s to CI, and V with MoE and expert parallelism 2 at PP=2 is compared with
+megatron-core in tests/test_moe.py's ``pp2_ep2-zbv`` case)."""
 
 
 def _curve(run: dict) -> list[tuple[int, float, float | None, float, bool]]:
@@ -46,6 +49,8 @@ def test_launch_script_trains_with_every_schedule_family(tmp_path, name):
     assert len(ref) >= 4 and all(math.isfinite(loss) for _, loss, *_ in ref), ref
     got = run("zb", list(ZB_FORK_ZERO_BUBBLE) if script is ZB_FORK else ["--enable-zero-bubble"])
     assert got == ref, f"{name}: zero bubble {got} != megatron-core {ref}"
+    if no_dropout is None:
+        return
     v = run("zbv", ["--zero-bubble-v-schedule"])
     assert [i for i, *_ in v] == [i for i, *_ in ref]
     if no_dropout:
