@@ -432,49 +432,11 @@ SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--distributed-backend", "gloo", "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
 
 
-def _trainer_run(argv: list[str], json_path: str) -> dict:
-    """One rank of the trainer on ``argv`` (+ ``--loss-log-json json_path``): this rank's log, the
-    installed schedule and the costs the run re-planned from."""
-    import contextlib
-    import io
-
-    import torch.distributed as dist
-
-    from megatron_zb.training.pretrain import parse_and_validate
-    from megatron_zb.training.trainer import Trainer
-
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        trainer = Trainer(parse_and_validate(argv + ["--loss-log-json", json_path], dist.get_world_size()))
-        try:
-            assert trainer.run() == 0
-            args, planner = trainer.args, trainer.planner
-            installed = None
-            if planner.runtime is not None:
-                installed = planner.runtime.schedule_for(args.pipeline_model_parallel_size, args.num_microbatches)
-            out = {"costs": trainer.state.schedule_costs, "installed": installed,
-                   "memory_limit": args.schedule_memory_limit, "m": args.num_microbatches}
-        finally:
-            trainer.close()
-    out["log"] = log.getvalue()
-    return out
-
-
 def in_process(tmp_path: Path, name: str, world: int, argv: list[str]) -> dict:
-    """The trainer on ``argv`` in ``world`` ranks of ``run_distributed`` (its forkserver has torch and
-    megatron-core imported: no process start-up), writing ``tmp_path/name/values.json``. Rank 0's
-    results; ``log`` is every rank's stdout in rank order (as torchrun's log has them all)."""
-    from megatron_zb.testing import run_distributed
+    """The trainer on ``argv`` in ``world`` ranks (:func:`megatron_zb.testing.trainer_run.in_process`)."""
+    from megatron_zb.testing.trainer_run import in_process as run
 
-    d = tmp_path / name
-    d.mkdir(parents=True, exist_ok=True)
-    ranks = run_distributed(_trainer_run, world_size=world, args=(argv, str(d / "values.json")), timeout=RUN_TIMEOUT)
-    out = dict(ranks[0])
-    out["log"] = "".join(r["log"] for r in ranks)
-    # Read here, every rank done: the last rank rewrites the file as it goes, so a rank that
-    # finished first could read an older version.
-    out["values"] = json.loads((d / "values.json").read_text())
-    return out
+    return run(tmp_path, name, world, argv, timeout=RUN_TIMEOUT)
 
 
 def test_replanned_schedule_is_the_greedy_schedule_of_the_logged_costs(tmp_path):
