@@ -97,6 +97,7 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
     from torch.distributed.pipelining import schedules as ts
 
     from ..runtime.memory import ActivationMemoryTracker
+    from .progress import RoundProgress, log
     from ..schedules.torch_import import TORCH_SCHEDULES
     from ..torch_pipelining.profiling import profile_and_replan, saving
     from ..torch_pipelining.runtime import build_pipeline, stages_for_rank
@@ -118,7 +119,9 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
         entries.append(_Entry(name, pl.value, _stepper(sched, mods, n, x, y),
                               [q for mod in mods.values() for q in mod.parameters()]))
     profiles: dict[str, Any] = {}
+    say = log if rank == 0 else (lambda msg: None)
     for name in bc.ours:
+        say(f"torch-pipelining: building and profiling {name} ({bc.profile_iterations} timed iterations)")
         mine = stages_for_rank(name, num_ranks=p, rank=rank)
         n = p * len(mine)
         mods, stages = _modules(bc.model, mine, n)
@@ -131,6 +134,7 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
     for e in entries:  # warm-up (PyTorch's shape inference on a class's first step)
         e.step()
     times: dict[str, list[float]] = {e.label: [] for e in entries}
+    progress = RoundProgress("torch-pipelining", bc.rounds, enabled=rank == 0)
     for r in range(bc.rounds):
         k = r % len(entries)
         for e in entries[k:] + entries[:k]:
@@ -139,6 +143,8 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
             e.step()
             dist.barrier()
             times[e.label].append(1e3 * (time.perf_counter() - t0))
+        progress.round(m=bc.microbatches, times_ms={e.label: times[e.label][-1] for e in entries})
+    say("torch-pipelining: measuring peak activation memory (two steps per schedule)")
     peaks: dict[str, int] = {}
     peaks_outputs: dict[str, int] = {}
     for e in entries:
