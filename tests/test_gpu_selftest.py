@@ -275,9 +275,10 @@ def test_a_hang_is_a_fail_naming_the_schedule():
     from megatron_zb.testing.distributed import run_distributed
 
     assert run_distributed(_rank, world_size=2, timeout=120) == [0, 1]  # warm processes: they start in < 1 s
-    row = p2p_stress.run_schedule("zb", spec=TINY, pp=2, timeout=5, p2p_timeout=2, rank_fn=_hang)
+    # 10 s: on a loaded machine a rank may take seconds to reach _hang, and the stack must show it there
+    row = p2p_stress.run_schedule("zb", spec=TINY, pp=2, timeout=10, p2p_timeout=2, rank_fn=_hang)
     assert (row.schedule, row.status) == ("zb", "FAIL")
-    assert "deadlock or hang: rank(s) [0, 1] did not finish within 5 s" in row.note
+    assert "deadlock or hang: rank(s) [0, 1] did not finish within 10 s" in row.note
     assert "in _hang" in row.note  # where the ranks were blocked
 
 
