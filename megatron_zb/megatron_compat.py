@@ -9,7 +9,7 @@ module reaches into megatron-core's private names or asks which megatron-core re
 Supported releases: :data:`RELEASES` (megatron-core 0.16.1 on Python >= 3.10, 0.19.x on Python
 >= 3.12). :data:`PRIVATE_API` is the table: each private name -> where it lives and how it is
 called in each release (``None``: the release lacks it; what needs it is refused naming the
-release). ``tests/test_megatron_compat.py`` resolves every row on the installed release and
+release). ``tests/megatron_lm/test_megatron_compat.py`` resolves every row on the installed release and
 compares the recorded signatures, so an upgrade that moves or re-signs a name fails there first.
 """
 
@@ -242,7 +242,7 @@ LINEAR_CTX_FIELDS: tuple[str, ...] = (
     "main_grad", "use_bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
     "grad_output_buffer", "tp_group")
 """What that function's ``forward`` sets on ``ctx`` (besides saving ``(input, weight)``) and the
-linear route's ``backward`` reads; ``tests/test_routes.py`` checks they are still set."""
+linear route's ``backward`` reads; ``tests/runtime/test_routes.py`` checks they are still set."""
 
 
 def linear_custom_bwd() -> Callable[..., Any]:
@@ -598,7 +598,7 @@ TE_WRAPPER_KEYWORDS: dict[str, tuple[str, ...]] = {
 layer's dotted name, e.g. ``"...self_attention.linear_proj"``, which attention and MLP pass and the
 wrapper hands to TE's module). megatron-zb never builds these wrappers itself (megatron-core's
 ``get_gpt_layer_with_transformer_engine_spec`` does); the CPU test double of TE
-(``tests/te_double.py``) accepts exactly these, and ``tests/test_te_contract.py`` compares them with
+(``tests/te_double.py``) accepts exactly these, and ``tests/runtime/test_te_contract.py`` compares them with
 the installed megatron-core's source (the wrappers are stubs without TE)."""
 
 

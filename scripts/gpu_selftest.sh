@@ -80,7 +80,7 @@ fi
 
 CUDA_ENV="env MEGATRON_ZB_TEST_DEVICE=cuda MEGATRON_ZB_TEST_BACKEND=nccl CUBLAS_WORKSPACE_CONFIG=:4096:8"
 PYTEST="$PY -m pytest -q -p no:cacheprovider -rs"
-NUMERIC_TESTS="tests/test_runtime.py tests/test_routes.py tests/test_te_contract.py tests/test_dp_overlap.py tests/test_model_flags.py"
+NUMERIC_TESTS="tests/runtime/test_runtime.py tests/runtime/test_routes.py tests/runtime/test_te_contract.py tests/runtime/test_dp_overlap.py tests/training/test_model_flags.py"
 
 # pretrain_gpt_zb.py on CUDA: a GPT of 8 layers, hidden 2048, 16 heads, sequence 2048, bf16, 8 micro
 # batches of 1, megatron-core's mock data (tokenizer ByteLevel: vocabulary 258, nothing to download);
@@ -165,7 +165,7 @@ else
   skip "TP=2 with sequence parallelism" "needs 2 GPUs"
 fi
 if [ "$GPUS" -ge 4 ]; then
-  step "TP=2 (+SP) x PP=2 numerical tests on CUDA" "$CUDA_ENV $PYTEST tests/test_runtime.py -k tp2_pp2"
+  step "TP=2 (+SP) x PP=2 numerical tests on CUDA" "$CUDA_ENV $PYTEST tests/runtime/test_runtime.py -k tp2_pp2"
   step "pretrain zb TP=2 SP PP=2 on CUDA" "$(pretrain zb-tp2-sp-pp2 4 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --enable-zero-bubble --profile-out "$OUT/pretrain-zb-tp2-sp-pp2/profile.json")"
 elif [ "$GPUS" -ge 2 ]; then
   skip "TP=2 with sequence parallelism x PP=2" "needs 4 GPUs"
@@ -183,7 +183,7 @@ fi
 if [ "$HAVE_TE" -eq 1 ] || [ "$DRY" -eq 1 ]; then
   [ "$HAVE_TE" -eq 0 ] && echo "# runs only where Transformer Engine >= 2.3 is installed (not here)"
   if [ "$GPUS" -ge 2 ]; then
-    step "Transformer Engine parity" "$CUDA_ENV $PYTEST tests/test_te_contract.py -k real_transformer_engine"
+    step "Transformer Engine parity" "$CUDA_ENV $PYTEST tests/runtime/test_te_contract.py -k real_transformer_engine"
   else
     skip "Transformer Engine parity" "needs 2 GPUs"
   fi

@@ -46,7 +46,7 @@ bucket's reduce as a hatched vermillion bar in the lower half of its rank's row.
 
 Reduce-aware scheduling: the greedy generator (`zb`, `zb-1p`, `zb-2p`) scores its candidate
 variants through the same kernel, so with the reduce in the costs it keeps the variant with the
-shortest iteration *including* the exposed reduce -- for example (`tests/test_dp_reduce_model.py`,
+shortest iteration *including* the exposed reduce -- for example (`tests/schedules/test_dp_reduce_model.py`,
 worked by hand) at p=2, m=3, `T_W` = (1, 2) and 4 units of reduce on stage 0 only, it defers the
 last rank's W's to its tail so that stage 0's last W, and with it its reduce, ends one unit
 earlier: 14 instead of 15. On the plain placement a rank holds one stage, so the order of its own
@@ -109,7 +109,7 @@ name's position in `megatron-zb list`. Timing always comes from the kernel in
 `megatron_zb.schedules.timing` (`Timeline`: the simulator's dependency, duration and memory rules),
 which `simulate`, the greedy scheduler and the list scheduler share; a cost-aware generator that
 builds orders step by step places each action with `Timeline.run` so its times are the simulator's.
-tests/test_schedules_layout.py registers a toy schedule this way and checks that the package has no
+tests/schedules/test_schedules_layout.py registers a toy schedule this way and checks that the package has no
 import cycle.
 """
 

@@ -29,7 +29,7 @@
 #   TENSORBOARD_DIR  TensorBoard directory (empty: none; needs the tensorboard package)
 #
 # What this script has been checked for: `bash -n`, and the argument list it builds (torchrun
-# stubbed; tests/test_arguments.py validates it with megatron_zb.training.arguments). It was not
+# stubbed; tests/training/test_arguments.py validates it with megatron_zb.training.arguments). It was not
 # run on GPUs (none in the development environment).
 set -euo pipefail
 

@@ -43,7 +43,7 @@
 #   TENSORBOARD_DIR  TensorBoard directory (empty: none)
 #
 # What this script has been checked for: `bash -n`, and the argument list it builds (srun,
-# scontrol and torchrun stubbed; tests/test_arguments.py validates it with
+# scontrol and torchrun stubbed; tests/training/test_arguments.py validates it with
 # megatron_zb.training.arguments). It was not run on a cluster (none in the development environment).
 set -euo pipefail
 

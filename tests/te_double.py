@@ -6,7 +6,7 @@ that the route's code (:mod:`megatron_zb.runtime.te_route`) runs here exactly as
 modules. It lives in ``tests/`` and is never shipped.
 
 Written from Transformer Engine's source, NVIDIA/TransformerEngine at tag **v2.18**, and checked
-against tags v2.3, v2.7 and v2.8 for the parts that changed (``tests/test_te_source.py`` checks
+against tags v2.3, v2.7 and v2.8 for the parts that changed (``tests/runtime/test_te_source.py`` checks
 the lines it relies on in each released wheel):
 
 * ``transformer_engine/pytorch/module/_common.py`` -- ``WeightGradStore``: a ``queue.Queue``

@@ -1,7 +1,7 @@
 """When a step may be post-validated: the warm-up and the clean-streak fallback.
 
 A pure state machine (no torch, no process groups), so the rule can be tested on its own
-(``tests/test_post_validation_policy.py``). :class:`~megatron_zb.optimizer.post_validation.PostValidationOptimizer`
+(``tests/optimizer/test_post_validation_policy.py``). :class:`~megatron_zb.optimizer.post_validation.PostValidationOptimizer`
 asks :meth:`StepPolicy.eager_allowed` before every ``step()`` and reports every validated step to
 :meth:`StepPolicy.observe`. Every rank feeds it the same global values (clip decision and
 found-inf from the all-reduced statistics), so every rank takes the same path.

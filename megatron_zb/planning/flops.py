@@ -13,7 +13,7 @@ reports), per transformer layer, ``T = s * b`` tokens::
 with one difference, on purpose: the two attention products are counted over all ``s``
 positions, because the attention kernels compute the masked half too (the mask is applied to the
 full product), where the model FLOPs count them at half (:data:`.model_flops.CAUSAL_FRACTION`).
-``tests/test_model_flops.py`` checks that a layer's ``F + B + W`` here is exactly the model FLOPs
+``tests/planning/test_model_flops.py`` checks that a layer's ``F + B + W`` here is exactly the model FLOPs
 plus that half.
 
 Megatron counts backward as twice the forward. The split into ``B`` (input gradients) and ``W``

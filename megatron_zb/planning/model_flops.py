@@ -12,7 +12,7 @@ multi-token prediction. Its users:
   kernel by kernel with their bytes: the same GEMMs as :func:`forward_flops_per_token`, and
   attention's two ``s x s`` products over every position -- an unfused kernel computes the masked
   half too -- where the model FLOPs count them at half (:data:`CAUSAL_FRACTION`).
-  ``tests/test_model_flops.py`` checks that the planner's per-layer ``F + B + W`` is exactly this
+  ``tests/planning/test_model_flops.py`` checks that the planner's per-layer ``F + B + W`` is exactly this
   module's count plus that half.
 
 Per token, one GEMM's forward costs ``2`` FLOPs per multiply-add; training runs each GEMM three

@@ -20,7 +20,7 @@ passes its model's device):
   the start event)``, so durations are GPU time and every time is on ``start``'s clock (exact
   when the device reached the start event as the host recorded it, i.e. had no work queued at
   the iteration's start). :func:`resolve_timings` resolves several iterations' timings with a
-  single wait. This path is verified on CPU with a mocked event only (``tests/test_action_timing.py``),
+  single wait. This path is verified on CPU with a mocked event only (``tests/runtime/test_action_timing.py``),
   not run on a GPU.
 
 Host times are kept on both devices (``host_records``): the activation tracker logs its events in

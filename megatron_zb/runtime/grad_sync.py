@@ -56,7 +56,7 @@ __all__ = ["BucketLaunch", "GradSync", "GradSyncError", "GradSyncReport", "TEST_
            "overlapping_ddp_chunks"]
 
 TEST_HOOK_STOP_BEFORE_DP_REDUCE = "MEGATRON_ZB_TEST_HOOK_STOP_BEFORE_DP_REDUCE"
-"""Test hook only (``tests/test_dead_peer.py``): ``RANK:ITERATION`` freezes global rank ``RANK``
+"""Test hook only (``tests/training/test_dead_peer.py``): ``RANK:ITERATION`` freezes global rank ``RANK``
 (``SIGSTOP`` to itself) just before it would launch its first data-parallel reduce of ``ITERATION``
 (:attr:`GradSync.iteration`). Unset (always, outside tests): nothing."""
 

@@ -9,7 +9,7 @@ gradient is computed right after its backward).
 
 :func:`w_order_matches_b` lists every stage where this does not hold; an empty list means the
 schedule is safe for FIFO layers. Every generator of the library produces such schedules
-(``tests/test_te_contract.py`` checks them).
+(``tests/runtime/test_te_contract.py`` checks them).
 """
 
 from __future__ import annotations

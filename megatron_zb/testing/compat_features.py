@@ -9,7 +9,7 @@ to :data:`FEATURES`; the runner (:mod:`megatron_zb.testing.compat_matrix`) and t
 Every cell compares one schedule family of megatron-zb with megatron-core's own schedule on the
 same configuration (see :data:`REFERENCES`). Every arm wraps its chunks in megatron-core
 ``DistributedDataParallel`` (``get_megatron_optimizer`` needs it; at DP=1 it is the contiguous
-``main_grad`` buffer) -- the bare ``param.grad`` path is covered by ``tests/test_runtime.py``.
+``main_grad`` buffer) -- the bare ``param.grad`` path is covered by ``tests/runtime/test_runtime.py``.
 It compares the loss of every microbatch of every iteration,
 every rank's copy of every parameter's gradient (``main_grad`` under DDP), the parameters after
 the optimizer steps, and each step's ``(update_successful, loss scale)``.
@@ -138,7 +138,7 @@ LLAMA = dict(
     model_options=dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000),
     spec_options=dict(normalization="RMSNorm", qk_layernorm=True))
 """A LLaMA-style block on the matrix's model: RMSNorm, SwiGLU, RoPE, grouped-query attention (2 groups
-for 4 heads), no linear biases, QK-layernorm (TinyGPT's option dicts; tests/test_model_flags.py uses it too)."""
+for 4 heads), no linear biases, QK-layernorm (TinyGPT's option dicts; tests/training/test_model_flags.py uses it too)."""
 
 _MOE = dict(
     config_options=dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=1e-2,

@@ -13,7 +13,7 @@ from .compat_matrix import Cell
 __all__ = ["TEST_BUDGET", "render_report", "write_report"]
 
 TEST_BUDGET = """\
-`tests/test_compat_matrix.py` runs every cell of this table -- the full product of families and
+`tests/runtime/test_compat_matrix.py` runs every cell of this table -- the full product of families and
 features, no pairing of features -- through the same runner code, and asserts each cell's status
 from a table written in the test (not computed by the runner). The first eleven features run one
 launch per (feature, placement group), each launch running the reference and every family of

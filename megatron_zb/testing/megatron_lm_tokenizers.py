@@ -1,4 +1,4 @@
-"""Megatron-LM's own tokenizers on given files and texts: the reference of ``tests/test_tokenizers_vs_megatron_lm.py``.
+"""Megatron-LM's own tokenizers on given files and texts: the reference of ``tests/training/test_tokenizers_vs_megatron_lm.py``.
 
 Test code, not the product's run path. :func:`megatron_lm_tokenizer_results` runs this module in a
 fresh interpreter with Megatron-LM core_v0.16.1 (``MEGATRON_LM_DIR``) first on ``sys.path`` and

@@ -41,7 +41,7 @@ class HarnessRelease(NamedTuple):
 
     sites: tuple[tuple[str, int, str], ...]
     """(file, line, text on that line): every line of this Megatron-LM release / its megatron-core that a
-    workaround here, or a recorder of megatron_lm_main.py, answers. tests/test_megatron_lm_harness.py (and
+    workaround here, or a recorder of megatron_lm_main.py, answers. tests/megatron_lm/test_megatron_lm_harness.py (and
     :func:`apply_workarounds`, before anything runs) checks each still says that text: after an upgrade a
     mismatch names the workaround to review."""
     training_modules: tuple[str, ...]

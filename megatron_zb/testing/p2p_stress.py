@@ -31,7 +31,7 @@ The last line is the verdict: ``p2p stress: PASS ...`` or ``p2p stress: FAIL: <s
 status 0 when nothing failed, 1 otherwise, 2 for a bad command line (PP below 2).
 
 On CPU (the default device, gloo) the same code runs at tiny sizes for the tests
-(``--seq 16 --hidden 32 ...``, ``tests/test_gpu_selftest.py``). Nothing is downloaded: the data
+(``--seq 16 --hidden 32 ...``, ``tests/bench/test_gpu_selftest.py``). Nothing is downloaded: the data
 are random tokens.
 """
 

@@ -10,7 +10,7 @@ directory (:func:`wheel_path`).
 
 Each :class:`Fact` names one line (or construct) of TE the route relies on, where it is, and
 whether it holds; :func:`check_release` returns them all for one wheel. Used by
-``tests/test_te_source.py`` and ``scripts/check_te_source.py``.
+``tests/runtime/test_te_source.py`` and ``scripts/check_te_source.py``.
 """
 
 from __future__ import annotations

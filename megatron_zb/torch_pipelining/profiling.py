@@ -144,7 +144,7 @@ def saving(tracker: Any) -> Iterator[None]:
     through that output, and PyTorch's ``W`` -- which runs only the weight-side part of the graph --
     never releases the buffers of the other nodes, so with ``tracker.saving()`` those nodes and
     what they saved would stay alive after the step (measured: a last stage's saved bytes
-    held after every ``W``). Gradients are unchanged (``tests/test_torch_runtime.py``)."""
+    held after every ``W``). Gradients are unchanged (``tests/torch_pipelining/test_torch_runtime.py``)."""
     def pack(t: torch.Tensor) -> torch.Tensor:
         tracker.track(t)
         return t.detach()

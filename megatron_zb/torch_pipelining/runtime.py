@@ -13,7 +13,7 @@ it with the schedule rebuilt from them.
 What PyTorch's runtime spends, in the cost model
 ------------------------------------------------
 Two facts of PyTorch 2.13's split backward, read from ``torch/distributed/pipelining/stage.py``
-and ``_backward.py`` and measured by the tests (``tests/test_torch_runtime.py``):
+and ``_backward.py`` and measured by the tests (``tests/torch_pipelining/test_torch_runtime.py``):
 
 * **Stage 0's ``I`` computes nothing** (``backward_one_chunk(full_backward=False)`` skips the
   first stage: it has no input gradient to send) and its ``W`` (``backward_weight_one_chunk``)

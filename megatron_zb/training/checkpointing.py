@@ -27,7 +27,7 @@ What one checkpoint holds:
 
 Resuming therefore continues bit for bit: the same parameters, optimizer state, LR, data
 position and random streams as an uninterrupted run (on CPU; fp32 and fp16, also with the
-distributed optimizer: ``tests/test_resume_distopt.py``). megatron-core 0.16.1's distributed
+distributed optimizer: ``tests/training/test_resume_distopt.py``). megatron-core 0.16.1's distributed
 optimizer with torch's Adam (no apex / Transformer Engine) needs two repairs on load, see
 :func:`_materialize_adam_state` and :func:`_give_each_param_its_step`;
 :func:`repaired_distributed_adam_load` applies them around a load done by other code (Megatron-LM's
@@ -387,7 +387,7 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
 
 
 def _test_hook_pause_before_tracker(iteration: int) -> None:
-    """Test hook only (``tests/test_checkpoint_failures.py``): with :data:`TEST_HOOK_PAUSE_BEFORE_TRACKER`
+    """Test hook only (``tests/training/test_checkpoint_failures.py``): with :data:`TEST_HOOK_PAUSE_BEFORE_TRACKER`
     set to ``ITERATION:SECONDS``, the save of ``ITERATION`` prints a line on rank 0 and sleeps that
     many seconds [s] on every rank between its files and the tracker, so that a test can kill the
     job while the checkpoint is being written. Unset (always, outside tests): nothing."""

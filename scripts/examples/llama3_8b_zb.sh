@@ -5,7 +5,7 @@
 #   --enable-zero-bubble (default: greedy ZB under 1F1B's activation memory),
 #   --zero-bubble-v-schedule, or --schedule zb-2p.
 # Not run here (no GPU in the test environment); scripts/examples/llama3_8b_zb_cpu.sh runs the same
-# flags at tiny sizes on CPU and is exercised by tests/test_model_flags.py.
+# flags at tiny sizes on CPU and is exercised by tests/training/test_model_flags.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${TOKENIZER:?set TOKENIZER to a local HuggingFace tokenizer directory}"

@@ -7,7 +7,7 @@
 # tokenizer directory) and DATA (a Megatron .bin/.idx prefix). SCHEDULE picks the schedule:
 #   --enable-zero-bubble (default), --zero-bubble-v-schedule, or --schedule zb-2p.
 # Not run here (no GPU in the test environment); scripts/examples/mixtral_8x7b_zb_cpu.sh runs the
-# same flags at tiny sizes on CPU and is exercised by tests/test_moe.py.
+# same flags at tiny sizes on CPU and is exercised by tests/training/test_moe.py.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 : "${TOKENIZER:?set TOKENIZER to a local HuggingFace tokenizer directory}"

@@ -63,7 +63,7 @@ def zbv_handcrafted_order(num_ranks: int, num_microbatches: int) -> list[list[Ac
 
     Zero bubble when ``T_F = T_B = T_W`` and ``m >= 2p - 1``; peak ``2p`` chunk ``M_B`` on rank 0 (1F1B's
     ``p`` full stages). :func:`~.vshape.v_schedule` keeps it as one more candidate (PyTorch's
-    ``ScheduleZBVZeroBubble`` builds the same order; ``tests/test_vshape.py`` compares them).
+    ``ScheduleZBVZeroBubble`` builds the same order; ``tests/schedules/test_vshape.py`` compares them).
     """
     p, m = num_ranks, num_microbatches
     n = max(m, 2 * p - 1)

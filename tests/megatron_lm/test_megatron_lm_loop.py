@@ -1,0 +1,312 @@
+"""megatron-zb inside NVIDIA Megatron-LM's own training loop (``pretrain_gpt.py`` of core_v0.16.1 with
+megatron-core 0.16.1, or of core_v0.19.0 with megatron-core 0.19.x), on CPU.
+
+Every run goes through :func:`megatron_zb.testing.megatron_lm.run_megatron_lm`: Megatron-LM's files,
+unmodified, from ``$MEGATRON_LM_DIR`` or ``../shared/megatron-lm-<tag>``; gloo on 127.0.0.1;
+4 iterations; mock data; default dropout. Per configuration, megatron-core's own 1F1B runs once
+(a module-scoped fixture) and every megatron-zb variant is compared with it bitwise: each
+iteration's lm loss and grad norm, and every rank's parameters after training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_zb.megatron_compat import megatron_lm_tag
+from megatron_zb.testing.megatron_lm import (CPU_FLAGS, LLAMA_FLAGS, MOCK_DATA_FLAGS, SKIP_REASON, TINY_GPT_FLAGS,
+                                             MegatronLMError, MegatronLMRun, bitwise_differences, find_megatron_lm,
+                                             run_megatron_lm)
+
+_MISSING = [m for m in ("yaml", "regex", "pydantic") if importlib.util.find_spec(m) is None]
+pytestmark = [
+    pytest.mark.skipif(find_megatron_lm() is None, reason=SKIP_REASON),
+    pytest.mark.skipif(bool(_MISSING), reason=f"Megatron-LM's training package imports {_MISSING}: "
+                                              "pip install -e '.[test]'"),
+]
+
+ITERS = 4
+TIMEOUT_S = 240.0
+MCORE_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
+ZB_FUNC = "megatron_zb.runtime.forward_backward.ZeroBubbleForwardBackward"
+REPLAN_FUNC = "megatron_zb.megatron_lm.ReplanningForwardBackward"
+"""The flags route's wrapper of :data:`ZB_FUNC` for cost-aware schedules (profiles, then re-plans)."""
+
+ZB_PLUGIN = "import megatron_zb\nmegatron_zb.patch_megatron('zb')\n"
+"""The one-call route exactly as patches/README.md documents it."""
+ZB_NO_DEALLOC_PLUGIN = ZB_PLUGIN + (
+    "from megatron_zb.testing.megatron_lm_workarounds import override_transformer_config\n"
+    "override_transformer_config(deallocate_pipeline_outputs=False)\n")
+"""The same with Megatron-LM's ``deallocate_pipeline_outputs=True`` forced off (the stage outputs kept)."""
+FLAGS_PLUGIN = "import megatron_zb.megatron_lm\nmegatron_zb.megatron_lm.install()\n"
+"""The flags route (docs/megatron_lm.md): the zero-bubble flags on Megatron-LM's own parser."""
+
+PP2 = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *TINY_GPT_FLAGS, "--pipeline-model-parallel-size", "2",
+       "--global-batch-size", "8", "--train-iters", str(ITERS))
+"""Tiny GPT, PP=2 (world 2): 4 micro batches of 2 per iteration."""
+PP2_DP2 = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *LLAMA_FLAGS, "--pipeline-model-parallel-size", "2",
+           "--global-batch-size", "16", "--train-iters", str(ITERS),
+           "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+"""Tiny LLaMA, PP=2 x DP=2 (world 4), distributed optimizer, overlapped grad reduce and param gather:
+4 micro batches of 2 per data-parallel rank per iteration."""
+
+
+def _run(argv: tuple[str, ...], world_size: int, plugin: str | None = None, extra: tuple[str, ...] = ()
+         ) -> MegatronLMRun:
+    return run_megatron_lm([*argv, *extra], world_size=world_size, timeout=TIMEOUT_S, plugin=plugin, params=True)
+
+
+def assert_bitwise_equal(run: MegatronLMRun, ref: MegatronLMRun) -> None:
+    """Every iteration's exact lm loss and grad norm, every rank's grad norms and parameters: equal bits."""
+    assert len(run.iterations) == ITERS and run.params is not None and ref.params is not None
+    assert bitwise_differences(run, ref) == []
+
+
+def assert_trains(run: MegatronLMRun, world_size: int, forward_backward: str) -> None:
+    """All iterations logged by the last rank with finite values, the loss going down, the grad norm
+    the same on every rank, the printed line matching the exact values, the expected schedule."""
+    assert [it.iteration for it in run.iterations] == list(range(1, ITERS + 1)), run.logs[-1][-2000:]
+    losses, norms = run.lm_losses, run.grad_norms
+    assert all(x is not None and math.isfinite(x) and x > 0 for x in losses + norms), (losses, norms)
+    assert losses[-1] < losses[0], f"the loss did not go down: {losses}"
+    assert all(r == norms for r in run.grad_norms_by_rank) and len(run.grad_norms_by_rank) == world_size
+    first = run.iterations[0]
+    assert first.lm_loss == float(f"{first.exact['lm loss']:.6E}")  # printed with 7 significant digits
+    assert all(it.grad_norm == round(it.exact["grad norm"], 3) for it in run.iterations)
+    assert {it.forward_backward for it in run.iterations} == {forward_backward}
+
+
+# ---------------------------------------------------------------------- PP=2, tiny GPT
+@pytest.fixture(scope="module")
+def mcore_pp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[MegatronLMRun, Path]:
+    """megatron-core's own 1F1B in Megatron-LM's loop, the baseline of this configuration; it saves a
+    torch_dist checkpoint at the end (dist-checkpointing's results process uses the spawn start
+    method and re-imports ``__main__``: the harness's entry script must survive that)."""
+    save = tmp_path_factory.mktemp("mlm-ckpt")
+    return _run(PP2, world_size=2, extra=("--save", str(save), "--save-interval", str(ITERS))), save
+
+
+def test_pp2_megatron_core_1f1b_trains_and_saves(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
+    run, save = mcore_pp2
+    assert_trains(run, 2, MCORE_1F1B)
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    assert (save / f"iter_{ITERS:07d}" / ".metadata").is_file()
+
+
+def test_pp2_patch_megatron_zb_is_bitwise_1f1b(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
+    run = _run(PP2, world_size=2, plugin=ZB_PLUGIN)
+    assert_trains(run, 2, ZB_FUNC)
+    assert_bitwise_equal(run, mcore_pp2[0])
+
+
+def test_pp2_patch_megatron_zb_without_dealloc_is_bitwise_1f1b(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
+    run = _run(PP2, world_size=2, plugin=ZB_NO_DEALLOC_PLUGIN)
+    assert_trains(run, 2, ZB_FUNC)
+    assert_bitwise_equal(run, mcore_pp2[0])
+
+
+# ---------------------------------------------------------------------- PP=2 x DP=2, tiny LLaMA, distributed optimizer
+@pytest.fixture(scope="module")
+def mcore_pp2_dp2() -> MegatronLMRun:
+    """megatron-core's 1F1B with the distributed optimizer and overlapped reduce / gather: the baseline."""
+    return _run(PP2_DP2, world_size=4)
+
+
+def test_pp2_dp2_megatron_core_1f1b_trains(mcore_pp2_dp2: MegatronLMRun) -> None:
+    assert_trains(mcore_pp2_dp2, 4, MCORE_1F1B)
+    params = mcore_pp2_dp2.params
+    assert params is not None and params[0].keys() == params[1].keys()  # ranks 0, 1: stage 0 (DP pair)
+    names = {name for rank in params for name in rank}
+    assert not any(name.endswith(".bias") for name in names)  # --disable-bias-linear, RMSNorm
+    assert "chunk0.output_layer.weight" in params[-1]  # --untie-embeddings-and-output-weights
+    layer = "chunk0.decoder.layers.0."
+    assert params[0][layer + "self_attention.linear_qkv.weight"].shape == (64 + 2 * 2 * 16, 64)  # GQA: 2 groups
+    assert params[0][layer + "mlp.linear_fc1.weight"].shape == (2 * 176, 64)  # SwiGLU: gate and up
+    assert all(torch.equal(params[0][n], params[1][n]) for n in params[0])  # data-parallel replicas agree
+
+
+def test_pp2_dp2_patch_megatron_zb_is_bitwise_1f1b(mcore_pp2_dp2: MegatronLMRun) -> None:
+    run = _run(PP2_DP2, world_size=4, plugin=ZB_PLUGIN)
+    assert_trains(run, 4, ZB_FUNC)
+    assert_bitwise_equal(run, mcore_pp2_dp2)
+
+
+def test_pp2_dp2_zero_bubble_flags_on_megatron_lm_parser_are_bitwise_1f1b(mcore_pp2_dp2: MegatronLMRun) -> None:
+    """``--schedule zb-2p --zero-bubble-max-pending-backward 4`` on Megatron-LM's own command line."""
+    run = _run(PP2_DP2, world_size=4, plugin=FLAGS_PLUGIN,
+               extra=("--schedule", "zb-2p", "--zero-bubble-max-pending-backward", "4"))
+    assert_trains(run, 4, REPLAN_FUNC)
+    assert "    re-planned 'zb-2p' from the measured costs in " in run.logs[0]  # default window: iterations 2-3
+    assert_bitwise_equal(run, mcore_pp2_dp2)
+
+
+# ---------------------------------------------------------------------- the flags route
+def test_pp2_enable_zero_bubble_on_megatron_lm_parser_is_bitwise_1f1b(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
+    """The default profiling window (iterations 2-3) ends before iteration 4: re-planned, still bitwise."""
+    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=("--enable-zero-bubble",))
+    assert_trains(run, 2, REPLAN_FUNC)
+    assert "> schedule report after profiling iterations 2-3 " in run.logs[0]
+    assert_bitwise_equal(run, mcore_pp2[0])
+
+
+def test_pp2_profile_then_replan_on_the_flags_route(mcore_pp2: tuple[MegatronLMRun, Path], tmp_path: Path) -> None:
+    """Iteration 2 profiled, the zb schedule re-planned from the measured costs for iterations 3-4,
+    the costs written with ``--profile-out``. Bitwise with megatron-core's 1F1B: every generator keeps
+    each stage's W order equal to its B order (docs/runtime.md "Numerics"), re-planned or not."""
+    from megatron_zb.planning.profile import read_profile
+
+    out = tmp_path / "profile.json"
+    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN,
+               extra=("--enable-zero-bubble", "--zero-bubble-pipeline-timers-start-iter", "2",
+                      "--zero-bubble-pipeline-timers-end-iter", "3", "--profile-out", str(out)))
+    assert_trains(run, 2, REPLAN_FUNC)
+    log = run.logs[0]  # global rank 0 prints the reports, as pretrain_gpt_zb.py does
+    assert "> schedule report (unit costs T_F = T_B = T_W = 1, before profiling):" in log
+    report = log[log.index("> schedule report after profiling iterations 2-2 "):]
+    assert "    re-planned 'zb' from the measured costs in " in report
+    assert re.search(r"    measured costs \(ms\): T_F=[0-9.]+, T_B=[0-9.]+, T_W=[0-9.]+, T_comm=[0-9.]+", report)
+    per_stage = re.search(r"measured per stage \(ms\): T_F=\[(.*?)\]; T_B=\[(.*?)\]; T_W=\[(.*?)\]\n", report)
+    assert per_stage is not None and "T_BW" not in report  # W ran as actions of their own, B and W split
+    assert all(float(v) > 0 for v in per_stage.group(3).split(", "))
+    assert all("schedule report after profiling" not in rank_log for rank_log in run.logs[1:])
+    profile = read_profile(out)
+    assert profile.schedule == "zb" and len(profile.stages) == 2 and profile.model.hidden_size == 64
+    assert all(s.t_w_ms > 0 and s.mem_b_bytes > 0 for s in profile.stages)
+    assert_bitwise_equal(run, mcore_pp2[0])
+
+
+V_WITHOUT_WRAPPER = {
+    "core_v0.16.1": "--zero-bubble-v-schedule: 'zbv' is a V schedule: its two model chunks per rank must be built for "
+                    "the V, so in pretrain_gpt.py pass megatron_zb.megatron_lm.v_model_provider(partial(model_provider, "
+                    "gpt_builder)) to pretrain()",
+    "core_v0.19.0": "--zero-bubble-v-schedule: the V schedule 'zbv' is not supported inside this Megatron-LM's loop: "
+                    "Megatron-LM core_v0.19.0's pretrain() builds the model from its config",
+}
+"""What a V schedule without the provider wrapper gets, per Megatron-LM release (core_v0.19.0: no V route)."""
+
+
+@pytest.mark.parametrize("bad,message", [
+    (("--zero-bubble-v-schedule",), V_WITHOUT_WRAPPER[megatron_lm_tag()]),  # no wrapper
+    (("--enable-optimizer-post-validation",),
+     "--enable-optimizer-post-validation: needs a zero-bubble schedule"),
+    (("--zero-bubble-max-pending-backward", "2"), "--zero-bubble-max-pending-backward: only applies with"),
+])
+def test_a_bad_zero_bubble_flag_exits_2_before_any_process_group(bad: tuple[str, ...], message: str) -> None:
+    with pytest.raises(MegatronLMError) as e:
+        _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=bad)
+    text = str(e.value) + "\n".join(e.value.logs)
+    assert "exited with status 2" in str(e.value) and f"megatron-zb: error: {message}" in text
+    assert "initializing torch distributed" not in text  # Megatron-LM's first line of its process-group set-up
+
+
+# ---------------------------------------------------------------------- the wrapper, no Megatron-LM run
+class _RecordingPlanner:
+    """Stands in for :class:`~megatron_zb.training.replanning.SchedulePlanner`: records the hooks."""
+
+    def __init__(self, window: tuple[int, int]) -> None:
+        self.window, self.calls, self.replans = window, [], 0
+        self.args = argparse.Namespace()
+
+    def forward_backward(self, **kwargs: Any) -> list[Any]:
+        self.calls.append(("run", kwargs["forward_only"]))
+        return [kwargs["forward_only"]]
+
+    def begin_iteration(self, iteration: int) -> bool:
+        self.calls.append(("begin", iteration))
+        return self.window[0] <= iteration < self.window[1]
+
+    def end_iteration(self, iteration: int, *, profiling: bool, seconds: float) -> bool:
+        assert seconds >= 0
+        self.calls.append(("end", iteration))
+        return profiling and iteration == self.window[1] - 1
+
+    def replan(self) -> None:
+        self.replans += 1
+
+
+def test_replanning_wrapper_counts_training_calls_only() -> None:
+    """Evaluation calls (``forward_only=True``) neither advance the iteration nor touch the window;
+    the window's last training call re-plans once; the keywords are megatron-core's."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from megatron_zb.megatron_lm import ReplanningForwardBackward
+    from megatron_zb.runtime import get_forward_backward_func
+
+    runtime = get_forward_backward_func("zb")
+    wrapper = ReplanningForwardBackward(runtime, schedule="zb")
+    def keywords(fn: Any) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert keywords(wrapper.__call__) == keywords(runtime.__call__)  # names, keyword-only, defaults
+    assert {k[0] for k in keywords(wrapper.__call__)} == {k[0] for k in keywords(forward_backward_no_pipelining)}
+    planner = wrapper.planner = _RecordingPlanner(window=(2, 4))
+    call = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=4, seq_length=32,
+                micro_batch_size=2)
+    for forward_only in (True, False, True, False, False, True, True, False):
+        assert wrapper(**call, forward_only=forward_only) == [forward_only]
+    assert wrapper.iteration == 4 and planner.replans == 1 and planner.args.num_microbatches == 4
+    trained = [c for c in planner.calls if c[0] != "run"]
+    assert trained == [(e, i) for i in range(1, 5) for e in ("begin", "end")]
+    assert [c for c in planner.calls if c[0] == "run"] == [("run", f) for f in
+                                                          (True, False, True, False, False, True, True, False)]
+
+
+def _flags(*argv: str) -> argparse.Namespace:
+    """The zero-bubble flags parsed as on Megatron-LM's parser, beside the Megatron-LM values
+    :func:`~megatron_zb.megatron_lm.configure` reads (PP=2, 4 layers, no interleaving, dense)."""
+    from megatron_zb.megatron_lm import add_flags
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return parser.parse_args(argv, namespace=argparse.Namespace(
+        pipeline_model_parallel_size=2, num_layers=4, num_layers_per_virtual_pipeline_stage=None,
+        num_virtual_stages_per_pipeline_rank=None, num_experts=None))
+
+
+@pytest.mark.parametrize("argv,experts,message", [
+    (("--schedule", "zb-h1", "--profile-out", "p.json"), None, "--profile-out: 'zb-h1' is not cost-aware"),
+    (("--profile-out", "p.json"), None, "--profile-out: no zero-bubble schedule was chosen"),
+    (("--enable-zero-bubble", "--zero-bubble-pipeline-timers-end-iter", "2"), None,
+     "--zero-bubble-pipeline-timers-end-iter: 2 must be greater than"),
+    (("--enable-zero-bubble", "--profile-out", "p.json"), 4, "--profile-out: the planner does not model MoE"),
+])
+def test_configure_refuses_what_the_profiling_window_cannot_do(argv: tuple[str, ...], experts: int | None,
+                                                               message: str) -> None:
+    """Refused with the flag named (install() turns it into one line and exit 2, tested above)."""
+    from megatron_zb.megatron_lm import configure
+    from megatron_zb.training.arguments.common import ArgumentError
+
+    args = _flags(*argv)
+    args.num_experts = experts  # Megatron-LM's --num-experts
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        configure(args)
+
+
+def test_configure_profiles_cost_aware_schedules_with_profile_out() -> None:
+    from megatron_zb.megatron_lm import configure
+
+    args = _flags("--enable-zero-bubble", "--profile-out", "p.json")
+    assert configure(args) == {"schedule": "zb", "timeout": 300.0, "memory_limit": 2.0}
+    assert args.zero_bubble_max_pending_backward == 2  # resolved: PP (ZB-1p), as pretrain_gpt_zb.py does
+
+
+@pytest.mark.skipif(megatron_lm_tag() != "core_v0.19.0", reason="Megatron-LM core_v0.16.1's loop has the V route "
+                                                                "(tests/megatron_lm/test_megatron_lm_v.py)")
+def test_v_is_refused_where_the_loop_has_no_v_route() -> None:
+    """core_v0.19.0: a V schedule chosen by either flag is refused by configure() (exit 2 in the loop,
+    one line naming the flag: :data:`V_WITHOUT_WRAPPER`), before any process group."""
+    from megatron_zb.megatron_lm import configure
+    from megatron_zb.training.arguments.common import ArgumentError
+
+    for argv in (("--zero-bubble-v-schedule",), ("--schedule", "zbv")):
+        with pytest.raises(ArgumentError, match=f"^{argv[0]}: the V schedule 'zbv' is not supported inside this "
+                                                f"Megatron-LM's loop: Megatron-LM core_v0.19.0's pretrain"):
+            configure(_flags(*argv))
