@@ -79,9 +79,10 @@ def stage_module(cfg: LMConfig, stage: int, num_stages: int) -> TinyLM:
     return mod
 
 
-def batch(cfg: LMConfig, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and targets, ``(num_microbatches * mbs, seq)`` each, from the seed."""
-    g = torch.Generator().manual_seed(cfg.seed + 1)
+def batch(cfg: LMConfig, num_microbatches: int, replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets, ``(num_microbatches * mbs, seq)`` each, from the seed (``replica``: a
+    data-parallel rank's own batch; 0 is the batch of the tests without data parallelism)."""
+    g = torch.Generator().manual_seed(cfg.seed + 1 + 7919 * replica)
     shape = (num_microbatches * cfg.mbs, cfg.seq)
     return torch.randint(cfg.vocab, shape, generator=g), torch.randint(cfg.vocab, shape, generator=g)
 
@@ -91,11 +92,13 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def reference(cfg: LMConfig, num_microbatches: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+def reference(cfg: LMConfig, num_microbatches: int,
+              replica: int = 0) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Unpipelined: per-microbatch losses, and gradients of their mean (each microbatch's backward
-    accumulated in order, then divided by the number of microbatches, as ``scale_grads`` does)."""
+    accumulated in order, then divided by the number of microbatches, as ``scale_grads`` does), on
+    :func:`batch`'s ``replica``."""
     model = TinyLM(cfg)
-    x, y = batch(cfg, num_microbatches)
+    x, y = batch(cfg, num_microbatches, replica)
     losses = []
     for xs, ys in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
         loss = loss_fn(model(xs), ys)

@@ -13,7 +13,7 @@ import torch
 
 from .torch_pipelining import LMConfig, batch, loss_fn, stage_module
 
-__all__ = ["api_rank"]
+__all__ = ["api_rank", "fsdp_rank"]
 
 
 def _stages(cfg: LMConfig, name: str) -> tuple[dict[int, Any], list[Any]]:
@@ -67,7 +67,8 @@ def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) ->
     mods, stages = _stages(cfg, replan_name)
     pipe = build_pipeline(stages, replan_name, num_microbatches=m, loss_fn=loss_fn)
     rep = profile_and_replan(pipe, lambda: _step(pipe, mods, cfg, m), iterations=2, warmup=1)
-    out["replan"] = {"medians": rep.medians_ms, "bytes": rep.bytes, "t_b": list(rep.costs.t_b),  # type: ignore[arg-type]
+    out["replan"] = {"medians": rep.medians_ms, "bytes": rep.bytes, "dp_reduce": rep.costs.dp_reduce,
+                     "t_b": list(rep.costs.t_b),  # type: ignore[arg-type]
                      "t_w": list(rep.costs.t_w), "mem_b": list(rep.costs.mem_b), "mem_w": list(rep.costs.mem_w),  # type: ignore[arg-type]
                      "before": rep.before, "after": rep.after, "loaded": pipe.schedule is rep.after,
                      "samples": rep.samples, "step": _step(pipe, mods, cfg, m)}
@@ -89,4 +90,79 @@ def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) ->
         except TorchExportError as e:
             refused[label] = str(e)
     out["refused"] = refused
+    return out
+
+
+def fsdp_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) -> dict[str, Any]:
+    """One rank of a 2 x 2 mesh (data-parallel x pipeline, 4 processes): every stage module
+    ``fully_shard``-ed as one unit over its data-parallel pair, each data-parallel replica stepping its own
+    batch (:func:`~.torch_pipelining.batch`'s ``replica``); every family of ``names`` built by
+    ``build_pipeline`` and stepped once, then ``replan_name`` profiled and re-planned; then stages
+    whose blocks are sharded one by one (on pipeline rank 1 only) given to ``build_pipeline`` for
+    ``zb-1p`` (refused: :mod:`megatron_zb.torch_pipelining.fsdp`).
+
+    Returns ``{"dp": replica, name: {"losses", "grads"} (gradients at full size, gathered over the
+    data-parallel pair), "no_dp_group": the refusal of a re-plan without the data-parallel group,
+    "replan": {"medians", "dp_reduce", "stage_params", "loaded", "after", "step"},
+    "refused": message or None}``; ``stage_params``: this rank's stages' parameter counts, counted
+    on the unsharded modules.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    from megatron_zb.torch_pipelining.export import TorchExportError
+    from megatron_zb.torch_pipelining.profiling import profile_and_replan
+    from megatron_zb.torch_pipelining.runtime import build_pipeline, stages_for_rank
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank()
+    x, y = batch(cfg, m, replica=dp)
+
+    def sharded(name: str, *, per_block: bool = False) -> tuple[dict[int, Any], list[Any], dict[int, int]]:
+        mine = stages_for_rank(name, num_ranks=2, rank=pp)
+        n = 2 * len(mine)
+        mods = {s: stage_module(cfg, s, n) for s in mine}
+        counts = {s: sum(q.numel() for q in mod.parameters()) for s, mod in mods.items()}
+        for s, mod in mods.items():
+            for block in mod.blocks.values() if per_block else ():
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(mod, mesh=mesh["dp"])
+        return mods, [PipelineStage(mods[s], s, n, torch.device("cpu"), group=mesh["pp"].get_group())
+                      for s in mine], counts
+
+    def build(name: str) -> tuple[dict[int, Any], Any, dict[int, int]]:
+        mods, stages, counts = sharded(name)
+        return mods, build_pipeline(stages, name, num_microbatches=m, loss_fn=loss_fn), counts
+
+    def step(pipe: Any, mods: dict[int, Any]) -> dict[str, Any]:
+        for mod in mods.values():
+            mod.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        last = pipe.schedule.num_stages - 1
+        pipe.step(*((x,) if 0 in mods else ()), **({"target": y, "losses": losses} if last in mods else {}))
+        return {"losses": [v.detach() for v in losses],
+                "grads": {k: q.grad.full_tensor() for mod in mods.values() for k, q in mod.named_parameters()}}
+
+    out: dict[str, Any] = {"dp": dp}
+    for name in names:
+        mods, pipe, _ = build(name)
+        out[name] = step(pipe, mods)
+    mods, pipe, counts = build(replan_name)
+    try:
+        profile_and_replan(pipe, lambda: step(pipe, mods), iterations=1, warmup=0)
+    except TorchExportError as e:
+        out["no_dp_group"] = str(e)
+    rep = profile_and_replan(pipe, lambda: step(pipe, mods), iterations=2, warmup=1, memory=False,
+                             data_parallel_group=mesh["dp"].get_group())
+    out["replan"] = {"medians": rep.medians_ms, "dp_reduce": rep.costs.dp_reduce, "stage_params": counts,
+                     "loaded": pipe.schedule is rep.after, "after": rep.after, "step": step(pipe, mods)}
+    out["refused"] = None
+    _, stages, _ = sharded("zb-1p", per_block=pp == 1)
+    try:
+        build_pipeline(stages, "zb-1p", num_microbatches=m, loss_fn=loss_fn)
+    except TorchExportError as e:
+        out["refused"] = str(e)
+    dist.barrier()
     return out

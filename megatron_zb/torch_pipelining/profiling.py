@@ -10,7 +10,9 @@ timer closes; PyTorch's classes and private code are not touched):
   stage (the loss function given to :func:`~.runtime.build_pipeline` is wrapped for that);
 * ``backward_one_chunk(full_backward=False)`` -> ``B`` (PyTorch's ``I``; on stage 0 it computes
   nothing, see :mod:`.runtime`); with ``full_backward=True`` -> ``BW`` (PyTorch's ``B``);
-* ``backward_weight_one_chunk`` -> ``W`` (on stage 0 the whole backward).
+* ``backward_weight_one_chunk`` -> ``W`` (on stage 0 the whole backward);
+* ``perform_reduce_grad`` -> ``R``: the stage's ``REDUCE_GRAD`` after its last ``W`` (FSDP's
+  gradient reduce-scatter for a ``fully_shard``-ed stage, :mod:`.fsdp`; else the gradient scaling alone).
 
 The waits for a peer's activation or gradient are *outside* these calls (the runtime waits on its
 receives before calling them), so a duration is the stage's own compute. Not measured: ``T_comm``
@@ -25,7 +27,8 @@ does). While timing, a family that splits the backward runs with every ``I`` and
 actions (the export otherwise writes an ``I`` directly followed by its ``W`` as one ``B``; the order
 is the same), so every stage has ``T_I`` and ``T_W``. Then every rank all-gathers the medians per
 ``(op, stage)`` over the stages' process group (so all ranks hold identical numbers), builds the
-measured :class:`~megatron_zb.schedules.costs.CostModel` (:func:`measured_costs`, milliseconds),
+measured :class:`~megatron_zb.schedules.costs.CostModel` (:func:`measured_costs`, milliseconds;
+with FSDP stages it holds their reduce as its data-parallel reduce, :func:`~.fsdp.fsdp_reduce_model`),
 rebuilds the family's schedule from it and reloads the runtime (every rank checks that all built
 the same schedule). Stage 0's quirk and ``M_W = M_B`` (:mod:`.runtime`) need no correction here:
 the measured ``T_I`` of stage 0 is the runtime's near-zero call, its ``T_W`` the whole backward,
@@ -38,7 +41,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,6 +49,7 @@ import torch.distributed as dist
 from ..schedules.costs import CostModel
 from ..schedules.ir import Schedule
 from .export import TorchExportError, prepare_runtime
+from .fsdp import fsdp_reduce_model, stage_grad_bytes
 from .runtime import TorchPipeline
 
 __all__ = ["MIN_COST_MS", "Replan", "StageTimer", "agree", "measured_costs", "profile_and_replan", "saving"]
@@ -53,7 +57,7 @@ __all__ = ["MIN_COST_MS", "Replan", "StageTimer", "agree", "measured_costs", "pr
 MIN_COST_MS = 1e-6
 """Floor of a measured ``t_f``/``t_b`` [ms]: the cost model needs them ``> 0`` (stage 0's ``I`` is ~0)."""
 
-_TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+_TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "perform_reduce_grad")
 
 
 class StageTimer:
@@ -94,6 +98,8 @@ class StageTimer:
                 op = "F"
             elif name == "backward_weight_one_chunk":
                 op = "W"
+            elif name == "perform_reduce_grad":
+                op = "R"
             else:
                 full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
                 op = "BW" if full else "B"
@@ -164,13 +170,24 @@ def agree(mine: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int
     return out
 
 
+def _replica_mean(values: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int], float]:
+    """``values`` averaged over the data-parallel replicas of ``group`` (``None``: unchanged);
+    identical on every replica."""
+    if group is None:
+        return values
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, values, group=group)
+    return {k: statistics.fmean(g[k] for g in gathered) for k in values}
+
+
 def _per_stage(values: dict[tuple[str, int], float], op: str, num_stages: int) -> list[float] | None:
     vals = [values.get((op, s)) for s in range(num_stages)]
     return None if any(v is None for v in vals) else [float(v) for v in vals]  # type: ignore[arg-type]
 
 
 def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, num_stages: int,
-                   nbytes: dict[tuple[str, int], float] | None = None) -> CostModel:
+                   nbytes: dict[tuple[str, int], float] | None = None,
+                   reduce_bytes: Sequence[float] | None = None) -> CostModel:
     """The cost model [ms] from measured medians per ``(op, stage)``: ``t_f`` from ``F``; ``t_b``,
     ``t_w`` from ``B`` (PyTorch's ``I``) and ``W`` when every stage has both, else ``t_b`` from ``BW``
     and ``t_w = 0`` (a fused backward simulates exactly so); ``t_f``, ``t_b`` floored at
@@ -178,7 +195,9 @@ def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, nu
     With ``nbytes`` (mean net saved-activation bytes per ``(op, stage)`` call) and a split backward,
     ``mem_w = mem_b x (M_B + dM_I) / M_B`` per stage, clipped to ``[0, mem_b]``: the share of a
     microbatch's activations PyTorch's ``I`` leaves held until ``W`` (``M_B``: the bytes one ``F``
-    leaves; ``dM_I``: the net change over one ``I``); else ``base``'s ``mem_w``.
+    leaves; ``dM_I``: the net change over one ``I``); else ``base``'s ``mem_w``. With
+    ``reduce_bytes`` (per stage, bytes its ``REDUCE_GRAD`` reduces: :func:`~.fsdp.stage_grad_bytes`)
+    and measured ``R`` times, ``dp_reduce`` is :func:`~.fsdp.fsdp_reduce_model`; else ``base``'s.
 
     Raises:
         TorchExportError: a stage has no forward or no backward time.
@@ -199,8 +218,11 @@ def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, nu
     d_i = _per_stage(nbytes or {}, "B", num_stages)
     if split and m_f is not None and d_i is not None and all(v > 0 for v in m_f):
         mem_w = [b * min(1.0, max(0.0, (f + d) / f)) for b, f, d in zip(res.mem_b, m_f, d_i)]
+    dp_reduce = base.dp_reduce
+    if reduce_bytes is not None:
+        dp_reduce = fsdp_reduce_model(reduce_bytes, [medians_ms.get(("R", s)) for s in range(num_stages)]) or dp_reduce
     return replace(base, t_f=[max(v, MIN_COST_MS) for v in t_f], t_b=[max(v, MIN_COST_MS) for v in t_b], t_w=t_w,
-                   mem_b=list(res.mem_b), mem_w=mem_w)
+                   mem_b=list(res.mem_b), mem_w=mem_w, dp_reduce=dp_reduce)
 
 
 @dataclass
@@ -209,7 +231,7 @@ class Replan:
 
     Attributes:
         medians_ms: median time per ``(op, stage)`` [ms], all stages (ops ``F``, ``B`` = PyTorch's
-            ``I``, ``W``, ``BW`` = PyTorch's ``B``).
+            ``I``, ``W``, ``BW`` = PyTorch's ``B``, ``R`` = the stage's ``REDUCE_GRAD``).
         bytes: mean net saved-activation bytes per ``(op, stage)`` call, all stages (empty when
             memory was not measured).
         costs: the measured cost model the new schedule was built from [ms].
@@ -228,13 +250,19 @@ class Replan:
 
 
 def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, iterations: int = 3,
-                       warmup: int = 1, memory: bool = True) -> Replan:
+                       warmup: int = 1, memory: bool = True, data_parallel_group: Any = None) -> Replan:
     """Time ``iterations`` calls of ``train_step`` (after ``warmup`` untimed ones) inside PyTorch's
     runtime, agree on the medians across the pipeline ranks, rebuild ``pipe``'s schedule from the
     measured costs and reload its runtime (module doc). ``memory``: one more call with the
     saved-activation tracker on (its hooks slow the calls, so its times are not used), for
     ``mem_w / mem_b`` (:func:`measured_costs`). Collective over the stages' group: every pipeline
     rank calls it with the same arguments.
+
+    ``data_parallel_group``: the group of this rank's replicas (one rank of every other pipeline,
+    holding the same stages); required when the stages are FSDP-sharded, since every replica must
+    run the same schedule (the replicas' reduces of a stage meet in one collective, issued in the
+    order of the stages' last ``W``'s). The measurements are then averaged over the replicas, so
+    all of them build the same schedule.
     """
     from ..runtime.memory import ActivationMemoryTracker
 
@@ -242,6 +270,10 @@ def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, it
         raise TorchExportError(f"iterations={iterations}, warmup={warmup}: time at least one iteration "
                                f"(iterations >= 1, warmup >= 0)")
     before = pipe.schedule
+    reduce_bytes = stage_grad_bytes(pipe.stages, before.num_stages, pipe.group)  # 0 for a stage without FSDP
+    if data_parallel_group is None and any(reduce_bytes):
+        raise TorchExportError("the stages are FSDP-sharded (fully_shard), so every data-parallel replica must re-plan "
+                               "the same schedule: pass data_parallel_group= (the group of this rank's replicas)")
     for _ in range(warmup):
         train_step()
     split = pipe.spec.split_backward
@@ -261,9 +293,9 @@ def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, it
     finally:
         if split:
             prepare_runtime(pipe.runtime, before)
-    medians = agree(timer.medians_ms(), pipe.group)
-    nbytes = agree(mine_bytes, pipe.group)
-    costs = measured_costs(medians, pipe.costs, before.num_stages, nbytes)
+    medians = _replica_mean(agree(timer.medians_ms(), pipe.group), data_parallel_group)
+    nbytes = _replica_mean(agree(mine_bytes, pipe.group), data_parallel_group)
+    costs = measured_costs(medians, pipe.costs, before.num_stages, nbytes, reduce_bytes)
     after = pipe.rebuild(costs)
     samples = {k: len(v) for k, v in timer.durations.items()}
     return Replan(medians, nbytes, costs, before, after, iterations, samples)

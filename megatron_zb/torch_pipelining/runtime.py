@@ -42,7 +42,10 @@ schedule that splits the backward (``I``/``W``):
   ``torch._dynamo.eval_frame.OptimizedModule``, or ``module.compile()``, which sets the private
   ``nn.Module._compiled_call_impl``; both private names of PyTorch 2.13, read here and nowhere
   else): the backward of a compiled region is one autograd node, which PyTorch's split backward
-  cannot separate into ``I`` and ``W`` (PyTorch's own zero-bubble classes refuse ``OptimizedModule``).
+  cannot separate into ``I`` and ``W`` (PyTorch's own zero-bubble classes refuse ``OptimizedModule``);
+* ``fully_shard``-ed submodules inside a stage module: under a split backward PyTorch 2.13 loses
+  or corrupts their gradients (measured, :mod:`.fsdp`). A stage module ``fully_shard``-ed as one
+  unit is taken, and its gradient reduce is modelled (:mod:`.fsdp`).
 
 A schedule with fused backwards (``1f1b``, ``interleaved-1f1b``) takes such stages; that is
 PyTorch's own path and not tested here.
@@ -64,6 +67,7 @@ from ..schedules.costs import CostModel
 from ..schedules.ir import Placement, Schedule
 from ..schedules.registry import build_schedule, get_spec
 from .export import TorchExportError, check_torch_version, prepare_runtime, to_torch_actions
+from .fsdp import nested_fsdp
 
 __all__ = ["STAGE0_TB_FRACTION", "TorchPipeline", "build_pipeline", "check_stage_modules", "runtime_costs",
            "stages_for_rank"]
@@ -114,6 +118,32 @@ def check_stage_modules(stages: Sequence[Any], schedule_name: str) -> None:
                     f"{where} is compiled (torch.compile), and PyTorch cannot split a compiled graph's backward into "
                     f"the I and W of {schedule_name!r}: pass the module uncompiled, or use a fused-backward schedule "
                     f"(1f1b, interleaved-1f1b)")
+        nested = nested_fsdp(st)
+        if nested:
+            raise TorchExportError(
+                f"stage {st.stage_index}'s module has fully_shard-ed submodules ({', '.join(nested[:3])}"
+                f"{', ...' if len(nested) > 3 else ''}), whose gradients PyTorch 2.13 loses or gets wrong when the "
+                f"backward is split into I and W, as {schedule_name!r} does: fully_shard each stage's module as one "
+                f"unit, or use a fused-backward schedule (1f1b, interleaved-1f1b)")
+
+
+def _agree_on_stage_modules(stages: Sequence[Any], schedule_name: str) -> None:
+    """:func:`check_stage_modules` on every pipeline rank, agreed (an all-gather over the stages'
+    group): a rank whose stages are fine raises another rank's refusal too, instead of waiting for
+    it in the schedule's load."""
+    try:
+        check_stage_modules(stages, schedule_name)
+        mine = None
+    except TorchExportError as e:
+        mine = str(e)
+    group = stages[0].group
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if mine is not None:
+        raise TorchExportError(mine)
+    for rank, msg in enumerate(every):
+        if msg is not None:
+            raise TorchExportError(f"pipeline rank {rank}: {msg}")
 
 
 class _TimedLoss:
@@ -222,7 +252,7 @@ def build_pipeline(stages: Sequence[Any], schedule_name: str, *, num_microbatche
     if not stages:
         raise TorchExportError("no PipelineStage given: pass this rank's stages")
     spec = get_spec(schedule_name)
-    check_stage_modules(stages, schedule_name)
+    _agree_on_stage_modules(stages, schedule_name)
     n, p = stages[0].num_stages, stages[0].group_size
     num_chunks = len(stages) if spec.placement is Placement.INTERLEAVED else 2
     base = runtime_costs(costs if costs is not None else CostModel(), n)

@@ -23,7 +23,7 @@ from megatron_zb.schedules.costs import CostModel  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule  # noqa: E402
 from megatron_zb.testing.distributed import run_distributed  # noqa: E402
 from megatron_zb.testing.torch_pipelining import LMConfig, reference  # noqa: E402
-from megatron_zb.testing.torch_runtime import api_rank  # noqa: E402
+from megatron_zb.testing.torch_runtime import api_rank, fsdp_rank  # noqa: E402
 from megatron_zb.torch_pipelining.export import torch_lowering  # noqa: E402
 from megatron_zb.torch_pipelining.runtime import runtime_costs, stages_for_rank  # noqa: E402
 
@@ -76,8 +76,11 @@ def test_build_profile_replan_and_refusals_on_2_processes():
     # stage 0's quirk, measured: PyTorch's I on stage 0 computes nothing, its W the whole backward
     assert medians[("B", 0)] < 0.25 * medians[("W", 0)]
     assert medians[("B", 0)] < 0.25 * min(medians[("B", s)] for s in range(1, n))
-    for r in rep:  # every timed iteration ran every (op, stage) of that rank once per microbatch
-        assert set(r["samples"].values()) == {2 * M}
+    for r in rep:  # every timed iteration ran every (op, stage) of that rank once per microbatch,
+        # and each stage's REDUCE_GRAD once
+        assert {v for (op, _), v in r["samples"].items() if op != "R"} == {2 * M}
+        assert {v for (op, _), v in r["samples"].items() if op == "R"} == {2}
+    assert after.num_stages == 4 and rep[0]["dp_reduce"] is None  # no FSDP: no reduce modelled
     lowered = torch_lowering(after)  # PyTorch's _validate_schedule, lowering and simulator
     assert any(a.computation_type == ts.BACKWARD_INPUT for acts in lowered.values() for a in acts)
     _check([r["step"] for r in rep], ref_losses, ref_grads, "zbv after re-planning")
@@ -91,6 +94,58 @@ def test_build_profile_replan_and_refusals_on_2_processes():
         for label in ("compiled", "compiled_in_place"):
             assert msgs[label].startswith(f"stage {r}'s module is compiled (torch.compile)")
             assert "pass the module uncompiled" in msgs[label]
+
+
+def test_fsdp2_on_a_2x2_cpu_mesh():
+    """FSDP2 (``fully_shard``) stages over a data-parallel pair, pipelined by PyTorch's runtime with
+    our zb-1p and zbv (4 gloo processes: 2 pipeline ranks x 2 replicas, each replica its own batch):
+    losses per replica and gradients -- the mean of the two replicas' unpipelined gradients --
+    as the unpipelined float64 model computes them; the re-planned zbv's costs hold FSDP's
+    reduce as their data-parallel reduce: each stage's gradient bytes (its parameters x 8 bytes,
+    counted on the unsharded modules), one bucket, overlapped, at the bandwidth of the measured
+    REDUCE_GRAD calls. Each stage module is sharded as one unit; blocks sharded one by one are
+    refused on every rank (PyTorch 2.13 loses or corrupts their gradients under a split backward)."""
+    cfg = LMConfig()
+    res = run_distributed(partial(fsdp_rank, cfg, M, ("zb-1p", "zbv"), "zbv"), world_size=4, timeout=300,
+                          preload=("torch", "torch.distributed", "megatron_zb"))
+    refs = [reference(cfg, M, replica=d) for d in (0, 1)]
+    mean_grads = {k: (refs[0][1][k] + refs[1][1][k]) / 2 for k in refs[0][1]}
+    for name in ("zb-1p", "zbv"):
+        for d in (0, 1):
+            mine = [r for r in res if r["dp"] == d]
+            losses = [v for r in mine for v in r[name]["losses"]]
+            assert len(losses) == M and all(torch.allclose(a, b, rtol=RTOL, atol=0)
+                                            for a, b in zip(losses, refs[d][0])), (name, d)
+            grads = {k: g for r in mine for k, g in r[name]["grads"].items()}
+            assert set(grads) == set(mean_grads), name
+            for k, g in grads.items():
+                assert (g - mean_grads[k]).norm() <= RTOL * mean_grads[k].norm(), (name, d, k)
+    rep = [r["replan"] for r in res]
+    assert all(r["loaded"] for r in rep)
+    assert all(r["after"].ranks == rep[0]["after"].ranks for r in rep)  # one schedule, every replica
+    assert all(r["no_dp_group"].startswith("the stages are FSDP-sharded") and "data_parallel_group=" in r["no_dp_group"]
+               for r in res)
+    model = rep[0]["dp_reduce"]
+    assert model is not None and all(r["dp_reduce"] == model for r in rep)
+    params = {s: c for r in rep for s, c in r["stage_params"].items()}
+    assert sorted(params) == [0, 1, 2, 3]
+    assert list(model.stage_bytes) == [8.0 * params[s] for s in range(4)]  # float64 gradients
+    assert model.bucket_bytes is None and model.overlap and model.latency == 0
+    r_ms = [rep[0]["medians"][("R", s)] for s in range(4)]
+    assert model.bandwidth == pytest.approx(sum(model.stage_bytes) / sum(r_ms), rel=1e-12)
+    for d in (0, 1):  # the re-planned schedule still computes the same step
+        mine = [r["replan"]["step"] for r in res if r["dp"] == d]
+        assert all(torch.allclose(a, b, rtol=RTOL, atol=0)
+                   for a, b in zip([v for r in mine for v in r["losses"]], refs[d][0]))
+        for k, g in {k: g for r in mine for k, g in r["grads"].items()}.items():
+            assert (g - mean_grads[k]).norm() <= RTOL * mean_grads[k].norm(), ("after re-planning", d, k)
+    # every rank refuses: pipeline rank 1's ranks (their blocks sharded one by one) naming their stage,
+    # the others naming the pipeline rank that refused
+    msgs = [r["refused"] for r in res]
+    assert all(m is not None and "\n" not in m and "fully_shard each stage's module as one unit" in m for m in msgs)
+    own = "stage 1's module has fully_shard-ed submodules (blocks.2"
+    assert sorted(m.startswith(own) for m in msgs) == [False, False, True, True], msgs
+    assert all(m.startswith(own) or m.startswith("pipeline rank 1: " + own) for m in msgs), msgs
 
 
 def test_stage0_quirk_in_the_cost_model():
