@@ -410,7 +410,7 @@ def profile_model(args: argparse.Namespace) -> Any:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
         normalization=args.normalization, add_bias_linear=args.add_bias_linear, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
+        attention_dropout=args.attention_dropout, transformer_impl=args.transformer_impl,
         precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32")
 
 
