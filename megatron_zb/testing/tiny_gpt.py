@@ -81,7 +81,8 @@ class TinyGPT:
         order -- so no rank's copy goes uncompared (e.g. sequence-parallel layernorm gradients
         before their TP all-reduce differ per rank).
         """
-        merged: dict[str, Any] = {"losses": [], "grads": {}, "params": {}, "w_deferred": 0, "peak_bytes": []}
+        merged: dict[str, Any] = {"losses": [], "grads": {}, "params": {}, "w_deferred": 0, "peak_bytes": [],
+                                  "te_delayed_modules": 0, "te_queued_left": 0}
         copies: dict[str, dict[str, list[torch.Tensor]]] = {"grads": {}, "params": {}}
         for r in results:
             merged["losses"] = merged["losses"] or r["losses"]
@@ -89,6 +90,8 @@ class TinyGPT:
                 for n, t in r[key].items():
                     copies[key].setdefault(n, []).append(t)
             merged["w_deferred"] += r["w_deferred"]
+            for key in ("te_delayed_modules", "te_queued_left"):
+                merged[key] += r.get(key, 0)
             merged["peak_bytes"].append(r.get("peak_bytes"))
         for key, named in copies.items():
             for n, ts in named.items():
@@ -258,6 +261,7 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
 
     ``optimizer_step`` also runs megatron-core's Adam (``get_megatron_optimizer``, clipping on)
     and returns the updated parameters; ``options`` go to megatron-zb's forward_backward_func.
+    Also returns ``w_deferred`` (store entries run by W's) and :func:`te_queues`'s counts.
     """
     from ..model import named_global_parameters
     from ..runtime import get_forward_backward_func
@@ -281,7 +285,7 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
                 grads[n] = full_tensor(g, p)
     w_deferred = 0 if store is None else store.executed - before
     out = {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": w_deferred,
-           "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}}
+           "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}, **te_queues(modules)}
     if optimizer_step:  # the product's optimizer wiring: megatron-core's Adam, lr 0.01, clipping at 1.0
         from ..training.run_config import OptimConfig, ParallelConfig, PrecisionConfig
         from ..training.wiring import megatron_optimizer
@@ -291,6 +295,25 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
         opt.step()
         out["params"] = {n: full_tensor(p, p) for c in chunks for n, p in named_global_parameters(c)}
     return out
+
+
+def te_moe_grouped_gemm_layer_spec() -> Any:
+    """megatron-core's Transformer Engine layer spec with MoE experts in TE's ``GroupedLinear``
+    (4 experts, ``moe_grouped_gemm``): the ``layer_spec`` of the real-TE MoE test (GPU only)."""
+    from ..runtime.te_route import te_layer_spec
+
+    return te_layer_spec(num_experts=4, moe_grouped_gemm=True)
+
+
+def te_queues(modules: list[Any]) -> dict[str, int]:
+    """The Transformer Engine modules with delayed weight gradients in ``modules`` (real TE or the
+    CPU test double alike) and the entries still queued in them: ``te_delayed_modules``,
+    ``te_queued_left`` (0 after a complete step: every queued W ran)."""
+    from ..megatron_compat import te_queued_wgrad
+    from ..runtime.te_route import chunk_te_modules
+
+    delayed = [te.module for mod in modules for te in chunk_te_modules(mod).delayed]
+    return {"te_delayed_modules": len(delayed), "te_queued_left": sum(te_queued_wgrad(m) for m in delayed)}
 
 
 def run_step_with_env(cfg: TinyGPT, *, env: dict[str, str | None], **kwargs: Any) -> dict[str, Any]:
