@@ -197,7 +197,7 @@ fi
 if [ "$HAVE_TE" -eq 1 ] || [ "$DRY" -eq 1 ]; then
   [ "$HAVE_TE" -eq 0 ] && echo "# runs only where Transformer Engine >= 2.3 is installed (not here)"
   if [ "$GPUS" -ge 2 ]; then
-    step "Transformer Engine parity" "$CUDA_ENV $PYTEST tests/test_te_contract.py -k real_transformer_engine"
+    step "Transformer Engine parity" "$CUDA_ENV $PYTEST tests/test_te_real.py"
   else
     skip "Transformer Engine parity" "needs 2 GPUs"
   fi

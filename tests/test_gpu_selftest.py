@@ -90,7 +90,7 @@ def test_dry_run_prints_commands_that_exist_and_parse(tmp_path):
     commands = _commands(res.stdout)
     assert len(commands) >= 14, res.stdout
     assert any("MEGATRON_ZB_TEST_DEVICE=cuda" in c and "tests/test_runtime.py" in c for c in commands)
-    assert any("-k real_transformer_engine" in c for c in commands)
+    assert any("tests/test_te_real.py" in c for c in commands)
     assert any("megatron_zb.testing.gpu_bench --pp 8" in c for c in commands)
     assert any("MEGATRON_ZB_TEST_DEVICE=cuda" in c and "megatron_zb.testing.p2p_stress --pp 8" in c for c in commands)
     assert any("tests/test_runtime.py -k tp2_pp2" in c for c in commands)

@@ -14,8 +14,9 @@ same runtime code as TE modules (:mod:`megatron_zb.runtime.te_route`).
 * a schedule whose W's leave their B's order, or a split schedule on TE modules built without
   delaying, is refused before anything runs.
 
-The last test runs real Transformer Engine modules when TE and CUDA are present
-(``scripts/gpu_selftest.sh``); here it is skipped.
+The same checks with real Transformer Engine modules on a GPU are in ``tests/test_te_real.py``
+(``scripts/gpu_selftest.sh``); their count check, :func:`~megatron_zb.testing.tiny_gpt.check_te_run`,
+runs here on the double.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from megatron_zb.schedules import Action, Op, Schedule, ScheduleError
 from megatron_zb.schedules.order import w_order_matches_b
 from megatron_zb.schedules.registry import build_schedule, schedule_names
 from megatron_zb.testing import run_distributed
-from megatron_zb.testing.tiny_gpt import TinyGPT, assert_bitwise_equal, run_step
+from megatron_zb.testing.tiny_gpt import TinyGPT, assert_bitwise_equal, check_te_run, run_step
 
 SPEC = "te_double:gpt_layer_spec"
 TE_SPEC = "megatron_zb.runtime.te_route:te_layer_spec"
@@ -67,17 +68,6 @@ def _merged(cfg: TinyGPT, schedule, **kwargs) -> dict:
 def _assert_bitwise(ref: dict, got: dict, what: str) -> None:
     assert_bitwise_equal(ref, got, what=what)
 
-
-def check_te_run(got: dict, *, te_modules: int, microbatches: int, split: bool) -> None:
-    """The one count check of a delayed-TE run (merged :func:`run_step` results), shared by the
-    test double's runs here and the real-TE runs on a GPU: exactly ``te_modules`` TE modules
-    delayed their weight gradients; a split schedule's store ran ``microbatches x (te_modules + 1)``
-    W's -- every TE module's and the output layer's (linear route), not merely some deferred W,
-    which the output layer alone would give -- and a fused one none (TE's queued work runs right
-    after each backward); and no TE queue holds an entry at the end."""
-    assert got["te_delayed_modules"] == te_modules, (got["te_delayed_modules"], te_modules)
-    assert got["w_deferred"] == (microbatches * (te_modules + 1) if split else 0), got["w_deferred"]
-    assert got["te_queued_left"] == 0, f"{got['te_queued_left']} TE queue entries left at the end"
 
 
 @pytest.fixture(scope="module")
@@ -361,74 +351,6 @@ def test_order_violation_reports_stage_rank_orders_and_position():
                            Action(Op.W, 0, 0)]])
     (v,) = w_order_matches_b(s)
     assert v.b_order == (0, 1) and v.w_order == (1, 0)
-
-
-# ---------------------------------------------------------------------- real Transformer Engine
-# Run by scripts/gpu_selftest.sh (step 7, ``-k real_transformer_engine``) on a GPU node with TE
-# installed; skipped elsewhere, each with its reason. Their checks are the CPU tests' own
-# (_assert_bitwise, check_te_run), which run above on the test double; the MoE grouped-GEMM GPT
-# has no double (its GroupedLinear handling is checked on CPU per module, under megatron-core DDP,
-# by test_grouped_linear_b_time_buffer_never_reaches_main_grad).
-REAL_TE = dict(TINY, hidden=64, heads=4)
-
-
-def _require_real_te(*, fp8: bool = False) -> None:
-    from megatron_zb.runtime.te_route import transformer_engine_version
-
-    if transformer_engine_version() is None:
-        pytest.skip("Transformer Engine is not installed")
-    if os.environ.get("MEGATRON_ZB_TEST_DEVICE", "cpu") != "cuda":
-        pytest.skip("Transformer Engine needs CUDA: set MEGATRON_ZB_TEST_DEVICE=cuda")
-    if fp8:
-        from transformer_engine.pytorch.fp8 import check_fp8_support
-
-        ok, why = check_fp8_support()
-        if not ok:
-            pytest.skip(f"FP8 is not supported on this GPU: {why}")
-
-
-def _real_te_parity(base: dict, schedule: str, *, te_modules: int, layer_spec: str = TE_SPEC) -> dict:
-    """megatron-core's 1F1B without delaying against ``schedule`` with TE's delayed weight
-    gradients, PP=2: bitwise equal gradients (``main_grad`` with DDP), and :func:`check_te_run`."""
-    ref = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(**base, layer_spec=layer_spec), schedule=None),
-                                        world_size=2, timeout=300))
-    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(**base, layer_spec=layer_spec, delay_wgrad=True),
-                                                schedule=schedule), world_size=2, timeout=300))
-    _assert_bitwise(ref, got, f"real TE {schedule}")
-    check_te_run(got, te_modules=te_modules, microbatches=base["num_microbatches"], split=True)
-    return got
-
-
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-2p", "zbv"])
-def test_real_transformer_engine_delayed_matches_non_delayed(schedule):
-    _require_real_te()
-    _real_te_parity(REAL_TE, schedule, te_modules=TE_MODULES_PER_LAYER * REAL_TE["num_layers"])
-
-
-def test_real_transformer_engine_fp8_linear_biases_main_grad():
-    """FP8 (current per-tensor scaling: no amax history, so the schedules' different orders of
-    forwards cannot change the scales) with linear biases under megatron-core DDP: TE computes
-    linear_qkv's GEMM-internal bias gradient in B; main_grad equals the non-delayed run's."""
-    _require_real_te(fp8=True)
-    base = dict(REAL_TE, ddp=True, config_options={"fp8": "hybrid", "fp8_recipe": "tensorwise",
-                                                   "add_bias_linear": True})
-    got = _real_te_parity(base, "zb-2p", te_modules=TE_MODULES_PER_LAYER * REAL_TE["num_layers"])
-    assert any(n.endswith("linear_qkv.bias") for n in got["grads"])
-
-
-@pytest.mark.parametrize("fusion", [False, True], ids=["unfused", "fused-accumulation"])
-def test_real_transformer_engine_moe_grouped_gemm_main_grad(fusion):
-    """MoE experts in TE's GroupedLinear (``--moe-grouped-gemm``), with and without fused
-    accumulation, under megatron-core DDP: main_grad equals the non-delayed run's (TE >= 2.8
-    without fused accumulation returns its uninitialised packed buffer in B, which must never
-    reach main_grad). TE modules per layer: linear_qkv, linear_proj and the experts' two
-    GroupedLinear (the router is not a TE module)."""
-    _require_real_te()
-    base = dict(REAL_TE, ddp=True, gradient_accumulation_fusion=fusion,
-                config_options={"num_moe_experts": 4, "moe_grouped_gemm": True, "moe_router_topk": 2,
-                                "moe_ffn_hidden_size": 96, "add_bias_linear": False})
-    _real_te_parity(base, "zb-2p", te_modules=4 * REAL_TE["num_layers"],
-                    layer_spec="megatron_zb.testing.tiny_gpt:te_moe_grouped_gemm_layer_spec")
 
 
 # ---------------------------------------------------------------------- the command line

@@ -111,6 +111,19 @@ def assert_bitwise_equal(ref: dict[str, Any], got: dict[str, Any], *, what: str)
         assert torch.equal(got["grads"][n], g), f"{what}: gradient of {n} differs"
 
 
+def check_te_run(got: dict[str, Any], *, te_modules: int, microbatches: int, split: bool) -> None:
+    """The one count check of a delayed-TE run (merged :func:`run_step` results), shared by the CPU
+    test double's runs (``tests/test_te_contract.py``) and the real-TE runs on a GPU
+    (``tests/test_te_real.py``): exactly ``te_modules`` TE modules delayed their weight gradients;
+    a split schedule's store ran ``microbatches x (te_modules + 1)`` W's -- every TE module's and
+    the output layer's (linear route), not merely some deferred W, which the output layer alone
+    would give -- and a fused one none (TE's queued work runs right after each backward); and no
+    TE queue holds an entry at the end."""
+    assert got["te_delayed_modules"] == te_modules, (got["te_delayed_modules"], te_modules)
+    assert got["w_deferred"] == (microbatches * (te_modules + 1) if split else 0), got["w_deferred"]
+    assert got["te_queued_left"] == 0, f"{got['te_queued_left']} TE queue entries left at the end"
+
+
 def random_microbatches(n: int, *, vocab: int, micro_batch: int, seq: int,
                         seed: int) -> list[dict[str, torch.Tensor]]:
     """``n`` micro batches of random tokens from a CPU generator seeded with ``seed``.
