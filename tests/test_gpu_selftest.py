@@ -153,7 +153,8 @@ def test_dry_run_prints_commands_that_exist_and_parse(tmp_path):
         assert pretrain_run.flag_value(run_flags, "--transformer-impl") == "local"  # what the plan models here
         for i, flag in enumerate(plan_flags):
             if flag.startswith("--") and flag != "--vocab-size":
-                value = plan_flags[i + 1] if i + 1 < len(plan_flags) and not plan_flags[i + 1].startswith("--") else None
+                nxt = plan_flags[i + 1] if i + 1 < len(plan_flags) else "--"
+                value = None if nxt.startswith("--") else nxt
                 assert flag in run_flags and (value is None or pretrain_run.flag_value(run_flags, flag) == value), flag
         assert plan_flags[plan_flags.index("--vocab-size") + 1] == "258"  # ByteLevel: 256 bytes + EOD + PAD
         assert cli_main(["plan", *plan_flags, "--schedules", schedule, "--gpu", "H100",

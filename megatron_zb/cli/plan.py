@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_zb.planning.hardware import DEFAULT_HBM_EFFICIENCY, DEFAULT_MFU, HardwareError, gpu_names, resolve_hardware
-from megatron_zb.planning.model import TRANSFORMER_IMPLS, ModelConfig, ParallelConfig, PlanError, make_model, make_parallel
+from megatron_zb.planning.model import (TRANSFORMER_IMPLS, ModelConfig, ParallelConfig, PlanError, make_model,
+                                        make_parallel)
 
 PROG = "megatron-zb"
 EXIT_USAGE = 2

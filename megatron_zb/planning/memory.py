@@ -33,9 +33,10 @@ layers' (QKV, FC1) inputs: megatron-zb's linear route keeps the sequence-sharded
 it again in ``W``; Transformer Engine's layers (``--transformer-impl transformer_engine``, with
 ``delay_wgrad_compute``) keep the input they all-gathered in ``B`` until ``W``: ``2Th`` each
 (``t`` times ``2A``). So at a large ``t`` ``M_W`` can exceed ``M_B`` (TP=8 with SP and flash
-attention: about 2.6x with TE, 1.8x without, per layer of an ``h = 4096`` GPT): ``B`` then
+attention, ``h = s = 4096``: about 2.6x with TE, 1.8x without, per layer): ``B`` then
 allocates ``M_W - M_B``, which the cost model expresses (:class:`~megatron_zb.schedules.costs.CostModel`:
-``B`` changes the held memory by ``mem_w - mem_b``) and the schedules' memory limits check at ``B``. The embedding stage adds its dropout mask to ``M_B`` and its output gradient to ``M_W``;
+``B`` changes the held memory by ``mem_w - mem_b``) and the schedules' memory limits check at ``B``.
+The embedding stage adds its dropout mask to ``M_B`` and its output gradient to ``M_W``;
 the loss stage adds the final norm's and output layer's inputs and the fp32 softmax of the
 cross entropy (``4 T V/t``) to ``M_B``, and the output layer's input and 16-bit logit gradient
 to ``M_W``.
