@@ -209,8 +209,9 @@ class SchedulePlanner:
             if over:
                 per_stage += ("\n    WARNING: B leaves more for W than F left for B on stage(s) " + ", ".join(
                     f"{s} ({w / 1024:.1f} > {b / 1024:.1f} KiB)" for s, w, b in over)
-                    + " (full recomputation: B rebuilds what W needs); the schedule's memory model caps M_W "
-                      "at M_B and under-counts memory between B and W")
+                    + " (full recomputation: B rebuilds what W needs); the re-plan caps M_W at M_B (its limit "
+                      "--zero-bubble-max-pending-backward x M_B may be below what B leaves) and under-counts "
+                      "memory between B and W")
         print_rank_0(report + "\n" + per_stage + "\n" + note)
         if args.profile_out:
             self._write_profile(agreed)
