@@ -25,9 +25,15 @@
 #      the numerical suite's TP/SP cases (bitwise against megatron-core 1F1B) and pretrain at TP = 2, PP = 2;
 #   6. memory (2+ GPUs): pretrain_gpt_zb.py with zb-h1 at PP = 2 (local layers), each rank's
 #      torch.cuda.max_memory_allocated next to `megatron-zb plan`'s prediction; FAIL above the
-#      prediction x 1/0.9, the plan's own headroom (megatron_zb/testing/memory_check.py);
+#      prediction x 1/0.9, the plan's own headroom (megatron_zb/testing/memory_check.py); with 4+
+#      GPUs the same at TP = 2 with sequence parallelism x PP = 2, with Transformer Engine's layers
+#      when TE is installed (else local), where each W keeps all-gathered tensors (M_W > M_B per
+#      layer at large TP: the plan lets B allocate);
 #   7. with Transformer Engine >= 2.3 installed: the real-TE parity tests (delayed weight gradients
-#      under zb-h1 / zb-2p / zbv equal the non-delayed path of megatron-core's 1F1B);
+#      under zb-h1 / zb-2p / zbv equal the non-delayed path of megatron-core's 1F1B; FP8 with linear
+#      biases and MoE grouped GEMM with and without fused accumulation, main_grad under
+#      megatron-core DDP; each run's store ran microbatches x (TE modules + 1) W's and left every
+#      TE queue empty);
 #   8. with 2 or more GPUs: a short benchmark, megatron-core's 1F1B against zb, zb-2p and zbv at
 #      PP = number of GPUs on a GPT sized for the GPUs, printed as one table.
 # The summary at the end lists every step as PASS, FAIL or SKIPPED with the reason (a step's last
@@ -178,12 +184,20 @@ if [ "$GPUS" -ge 2 ]; then
 else
   skip "memory vs megatron-zb plan" "needs 2 GPUs: megatron-zb plan models pipelines of PP >= 2"
 fi
+if [ "$GPUS" -ge 4 ]; then
+  IMPL=local
+  [ "$HAVE_TE" -eq 1 ] && IMPL=transformer_engine
+  step "pretrain zb-h1 TP=2 SP PP=2 on CUDA (memory run, $IMPL)" "$(pretrain zb-h1-tp2-sp-memory 4 --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --schedule zb-h1 --transformer-impl $IMPL)"
+  step "memory vs megatron-zb plan (zb-h1 TP=2 SP PP=2, $IMPL)" "$PY -m megatron_zb.testing.memory_check --run $OUT/pretrain-zb-h1-tp2-sp-memory --schedule zb-h1 -- $PT_MODEL --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --transformer-impl $IMPL --vocab-size 258"
+else
+  skip "memory vs megatron-zb plan, TP=2 with sequence parallelism" "needs 4 GPUs (TP=2 x PP=2)"
+fi
 
 # 7. Transformer Engine
 if [ "$HAVE_TE" -eq 1 ] || [ "$DRY" -eq 1 ]; then
   [ "$HAVE_TE" -eq 0 ] && echo "# runs only where Transformer Engine >= 2.3 is installed (not here)"
   if [ "$GPUS" -ge 2 ]; then
-    step "Transformer Engine parity" "$CUDA_ENV $PYTEST tests/runtime/test_te_contract.py -k real_transformer_engine"
+    step "Transformer Engine parity" "$CUDA_ENV $PYTEST tests/runtime/test_te_real.py"
   else
     skip "Transformer Engine parity" "needs 2 GPUs"
   fi

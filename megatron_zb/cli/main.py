@@ -171,7 +171,7 @@ def _add_cost_flags(p: argparse.ArgumentParser, *, limit_help: str) -> None:
     g.add_argument("--mem-b", type=_positive, default=1.0, metavar="M",
                    help="activation memory F allocates and B frees (default 1)")
     g.add_argument("--mem-w", type=_non_negative, default=None, metavar="M",
-                   help="part of it still held after B until W (default mem-b/2)")
+                   help="memory held from B until W (default mem-b/2); above mem-b, B allocates the difference")
     g.add_argument("--memory-limit", type=_positive, default=None, metavar="X", help=limit_help)
     d = p.add_argument_group("data-parallel gradient reduce (off unless --dp-reduce-bytes is given)")
     d.add_argument("--dp-reduce-bytes", type=_non_negative, default=None, metavar="BYTES",

@@ -81,9 +81,9 @@ class Costs:
                                       ("--tcomm", self.tcomm, False), ("--mem-b", self.mem_b, True)):
             if not math.isfinite(value) or value < 0 or (positive and value == 0):
                 raise CLIError(f"{flag} must be finite and {'> 0' if positive else '>= 0'}, got {value:g}")
-        if self.mem_w is not None and not 0 <= self.mem_w <= self.mem_b:
-            raise CLIError(f"--mem-w must be between 0 and --mem-b ({self.mem_b:g}): the part of the activations "
-                           f"held until W is a part of what F allocated; got {self.mem_w:g}")
+        if self.mem_w is not None and not (math.isfinite(self.mem_w) and self.mem_w >= 0):
+            raise CLIError(f"--mem-w must be finite and >= 0, got {self.mem_w:g} (above --mem-b, B allocates the "
+                           f"difference: what each W keeps outgrows what F saved)")
         if self.memory_limit is not None:
             if not self.memory_limit > 0:
                 raise CLIError(f"--memory-limit must be > 0, got {self.memory_limit:g}")

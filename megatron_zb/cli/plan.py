@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_zb.planning.hardware import DEFAULT_HBM_EFFICIENCY, DEFAULT_MFU, HardwareError, gpu_names, resolve_hardware
-from megatron_zb.planning.model import ModelConfig, ParallelConfig, PlanError, make_model, make_parallel
+from megatron_zb.planning.model import (TRANSFORMER_IMPLS, ModelConfig, ParallelConfig, PlanError, make_model,
+                                        make_parallel)
 
 PROG = "megatron-zb"
 EXIT_USAGE = 2
@@ -79,6 +80,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
                    default="learned_absolute", help="default learned_absolute")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="default LayerNorm")
+    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="transformer_engine",
+                   help="layers the model is built from (default transformer_engine, as Megatron-LM): with "
+                        "--sequence-parallel, Transformer Engine's keep their all-gathered inputs until W")
     g = p.add_argument_group("parallel layout")
     g.add_argument("--pipeline-model-parallel-size", dest="pp", type=int, default=None, metavar="P",
                    help="pipeline stages (required)")
@@ -135,7 +139,7 @@ def _model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw.update({dest: getattr(args, dest) for dest in ("swiglu", "group_query_attention",
                                                       "untie_embeddings_and_output_weights", "use_flash_attn")})
     kw.update(add_bias_linear=not args.disable_bias_linear, position_embedding_type=args.position_embedding_type,
-              normalization=args.normalization, precision=_precision(args))
+              normalization=args.normalization, precision=_precision(args), transformer_impl=args.transformer_impl)
     return kw
 
 
@@ -154,7 +158,8 @@ def _given_model_flags(args: argparse.Namespace) -> dict[str, Any]:
         given["add_bias_linear"] = False
     if args.fp16 or args.bf16:
         given["precision"] = "fp16" if args.fp16 else "bf16"
-    for dest, default in (("position_embedding_type", "learned_absolute"), ("normalization", "LayerNorm")):
+    for dest, default in (("position_embedding_type", "learned_absolute"), ("normalization", "LayerNorm"),
+                          ("transformer_impl", "transformer_engine")):
         if getattr(args, dest) != default:
             given[dest] = getattr(args, dest)
     return given

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 PRECISIONS = ("bf16", "fp16", "fp32")
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes of one activation, parameter or parameter gradient element, per precision."""
 
@@ -63,6 +64,9 @@ class ModelConfig:
         precision: ``bf16`` or ``fp16`` (mixed precision: 2-byte activations and parameters, fp32
             main gradients and optimizer state) or ``fp32`` (Megatron's default without ``--bf16`` /
             ``--fp16``: 4-byte everything, no master copy).
+        transformer_impl: ``transformer_engine`` (Megatron-LM's default) or ``local``: with sequence
+            parallelism TE's layers keep the all-gathered inputs of the column-parallel layers until
+            ``W`` (:mod:`.memory`).
     """
 
     num_layers: int
@@ -85,6 +89,7 @@ class ModelConfig:
     attention_dropout: float = 0.1
     use_flash_attn: bool = False
     precision: str = "bf16"
+    transformer_impl: str = "transformer_engine"
 
     @property
     def element_bytes(self) -> int:
@@ -217,6 +222,8 @@ def check_model(m: ModelConfig) -> None:
         raise PlanError("--position-embedding-type", f"one of {', '.join(POSITION_EMBEDDINGS)}")
     if m.normalization not in NORMALIZATIONS:
         raise PlanError("--normalization", f"one of {', '.join(NORMALIZATIONS)}")
+    if m.transformer_impl not in TRANSFORMER_IMPLS:
+        raise PlanError("--transformer-impl", f"one of {', '.join(TRANSFORMER_IMPLS)}, got {m.transformer_impl!r}")
     if m.precision not in PRECISIONS:
         raise PlanError("--bf16", f"precision {m.precision!r} is not one of {', '.join(PRECISIONS)}")
     if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < m.seq_length:

@@ -259,6 +259,3 @@ def _check(prof: Profile, where: str) -> None:
             positive = key in ("t_f_ms", "t_b_ms")
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise bad(f"stages[{i}].{key} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
-        if s.mem_w_bytes > s.mem_b_bytes:
-            raise bad(f"stages[{i}].mem_w_bytes {s.mem_w_bytes:g} exceeds mem_b_bytes {s.mem_b_bytes:g} "
-                      f"(the part held until W is a part of what F allocated)")

@@ -150,7 +150,13 @@ class CostModel:
         t_comm: latency of one activation/gradient transfer between two different ranks
             (transfers between stages on the same rank are free).
         mem_b: activation memory allocated by ``F`` and held until ``B`` (or ``BW``).
-        mem_w: part of it still held after ``B`` until ``W`` (``0 <= mem_w <= mem_b``).
+        mem_w: memory held from ``B`` until ``W`` (``>= 0``). ``B`` changes the held memory by
+            ``mem_w - mem_b``: usually a part of what ``F`` saved (``mem_w <= mem_b``: ``B`` frees),
+            but it may exceed it (``B`` allocates: with sequence parallelism each ``W`` keeps
+            all-gathered tensors, ``T x h`` each, that ``F`` saved ``TP`` times smaller), and then
+            a rank's peak can be right after a ``B``. ``W`` frees ``mem_w``; a fused ``BW`` frees
+            ``mem_b`` (what its weight gradients gather lives only inside the action, one layer at
+            a time, and is not modelled, like every other transient tensor).
         memory_limit: peak activation memory allowed on every rank, or ``None`` for no limit.
         dp_reduce: the data-parallel gradient reduce (:class:`DPReduceModel`: bytes
             per stage, bucket size, bandwidth, overlap on or off), or ``None`` (default): no reduce
@@ -194,10 +200,6 @@ class CostModel:
         mem_b = _expand("mem_b", self.mem_b, num_stages, positive=False)
         mem_w_raw = self.mem_w if self.mem_w is not None else [b / 2 for b in mem_b]
         mem_w = _expand("mem_w", mem_w_raw, num_stages, positive=False)
-        for s, (b, w) in enumerate(zip(mem_b, mem_w)):
-            if w > b:
-                raise ScheduleError(f"mem_w ({w}) exceeds mem_b ({b}) on stage {s}: the part held until W "
-                                    f"is a part of what F allocated")
         if self.memory_limit is not None and (math.isnan(self.memory_limit) or self.memory_limit <= 0):
             raise ScheduleError(f"memory_limit is {self.memory_limit}; it must be > 0 (or None for no limit)")
         return StageCosts(
@@ -240,8 +242,31 @@ class StageCosts:
             return self.t_b[stage] + self.t_w[stage]
         raise ScheduleError(f"{op} is not a compute action")
 
+    def backward_alloc(self, stage: int) -> float:
+        """What ``B`` on ``stage`` allocates, ``max(0, mem_w - mem_b)`` (``0.0`` exactly when ``B``
+        frees): a memory-limited generator reserves it when it admits an ``F`` and checks it at ``B``."""
+        extra = self.mem_w[stage] - self.mem_b[stage]
+        return extra if extra > 0 else 0.0
+
+    def microbatch_peak(self, stages: Sequence[int]) -> float:
+        """The least peak a rank holding ``stages`` (ascending) reaches for one microbatch alone: all
+        their ``F`` (``sum mem_b``), or right after the ``B`` of stage ``q`` with the rank's
+        shallower stages still held (``sum_{s < q} mem_b[s] + mem_w[q]``), whichever is larger. Any
+        schedule passes both points, so no memory limit below this works; running one microbatch
+        at a time (``W`` right after its ``B``) needs no more. Equals ``sum mem_b`` (the same float)
+        when no ``B`` allocates."""
+        total = sum(self.mem_b[s] for s in stages)
+        if not any(self.backward_alloc(s) > 0 for s in stages):
+            return total
+        held, peak = 0.0, total
+        for s in stages:
+            peak = max(peak, held + self.mem_w[s])
+            held += self.mem_b[s]
+        return peak
+
     def memory_delta(self, op: Op | str, stage: int) -> float:
-        """Change of held activation memory when ``op`` on ``stage`` runs."""
+        """Change of held activation memory when ``op`` on ``stage`` runs (``B``: ``mem_w - mem_b``,
+        positive when ``B`` allocates)."""
         if op == Op.F:
             return self.mem_b[stage]
         if op == Op.B:

@@ -9,8 +9,11 @@ Resolution (:func:`resolve_limit`, called by every cost-aware generator):
 1. the ``memory_limit`` argument, when given;
 2. else ``costs.memory_limit``, when set;
 3. else the schedule's own default (each generator states it in its docstring; the ``megatron-zb
-   list`` descriptions repeat it); a default of ``0`` -- no activation memory at all -- means
-   no limit (``inf``), not "nothing fits".
+   list`` descriptions repeat it), raised to the placement's feasible minimum when it is below it
+   (possible only when ``B`` allocates, ``mem_w > mem_b``: one microbatch then peaks after its
+   ``B``, :meth:`~.costs.StageCosts.microbatch_peak`); a default of ``0`` -- no activation memory
+   at all -- means no limit (``inf``), not "nothing fits". An explicit limit is never raised: below
+   the minimum it is refused (:func:`check_minimum`).
 
 Fits (:func:`fits`): held memory fits a limit when ``held <= limit * (1 + 1e-9) + 1e-9``
 (:data:`MEMORY_SLACK`, relative and absolute: summing per-stage floats in another order moves the
@@ -63,14 +66,16 @@ def parse_limit(memory_limit: object) -> float:
     return limit
 
 
-def resolve_limit(memory_limit: float | None, costs: CostModel, default: float) -> float:
-    """The limit a schedule is built for: ``memory_limit``, else ``costs.memory_limit``, else ``default``.
+def resolve_limit(memory_limit: float | None, costs: CostModel, default: float, *, minimum: float = 0.0) -> float:
+    """The limit a schedule is built for: ``memory_limit``, else ``costs.memory_limit``, else
+    ``max(default, minimum)``.
 
     Args:
         memory_limit: the caller's limit (unit of ``costs.mem_b``), or ``None``.
         costs: the cost model (its ``memory_limit`` is the second choice).
         default: the schedule's own default, same unit; ``<= 0`` (no activation memory) or ``inf``
             means no limit.
+        minimum: the placement's feasible minimum, same unit: a default below it is raised to it.
 
     Returns:
         The limit, ``> 0``; ``inf`` for no limit.
@@ -81,6 +86,7 @@ def resolve_limit(memory_limit: float | None, costs: CostModel, default: float) 
     if memory_limit is None:
         memory_limit = costs.memory_limit
     if memory_limit is None:
+        default = default if default >= minimum else minimum
         memory_limit = default if default > 0 else math.inf
     return parse_limit(memory_limit)
 

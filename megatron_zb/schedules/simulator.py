@@ -7,8 +7,9 @@ of ``(i, s+1)``; ``W(i, s)`` waits for ``B(i, s)``; a dependency between two dif
 ``t_comm`` (latency; it does not occupy either rank). Communication actions of a lowered schedule
 are ignored: transfers are modelled this way.
 
-Memory: ``F`` allocates ``mem_b``; ``B`` frees ``mem_b - mem_w``; ``W`` frees ``mem_w``; ``BW``
-frees ``mem_b``. The peak is taken over each rank's action order.
+Memory: ``F`` allocates ``mem_b``; ``B`` changes the held memory by ``mem_w - mem_b`` (frees, or
+allocates when ``mem_w > mem_b``); ``W`` frees ``mem_w``; ``BW`` frees ``mem_b``. The peak is taken
+over each rank's action order, after every action (so also right after an allocating ``B``).
 
 Vocabulary passes (``IF``, ``S``, ``T``, ``IB``; schedules with ``vocab_barriers`` 1 or 2) are
 timed with ``costs.vocab`` and their collectives as barriers across ranks (:mod:`.timing`); ``S``

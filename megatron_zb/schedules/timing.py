@@ -8,8 +8,10 @@ exact solver's model all use them (the zero-bubble paper's model):
   last stage only for its own ``F``); ``W(i, s)`` waits for ``B(i, s)``. A dependency between two
   different ranks adds ``t_comm`` (a latency that occupies neither rank);
 * durations and memory deltas: :meth:`~.costs.StageCosts.duration` and
-  :meth:`~.costs.StageCosts.memory_delta` (``F`` allocates ``mem_b``, ``B`` frees ``mem_b - mem_w``,
-  ``W`` frees ``mem_w``, ``BW`` frees ``mem_b``), tabulated per stage by :class:`Timeline`;
+  :meth:`~.costs.StageCosts.memory_delta` (``F`` allocates ``mem_b``, ``B`` changes the held memory
+  by ``mem_w - mem_b`` -- frees, or allocates when ``mem_w > mem_b`` --, ``W`` frees ``mem_w``,
+  ``BW`` frees ``mem_b``), tabulated per stage by :class:`Timeline`; the peak is taken after every
+  action, so a peak right after an allocating ``B`` counts;
 * a rank runs its actions in order, one at a time, each as soon as the rank is free and its inputs
   are done (:meth:`Timeline.run`, :meth:`Timeline.play`);
 * the data-parallel gradient reduce, only when ``costs.dp_reduce`` is set (a

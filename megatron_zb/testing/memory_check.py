@@ -8,8 +8,10 @@ are Megatron's model and layout flags of that run (``--num-layers ... --pipeline
 ... --global-batch-size ... --bf16 --vocab-size V``); this module runs ``megatron-zb plan`` with them,
 ``--schedules NAME`` and ``--json DIR/plan.json`` (plus ``--gpu-memory-gib`` of the measured GPU and
 nominal speeds when no ``--gpu`` is given: the memory prediction does not depend on speeds), and
-prints one table, a row per pipeline rank: measured peak, predicted peak (activations +
-parameters and optimizer state) and their ratio.
+prints one table, a row per rank: measured peak, predicted peak of its pipeline rank (activations +
+parameters and optimizer state) and their ratio. With tensor (or data) parallelism the run has
+``k`` ranks per pipeline rank; Megatron's default rank order (``tp-cp-ep-dp-pp``) puts global rank
+``g`` on pipeline rank ``g // k``, and each of them is compared with that pipeline rank's prediction.
 
 Verdict: FAIL when a rank's measured peak exceeds its prediction by more than ``--margin``
 (default :data:`DEFAULT_MARGIN` = 1/0.9 - 1, about 11.1%). Why that margin: ``plan`` calls a
@@ -55,9 +57,16 @@ def compare(measured_bytes: Sequence[int | None], plan_row: dict[str, Any], marg
              "|------|--------------|---------------|----------------------------------|----------------------"
              "|---------|"]
     problems = []
-    if len(measured_bytes) != len(predicted):
-        problems.append(f"{len(measured_bytes)} measured ranks but the plan has {len(predicted)} pipeline ranks")
-    for r, (m, p) in enumerate(zip(measured_bytes, predicted)):
+    per = len(measured_bytes) // len(predicted) if predicted and len(measured_bytes) % len(predicted) == 0 else 0
+    if per == 0:
+        problems.append(f"{len(measured_bytes)} measured ranks but the plan has {len(predicted)} pipeline ranks "
+                        f"(not a multiple)")
+        per = 1
+    for r, m in enumerate(measured_bytes):
+        q = r // per   # the pipeline rank of global rank r (tp-cp-ep-dp-pp order)
+        if q >= len(predicted):
+            break
+        p = predicted[q]
         if m is None:
             problems.append(f"rank {r}: no measured peak (not a CUDA run?)")
             continue
@@ -66,7 +75,8 @@ def compare(measured_bytes: Sequence[int | None], plan_row: dict[str, Any], marg
         ok = got <= p * (1 + margin)
         if not ok:
             problems.append(f"rank {r}: measured {got:.2f} GiB > predicted {p:.2f} GiB x {1 + margin:.3f}")
-        lines.append(f"| {r:>4} | {got:12.2f} | {p:13.2f} | {acts[r]:14.2f} + {params[r]:15.2f} | {ratio:20.3f} | "
+        label = f"{r}" if per == 1 else f"{r} (pp {q})"
+        lines.append(f"| {label:>4} | {got:12.2f} | {p:13.2f} | {acts[q]:14.2f} + {params[q]:15.2f} | {ratio:20.3f} | "
                      f"{'ok' if ok else 'OVER':<7} |")
     return "\n".join(lines), problems
 
@@ -124,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"memory vs plan: FAIL: {'; '.join(problems)}")
         return 1
     measured = [m / GIB for m in result["peak_bytes"]]
-    ratios = ", ".join(f"{m / p:.2f}" for m, p in zip(measured, rows[0]["peak_memory_per_rank_gib"]))
+    predicted = rows[0]["peak_memory_per_rank_gib"]
+    per = max(1, len(measured) // len(predicted))
+    ratios = ", ".join(f"{m / predicted[r // per]:.2f}" for r, m in enumerate(measured))
     print(f"memory vs plan: PASS: {args.schedule}, measured / predicted per rank {ratios} "
           f"(limit {1 + args.margin:.3f})")
     return 0

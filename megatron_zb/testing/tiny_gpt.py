@@ -81,7 +81,8 @@ class TinyGPT:
         order -- so no rank's copy goes uncompared (e.g. sequence-parallel layernorm gradients
         before their TP all-reduce differ per rank).
         """
-        merged: dict[str, Any] = {"losses": [], "grads": {}, "params": {}, "w_deferred": 0, "peak_bytes": []}
+        merged: dict[str, Any] = {"losses": [], "grads": {}, "params": {}, "w_deferred": 0, "peak_bytes": [],
+                                  "te_delayed_modules": 0, "te_queued_left": 0}
         copies: dict[str, dict[str, list[torch.Tensor]]] = {"grads": {}, "params": {}}
         for r in results:
             merged["losses"] = merged["losses"] or r["losses"]
@@ -89,6 +90,8 @@ class TinyGPT:
                 for n, t in r[key].items():
                     copies[key].setdefault(n, []).append(t)
             merged["w_deferred"] += r["w_deferred"]
+            for key in ("te_delayed_modules", "te_queued_left"):
+                merged[key] += r.get(key, 0)
             merged["peak_bytes"].append(r.get("peak_bytes"))
         for key, named in copies.items():
             for n, ts in named.items():
@@ -106,6 +109,19 @@ def assert_bitwise_equal(ref: dict[str, Any], got: dict[str, Any], *, what: str)
     assert got["grads"].keys() == ref["grads"].keys(), f"{what}: gradient names differ"
     for n, g in ref["grads"].items():
         assert torch.equal(got["grads"][n], g), f"{what}: gradient of {n} differs"
+
+
+def check_te_run(got: dict[str, Any], *, te_modules: int, microbatches: int, split: bool) -> None:
+    """The one count check of a delayed-TE run (merged :func:`run_step` results), shared by the CPU
+    test double's runs (``tests/runtime/test_te_contract.py``) and the real-TE runs on a GPU
+    (``tests/runtime/test_te_real.py``): exactly ``te_modules`` TE modules delayed their weight gradients;
+    a split schedule's store ran ``microbatches x (te_modules + 1)`` W's -- every TE module's and
+    the output layer's (linear route), not merely some deferred W, which the output layer alone
+    would give -- and a fused one none (TE's queued work runs right after each backward); and no
+    TE queue holds an entry at the end."""
+    assert got["te_delayed_modules"] == te_modules, (got["te_delayed_modules"], te_modules)
+    assert got["w_deferred"] == (microbatches * (te_modules + 1) if split else 0), got["w_deferred"]
+    assert got["te_queued_left"] == 0, f"{got['te_queued_left']} TE queue entries left at the end"
 
 
 def random_microbatches(n: int, *, vocab: int, micro_batch: int, seq: int,
@@ -258,6 +274,7 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
 
     ``optimizer_step`` also runs megatron-core's Adam (``get_megatron_optimizer``, clipping on)
     and returns the updated parameters; ``options`` go to megatron-zb's forward_backward_func.
+    Also returns ``w_deferred`` (store entries run by W's) and :func:`te_queues`'s counts.
     """
     from ..model import named_global_parameters
     from ..runtime import get_forward_backward_func
@@ -281,7 +298,7 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
                 grads[n] = full_tensor(g, p)
     w_deferred = 0 if store is None else store.executed - before
     out = {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": w_deferred,
-           "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}}
+           "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}, **te_queues(modules)}
     if optimizer_step:  # the product's optimizer wiring: megatron-core's Adam, lr 0.01, clipping at 1.0
         from ..training.run_config import OptimConfig, ParallelConfig, PrecisionConfig
         from ..training.wiring import megatron_optimizer
@@ -291,6 +308,25 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
         opt.step()
         out["params"] = {n: full_tensor(p, p) for c in chunks for n, p in named_global_parameters(c)}
     return out
+
+
+def te_moe_grouped_gemm_layer_spec() -> Any:
+    """megatron-core's Transformer Engine layer spec with MoE experts in TE's ``GroupedLinear``
+    (4 experts, ``moe_grouped_gemm``): the ``layer_spec`` of the real-TE MoE test (GPU only)."""
+    from ..runtime.te_route import te_layer_spec
+
+    return te_layer_spec(num_experts=4, moe_grouped_gemm=True)
+
+
+def te_queues(modules: list[Any]) -> dict[str, int]:
+    """The Transformer Engine modules with delayed weight gradients in ``modules`` (real TE or the
+    CPU test double alike) and the entries still queued in them: ``te_delayed_modules``,
+    ``te_queued_left`` (0 after a complete step: every queued W ran)."""
+    from ..megatron_compat import te_queued_wgrad
+    from ..runtime.te_route import chunk_te_modules
+
+    delayed = [te.module for mod in modules for te in chunk_te_modules(mod).delayed]
+    return {"te_delayed_modules": len(delayed), "te_queued_left": sum(te_queued_wgrad(m) for m in delayed)}
 
 
 def run_step_with_env(cfg: TinyGPT, *, env: dict[str, str | None], **kwargs: Any) -> dict[str, Any]:

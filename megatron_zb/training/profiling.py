@@ -48,8 +48,11 @@ first gives the bytes only and the others the times only -- with recomputation a
 Per stage, ``M_B`` is the mean change over its F actions (what one microbatch's forward leaves
 allocated until its B) and ``M_W = M_B + (mean change over its B actions)`` (what B leaves for W:
 the weight-gradient closures' inputs, including tensors a recomputed block saved in B), capped at
-``M_B`` because the cost model needs ``M_W <= M_B`` (with full recomputation the uncapped value is
-larger; the report then prints a warning with both); with a fused ``BW`` ``M_W = 0``. The cost model then holds these bytes and the
+``M_B`` (with full recomputation the uncapped value is larger; the report then prints a warning
+with both); with a fused ``BW`` ``M_W = 0``. The cost model itself accepts ``M_W > M_B`` (``B``
+allocates the difference); the re-plan keeps the cap because its limit, ``N x chunks x max_s M_B``
+below, can be smaller than what one microbatch holds after its ``B`` -- no schedule would fit it,
+and raising a limit the user set is not this module's call (issue 30; not decided). The cost model then holds these bytes and the
 activation limit ``--zero-bubble-max-pending-backward N`` becomes ``N x chunks x max_s M_B``
 bytes (the registry's own limits, e.g. ZB-2p's ``2p x max M_B``, follow the measured ``mem_b``).
 Without measured bytes (a stage measured ``M_B <= 0``) the unit model of before is used, with a

@@ -209,8 +209,9 @@ class SchedulePlanner:
             if over:
                 per_stage += ("\n    WARNING: B leaves more for W than F left for B on stage(s) " + ", ".join(
                     f"{s} ({w / 1024:.1f} > {b / 1024:.1f} KiB)" for s, w, b in over)
-                    + " (full recomputation: B rebuilds what W needs); the schedule's memory model caps M_W "
-                      "at M_B and under-counts memory between B and W")
+                    + " (full recomputation: B rebuilds what W needs); the re-plan caps M_W at M_B (its limit "
+                      "--zero-bubble-max-pending-backward x M_B may be below what B leaves) and under-counts "
+                      "memory between B and W")
         print_rank_0(report + "\n" + per_stage + "\n" + note)
         if args.profile_out:
             self._write_profile(agreed)
@@ -410,7 +411,7 @@ def profile_model(args: argparse.Namespace) -> Any:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
         normalization=args.normalization, add_bias_linear=args.add_bias_linear, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
+        attention_dropout=args.attention_dropout, transformer_impl=args.transformer_impl,
         precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32")
 
 

@@ -90,11 +90,12 @@ def test_dry_run_prints_commands_that_exist_and_parse(tmp_path):
     commands = _commands(res.stdout)
     assert len(commands) >= 14, res.stdout
     assert any("MEGATRON_ZB_TEST_DEVICE=cuda" in c and "tests/runtime/test_runtime.py" in c for c in commands)
-    assert any("-k real_transformer_engine" in c for c in commands)
+    assert any("tests/runtime/test_te_real.py" in c for c in commands)
     assert any("megatron_zb.testing.gpu_bench --pp 8" in c for c in commands)
     assert any("MEGATRON_ZB_TEST_DEVICE=cuda" in c and "megatron_zb.testing.p2p_stress --pp 8" in c for c in commands)
     assert any("tests/runtime/test_runtime.py -k tp2_pp2" in c for c in commands)
     pretrains: dict[str, list[str]] = {}
+    memory_argvs: list[list[str]] = []
     for command in commands:
         assert subprocess.run(["bash", "-n", "-c", command]).returncode == 0, command
         parsed = _python_argv(command)
@@ -118,7 +119,7 @@ def test_dry_run_prints_commands_that_exist_and_parse(tmp_path):
             own, _ = _split(argv[2:])
             pretrains[own[own.index("--label") + 1]] = _check_pretrain(argv[2:], tmp_path)
         elif argv[:2] == ["-m", "megatron_zb.testing.memory_check"]:
-            memory_argv = argv[2:]
+            memory_argvs.append(argv[2:])
         elif argv[0] == "-m":
             assert importlib.util.find_spec(argv[1]) is not None, command
             helped = subprocess.run([sys.executable, "-m", argv[1], "--help"], cwd=ROOT, capture_output=True,
@@ -137,26 +138,37 @@ def test_dry_run_prints_commands_that_exist_and_parse(tmp_path):
     for label in ("zb-tp2-sp", "zb-tp2-sp-pp2"):
         assert "--sequence-parallel" in pretrains[label]
         assert pretrain_run.flag_value(pretrains[label], "--tensor-model-parallel-size") == "2"
-    # step 6: the plan describes the memory run's model and schedule, and accepts the flags
-    own, plan_flags = _split(memory_argv)
-    run_dir = own[own.index("--run") + 1]
-    schedule = own[own.index("--schedule") + 1]
-    run_flags = pretrains["zb-h1-memory"]
-    assert run_dir.endswith("pretrain-zb-h1-memory") and pretrain_run.flag_value(run_flags, "--schedule") == schedule
-    assert pretrain_run.flag_value(run_flags, "--transformer-impl") == "local"  # what the plan models
-    for i, flag in enumerate(plan_flags):
-        if flag.startswith("--") and flag != "--vocab-size":
-            value = plan_flags[i + 1] if i + 1 < len(plan_flags) and not plan_flags[i + 1].startswith("--") else None
-            assert flag in run_flags and (value is None or pretrain_run.flag_value(run_flags, flag) == value), flag
-    assert plan_flags[plan_flags.index("--vocab-size") + 1] == "258"  # ByteLevel: 256 bytes + EOD + PAD
+    # step 6: each plan describes its memory run's model and schedule, and accepts the flags: PP=2,
+    # and TP=2 with sequence parallelism x PP=2 (local layers here, where TE is not installed)
     from megatron_zb.cli import main as cli_main
 
-    assert cli_main(["plan", *plan_flags, "--schedules", schedule, "--gpu", "H100",
-                     "--json", str(tmp_path / "plan.json")]) == 0
+    checked = {}
+    for memory_argv in memory_argvs:
+        own, plan_flags = _split(memory_argv)
+        run_dir = own[own.index("--run") + 1]
+        schedule = own[own.index("--schedule") + 1]
+        label = run_dir.rsplit("pretrain-", 1)[1]
+        run_flags = pretrains[label]
+        assert pretrain_run.flag_value(run_flags, "--schedule") == schedule
+        assert pretrain_run.flag_value(run_flags, "--transformer-impl") == "local"  # what the plan models here
+        for i, flag in enumerate(plan_flags):
+            if flag.startswith("--") and flag != "--vocab-size":
+                nxt = plan_flags[i + 1] if i + 1 < len(plan_flags) else "--"
+                value = None if nxt.startswith("--") else nxt
+                assert flag in run_flags and (value is None or pretrain_run.flag_value(run_flags, flag) == value), flag
+        assert plan_flags[plan_flags.index("--vocab-size") + 1] == "258"  # ByteLevel: 256 bytes + EOD + PAD
+        assert cli_main(["plan", *plan_flags, "--schedules", schedule, "--gpu", "H100",
+                         "--json", str(tmp_path / "plan.json")]) == 0
+        checked[label] = plan_flags
+    assert set(checked) == {"zb-h1-memory", "zb-h1-tp2-sp-memory"}
+    assert "--sequence-parallel" in checked["zb-h1-tp2-sp-memory"]
+    assert pretrain_run.flag_value(checked["zb-h1-tp2-sp-memory"], "--tensor-model-parallel-size") == "2"
+    assert "--transformer-impl" in checked["zb-h1-tp2-sp-memory"]  # the plan models the run's layers
     # the summary lists every step
     assert "== gpu_selftest summary (8 GPU(s), dry run: nothing was run)" in res.stdout
     for name in ("p2p stress, 64 MiB sends, every schedule (PP=8)", "pretrain zb PP=2 on CUDA",
-                 "pretrain zb TP=2 SP PP=1 on CUDA", "memory vs megatron-zb plan (zb-h1 PP=2)"):
+                 "pretrain zb TP=2 SP PP=1 on CUDA", "memory vs megatron-zb plan (zb-h1 PP=2)",
+                 "memory vs megatron-zb plan (zb-h1 TP=2 SP PP=2, local)"):
         assert f"WOULD RUN  {name}" in res.stdout
 
 
@@ -355,6 +367,12 @@ def test_memory_check_fails_only_above_the_plans_headroom(tmp_path, capsys):
     assert problems == []  # 11% over on rank 0 (inside 1/0.9), far under on rank 1: both pass
     table, problems = memory_check.compare([int(10.0 * 1.12 * 2**30), int(8.0 * 2**30)], row, margin)
     assert problems == ["rank 0: measured 11.20 GiB > predicted 10.00 GiB x 1.111"] and "OVER" in table
+    # TP=2: four ranks, global ranks 0-1 on pipeline rank 0 and 2-3 on pipeline rank 1 (tp-cp-ep-dp-pp order)
+    table, problems = memory_check.compare([int(10.0 * 2**30), int(10.5 * 2**30), int(8.5 * 2**30),
+                                            int(8.0 * 1.2 * 2**30)], row, margin)
+    assert problems == ["rank 3: measured 9.60 GiB > predicted 8.00 GiB x 1.111"] and "| 2 (pp 1) |" in table
+    _, problems = memory_check.compare([int(2**30)] * 3, row, margin)
+    assert problems == ["3 measured ranks but the plan has 2 pipeline ranks (not a multiple)"]
 
     # end to end: a recorded run against megatron-zb plan (run in-process)
     run = tmp_path / "run"

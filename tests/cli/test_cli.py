@@ -149,7 +149,7 @@ def test_memory_limit_too_small_for_fixed_schedule(capsys):
     (["--tw", "nan"], "--tw"),
     (["--tcomm", "x"], "--tcomm"),
     (["--mem-b", "0"], "--mem-b"),
-    (["--mem-w", "3"], "--mem-w"),
+    (["--mem-w", "-1"], "--mem-w"),
     (["--memory-limit", "0.5"], "--memory-limit"),
     (["--memory-limit", "-2"], "--memory-limit"),
     (["--schedule", "no-such-schedule"], "--schedule"),

@@ -253,10 +253,14 @@ def test_profile_round_trip(tmp_path):
 
 def test_profile_rejects_inconsistent_content(tmp_path):
     model, par = _small()
-    with pytest.raises(PlanError, match="mem_w_bytes"):
+    with pytest.raises(PlanError, match="mem_w_bytes must be a finite number >= 0"):
         write_profile(tmp_path / "p.json", model=model, parallel=par, schedule="1f1b", placement="plain",
                       stage_to_rank=[0, 1, 2, 3], t_comm_ms=0.2,
-                      stages=[StageProfile(1.0, 1.0, 1.0, mem_b_bytes=1.0, mem_w_bytes=2.0)] * 4)
+                      stages=[StageProfile(1.0, 1.0, 1.0, mem_b_bytes=1.0, mem_w_bytes=-2.0)] * 4)
+    # mem_w above mem_b is a measurement, not an inconsistency: B allocated (sequence parallelism)
+    write_profile(tmp_path / "p.json", model=model, parallel=par, schedule="1f1b", placement="plain",
+                  stage_to_rank=[0, 1, 2, 3], t_comm_ms=0.2,
+                  stages=[StageProfile(1.0, 1.0, 1.0, mem_b_bytes=1.0, mem_w_bytes=2.0)] * 4)
     with pytest.raises(PlanError, match="not the v placement"):
         write_profile(tmp_path / "p.json", model=model, parallel=par, schedule="zbv", placement="v",
                       stage_to_rank=[0, 1, 2, 3, 0, 1, 2, 3], t_comm_ms=0.2, stages=_stages(8))
@@ -413,19 +417,34 @@ def test_plan_draws_action_durations_from_the_profile_spread(capsys, tmp_path):
     assert "measured spread" not in out
 
 
-def test_weight_gradients_outgrowing_the_forward_are_refused_in_one_line(capsys):
-    """TP=8 with sequence parallelism and flash attention: each W keeps the row-parallel layers'
-    all-gathered output gradients (s x b x h, not divided by TP), more than F saved, so B would
-    allocate memory -- which the cost model cannot express: one line naming --sequence-parallel,
-    exit 2 (it was a ValueError traceback). Without --sequence-parallel the same model plans."""
+def test_weight_gradients_outgrowing_the_forward_plan_with_b_allocating(capsys, tmp_path):
+    """TP=8 with sequence parallelism and flash attention (it was refused in one line before issue 30):
+    each W keeps the row-parallel layers' all-gathered output gradients and, with Transformer
+    Engine's layers, the column-parallel layers' all-gathered inputs (T x h each, not divided by
+    TP), more than F saved, so B allocates; the plan counts it. By hand, e = 2, T = s = 4096,
+    h = 4096, t = 8, A = Th/t = 2097152, q = kv = 512, f = 2048 (per GPU), 4 layers per stage:
+      layer M_B = e(2A + T(q + 2kv) + 2Ta/t + Tq + 2A + Tf + Tf) + 2A (masks) = 71368704 bytes;
+      layer M_W, TE    = e(Th + T(q + 2kv) + Tq + Th + Th + Tf + Tf + Th) = 184549376,
+                 local = the same with A for the two column-parallel inputs = 125829120;
+      stage 0 (+ embedding: mask A, gradient eA): M_B = 287571968, M_W = 742391808 (local 507510784);
+      stage 1 (+ loss: 2eA + 4 T V/t with V/t = 4096; eA + e T V/t): M_B = 360972288,
+        M_W = 775946240 (local 541065216).
+    ZB-H1 at PP=2: rank 0 runs F0 F1 B0 W0 F2 B1 W1 ..., its peak right after B0: M_B + M_W;
+    rank 1 runs F0 B0 F1 B1 W0 ...: two W's pending after B1, 2 M_W. 1F1B (fused BW) holds
+    2 M_B and 1 M_B."""
     argv = ["plan", "--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096",
             "--micro-batch-size", "1", "--use-flash-attn", "--pipeline-model-parallel-size", "2",
             "--tensor-model-parallel-size", "8", "--global-batch-size", "16", "--gpu", "H100",
-            "--vocab-size", "32000", "--bf16", "--schedules", "1f1b"]
-    rc, out, err = run(capsys, *argv, "--sequence-parallel")
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1, err
-    assert lines[0].startswith("megatron-zb: error: --sequence-parallel: stage 0: what each W keeps") and \
-        "cannot express" in lines[0], lines[0]
-    rc, out, err = run(capsys, *argv)
+            "--vocab-size", "32000", "--bf16", "--sequence-parallel", "--schedules", "1f1b,zb-h1"]
+    gib = float(2 ** 30)
+    b0, b1 = 287571968, 360972288
+    for impl, w0, w1 in (("transformer_engine", 742391808, 775946240), ("local", 507510784, 541065216)):
+        out_json = tmp_path / f"{impl}.json"
+        rc, out, err = run(capsys, *argv, "--transformer-impl", impl, "--json", out_json)
+        assert rc == 0, err
+        doc = json.loads(out_json.read_text())
+        assert [(st["mem_b_gib"] * gib, st["mem_w_gib"] * gib) for st in doc["stages"]] == [(b0, w0), (b1, w1)]
+        peaks = {f["name"]: [x * gib for x in f["peak_activation_per_rank_gib"]] for f in doc["schedules"]}
+        assert peaks["zb-h1"] == [b0 + w0, 2 * w1] and peaks["1f1b"] == [2 * b0, b1]
+    rc, _, err = run(capsys, *argv)  # Megatron-LM's default, transformer_engine
     assert rc == 0, err

@@ -14,8 +14,9 @@ same runtime code as TE modules (:mod:`megatron_zb.runtime.te_route`).
 * a schedule whose W's leave their B's order, or a split schedule on TE modules built without
   delaying, is refused before anything runs.
 
-The last test runs real Transformer Engine modules when TE and CUDA are present
-(``scripts/gpu_selftest.sh``); here it is skipped.
+The same checks with real Transformer Engine modules on a GPU are in ``tests/runtime/test_te_real.py``
+(``scripts/gpu_selftest.sh``); their count check, :func:`~megatron_zb.testing.tiny_gpt.check_te_run`,
+runs here on the double.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from megatron_zb.schedules import Action, Op, Schedule, ScheduleError
 from megatron_zb.schedules.order import w_order_matches_b
 from megatron_zb.schedules.registry import build_schedule, schedule_names
 from megatron_zb.testing import run_distributed
-from megatron_zb.testing.tiny_gpt import TinyGPT, assert_bitwise_equal, run_step
+from megatron_zb.testing.tiny_gpt import TinyGPT, assert_bitwise_equal, check_te_run, run_step
 
 SPEC = "te_double:gpt_layer_spec"
 TE_SPEC = "megatron_zb.runtime.te_route:te_layer_spec"
@@ -66,6 +67,7 @@ def _merged(cfg: TinyGPT, schedule, **kwargs) -> dict:
 
 def _assert_bitwise(ref: dict, got: dict, what: str) -> None:
     assert_bitwise_equal(ref, got, what=what)
+
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +118,17 @@ def test_delayed_te_gradients_equal_the_non_delayed_path_bitwise(reference, sche
     m, te_modules = TINY["num_microbatches"], TE_MODULES_PER_LAYER * TINY["num_layers"]
     assert got["te_queued"] == got["backward_dw"] == m * te_modules, "one delayed W per TE module and microbatch"
     assert got["te_queues_empty"]
-    if schedule == "1f1b":  # fused BW: TE's queued work runs right after each backward, not in the store
-        assert got["w_deferred"] == 0
-    else:  # one store entry per TE module and microbatch, plus the output layer's (linear route)
-        assert got["w_deferred"] == m * (te_modules + 1)
+    check_te_run(got, te_modules=te_modules, microbatches=m, split=schedule != "1f1b")
+
+
+def test_te_run_check_fails_on_what_it_guards():
+    """The shared count check refuses a run that deferred only the output layer's W, one that
+    left a queued entry, and one that saw the wrong number of delayed modules."""
+    good = {"te_delayed_modules": 16, "w_deferred": 4 * 17, "te_queued_left": 0}
+    check_te_run(good, te_modules=16, microbatches=4, split=True)
+    for bad in ({"w_deferred": 4}, {"te_queued_left": 1}, {"te_delayed_modules": 15}):
+        with pytest.raises(AssertionError):
+            check_te_run({**good, **bad}, te_modules=16, microbatches=4, split=True)
 
 
 def test_fp8_gemm_bias_gradients_computed_in_b_with_ddp():
@@ -133,6 +142,8 @@ def test_fp8_gemm_bias_gradients_computed_in_b_with_ddp():
     _assert_bitwise(ref, got, "FP8 flavour, DDP")
     assert got["backward_dw"] == TINY["num_microbatches"] * TE_MODULES_PER_LAYER * TINY["num_layers"]
     assert any(n.endswith("linear_qkv.bias") for n in got["grads"])  # a GEMM-internal bias was there
+    check_te_run(got, te_modules=TE_MODULES_PER_LAYER * TINY["num_layers"], microbatches=TINY["num_microbatches"],
+                 split=True)
 
 
 @pytest.mark.parametrize("fusion", [False, True], ids=["ddp", "ddp-fused-accumulation"])
@@ -144,6 +155,8 @@ def test_ddp_main_grad_with_and_without_fused_accumulation(fusion):
     got = _merged(TinyGPT(**base, layer_spec=SPEC, delay_wgrad=True), "zb-2p")
     _assert_bitwise(ref, got, f"DDP fusion={fusion}")
     assert got["backward_dw"] > 0 and got["te_queues_empty"]
+    check_te_run(got, te_modules=TE_MODULES_PER_LAYER * TINY["num_layers"], microbatches=TINY["num_microbatches"],
+                 split=True)
 
 
 def test_te_2_3_without_hooks_api(reference):
@@ -338,28 +351,6 @@ def test_order_violation_reports_stage_rank_orders_and_position():
                            Action(Op.W, 0, 0)]])
     (v,) = w_order_matches_b(s)
     assert v.b_order == (0, 1) and v.w_order == (1, 0)
-
-
-# ---------------------------------------------------------------------- real Transformer Engine
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-2p", "zbv"])
-def test_real_transformer_engine_delayed_matches_non_delayed(schedule):
-    """Run by scripts/gpu_selftest.sh on a GPU node with TE installed; skipped elsewhere."""
-    from megatron_zb.runtime.te_route import transformer_engine_version
-
-    if transformer_engine_version() is None:
-        pytest.skip("Transformer Engine is not installed")
-    if os.environ.get("MEGATRON_ZB_TEST_DEVICE", "cpu") != "cuda":
-        pytest.skip("Transformer Engine needs CUDA: set MEGATRON_ZB_TEST_DEVICE=cuda")
-    base = dict(TINY, hidden=64, heads=4)
-    ref = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(**base, layer_spec=TE_SPEC), schedule=None),
-                                        world_size=2, timeout=300))
-    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(**base, layer_spec=TE_SPEC, delay_wgrad=True),
-                                                schedule=schedule), world_size=2, timeout=300))
-    _assert_bitwise(ref, got, f"real TE {schedule}")
-    # one store entry per TE module and microbatch, plus the output layer's (linear route) -- not
-    # merely some deferred W, which the output layer alone would give
-    m, te_modules = base["num_microbatches"], TE_MODULES_PER_LAYER * base["num_layers"]
-    assert got["w_deferred"] == m * (te_modules + 1)
 
 
 # ---------------------------------------------------------------------- the command line

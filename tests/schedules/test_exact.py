@@ -148,11 +148,14 @@ _COSTS = {
     "unit": CostModel(t_f=1.0, t_b=1.0, t_w=1.0),
     "uneven-limit2": CostModel(t_f=1.0, t_b=1.5, t_w=0.5, t_comm=0.25, mem_b=1.0, memory_limit=2.0),
     "per-stage": CostModel(t_f=[1.0, 2.0, 1.0, 0.5], t_b=[1.0, 2.0, 2.0, 1.0], t_w=[0.5, 1.0, 0.5, 1.0], t_comm=0.5),
+    # B allocates (mem_w > mem_b): the limit binds right after a B (plain: two F's hold 2, a B
+    # brings that to 2.5, a second B without a W in between to 3); on the V 2.5 is the minimum
+    "alloc-b-limit2.5": CostModel(t_f=1.0, t_b=1.5, t_w=0.5, t_comm=0.25, mem_b=1.0, mem_w=1.5, memory_limit=2.5),
 }
 # every (placement, m, costs) combination except the V with m=3 and per-stage costs, whose
 # exhaustive search takes about a minute (the other V cases with m=3 cover that shape)
 _CASES = [(pl, m, c) for pl in ("plain", "v") for m in (2, 3) for c in _COSTS
-          if not (pl == "v" and m == 3 and c == "per-stage")]
+          if not (pl == "v" and m == 3 and c in ("per-stage", "alloc-b-limit2.5"))]
 
 
 @pytest.mark.parametrize("placement,m,cname", _CASES)

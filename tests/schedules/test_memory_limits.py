@@ -72,3 +72,55 @@ def test_fits_and_count_worked_by_hand():
     with pytest.raises(ScheduleError, match="must be > 0"):
         resolve_limit(0.0, COSTS, 8.0)
     assert resolve_limit(None, COSTS, 0.0) == math.inf
+
+
+# B allocates (mem_w > mem_b: with sequence parallelism what each W keeps can outgrow what F saved).
+# By hand, mem_b = 2 and mem_w = 3 per stage, p = 4:
+#   plain: one microbatch holds 2 after its F and 3 after its B: minimum max(2, 3) = 3;
+#   V and interleaved (two stages q1 < q2 per rank): both F's 4, after B(q2) with q1 still held
+#     2 + 3 = 5, after B(q1) 3: minimum 5 (4 when B frees).
+ALLOC = CostModel(t_f=1.0, t_b=1.2, t_w=0.8, t_comm=0.1, mem_b=2.0, mem_w=3.0)
+ALLOC_MINIMUM = {"zb": 3.0, "zb-1p": 3.0, "zb-2p": 3.0, "zbv": 5.0, "v-half": 5.0, "v-min": 5.0,
+                 "interleaved-zb": 5.0}
+
+
+def _held_after_each_action(sched) -> list[list[tuple[str, float]]]:
+    """Per rank, ``(op, memory held after it)`` along the order, from mem_b = 2 and mem_w = 3 by
+    hand (F +2, B +1, W -3, BW -2), not from the simulator."""
+    delta = {"F": 2.0, "B": 1.0, "W": -3.0, "BW": -2.0}
+    out = []
+    for row in sched.ranks:
+        held, trace = 0.0, []
+        for a in row:
+            held += delta[str(a.op)]
+            trace.append((str(a.op), held))
+        out.append(trace)
+    return out
+
+
+@pytest.mark.parametrize("name", list(ALLOC_MINIMUM))
+def test_allocating_backward_limit_binds_at_b(name):
+    """Every memory-limited generator checks the limit at B as well as at F: at the minimum the
+    schedule fits and its peak is reached right after a B; at 1.6 x the minimum it fits too (an F
+    is admitted only with room for its B's allocation); below the minimum it is refused."""
+    low = ALLOC_MINIMUM[name]
+    sched = build_schedule(name, num_ranks=P, num_microbatches=M, costs=ALLOC, memory_limit=low)
+    traces = _held_after_each_action(sched)
+    peak = max(h for t in traces for _, h in t)
+    assert peak == low and all(op == "B" for t in traces for op, h in t if h == peak)
+    assert simulate(sched, ALLOC.with_limit(low)).max_peak_memory == low
+    wider = build_schedule(name, num_ranks=P, num_microbatches=M, costs=ALLOC, memory_limit=1.6 * low)
+    assert max(h for t in _held_after_each_action(wider) for _, h in t) <= 1.6 * low
+    with pytest.raises(ScheduleError, match=f"below the minimum {low:g}"):
+        build_schedule(name, num_ranks=P, num_microbatches=M, costs=ALLOC, memory_limit=low * (1 - 1e-6))
+
+
+def test_default_limit_raised_to_the_minimum_when_b_allocates():
+    """zb-1p's default p x max(mem_b) is 2 at p = 1, below what one microbatch holds after its B
+    (mem_w = 3): the default becomes 3; an explicit 2.5 is refused, not raised."""
+    sched = build_schedule("zb-1p", num_ranks=1, num_microbatches=3, costs=ALLOC)
+    assert sched.meta["memory_limit"] == 3.0
+    assert simulate(sched, ALLOC.with_limit(3.0)).max_peak_memory == 3.0
+    with pytest.raises(ScheduleError, match="below the minimum 3: rank 0 must hold one microbatch's weight-gradient"):
+        build_schedule("zb-1p", num_ranks=1, num_microbatches=3, costs=ALLOC, memory_limit=2.5)
+    assert resolve_limit(None, ALLOC, 2.0, minimum=3.0) == 3.0 and resolve_limit(2.5, ALLOC, 2.0, minimum=3.0) == 2.5

@@ -31,6 +31,23 @@ def test_memory_accounting_and_limit():
     assert simulate(s, cm.with_limit(6.0), enforce_memory=False).peak_memory == [8.0]
 
 
+def test_backward_that_allocates_peaks_after_b():
+    """mem_w > mem_b: B allocates mem_w - mem_b (with sequence parallelism what each W keeps can
+    outgrow what F saved), so the peak comes right after a B. By hand, mem_b = 1 on both stages:
+    rank 0 (mem_w 2.5): F0 1, F1 2, B0 +1.5 -> 3.5, B1 -> 5, W0 -> 2.5, W1 -> 0: peak 5 after B1;
+    rank 1 (mem_w 1.5): F0 1, B0 +0.5 -> 1.5, F1 -> 2.5, B1 -> 3, W0 -> 1.5, W1 -> 0: peak 3 after B1.
+    A fused BW frees mem_b (its transient is not modelled): the same order with BW peaks at 2 and 1."""
+    s = Schedule(2, [0, 1], [[F(0, 0), F(1, 0), B(0, 0), B(1, 0), W(0, 0), W(1, 0)],
+                             [F(0, 1), B(0, 1), F(1, 1), B(1, 1), W(0, 1), W(1, 1)]])
+    cm = CostModel(mem_b=1.0, mem_w=[2.5, 1.5])
+    assert simulate(s, cm).peak_memory == [5.0, 3.0]
+    with pytest.raises(MemoryLimitError, match=r"rank 0 action #3 B\(mb=1, stage=0\) brings activation memory "
+                                               r"above the limit 4\.5"):
+        simulate(s, cm.with_limit(4.5))
+    fused = Schedule(2, [0, 1], [[F(0, 0), F(1, 0), BW(0, 0), BW(1, 0)], [F(0, 1), BW(0, 1), F(1, 1), BW(1, 1)]])
+    assert simulate(fused, cm).peak_memory == [2.0, 1.0]
+
+
 def test_deadlock_reports_the_blocked_action_of_every_rank():
     # rank 0 waits for mb 0's gradient before sending mb 1; rank 1 wants mb 1 before returning it
     s = Schedule(2, [0, 1], [[F(0, 0), BW(0, 0), F(1, 0), BW(1, 0)], [F(0, 1), F(1, 1), BW(0, 1), BW(1, 1)]])
@@ -43,7 +60,7 @@ def test_deadlock_reports_the_blocked_action_of_every_rank():
 
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(t_f=-1.0), "t_f"), (dict(t_b=0.0), "t_b"), (dict(t_w=float("nan")), "t_w"),
-    (dict(t_comm=-0.1), "t_comm"), (dict(mem_b=1.0, mem_w=2.0), "mem_w"), (dict(memory_limit=0.0), "memory_limit"),
+    (dict(t_comm=-0.1), "t_comm"), (dict(mem_b=1.0, mem_w=-2.0), "mem_w"), (dict(memory_limit=0.0), "memory_limit"),
     (dict(t_f=[1.0, 2.0, 3.0]), "t_f has 3 values"),
 ])
 def test_bad_costs_are_rejected_naming_the_field(kwargs, flag):

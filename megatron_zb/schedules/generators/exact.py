@@ -17,8 +17,8 @@ makespan over all valid orders (under the memory limit):
   only asks ``start >= ...`` could start a rank late to shorten its span, which the simulator
   cannot reproduce from an order; its optimum would only be a lower bound.)
 * memory follows the order: ``mem[b] = mem[pred] + delta(b) <= limit`` on each arc, exactly the
-  simulator's per-rank prefix sums (``F`` adds ``mem_b``, ``B`` frees ``mem_b - mem_w``, ``W``
-  frees ``mem_w``);
+  simulator's per-rank prefix sums (``F`` adds ``mem_b``, ``B`` adds ``mem_w - mem_b`` -- frees, or
+  allocates when ``mem_w > mem_b``, so the limit binds after a ``B`` too --, ``W`` frees ``mem_w``);
 * objective: minimise ``Z`` with ``Z >= last_end[r] - first_start[r]`` for every rank ``r``.
 
 Redundant constraints that only help the search: ``NoOverlap`` of each rank's intervals, the
@@ -66,7 +66,7 @@ from ..limits import check_minimum, resolve_limit, slack_ceiling
 from ..simulator import simulate
 from ..timing import B_CODE, F_CODE, OPS, W_CODE, Code, decode, encode, inputs
 from .common import check_cost_model, check_count
-from .greedy import DEFAULT_LIMIT_IN_P, zb_greedy
+from .greedy import DEFAULT_LIMIT_IN_P, min_memory_limit, zb_greedy
 from .vshape import check_v_chunks, zbv
 
 __all__ = ["ExactResult", "solve_exact", "zb_optimal", "zbv_optimal", "DEFAULT_TIME_LIMIT"]
@@ -320,9 +320,11 @@ def _check_inputs(s2r: list[int], m: object, costs: object, time_limit: object) 
 
 def _check_limit(s2r: list[int], sc: StageCosts) -> None:
     """A rank holds every one of its chunks' activations of a microbatch when that microbatch's last
-    local forward runs (its backwards come after the turn-around): below that, nothing fits."""
+    local forward runs (its backwards come after the turn-around), and, when a ``B`` allocates, what
+    it holds right after that ``B`` (:meth:`~..costs.StageCosts.microbatch_peak`): below that,
+    nothing fits."""
     n, p = len(s2r), max(s2r) + 1
-    need = [sum(sc.mem_b[s] for s in range(n) if s2r[s] == r) for r in range(p)]
+    need = [sc.microbatch_peak([s for s in range(n) if s2r[s] == r]) for r in range(p)]
     worst = max(range(p), key=lambda r: need[r])
     check_minimum(sc.memory_limit, need[worst], f"rank {worst} must hold the activations of all its stages for "
                                                  f"one microbatch at once")
@@ -414,14 +416,16 @@ def zb_optimal(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
     """Minimum-makespan split-backward schedule on the plain placement (small ``p``, ``m``).
 
     Memory in units of ``costs.mem_b``; the limit is resolved by :func:`~..limits.resolve_limit`
-    with the ``zb`` name's default, ``p * max(mem_b)`` (1F1B's peak). Warm start:
+    with the ``zb`` name's default, ``p * max(mem_b)`` (1F1B's peak; raised to
+    :func:`~.greedy.min_memory_limit` when a ``B`` allocates above it). Warm start:
     :func:`~.greedy.zb_greedy` under the same limit. ``meta`` holds ``optimal``, ``gap`` and
     ``lower_bound``.
     """
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
-    default = DEFAULT_LIMIT_IN_P["zb"] * p * max(check_cost_model(costs).resolve(p).mem_b)
-    limit = resolve_limit(memory_limit, costs, default)
+    base = check_cost_model(costs).resolve(p)
+    default = DEFAULT_LIMIT_IN_P["zb"] * p * max(base.mem_b)
+    limit = resolve_limit(memory_limit, costs, default, minimum=min_memory_limit(num_ranks=p, costs=base))
     warm = zb_greedy(num_ranks=p, num_microbatches=m, costs=costs, memory_limit=limit)
     res = solve_exact(stage_to_rank=plain_placement(p), num_microbatches=m, costs=costs,
                       memory_limit=limit, warm_start=warm, time_limit=time_limit)

@@ -13,7 +13,9 @@ chooses among its next ``F`` (microbatch order), its next ``B`` and its oldest p
 
 * ``F`` is allowed while the rank holds fewer than ``cap[r]`` forwards in flight (the warm-up
   count of the paper) and the memory limit -- after running pending ``W`` to free memory -- leaves
-  room for it; optionally also only while fewer than ``ahead`` of its F's wait on the next rank;
+  room for it and for what its ``B`` will allocate (``max(0, mem_w - mem_b)``, zero unless ``B``
+  allocates); optionally also only while fewer than ``ahead`` of its F's wait on the next rank;
+* ``B`` that allocates (``mem_w > mem_b``) first runs pending ``W`` while it would not fit;
 * when ``F`` and ``B`` are both ready, ``B`` (critical path) or ``F`` (feeds the next rank) goes
   first, a knob;
 * ``W`` is deferred: it fills idle gaps it fits in exactly (placed afterwards, once the start of
@@ -23,9 +25,11 @@ chooses among its next ``F`` (microbatch order), its next ``B`` and its oldest p
   ``B`` ("eager"); leftovers run at the end.
 
 It never stalls: a rank with no forward in flight can always run its next ``F`` once the previous
-rank has (all its ``W`` can run, leaving ``0 + mem_b <= limit``), and the last rank runs ``B``
-right after its own ``F``, so backwards always come back (an ``ahead`` limit holds an ``F`` back
-only while the next rank has forwards of its own to run).
+rank has (all its ``W`` can run, leaving ``0 + max(mem_b, mem_w) <= limit``), a ``B`` always fits
+once the rank's ``W`` have run (the ``F`` admitted last reserved its allocation with at least as
+many forwards in flight), and the last rank runs ``B`` right after its own ``F``, so backwards
+always come back (an ``ahead`` limit holds an ``F`` back only while the next rank has forwards of
+its own to run).
 
 Search (:func:`_search`)
 ------------------------
@@ -79,14 +83,15 @@ DEFAULT_LIMIT_IN_P = {"zb": 1.0, "zb-1p": 1.0, "zb-2p": 2.0}
 
 
 def min_memory_limit(*, num_ranks: int, costs: CostModel | StageCosts) -> float:
-    """Smallest per-rank memory limit any plain-placement schedule can meet: ``max_s mem_b[s]``.
+    """Smallest per-rank memory limit any plain-placement schedule can meet: ``max_s max(mem_b[s], mem_w[s])``.
 
-    Every rank runs an ``F`` and holds its ``mem_b`` until the matching ``B``, so no limit below
-    ``mem_b`` of its stage works; running ``F, B, W`` one microbatch at a time on every rank peaks at
-    exactly ``mem_b``. Same unit as ``mem_b``.
+    Every rank runs an ``F`` and holds its ``mem_b`` until the matching ``B``, then ``mem_w`` until
+    the ``W``, so no limit below either works; running ``F, B, W`` one microbatch at a time on every
+    rank peaks at exactly that (:meth:`~..costs.StageCosts.microbatch_peak`; ``max(mem_b)`` when no
+    ``B`` allocates). Same unit as ``mem_b``.
     """
     sc = costs.resolve(num_ranks) if isinstance(costs, CostModel) else costs
-    return max(sc.mem_b)
+    return max(sc.microbatch_peak([s]) for s in range(num_ranks))
 
 
 # ---------------------------------------------------------------------------- the list scheduler
@@ -115,6 +120,9 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
     ready_f, ready_b, ready_w = tl.ready_of[F_CODE], tl.ready_of[B_CODE], tl.ready_of[W_CODE]
     run, free, mem = tl.run, tl.clock, tl.mem
     d_f, d_w, tw = tl.delta[F_CODE], tl.delta[W_CODE], tl.duration[W_CODE]
+    d_b = tl.delta[B_CODE]
+    extra = [sc.backward_alloc(s) for s in range(p)]          # what a B allocates (0.0: B frees)
+    need_f = [d + e for d, e in zip(d_f, extra)]              # an F and, later, its B
     lim = slack_ceiling(limit)
     inf = math.inf
     caps, prefer_f, w_gap, eager_w, balance = v.caps, v.prefer_f, v.w_gap, v.eager_w, v.balance
@@ -127,8 +135,9 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
     max_bubble = 0.0
 
     def f_fits(r: int) -> bool:
-        """F fits in memory now, or once pending W's have run (same float sums as the simulator)."""
-        cur, need = mem[r], d_f[r]
+        """F (and what its B will allocate) fits in memory now, or once pending W's have run (same
+        float sums as the simulator)."""
+        cur, need = mem[r], need_f[r]
         if cur + need <= lim:
             return True
         k, d = nb[r] - nw[r], d_w[r]
@@ -186,7 +195,10 @@ def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[C
             replan(r)
             continue
         if op == F_CODE:
-            while mem[r] + d_f[r] > lim and nw[r] < nb[r]:   # W's the memory limit forces
+            while mem[r] + need_f[r] > lim and nw[r] < nb[r]:   # W's the memory limit forces
+                put_w(r)
+        elif extra[r] > 0:
+            while mem[r] + d_b[r] > lim and nw[r] < nb[r]:      # an allocating B: the same
                 put_w(r)
         while nw[r] < nb[r] and free[r] + tw[r] <= rd:     # W's that fit the idle gap exactly
             put_w(r)
@@ -265,7 +277,7 @@ def _variants(sc: StageCosts, m: int, limit: float,
     """
     p = len(sc.t_f)
     mem_caps = [m if b == 0 or not math.isfinite(limit)
-                else max(1, min(m, count_that_fit(limit, b))) for b in sc.mem_b]
+                else max(1, min(m, count_that_fit(limit - sc.backward_alloc(s), b))) for s, b in enumerate(sc.mem_b)]
 
     def clamp(caps: tuple[int, ...] | list[int]) -> tuple[int, ...]:
         return tuple(max(1, min(k, mc)) for k, mc in zip(caps, mem_caps))
@@ -324,9 +336,10 @@ def zb_greedy(
         memory_limit: peak activation memory allowed on each rank, in the unit of ``mem_b``
             (resolved by :func:`~..limits.resolve_limit`): ``None`` uses ``costs.memory_limit``, and
             if that is ``None`` too, ``2 * p * max(mem_b)`` (ZB-2p; the registered ``zb`` and
-            ``zb-1p`` names default to ``p * max(mem_b)``, see :data:`DEFAULT_LIMIT_IN_P`); no
-            activation memory at all means no limit. It must be at least ``max(mem_b)`` (one
-            microbatch held from its ``F`` to its ``B``), the smallest limit any schedule can meet.
+            ``zb-1p`` names default to ``p * max(mem_b)``, see :data:`DEFAULT_LIMIT_IN_P`; a default
+            is raised to the minimum below); no activation memory at all means no limit. It must
+            be at least :func:`min_memory_limit` (one microbatch held from its ``F`` to its ``B``,
+            and from its ``B`` to its ``W``), the smallest limit any schedule can meet.
         stage_to_rank: must be ``None`` or the plain placement ``[0, 1, ..., p-1]``.
 
     Returns:
@@ -342,12 +355,13 @@ def zb_greedy(
         raise ScheduleError(f"zb_greedy supports only the plain placement {plain_placement(p)} "
                             f"(one stage per rank), got {list(stage_to_rank)}")
     base = check_cost_model(costs).resolve(p)           # validates the per-stage values
-    limit = resolve_limit(memory_limit, costs, DEFAULT_LIMIT_IN_P["zb-2p"] * p * max(base.mem_b))
+    need = min_memory_limit(num_ranks=p, costs=base)
+    limit = resolve_limit(memory_limit, costs, DEFAULT_LIMIT_IN_P["zb-2p"] * p * max(base.mem_b), minimum=need)
     sc = costs.with_limit(limit).resolve(p)
-    need = min_memory_limit(num_ranks=p, costs=sc)
-    worst = max(range(p), key=lambda s: sc.mem_b[s])
-    check_minimum(limit, need, f"rank {worst} must hold one microbatch's activations (mem_b = {need:g}) "
-                               f"from its F until its B, so no schedule fits")
+    worst = max(range(p), key=lambda s: sc.microbatch_peak([s]))
+    what = ("activations (mem_b = {:g}) from its F until its B" if sc.mem_w[worst] <= sc.mem_b[worst] else
+            "weight-gradient tensors (mem_w = {:g}, more than mem_b: B allocates) from its B until its W")
+    check_minimum(limit, need, f"rank {worst} must hold one microbatch's {what.format(need)}, so no schedule fits")
 
     sched, res = _search(sc, m, limit)
     sched.meta.update(memory_limit=limit, makespan=res.makespan, total_time=res.total_time,
@@ -389,7 +403,7 @@ def _search(sc: StageCosts, m: int, limit: float) -> tuple[Schedule, SimResult]:
         for v in variants:
             order, makespan, total = _run(sc, m, limit, v)
             cands.append(((makespan, total), len(cands), v.name, order))
-        if all(fits(min(p - r, m) * sc.mem_b[r], limit) for r in range(p)):
+        if all(fits(min(p - r, m) * sc.mem_b[r] + sc.backward_alloc(r), limit) for r in range(p)):
             order = _one_f_one_b(p, m)
             tl = Timeline(plain_placement(p), m, sc)
             tl.play(order)
@@ -407,7 +421,9 @@ def _greedy_builder(limit_in_p: float) -> Callable[..., Schedule]:
     def build(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
               num_chunks: int) -> Schedule:
         p = check_count("num_ranks", num_ranks)
-        limit = resolve_limit(memory_limit, check_cost_model(costs), limit_in_p * p * max(costs.resolve(p).mem_b))
+        sc = check_cost_model(costs).resolve(p)
+        limit = resolve_limit(memory_limit, costs, limit_in_p * p * max(sc.mem_b),
+                              minimum=min_memory_limit(num_ranks=p, costs=sc))
         return zb_greedy(num_ranks=p, num_microbatches=num_microbatches, costs=costs, memory_limit=limit)
     return build
 

@@ -24,7 +24,10 @@ so finishing one chunk's W's first lets its buckets reduce under the others'), b
 candidates are compared.
 
 Default memory limit: the peak of interleaved 1F1B under the same costs (so the comparison with
-``interleaved-1f1b`` is at equal memory); pass ``memory_limit`` to trade memory for bubble.
+``interleaved-1f1b`` is at equal memory); when a ``B`` allocates (``mem_w > mem_b``), which fused
+``BW`` never does, the peak of that order with every backward split as ``B`` then its ``W`` at once
+(the *pattern* with no delay), the least a split order of it holds. Pass ``memory_limit`` to trade
+memory for bubble.
 """
 
 from __future__ import annotations
@@ -70,12 +73,14 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
         costs: per-stage (per-chunk) costs for ``p * v`` stages; times in any unit.
         memory_limit: per-rank peak activation limit in units of ``costs.mem_b`` (one chunk's
             ``M_B``), resolved by :func:`~..limits.resolve_limit`: ``None``: ``costs.memory_limit``,
-            else interleaved 1F1B's peak (no activation memory at all: no limit).
+            else interleaved 1F1B's peak (with every ``B`` followed by its ``W`` when a ``B``
+            allocates; no activation memory at all: no limit).
         num_chunks: ``v`` (>= 1).
 
     Raises:
         ScheduleError: bad sizes or costs, or a limit below one microbatch's activations on a rank
-            (``sum of mem_b over the rank's chunks``, the minimum for any schedule).
+            (``sum of mem_b over the rank's chunks``, or more when a ``B`` allocates:
+            :meth:`~..costs.StageCosts.microbatch_peak`, the minimum for any schedule).
     """
     check_shape(num_ranks, num_microbatches, num_chunks)
     check_cost_model(costs)
@@ -85,8 +90,11 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
     base_sc = costs.resolve(n)
     base = interleaved_1f1b(num_ranks=p, num_microbatches=m, num_chunks=v)
     base_peak = simulate(base, base_sc, enforce_memory=False).max_peak_memory
-    limit = resolve_limit(memory_limit, costs, base_peak)
-    need = [sum(base_sc.mem_b[s] for s in range(n) if s2r[s] == r) for r in range(p)]
+    need = [base_sc.microbatch_peak([s for s in range(n) if s2r[s] == r]) for r in range(p)]
+    if any(base_sc.backward_alloc(s) > 0 for s in range(n)):   # B allocates: the split pattern's peak
+        split = Schedule(m, s2r, split_with_delay(base, [0] * p), "split")
+        base_peak = max(base_peak, simulate(split, base_sc, enforce_memory=False).max_peak_memory)
+    limit = resolve_limit(memory_limit, costs, base_peak, minimum=max(need))
     worst = max(range(p), key=lambda r: need[r])
     check_minimum(limit, need[worst], f"rank {worst} must hold the activations of all its {v} chunks for one "
                                       f"microbatch at once")

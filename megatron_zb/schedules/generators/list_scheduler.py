@@ -11,7 +11,10 @@ exact finish time of everything already placed (every action goes through the ti
 * memory: an ``F`` on a chunk runs only if the activation it allocates *plus* that of the rank's
   later chunks fits the limit (so the microbatch can always finish its forward on this rank). With
   ``F`` and ``B`` in microbatch order this makes the scheduler deadlock-free down to the minimum
-  limit on the V: the oldest unfinished microbatch can always advance;
+  limit on the V: the oldest unfinished microbatch can always advance. When a ``B`` allocates
+  (``mem_w > mem_b``, :meth:`~..costs.StageCosts.backward_alloc`) the ``F`` also reserves the
+  largest such allocation of the rank's chunks, and the ``B`` runs only when it fits after pending
+  ``W`` (which it runs first when it needs their memory);
 * ``W`` is deferred: it runs when the memory limit blocks a ready ``F`` (to free memory), fills an
   idle gap once the start of the next ``F``/``B`` is known (placed retroactively, so it delays
   nothing), optionally overruns a gap of at least a fraction of ``T_W``, optionally runs right after
@@ -100,8 +103,12 @@ class _ListScheduler:
         self.local = [[s for s in range(n) if s2r[s] == r] for r in range(p)]
         self.lim = slack_ceiling(limit)
         alloc = self.tl.delta[F_CODE]
-        # memory an F on stage s needs: its own activation plus the rank's later chunks (same mb)
-        self.need = [alloc[s] + sum(alloc[q] for q in self.local[s2r[s]] if q > s) for s in range(n)]
+        # memory an F on stage s needs: its own activation plus the rank's later chunks (same mb),
+        # plus the most a B of the rank's chunks allocates (0.0 unless mem_w > mem_b)
+        self.extra = [sc.backward_alloc(s) for s in range(n)]
+        reserve = [max(self.extra[q] for q in self.local[r]) for r in range(p)]
+        self.need = [alloc[s] + sum(alloc[q] for q in self.local[s2r[s]] if q > s) + reserve[s2r[s]]
+                     for s in range(n)]
         self.freed_by_w = [-d for d in self.tl.delta[W_CODE]]
         self.nf, self.nb = [0] * n, [0] * n
         self.wq: list[list[tuple[int, int]]] = [[] for _ in range(p)]   # pending W (mb, stage), FIFO
@@ -129,8 +136,9 @@ class _ListScheduler:
             i = nb[s]
             if i < nf[s]:
                 rt = tl.ready(B_CODE, i, s)
-                if rt < math.inf:
-                    bs.append((rt, s, i))
+                if rt < math.inf and not (self.extra[s] > 0 and
+                                          tl.mem[r] - self.wq_mem[r] + self.extra[s] > self.lim):
+                    bs.append((rt, s, i))           # (an allocating B: only if it fits after every W)
             i = nf[s]
             if i < m:
                 rt = tl.ready(F_CODE, i, s)
@@ -153,6 +161,9 @@ class _ListScheduler:
         tl, wq, head, tw = self.tl, self.wq[r], self.wq_head, self.tl.duration[W_CODE]
         if op == F_CODE:
             while tl.mem[r] + self.need[s] > self.lim:    # W's the memory needs
+                self.run_w(r)
+        elif self.extra[s] > 0:
+            while tl.mem[r] + self.extra[s] > self.lim:   # W's an allocating B needs
                 self.run_w(r)
         while head[r] < len(wq) and tl.clock[r] + tw[wq[head[r]][1]] <= rt + _TOL:
             self.run_w(r)                                # W's that fit the idle gap

@@ -16,7 +16,7 @@ form 1F1B's stage ``r`` and rank ``r`` of 1F1B holds ``p - r`` microbatches, so
 chunks). Measured on a real GPT the chunks are not uniform -- the last one carries the output
 layer and the logits -- and rank 0 of the V holds both the first and the last chunk, so a
 limit of ``p * M`` would let ZB-V exceed 1F1B's peak; ``R`` does not. A default is never below
-the feasible minimum ``M``:
+the feasible minimum (:func:`v_min_memory`: ``M``, or more when a ``B`` allocates):
 
 ==========  ==============================  ========================================================
 name        default limit                   what it gives (unit costs, ``m >= 2p``)
@@ -28,8 +28,9 @@ name        default limit                   what it gives (unit costs, ``m >= 2p
 ``v-min``   ``(p/3 + 1.5) / p * R``          about a third of 1F1B's memory, bubble <= 1F1B's
 ==========  ==============================  ========================================================
 
-Any explicit ``memory_limit`` from the feasible minimum ``M`` (one microbatch in flight per
-rank) upwards gives a valid schedule; below it :class:`ScheduleError` states the minimum.
+Any explicit ``memory_limit`` from the feasible minimum (one microbatch in flight per rank:
+``M``, or, when ``B`` allocates -- ``mem_w > mem_b`` --, what the rank holds right after that
+``B``) upwards gives a valid schedule; below it :class:`ScheduleError` states the minimum.
 
 The algorithm: the event-driven list scheduler of :mod:`.list_scheduler` (any placement;
 :mod:`.interleaved_zb` uses it too) whose knobs are tuned per problem by the coordinate-descent
@@ -115,7 +116,8 @@ def one_f_one_b_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
 
 
 def v_default_limit(num_ranks: int, costs: CostModel | StageCosts, fraction: float) -> float:
-    """``max(M, min(fraction, p) / p * R)``: a family's default limit (see the module docstring)."""
+    """``max(M, min(fraction, p) / p * R)``: a family's default limit (see the module docstring);
+    :func:`v_schedule` raises it to :func:`v_min_memory` when that is larger."""
     p = num_ranks
     return max(v_full_memory(p, costs), min(fraction, p) / p * one_f_one_b_memory(p, costs))
 
@@ -124,10 +126,14 @@ def v_min_memory(num_ranks: int, costs: CostModel | StageCosts) -> float:
     """The smallest feasible per-rank limit on the V placement (unit of ``mem_b``).
 
     Rank ``r`` must hold microbatch ``i``'s chunk-0 activation until ``B(i, r)``, which needs
-    ``B(i, 2p-1-r)``, which needs ``F(i, 2p-1-r)``: both chunks at once, ``mem_b[r] + mem_b[2p-1-r]``.
-    Running one microbatch at a time needs no more, so this is the minimum (= :func:`v_full_memory`).
+    ``B(i, 2p-1-r)``, which needs ``F(i, 2p-1-r)``: both chunks at once, ``mem_b[r] + mem_b[2p-1-r]``
+    (= :func:`v_full_memory`); when a ``B`` allocates (``mem_w > mem_b``), also ``mem_b[r] +
+    mem_w[2p-1-r]`` right after ``B(i, 2p-1-r)`` and ``mem_w[r]`` right after ``B(i, r)``
+    (:meth:`~..costs.StageCosts.microbatch_peak`). Running one microbatch at a time needs no more,
+    so this is the minimum.
     """
-    return v_full_memory(num_ranks, costs)
+    sc = costs.resolve(V_CHUNKS_PER_RANK * num_ranks) if isinstance(costs, CostModel) else costs
+    return max(sc.microbatch_peak(v_stages(num_ranks, r)) for r in range(num_ranks))
 
 
 def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None,
@@ -152,12 +158,15 @@ def v_schedule(*, num_ranks: int, num_microbatches: int, costs: CostModel, memor
     s2r = v_placement(p)
     base = check_cost_model(costs).resolve(len(s2r))
     full = v_full_memory(p, base)
+    least = v_min_memory(p, base)
     frac = default_fraction(p) if default_fraction is not None else float(p)
-    limit = resolve_limit(memory_limit, costs, v_default_limit(p, base, frac))
-    worst = max(range(p), key=lambda r: _rank_share(base, p, r))
-    check_minimum(limit, full, "rank {} must hold both of its chunks' activations of one microbatch "
-                               "(mem_b[{}] + mem_b[{}]) at once, so no schedule fits".format(worst, *v_stages(p, worst)),
-                  placement="V")
+    limit = resolve_limit(memory_limit, costs, v_default_limit(p, base, frac), minimum=least)
+    worst = max(range(p), key=lambda r: base.microbatch_peak(v_stages(p, r)))
+    held = ("both of its chunks' activations of one microbatch (mem_b[{}] + mem_b[{}]) at once" if least == full else
+            "one microbatch's activations until its B and then what its W keeps (mem_w > mem_b: B allocates; "
+            "stages {} and {})")
+    check_minimum(limit, least, "rank {} must hold {}, so no schedule fits".format(
+        worst, held.format(*v_stages(p, worst))), placement="V")
     sc = costs.with_limit(limit).resolve(len(s2r))
     ranks, variant = _best_order(s2r, m, sc, limit, full, name)
     res = simulate(Schedule(m, s2r, ranks, name), sc)    # validates; checks memory and deadlock
@@ -200,7 +209,7 @@ def _best_order(s2r: list[int], m: int, sc: StageCosts, limit: float, full: floa
         # also the grid limit k*M/2 just below: a schedule that fits it fits this limit too, which
         # keeps the bubble from rising with the limit (up to the noise between grid points)
         g = math.ceil(limit / (full / 2) - 1e-9) - 1
-        if g >= 2:
+        if g >= 2 and fits(v_min_memory(p, sc), g * full / 2):   # (below the minimum when B allocates)
             lower = search(s2r, m, sc, g * full / 2, max_sweeps=1)
             if lower is not None:
                 offer(lower[0], lower[2] + f" (limit {g * full / 2:g})", lower[1])
