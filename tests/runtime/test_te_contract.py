@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from functools import partial
 
 import pytest
@@ -428,7 +429,7 @@ def test_pretrain_without_transformer_engine_exits_2_with_one_line():
     import time
 
     _cpu_without_te_or_apex()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[2])
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "pretrain_gpt_zb.py", "--transformer-impl", "transformer_engine",
                           *TINY_ARGV], cwd=root, capture_output=True, text=True, timeout=300,
