@@ -1,6 +1,6 @@
 """Megatron-LM's loading, exit, logging, profiling and memory flags in ``pretrain_gpt_zb.py`` runs:
 ``--log-params-norm``, ``--log-num-zeros-in-grad``, ``--manual-gc*``, ``--empty-unused-memory-level``,
-``--profile`` with PyTorch's profiler, ``--no-load-optim``, ``--no-load-rng``, ``--finetune`` and
+``--profile`` with PyTorch's profiler and megatron-zb's timeline of the window, ``--no-load-optim``, ``--no-load-rng``, ``--finetune`` and
 ``--exit-duration-in-mins``.
 
 Six runs of the trainer (what ``pretrain_gpt_zb.py`` runs) in-process on 2 ranks of
@@ -196,6 +196,49 @@ def test_manual_gc_and_pytorch_profiler_trace(runs):
     assert steps == {"ProfilerStep#2"}, steps
     assert any(e.get("name") == "aten::mm" for e in events)  # the iteration's work is in it
     assert "--empty-unused-memory-level 1: no CUDA device" in zb["log"] and "a no-op here" in zb["log"]
+
+
+def test_profile_window_timeline_chrome_trace_and_png(runs):
+    """megatron-zb's own view of the --profile window (iteration 2): a Chrome trace with one complete
+    event per executed action per pipeline rank -- ZB on PP=2, m=4: each rank F, B and W of micro
+    batches 0-3 once; rank 0 sends 4 activations and receives 4 gradients, rank 1 the reverse --
+    compute events of a rank never overlapping; and a PNG of the measured iteration beside the
+    prediction, in the op colours."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    from megatron_zb.schedules.plot import OP_COLORS, shade
+
+    zb = runs.get("zb")
+    doc = json.loads((runs.tb / "megatron_zb_timeline.json").read_text())
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert names[(0, 0)] == names[(1, 0)] == "compute (F/B/W)"
+    for e in events:
+        assert {"ph", "ts", "dur", "pid", "tid", "name"} <= set(e) and e["ts"] >= 0 and e["dur"] >= 0, e
+        assert e["args"]["iteration"] == 2
+    comm = {0: {"SEND_F": 4, "RECV_B": 4}, 1: {"RECV_F": 4, "SEND_B": 4}}
+    for rank in (0, 1):
+        compute = sorted((e for e in events if e["pid"] == rank and e["cat"] == "compute"), key=lambda e: e["ts"])
+        assert sorted(e["name"] for e in compute) == sorted(f"{op}{mb}" for op in "FBW" for mb in range(4))
+        assert all(e["tid"] == 0 and e["args"]["stage"] == rank for e in compute)
+        for a, b in zip(compute, compute[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 0.01, (a, b)  # one action at a time [us, rounding]
+        ops: dict[str, int] = {}
+        for e in events:
+            if e["pid"] == rank and e["cat"] == "comm":
+                assert e["tid"] == 1
+                op = e["name"].rstrip("0123456789")
+                ops[op] = ops.get(op, 0) + 1
+        assert ops == comm[rank], (rank, ops)
+    png = runs.tb / "megatron_zb_timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    img = mpimg.imread(png)
+    for op in "FBW":
+        rgb = np.asarray(shade(OP_COLORS[op], 0, 1))
+        assert int(np.all(np.abs(img[..., :3] - rgb) < 1.5 / 255, axis=-1).sum()) >= 50, op
+    assert (f"> --profile: megatron-zb's timeline of iterations 2-2 (each rank's measured actions and waits) "
+            f"written to {runs.tb / 'megatron_zb_timeline.json'}") in zb["log"]
 
 
 def test_no_load_optim_restores_model_and_rng_but_not_optimizer_or_scheduler(runs):

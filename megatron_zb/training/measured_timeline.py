@@ -19,7 +19,8 @@ the data). At the window's end global rank 0 gathers them and writes into ``--te
   prediction for the same schedule with the medians of the window's measured F/B/W durations per
   stage (and the re-planned ``T_comm`` when profiling measured one, else 0): the idle time the
   schedule itself leaves against the idle time the run had (waits for slower peers, the host,
-  cores shared between processes).
+  cores shared between processes: when a CPU run's processes outnumber the cores, the headline and
+  the log line say so).
 
 Not written with ``--use-megatron-core-schedule`` (megatron-core's schedules time nothing per
 action), without ``--tensorboard-dir``, or when the run stops before the window ends; rank 0 then
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from megatron_zb.runtime.action_timing import ActionTiming, resolve_timings
 from megatron_zb.schedules import CostModel, Schedule, SimResult, simulate
-from megatron_zb.training.logging_utils import print_rank_0
+from megatron_zb.training.logging_utils import cpu_oversubscription, print_rank_0
 from megatron_zb.training.run_config import ProfilingConfig
 
 __all__ = ["JSON_NAME", "MeasuredTimeline", "PNG_NAME", "chrome_trace", "measured_result", "window_iterations"]
@@ -181,7 +182,9 @@ class MeasuredTimeline:
             json.dump(chrome_trace(per_rank, origin=origin, metadata=meta), f)
         from megatron_zb.schedules.plot import plot_comparison
 
-        plot_comparison([(f"measured: iteration {last}", measured),
+        shared = cpu_oversubscription()
+        note = f" ({shared[0]} processes share {shared[1]} cores: much of the idle time is time-slicing)" if shared else ""
+        plot_comparison([(f"measured: iteration {last}{note}", measured),
                          (f"predicted: the simulator, median measured F/B/W of iterations {first}-{last}, "
                           f"T_comm {t_comm:.3g} ms", predicted)],
                         png_path, title=f"{schedule.name}: p={schedule.num_ranks}, m={schedule.num_microbatches} -- "
@@ -191,4 +194,4 @@ class MeasuredTimeline:
         print(f"> --profile: megatron-zb's timeline of iterations {first}-{last} (each rank's measured actions "
               f"and waits) written to {json_path} (Chrome trace: Perfetto, chrome://tracing) and {png_path} "
               f"(iteration {last} measured, idle per rank [{idle}], beside the simulator's prediction, "
-              f"bubble rate {100 * predicted.bubble_rate:.1f}%)", flush=True)
+              f"bubble rate {100 * predicted.bubble_rate:.1f}%){note}", flush=True)
