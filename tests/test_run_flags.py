@@ -427,3 +427,49 @@ def test_memory_scalars_are_megatron_lm_s_four():
              "allocated_bytes.all.peak": 2048, "allocation.all.current": 3, "other": 1}
     assert cuda_memory_scalars(stats) == {"mem-reserved-bytes": 4096, "mem-allocated-bytes": 1024,
                                           "mem-max-allocated-bytes": 2048, "mem-allocated-count": 3}
+
+
+def test_timeline_window_follows_the_backend_and_says_when_it_is_not_written(capsys):
+    """megatron-zb's timeline covers the iterations the --profile backend records: PyTorch's profiler
+    START..END-1 (always on CPU), CUDA's capture range START+1..END; with megatron-core's schedule
+    (no per-action timing) or without --tensorboard-dir a start-up line says it is not written."""
+    import torch
+
+    from megatron_zb.training.measured_timeline import MeasuredTimeline, window_iterations
+    from megatron_zb.training.run_config import ProfilingConfig
+
+    cfg = ProfilingConfig(profile=True, profile_step_start=4, profile_step_end=6, trace_dir="t")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert list(window_iterations(cfg, device=cpu)) == [4, 5]
+    assert list(window_iterations(cfg, device=cuda)) == [5, 6]
+    pytorch = ProfilingConfig(profile=True, profile_step_start=4, profile_step_end=6, use_pytorch_profiler=True)
+    assert list(window_iterations(pytorch, device=cuda)) == [4, 5]
+    for config, why in ((cfg, "--use-megatron-core-schedule: megatron-core's schedules do not time each action"),
+                        (pytorch, "no --tensorboard-dir to write it into")):
+        runtime = None if config is cfg else object()
+        timeline = MeasuredTimeline(config, runtime=runtime, device=cpu, pp_group=None, train_iters=10)
+        assert list(timeline.iterations) == []
+        assert f"> --profile: megatron-zb's timeline of the window is not written ({why})" in capsys.readouterr().out
+
+
+def test_measured_iteration_as_a_sim_result_and_chrome_trace():
+    """Fabricated events of 1F1B on 2 ranks, m=1 (times in s): the measured SimResult puts each action at
+    its own start/end in ms from the earliest action; the trace has one "X" event per action, in us."""
+    from megatron_zb.schedules import CostModel
+    from megatron_zb.schedules.generators.baselines import one_f_one_b
+    from megatron_zb.training.measured_timeline import chrome_trace, measured_result
+
+    sched = one_f_one_b(num_ranks=2, num_microbatches=1)
+    per_rank = [[(7, "compute", "F", 0, 0, 10.000, 10.002), (7, "comm", "SEND_F", 0, 0, 10.002, 10.0021),
+                 (7, "compute", "BW", 0, 0, 10.010, 10.014)],
+                [(7, "compute", "F", 0, 1, 10.003, 10.005), (7, "compute", "BW", 0, 1, 10.005, 10.009)]]
+    res = measured_result(sched, per_rank, 7, CostModel())
+    assert [[round(x, 6) for x in row] for row in res.start] == [[0.0, 10.0], [3.0, 5.0]]
+    assert [[round(x, 6) for x in row] for row in res.end] == [[2.0, 14.0], [5.0, 9.0]]
+    assert res.total_time == pytest.approx(14.0) and res.busy == pytest.approx([6.0, 6.0])
+    doc = chrome_trace(per_rank, origin=10.0, metadata={"m": 1})
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["tid"], e["name"], e["ts"], e["dur"]) for e in xs] == [
+        (0, 0, "F0", 0.0, 2000.0), (0, 1, "SEND_F0", 2000.0, 100.0), (0, 0, "BW0", 10000.0, 4000.0),
+        (1, 0, "F0", 3000.0, 2000.0), (1, 0, "BW0", 5000.0, 4000.0)]
+    assert doc["otherData"] == {"m": 1}

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron_zb.runtime.action_timing import ActionTiming, resolve_timings
 from megatron_zb.schedules import CostModel, Schedule, SimResult, simulate
 from megatron_zb.training.logging_utils import cpu_oversubscription, print_rank_0
+from megatron_zb.training.checkpoint_check import first_line
 from megatron_zb.training.run_config import ProfilingConfig
 
 __all__ = ["JSON_NAME", "MeasuredTimeline", "PNG_NAME", "chrome_trace", "measured_result", "window_iterations"]
@@ -164,34 +165,38 @@ class MeasuredTimeline:
             self._write_files(gathered)
 
     def _write_files(self, per_rank: list[list[Event]]) -> None:
-        last, schedule, _ = self.kept[-1]
-        measured_costs = getattr(self.runtime.options, "costs", None)
-        t_comm = float(measured_costs.t_comm) if measured_costs is not None else 0.0
-        costs = _median_costs(per_rank, schedule.num_stages, t_comm)
-        predicted = simulate(schedule, costs, enforce_memory=False)
-        measured = measured_result(schedule, per_rank, last, costs)
-        first = self.kept[0][0]
-        origin = min((e[5] for ev in per_rank for e in ev), default=0.0)
-        meta = {"schedule": schedule.name, "iterations": [it for it, _, _ in self.kept],
-                "predicted_bubble_rate": predicted.bubble_rate, "measured_idle_fraction": measured.idle_fraction,
-                "predicted_idle_fraction": predicted.idle_fraction, "t_comm_ms": t_comm}
+        """Global rank 0: the JSON, then the PNG (a failure to draw it is reported, the run goes on)."""
+        first, (last, schedule, _) = self.kept[0][0], self.kept[-1]
         out = Path(self.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         json_path, png_path = out / JSON_NAME, out / PNG_NAME
-        with open(json_path, "w") as f:
-            json.dump(chrome_trace(per_rank, origin=origin, metadata=meta), f)
-        from megatron_zb.schedules.plot import plot_comparison
-
+        meta: dict[str, Any] = {"schedule": schedule.name, "iterations": [it for it, _, _ in self.kept]}
         shared = cpu_oversubscription()
         note = f" ({shared[0]} processes share {shared[1]} cores: much of the idle time is time-slicing)" if shared else ""
-        plot_comparison([(f"measured: iteration {last}{note}", measured),
-                         (f"predicted: the simulator, median measured F/B/W of iterations {first}-{last}, "
-                          f"T_comm {t_comm:.3g} ms", predicted)],
-                        png_path, title=f"{schedule.name}: p={schedule.num_ranks}, m={schedule.num_microbatches} -- "
-                                        f"where the bubble went")
-        self.written = [str(json_path), str(png_path)]
-        idle = ", ".join(f"{100 * f:.1f}%" for f in measured.idle_fraction)
+        try:
+            measured_costs = getattr(self.runtime.options, "costs", None)
+            t_comm = float(measured_costs.t_comm) if measured_costs is not None else 0.0
+            costs = _median_costs(per_rank, schedule.num_stages, t_comm)
+            predicted = simulate(schedule, costs, enforce_memory=False)
+            measured = measured_result(schedule, per_rank, last, costs)
+            meta.update(predicted_bubble_rate=predicted.bubble_rate, measured_idle_fraction=measured.idle_fraction,
+                        predicted_idle_fraction=predicted.idle_fraction, t_comm_ms=t_comm)
+            from megatron_zb.schedules.plot import plot_comparison
+
+            plot_comparison([(f"measured: iteration {last}{note}", measured),
+                             (f"predicted: the simulator, median measured F/B/W of iterations {first}-{last}, "
+                              f"T_comm {t_comm:.3g} ms", predicted)],
+                            png_path, title=f"{schedule.name}: p={schedule.num_ranks}, m={schedule.num_microbatches} "
+                                            f"-- where the bubble went")
+            idle = ", ".join(f"{100 * f:.1f}%" for f in measured.idle_fraction)
+            png = (f" and {png_path} (iteration {last} measured, idle per rank [{idle}], beside the simulator's "
+                   f"prediction, bubble rate {100 * predicted.bubble_rate:.1f}%){note}")
+            self.written = [str(json_path), str(png_path)]
+        except Exception as e:  # noqa: BLE001 -- a diagnostic: the trace is still written and training goes on
+            png = f"; WARNING: {png_path} not drawn ({first_line(e)})"
+            self.written = [str(json_path)]
+        with open(json_path, "w") as f:
+            json.dump(chrome_trace(per_rank, origin=min((e[5] for ev in per_rank for e in ev), default=0.0),
+                                   metadata=meta), f)
         print(f"> --profile: megatron-zb's timeline of iterations {first}-{last} (each rank's measured actions "
-              f"and waits) written to {json_path} (Chrome trace: Perfetto, chrome://tracing) and {png_path} "
-              f"(iteration {last} measured, idle per rank [{idle}], beside the simulator's prediction, "
-              f"bubble rate {100 * predicted.bubble_rate:.1f}%){note}", flush=True)
+              f"and waits) written to {json_path} (Chrome trace: Perfetto, chrome://tracing){png}", flush=True)
