@@ -23,8 +23,9 @@ the data). At the window's end global rank 0 gathers them and writes into ``--te
   the log line say so).
 
 Not written with ``--use-megatron-core-schedule`` (megatron-core's schedules time nothing per
-action), without ``--tensorboard-dir``, or when the run stops before the window ends; rank 0 then
-says why once.
+action) or without ``--tensorboard-dir`` (a start-up line on rank 0 says why), nor when the run stops
+before the window ends. A PNG that cannot be drawn is named with the error in the log line; the trace
+is written and training goes on.
 """
 
 from __future__ import annotations
