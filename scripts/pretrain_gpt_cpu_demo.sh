@@ -14,7 +14,13 @@
 #      from the measured costs and prints the measured costs, the predicted bubble rate and each
 #      rank's measured idle fraction; logs Megatron's iteration line every 5 iterations, validates
 #      every 20, and saves a checkpoint at the end to out/pretrain_gpt_cpu_demo/checkpoints
-#      (the whole log also goes to out/pretrain_gpt_cpu_demo/train.log).
+#      (the whole log also goes to out/pretrain_gpt_cpu_demo/train.log);
+#   4. --profile on iteration 30: megatron-zb's timeline of it in out/pretrain_gpt_cpu_demo/profile --
+#      megatron_zb_timeline.json (each rank's measured F/B/W and p2p waits, a Chrome trace: open it
+#      in https://ui.perfetto.dev) and megatron_zb_timeline.png (the iteration as measured above the
+#      simulator's prediction: where the bubble went; with 4 processes on fewer cores, mostly
+#      time-slicing, which the log says) -- beside PyTorch's profiler trace of rank 0 (Megatron-LM's
+#      --profile on CPU; a few hundred MB with its with_stack setting).
 # Takes about a minute on 2 cores (install check, imports and start-up included).
 #
 # Extra arguments are appended last and override the flags below. `--schedule NAME` or
@@ -47,5 +53,6 @@ torchrun --standalone --nproc_per_node 4 pretrain_gpt_zb.py \
     --zero-bubble-pipeline-timers-start-iter 3 --zero-bubble-pipeline-timers-end-iter 8 \
     --log-interval 5 --eval-interval 20 --eval-iters 2 \
     --save "${OUT}/checkpoints" --save-interval 40 \
+    --profile --profile-step-start 30 --profile-step-end 31 --tensorboard-dir "${OUT}/profile" \
     --distributed-backend gloo \
     "$@" 2>&1 | tee "${OUT}/train.log"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Sequence
 
 from .ir import COMPUTE_OPS, VOCAB_OPS, Op
 from .simulator import SimResult
@@ -106,13 +107,12 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
         dpi: resolution of raster output.
     """
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.patches import Patch
 
     path = Path(path)
     sched = result.schedule
     p = sched.num_ranks
     total = result.total_time if result.total_time > 0 else 1.0
-    chunks = chunk_index(result)
     num_chunks = max((len(sched.stages_of(r)) for r in range(p)), default=1)
 
     n_actions = max((len(a) for a in sched.ranks), default=1)
@@ -127,39 +127,9 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
     ax = fig.add_axes((left_in / width_inches, bottom_in / height,
                        1 - (left_in + right_in) / width_inches, 1 - (top_in + bottom_in) / height))
 
-    # Font size from the typical box width, so two-digit labels fit in most boxes.
-    axes_w_pt = (width_inches - left_in - right_in) * 72
-    durations = sorted(e - s for ee, ss in zip(result.end, result.start) for s, e in zip(ss, ee))
-    typical = durations[len(durations) // 2] if durations else total
-    font = max(5.0, min(9.0, typical / total * axes_w_pt / 1.45))
-    char_w_pt = 0.62 * font
-
-    ops_present = []
-    for r, acts in enumerate(sched.ranks):
-        for a, s, e in zip(acts, result.start[r], result.end[r]):
-            if a.op not in ops_present:
-                ops_present.append(a.op)
-            rgb = shade(OP_COLORS[a.op], 0 if a.op.is_vocab else chunks.get(a.stage, 0), num_chunks)
-            ax.add_patch(Rectangle((s, r - 0.4), e - s, 0.8, facecolor=rgb, edgecolor="#333333",
-                                   linewidth=0.4))
-            label = str(a.mb)
-            box_pt = (e - s) / total * axes_w_pt
-            if box_pt >= len(label) * char_w_pt + 1.5:
-                ax.text((s + e) / 2, r, label, ha="center", va="center", fontsize=font,
-                        color=_text_color(rgb))
-
+    ops_present = _draw_actions(ax, result, total=total, axes_w_pt=(width_inches - left_in - right_in) * 72)
     _draw_reduce(ax, result)
-    ax.set_xlim(0, total)
-    ax.set_ylim(p - 0.5, -0.5)
-    ax.set_yticks(range(p))
-    ax.set_yticklabels([_rank_label(sched, r) for r in range(p)], fontsize=9)
-    ax.set_xlabel("time", fontsize=9)
-    ax.tick_params(axis="x", labelsize=8)
-    ax.tick_params(axis="y", length=0)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    ax.set_axisbelow(True)
-    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+    _style_axes(ax, result, total=total, xlabel="time")
 
     # Per-rank peak memory on the right.
     for r in range(p):
@@ -189,6 +159,90 @@ def plot_timeline(result: SimResult, path: str | Path, *, title: str | None = No
               ncol=math.ceil(len(handles) / legend_rows), fontsize=8, frameon=False, handlelength=1.6, columnspacing=1.4,
               borderaxespad=0.0)
 
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+
+
+def _draw_actions(ax, result: SimResult, *, total: float, axes_w_pt: float) -> list[Op]:
+    """One box per action of ``result`` on ``ax`` (rank ``r`` is row ``r``), labelled with its micro
+    batch where the label fits (font from the typical box width); returns the ops drawn, in order met."""
+    from matplotlib.patches import Rectangle
+
+    sched = result.schedule
+    chunks = chunk_index(result)
+    num_chunks = max((len(sched.stages_of(r)) for r in range(sched.num_ranks)), default=1)
+    durations = sorted(e - s for ee, ss in zip(result.end, result.start) for s, e in zip(ss, ee))
+    typical = durations[len(durations) // 2] if durations else total
+    font = max(5.0, min(9.0, typical / total * axes_w_pt / 1.45))
+    char_w_pt = 0.62 * font
+    ops_present: list[Op] = []
+    for r, acts in enumerate(sched.ranks):
+        for a, s, e in zip(acts, result.start[r], result.end[r]):
+            if a.op not in ops_present:
+                ops_present.append(a.op)
+            rgb = shade(OP_COLORS[a.op], 0 if a.op.is_vocab else chunks.get(a.stage, 0), num_chunks)
+            ax.add_patch(Rectangle((s, r - 0.4), e - s, 0.8, facecolor=rgb, edgecolor="#333333",
+                                   linewidth=0.4))
+            label = str(a.mb)
+            box_pt = (e - s) / total * axes_w_pt
+            if box_pt >= len(label) * char_w_pt + 1.5:
+                ax.text((s + e) / 2, r, label, ha="center", va="center", fontsize=font,
+                        color=_text_color(rgb))
+    return ops_present
+
+
+def _style_axes(ax, result: SimResult, *, total: float, xlabel: str) -> None:
+    """Rank rows, the time axis from 0 to ``total``, light vertical grid."""
+    sched = result.schedule
+    p = sched.num_ranks
+    ax.set_xlim(0, total)
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_yticks(range(p))
+    ax.set_yticklabels([_rank_label(sched, r) for r in range(p)], fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.tick_params(axis="y", length=0)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_axisbelow(True)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+
+
+def plot_comparison(panels: Sequence[tuple[str, SimResult]], path: str | Path, *, title: str,
+                    time_unit: str = "ms", width_inches: float = 14.0, dpi: int = 150) -> None:
+    """Timelines stacked on one time axis, one panel per ``(headline, result)`` -- e.g. a measured
+    iteration (a :class:`SimResult` holding measured start/end times) above the simulator's prediction
+    -- so that where their idle time differs is seen at a glance. Each headline is followed by the
+    panel's idle share per rank (``1 - busy / total_time``). No memory column (a measured timeline
+    carries no memory). Format from the extension."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    total = max((r.total_time for _, r in panels), default=1.0) or 1.0
+    row_h, head_in = 0.5, 0.55
+    heights = [head_in + row_h * r.schedule.num_ranks + 0.45 for _, r in panels]
+    top_in, bottom_in, left_in, right_in = 0.55, 0.6, 1.25, 0.4
+    height = top_in + sum(heights) + bottom_in
+    fig = Figure(figsize=(width_inches, height), dpi=dpi)
+    fig.text(left_in / width_inches, 1 - 0.15 / height, title, ha="left", va="top", fontsize=12, fontweight="bold")
+    y_top, ops_present = height - top_in, []
+    for (headline, result), h in zip(panels, heights):
+        idle = ", ".join(f"{100 * f:.1f}%" for f in result.idle_fraction)
+        fig.text(left_in / width_inches, (y_top - 0.05) / height, f"{headline}   idle per rank [{idle}]",
+                 ha="left", va="top", fontsize=9, color="#333333")
+        ax = fig.add_axes((left_in / width_inches, (y_top - h + 0.45) / height,
+                           1 - (left_in + right_in) / width_inches, (h - head_in - 0.45) / height))
+        for op in _draw_actions(ax, result, total=total, axes_w_pt=(width_inches - left_in - right_in) * 72):
+            if op not in ops_present:
+                ops_present.append(op)
+        _style_axes(ax, result, total=total, xlabel=f"time ({time_unit})")
+        y_top -= h
+    order = [op for op in COMPUTE_OPS + VOCAB_OPS if op in ops_present]
+    handles = [Patch(facecolor=OP_COLORS[op], edgecolor="#333333", linewidth=0.4, label=OP_NAMES[op]) for op in order]
+    handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", linewidth=0.4, label="idle (a wait or a bubble)"))
+    fig.legend(handles=handles, loc="lower left", bbox_to_anchor=(left_in / width_inches, 0.02), ncol=len(handles),
+               fontsize=8, frameon=False, handlelength=1.6, columnspacing=1.4)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
 

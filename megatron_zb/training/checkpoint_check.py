@@ -14,6 +14,12 @@ of another model shape); :func:`scheduler_mismatches` compares the LR scheduler 
 (another ``--train-iters``, ``--lr``, ...), which megatron-core's scheduler would refuse with an
 ``AssertionError``.
 
+:func:`torch_format` recognises a checkpoint in Megatron-LM's ``torch`` format
+(``mp_rank_XX[_YYY]/model_optim_rng.pt`` per model-parallel rank), and among them one of a legacy
+model (``--use-legacy-models``: its weights under ``language_model``): megatron-zb cannot read
+either (it builds megatron-core's GPT and reads ``torch_dist``), so validation refuses such a
+``--load`` before any process group starts, in one line naming the directory and the conversion.
+
 Nothing here but :func:`raise_on_every_rank` needs a process group: every rank reads the same files
 and reaches the same verdict. The directory layout (:func:`checkpoint_dir`, the tracker) is here too.
 """
@@ -26,7 +32,8 @@ from typing import Any
 
 __all__ = ["CheckpointError", "REQUIRED_FILES", "SCHEDULER_FIELDS", "TRACKER_FILENAME", "check_scheduler",
            "checkpoint_dir", "checkpoint_iterations", "checkpoint_to_load", "damage", "earlier_checkpoint_hint",
-           "first_line", "raise_on_every_rank", "read_tracker", "scheduler_mismatches", "shape_mismatches"]
+           "first_line", "load_directory", "raise_on_every_rank", "read_tracker", "scheduler_mismatches",
+           "shape_mismatches", "torch_format"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 """Under ``--save``: the iteration of the last complete checkpoint, written after all its files."""
@@ -69,6 +76,62 @@ def read_tracker(root: str) -> int | None:
         return int(text)
     except ValueError:
         raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+def load_directory(root: str, ckpt_step: int | None = None) -> str | None:
+    """The directory ``--load ROOT`` (and ``--ckpt-step``) names: ``ROOT/iter_NNNNNNN``, or
+    ``ROOT/release`` when the tracker says ``release`` (Megatron-LM's released checkpoints);
+    ``None`` when neither names one."""
+    if ckpt_step is not None:
+        return checkpoint_dir(root, ckpt_step)
+    path = os.path.join(root, TRACKER_FILENAME)
+    if os.path.isfile(path) and open(path).read().strip() == "release":
+        return os.path.join(root, "release")
+    iteration = read_tracker(root)
+    return None if iteration is None else checkpoint_dir(root, iteration)
+
+
+def _holds_legacy_model(file: str) -> bool | None:
+    """Whether the torch-format state ``file`` holds a legacy model (``model`` / ``model0`` with a
+    ``language_model`` entry); ``None`` when it cannot be read. Memory-mapped: tensors are not read."""
+    import torch
+
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 -- unreadable (or pickled with classes not installed here): undecided
+        return None
+    models = [v for k, v in state.items() if re.fullmatch(r"model\d*", str(k))] if isinstance(state, dict) else []
+    return any(isinstance(m, dict) and "language_model" in m for m in models)
+
+
+def torch_format(path: str, *, load: str = "--load") -> str | None:
+    """Why the checkpoint directory ``path`` cannot be loaded when it is in Megatron-LM's ``torch``
+    format (one line: the directory, the format, what to do); ``None`` when it is not.
+
+    Megatron-LM's test (``_get_checkpoint_format``): an entry starting ``mp_rank_0``. A legacy
+    model's checkpoint (``--use-legacy-models``; Megatron-LM writes those in this format only) is
+    told apart by its ``language_model`` weights."""
+    if not os.path.isdir(path):
+        return None
+    ranks = sorted(n for n in os.listdir(path) if n.startswith("mp_rank_0"))
+    if not ranks:
+        return None
+    file = os.path.join(path, ranks[0], "model_optim_rng.pt")
+    root = os.path.dirname(os.path.normpath(path))
+    legacy = _holds_legacy_model(file)
+    to_dist = (f"Megatron-LM with --load DIR --ckpt-format torch --ckpt-convert-format torch_dist "
+               f"--ckpt-convert-save OUT, then {load} OUT/torch_dist")
+    if legacy:
+        return (f"checkpoint {path} is a legacy-model checkpoint (Megatron-LM's --use-legacy-models: {file} holds "
+                f"'language_model' weights): megatron-zb builds megatron-core's GPT and reads its torch_dist "
+                f"checkpoints only; convert it with Megatron-LM's tools/checkpoint/convert.py --model-type GPT "
+                f"--loader legacy --saver core --load-dir {root} --save-dir DIR, then to torch_dist ({to_dist}), "
+                f"or train without {load}")
+    what = "a megatron-core model's" if legacy is False else f"{file} cannot be read here to tell whose"
+    return (f"checkpoint {path} is in Megatron-LM's torch format (--ckpt-format torch, {ranks[0]}/model_optim_rng.pt "
+            f"per model-parallel rank; {what}): megatron-zb reads torch_dist checkpoints only; convert it ({to_dist} "
+            f"with DIR = {root}; a legacy model's first with tools/checkpoint/convert.py --loader legacy --saver "
+            f"core), or train without {load}")
 
 
 def first_line(error: BaseException) -> str:
@@ -207,6 +270,9 @@ def checkpoint_to_load(root: str, args: Any) -> tuple[int, str] | None:
     if iteration is None:
         return None
     path = checkpoint_dir(root, iteration)
+    wrong_format = torch_format(load_directory(root, step) or path)
+    if wrong_format is not None:
+        raise CheckpointError(wrong_format)
     problem = damage(path)
     if problem is not None:
         named_by = f"--ckpt-step {step}" if step is not None else \

@@ -31,8 +31,16 @@ def loss_func(loss_mask: torch.Tensor | None, output_tensor: torch.Tensor
 
 
 def forward_step(data_iterator: Iterator[Any] | None, model: Any, *, device: Any = None) -> tuple[Any, Any]:
-    """megatron-core forward step: the chunk's micro batch (``None`` on middle stages), output, loss."""
+    """megatron-core forward step: the chunk's micro batch (``None`` on middle stages), output, loss.
+    With ``--timing-log-level 2`` the batch is timed as Megatron-LM's ``batch-generator``."""
+    from megatron.core.utils import get_model_config
+
+    timers = get_model_config(model).timers
+    if timers is not None:
+        timers("batch-generator", log_level=2).start()
     batch = get_batch(data_iterator, device=device)
+    if timers is not None:
+        timers("batch-generator").stop()
     if batch is None:
         return model(None, None, None), partial(loss_func, None)
     # No mask with --no-create-attention-mask-in-dataloader: megatron-core's causal attention makes its own.

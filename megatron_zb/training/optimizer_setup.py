@@ -65,7 +65,7 @@ def build_optimizer(config: RunConfig, *, model: ModelBundle,
         chunk.module.config.grad_scale_func = optimizer.scale_loss
     steps = config.scheduler_steps()  # the scheduler counts samples, as Megatron-LM's
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
+        optimizer, init_lr=optim.lr_warmup_init, max_lr=optim.lr, min_lr=optim.min_lr,
         lr_warmup_steps=steps.lr_warmup_steps, lr_decay_steps=steps.lr_decay_steps,
         lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
         wd_incr_steps=steps.wd_incr_steps, wd_incr_style="constant",

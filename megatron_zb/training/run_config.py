@@ -378,6 +378,8 @@ class OptimConfig:
     """``--lr-warmup-samples`` [samples] (with ``--train-samples``)."""
     lr_decay_samples: int | None = None
     """``--lr-decay-samples`` [samples] (validation: ``--train-samples``; ``None`` with ``--train-iters``)."""
+    lr_warmup_init: float = 0.0
+    """``--lr-warmup-init``: the learning rate the warm-up starts from (megatron-core's ``init_lr``)."""
     lr_warmup_fraction: float | None = None
     """``--lr-warmup-fraction``: the warm-up as a fraction of the decay length, instead of
     ``lr_warmup_iters`` / ``lr_warmup_samples`` (``None``: not given)."""
@@ -502,6 +504,12 @@ class LoggingConfig:
     """``--log-memory-to-tensorboard``: CUDA caching-allocator statistics in TensorBoard
     (``mem-reserved-bytes``, ``mem-allocated-bytes``, ``mem-max-allocated-bytes`` [bytes],
     ``mem-allocated-count``); nothing on CPU."""
+    timing_log_level: int = 0
+    """``--timing-log-level``: Megatron-LM's timers, 0 (none), 1 or 2 (:mod:`~megatron_zb.training.timing_log`)."""
+    timing_log_option: str = "minmax"
+    """``--timing-log-option``: ``"max"``, ``"minmax"`` or ``"all"`` (over ranks)."""
+    barrier_with_L1_time: bool = True
+    """Cleared by ``--no-barrier-with-level-1-timing``: level-1 timers start after a barrier."""
 
     @classmethod
     def from_args(cls, args: Any) -> "LoggingConfig":

@@ -50,6 +50,7 @@ from megatron_zb.training.evaluation import evaluate
 from megatron_zb.training.gpt_step import run_batch, sum_lm_loss
 from megatron_zb.training.housekeeping import LoopHooks
 from megatron_zb.training.logging_utils import print_rank_0, tensorboard_writer
+from megatron_zb.training.measured_timeline import MeasuredTimeline
 from megatron_zb.training.model_setup import ModelBundle, build_model
 from megatron_zb.training.optimizer_setup import OptimizerBundle, build_optimizer
 from megatron_zb.training.params_norm import params_l2_norm
@@ -57,6 +58,7 @@ from megatron_zb.training.preemption import ExitDuration, ExitSignalHandler
 from megatron_zb.training.replanning import SchedulePlanner
 from megatron_zb.training.run_config import RunConfig, run_config
 from megatron_zb.training.state import TrainState
+from megatron_zb.training.timing_log import TimingLog, optimizer_configs
 from megatron_zb.training.training_log import IterationRecord, TrainingLog
 
 __all__ = ["Trainer"]
@@ -84,6 +86,8 @@ class Trainer:
         exit_duration: with ``--exit-duration-in-mins``, its clock (:mod:`.preemption`); checked
             after every iteration.
         hooks: garbage collection, CUDA cache and ``--profile`` window around iterations (:mod:`.housekeeping`).
+        timing: Megatron-LM's timers of ``--timing-log-level`` (:mod:`.timing_log`).
+        timeline: megatron-zb's measured timeline of the ``--profile`` window (:mod:`.measured_timeline`).
         t_start: ``time.perf_counter()`` when the run started [s].
     """
 
@@ -105,7 +109,14 @@ class Trainer:
             self.model: ModelBundle = build_model(self.config, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
             self.optim: OptimizerBundle = build_optimizer(self.config, model=self.model,
                                                           on_validation_report=self._on_validation_report)
+            logging = self.config.logging
+            self.timing = TimingLog(level=logging.timing_log_level, option=logging.timing_log_option,
+                                    barrier=logging.barrier_with_L1_time)
+            self.timing.install([c.module.config for c in self.model.chunks] + optimizer_configs(self.optim.inner))
             self.planner = SchedulePlanner(args, schedule=schedule, dist_ctx=self.dist)
+            self.timeline = MeasuredTimeline(self.config.profiling, runtime=self.planner.runtime,
+                                             device=self.dist.device, pp_group=self.dist.pp_group,
+                                             train_iters=self.config.train_iters)
             self.state: TrainState = self._load() if args.load else TrainState()
             self.last_saved: int | None = self.state.iteration if args.load else None
             self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state)
@@ -169,6 +180,9 @@ class Trainer:
                     costs = self.planner.replan()
                     if costs is not None:
                         self.state.schedule_costs = costs
+            if self.timeline.due:  # the --profile window's last iteration: its timeline and PNG
+                with self.log.excluding_time():
+                    self.timeline.write()
             if self._after_iteration(it):
                 return True
         return False
@@ -177,6 +191,7 @@ class Trainer:
         """Iteration ``it``: its record, and whether the profiling window ended with it (re-plan due)."""
         args, opt = self.args, self.optim
         profiling = self.planner.begin_iteration(it)
+        self.timeline.before_iteration(it)
         if opt.post_validation:
             opt.optimizer.begin_iteration()  # validates the previous step (reports to _on_validation_report)
         for m in self.model.modules:
@@ -190,10 +205,13 @@ class Trainer:
         fb_seconds = time.perf_counter() - t0
         self.hooks.after_forward_backward()
         replan_due = self.planner.end_iteration(it, profiling=profiling, seconds=fb_seconds)
+        self.timeline.after_forward_backward(it, num_microbatches=self.batch.num_microbatches)
         if opt.post_validation:
             self._iteration_of_step[opt.optimizer.iteration] = (it, gbs)
         t1 = time.perf_counter()
+        self.timing("optimizer", 1).start(barrier=self.timing.barrier)
         update_successful, grad_norm, num_zeros = opt.optimizer.step()
+        self.timing("optimizer", 1).stop()
         timers = {"forward-backward": fb_seconds, "optimizer": time.perf_counter() - t1}
         self.hooks.after_optimizer_step()
         if opt.post_validation and not opt.optimizer.pending:
@@ -338,6 +356,8 @@ class Trainer:
             rollbacks = int(c.item())
         self.log.close_interval(now=now, consumed_samples=self.state.consumed_train_samples, rollbacks=rollbacks,
                                 print_line=print_line, params_norm=self._params_norm())
+        if print_line:
+            self.timing.log(normalizer=self.args.log_interval)  # Megatron-LM's timers after its line
 
     def _params_norm(self) -> float | None:
         """``--log-params-norm``: the parameters' L2 norm now (collective), else ``None``."""
@@ -350,9 +370,10 @@ class Trainer:
         if self.optim.post_validation:
             self.optim.optimizer.validate()  # evaluate the validated parameters
         self.planner.ensure_installed(args.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
-        loss = evaluate(args, forward_backward=self.planner.forward_backward, modules=self.model.modules,
-                        iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
-                        after_step=self.hooks.after_eval_step)
+        with self.timing.paused():  # evaluation is not timed, as Megatron-LM
+            loss = evaluate(args, forward_backward=self.planner.forward_backward, modules=self.model.modules,
+                            iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
+                            after_step=self.hooks.after_eval_step)
         if valid:
             self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.log.add_validation(prefix, iteration=self.state.iteration, loss=loss, tensorboard=valid)

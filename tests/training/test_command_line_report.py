@@ -254,6 +254,10 @@ MEGATRON_LM_MEANINGS: dict[str, tuple[str, object, object]] = {
     "ckpt_format": ("--ckpt-format torch_dist", "torch_dist", "torch_dist"),
     # LoggerConfig group (arguments.py 1812): training_config.py 285
     "barrier_with_L1_time": ("--no-barrier-with-level-1-timing", True, False),
+    "timing_log_level": ("--timing-log-level 2", 0, 2),  # training_config.py 222
+    "timing_log_option": ("--timing-log-option all", "minmax", "all"),  # 231
+    # TrainingConfig (learning rate): training_config.py 151
+    "lr_warmup_init": ("--lr-warmup-init 0.5", 0.0, 0.5),
     # _add_data_args: arguments.py 2476-2478, 2505-2507 (store_false flags, default True)
     "mmap_bin_files": ("--no-mmap-bin-files", True, False),
     "create_attention_mask_in_dataloader": ("--no-create-attention-mask-in-dataloader", True, False),

@@ -1,6 +1,6 @@
 """Megatron-LM's loading, exit, logging, profiling and memory flags in ``pretrain_gpt_zb.py`` runs:
 ``--log-params-norm``, ``--log-num-zeros-in-grad``, ``--manual-gc*``, ``--empty-unused-memory-level``,
-``--profile`` with PyTorch's profiler, ``--no-load-optim``, ``--no-load-rng``, ``--finetune`` and
+``--profile`` with PyTorch's profiler and megatron-zb's timeline of the window, ``--no-load-optim``, ``--no-load-rng``, ``--finetune`` and
 ``--exit-duration-in-mins``.
 
 Six runs of the trainer (what ``pretrain_gpt_zb.py`` runs) in-process on 2 ranks of
@@ -198,6 +198,49 @@ def test_manual_gc_and_pytorch_profiler_trace(runs):
     assert "--empty-unused-memory-level 1: no CUDA device" in zb["log"] and "a no-op here" in zb["log"]
 
 
+def test_profile_window_timeline_chrome_trace_and_png(runs):
+    """megatron-zb's own view of the --profile window (iteration 2): a Chrome trace with one complete
+    event per executed action per pipeline rank -- ZB on PP=2, m=4: each rank F, B and W of micro
+    batches 0-3 once; rank 0 sends 4 activations and receives 4 gradients, rank 1 the reverse --
+    compute events of a rank never overlapping; and a PNG of the measured iteration beside the
+    prediction, in the op colours."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    from megatron_zb.schedules.plot import OP_COLORS, shade
+
+    zb = runs.get("zb")
+    doc = json.loads((runs.tb / "megatron_zb_timeline.json").read_text())
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert names[(0, 0)] == names[(1, 0)] == "compute (F/B/W)"
+    for e in events:
+        assert {"ph", "ts", "dur", "pid", "tid", "name"} <= set(e) and e["ts"] >= 0 and e["dur"] >= 0, e
+        assert e["args"]["iteration"] == 2
+    comm = {0: {"SEND_F": 4, "RECV_B": 4}, 1: {"RECV_F": 4, "SEND_B": 4}}
+    for rank in (0, 1):
+        compute = sorted((e for e in events if e["pid"] == rank and e["cat"] == "compute"), key=lambda e: e["ts"])
+        assert sorted(e["name"] for e in compute) == sorted(f"{op}{mb}" for op in "FBW" for mb in range(4))
+        assert all(e["tid"] == 0 and e["args"]["stage"] == rank for e in compute)
+        for a, b in zip(compute, compute[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 0.01, (a, b)  # one action at a time [us, rounding]
+        ops: dict[str, int] = {}
+        for e in events:
+            if e["pid"] == rank and e["cat"] == "comm":
+                assert e["tid"] == 1
+                op = e["name"].rstrip("0123456789")
+                ops[op] = ops.get(op, 0) + 1
+        assert ops == comm[rank], (rank, ops)
+    png = runs.tb / "megatron_zb_timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    img = mpimg.imread(png)
+    for op in "FBW":
+        rgb = np.asarray(shade(OP_COLORS[op], 0, 1))
+        assert int(np.all(np.abs(img[..., :3] - rgb) < 1.5 / 255, axis=-1).sum()) >= 50, op
+    assert (f"> --profile: megatron-zb's timeline of iterations 2-2 (each rank's measured actions and waits) "
+            f"written to {runs.tb / 'megatron_zb_timeline.json'}") in zb["log"]
+
+
 def test_no_load_optim_restores_model_and_rng_but_not_optimizer_or_scheduler(runs):
     """Iteration 4's loss (computed before its step: model, data position and dropout streams) equals
     the uninterrupted run's bit for bit; its learning rate is a fresh scheduler's first (the
@@ -384,3 +427,49 @@ def test_memory_scalars_are_megatron_lm_s_four():
              "allocated_bytes.all.peak": 2048, "allocation.all.current": 3, "other": 1}
     assert cuda_memory_scalars(stats) == {"mem-reserved-bytes": 4096, "mem-allocated-bytes": 1024,
                                           "mem-max-allocated-bytes": 2048, "mem-allocated-count": 3}
+
+
+def test_timeline_window_follows_the_backend_and_says_when_it_is_not_written(capsys):
+    """megatron-zb's timeline covers the iterations the --profile backend records: PyTorch's profiler
+    START..END-1 (always on CPU), CUDA's capture range START+1..END; with megatron-core's schedule
+    (no per-action timing) or without --tensorboard-dir a start-up line says it is not written."""
+    import torch
+
+    from megatron_zb.training.measured_timeline import MeasuredTimeline, window_iterations
+    from megatron_zb.training.run_config import ProfilingConfig
+
+    cfg = ProfilingConfig(profile=True, profile_step_start=4, profile_step_end=6, trace_dir="t")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert list(window_iterations(cfg, device=cpu)) == [4, 5]
+    assert list(window_iterations(cfg, device=cuda)) == [5, 6]
+    pytorch = ProfilingConfig(profile=True, profile_step_start=4, profile_step_end=6, use_pytorch_profiler=True)
+    assert list(window_iterations(pytorch, device=cuda)) == [4, 5]
+    for config, why in ((cfg, "--use-megatron-core-schedule: megatron-core's schedules do not time each action"),
+                        (pytorch, "no --tensorboard-dir to write it into")):
+        runtime = None if config is cfg else object()
+        timeline = MeasuredTimeline(config, runtime=runtime, device=cpu, pp_group=None, train_iters=10)
+        assert list(timeline.iterations) == []
+        assert f"> --profile: megatron-zb's timeline of the window is not written ({why})" in capsys.readouterr().out
+
+
+def test_measured_iteration_as_a_sim_result_and_chrome_trace():
+    """Fabricated events of 1F1B on 2 ranks, m=1 (times in s): the measured SimResult puts each action at
+    its own start/end in ms from the earliest action; the trace has one "X" event per action, in us."""
+    from megatron_zb.schedules import CostModel
+    from megatron_zb.schedules.generators.baselines import one_f_one_b
+    from megatron_zb.training.measured_timeline import chrome_trace, measured_result
+
+    sched = one_f_one_b(num_ranks=2, num_microbatches=1)
+    per_rank = [[(7, "compute", "F", 0, 0, 10.000, 10.002), (7, "comm", "SEND_F", 0, 0, 10.002, 10.0021),
+                 (7, "compute", "BW", 0, 0, 10.010, 10.014)],
+                [(7, "compute", "F", 0, 1, 10.003, 10.005), (7, "compute", "BW", 0, 1, 10.005, 10.009)]]
+    res = measured_result(sched, per_rank, 7, CostModel())
+    assert [[round(x, 6) for x in row] for row in res.start] == [[0.0, 10.0], [3.0, 5.0]]
+    assert [[round(x, 6) for x in row] for row in res.end] == [[2.0, 14.0], [5.0, 9.0]]
+    assert res.total_time == pytest.approx(14.0) and res.busy == pytest.approx([6.0, 6.0])
+    doc = chrome_trace(per_rank, origin=10.0, metadata={"m": 1})
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["tid"], e["name"], e["ts"], e["dur"]) for e in xs] == [
+        (0, 0, "F0", 0.0, 2000.0), (0, 1, "SEND_F0", 2000.0, 100.0), (0, 0, "BW0", 10000.0, 4000.0),
+        (1, 0, "F0", 3000.0, 2000.0), (1, 0, "BW0", 5000.0, 4000.0)]
+    assert doc["otherData"] == {"m": 1}

@@ -88,8 +88,8 @@ Derived values set by :func:`validate_args` (units in brackets):
                                     per rank and no ``--no-overlap-p2p-communication`` (Megatron-LM's
                                     rule); the flag itself is ``overlap_p2p_comm_requested``
 ``batch_p2p_comm``                  -> ``ModelParallelConfig.batch_p2p_comm``: ``not overlap_p2p_comm``
-``barrier_with_L1_time``            -> ``ModelParallelConfig.barrier_with_L1_time`` (the flag's value;
-                                    megatron-zb's timers never put a barrier)
+``barrier_with_L1_time``            -> ``ModelParallelConfig`` / ``OptimizerConfig.barrier_with_L1_time``
+                                    with ``--timing-log-level`` >= 1 (:mod:`..timing_log`)
 ``attention_backend``               -> ``TransformerConfig.attention_backend`` (``AttnBackend``;
                                     checked against the layer spec)
 ``masked_softmax_fusion``           -> ``TransformerConfig.masked_softmax_fusion``: the flag (default

@@ -10,7 +10,7 @@ import signal
 from .common import ArgumentError, notice
 
 __all__ = ["CKPT_FORMATS", "add_checkpointing_args", "add_validation_and_logging_args", "check_checkpointing",
-           "check_exit_duration", "check_load_flags"]
+           "check_exit_duration", "check_load_flags", "check_load_format"]
 
 CKPT_FORMATS: tuple[str, ...] = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
 """Megatron-LM core_v0.16.1's ``--ckpt-format`` choices (``CheckpointConfig.ckpt_format``)."""
@@ -118,3 +118,20 @@ def check_exit_duration(args: argparse.Namespace) -> None:
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
         raise ArgumentError("--exit-duration-in-mins", f"must be >= 0 minutes, got {args.exit_duration_in_mins}; "
                                                        f"give the time after which to save and exit")
+
+
+def check_load_format(args: argparse.Namespace) -> None:
+    """The checkpoint ``--load`` names is not in Megatron-LM's torch format (a legacy model's, with
+    ``--use-legacy-models``, or ``--ckpt-format torch``): refused now, before any process group starts
+    (:func:`~megatron_zb.training.checkpoint_check.torch_format`). Reads the tracker and one file's index."""
+    from megatron_zb.training.checkpoint_check import CheckpointError, load_directory, torch_format
+
+    if not args.load:
+        return
+    try:
+        path = load_directory(args.load, args.ckpt_step)
+    except CheckpointError:  # an unreadable tracker: the load itself reports it
+        return
+    problem = None if path is None else torch_format(path)
+    if problem is not None:
+        raise ArgumentError("--load", problem)

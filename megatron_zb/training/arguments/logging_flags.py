@@ -1,6 +1,7 @@
 """Logging flags beyond the basic ones (Megatron's "logging" group): ``--log-throughput``,
 ``--log-timers-to-tensorboard``, ``--log-params-norm``, ``--log-num-zeros-in-grad``,
-``--log-memory-to-tensorboard`` and Weights & Biases (``--wandb-project`` ...); their checks."""
+``--log-memory-to-tensorboard``, Megatron-LM's timers (``--timing-log-level``, ``--timing-log-option``,
+``--no-barrier-with-level-1-timing``; :mod:`megatron_zb.training.timing_log`) and Weights & Biases (``--wandb-project`` ...); their checks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from .common import ArgumentError, notice
 
-__all__ = ["add_logging_extra_args", "check_logging", "check_memory_logging"]
+__all__ = ["add_logging_extra_args", "check_logging", "check_memory_logging", "check_timing_log"]
 
 
 def add_logging_extra_args(parser: argparse.ArgumentParser) -> None:
@@ -31,9 +32,18 @@ def add_logging_extra_args(parser: argparse.ArgumentParser) -> None:
                    help="Write the CUDA caching allocator's statistics to TensorBoard (mem-reserved-bytes, "
                         "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count), as Megatron-LM; "
                         "nothing without CUDA (a start-up line says so).")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
+                   help="Megatron-LM's timers, printed after the iteration line every --log-interval (ms per "
+                        "iteration): 0 (default) none; 1 what runs once per iteration (forward-backward, gradient "
+                        "reduces, the optimizer and its parts); 2 also what runs per micro batch (batch-generator, "
+                        "forward-compute, backward-compute; megatron-core's p2p timers under its own schedules).")
+    g.add_argument("--timing-log-option", choices=("max", "minmax", "all"), default="minmax",
+                   help="With --timing-log-level 1 or 2: the largest time over ranks (max), the smallest and "
+                        "largest (minmax, default) or every rank's (all), as Megatron-LM.")
     g.add_argument("--no-barrier-with-level-1-timing", action="store_false", dest="barrier_with_L1_time",
-                   help="Megatron-LM: no barrier before level-1 timers. megatron-zb's timers never synchronise "
-                        "the ranks, so this is what always happens here.")
+                   help="With --timing-log-level 1 or 2: start level-1 timers without a barrier over the ranks "
+                        "first (Megatron-LM's default barriers, so that a timer measures its own work, not the wait "
+                        "for the slowest rank).")
     g.add_argument("--wandb-project", type=str, default=None,
                    help="Log to Weights & Biases under this project (needs the wandb package; offline mode "
                         "when api.wandb.ai is unreachable or WANDB_MODE=offline).")
@@ -52,6 +62,15 @@ def check_logging(args: argparse.Namespace) -> None:
     if importlib.util.find_spec("wandb") is None:
         raise ArgumentError("--wandb-project", "needs the wandb package, which is not installed; pip install wandb "
                                                "or drop --wandb-project")
+
+
+def check_timing_log(args: argparse.Namespace) -> None:
+    """``--timing-log-option`` / ``--no-barrier-with-level-1-timing`` at level 0 do nothing: a start-up line says so."""
+    given = [f for f, on in (("--timing-log-option", args.timing_log_option != "minmax"),
+                             ("--no-barrier-with-level-1-timing", not args.barrier_with_L1_time)) if on]
+    if given and args.timing_log_level == 0:
+        notice(args, f"WARNING: {', '.join(given)} without --timing-log-level 1 or 2: no timers, no effect (as "
+                     f"Megatron-LM)")
 
 
 def check_memory_logging(args: argparse.Namespace) -> None:

@@ -27,14 +27,13 @@ ACCEPTED: dict[str, str] = {
     "--use-mcore-models": "no-op, as in Megatron-LM (deprecated there: megatron-core models are the default; here "
                           "the only ones)",
     "--use-legacy-models": "megatron-core has no legacy models: megatron-core's GPTModel (the same architecture) is "
-                           "built, with megatron-core's checkpoints; a start-up WARNING says so",
+                           "built, with megatron-core's checkpoints; a start-up WARNING says so; a legacy-format "
+                           "checkpoint given to `--load` is refused in one line naming it and the conversion",
     "--use-flash-attn": "no effect on megatron-core's GPT, as in Megatron-LM (read by its legacy model only); a "
                         "start-up WARNING points to `--attention-backend flash`",
     "--no-overlap-p2p-communication": "megatron-zb's runtime never batches its p2p (one isend/irecv per transfer, "
                                       "receives posted ahead), so its schedules run the same; sets megatron-core's "
                                       "`overlap_p2p_comm`/`batch_p2p_comm` as Megatron-LM; a start-up WARNING says so",
-    "--no-barrier-with-level-1-timing": "no-op: megatron-zb's timers never put a barrier, which is what the flag asks "
-                                        "for",
     "--context-parallel-size": "1 only (no context parallelism); a larger value is refused with the reason",
     "--ckpt-format": "torch_dist only (Megatron-LM's default, what megatron-zb writes and reads); the other "
                      "formats are refused with the reason",

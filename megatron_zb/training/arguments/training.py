@@ -51,9 +51,12 @@ def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=None, help="Peak learning rate (required).")
     g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor after decay (default 0).")
     g.add_argument("--lr-warmup-iters", type=int, default=0,
-                   help="Iterations of linear warm-up from 0 to --lr (default 0; with --train-iters).")
+                   help="Iterations of linear warm-up from --lr-warmup-init to --lr (default 0; with --train-iters).")
     g.add_argument("--lr-warmup-samples", type=int, default=0,
-                   help="Samples of linear warm-up from 0 to --lr (default 0; with --train-samples).")
+                   help="Samples of linear warm-up from --lr-warmup-init to --lr (default 0; with --train-samples).")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="Learning rate at the start of the linear warm-up, which rises from it to --lr (default 0; "
+                        "megatron-core's OptimizerParamScheduler init_lr, as Megatron-LM). Between 0 and --lr.")
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="Warm-up as a fraction of the decay length (--lr-decay-iters or --lr-decay-samples), "
                         "instead of --lr-warmup-iters / --lr-warmup-samples.")
@@ -191,8 +194,15 @@ def check_rampup_schedule(args: argparse.Namespace) -> None:
 
 
 def check_learning_rate(args: argparse.Namespace) -> None:
+    """``--min-lr`` and ``--lr-warmup-init`` within ``[0, --lr]`` (megatron-core's scheduler asserts the upper bounds)."""
+    errors = []
     if args.min_lr > args.lr:
-        raise ArgumentError("--min-lr", f"{args.min_lr} exceeds --lr {args.lr}; set --min-lr <= --lr")
+        errors.append(ArgumentError("--min-lr", f"{args.min_lr} exceeds --lr {args.lr}; set --min-lr <= --lr"))
+    if not 0.0 <= args.lr_warmup_init <= args.lr:
+        errors.append(ArgumentError("--lr-warmup-init", f"{args.lr_warmup_init} is not between 0 and --lr {args.lr} "
+                                                        f"(the warm-up rises from it to --lr); give a value in that range"))
+    if errors:
+        raise ArgumentError.combine(errors)
 
 
 def check_precision(args: argparse.Namespace) -> None:

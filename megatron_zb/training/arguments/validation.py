@@ -17,14 +17,14 @@ from typing import Any, Callable, Sequence
 
 from megatron_zb.schedules.ir import Schedule
 
-from .checkpointing_logging import check_checkpointing, check_exit_duration, check_load_flags
+from .checkpointing_logging import check_checkpointing, check_exit_duration, check_load_flags, check_load_format
 from .common import NOTICES, ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
 from .housekeeping import check_memory_flags, check_profiling
 from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
 from .fp8 import check_fp8
 from .kernels import resolve_kernels
-from .logging_flags import check_logging, check_memory_logging
+from .logging_flags import check_logging, check_memory_logging, check_timing_log
 from .model import (check_architecture, check_attention_heads, check_model_kind, check_position_embeddings,
                     check_zero_centered_gamma, fill_model_sizes)
 from .moe import check_moe
@@ -109,8 +109,10 @@ CHECKS: tuple[Check, ...] = (
           needs=("ranges", "batch_sizes", "training_length", "rampup_batch_size")),
     Check("lr_schedule", lambda a, r: check_lr_schedule(a), needs=("training_values",)),
     Check("load_flags", lambda a, r: check_load_flags(a)),
+    Check("load_format", lambda a, r: check_load_format(a)),
     Check("exit_duration", lambda a, r: check_exit_duration(a)),
     Check("memory_logging", lambda a, r: check_memory_logging(a)),
+    Check("timing_log", lambda a, r: check_timing_log(a)),
     Check("profiling", lambda a, r: check_profiling(a), needs=("ranges", "training_values")),
     Check("memory_flags", lambda a, r: check_memory_flags(a)),
     Check("backend", lambda a, r: resolve_backend(a)),
