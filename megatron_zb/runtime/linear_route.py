@@ -142,10 +142,10 @@ class _DummyWgrads:
 
 
 DUMMY_WGRADS = _DummyWgrads()
-"""The process's cache of dummy weight gradients (:func:`_dummy_wgrad`)."""
+"""The process's cache of dummy weight gradients (:func:`dummy_wgrad`)."""
 
 
-def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor | None:
+def dummy_wgrad(weight: torch.Tensor) -> torch.Tensor | None:
     """What B returns as the weight gradient of a megatron-core DDP parameter: a dummy, with
     ``grad_added_to_main_grad`` set, exactly as megatron-core's fused-accumulation backward does
     (zero-filled when the parameter has ``zero_out_wgrad``, which DDP's hook then adds).
@@ -263,7 +263,7 @@ def build_zb_linear_function(base: Any) -> Any:
             if handle is not None:
                 handle.wait()
             grad_input = sub_grad_input if ctx.sequence_parallel else grad_input
-            return linear_backward_grads(grad_input, _dummy_wgrad(param), grad_bias)
+            return linear_backward_grads(grad_input, dummy_wgrad(param), grad_bias)
 
     ZBLinearFunction.__qualname__ = "ZBLinearFunction"
     return ZBLinearFunction

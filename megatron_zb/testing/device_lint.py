@@ -74,8 +74,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("megatron_zb/training/checkpointing.py", "_restore_zero_steps", "torch.tensor"):
         "optimizer state-dict value; load_state_dict places it",
     # torch's Adam hosts `step` on the CPU on purpose unless the group is fused or capturable
-    # (torch/optim/adam.py, _init_group); _adam_step puts it on the parameter's device then.
-    ("megatron_zb/training/checkpointing.py", "_adam_step", "torch.tensor"): "torch Adam's CPU-hosted step",
+    # (torch/optim/adam.py, _init_group); adam_step puts it on the parameter's device then.
+    ("megatron_zb/training/checkpointing.py", "adam_step", "torch.tensor"): "torch Adam's CPU-hosted step",
 }
 
 

@@ -41,8 +41,8 @@ from typing import Any, Callable, Sequence
 __all__ = [
     "CPU_FLAGS", "LLAMA_FLAGS", "MEGATRON_LM_ENV", "MOCK_DATA_FLAGS", "PLUGIN_CALLABLE", "SKIP_REASON",
     "TINY_GPT_FLAGS",
-    "IterationLog", "MegatronLMError", "MegatronLMRun", "bitwise_differences", "find_megatron_lm",
-    "parse_iteration_lines", "run_megatron_lm",
+    "IterationLog", "MegatronLMError", "MegatronLMRun", "bitwise_differences", "exception_line", "find_megatron_lm",
+    "parse_iteration_lines", "plugin_spec", "run_megatron_lm",
 ]
 
 MEGATRON_LM_ENV = "MEGATRON_LM_DIR"
@@ -287,7 +287,7 @@ def run_megatron_lm(
     if folder is None or not (folder / "pretrain_gpt.py").is_file():
         raise FileNotFoundError(SKIP_REASON)
     with tempfile.TemporaryDirectory(prefix="megatron_zb-mlm-") as out:
-        harness = {MEGATRON_LM_ENV: str(folder.resolve()), _OUT_ENV: out, _PLUGIN_ENV: _plugin_spec(plugin),
+        harness = {MEGATRON_LM_ENV: str(folder.resolve()), _OUT_ENV: out, _PLUGIN_ENV: plugin_spec(plugin),
                    _PARAMS_ENV: "1" if params else "0", _SCRIPT_EDIT_ENV: json.dumps([list(e) for e in script_edit])}
         logs, wall_s, failure = _launch(list(argv), world_size, {**(env or {}), **harness}, out, timeout, threads,
                                         grace)
@@ -296,7 +296,7 @@ def run_megatron_lm(
         return _collect(Path(out), logs, world_size, params, wall_s)
 
 
-def _plugin_spec(plugin: str | Callable[[], Any] | None) -> str:
+def plugin_spec(plugin: str | Callable[[], Any] | None) -> str:
     """The plugin step as the string a rank reads (empty: none)."""
     if plugin is None:
         return ""
@@ -345,7 +345,7 @@ def _launch(argv: list[str], world_size: int, env: dict[str, str], out: str, tim
         failure = f"timeout: the run did not finish within {timeout:g} s; every rank was killed"
     else:
         failure = (f"rank {first_failed} exited with status {procs[first_failed].returncode}: "
-                   f"{_exception_line(logs[first_failed])}")
+                   f"{exception_line(logs[first_failed])}")
     failed = [first_failed] if first_failed is not None else []
     failed += [r for r, p in enumerate(procs) if p.returncode != 0 and r != first_failed]
     failure += "".join(f"\n--- rank {r} (last lines) ---\n{_tail(logs[r])}" for r in failed)
@@ -395,7 +395,7 @@ def _wait(procs: list[Any], deadline: float, grace: float) -> int | None:
         time.sleep(0.05)
 
 
-def _exception_line(log: str) -> str:
+def exception_line(log: str) -> str:
     """The last ``SomeError: message`` line of a rank's output (torchrun-style ``[rankN]:`` prefix removed)."""
     for line in reversed(log.splitlines()):
         line = re.sub(r"^\[rank\d+\]:\s*", "", line).strip()

@@ -29,7 +29,7 @@ Resuming therefore continues bit for bit: the same parameters, optimizer state, 
 position and random streams as an uninterrupted run (on CPU; fp32 and fp16, also with the
 distributed optimizer: ``tests/training/test_resume_distopt.py``). megatron-core 0.16.1's distributed
 optimizer with torch's Adam (no apex / Transformer Engine) needs two repairs on load, see
-:func:`_materialize_adam_state` and :func:`_give_each_param_its_step`;
+:func:`materialize_adam_state` and :func:`give_each_param_its_step`;
 :func:`repaired_distributed_adam_load` applies them around a load done by other code (Megatron-LM's
 ``load_checkpoint``, :mod:`megatron_zb.megatron_lm`).
 
@@ -62,6 +62,9 @@ from megatron_zb.training.state import TrainState
 
 __all__ = [
     "CHECKPOINT_VERSION",
+    "adam_step",
+    "give_each_param_its_step",
+    "materialize_adam_state",
     "CheckpointError",
     "LoadedCheckpoint",
     "TEST_HOOK_PAUSE_BEFORE_TRACKER",
@@ -156,7 +159,7 @@ def _adam_step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _adam_step(value: float, *, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+def adam_step(value: float, *, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
     """Adam's ``step`` tensor holding ``value``, where torch's Adam puts it (``torch/optim/adam.py``).
 
     A fused or capturable group keeps ``step`` on the parameter's device (fp32 when fused); any
@@ -169,7 +172,7 @@ def _adam_step(value: float, *, param: torch.Tensor, group: dict[str, Any]) -> t
     return torch.tensor(value, dtype=_adam_step_dtype(), device="cpu")
 
 
-def _materialize_adam_state(optimizer: Any) -> None:
+def materialize_adam_state(optimizer: Any) -> None:
     """Give each parameter that has no Adam state yet the state torch's Adam creates at its first step.
 
     Before the first *successful* step (e.g. fp16 iterations skipped for overflow) torch's Adam
@@ -192,7 +195,7 @@ def _materialize_adam_state(optimizer: Any) -> None:
             for p in group["params"]:
                 if len(opt.state[p]) == 0:
                     st = opt.state[p]
-                    st["step"] = _adam_step(0.0, param=p, group=group)
+                    st["step"] = adam_step(0.0, param=p, group=group)
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if group.get("amsgrad"):
@@ -204,7 +207,7 @@ def _restore_zero_steps(optimizer_sd: Any) -> None:
 
     megatron-core saves the shared per-parameter step as ``common_step`` only ``if step:`` -- not
     when it is 0 (a checkpoint saved before any successful step, see
-    :func:`_materialize_adam_state`); torch's ``load_state_dict`` then fails on the missing key.
+    :func:`materialize_adam_state`); torch's ``load_state_dict`` then fails on the missing key.
     """
     for part in optimizer_sd if isinstance(optimizer_sd, list) else [optimizer_sd]:
         inner = part.get("optimizer") if isinstance(part, dict) else None
@@ -236,7 +239,7 @@ def _saved_adam_steps(optimizer: Any, optimizer_sd: Any) -> list[float | None]:
     return steps
 
 
-def _give_each_param_its_step(optimizer: Any, steps: Sequence[float | None]) -> None:
+def give_each_param_its_step(optimizer: Any, steps: Sequence[float | None]) -> None:
     """Set every parameter's Adam ``step`` to its part's saved step, as a tensor of its own.
 
     megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (torch Adam, no apex/TE)
@@ -254,7 +257,7 @@ def _give_each_param_its_step(optimizer: Any, steps: Sequence[float | None]) -> 
             for p in group["params"]:
                 param_state = opt.state.get(p)
                 if param_state is not None and "step" in param_state:
-                    param_state["step"] = _adam_step(step, param=p, group=group)
+                    param_state["step"] = adam_step(step, param=p, group=group)
 
 
 def _load_optimizer_state(optimizer: Any, optimizer_sd: Any, *, distributed: bool) -> None:
@@ -264,7 +267,7 @@ def _load_optimizer_state(optimizer: Any, optimizer_sd: Any, *, distributed: boo
     with torch.no_grad():  # the distributed optimizer copies into its (leaf) main-param shards in place
         optimizer.load_state_dict(optimizer_sd)
     if steps is not None:
-        _give_each_param_its_step(optimizer, steps)
+        give_each_param_its_step(optimizer, steps)
 
 
 def _is_distributed_torch_adam(optimizer: Any) -> bool:
@@ -295,18 +298,18 @@ def repaired_distributed_adam_load(optimizer: Any) -> Iterator[None]:
     """Around a load of ``optimizer`` that other code performs (Megatron-LM's ``load_checkpoint``):
     megatron-core 0.16.1's distributed optimizer with torch's Adam (no apex / Transformer Engine)
     gets the repairs :func:`load_checkpoint` applies to its own loads. Before: Adam's state as its
-    first step creates it (:func:`_materialize_adam_state`; else ``sharded_state_dict(is_loading=True)``
+    first step creates it (:func:`materialize_adam_state`; else ``sharded_state_dict(is_loading=True)``
     fails at ``assert len(steps) == 1``); during: no autograd (the load copies into the leaf
     main-parameter shards in place, which autograd refuses for fp32 parameters); after: every
-    parameter gets the saved step as a tensor of its own (:func:`_give_each_param_its_step`).
+    parameter gets the saved step as a tensor of its own (:func:`give_each_param_its_step`).
     Anything else (no optimizer, not distributed, apex/TE FusedAdam) is left as it is."""
     if optimizer is None or not _is_distributed_torch_adam(optimizer):
         yield
         return
-    _materialize_adam_state(optimizer)
+    materialize_adam_state(optimizer)
     with torch.no_grad():
         yield
-    _give_each_param_its_step(optimizer, _loaded_group_steps(optimizer))
+    give_each_param_its_step(optimizer, _loaded_group_steps(optimizer))
 
 
 def check_optimizer_format(common: dict[str, Any], *, distributed: bool, layout: Sequence[int], path: str) -> None:
@@ -358,7 +361,7 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     if optimizer is not None:
-        _materialize_adam_state(optimizer)
+        materialize_adam_state(optimizer)
     sd = _sharded_state_dict(chunks, optimizer, is_loading=False,
                              use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
     sd.update({
@@ -455,7 +458,7 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     if optimizer is not None and distributed:
         # megatron-core's DistributedOptimizer.sharded_state_dict(is_loading=True) reads the step of
         # torch Adam's state, which a fresh optimizer does not have yet (apex/TE FusedAdam need none).
-        _materialize_adam_state(optimizer)
+        materialize_adam_state(optimizer)
     sd = _sharded_state_dict(chunks, optimizer, is_loading=True, use_distributed_optimizer=distributed)
     mismatched = shape_mismatches({k: v for k, v in sd.items() if k.startswith("model")}, path)
     raise_on_every_rank(f"checkpoint {path} holds another model: {mismatched[0]}"

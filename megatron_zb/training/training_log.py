@@ -179,7 +179,7 @@ class TrainingLog:
                 losses={"lm loss": sum(kept) / len(kept)} if kept else {},
                 loss_scale=last.loss_scale, grad_norm=last.grad_norm, num_zeros_in_grad=last.num_zeros,
                 params_norm=params_norm, skipped_iterations=skipped, nan_iterations=nan_iters, rollbacks=rollbacks))
-            self._tensorboard_interval(last, kept, elapsed, tflops, params_norm=params_norm)
+            self.tensorboard_interval(last, kept, elapsed, tflops, params_norm=params_norm)
         self.write_json()
         self.start_interval()
 
@@ -187,7 +187,7 @@ class TrainingLog:
         """The global batch size of ``record``'s iteration [samples]."""
         return record.global_batch_size if record.global_batch_size is not None else self.args.global_batch_size
 
-    def _tensorboard_interval(self, last: IterationRecord, kept: list[float], elapsed: float,
+    def tensorboard_interval(self, last: IterationRecord, kept: list[float], elapsed: float,
                               tflops: float | None, *, params_norm: float | None = None) -> None:
         """TensorBoard and W&B scalars of the interval (Megatron's names; timers in seconds per iteration)."""
         tb = self.tb is not None and self.tb.enabled

@@ -61,18 +61,18 @@ def _module_level_plugin() -> None:
 
 
 def test_plugin_steps_are_code_or_importable_functions() -> None:
-    assert mlm._plugin_spec(None) == ""
-    assert mlm._plugin_spec("import megatron_zb") == "import megatron_zb"
-    assert mlm._plugin_spec(_module_level_plugin) == f"{__name__}:_module_level_plugin"
+    assert mlm.plugin_spec(None) == ""
+    assert mlm.plugin_spec("import megatron_zb") == "import megatron_zb"
+    assert mlm.plugin_spec(_module_level_plugin) == f"{__name__}:_module_level_plugin"
     with pytest.raises(ValueError, match="importable"):
-        mlm._plugin_spec(lambda: None)
+        mlm.plugin_spec(lambda: None)
 
 
 def test_a_failing_rank_is_reported_by_its_exception_line() -> None:
     log = "[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1\n" \
           "[rank0]: AssertionError: output should be pseudo-'freed' in schedule, to optimize memory\nbye\n"
-    assert mlm._exception_line(log) == "AssertionError: output should be pseudo-'freed' in schedule, to optimize memory"
-    assert mlm._exception_line("all good\n") == "(no exception in its output)"
+    assert mlm.exception_line(log) == "AssertionError: output should be pseudo-'freed' in schedule, to optimize memory"
+    assert mlm.exception_line("all good\n") == "(no exception in its output)"
 
 
 def _run(losses: list[float], norms: list[float], weight: torch.Tensor) -> MegatronLMRun:

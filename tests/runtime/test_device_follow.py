@@ -1,8 +1,8 @@
 """Tensors created by the code issue 29 changed follow the device they are given (meta device).
 
-What this proves: with parameters on the ``meta`` device, the tensors ``_dummy_wgrad`` (the
+What this proves: with parameters on the ``meta`` device, the tensors ``dummy_wgrad`` (the
 linear route's B-time dummy weight gradient) and the checkpoint repairs of torch Adam's state
-(``_materialize_adam_state``, ``_give_each_param_its_step``) create are on ``meta`` where they
+(``materialize_adam_state``, ``give_each_param_its_step``) create are on ``meta`` where they
 must follow the parameter, and on the CPU exactly where torch's own Adam keeps ``step`` there
 (neither fused nor capturable). A forgotten ``device=`` would put them on the CPU and fail here.
 
@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_zb.runtime.linear_route import _dummy_wgrad
-from megatron_zb.training.checkpointing import _adam_step, _give_each_param_its_step, _materialize_adam_state
+from megatron_zb.runtime.linear_route import dummy_wgrad
+from megatron_zb.training.checkpointing import adam_step, give_each_param_its_step, materialize_adam_state
 
 META = torch.device("meta")
 
@@ -35,7 +35,7 @@ def test_dummy_wgrad_takes_the_weight_device(zero_out):
     w = _meta_param(4, 3)
     w.grad_added_to_main_grad = False
     w.zero_out_wgrad = zero_out
-    g = _dummy_wgrad(w)
+    g = dummy_wgrad(w)
     assert g.device.type == "meta" and g.shape == w.shape and g.dtype == w.dtype and w.grad_added_to_main_grad
 
 
@@ -47,7 +47,7 @@ def _adam_on_meta() -> tuple[torch.optim.Adam, torch.nn.Parameter, torch.nn.Para
 
 def test_materialized_adam_state_follows_the_parameter():
     opt, on_device, plain = _adam_on_meta()
-    _materialize_adam_state(SimpleNamespace(optimizer=opt))
+    materialize_adam_state(SimpleNamespace(optimizer=opt))
     assert {k: v.device.type for k, v in opt.state[on_device].items()} == dict.fromkeys(
         ("step", "exp_avg", "exp_avg_sq"), "meta")
     assert opt.state[plain]["step"].device.type == "cpu"  # torch's Adam hosts it there on purpose
@@ -56,8 +56,8 @@ def test_materialized_adam_state_follows_the_parameter():
 
 def test_restored_adam_steps_follow_the_parameter():
     opt, on_device, plain = _adam_on_meta()
-    _materialize_adam_state(SimpleNamespace(optimizer=opt))
-    _give_each_param_its_step(SimpleNamespace(optimizer=opt), [7.0])
+    materialize_adam_state(SimpleNamespace(optimizer=opt))
+    give_each_param_its_step(SimpleNamespace(optimizer=opt), [7.0])
     assert opt.state[on_device]["step"].device.type == "meta"
     assert opt.state[plain]["step"].device.type == "cpu" and opt.state[plain]["step"].item() == 7.0
     assert opt.state[on_device]["step"] is not opt.state[plain]["step"]
@@ -73,5 +73,5 @@ def test_adam_step_matches_what_torch_adam_creates(flags):
     opt = torch.optim.Adam([group])
     opt.step()
     theirs = opt.state[p]["step"]
-    ours = _adam_step(1.0, param=p, group=opt.param_groups[0])
+    ours = adam_step(1.0, param=p, group=opt.param_groups[0])
     assert (ours.device, ours.dtype, ours.item()) == (theirs.device, theirs.dtype, theirs.item())

@@ -24,7 +24,7 @@ import torch
 
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.runtime import linear_route
-from megatron_zb.runtime.linear_route import DUMMY_WGRADS, _dummy_wgrad, check_device_max_connections
+from megatron_zb.runtime.linear_route import DUMMY_WGRADS, dummy_wgrad, check_device_max_connections
 from megatron_zb.testing import run_distributed
 
 S, B = 8, 2  # sequence length and micro batch of the layer stack's input
@@ -334,15 +334,15 @@ def test_a_write_into_a_kept_dummy_is_refused():
     w = torch.nn.Parameter(torch.zeros(3, 2))
     w.grad_added_to_main_grad = False
     DUMMY_WGRADS.clear()
-    first = _dummy_wgrad(w)
-    assert _dummy_wgrad(w).data_ptr() == first.data_ptr() and len(DUMMY_WGRADS.buffers(zero=False)) == 1
+    first = dummy_wgrad(w)
+    assert dummy_wgrad(w).data_ptr() == first.data_ptr() and len(DUMMY_WGRADS.buffers(zero=False)) == 1
     w.zero_out_wgrad = True
-    zero = _dummy_wgrad(w)
+    zero = dummy_wgrad(w)
     assert zero.data_ptr() != first.data_ptr() and not zero.count_nonzero()
     w.grad = zero
     w.grad += torch.ones(3, 2)
     with pytest.raises(RuntimeError, match=r"cached dummy weight gradient \(3, 2\) torch.float32 was written to"):
-        _dummy_wgrad(w)
+        dummy_wgrad(w)
     DUMMY_WGRADS.clear()
 
 

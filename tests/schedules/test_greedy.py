@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_zb.schedules import CostModel, ScheduleError, lower, simulate, validate
-from megatron_zb.schedules.generators.greedy import _run, _to_schedule, _variants, min_memory_limit, zb_greedy
+from megatron_zb.schedules.generators.greedy import run_variant, to_schedule, variants, min_memory_limit, zb_greedy
 from megatron_zb.schedules.ir import Action, Schedule
 
 from conftest import paper_rows  # the paper's rows with p and M_W / M_B added
@@ -293,8 +293,8 @@ def test_property_scheduler_timing_equals_simulator(problem):
     """The scheduler scores large problems by its own times: they must be the simulator's exactly."""
     p, m, costs, limit = problem
     sc = costs.with_limit(limit).resolve(p)
-    for v in _variants(sc, m, limit):
-        order, makespan, total = _run(sc, m, limit, v)
-        res = simulate(_to_schedule(m, order, v.name), sc)
+    for v in variants(sc, m, limit):
+        order, makespan, total = run_variant(sc, m, limit, v)
+        res = simulate(to_schedule(m, order, v.name), sc)
         assert res.makespan == makespan
         assert max(e[-1] for e in res.end) == total

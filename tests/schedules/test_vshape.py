@@ -14,7 +14,7 @@ from megatron_zb.schedules.generators.interleaved_zb import interleaved_zb
 from megatron_zb.schedules.ir import interleaved_placement, v_placement
 from megatron_zb.schedules.registry import build_schedule, get_spec
 from megatron_zb.schedules.simulator import deadlocks
-from megatron_zb.schedules.generators.list_scheduler import Knobs, _list_schedule
+from megatron_zb.schedules.generators.list_scheduler import Knobs, list_schedule_stats
 from megatron_zb.schedules.generators.vshape import (one_f_one_b_memory, v_full_memory, v_half, v_min, v_min_memory,
                                                      v_schedule, zbv)
 
@@ -111,7 +111,7 @@ def test_engine_times_are_the_simulators(p, m):
     costs = CostModel(t_f=1.0, t_b=1.3, t_w=0.6, t_comm=0.2)
     sc = costs.resolve(2 * p)
     for knobs in (Knobs(), Knobs(b_pick="early", f_first=True, w_gap=0.0), Knobs(caps=(2,) * p, eager_w=0, b_pick="old")):
-        orders, makespan, peak, total = _list_schedule(v_placement(p), m, sc, 2.0 * p, knobs)
+        orders, makespan, peak, total = list_schedule_stats(v_placement(p), m, sc, 2.0 * p, knobs)
         res = simulate(Schedule(m, v_placement(p), orders), sc)
         assert res.makespan == pytest.approx(makespan)
         assert res.total_time == pytest.approx(total)

@@ -79,7 +79,7 @@ def test_timers_go_to_tensorboard_only_with_the_flag():
         log.records = [IterationRecord(iteration=i, loss=None, skipped=False, grad_norm=1.0, lr=1e-3, loss_scale=1.0,
                                        timers={"forward-backward": 0.1 * i, "optimizer": 0.01})
                        for i in (1, 2)]
-        log._tensorboard_interval(log.records[-1], [5.0], 0.2, None)
+        log.tensorboard_interval(log.records[-1], [5.0], 0.2, None)
         [(scalars, step)] = tb.scalars
         assert step == 2 and scalars["lm loss"] == 5.0
         if flag:

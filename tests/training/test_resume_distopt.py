@@ -9,7 +9,7 @@ Clipping at 1.3 (grad norms here are 1.1-1.4) with ``--post-validation-fallback-
 makes eager steps clip and be rolled back and redone, also after the resume; a warm-up of 1 makes
 every run's first step synchronous (the warm-up counts from the start of each run).
 
-Before the fix in ``megatron_zb.training.checkpointing`` (``_give_each_param_its_step``), the
+Before the fix in ``megatron_zb.training.checkpointing`` (``give_each_param_its_step``), the
 resumed run's Adam ``step`` restarted at 0 and was shared by all parameters: iteration k+1 was
 still equal, iteration k+2 was not.
 """

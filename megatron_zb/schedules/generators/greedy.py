@@ -4,7 +4,7 @@
 per-rank activation-memory limit. It runs an event-driven list scheduler with several settings of
 its knobs, scores every result by the simulator's makespan and keeps the best one.
 
-The list scheduler (:func:`_run`)
+The list scheduler (:func:`run_variant`)
 ---------------------------------
 Time advances event by event: the rank that can start something earliest decides next, so each
 decision sees the exact finish time of everything that could enable it (an ``F`` or ``B`` not yet
@@ -75,7 +75,7 @@ from ..timing import B_CODE, F_CODE, W_CODE, Code, Timeline, decode, encode
 from .baselines import one_f_one_b_order
 from .common import check_cost_model, check_count, first_b_caps
 
-__all__ = ["DEFAULT_LIMIT_IN_P", "min_memory_limit", "zb_greedy"]
+__all__ = ["DEFAULT_LIMIT_IN_P", "Variant", "min_memory_limit", "run_variant", "to_schedule", "variants", "zb_greedy"]
 
 DEFAULT_LIMIT_IN_P = {"zb": 1.0, "zb-1p": 1.0, "zb-2p": 2.0}
 """Each registered name's default limit, in units of ``p * max(mem_b)`` (``zb``: 1F1B's peak);
@@ -96,7 +96,7 @@ def min_memory_limit(*, num_ranks: int, costs: CostModel | StageCosts) -> float:
 
 # ---------------------------------------------------------------------------- the list scheduler
 @dataclass(frozen=True)
-class _Variant:
+class Variant:
     name: str
     caps: tuple[int, ...]           # max forwards in flight (F done, B not yet) per rank
     prefer_f: bool = False          # when F and B are both ready, run F first
@@ -106,7 +106,7 @@ class _Variant:
     balance: bool = False           # W may overrun a short gap that would make this rank the most idle
 
 
-def _run(sc: StageCosts, m: int, limit: float, v: _Variant) -> tuple[list[list[Code]], float, float]:
+def run_variant(sc: StageCosts, m: int, limit: float, v: Variant) -> tuple[list[list[Code]], float, float]:
     """One greedy pass.
 
     Returns the per-rank orders (:data:`~..timing.Code`) and the ``(makespan, total_time)`` they
@@ -267,8 +267,8 @@ def _all_specs() -> list[tuple[str, bool, str, int]]:
         for pol in _POLICIES for ah in (0, 2)]
 
 
-def _variants(sc: StageCosts, m: int, limit: float,
-              specs: list[tuple[str, bool, str, int]] | None = None) -> list[_Variant]:
+def variants(sc: StageCosts, m: int, limit: float,
+              specs: list[tuple[str, bool, str, int]] | None = None) -> list[Variant]:
     """The variants of ``specs`` (default: every knob combination, usual winners first), deduplicated.
 
     Warm-up count families: ``fit`` = as many F's as fit before the first B can arrive, ``fit+`` =
@@ -290,11 +290,11 @@ def _variants(sc: StageCosts, m: int, limit: float,
         "2x": clamp([2 * (p - r) - 1 for r in range(p)]),
     }
     full = specs is None
-    out: list[_Variant] = []
+    out: list[Variant] = []
     seen: set[tuple] = set()
     for cname, prefer_f, pol, ahead in (_all_specs() if specs is None else specs):
         w_gap, bal = _POLICIES[pol]
-        v = _Variant(_variant_name(cname, prefer_f, pol, ahead), cap_sets[cname], prefer_f, w_gap,
+        v = Variant(_variant_name(cname, prefer_f, pol, ahead), cap_sets[cname], prefer_f, w_gap,
                      False, ahead, bal)
         key = (v.caps, v.prefer_f, v.w_gap, v.eager_w, v.ahead if v.ahead < m else 0, v.balance)
         if key not in seen:
@@ -305,7 +305,7 @@ def _variants(sc: StageCosts, m: int, limit: float,
             key = (caps, False, 1.0, True, 0, False)
             if key not in seen:
                 seen.add(key)
-                out.append(_Variant(f"{cname}/eager-W", caps, False, 1.0, True))
+                out.append(Variant(f"{cname}/eager-W", caps, False, 1.0, True))
     return out
 
 
@@ -315,7 +315,7 @@ def _one_f_one_b(p: int, m: int) -> list[list[Code]]:
     return [[encode(a) for a in row] for row in ranks]
 
 
-def _to_schedule(m: int, order: list[list[Code]], variant: str) -> Schedule:
+def to_schedule(m: int, order: list[list[Code]], variant: str) -> Schedule:
     ranks = [[decode(code) for code in seq] for seq in order]
     return Schedule(m, plain_placement(len(order)), ranks, "zb-greedy", {"variant": variant})
 
@@ -393,15 +393,15 @@ def _search(sc: StageCosts, m: int, limit: float) -> tuple[Schedule, SimResult]:
     simulation."""
     p = len(sc.t_f)
     steps = 3 * p * m
-    variants = _variants(sc, m, limit)
-    if steps * len(variants) > _BUDGET:
-        variants = _variants(sc, m, limit, list(_PRIORITY))
-        if steps * len(variants) > _BUDGET:
-            variants = _variants(sc, m, limit, list(_LARGE))[:max(2, _BUDGET // steps)]
+    tried = variants(sc, m, limit)
+    if steps * len(tried) > _BUDGET:
+        tried = variants(sc, m, limit, list(_PRIORITY))
+        if steps * len(tried) > _BUDGET:
+            tried = variants(sc, m, limit, list(_LARGE))[:max(2, _BUDGET // steps)]
     with _gc_paused():
         cands: list[tuple[tuple[float, float], int, str, list[list[Code]]]] = []
-        for v in variants:
-            order, makespan, total = _run(sc, m, limit, v)
+        for v in tried:
+            order, makespan, total = run_variant(sc, m, limit, v)
             cands.append(((makespan, total), len(cands), v.name, order))
         if all(fits(min(p - r, m) * sc.mem_b[r] + sc.backward_alloc(r), limit) for r in range(p)):
             order = _one_f_one_b(p, m)
@@ -411,7 +411,7 @@ def _search(sc: StageCosts, m: int, limit: float) -> tuple[Schedule, SimResult]:
         # the lowest (makespan, total time), then the earliest: equal orders score equally, so the
         # first of several equal candidates wins, as the variant names in meta say
         _, _, name, order = min(cands)
-        sched = _to_schedule(m, order, name)
+        sched = to_schedule(m, order, name)
         return sched, simulate(sched, sc)  # validates, enforces the memory limit, detects deadlock
 
 

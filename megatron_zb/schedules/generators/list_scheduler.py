@@ -38,7 +38,7 @@ from ..ir import Action
 from ..limits import slack_ceiling
 from ..timing import B_CODE, F_CODE, W_CODE, Code, DeadlockError, Timeline, decode, encode
 
-__all__ = ["Knobs", "asap_times", "improve", "list_schedule"]
+__all__ = ["Knobs", "asap_times", "improve", "list_schedule", "list_schedule_stats"]
 
 _TOL = 1e-9
 
@@ -231,7 +231,7 @@ def _schedule_codes(stage_to_rank: Sequence[int], m: int, sc: StageCosts, limit:
     return ls.orders, ls.tl.makespan(), max(ls.tl.peak), ls.tl.total_time()
 
 
-def _list_schedule(stage_to_rank: Sequence[int], num_microbatches: int, sc: StageCosts,
+def list_schedule_stats(stage_to_rank: Sequence[int], num_microbatches: int, sc: StageCosts,
                    limit: float | None, knobs: Knobs) -> tuple[list[list[Action]], float, float, float] | None:
     """One pass of the event-driven list scheduler for split-backward schedules.
 
@@ -255,8 +255,8 @@ def _list_schedule(stage_to_rank: Sequence[int], num_microbatches: int, sc: Stag
 
 def list_schedule(stage_to_rank: Sequence[int], num_microbatches: int, sc: StageCosts,
                   limit: float | None, knobs: Knobs) -> list[list[Action]] | None:
-    """One pass of the list scheduler: per-rank action lists, or ``None`` (see :func:`_list_schedule`)."""
-    out = _list_schedule(stage_to_rank, num_microbatches, sc, limit, knobs)
+    """One pass of the list scheduler: per-rank action lists, or ``None`` (see :func:`list_schedule_stats`)."""
+    out = list_schedule_stats(stage_to_rank, num_microbatches, sc, limit, knobs)
     return None if out is None else out[0]
 
 
