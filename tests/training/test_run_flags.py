@@ -335,9 +335,11 @@ def test_profile_window_capture_range_and_pytorch_profiler_as_megatron_lm():
     assert _drive(ProfileWindow(cfg, Recorder(continuous=False)), 1, 3)[-1] == ("close", ["stop"])  # ended inside
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert isinstance(profile_window(cfg, rank=1, device=cuda).backend, CudaCaptureRange)
-    assert isinstance(profile_window(cfg, rank=1, device=cpu).backend, TorchProfiler)
+    cpu_backend = profile_window(cfg, rank=1, device=cpu).backend
+    assert isinstance(cpu_backend, TorchProfiler) and not cpu_backend.with_stack  # no stacks: traces of MB, not GB
     pytorch = ProfilingConfig(profile=True, use_pytorch_profiler=True, profile_ranks=(0,), trace_dir="t")
-    assert isinstance(profile_window(pytorch, rank=0, device=cuda).backend, TorchProfiler)
+    megatron_settings = profile_window(pytorch, rank=0, device=cuda).backend
+    assert isinstance(megatron_settings, TorchProfiler) and megatron_settings.with_stack
     assert profile_window(pytorch, rank=1, device=cpu).backend is None
     assert profile_window(ProfilingConfig(), rank=0, device=cpu).backend is None
 
