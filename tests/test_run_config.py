@@ -1,11 +1,13 @@
-"""The typed run configuration (megatron_zb/training/run_config.py): what each flag becomes, and the
+"""The typed run configuration (megatron_zb/training/run_config/): what each flag becomes, and the
 defaults tests and benchmarks rely on when they build a section directly."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
+import pkgutil
 
 import pytest
 import torch
@@ -96,8 +98,8 @@ def test_optim_and_model_defaults_are_the_command_lines():
 
 def test_every_field_has_a_docstring():
     """Each field is documented (its flag and unit), as megatron-core's TransformerConfig."""
-    tree = ast.parse(inspect.getsource(rc))
-    for node in tree.body:
+    modules = [rc] + [importlib.import_module(f"{rc.__name__}.{m.name}") for m in pkgutil.iter_modules(rc.__path__)]
+    for node in (n for module in modules for n in ast.parse(inspect.getsource(module)).body):
         if not isinstance(node, ast.ClassDef) or node.name == "RunConfig":
             continue
         body = node.body
