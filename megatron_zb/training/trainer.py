@@ -105,10 +105,10 @@ class Trainer:
             self.model: ModelBundle = build_model(self.config, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
             self.optim: OptimizerBundle = build_optimizer(self.config, model=self.model,
                                                           on_validation_report=self._on_validation_report)
-            self.planner = SchedulePlanner(args, schedule=schedule, dist_ctx=self.dist)
+            self.planner = SchedulePlanner(self.config, schedule=schedule, dist_ctx=self.dist)
             self.state: TrainState = self._load() if args.load else TrainState()
             self.last_saved: int | None = self.state.iteration if args.load else None
-            self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state)
+            self.data: DataBundle = build_data(self.config, reads_data=self.model.reads_data, state=self.state)
             self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,

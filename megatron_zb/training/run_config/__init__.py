@@ -17,9 +17,16 @@ The training length (``--train-iters`` / ``--train-samples``) and the batch-size
 top-level fields of :class:`RunConfig` beside the batch sizes; the LR schedule's lengths in samples
 are :meth:`OptimConfig.scheduler_steps` (Megatron-LM's rule, written once).
 
-Sections still read from ``args`` (not yet typed): data, most of checkpointing and logging, re-planning.
-Typed so far of those: what Megatron-LM's loading, exit, logging, profiling and memory flags add
-(:class:`CheckpointConfig`, :class:`LoggingConfig`, :class:`ProfilingConfig`, :class:`MemoryConfig`).
+The data (:class:`DataConfig`, its tokenizer :class:`TokenizerConfig`) and re-planning (the
+profiling window, ``--profile-out`` and the pipeline timeout in :class:`ScheduleConfig`) are typed
+too. Still read from ``args`` (not yet typed): most of checkpointing (``--save`` / ``--load``
+intervals and formats) and the iteration log's flags; typed of those so far: what Megatron-LM's
+loading, exit, logging, profiling and memory flags add (:class:`CheckpointConfig`,
+:class:`LoggingConfig`, :class:`ProfilingConfig`, :class:`MemoryConfig`).
+
+The modules: :mod:`.model` (the network), :mod:`.layout` (parallel layout, schedule), :mod:`.optim`
+(precision, optimizer, LR schedule, post-validation), :mod:`.data` (data, tokenizer), :mod:`.loop`
+(checkpoint loading and exit, logging, ``--profile``, memory); :mod:`.fields` the rule they share.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .data import DataConfig, TokenizerConfig
 from .fields import TC
 from .layout import ParallelConfig, ScheduleConfig
 from .loop import CheckpointConfig, LoggingConfig, MemoryConfig, ProfilingConfig
@@ -38,9 +46,9 @@ from .optim import OptimConfig, PostValidationConfig, PrecisionConfig, Scheduler
 if TYPE_CHECKING:
     from megatron_zb.training.batch_ramp import BatchRamp
 
-__all__ = ["CheckpointConfig", "LoggingConfig", "MemoryConfig", "ModelConfig", "MoEConfig", "OptimConfig",
+__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MemoryConfig", "ModelConfig", "MoEConfig", "OptimConfig",
            "ParallelConfig", "PostValidationConfig", "PrecisionConfig", "ProfilingConfig", "RecomputeConfig",
-           "RunConfig", "ScheduleConfig", "SchedulerSteps", "TC", "run_config"]
+           "RunConfig", "ScheduleConfig", "SchedulerSteps", "TC", "TokenizerConfig", "run_config"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,8 @@ class RunConfig:
     """Megatron-LM's ``--profile`` window."""
     memory: MemoryConfig = MemoryConfig()
     """Manual garbage collection, ``torch.cuda.empty_cache()``."""
+    data: DataConfig = DataConfig()
+    """Datasets, loaders and the tokenizer."""
 
     def batch_ramp(self, *, consumed_samples: int = 0) -> "BatchRamp":
         """The :class:`~megatron_zb.training.batch_ramp.BatchRamp` of this run at ``consumed_samples``."""
@@ -106,4 +116,4 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                      rampup_batch_size=(tuple(args.rampup_batch_size) if args.rampup_batch_size is not None
                                         else None), seed=args.seed, checkpoint=CheckpointConfig.from_args(args),
                      logging=LoggingConfig.from_args(args), profiling=ProfilingConfig.from_args(args),
-                     memory=MemoryConfig.from_args(args))
+                     memory=MemoryConfig.from_args(args), data=DataConfig.from_args(args))

@@ -40,6 +40,16 @@ class ParallelConfig:
     """``--ddp-bucket-size`` [elements] (``None``: megatron-core's default)."""
     ddp_average_in_collective: bool = False
     """``--ddp-average-in-collective``."""
+    allow_padding_num_layers: bool = False
+    """``--allow-padding-num-layers``: the first and last pipeline stages may take fewer layers."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """``--decoder-first-pipeline-num-layers`` [layers of the first stage]; ``None``: the even split."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """``--decoder-last-pipeline-num-layers`` [layers of the last stage]; ``None``: the even split."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """``--account-for-embedding-in-pipeline-split``: the embedding counts as one layer of the first stage."""
+    account_for_loss_in_pipeline_split: bool = False
+    """``--account-for-loss-in-pipeline-split``: the loss counts as one layer of the last stage."""
 
     @classmethod
     def from_args(cls, args: Any) -> "ParallelConfig":
@@ -69,6 +79,16 @@ class ScheduleConfig:
     """The same limit in the schedule library's unit (one stage's activation ``M_B``)."""
     use_megatron_core_schedule: bool = False
     """``--use-megatron-core-schedule``: megatron-core's own schedule (the parity reference)."""
+    pipeline_timeout_seconds: float = 300.0
+    """``--pipeline-timeout-seconds``: how long the runtime waits for a peer before naming it [s]."""
+    zero_bubble_pipeline_timers_start_iter: int = 2
+    """``--zero-bubble-pipeline-timers-start-iter``: first profiled iteration [iterations, 1-based]."""
+    zero_bubble_pipeline_timers_end_iter: int = 4
+    """``--zero-bubble-pipeline-timers-end-iter``: the profiling window ends before it; a cost-aware
+    schedule is re-planned after its last iteration [iterations, 1-based]."""
+    profile_out: str | None = None
+    """``--profile-out FILE``: where global rank 0 writes the measured costs as a planning profile
+    (what ``megatron-zb plan --profile`` reads); ``None``: not written."""
 
     @property
     def num_pipeline_stages(self) -> int:
@@ -82,4 +102,8 @@ class ScheduleConfig:
                    cost_aware=args.schedule_cost_aware, num_model_chunks=args.num_model_chunks,
                    layers_per_stage=tuple(args.num_layers_per_stage),
                    max_pending_backward=args.zero_bubble_max_pending_backward,
-                   memory_limit=args.schedule_memory_limit, use_megatron_core_schedule=args.use_megatron_core_schedule)
+                   memory_limit=args.schedule_memory_limit, use_megatron_core_schedule=args.use_megatron_core_schedule,
+                   pipeline_timeout_seconds=args.pipeline_timeout_seconds,
+                   zero_bubble_pipeline_timers_start_iter=args.zero_bubble_pipeline_timers_start_iter,
+                   zero_bubble_pipeline_timers_end_iter=args.zero_bubble_pipeline_timers_end_iter,
+                   profile_out=args.profile_out)

@@ -88,6 +88,12 @@ class ModelConfig:
     """``--max-position-embeddings`` (validation: ``--seq-length``) [positions]."""
     num_query_groups: int | None = None
     """``--num-query-groups`` when ``--group-query-attention`` is given, else ``None`` (one per head)."""
+    vocab_size: int | None = None
+    """``--vocab-size`` as validation resolved it: the tokenizer's vocabulary unless the flag is larger
+    (``NullTokenizer``: the flag's value, the EOD id not counted) [tokens]; ``None``: not known (only
+    :attr:`padded_vocab_size` counts for the model). What the planner is given (``--profile-out``)."""
+    make_vocab_size_divisible_by: int = 128
+    """``--make-vocab-size-divisible-by``: :attr:`padded_vocab_size` is a multiple of it x TP."""
     hidden_dropout: float = field(default=0.1, metadata=TC)
     """``--hidden-dropout`` (probability)."""
     attention_dropout: float = field(default=0.1, metadata=TC)

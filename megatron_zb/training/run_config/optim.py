@@ -144,6 +144,10 @@ class OptimConfig:
     log_num_zeros_in_grad: bool = False
     """``--log-num-zeros-in-grad``: megatron-core's ``OptimizerConfig.log_num_zeros_in_grad`` (the
     optimizer counts the zero gradient elements of each step) [elements]."""
+    decoupled_weight_decay: bool = True
+    """megatron-core's ``OptimizerConfig.decoupled_weight_decay``: AdamW (``True``) or Adam with L2
+    weight decay (``False``). No Megatron-LM flag sets it (core_v0.16.1 and core_v0.19.0 train with
+    AdamW): a run's is always ``True``; test harnesses build the section with ``False``."""
 
     def scheduler_steps(self, *, train_iters: int, train_samples: int | None,
                         global_batch_size: int) -> "SchedulerSteps":
@@ -168,4 +172,4 @@ class OptimConfig:
     def from_args(cls, args: Any) -> "OptimConfig":
         """The optimizer section of validated ``args``."""
         pv = PostValidationConfig.from_args(args) if args.enable_optimizer_post_validation else None
-        return read_section(cls, args, post_validation=pv)
+        return read_section(cls, args, post_validation=pv, decoupled_weight_decay=True)  # no flag: AdamW
