@@ -66,9 +66,9 @@ class Trainer:
     """One run of ``pretrain_gpt_zb.py`` (see the module docstring).
 
     Attributes:
-        args: the validated command line (data, checkpointing, logging and re-planning still read it).
+        args: the validated command line (checkpointing and the iteration log still read it).
         config: the typed run configuration of ``args`` (:mod:`.run_config`): model, parallel
-            layout, precision, optimizer, schedule.
+            layout, precision, optimizer, schedule and re-planning, data.
         dist: process groups and ranks of this process.
         model: this rank's chunks.
         optim: optimizer and LR scheduler.
