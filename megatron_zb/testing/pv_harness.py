@@ -81,7 +81,8 @@ def build(spec: dict):
                               data_parallel_size=parallel_state.get_data_parallel_world_size(),
                               use_distributed_optimizer=spec["dist_opt"])
     optim = OptimConfig(lr=spec.get("lr", 3e-3), min_lr=3e-4, weight_decay=0.05, clip_grad=spec["clip_grad"],
-                        decoupled_weight_decay=spec.get("adamw", True), log_num_zeros_in_grad=spec.get("log_zeros", True))
+                        decoupled_weight_decay=spec.get("adamw", True),
+                        log_num_zeros_in_grad=spec.get("log_zeros", True))
     cfg = cpu_gpt_config(num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0,
                          attention_dropout=0.0, add_bias_linear=spec.get("bias", False), bf16=precision.bf16,
                          fp16=precision.fp16, params_dtype=precision.params_dtype,

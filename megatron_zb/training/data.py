@@ -221,7 +221,8 @@ def build_datasets(config: RunConfig, *, tokenizer: MegatronTokenizerBase | None
     if pipeline_rank is None:
         pipeline_rank = _default_pipeline_rank()
     consumes = pipeline_rank is None or pipeline_rank_consumes_data(
-        pipeline_rank, pipeline_size=config.parallel.pipeline_model_parallel_size, placement=config.schedule.placement)
+        pipeline_rank, pipeline_size=config.parallel.pipeline_model_parallel_size,
+        placement=config.schedule.placement)
     if not consumes and not torch.distributed.is_initialized():
         return None, None, None  # no collective to take part in
     cache_dir = resolve_data_cache_dir(data)

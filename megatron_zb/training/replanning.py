@@ -117,7 +117,8 @@ class SchedulePlanner:
         self._timed_previous = False
         # the activation tracker's hooks slow the actions down (10-15% at hidden 64): with two or more
         # window iterations the first measures the bytes only, the others the times only
-        self._bytes_only = profiling and not self.profiled_iterations and iteration < min(end - 1, self.config.train_iters)
+        last = min(end - 1, self.config.train_iters)
+        self._bytes_only = profiling and not self.profiled_iterations and iteration < last
         self._times_tracked = profiling and not self._bytes_only and not self.profiled_iterations
         if self.runtime is not None:
             self.runtime.iteration = iteration  # names the iteration of a late data-parallel reduce
@@ -161,8 +162,8 @@ class SchedulePlanner:
         if costs is None:
             return None
         replanned, note = self._replan_from(costs)
-        print_rank_0(self._window_report(agreed, costs) + "\n" + measured_lines(agreed, self.config.schedule.num_pipeline_stages)
-                     + "\n" + note)
+        stages = self.config.schedule.num_pipeline_stages
+        print_rank_0(self._window_report(agreed, costs) + "\n" + measured_lines(agreed, stages) + "\n" + note)
         if self.config.schedule.profile_out:
             self._write_profile(agreed)
         dist.barrier()

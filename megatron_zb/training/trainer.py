@@ -175,7 +175,7 @@ class Trainer:
 
     def _train_step(self, it: int) -> tuple[IterationRecord, bool]:
         """Iteration ``it``: its record, and whether the profiling window ended with it (re-plan due)."""
-        args, opt = self.args, self.optim
+        opt = self.optim
         profiling = self.planner.begin_iteration(it)
         if opt.post_validation:
             opt.optimizer.begin_iteration()  # validates the previous step (reports to _on_validation_report)
@@ -185,7 +185,7 @@ class Trainer:
         t0 = time.perf_counter()
         gbs = self.batch.global_batch_size
         out = run_batch(self.planner.forward_backward, model=self.model.modules, iterators=self.data.train,
-                        args=args, device=self.dist.device, forward_only=False,
+                        config=self.config, device=self.dist.device, forward_only=False,
                         num_microbatches=self.batch.num_microbatches)
         fb_seconds = time.perf_counter() - t0
         self.hooks.after_forward_backward()
@@ -216,7 +216,7 @@ class Trainer:
         args = self.args
         if it % args.log_interval == 0:
             self._log_interval()
-        if args.eval_iters > 0 and self.data.has_valid and it % args.eval_interval == 0:
+        if self.config.data.eval_iters > 0 and self.data.has_valid and it % self.config.data.eval_interval == 0:
             with self.log.excluding_time(), self.hooks.evaluation():
                 self._evaluate(f"iteration {it}", self.data.valid, valid=True)
         self.hooks.after_iteration(it)  # Megatron-LM's post-step callbacks: the profile window's end, manual GC
@@ -256,7 +256,7 @@ class Trainer:
         self._finalize_optimizer()
         if args.save and self.last_saved != it:
             self._save()
-        if args.eval_iters > 0:
+        if self.config.data.eval_iters > 0:
             if self.data.has_valid:
                 self._evaluate(f"iteration {it} on validation set", self.data.valid, valid=True)
             if self.data.has_test:
@@ -346,15 +346,14 @@ class Trainer:
         return params_l2_norm(self.model.modules, bf16=self.config.precision.bf16, device=self.dist.device)
 
     def _evaluate(self, prefix: str, iterators: Sequence[Any], *, valid: bool) -> float:
-        args = self.args
         if self.optim.post_validation:
             self.optim.optimizer.validate()  # evaluate the validated parameters
-        self.planner.ensure_installed(args.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
-        loss = evaluate(args, forward_backward=self.planner.forward_backward, modules=self.model.modules,
+        self.planner.ensure_installed(self.config.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
+        loss = evaluate(self.config, forward_backward=self.planner.forward_backward, modules=self.model.modules,
                         iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                         after_step=self.hooks.after_eval_step)
         if valid:
-            self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+            self.state.consumed_valid_samples += self.config.data.eval_iters * self.config.global_batch_size
         self.log.add_validation(prefix, iteration=self.state.iteration, loss=loss, tensorboard=valid)
         return loss
 
