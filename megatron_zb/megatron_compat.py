@@ -4,7 +4,13 @@ megatron-zb is a plugin: it imports megatron-core's public API freely, but some 
 is private (underscore names, module internals, functions megatron-core does not export, objects it
 patches). Each such use lives here, under the part of megatron-zb that needs it, so that one file
 is reviewed at each megatron-core upgrade. Anything here may break on upgrade; nothing outside this
-module reaches into megatron-core's private names or asks which megatron-core release is installed.
+module and its parts reaches into megatron-core's private names, and only :func:`release` here asks
+which megatron-core release is installed. The parts, one per job, read the release from here:
+:mod:`megatron_zb.megatron_compat_optimizer` (what post-validation mirrors of megatron-core's
+optimizer ``step()``), :mod:`megatron_zb.megatron_compat_platform` (what the CPU shim replaces) and
+:mod:`megatron_zb.megatron_compat_te` (what the Transformer Engine route reads inside TE modules).
+This module: the releases and the Megatron-LM loop's hooks, the table of private names, and the
+runtime's, model's and training loop's uses of them.
 
 Supported releases: :data:`RELEASES` (megatron-core 0.16.1 on Python >= 3.10, 0.19.x on Python
 >= 3.12). :data:`PRIVATE_API` is the table: each private name -> where it lives and how it is
@@ -196,6 +202,14 @@ PRIVATE_API: dict[str, dict[str, Private | None]] = {
     # arithmetic of megatron-core's vocab-parallel cross entropy (not exported by tensor_parallel)
     "VocabParallelCrossEntropy": {
         r: Private("megatron.core.tensor_parallel.cross_entropy:VocabParallelCrossEntropy") for r in RELEASES},
+    # -- model: seeded CPU initialisation of a tensor-parallel weight slice (megatron_zb/model/gpt_chunks.py
+    # re-draws the embedding / output weights, megatron_zb/training/moe_setup.py the experts')
+    "_initialize_affine_weight_cpu": {
+        r: Private(f"{_LAYERS}:_initialize_affine_weight_cpu",
+                   "(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride=1, "
+                   "return_master_weight=False, *, params_dtype=torch.float32, rank=None, world_size=None, "
+                   "skip_set_tensor_parallel_attributes=False)")
+        for r in RELEASES},
 }
 """The table: private name -> release line -> :class:`Private` (``None``: absent in that release).
 Rows are added as the sections below need them; :func:`private` resolves one."""
@@ -363,100 +377,19 @@ def vocab_parallel_cross_entropy_math() -> Any:
     return private("VocabParallelCrossEntropy")
 
 
-# ---------------------------------------------------------------------------- platform shim
-# (what the CPU shim replaces inside megatron-core when CUDA is absent; see
-# megatron_zb/platform/cpu_shim.py and docs/cpu_support.md for why each is patched)
+def initialize_affine_weight_cpu(weight: "torch.Tensor", output_size: int, input_size: int,
+                                 per_partition_size: int, partition_dim: int, init_method: Callable[..., Any], *,
+                                 params_dtype: "torch.dtype", rank: int, world_size: int) -> None:
+    """Fill ``weight`` (this tensor-parallel rank's slice, ``per_partition_size`` rows or columns along
+    ``partition_dim`` of the full ``output_size x input_size`` weight) as megatron-core's CPU
+    initialisation does: draw the full weight with ``init_method`` from the current torch RNG, keep
+    ``rank``'s slice of ``world_size``. Sets no tensor-parallel attributes (the layer already has them).
 
-_CUDA_FACTORY_MODULES_016: tuple[str, ...] = (
-    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = torch.zeros(..., device="cuda")
-    "megatron.core.optimizer.optimizer",  # FP32Optimizer._scale, mixed-precision found_inf
-    "megatron.core.optimizer.grad_scaler",  # loss-scale tensors (fp16 only)
-    "megatron.core.optimizer.clip_grads",  # grad-norm and dummy-overflow buffers
-    "megatron.core.dist_checkpointing.exchange_utils",  # exchange buffers for fully-parallel load
-    "megatron.core.transformer.utils",  # get_default_causal_mask (attention_mask=None, causal)
-    "megatron.core.utils",  # local_multi_tensor_l2_norm: grad-norm for clip_grads without apex/TE
-    "megatron.core.rerun_state_machine",  # RerunStateMachine._reduce_any: torch.tensor(..., device="cuda"), every step
-    "megatron.core.tensor_parallel.data",  # _build_key_size_numel_dictionaries: sizes_cuda (broadcast_data, TP > 1)
-)
-CUDA_FACTORY_MODULES: dict[str, tuple[str, ...]] = {
-    "0.16": _CUDA_FACTORY_MODULES_016,
-    "0.19": _CUDA_FACTORY_MODULES_016,
-}
-"""Per release: megatron-core modules whose module-global ``torch`` the CPU shim replaces (they
-create tensors with ``device="cuda"``). :func:`shim_modules` gives the installed release's."""
-
-TENSOR_CUDA_CALLERS: tuple[str, ...] = ("megatron.core.",)
-"""Module prefixes whose ``Tensor.cuda()`` calls the CPU shim answers with the CPU tensor (more can be
-added at run time with ``cpu_shim.allow_tensor_cuda_from``, e.g. by a harness running Megatron-LM)."""
-
-TYPE_NAME_CALLERS: tuple[str, ...] = ("megatron.core.optimizer.",)
-"""Module prefixes whose code classifies parameters by ``Tensor.type()`` names (``torch.cuda.*``)."""
-
-RNG_MODULE: str = "megatron.core.tensor_parallel.random"
-"""The module of megatron's RNG tracker; also the name of the logger whose fork warning the shim drops."""
-
-RNG_STATE_HELPERS: tuple[str, str] = ("_get_cuda_rng_state", "_set_cuda_rng_state")
-"""Private (get, set) CUDA RNG state helpers of :data:`RNG_MODULE` the shim replaces."""
-
-
-IMPORT_NOTICES: tuple[tuple[str, str], ...] = (
-    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
-)
-"""(logger, message start) of what importing megatron-core makes torch log on a machine without a
-GPU, which the CPU shim drops (installed by ``megatron_zb.platform``'s import hook *before*
-``megatron.core`` loads). megatron-core 0.19's ``tensor_parallel/random.py`` imports
-``torch.utils.cpp_extension`` (``load_inline``) at module level, whose import logs
-"No CUDA runtime is found, using CUDA_HOME=..." when ``nvcc`` or ``CUDA_HOME`` is found but no GPU
-(0.16.1 does not import it; the filter is harmless there)."""
-
-
-MOE_TE_NAMES: tuple[str, tuple[str, ...]] = ("megatron.core.transformer.moe.moe_utils", ("te_general_gemm",))
-"""(module, names): Transformer Engine functions ``moe_utils`` tests with ``is not None`` but only
-defines when TE imports (the router's ``RouterGatingLinearFunction``); the shim sets them to ``None``."""
-
-_MOE_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"  # alltoall: torch.cuda.Stream() at construction
-CUDA_STREAM_MODULES: dict[str, tuple[str, ...]] = {
-    "0.16": (_MOE_DISPATCHER,),
-    # 0.19's DDP bucket groups call torch.cuda.current_stream() in every start_grad_sync (to wait
-    # for CUDA-graph weight-gradient events)
-    "0.19": (_MOE_DISPATCHER, "megatron.core.distributed.param_and_grad_buffer"),
-}
-"""Per release: megatron-core modules whose module-global ``torch`` the CPU shim replaces by a
-stand-in whose ``torch.cuda`` has CPU streams (``Stream``, ``current_stream``, ``stream``: one
-synchronous stream). :func:`shim_modules` gives the installed release's."""
-
-
-def shim_modules() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(:data:`CUDA_FACTORY_MODULES`, :data:`CUDA_STREAM_MODULES`) of the installed release."""
-    return CUDA_FACTORY_MODULES[release()], CUDA_STREAM_MODULES[release()]
-
-
-MOE_HOST_COPY: tuple[str, str] = ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu")
-"""(module, name) of the alltoall dispatcher's device-to-host copy of its split sizes. It converts
-to NumPy only tensors that are on CUDA, so on CPU the split sizes stay tensors, which
-``all_to_all_single`` rejects; the shim's version converts CPU tensors too when asked for NumPy."""
-
-
-P2P_LAUNCHERS: tuple[str, tuple[str, ...]] = (
-    "megatron.core.pipeline_parallel.p2p_communication", ("_p2p_ops", "_batched_p2p_ops"))
-"""(module, names) of megatron-core's point-to-point launchers: keyword-only ``tensor_send_prev`` /
-``tensor_send_next`` (and the receive buffers, group, ranks); ``P2PCommunicator._communicate`` looks
-them up in the module at every call. The CPU shim wraps them so each send holds its own view of the
-data (``deallocate_output_tensor`` may run before the send completes; docs/cpu_support.md)."""
-
-
-def torch_norm_class() -> type:
-    """``WrappedTorchNorm`` (the local spec's norm without apex); the shim wraps its ``__new__``."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    return WrappedTorchNorm
-
-
-def sharded_tensor_class() -> type:
-    """``dist_checkpointing``'s ``ShardedTensor``; the shim wraps its ``init_data``."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    return ShardedTensor
+    Private: ``tensor_parallel.layers._initialize_affine_weight_cpu`` (same signature in 0.16.1 and 0.19).
+    """
+    private("_initialize_affine_weight_cpu")(
+        weight, output_size, input_size, per_partition_size, partition_dim, init_method,
+        params_dtype=params_dtype, rank=rank, world_size=world_size, skip_set_tensor_parallel_attributes=True)
 
 
 from typing import TYPE_CHECKING  # noqa: E402  (the annotations below)
@@ -539,91 +472,3 @@ def chunk_float16_module(config: "TransformerConfig", module: "torch.nn.Module",
             return outputs
 
     return ChunkFloat16Module(config, module)
-
-
-# ------------------------------------------------------------------------ transformer engine
-# (what the Transformer Engine route reads inside TE modules and megatron-core's TE config;
-# see megatron_zb/runtime/te_route.py and docs/transformer_engine.md). TE's public API used
-# directly there: ``module.wgrad_store.delay_wgrad_compute()``, ``module.backward_dw()``,
-# ``module.register_wgrad_accumulation_and_reduce_hooks(hook)`` (TE >= 2.7).
-
-
-def te_queued_wgrad(module: Any) -> int:
-    """Entries queued in a TE module's deferred weight-gradient FIFO.
-
-    Private to TE: ``WeightGradStore.context`` is the ``queue.Queue`` that ``put`` fills and
-    ``pop`` drains (``transformer_engine/pytorch/module/_common.py``, unchanged from TE 2.3 to
-    2.18). One ``backward_dw()`` pops one entry (``LayerNormMLP``: two, fc2 then fc1);
-    ``need_backward_dw()`` (TE >= 2.10) only says whether delaying is switched on.
-    """
-    context = module.wgrad_store.context
-    return 0 if context is None else context.qsize()
-
-
-def te_drop_queued_wgrad(module: Any) -> None:
-    """Empty a TE module's deferred weight-gradient FIFO without running it (after a failed
-    iteration; see :func:`te_queued_wgrad` for the private ``WeightGradStore.context``)."""
-    context = module.wgrad_store.context
-    while context is not None and not context.empty():
-        context.get_nowait()
-
-
-_TE_WEIGHT_NAME = re.compile(r"(fc[12]_)?weight\d*")
-
-
-def te_delayed_weight_params(module: Any) -> tuple[Any, ...]:
-    """The weights of a TE module whose gradients its ``backward_dw()`` computes: the module's
-    ``weight_names`` (``Linear``, ``LayerNormLinear``), else its own parameters named ``weight``,
-    ``weight<i>`` (``GroupedLinear``) or ``fc1_weight`` / ``fc2_weight`` (``LayerNormMLP``) --
-    not a norm's ``layer_norm_weight``, whose gradient TE computes in the backward.
-
-    With delaying on, the gradient TE's backward hands autograd for these is never the weight
-    gradient: ``None``, a dummy with ``fuse_wgrad_accumulation`` under megatron-core DDP
-    (``get_dummy_wgrad``), or -- ``GroupedLinear``, TE >= 2.8, without fusion -- the packed
-    buffer the delayed GEMM will fill, uninitialised in B (``module/grouped_linear.py``).
-    """
-    names = getattr(module, "weight_names", None)
-    if names is None:
-        names = [n for n, _ in module.named_parameters(recurse=False) if _TE_WEIGHT_NAME.fullmatch(n)]
-    return tuple(getattr(module, n) for n in names)
-
-
-TE_WRAPPER_KEYWORDS: dict[str, tuple[str, ...]] = {
-    "0.16": (),
-    "0.19": ("name",),
-}
-"""Per release: the keyword arguments megatron-core's TE linear wrappers (``TEColumnParallelLinear``,
-``TERowParallelLinear``, ``TELayerNormColumnParallelLinear`` in
-``megatron/core/extensions/transformer_engine.py``) take beyond 0.16.1's. 0.19 adds ``name`` (the
-layer's dotted name, e.g. ``"...self_attention.linear_proj"``, which attention and MLP pass and the
-wrapper hands to TE's module). megatron-zb never builds these wrappers itself (megatron-core's
-``get_gpt_layer_with_transformer_engine_spec`` does); the CPU test double of TE
-(``tests/te_double.py``) accepts exactly these, and ``tests/runtime/test_te_contract.py`` compares them with
-the installed megatron-core's source (the wrappers are stubs without TE)."""
-
-
-def te_wrapper_keywords() -> tuple[str, ...]:
-    """:data:`TE_WRAPPER_KEYWORDS` of the installed release."""
-    return TE_WRAPPER_KEYWORDS[release()]
-
-
-TE_OP_FUSER_CLASSES: tuple[str, ...] = ("TEFusedMLP",)
-"""megatron-core's modules that run Transformer Engine's op fuser (``te.pytorch.ops``, whose
-``BasicLinear`` has no delayed weight gradients): ``TEFusedMLP`` in
-``megatron/core/extensions/transformer_engine.py``, chosen by
-``get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=True)``. Matched by class name
-(the class exists only where TE imports)."""
-
-
-def set_delay_wgrad_compute(config: Any) -> None:
-    """Set ``config.delay_wgrad_compute = True`` on an already validated ``TransformerConfig``.
-
-    megatron-core 0.16.1 accepts ``delay_wgrad_compute`` only together with
-    ``overlap_moe_expert_parallel_comm`` (an assertion in ``TransformerConfig.__post_init__``,
-    ``megatron/core/transformer/transformer_config.py``); its TE wrappers
-    (``megatron/core/extensions/transformer_engine.py``) read the field when they build a TE
-    module (``delay_wgrad_compute=`` for TE >= 2.3) and in their ``backward_dw()``. Setting the
-    field after validation -- before the model is built -- passes it to TE without the MoE-only
-    check; no megatron-core file changes.
-    """
-    config.delay_wgrad_compute = True

@@ -51,14 +51,17 @@ import functools
 import importlib
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import megatron_lm_v
 from .megatron_lm_v import v_model_provider
 from .schedules.registry import get_spec
 from .training.arguments.common import ArgumentError, flag
 
-__all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install", "planner_args", "uninstall",
+if TYPE_CHECKING:
+    from .training.run_config import RunConfig
+
+__all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install", "planner_config", "uninstall",
            "v_model_provider"]
 
 NOT_YET: dict[str, str] = {
@@ -284,7 +287,8 @@ class ReplanningForwardBackward:
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
         """megatron-core's ``forward_backward_func`` (same keywords); a training call is one iteration."""
         planner = self._planner(num_microbatches)
-        planner.args.num_microbatches = planner.num_microbatches = num_microbatches
+        planner.config = planner.config.replace(num_microbatches=num_microbatches)  # what --profile-out records
+        planner.num_microbatches = num_microbatches
         call = functools.partial(
             planner.forward_backward, forward_step_func=forward_step_func, data_iterator=data_iterator,
             model=model, num_microbatches=num_microbatches, seq_length=seq_length,
@@ -311,31 +315,69 @@ class ReplanningForwardBackward:
             from .training.distributed import context_from_parallel_state
             from .training.replanning import SchedulePlanner
 
-            args = planner_args(get_args(), schedule=self._schedule, num_microbatches=num_microbatches,
-                                memory_limit=self.runtime.options.memory_limit)
+            args = get_args()
             pp = parallel_state.get_pipeline_model_parallel_world_size()
-            self.planner = SchedulePlanner(
-                args, schedule=self.runtime.schedule_for(pp, num_microbatches), runtime=self.runtime,
-                dist_ctx=context_from_parallel_state(backend=args.distributed_backend))
+            schedule = self.runtime.schedule_for(pp, num_microbatches)
+            config = planner_config(args, schedule=self._schedule, stage_to_rank=schedule.stage_to_rank,
+                                    num_microbatches=num_microbatches, memory_limit=self.runtime.options.memory_limit)
+            self.planner = SchedulePlanner(config, schedule=schedule, runtime=self.runtime,
+                                           dist_ctx=context_from_parallel_state(backend=args.distributed_backend))
             self.planner.report_initial()
         return self.planner
 
 
-def planner_args(args: argparse.Namespace, *, schedule: str, num_microbatches: int,
-                 memory_limit: float | None) -> argparse.Namespace:
-    """A copy of Megatron-LM's ``args`` with the values ``pretrain_gpt_zb.py``'s validation derives
-    that :class:`~megatron_zb.training.replanning.SchedulePlanner` reads (the model sizes -- hidden
-    size, heads, sequence length -- have Megatron-LM's names already); Megatron-LM's own stay untouched.
-    ``num_microbatches``: per iteration per data-parallel rank; ``memory_limit``: in units of one
-    stage's activation ``M_B`` (``None``: the schedule's default)."""
-    spec, num_chunks = get_spec(schedule), _virtual_chunks(args)
-    out = argparse.Namespace(**vars(args))
-    out.schedule, out.schedule_cost_aware, out.use_megatron_core_schedule = schedule, spec.cost_aware, False
-    out.num_model_chunks, out.num_pipeline_stages = num_chunks, args.pipeline_model_parallel_size * num_chunks
-    out.schedule_memory_limit, out.num_microbatches = memory_limit, num_microbatches
-    if out.vocab_size is None:  # a real tokenizer: Megatron-LM pads its size, which pads to itself again
-        out.vocab_size = getattr(args, "padded_vocab_size", None)
-    return out
+def planner_config(args: argparse.Namespace, *, schedule: str, stage_to_rank: Sequence[int], num_microbatches: int,
+                   memory_limit: float | None) -> "RunConfig":
+    """The :class:`~megatron_zb.training.run_config.RunConfig` that
+    :class:`~megatron_zb.training.replanning.SchedulePlanner` reads, of Megatron-LM's validated ``args``:
+    the model's sizes, the parallel layout, the precision, the training length and the schedule section
+    with the values ``pretrain_gpt_zb.py``'s validation derives (``stage_to_rank``: the schedule's
+    placement, which the layer split follows); the sections the planner does not read keep their
+    defaults. ``num_microbatches``: per iteration per data-parallel rank; ``memory_limit``: in units of
+    one stage's activation ``M_B`` (``None``: the schedule's default)."""
+    from .planning.layout import LayerSplit, layers_per_stage
+    from .training.run_config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig, RunConfig,
+                                      ScheduleConfig)
+
+    spec = get_spec(schedule)
+    padded = getattr(args, "padded_vocab_size", None)
+    gqa = args.group_query_attention
+    model = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length, padded_vocab_size=padded if padded is not None else args.vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
+        max_position_embeddings=args.max_position_embeddings, num_query_groups=args.num_query_groups if gqa else None,
+        # a real tokenizer: Megatron-LM pads its size, which pads to itself again
+        vocab_size=args.vocab_size if args.vocab_size is not None else padded,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, normalization=args.normalization, swiglu=args.swiglu,
+        add_bias_linear=args.add_bias_linear, position_embedding_type=args.position_embedding_type,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    split = LayerSplit(allow_padding=getattr(args, "allow_padding_num_layers", False),
+                       first_stage_layers=args.decoder_first_pipeline_num_layers,
+                       last_stage_layers=args.decoder_last_pipeline_num_layers,
+                       account_for_embedding=args.account_for_embedding_in_pipeline_split,
+                       account_for_loss=args.account_for_loss_in_pipeline_split)
+    parallel = ParallelConfig(
+        world_size=args.world_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, data_parallel_size=args.data_parallel_size,
+        sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
+        allow_padding_num_layers=split.allow_padding, decoder_first_pipeline_num_layers=split.first_stage_layers,
+        decoder_last_pipeline_num_layers=split.last_stage_layers,
+        account_for_embedding_in_pipeline_split=split.account_for_embedding,
+        account_for_loss_in_pipeline_split=split.account_for_loss)
+    sched = ScheduleConfig(
+        name=schedule, placement=spec.placement, split_backward=spec.split_backward,
+        cost_aware=spec.cost_aware, num_model_chunks=_virtual_chunks(args),
+        layers_per_stage=tuple(layers_per_stage(args.num_layers, stage_to_rank, split)),
+        max_pending_backward=args.zero_bubble_max_pending_backward, memory_limit=memory_limit,
+        pipeline_timeout_seconds=args.pipeline_timeout_seconds,
+        zero_bubble_pipeline_timers_start_iter=args.zero_bubble_pipeline_timers_start_iter,
+        zero_bubble_pipeline_timers_end_iter=args.zero_bubble_pipeline_timers_end_iter, profile_out=args.profile_out)
+    return RunConfig(model=model, parallel=parallel, precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16),
+                     optim=OptimConfig(lr=args.lr), schedule=sched, micro_batch_size=args.micro_batch_size,
+                     global_batch_size=args.global_batch_size, num_microbatches=num_microbatches,
+                     train_iters=args.train_iters)
 
 
 def _install_load_repairs() -> None:

@@ -42,13 +42,13 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from megatron_zb.megatron_compat import initialize_affine_weight_cpu
 from megatron_zb.planning.layout import pipeline_split, split_layers  # layer-split rules live with the planner (no torch)
 
 __all__ = [
@@ -408,10 +408,9 @@ def _init_embedding_and_output(module: GPTModel, seed: int) -> None:
     def init_vocab_parallel(weight: torch.Tensor, part: torch.nn.Module, init_method: Any, key: str) -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(seed, key))
-            _initialize_affine_weight_cpu(weight, module.vocab_size, cfg.hidden_size, weight.shape[0], 0, init_method,
-                                          params_dtype=cfg.params_dtype, rank=get_pg_rank(part.tp_group),
-                                          world_size=get_pg_size(part.tp_group),
-                                          skip_set_tensor_parallel_attributes=True)
+            initialize_affine_weight_cpu(weight, module.vocab_size, cfg.hidden_size, weight.shape[0], 0, init_method,
+                                         params_dtype=cfg.params_dtype, rank=get_pg_rank(part.tp_group),
+                                         world_size=get_pg_size(part.tp_group))
 
     if module.pre_process:
         word = module.embedding.word_embeddings

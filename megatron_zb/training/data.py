@@ -42,7 +42,6 @@ gloo group (:func:`single_process_group`) and destroys it afterwards.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import tempfile
@@ -56,6 +55,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_zb.megatron_compat import fix_gpt_dataset_mask_cache
+from megatron_zb.training.run_config import DataConfig, RunConfig
 from megatron_zb.training.tokenizers import (ByteLevelTokenizer, GPT2BPETokenizer, HuggingFaceLocalTokenizer,
                                              NullTokenizer, TokenizerError, build_tokenizer, tokenizer_from_args)
 
@@ -89,55 +89,55 @@ fix_gpt_dataset_mask_cache()
 
 
 # ---------------------------------------------------------------------------- datasets
-def train_valid_test_num_samples(args: argparse.Namespace) -> tuple[int, int, int]:
+def train_valid_test_num_samples(config: RunConfig) -> tuple[int, int, int]:
     """Samples to draw per split (Megatron's sizing; unit: sequences of ``seq_length`` tokens).
 
     Training: ``--train-samples`` when given, else ``train_iters * global_batch_size``; with
     ``--rampup-batch-size`` at least what the iterations read (they overshoot ``--train-samples`` by up
     to one batch when it ends inside the ramp, as Megatron-LM counts them)."""
-    gbs = args.global_batch_size
-    evaluations = args.train_iters // args.eval_interval + 1
-    train_samples = getattr(args, "train_samples", None)
-    train = train_samples if train_samples else args.train_iters * gbs
-    if getattr(args, "rampup_batch_size", None) is not None:
+    gbs, eval_iters = config.global_batch_size, config.data.eval_iters
+    evaluations = config.train_iters // config.data.eval_interval + 1
+    train = config.train_samples if config.train_samples else config.train_iters * gbs
+    if config.rampup_batch_size is not None:
         from megatron_zb.training.batch_ramp import samples_of_iterations
 
-        train = max(train, samples_of_iterations(args.train_iters, global_batch_size=gbs,
-                                                 micro_batch_size=args.micro_batch_size,
-                                                 data_parallel_size=args.data_parallel_size,
-                                                 rampup_batch_size=args.rampup_batch_size))
-    return train, evaluations * args.eval_iters * gbs, args.eval_iters * gbs
+        train = max(train, samples_of_iterations(config.train_iters, global_batch_size=gbs,
+                                                 micro_batch_size=config.micro_batch_size,
+                                                 data_parallel_size=config.parallel.data_parallel_size,
+                                                 rampup_batch_size=config.rampup_batch_size))
+    return train, evaluations * eval_iters * gbs, eval_iters * gbs
 
 
-def resolve_data_cache_dir(args: argparse.Namespace) -> str | None:
+def resolve_data_cache_dir(data: DataConfig) -> str | None:
     """Where dataset index caches go (``None`` for mock data, which needs no cache)."""
-    if getattr(args, "mock_data", False):
+    if data.mock_data:
         return None
-    if args.data_cache_path:
-        return args.data_cache_path
-    if args.save:
-        return os.path.join(args.save, "data_cache")
+    if data.data_cache_path:
+        return data.data_cache_path
+    if data.save:
+        return os.path.join(data.save, "data_cache")
     return os.path.join(tempfile.gettempdir(), "megatron_zb_data_cache")
 
 
-def gpt_dataset_config(args: argparse.Namespace, tokenizer: MegatronTokenizerBase, *,
+def gpt_dataset_config(config: RunConfig, tokenizer: MegatronTokenizerBase, *,
                        cache_dir: str | None) -> GPTDatasetConfig:
-    """The megatron-core ``GPTDatasetConfig`` for validated ``args`` (mock when ``args.mock_data``)."""
-    blend = None if args.mock_data else args.data_blend
-    per_split = None if args.mock_data else getattr(args, "data_blend_per_split", None)
+    """The megatron-core ``GPTDatasetConfig`` of the run (mock when ``config.data.mock_data``)."""
+    data = config.data
+    blend = None if data.mock_data else data.data_blend
+    per_split = None if data.mock_data or data.data_blend_per_split is None else list(data.data_blend_per_split)
     return GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
+        random_seed=config.seed,
+        sequence_length=config.model.seq_length,
         blend=blend,
         blend_per_split=per_split,
-        split=None if per_split else args.split,
+        split=None if per_split else data.split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-        mmap_bin_files=args.mmap_bin_files,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=data.create_attention_mask_in_dataloader,
+        mmap_bin_files=data.mmap_bin_files,
     )
 
 
@@ -206,29 +206,33 @@ def check_cache_dir_shared(cache_dir: str) -> None:
                            f"pass --data-cache-path on a filesystem every node can see")
 
 
-def build_datasets(args: argparse.Namespace, *, tokenizer: MegatronTokenizerBase | None = None,
+def build_datasets(config: RunConfig, *, tokenizer: MegatronTokenizerBase | None = None,
                    pipeline_rank: int | None = None) -> tuple[Any, Any, Any]:
     """Train, valid and test datasets (each ``None`` when its split is empty or this rank reads no data).
 
-    ``args`` must have passed :func:`~megatron_zb.training.arguments.validate_args`. With
+    ``config``: the run (:func:`~megatron_zb.training.run_config.run_config` of validated args); the
+    tokenizer defaults to ``config.data.tokenizer``'s. With
     ``torch.distributed`` initialised, call on every rank (megatron-core synchronises with
     barriers). ``pipeline_rank`` defaults to megatron-core's ``parallel_state`` when initialised,
     else this process is treated as a data-consuming rank.
     """
-    tokenizer = tokenizer if tokenizer is not None else tokenizer_from_args(args)
+    data = config.data
+    tokenizer = tokenizer if tokenizer is not None else data.tokenizer.build()
     if pipeline_rank is None:
         pipeline_rank = _default_pipeline_rank()
     consumes = pipeline_rank is None or pipeline_rank_consumes_data(
-        pipeline_rank, pipeline_size=args.pipeline_model_parallel_size, placement=args.schedule_placement)
+        pipeline_rank, pipeline_size=config.parallel.pipeline_model_parallel_size,
+        placement=config.schedule.placement)
     if not consumes and not torch.distributed.is_initialized():
         return None, None, None  # no collective to take part in
-    cache_dir = resolve_data_cache_dir(args)
+    cache_dir = resolve_data_cache_dir(data)
     if cache_dir is not None:
         check_cache_dir_shared(cache_dir)
-    config = gpt_dataset_config(args, tokenizer, cache_dir=cache_dir)
-    cls = MockGPTDataset if args.mock_data else GPTDataset
-    builder = BlendedMegatronDatasetBuilder(cls, list(train_valid_test_num_samples(args)), lambda: consumes, config)
-    blends = [args.data_blend] + list(getattr(args, "data_blend_per_split", None) or [])
+    dataset_config = gpt_dataset_config(config, tokenizer, cache_dir=cache_dir)
+    cls = MockGPTDataset if data.mock_data else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(cls, list(train_valid_test_num_samples(config)), lambda: consumes,
+                                            dataset_config)
+    blends = [data.data_blend] + list(data.data_blend_per_split or [])
     blended = any(b is not None and (len(b[0]) > 1 or b[1] is not None) for b in blends)
     with single_process_group() if blended and cache_dir is not None else contextlib.nullcontext():
         train, valid, test = builder.build()
@@ -271,31 +275,31 @@ class MicroBatchSampler:
             yield list(range(start + lo, start + lo + self.micro_batch_size))
 
 
-def _iterator(dataset: Any, *, consumed_samples: int, args: argparse.Namespace, data_parallel_rank: int
+def _iterator(dataset: Any, *, consumed_samples: int, config: RunConfig, data_parallel_rank: int
               ) -> Iterator[dict[str, torch.Tensor]] | None:
     if dataset is None:
         return None
     sampler = MicroBatchSampler(total_samples=len(dataset), consumed_samples=consumed_samples,
-                                micro_batch_size=args.micro_batch_size, data_parallel_rank=data_parallel_rank,
-                                data_parallel_size=args.data_parallel_size)
-    workers = args.num_workers
+                                micro_batch_size=config.micro_batch_size, data_parallel_rank=data_parallel_rank,
+                                data_parallel_size=config.parallel.data_parallel_size)
+    data = config.data
+    workers = data.num_workers
     # A generator of its own: iter() draws the workers' base seed from it, not from the default CPU
     # generator -- which dropout draws from (on CPU megatron's "CUDA" stream is that generator too),
     # so building iterators after a checkpoint's random states are restored shifts no dropout mask.
     worker_init_fn = None
-    if workers > 0 and (getattr(args, "exit_signal_handler", False)
-                        or getattr(args, "exit_signal_handler_for_dataloader", False)):
+    if workers > 0 and (data.exit_signal_handler or data.exit_signal_handler_for_dataloader):
         from megatron_zb.training.preemption import IgnoreSignalInWorker
 
-        worker_init_fn = IgnoreSignalInWorker(args.exit_signal)  # the job's stop signal must not end the workers
+        worker_init_fn = IgnoreSignalInWorker(data.exit_signal)  # the job's stop signal must not end the workers
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
                                          pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
-                                         generator=torch.Generator().manual_seed(args.seed),
+                                         generator=torch.Generator().manual_seed(config.seed),
                                          worker_init_fn=worker_init_fn)
     return iter(loader)
 
 
-def build_data_iterators(args: argparse.Namespace, *, datasets: tuple[Any, Any, Any] | None = None,
+def build_data_iterators(config: RunConfig, *, datasets: tuple[Any, Any, Any] | None = None,
                          consumed_train_samples: int = 0, consumed_valid_samples: int = 0,
                          data_parallel_rank: int | None = None, pipeline_rank: int | None = None,
                          tokenizer: MegatronTokenizerBase | None = None
@@ -307,12 +311,12 @@ def build_data_iterators(args: argparse.Namespace, *, datasets: tuple[Any, Any, 
     ``data_parallel_rank`` defaults to megatron-core's ``parallel_state`` when initialised, else 0.
     """
     if datasets is None:
-        datasets = build_datasets(args, tokenizer=tokenizer, pipeline_rank=pipeline_rank)
+        datasets = build_datasets(config, tokenizer=tokenizer, pipeline_rank=pipeline_rank)
     dp_rank = data_parallel_rank if data_parallel_rank is not None else _default_data_parallel_rank()
     train, valid, test = datasets
-    return (_iterator(train, consumed_samples=consumed_train_samples, args=args, data_parallel_rank=dp_rank),
-            _iterator(valid, consumed_samples=consumed_valid_samples, args=args, data_parallel_rank=dp_rank),
-            _iterator(test, consumed_samples=0, args=args, data_parallel_rank=dp_rank))
+    return (_iterator(train, consumed_samples=consumed_train_samples, config=config, data_parallel_rank=dp_rank),
+            _iterator(valid, consumed_samples=consumed_valid_samples, config=config, data_parallel_rank=dp_rank),
+            _iterator(test, consumed_samples=0, config=config, data_parallel_rank=dp_rank))
 
 
 def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]] | None, *, device: torch.device | str | None = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import collections
 import time
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from typing import Any, Iterator, Sequence
 import torch.distributed as dist
 
 from megatron_zb.training.logging_utils import print_rank_0
+from megatron_zb.training.run_config import RunConfig
 from megatron_zb.training.state import TrainState
 
 __all__ = ["DataBundle", "build_data", "chunk_iterators"]
@@ -35,7 +35,7 @@ class DataBundle:
     has_test: bool
 
 
-def build_data(args: argparse.Namespace, *, reads_data: Sequence[bool], state: TrainState) -> DataBundle:
+def build_data(config: RunConfig, *, reads_data: Sequence[bool], state: TrainState) -> DataBundle:
     """Datasets and iterators (:mod:`megatron_zb.training.data`), resuming at ``state``'s consumed
     samples; ``reads_data`` tells per chunk whether it reads micro batches. Collective."""
     from megatron_zb.megatron_compat import quiet_mock_dataset_cache_notice
@@ -43,16 +43,16 @@ def build_data(args: argparse.Namespace, *, reads_data: Sequence[bool], state: T
 
     t0 = time.perf_counter()
     print_rank_0("> building train, validation and test datasets ...")
-    if args.mock_data:  # mock datasets are never cached; megatron-core says so once per split
+    if config.data.mock_data:  # mock datasets are never cached; megatron-core says so once per split
         quiet_mock_dataset_cache_notice()
-    train, valid, test = build_data_iterators(args, consumed_train_samples=state.consumed_train_samples,
+    train, valid, test = build_data_iterators(config, consumed_train_samples=state.consumed_train_samples,
                                               consumed_valid_samples=state.consumed_valid_samples)
     # Every rank must agree whether there is validation / test data (decided on data ranks).
     holder = [[valid is not None, test is not None]]
     dist.broadcast_object_list(holder, src=0)
     has_valid, has_test = holder[0]
-    n_train, n_valid, n_test = train_valid_test_num_samples(args)
-    print_rank_0(f"> data ready: {'mock' if args.mock_data else 'indexed'} data, {n_train} training, "
+    n_train, n_valid, n_test = train_valid_test_num_samples(config)
+    print_rank_0(f"> data ready: {'mock' if config.data.mock_data else 'indexed'} data, {n_train} training, "
                  f"{n_valid} validation, {n_test} test samples requested; starting at sample "
                  f"{state.consumed_train_samples} ({time.perf_counter() - t0:.1f} s)")
     return DataBundle(train=chunk_iterators(train, reads_data), valid=chunk_iterators(valid, reads_data),

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any, Callable, Sequence
 
 import torch
 
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.gpt_step import run_batch, sum_lm_loss
+from megatron_zb.training.run_config import RunConfig
 from megatron_zb.training.training_log import gather_losses
 
 __all__ = ["evaluate"]
 
 
-def evaluate(args: argparse.Namespace, *, forward_backward: Callable[..., list[Any]], modules: Sequence[Any],
+def evaluate(config: RunConfig, *, forward_backward: Callable[..., list[Any]], modules: Sequence[Any],
              iterators: Sequence[Any], stage_to_rank: Sequence[int], dist_ctx: DistributedContext,
              after_step: Callable[[], None] | None = None) -> float:
-    """The lm loss over ``args.eval_iters`` global batches (masked sum / tokens, all DP ranks).
+    """The lm loss over ``config.data.eval_iters`` global batches (masked sum / tokens, all DP ranks).
 
     ``after_step`` runs after each batch (``--empty-unused-memory-level``'s cache emptying).
 
@@ -28,9 +28,9 @@ def evaluate(args: argparse.Namespace, *, forward_backward: Callable[..., list[A
         m.eval()
     total = torch.zeros(2, dtype=torch.float64, device="cpu")  # host bookkeeping, as sum_lm_loss
     with torch.no_grad():
-        for _ in range(args.eval_iters):
-            out = run_batch(forward_backward, model=modules, iterators=iterators, args=args, device=dist_ctx.device,
-                            forward_only=True)
+        for _ in range(config.data.eval_iters):
+            out = run_batch(forward_backward, model=modules, iterators=iterators, config=config,
+                            device=dist_ctx.device, forward_only=True)
             sum_lm_loss(out or [], into=total)
             if after_step is not None:
                 after_step()

@@ -7,13 +7,13 @@ batch's micro batches of this data-parallel rank, for training and for evaluatio
 
 from __future__ import annotations
 
-import argparse
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from megatron_zb.training.data import get_batch
+from megatron_zb.training.run_config import RunConfig
 
 __all__ = ["forward_step", "loss_func", "run_batch", "sum_lm_loss"]
 
@@ -49,19 +49,20 @@ def forward_step(data_iterator: Iterator[Any] | None, model: Any, *, device: Any
 
 
 def run_batch(forward_backward: Callable[..., list[Any]], *, model: Sequence[Any], iterators: Sequence[Any],
-              args: argparse.Namespace, device: torch.device, forward_only: bool,
+              config: RunConfig, device: torch.device, forward_only: bool,
               num_microbatches: int | None = None) -> list[Any]:
     """One ``forward_backward_func`` call over ``num_microbatches`` micro batches (default
-    ``args.num_microbatches``, ``--global-batch-size``'s; a training iteration of a batch ramp-up has fewer).
+    ``config.num_microbatches``, ``--global-batch-size``'s; a training iteration of a batch ramp-up has fewer).
 
     ``iterators`` holds one iterator (or ``None``) per model chunk; returns the loss reports of
     the last stage's micro batches (empty elsewhere).
     """
-    m = num_microbatches if num_microbatches is not None else args.num_microbatches
+    m = num_microbatches if num_microbatches is not None else config.num_microbatches
+    seq = config.model.seq_length
     return forward_backward(forward_step_func=partial(forward_step, device=device),
                             data_iterator=list(iterators) if len(iterators) > 1 else iterators[0],
-                            model=list(model), num_microbatches=m, seq_length=args.seq_length,
-                            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
+                            model=list(model), num_microbatches=m, seq_length=seq,
+                            micro_batch_size=config.micro_batch_size, decoder_seq_length=seq,
                             forward_only=forward_only)
 
 

@@ -26,10 +26,10 @@ from typing import Any, Mapping
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from megatron_zb.megatron_compat import initialize_affine_weight_cpu
 from megatron_zb.model.gpt_chunks import ChunkPlan, SeededTransformerLayer, derive_seed
 
 from megatron_zb.training.run_config import MoEConfig
@@ -91,7 +91,7 @@ def _seed_experts(moe: Any, config: Any, seed: int, layer: int) -> None:
             per_partition = weight.shape[dim]
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(derive_seed(seed, "layer", layer, "expert", first + i, name))
-                _initialize_affine_weight_cpu(
+                initialize_affine_weight_cpu(
                     weight, linear.output_size, linear.input_size, per_partition, dim, init,
                     params_dtype=config.params_dtype, rank=get_pg_rank(linear.tp_group),
-                    world_size=get_pg_size(linear.tp_group), skip_set_tensor_parallel_attributes=True)
+                    world_size=get_pg_size(linear.tp_group))

@@ -22,7 +22,6 @@ plan then). With megatron-zb's runtime:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from typing import Any
@@ -37,8 +36,9 @@ from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import format_schedule_report, print_rank_0
 from megatron_zb.training.profiling import (ActionProfile, AgreedProfile, ProfileWindow, agree_on_profile,
                                             cost_model, measure_t_comm, mem_w_ratio)
+from megatron_zb.training.run_config import RunConfig
 
-__all__ = ["SchedulePlanner"]
+__all__ = ["SchedulePlanner", "planning_model", "planning_parallel"]
 
 
 class SchedulePlanner:
@@ -57,12 +57,13 @@ class SchedulePlanner:
             iteration (changes with ``--rampup-batch-size``).
     """
 
-    def __init__(self, args: argparse.Namespace, *, schedule: Schedule, dist_ctx: DistributedContext,
+    def __init__(self, config: RunConfig, *, schedule: Schedule, dist_ctx: DistributedContext,
                  runtime: Any = None) -> None:
         """Build the ``forward_backward_func`` (or own ``runtime``, megatron-zb's
         ``ZeroBubbleForwardBackward`` built elsewhere, e.g. by :func:`megatron_zb.patch_megatron`)
-        and install global rank 0's ``schedule``. Collective."""
-        self.args = args
+        and install global rank 0's ``schedule``. ``config``: the run (its ``schedule`` section, the
+        model's sizes, the parallel layout, the training length). Collective."""
+        self.config = config
         self._dist = dist_ctx
         self._initial = schedule
         self._stage_to_rank = list(schedule.stage_to_rank)
@@ -77,16 +78,16 @@ class SchedulePlanner:
         self._bookkeeping = 0.0  # seconds the profiler itself spent after that iteration (left out of step_ms)
         self._bytes_only = self._times_tracked = False  # this iteration measures activation bytes (only)
         self._track_memory = False  # the runtime's track_memory outside the window
-        if args.use_megatron_core_schedule:
+        if config.schedule.use_megatron_core_schedule:
             from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
             self.forward_backward: Any = megatron_func()
             return
         if runtime is None:
             from megatron_zb.runtime import get_forward_backward_func
 
-            runtime = get_forward_backward_func(args.schedule, memory_limit=args.schedule_memory_limit,
-                                                num_chunks=args.num_model_chunks,
-                                                timeout=args.pipeline_timeout_seconds)
+            runtime = get_forward_backward_func(config.schedule.name, memory_limit=config.schedule.memory_limit,
+                                                num_chunks=config.schedule.num_model_chunks,
+                                                timeout=config.schedule.pipeline_timeout_seconds)
         self.runtime = runtime
         self._initial = self._rank0_schedule(schedule)
         self.runtime.install_schedule(self._initial)
@@ -96,7 +97,8 @@ class SchedulePlanner:
     # ------------------------------------------------------------------ the profiling window
     @property
     def _window(self) -> tuple[int, int]:
-        return self.args.zero_bubble_pipeline_timers_start_iter, self.args.zero_bubble_pipeline_timers_end_iter
+        sched = self.config.schedule
+        return sched.zero_bubble_pipeline_timers_start_iter, sched.zero_bubble_pipeline_timers_end_iter
 
     def profiles_after(self, iteration: int) -> bool:
         """Whether iterations after ``iteration`` will be profiled (for the start-of-training line)."""
@@ -115,7 +117,8 @@ class SchedulePlanner:
         self._timed_previous = False
         # the activation tracker's hooks slow the actions down (10-15% at hidden 64): with two or more
         # window iterations the first measures the bytes only, the others the times only
-        self._bytes_only = profiling and not self.profiled_iterations and iteration < min(end - 1, self.args.train_iters)
+        last = min(end - 1, self.config.train_iters)
+        self._bytes_only = profiling and not self.profiled_iterations and iteration < last
         self._times_tracked = profiling and not self._bytes_only and not self.profiled_iterations
         if self.runtime is not None:
             self.runtime.iteration = iteration  # names the iteration of a late data-parallel reduce
@@ -138,85 +141,89 @@ class SchedulePlanner:
             self.profiled_iterations.append(iteration)
             self._timed_previous = not self._bytes_only and bool(timing.host_records)
         end = self._window[1]
-        due = profiling and iteration == min(end - 1, self.args.train_iters) and bool(self.profiled_iterations)
+        due = profiling and iteration == min(end - 1, self.config.train_iters) and bool(self.profiled_iterations)
         if due:
             self.window.close(self.profile)
         return due
 
     # ------------------------------------------------------------------ re-planning
     def replan(self) -> dict[str, Any] | None:
-        """After the window: measure T_comm, agree on the costs, re-plan (cost-aware schedules), report.
+        """After the window: measure T_comm, agree on the costs, re-plan (cost-aware schedules), report,
+        write ``--profile-out``. Each step is a method below.
 
         Returns the cost model the new schedule was built from, as checkpoints store it
         (:attr:`~megatron_zb.training.state.TrainState.schedule_costs`), or ``None`` when the
         schedule was kept. Collective.
         """
-        args = self.args
         self.runtime.options.time_actions = False
         self.runtime.options.track_memory = self._track_memory
-        tp = args.tensor_model_parallel_size
-        seq = args.seq_length // tp if args.sequence_parallel else args.seq_length
-        t_comm = measure_t_comm(shape=(seq, args.micro_batch_size, args.hidden_size), dtype=args.params_dtype,
+        agreed = self._agreed_profile()
+        costs = self._measured_costs(agreed)
+        if costs is None:
+            return None
+        replanned, note = self._replan_from(costs)
+        stages = self.config.schedule.num_pipeline_stages
+        print_rank_0(self._window_report(agreed, costs) + "\n" + measured_lines(agreed, stages) + "\n" + note)
+        if self.config.schedule.profile_out:
+            self._write_profile(agreed)
+        dist.barrier()
+        return replanned
+
+    def _agreed_profile(self) -> AgreedProfile:
+        """Step 1: measure T_comm (one stage output sent to the next rank) and agree with the other
+        pipeline ranks on the window's per-stage costs. Collective."""
+        c = self.config
+        tp = c.parallel.tensor_model_parallel_size
+        seq = c.model.seq_length // tp if c.parallel.sequence_parallel else c.model.seq_length
+        t_comm = measure_t_comm(shape=(seq, c.micro_batch_size, c.model.hidden_size), dtype=c.precision.params_dtype,
                                 device=self._dist.device, group=self._dist.pp_group)
-        agreed = agree_on_profile(self.profile, t_comm, pp_group=self._dist.pp_group)
-        stages = args.num_pipeline_stages
+        return agree_on_profile(self.profile, t_comm, pp_group=self._dist.pp_group)
+
+    def _measured_costs(self, agreed: AgreedProfile) -> CostModel | None:
+        """Step 2: the schedule library's cost model of the agreed profile (``None``, with a warning:
+        no usable costs, the schedule stays)."""
+        c, stages = self.config, self.config.schedule.num_pipeline_stages
         try:
-            costs = cost_model(agreed, num_stages=stages, hidden_size=args.hidden_size,
-                               num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                               max_pending_microbatches=args.zero_bubble_max_pending_backward,
-                               num_chunks=args.num_model_chunks)
+            costs = cost_model(agreed, num_stages=stages, hidden_size=c.model.hidden_size,
+                               num_attention_heads=c.model.num_attention_heads, seq_length=c.model.seq_length,
+                               max_pending_microbatches=c.schedule.max_pending_backward,
+                               num_chunks=c.schedule.num_model_chunks)
         except ValueError as e:
             print_rank_0(f"WARNING: profiling gave no usable costs ({e}); keeping the schedule")
             return None
         if agreed.activation_bytes(stages) is None:
             print_rank_0("WARNING: no activation bytes were measured for every stage; planning memory in units "
                          "of M_B with M_W/M_B = 32h/(34h+5as)")
+        return costs
+
+    def _replan_from(self, costs: CostModel) -> tuple[dict[str, Any] | None, str]:
+        """Step 3: a cost-aware schedule re-planned from ``costs`` on global rank 0 and installed
+        everywhere; returns the costs as checkpoints store them (``None``: kept) and the report's
+        last line. Collective."""
+        name = self.config.schedule.name
         before = simulate(self._current(), costs, enforce_memory=False)
-        replanned: dict[str, Any] | None = None
-        if args.schedule_cost_aware:
-            status, payload, seconds = self._replan_on_rank0(costs)
-            if status == "ok":
-                note = (f"    re-planned {args.schedule!r} from the measured costs in {seconds:.2f} s; the "
-                        f"unit-cost schedule would have a predicted bubble rate of {100 * before.bubble_rate:.1f}% "
-                        f"under them")
-                replanned = dataclasses.asdict(costs)
-            else:  # the unit-cost schedule stays
-                note = f"    WARNING: re-planning failed ({payload}); keeping the unit-cost schedule"
-        else:
-            note = f"    schedule {args.schedule!r} is not cost-aware: kept as is"
+        if not self.config.schedule.cost_aware:
+            return None, f"    schedule {name!r} is not cost-aware: kept as is"
+        status, payload, seconds = self._replan_on_rank0(costs)
+        if status != "ok":  # the unit-cost schedule stays
+            return None, f"    WARNING: re-planning failed ({payload}); keeping the unit-cost schedule"
+        return dataclasses.asdict(costs), (
+            f"    re-planned {name!r} from the measured costs in {seconds:.2f} s; the unit-cost schedule "
+            f"would have a predicted bubble rate of {100 * before.bubble_rate:.1f}% under them")
+
+    def _window_report(self, agreed: AgreedProfile, costs: CostModel) -> str:
+        """Step 4: the schedule report of the schedule now installed, under the measured ``costs``."""
         sim = simulate(self._current(), costs, enforce_memory=False)
         first, last = self.profiled_iterations[0], self.profiled_iterations[-1]
         peak, limit, unit = _memory_in_report(costs, sim.peak_memory)
-        report = format_schedule_report(
-            schedule=args.schedule, num_ranks=args.pipeline_model_parallel_size,
+        return format_schedule_report(
+            schedule=self.config.schedule.name, num_ranks=self.config.parallel.pipeline_model_parallel_size,
             num_microbatches=self.num_microbatches, predicted_bubble_rate=sim.bubble_rate,
             peak_activation_memory=peak, memory_limit=limit, memory_unit=unit,
-            measured_idle_fraction=agreed.idle_fraction, measured_costs=agreed.report_costs(stages),
+            measured_idle_fraction=agreed.idle_fraction,
+            measured_costs=agreed.report_costs(self.config.schedule.num_pipeline_stages),
             title=f"schedule report after profiling iterations {first}-{last} "
                   f"(costs: mean over stages, ms; idle: 1 - busy/elapsed per pipeline rank)")
-        per_stage = "    measured per stage (ms): " + "; ".join(
-            f"{name}=[{', '.join(f'{v:.3f}' for v in vals)}]"
-            for name, op in (("T_F", "F"), ("T_B", "B"), ("T_W", "W"), ("T_BW", "BW"))
-            if (vals := agreed.per_stage(op, stages)) is not None)
-        per_stage += "\n    measured runtime time per compute action (ms, mean over ranks of medians): " + _ms(
-            agreed.action_overhead_ms) + "; outside the schedule's actions per iteration (ms, min over ranks of " \
-            "medians): " + _ms(agreed.step_ms)
-        if (acts := agreed.activation_bytes(stages)) is not None:
-            per_stage += "\n    measured activations per stage and micro batch (KiB): " + "; ".join(
-                f"{name}=[{', '.join(f'{v / 1024:.1f}' for v in vals)}]" for name, vals in zip(("M_B", "M_W"), acts))
-            held = agreed.bytes_held_for_w(stages) or []
-            over = [(s, w, b) for s, (w, b) in enumerate(zip(held, acts[0])) if w > b]
-            if over:
-                per_stage += ("\n    WARNING: B leaves more for W than F left for B on stage(s) " + ", ".join(
-                    f"{s} ({w / 1024:.1f} > {b / 1024:.1f} KiB)" for s, w, b in over)
-                    + " (full recomputation: B rebuilds what W needs); the re-plan caps M_W at M_B (its limit "
-                      "--zero-bubble-max-pending-backward x M_B may be below what B leaves) and under-counts "
-                      "memory between B and W")
-        print_rank_0(report + "\n" + per_stage + "\n" + note)
-        if args.profile_out:
-            self._write_profile(agreed)
-        dist.barrier()
-        return replanned
 
     def _write_profile(self, agreed: AgreedProfile) -> None:
         """``--profile-out``: global rank 0 writes the measured costs as a planning profile."""
@@ -224,33 +231,34 @@ class SchedulePlanner:
             return
         from megatron_zb.planning.model import PlanError
         from megatron_zb.planning.profile import StageProfile, write_profile
-        args, stages = self.args, self.args.num_pipeline_stages
+        c, stages = self.config, self.config.schedule.num_pipeline_stages
+        out = c.schedule.profile_out
         acts = agreed.activation_bytes(stages)
         if acts is None or not agreed.split_backward(stages):
-            print_rank_0(f"WARNING: --profile-out {args.profile_out} not written: T_B, T_W and the activation "
+            print_rank_0(f"WARNING: --profile-out {out} not written: T_B, T_W and the activation "
                          f"bytes were not measured for every stage")
             return
         times = [agreed.per_stage(op, stages) for op in ("F", "B", "W")]  # the compute alone (the overhead: a key)
         rows = [StageProfile(t_f_ms=f, t_b_ms=b, t_w_ms=w, mem_b_bytes=mb, mem_w_bytes=mw)
                 for f, b, w, mb, mw in zip(*times, *acts)]
         try:
-            write_profile(args.profile_out, model=profile_model(args), parallel=profile_parallel(args),
-                          schedule=args.schedule, placement=get_spec(args.schedule).placement,
+            write_profile(out, model=planning_model(c), parallel=planning_parallel(c),
+                          schedule=c.schedule.name, placement=get_spec(c.schedule.name).placement,
                           stage_to_rank=self._stage_to_rank, t_comm_ms=agreed.t_comm, stages=rows,
                           device=self._dist.device.type, step_ms=agreed.step_ms,
                           action_overhead_ms=agreed.action_overhead_ms, duration_spread=agreed.spread)
         except (OSError, PlanError) as e:
-            print_rank_0(f"WARNING: --profile-out {args.profile_out} not written: {e}")
+            print_rank_0(f"WARNING: --profile-out {out} not written: {e}")
             return
-        print_rank_0(f"    wrote the measured costs to {args.profile_out} (--profile-out; "
-                     f"read by: megatron-zb plan --profile {args.profile_out})")
+        print_rank_0(f"    wrote the measured costs to {out} (--profile-out; "
+                     f"read by: megatron-zb plan --profile {out})")
 
     def restore(self, saved: dict[str, Any] | None, *, iteration: int) -> None:
         """On ``--load``: rebuild the schedule from the checkpoint's profiled ``saved`` costs
         (``dataclasses.asdict`` of a ``CostModel``) when the window is over at ``iteration``. Collective."""
-        args = self.args
-        if (saved is None or self.runtime is None or not args.schedule_cost_aware
-                or iteration < args.zero_bubble_pipeline_timers_end_iter - 1):
+        sched = self.config.schedule
+        if (saved is None or self.runtime is None or not sched.cost_aware
+                or iteration < sched.zero_bubble_pipeline_timers_end_iter - 1):
             return
         costs = CostModel(**saved)
         status, payload, _ = self._replan_on_rank0(costs)
@@ -299,7 +307,7 @@ class SchedulePlanner:
         """The schedule the next iteration runs."""
         if self.runtime is None:
             return self._initial
-        return self.runtime.schedule_for(self.args.pipeline_model_parallel_size, self.num_microbatches)
+        return self.runtime.schedule_for(self.config.parallel.pipeline_model_parallel_size, self.num_microbatches)
 
     # ------------------------------------------------------------------ a new number of micro batches
     def use_microbatches(self, num_microbatches: int, *, why: str) -> None:
@@ -316,18 +324,18 @@ class SchedulePlanner:
             return
         seconds = self.ensure_installed(num_microbatches)
         measured = self.runtime.options.costs
-        if not self.args.schedule_cost_aware:
+        if not self.config.schedule.cost_aware:
             source = "(not cost-aware)"
         elif measured is None:
             source = "from unit costs (before profiling)"
         else:
             source = "re-planned from the measured costs"
+        model = self.config.model
         costs = measured if measured is not None else CostModel(mem_w=mem_w_ratio(
-            hidden_size=self.args.hidden_size, num_attention_heads=self.args.num_attention_heads,
-            seq_length=self.args.seq_length))
+            hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads, seq_length=model.seq_length))
         sim = simulate(self._current(), costs, enforce_memory=False)
         built = "built at an earlier evaluation" if seconds is None else f"built in {seconds:.2f} s"
-        print_rank_0(f"> {why}: schedule {self.args.schedule!r} rebuilt for {num_microbatches} micro batches "
+        print_rank_0(f"> {why}: schedule {self.config.schedule.name!r} rebuilt for {num_microbatches} micro batches "
                      f"{source} ({built}); predicted bubble rate {100 * sim.bubble_rate:.1f}%")
 
     def ensure_installed(self, num_microbatches: int) -> float | None:
@@ -340,14 +348,14 @@ class SchedulePlanner:
         if dist.get_rank() == 0:
             t0 = time.perf_counter()
             try:
-                sched = self.runtime.schedule_for(self.args.pipeline_model_parallel_size, num_microbatches)
+                sched = self.runtime.schedule_for(self.config.parallel.pipeline_model_parallel_size, num_microbatches)
                 outcome = [("ok", sched, time.perf_counter() - t0)]
             except ScheduleError as e:
                 outcome = [("error", str(e), time.perf_counter() - t0)]
         dist.broadcast_object_list(outcome, src=0)
         status, payload, seconds = outcome[0]
         if status != "ok":
-            raise RuntimeError(f"--rampup-batch-size: schedule {self.args.schedule!r} cannot be built for "
+            raise RuntimeError(f"--rampup-batch-size: schedule {self.config.schedule.name!r} cannot be built for "
                                f"{num_microbatches} micro batches per iteration ({payload}); change the ramp or "
                                f"the schedule")
         if list(payload.stage_to_rank) != self._stage_to_rank:
@@ -360,25 +368,25 @@ class SchedulePlanner:
     # ------------------------------------------------------------------ the first report
     def report_initial(self) -> None:
         """Rank 0 prints the schedule report before training (unit costs, or the restored costs)."""
-        args = self.args
-        ratio = mem_w_ratio(hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                            seq_length=args.seq_length)
+        c = self.config
+        ratio = mem_w_ratio(hidden_size=c.model.hidden_size, num_attention_heads=c.model.num_attention_heads,
+                            seq_length=c.model.seq_length)
         sched = self._current()
         sim = simulate(sched, CostModel(mem_w=ratio), enforce_memory=False)
-        name = args.schedule + (" (megatron-core's own forward_backward_func)" if args.use_megatron_core_schedule
-                                else "")
+        name = c.schedule.name + (" (megatron-core's own forward_backward_func)"
+                                  if c.schedule.use_megatron_core_schedule else "")
         title = "schedule report (unit costs T_F = T_B = T_W = 1, before profiling)"
         measured = None
-        peak, limit, unit = sim.peak_memory, args.schedule_memory_limit, "M_B"
+        peak, limit, unit = sim.peak_memory, c.schedule.memory_limit, "M_B"
         if self.restored_costs is not None:
             title = "schedule report (rebuilt from the profiled costs stored in the checkpoint)"
             sim = simulate(sched, self.restored_costs, enforce_memory=False)
-            sc = self.restored_costs.resolve(args.num_pipeline_stages)
+            sc = self.restored_costs.resolve(c.schedule.num_pipeline_stages)
             measured = {"T_F": sum(sc.t_f) / len(sc.t_f), "T_B": sum(sc.t_b) / len(sc.t_b),
                         "T_W": sum(sc.t_w) / len(sc.t_w), "T_comm": sc.t_comm}
             peak, limit, unit = _memory_in_report(self.restored_costs, sim.peak_memory)
         print_rank_0(format_schedule_report(
-            schedule=name, num_ranks=args.pipeline_model_parallel_size, num_microbatches=self.num_microbatches,
+            schedule=name, num_ranks=c.parallel.pipeline_model_parallel_size, num_microbatches=self.num_microbatches,
             predicted_bubble_rate=sim.bubble_rate, peak_activation_memory=peak,
             memory_limit=limit, memory_unit=unit, measured_costs=measured, title=title))
 
@@ -398,33 +406,60 @@ def _memory_in_report(costs: CostModel, peak: Any) -> tuple[list[float], float |
             "MiB (measured bytes)")
 
 
-def profile_model(args: argparse.Namespace) -> Any:
-    """The planning :class:`~megatron_zb.planning.model.ModelConfig` of the run's model flags."""
+def measured_lines(agreed: AgreedProfile, stages: int) -> str:
+    """The report's lines of what the window measured: per-stage times, the runtime's time per action
+    and outside the schedule, activation bytes (and a warning when B leaves more for W than F left for B)."""
+    lines = "    measured per stage (ms): " + "; ".join(
+        f"{name}=[{', '.join(f'{v:.3f}' for v in vals)}]"
+        for name, op in (("T_F", "F"), ("T_B", "B"), ("T_W", "W"), ("T_BW", "BW"))
+        if (vals := agreed.per_stage(op, stages)) is not None)
+    lines += "\n    measured runtime time per compute action (ms, mean over ranks of medians): " + _ms(
+        agreed.action_overhead_ms) + "; outside the schedule's actions per iteration (ms, min over ranks of " \
+        "medians): " + _ms(agreed.step_ms)
+    if (acts := agreed.activation_bytes(stages)) is not None:
+        lines += "\n    measured activations per stage and micro batch (KiB): " + "; ".join(
+            f"{name}=[{', '.join(f'{v / 1024:.1f}' for v in vals)}]" for name, vals in zip(("M_B", "M_W"), acts))
+        held = agreed.bytes_held_for_w(stages) or []
+        over = [(s, w, b) for s, (w, b) in enumerate(zip(held, acts[0])) if w > b]
+        if over:
+            lines += ("\n    WARNING: B leaves more for W than F left for B on stage(s) " + ", ".join(
+                f"{s} ({w / 1024:.1f} > {b / 1024:.1f} KiB)" for s, w, b in over)
+                + " (full recomputation: B rebuilds what W needs); the re-plan caps M_W at M_B (its limit "
+                  "--zero-bubble-max-pending-backward x M_B may be below what B leaves) and under-counts "
+                  "memory between B and W")
+    return lines
+
+
+def planning_model(config: RunConfig) -> Any:
+    """The planner's :class:`~megatron_zb.planning.model.ModelConfig` of the run's model: the one
+    derivation of the planner's model from a :class:`RunConfig` (``planning/`` imports no torch, so
+    it cannot take the ``RunConfig`` itself; ``megatron-zb plan`` builds the same from its flags)."""
     from megatron_zb.planning.model import make_model
+    m, p = config.model, config.precision
     return make_model(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        group_query_attention=args.group_query_attention, kv_channels=args.kv_channels, swiglu=args.swiglu,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, max_position_embeddings=args.max_position_embeddings,
-        normalization=args.normalization, add_bias_linear=args.add_bias_linear, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, transformer_impl=args.transformer_impl,
-        precision="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32")
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        seq_length=m.seq_length, micro_batch_size=config.micro_batch_size, vocab_size=m.vocab_size,
+        ffn_hidden_size=m.ffn_hidden_size, num_query_groups=m.num_query_groups,
+        group_query_attention=m.num_query_groups is not None, kv_channels=m.kv_channels, swiglu=m.swiglu,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type, max_position_embeddings=m.max_position_embeddings,
+        normalization=m.normalization, add_bias_linear=m.add_bias_linear, hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout, transformer_impl=m.transformer_impl,
+        precision="fp16" if p.fp16 else "bf16" if p.bf16 else "fp32")
 
 
-def profile_parallel(args: argparse.Namespace) -> Any:
-    """The planning :class:`~megatron_zb.planning.model.ParallelConfig` of the run's layout."""
+def planning_parallel(config: RunConfig) -> Any:
+    """The planner's :class:`~megatron_zb.planning.model.ParallelConfig` of the run's layout (with
+    :func:`planning_model`, the one derivation)."""
     from megatron_zb.planning.model import make_parallel
+    par, sched = config.parallel, config.schedule
     return make_parallel(
-        profile_model(args), pp=args.pipeline_model_parallel_size, tp=args.tensor_model_parallel_size,
-        dp=args.data_parallel_size, num_microbatches=args.num_microbatches, sequence_parallel=args.sequence_parallel,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        allow_padding_num_layers=args.allow_padding_num_layers,
-        num_virtual_stages=args.num_model_chunks if get_spec(args.schedule).placement == Placement.INTERLEAVED else None,
-        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
-        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+        planning_model(config), pp=par.pipeline_model_parallel_size, tp=par.tensor_model_parallel_size,
+        dp=par.data_parallel_size, num_microbatches=config.num_microbatches, sequence_parallel=par.sequence_parallel,
+        use_distributed_optimizer=par.use_distributed_optimizer, allow_padding_num_layers=par.allow_padding_num_layers,
+        num_virtual_stages=sched.num_model_chunks if get_spec(sched.name).placement == Placement.INTERLEAVED else None,
+        decoder_first_pipeline_num_layers=par.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=par.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=par.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=par.account_for_loss_in_pipeline_split)

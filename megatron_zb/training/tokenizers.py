@@ -388,8 +388,10 @@ def ignored_tokenizer_flags(args: argparse.Namespace) -> list[str]:
             if getattr(args, dest, TIKTOKEN_FLAGS[dest]) != TIKTOKEN_FLAGS[dest]]
 
 
-def tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizerBase:
-    """:func:`build_tokenizer` from the flags of :func:`add_tokenizer_args` and ``--vocab-size``.
+def tokenizer_from_args(args: Any) -> MegatronTokenizerBase:
+    """:func:`build_tokenizer` from the flags of :func:`add_tokenizer_args` and ``--vocab-size``, read by
+    their ``dest`` names from ``args``: the validated ``argparse.Namespace`` or the run's
+    :class:`~megatron_zb.training.run_config.TokenizerConfig` (the same names).
 
     ``--tokenizer-special-tokens`` / ``--tiktoken-special-tokens`` with a type other than
     ``TikTokenizer`` are refused: Megatron-LM gives them meanings there (HuggingFace's additional

@@ -68,9 +68,9 @@ class Trainer:
     """One run of ``pretrain_gpt_zb.py`` (see the module docstring).
 
     Attributes:
-        args: the validated command line (data, checkpointing, logging and re-planning still read it).
+        args: the validated command line (checkpointing and the iteration log still read it).
         config: the typed run configuration of ``args`` (:mod:`.run_config`): model, parallel
-            layout, precision, optimizer, schedule.
+            layout, precision, optimizer, schedule and re-planning, data.
         dist: process groups and ranks of this process.
         model: this rank's chunks.
         optim: optimizer and LR scheduler.
@@ -113,13 +113,13 @@ class Trainer:
             self.timing = TimingLog(level=logging.timing_log_level, option=logging.timing_log_option,
                                     barrier=logging.barrier_with_L1_time)
             self.timing.install([c.module.config for c in self.model.chunks] + optimizer_configs(self.optim.inner))
-            self.planner = SchedulePlanner(args, schedule=schedule, dist_ctx=self.dist)
+            self.planner = SchedulePlanner(self.config, schedule=schedule, dist_ctx=self.dist)
             self.timeline = MeasuredTimeline(self.config.profiling, runtime=self.planner.runtime,
                                              device=self.dist.device, pp_group=self.dist.pp_group,
                                              train_iters=self.config.train_iters)
             self.state: TrainState = self._load() if args.load else TrainState()
             self.last_saved: int | None = self.state.iteration if args.load else None
-            self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state)
+            self.data: DataBundle = build_data(self.config, reads_data=self.model.reads_data, state=self.state)
             self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
@@ -189,7 +189,7 @@ class Trainer:
 
     def _train_step(self, it: int) -> tuple[IterationRecord, bool]:
         """Iteration ``it``: its record, and whether the profiling window ended with it (re-plan due)."""
-        args, opt = self.args, self.optim
+        opt = self.optim
         profiling = self.planner.begin_iteration(it)
         self.timeline.before_iteration(it)
         if opt.post_validation:
@@ -200,7 +200,7 @@ class Trainer:
         t0 = time.perf_counter()
         gbs = self.batch.global_batch_size
         out = run_batch(self.planner.forward_backward, model=self.model.modules, iterators=self.data.train,
-                        args=args, device=self.dist.device, forward_only=False,
+                        config=self.config, device=self.dist.device, forward_only=False,
                         num_microbatches=self.batch.num_microbatches)
         fb_seconds = time.perf_counter() - t0
         self.hooks.after_forward_backward()
@@ -234,7 +234,7 @@ class Trainer:
         args = self.args
         if it % args.log_interval == 0:
             self._log_interval()
-        if args.eval_iters > 0 and self.data.has_valid and it % args.eval_interval == 0:
+        if self.config.data.eval_iters > 0 and self.data.has_valid and it % self.config.data.eval_interval == 0:
             with self.log.excluding_time(), self.hooks.evaluation():
                 self._evaluate(f"iteration {it}", self.data.valid, valid=True)
         self.hooks.after_iteration(it)  # Megatron-LM's post-step callbacks: the profile window's end, manual GC
@@ -274,7 +274,7 @@ class Trainer:
         self._finalize_optimizer()
         if args.save and self.last_saved != it:
             self._save()
-        if args.eval_iters > 0:
+        if self.config.data.eval_iters > 0:
             if self.data.has_valid:
                 self._evaluate(f"iteration {it} on validation set", self.data.valid, valid=True)
             if self.data.has_test:
@@ -366,16 +366,15 @@ class Trainer:
         return params_l2_norm(self.model.modules, bf16=self.config.precision.bf16, device=self.dist.device)
 
     def _evaluate(self, prefix: str, iterators: Sequence[Any], *, valid: bool) -> float:
-        args = self.args
         if self.optim.post_validation:
             self.optim.optimizer.validate()  # evaluate the validated parameters
-        self.planner.ensure_installed(args.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
+        self.planner.ensure_installed(self.config.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
         with self.timing.paused():  # evaluation is not timed, as Megatron-LM
-            loss = evaluate(args, forward_backward=self.planner.forward_backward, modules=self.model.modules,
+            loss = evaluate(self.config, forward_backward=self.planner.forward_backward, modules=self.model.modules,
                             iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                             after_step=self.hooks.after_eval_step)
         if valid:
-            self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+            self.state.consumed_valid_samples += self.config.data.eval_iters * self.config.global_batch_size
         self.log.add_validation(prefix, iteration=self.state.iteration, loss=loss, tensorboard=valid)
         return loss
 

@@ -110,7 +110,7 @@ def megatron_optimizer(optim: OptimConfig, *, precision: PrecisionConfig, parall
         loss_scale=precision.loss_scale, initial_loss_scale=precision.initial_loss_scale,
         min_loss_scale=precision.min_loss_scale, loss_scale_window=precision.loss_scale_window,
         hysteresis=precision.hysteresis, use_distributed_optimizer=parallel.use_distributed_optimizer,
-        log_num_zeros_in_grad=optim.log_num_zeros_in_grad)
+        log_num_zeros_in_grad=optim.log_num_zeros_in_grad, decoupled_weight_decay=optim.decoupled_weight_decay)
     return get_megatron_optimizer(cfg, list(modules), use_gloo_process_groups=parallel.distributed_backend != "gloo")
 
 

@@ -245,3 +245,22 @@ def test_other_processes_cpu_reports_the_hypervisor_steal_separately():
     if math.isnan(others):
         pytest.skip("/proc not readable here")
     assert 0.0 <= steal <= os.cpu_count() and 0.0 <= others <= os.cpu_count()
+
+
+def test_one_entry_point_runs_every_benchmark_by_name(capsys):
+    """``python -m megatron_zb.bench NAME --help`` reaches each benchmark's own command line (in this
+    process); no name lists them (exit 2), an unknown name is refused with the list (exit 2)."""
+    from megatron_zb.bench.__main__ import BENCHMARKS, main
+
+    assert main([]) == 2
+    listing = capsys.readouterr().out
+    assert all(f"  {name} " in listing for name in BENCHMARKS)
+    for name, bench in BENCHMARKS.items():
+        argv = list(sys.argv)
+        assert main([name, "--help"]) == 0, name
+        assert sys.argv == argv  # restored
+        usage = capsys.readouterr().out
+        own = bench.target.removeprefix("module:").rsplit(".", 1)[-1].removesuffix(".py")
+        assert usage.startswith("usage:") and own in usage, (name, usage[:200])
+    assert main(["no-such-benchmark"]) == 2
+    assert "unknown benchmark 'no-such-benchmark'" in capsys.readouterr().err

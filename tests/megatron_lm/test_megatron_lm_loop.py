@@ -11,6 +11,7 @@ iteration's lm loss and grad norm, and every rank's parameters after training.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import math
@@ -208,12 +209,22 @@ def test_a_bad_zero_bubble_flag_exits_2_before_any_process_group(bad: tuple[str,
 
 
 # ---------------------------------------------------------------------- the wrapper, no Megatron-LM run
+@dataclasses.dataclass(frozen=True)
+class _PlannerConfig:
+    """Stands in for the planner's RunConfig: the field the wrapper replaces."""
+
+    num_microbatches: int = 0
+
+    def replace(self, **changes: Any) -> "_PlannerConfig":
+        return dataclasses.replace(self, **changes)
+
+
 class _RecordingPlanner:
     """Stands in for :class:`~megatron_zb.training.replanning.SchedulePlanner`: records the hooks."""
 
     def __init__(self, window: tuple[int, int]) -> None:
         self.window, self.calls, self.replans = window, [], 0
-        self.args = argparse.Namespace()
+        self.config = _PlannerConfig()
 
     def forward_backward(self, **kwargs: Any) -> list[Any]:
         self.calls.append(("run", kwargs["forward_only"]))
@@ -252,7 +263,7 @@ def test_replanning_wrapper_counts_training_calls_only() -> None:
                 micro_batch_size=2)
     for forward_only in (True, False, True, False, False, True, True, False):
         assert wrapper(**call, forward_only=forward_only) == [forward_only]
-    assert wrapper.iteration == 4 and planner.replans == 1 and planner.args.num_microbatches == 4
+    assert wrapper.iteration == 4 and planner.replans == 1 and planner.config.num_microbatches == 4
     trained = [c for c in planner.calls if c[0] != "run"]
     assert trained == [(e, i) for i in range(1, 5) for e in ("begin", "end")]
     assert [c for c in planner.calls if c[0] == "run"] == [("run", f) for f in

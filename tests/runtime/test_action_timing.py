@@ -8,7 +8,6 @@ Every expected number below is worked out by hand from the scripted GPU times.
 
 from __future__ import annotations
 
-import argparse
 import time
 from types import SimpleNamespace
 
@@ -219,9 +218,17 @@ def test_planner_resolves_at_the_window_end_only(monkeypatch):
     monkeypatch.setattr(mcore_pp, "get_forward_backward_func", lambda: None)  # needs no process group then
     script, host = three_iterations()
     cuda = FakeCuda(script).install(monkeypatch)
-    args = argparse.Namespace(use_megatron_core_schedule=True, zero_bubble_pipeline_timers_start_iter=2,
-                              zero_bubble_pipeline_timers_end_iter=5, train_iters=10)
-    planner = SchedulePlanner(args, schedule=SimpleNamespace(stage_to_rank=[0], num_microbatches=1), dist_ctx=None)
+    from megatron_zb.training import run_config as rc
+
+    config = rc.RunConfig(
+        model=rc.ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=1, seq_length=8, padded_vocab_size=8,
+                             ffn_hidden_size=32, kv_channels=8, max_position_embeddings=8),
+        parallel=rc.ParallelConfig(), precision=rc.PrecisionConfig(), optim=rc.OptimConfig(lr=1e-3),
+        schedule=rc.ScheduleConfig(name="1f1b", placement="plain", split_backward=False, cost_aware=False,
+                                   num_model_chunks=1, layers_per_stage=(1,), use_megatron_core_schedule=True,
+                                   zero_bubble_pipeline_timers_start_iter=2, zero_bubble_pipeline_timers_end_iter=5),
+        micro_batch_size=1, global_batch_size=1, num_microbatches=1, train_iters=10)
+    planner = SchedulePlanner(config, schedule=SimpleNamespace(stage_to_rank=[0], num_microbatches=1), dist_ctx=None)
     runtime = SimpleNamespace(options=SimpleNamespace(time_actions=False, track_memory=False),
                               last_timing=None, last_memory=None)
     planner.runtime = runtime             # a runtime whose iterations are scripted

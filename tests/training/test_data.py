@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -19,7 +20,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron_zb.testing import run_distributed
 from megatron_zb.training import data
-from megatron_zb.training.arguments import ArgumentError, parse_args, validate_args
+from megatron_zb.training.arguments import ArgumentError
+from megatron_zb.training.pretrain import parse_command_line
+from megatron_zb.training.run_config import run_config
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
@@ -28,7 +31,8 @@ TEXTS = [f"document {i}: " + "héllo wörld, zero bubbles! " * (i % 5 + 1) for i
 
 
 def resolve(extra: str, *, world_size: int = 1):
-    return validate_args(parse_args(shlex.split(BASE + " " + extra)), world_size=world_size)
+    """``pretrain_gpt_zb.py``'s validated args of ``BASE + extra`` (what :func:`run_config` reads)."""
+    return parse_command_line(shlex.split(BASE + " " + extra), world_size=world_size).args
 
 
 def load_preprocess():
@@ -139,9 +143,9 @@ def test_preprocess_help_does_not_import_megatron_core():
 # ---------------------------------------------------------------------------- datasets
 def test_gpt_dataset_from_preprocessed_corpus(corpus, tmp_path):
     args = resolve(f"--data-path {corpus} --split 8,1,1 --data-cache-path {tmp_path / 'cache'}")
-    train, valid, test = data.build_datasets(args)
+    train, valid, test = data.build_datasets(run_config(args))
     assert all(isinstance(d, GPTDataset) for d in (train, valid, test))
-    n_train, n_valid, n_test = data.train_valid_test_num_samples(args)
+    n_train, n_valid, n_test = data.train_valid_test_num_samples(run_config(args))
     assert (n_train, n_valid, n_test) == (80, 48, 16)
     assert len(train) >= n_train and len(valid) >= n_valid and len(test) >= n_test
     assert any(p.name.endswith("GPTDataset-train-shuffle_index.npy") for p in (tmp_path / "cache").iterdir())
@@ -153,15 +157,15 @@ def test_gpt_dataset_from_preprocessed_corpus(corpus, tmp_path):
 
 def test_blend_builds_without_a_process_group(corpus, tmp_path):
     args = resolve(f"--data-path 0.3 {corpus} 0.7 {corpus} --split 8,1,1 --data-cache-path {tmp_path / 'cache'}")
-    train, _, _ = data.build_datasets(args)
+    train, _, _ = data.build_datasets(run_config(args))
     assert isinstance(train, BlendedDataset) and len(train) >= 80
     assert not torch.distributed.is_initialized()  # the temporary one-process group is gone again
 
 
 def test_mock_data_iterator_shapes():
     args = resolve("--mock-data")
-    assert all(isinstance(d, MockGPTDataset) for d in data.build_datasets(args))
-    train, valid, test = data.build_data_iterators(args)
+    assert all(isinstance(d, MockGPTDataset) for d in data.build_datasets(run_config(args)))
+    train, valid, test = data.build_data_iterators(run_config(args))
     for it in (train, valid, test):
         batch = next(it)
         assert set(batch) == set(data.BATCH_KEYS)
@@ -177,7 +181,7 @@ def test_mock_data_iterator_shapes():
 
 
 def _first_batches(args, n: int = 4) -> list[dict[str, torch.Tensor]]:
-    train, _, _ = data.build_data_iterators(args, pipeline_rank=0)
+    train, _, _ = data.build_data_iterators(run_config(args), pipeline_rank=0)
     return [next(train) for _ in range(n)]
 
 
@@ -201,13 +205,13 @@ def test_data_parallel_ranks_take_disjoint_slices_and_resume():
     resumed = data.MicroBatchSampler(total_samples=20, consumed_samples=8, micro_batch_size=2, data_parallel_rank=1,
                                      data_parallel_size=2)
     assert list(resumed) == s1[2:] and len(resumed) == 3
-    train_ds, _, _ = data.build_datasets(args)
-    it0, _, _ = data.build_data_iterators(args, datasets=(train_ds, None, None), data_parallel_rank=0)
-    it1, _, _ = data.build_data_iterators(args, datasets=(train_ds, None, None), data_parallel_rank=1)
+    train_ds, _, _ = data.build_datasets(run_config(args))
+    it0, _, _ = data.build_data_iterators(run_config(args), datasets=(train_ds, None, None), data_parallel_rank=0)
+    it1, _, _ = data.build_data_iterators(run_config(args), datasets=(train_ds, None, None), data_parallel_rank=1)
     b0, b1 = next(it0), next(it1)
     assert torch.equal(b0["tokens"], torch.stack([train_ds[0]["tokens"], train_ds[1]["tokens"]]))
     assert torch.equal(b1["tokens"], torch.stack([train_ds[2]["tokens"], train_ds[3]["tokens"]]))
-    late, _, _ = data.build_data_iterators(args, datasets=(train_ds, None, None), consumed_train_samples=8,
+    late, _, _ = data.build_data_iterators(run_config(args), datasets=(train_ds, None, None), consumed_train_samples=8,
                                            data_parallel_rank=0)
     assert torch.equal(next(late)["tokens"], torch.stack([train_ds[8]["tokens"], train_ds[9]["tokens"]]))
 
@@ -218,17 +222,17 @@ def test_only_first_and_last_stage_ranks_consume_data():
     assert [consumes(r, pipeline_size=4, placement="interleaved") for r in range(4)] == [True, False, False, True]
     assert [consumes(r, pipeline_size=4, placement="v") for r in range(4)] == [True, False, False, False]
     args = resolve("--mock-data --pipeline-model-parallel-size 4", world_size=4)
-    assert data.build_data_iterators(args, pipeline_rank=1) == (None, None, None)
+    assert data.build_data_iterators(run_config(args), pipeline_rank=1) == (None, None, None)
 
 
 def test_cache_dir_resolution(tmp_path):
-    a = resolve("--mock-data")
+    a = run_config(resolve("--mock-data")).data
     assert data.resolve_data_cache_dir(a) is None
-    a.mock_data, a.save = False, str(tmp_path / "ckpt")
+    a = dataclasses.replace(a, mock_data=False, save=str(tmp_path / "ckpt"))
     assert data.resolve_data_cache_dir(a) == str(tmp_path / "ckpt" / "data_cache")
-    a.data_cache_path = str(tmp_path / "c")
+    a = dataclasses.replace(a, data_cache_path=str(tmp_path / "c"))
     assert data.resolve_data_cache_dir(a) == str(tmp_path / "c")
-    a.data_cache_path = a.save = None
+    a = dataclasses.replace(a, data_cache_path=None, save=None)
     assert data.resolve_data_cache_dir(a) == os.path.join(tempfile.gettempdir(), "megatron_zb_data_cache")
 
 
@@ -238,7 +242,7 @@ def _two_rank_build(prefix: str, cache: str) -> dict[str, object]:
     for name, extra in (("1f1b", ""), ("zbv", "--zero-bubble-v-schedule")):
         args = resolve(f"--data-path {prefix} --split 8,1,1 --data-cache-path {cache} "
                        f"--pipeline-model-parallel-size 2 {extra}", world_size=2)
-        train, _, _ = data.build_data_iterators(args, pipeline_rank=rank, data_parallel_rank=0)
+        train, _, _ = data.build_data_iterators(run_config(args), pipeline_rank=rank, data_parallel_rank=0)
         out[name] = None if train is None else next(train)["tokens"]
     return out
 
@@ -268,7 +272,7 @@ def test_train_valid_test_data_paths_build_one_dataset_per_split(corpus, second_
                    f"--data-cache-path {tmp_path / 'cache'}")
     assert args.data_blend is None
     assert args.data_blend_per_split == [([corpus, corpus], [0.3, 0.7]), ([second_corpus], None), None]
-    train, valid, test = data.build_datasets(args)
+    train, valid, test = data.build_datasets(run_config(args))
     assert isinstance(train, BlendedDataset) and isinstance(valid, GPTDataset) and test is None
     text = bytes(t for t in valid[0]["tokens"].tolist() if t < 256).decode("utf-8", errors="ignore")
     assert "validation text" in text  # the validation split reads its own corpus, not a slice of the train one
@@ -290,8 +294,8 @@ def test_per_split_data_path_errors_name_the_flag(corpus, extra, flag):
 
 # ---------------------------------------------------------------------------- --no-mmap-bin-files, attention mask
 def _batches(args, n: int = 6) -> list[dict[str, torch.Tensor]]:
-    datasets = data.build_datasets(args)
-    train, _, _ = data.build_data_iterators(args, datasets=datasets, data_parallel_rank=0)
+    datasets = data.build_datasets(run_config(args))
+    train, _, _ = data.build_data_iterators(run_config(args), datasets=datasets, data_parallel_rank=0)
     return datasets[0], [next(train) for _ in range(n)]
 
 

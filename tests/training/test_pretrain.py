@@ -412,10 +412,11 @@ def test_mock_loss_mask_does_not_depend_on_the_first_sample_read():
     (megatron_zb.training.data works around it); a resumed run reads a different first sample."""
     from megatron_zb.training.data import build_datasets
     from megatron_zb.training.pretrain import parse_and_validate
+    from megatron_zb.training.run_config import run_config
 
     args = parse_and_validate(PP2[:-2] + ["--pipeline-model-parallel-size", "1"], 1)
-    _, a, _ = build_datasets(args, pipeline_rank=0)
-    _, b, _ = build_datasets(args, pipeline_rank=0)
+    _, a, _ = build_datasets(run_config(args), pipeline_rank=0)
+    _, b, _ = build_datasets(run_config(args), pipeline_rank=0)
     masks_a = [a[i]["loss_mask"] for i in range(16)]
     masks_b = [b[i]["loss_mask"] for i in range(15, -1, -1)][::-1]  # read in the opposite order
     assert any(m.sum() < len(m) for m in masks_a), "no padded label in these samples: the test proves nothing"

@@ -1,11 +1,13 @@
-"""The typed run configuration (megatron_zb/training/run_config.py): what each flag becomes, and the
+"""The typed run configuration (megatron_zb/training/run_config/): what each flag becomes, and the
 defaults tests and benchmarks rely on when they build a section directly."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
+import pkgutil
 
 import pytest
 import torch
@@ -88,16 +90,16 @@ def test_optim_and_model_defaults_are_the_command_lines():
     assert dataclasses.replace(rc.OptimConfig(lr=1e-3), lr_decay_iters=3) == parsed.optim
     m = parsed.model
     direct = rc.ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
-                            padded_vocab_size=m.padded_vocab_size, ffn_hidden_size=128, kv_channels=8,
-                            max_position_embeddings=16)
+                            padded_vocab_size=m.padded_vocab_size, vocab_size=m.vocab_size, ffn_hidden_size=128,
+                            kv_channels=8, max_position_embeddings=16)
     assert direct == dataclasses.replace(m, transformer_impl_reason=direct.transformer_impl_reason,
                                          wgrad_kernel=direct.wgrad_kernel)
 
 
 def test_every_field_has_a_docstring():
     """Each field is documented (its flag and unit), as megatron-core's TransformerConfig."""
-    tree = ast.parse(inspect.getsource(rc))
-    for node in tree.body:
+    modules = [rc] + [importlib.import_module(f"{rc.__name__}.{m.name}") for m in pkgutil.iter_modules(rc.__path__)]
+    for node in (n for module in modules for n in ast.parse(inspect.getsource(module)).body):
         if not isinstance(node, ast.ClassDef) or node.name == "RunConfig":
             continue
         body = node.body
@@ -207,3 +209,27 @@ def test_fp8_and_tp_comm_overlap_flags_map_to_transformer_config_or_are_refused(
                                    "--fp8-param-gather: FP8 needs Transformer Engine's layers")
     with pytest.raises(ArgumentError, match="--tp-comm-overlap: overlaps through Transformer Engine's userbuffers"):
         _config("--tp-comm-overlap")
+
+
+def test_data_and_replanning_flags_land_in_their_sections():
+    """The data section (and its tokenizer) and the schedule section's re-planning fields hold the
+    command line's values; without those flags they hold the defaults a section built directly has."""
+    c = _config("--num-workers", "0", "--eval-interval", "5", "--eval-iters", "2", "--data-cache-path", "/tmp/c",
+                "--no-mmap-bin-files", "--eod-mask-loss", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                "--enable-zero-bubble", "--zero-bubble-pipeline-timers-start-iter", "3",
+                "--zero-bubble-pipeline-timers-end-iter", "6", "--pipeline-timeout-seconds", "45",
+                "--profile-out", "p.json")
+    assert c.data.mock_data and c.data.data_blend is None and (c.data.num_workers, c.data.eval_interval) == (0, 5)
+    assert (c.data.eval_iters, c.data.data_cache_path, c.data.mmap_bin_files, c.data.eod_mask_loss) == (
+        2, "/tmp/c", False, True)
+    assert (c.data.tokenizer.tokenizer_type, c.data.tokenizer.vocab_size) == ("NullTokenizer", 100)
+    assert c.data.tokenizer.build().vocab_size == 101  # the NullTokenizer's ids plus its EOD id
+    assert (c.schedule.zero_bubble_pipeline_timers_start_iter, c.schedule.zero_bubble_pipeline_timers_end_iter,
+            c.schedule.pipeline_timeout_seconds, c.schedule.profile_out) == (3, 6, 45.0, "p.json")
+    plain = _parsed(BASE[:-2], 1)
+    # validation resolves --vocab-size to the tokenizer's: ByteLevel's 256 bytes, EOD and PAD
+    assert plain.data == rc.DataConfig(mock_data=True, tokenizer=rc.TokenizerConfig(vocab_size=258))
+    sched = rc.ScheduleConfig(name="1f1b", placement="plain", split_backward=False, cost_aware=False,
+                              num_model_chunks=1, layers_per_stage=(4,), use_megatron_core_schedule=False)
+    assert dataclasses.replace(plain.schedule, placement="plain", memory_limit=None,
+                               max_pending_backward=None) == sched

@@ -38,6 +38,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron_zb.training import data, tokenizers
 from megatron_zb.training.arguments import ArgumentError, parse_args, validate_args
+from megatron_zb.training.run_config import run_config
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="transformers is not installed (it is in the test extra: pip install "
@@ -81,6 +82,13 @@ def gpt2_files(tmp_path) -> tuple[str, str]:
 
 def resolve(extra: str):
     return validate_args(parse_args(shlex.split(BASE + " " + extra)), world_size=1)
+
+
+def run_config_of(extra: str):
+    """The run configuration ``pretrain_gpt_zb.py`` builds from ``BASE + extra`` (what the datasets take)."""
+    from megatron_zb.training.pretrain import parse_command_line
+
+    return run_config(parse_command_line(shlex.split(BASE + " " + extra), world_size=1).args)
 
 
 def gpt2_flags(files: tuple[str, str]) -> str:
@@ -409,9 +417,9 @@ def test_preprocess_with_gpt2_bpe_then_train_data(gpt2_files, tmp_path):
     expected = [HELLO_WORLD + [EOD], [256, 108, 100, 32, 259, EOD], [104, 195, 169, 257, 111, EOD]]
     assert [ds[i].tolist() for i in range(3)] == expected
 
-    args = resolve(f"--data-path {prefix} --split 1,1,1 --data-cache-path {tmp_path / 'cache'} "
-                   f"{gpt2_flags(gpt2_files)}")
-    train, _, _ = data.build_datasets(args)
+    config = run_config_of(f"--data-path {prefix} --split 1,1,1 --data-cache-path {tmp_path / 'cache'} "
+                           f"{gpt2_flags(gpt2_files)}")
+    train, _, _ = data.build_datasets(config)
     assert isinstance(train, GPTDataset)
     corpus_ids = {i for doc in expected for i in doc}
     sample = train[0]["tokens"].tolist()
@@ -434,7 +442,8 @@ def test_preprocess_with_a_tokenizer_model_file_then_train_data(kind, sp_models,
     ds = IndexedDataset(prefix)
     assert [ds[i].tolist() for i in range(4)] == [tok.tokenize(t) + [tok.eod] for t in SP_CORPUS]
     assert tok.eod == 2 and all(doc.tolist().count(2) == 1 for doc in (ds[i] for i in range(len(ds))))
-    train, _, _ = data.build_datasets(args)
+    train, _, _ = data.build_datasets(run_config_of(f"--data-path {prefix} --split 1,1,1 "
+                                                    f"--data-cache-path {tmp_path / 'cache'} {flags}"))
     corpus_ids = {i for t in SP_CORPUS for i in tok.tokenize(t)} | {tok.eod}
     assert set(train[0]["tokens"].tolist()) <= corpus_ids
 

@@ -195,9 +195,10 @@ def test_training_split_holds_what_the_iterations_read():
     """--train-samples inside the ramp: Megatron-LM's count gives 3 iterations of 4, 4 and 6 samples
     (14 > 10: the last batch starts at 8 <= 10); the training split is sized for all of them."""
     from megatron_zb.training.data import train_valid_test_num_samples
+    from megatron_zb.training.run_config import run_config
 
     args = _validate("--global-batch-size 8 --train-samples 10 --rampup-batch-size 4 2 16 --eval-iters 0").args
     assert args.train_iters == 3
-    assert train_valid_test_num_samples(args)[0] == 14
+    assert train_valid_test_num_samples(run_config(args))[0] == 14
     plain = _validate("--global-batch-size 8 --train-samples 60 --eval-iters 0").args
-    assert (plain.train_iters, train_valid_test_num_samples(plain)[0]) == (7, 60)  # Megatron-LM: --train-samples
+    assert (plain.train_iters, train_valid_test_num_samples(run_config(plain))[0]) == (7, 60)  # Megatron-LM: --train-samples

@@ -1,0 +1,105 @@
+"""The training loop's sections of the run configuration: checkpoint loading and early exit,
+extra logging, Megatron-LM's ``--profile`` window, host and CUDA memory housekeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .fields import read_section
+
+__all__ = ["CheckpointConfig", "LoggingConfig", "MemoryConfig", "ProfilingConfig"]
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What ``--load`` restores and when a run saves and exits early (Megatron-LM's meanings)."""
+
+    no_load_optim: bool = False
+    """``--no-load-optim``: keep this run's fresh optimizer state and LR scheduler; the fp32 main
+    parameters are refreshed from the loaded model (megatron-core's ``reload_model_params``)."""
+    no_load_rng: bool = False
+    """``--no-load-rng``: keep this run's random states (seeded by ``--seed``)."""
+    finetune: bool = False
+    """``--finetune``: load the model only: iteration 0, no consumed samples, no optimizer / LR
+    scheduler / random states / profiled costs from the checkpoint."""
+    exit_duration_in_mins: float | None = None
+    """``--exit-duration-in-mins``: after the first iteration that ends this long after the run
+    started, save (``--save``) and exit 0; checked on every rank after every iteration [minutes]."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "CheckpointConfig":
+        """The section of validated ``args`` (Megatron-LM's ``--no-load-*`` default to ``None``: off)."""
+        return cls(no_load_optim=bool(args.no_load_optim), no_load_rng=bool(args.no_load_rng),
+                   finetune=args.finetune, exit_duration_in_mins=args.exit_duration_in_mins or None)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the iteration line and TensorBoard report besides the loss (Megatron-LM's "logging" flags)."""
+
+    log_params_norm: bool = False
+    """``--log-params-norm``: ``params norm`` in the iteration line and ``params-norm`` in TensorBoard:
+    the L2 norm of the model's parameters after the step, over all ranks (Megatron-LM's
+    ``calc_params_l2_norm``) [parameter units]."""
+    log_memory_to_tensorboard: bool = False
+    """``--log-memory-to-tensorboard``: CUDA caching-allocator statistics in TensorBoard
+    (``mem-reserved-bytes``, ``mem-allocated-bytes``, ``mem-max-allocated-bytes`` [bytes],
+    ``mem-allocated-count``); nothing on CPU."""
+    timing_log_level: int = 0
+    """``--timing-log-level``: Megatron-LM's timers, 0 (none), 1 or 2 (:mod:`~megatron_zb.training.timing_log`)."""
+    timing_log_option: str = "minmax"
+    """``--timing-log-option``: ``"max"``, ``"minmax"`` or ``"all"`` (over ranks)."""
+    barrier_with_L1_time: bool = True
+    """Cleared by ``--no-barrier-with-level-1-timing``: level-1 timers start after a barrier."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "LoggingConfig":
+        """The section of validated ``args``."""
+        return read_section(cls, args)
+
+
+@dataclass(frozen=True)
+class ProfilingConfig:
+    """Megatron-LM's ``--profile`` window (its ``ProfilingConfig``); iterations are global, 1-based."""
+
+    profile: bool = False
+    """``--profile``: profile the window below on the ranks of :attr:`profile_ranks`."""
+    profile_step_start: int = 10
+    """``--profile-step-start`` [iterations completed when the window opens]."""
+    profile_step_end: int = 12
+    """``--profile-step-end`` [iteration after which the window closes]."""
+    profile_ranks: tuple[int, ...] = (0,)
+    """``--profile-ranks``: global ranks that profile."""
+    use_pytorch_profiler: bool = False
+    """``--use-pytorch-profiler``: PyTorch's profiler (always on CPU); else CUDA's capture range
+    (``cudaProfilerStart/Stop`` with NVTX ranges, for ``nsys --capture-range=cudaProfilerApi``)."""
+    trace_dir: str | None = None
+    """Where the PyTorch profiler writes one Chrome trace per profiled rank: ``--tensorboard-dir``."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ProfilingConfig":
+        """The section of validated ``args``."""
+        return read_section(cls, args, profile_ranks=tuple(args.profile_ranks), trace_dir=args.tensorboard_dir)
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Host garbage collection and the CUDA caching allocator (Megatron-LM's training flags)."""
+
+    manual_gc: bool = False
+    """``--manual-gc``: Python's automatic garbage collector off for the run; collections at
+    :attr:`manual_gc_interval` and around evaluation instead, at the same point on every rank."""
+    manual_gc_interval: int = 0
+    """``--manual-gc-interval``: a full collection after every this many iterations (0: none) [iterations]."""
+    manual_gc_eval: bool = True
+    """Cleared by ``--no-manual-gc-eval``: with ``--manual-gc``, collect before and after each
+    evaluation during training."""
+    empty_unused_memory_level: int = 0
+    """``--empty-unused-memory-level``: ``torch.cuda.empty_cache()`` after forward-backward and each
+    evaluation step (1), and also after the optimizer step (2); 0: never. No-op on CPU."""
+
+    @classmethod
+    def from_args(cls, args: Any) -> "MemoryConfig":
+        """The section of validated ``args``."""
+        return read_section(cls, args)

@@ -1,0 +1,130 @@
+"""The size and import rules of the whole package (docs/architecture.md, "Rules of the codebase"):
+no module over 550 lines, no function over 120 lines, and no import cycle among the modules that
+megatron_zb's modules import when they load (imports inside functions and under ``TYPE_CHECKING``
+run later or never, so they cannot make a cycle at import time)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import megatron_zb
+
+PKG_DIR = Path(megatron_zb.__file__).parent
+MAX_MODULE_LINES = 550
+MAX_FUNCTION_LINES = 120
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file of every module of megatron_zb (a package is its ``__init__``)."""
+    out = {}
+    for path in sorted(PKG_DIR.rglob("*.py")):
+        parts = ["megatron_zb", *path.relative_to(PKG_DIR).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _load_time_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements that run when the module loads: outside functions and outside
+    ``if TYPE_CHECKING:`` blocks (inside ``if``/``try``/``with``/class bodies included)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def walk(body: list[ast.stmt]) -> None:
+        for stmt in body:
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                found.append(stmt)
+            elif isinstance(stmt, ast.If):
+                if not (isinstance(stmt.test, ast.Name) and stmt.test.id == "TYPE_CHECKING"):
+                    walk(stmt.body)
+                walk(stmt.orelse)
+            elif isinstance(stmt, (ast.Try, ast.With, ast.ClassDef)):
+                for part in ("body", "orelse", "finalbody"):
+                    walk(getattr(stmt, part, []))
+                for handler in getattr(stmt, "handlers", []):
+                    walk(handler.body)
+
+    walk(tree.body)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports when it loads. ``from pkg import name`` imports
+    ``pkg`` (its ``__init__`` runs first) and also ``pkg.name`` when that is a module; importing
+    ``a.b.c`` runs ``a`` and ``a.b`` first."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _load_time_imports(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            for target in targets:
+                parts = target.split(".")
+                for i in range(1, len(parts) + 1):
+                    prefix = ".".join(parts[:i])
+                    # a module's own parent packages are already loading when it loads: not an edge
+                    if prefix in mods and prefix != name and not name.startswith(prefix + "."):
+                        graph[name].add(prefix)
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}          # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(u: str) -> list[str] | None:
+        state[u] = 1
+        path.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                return path[path.index(v):] + [v]
+            if v not in state and (found := visit(v)):
+                return found
+        path.pop()
+        state[u] = 2
+        return None
+
+    for u in sorted(graph):
+        if u not in state and (found := visit(u)):
+            return found
+    return None
+
+
+def test_no_module_is_over_550_lines():
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_no_function_is_over_120_lines():
+    long = {}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    long[f"{name}.{node.name} (line {node.lineno})"] = n
+    assert long == {}
+
+
+def test_the_checks_see_the_package():
+    """The rules read every module (a long one and a cycle are found when there are some)."""
+    mods = _modules()
+    assert {"megatron_zb", "megatron_zb.schedules.timing", "megatron_zb.training.run_config",
+            "megatron_zb.training.run_config.model"} <= set(mods)
+    graph = _import_graph()
+    assert "megatron_zb.schedules.timing" in graph["megatron_zb.schedules.simulator"]
+    assert "megatron_zb.megatron_compat" in graph["megatron_zb.megatron_compat_te"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycle_at_load_time():
+    assert _find_cycle(_import_graph()) is None
