@@ -19,8 +19,8 @@
 #      megatron_zb_timeline.json (each rank's measured F/B/W and p2p waits, a Chrome trace: open it
 #      in https://ui.perfetto.dev) and megatron_zb_timeline.png (the iteration as measured above the
 #      simulator's prediction: where the bubble went; with 4 processes on fewer cores, mostly
-#      time-slicing, which the log says) -- beside PyTorch's profiler trace of rank 0 (Megatron-LM's
-#      --profile on CPU; a few hundred MB with its with_stack setting).
+#      time-slicing, which the log says) -- beside PyTorch's profiler trace of rank 0 (--profile on
+#      CPU: no Python stacks, a few MB).
 # Takes about a minute on 2 cores (install check, imports and start-up included).
 #
 # Extra arguments are appended last and override the flags below. `--schedule NAME` or
