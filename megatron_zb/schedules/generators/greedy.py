@@ -107,20 +107,14 @@ class Variant:
 
 
 def run_variant(sc: StageCosts, m: int, limit: float, v: Variant) -> tuple[list[list[Code]], float, float]:
-    """One greedy pass.
-
-    Returns the per-rank orders (:data:`~..timing.Code`) and the ``(makespan, total_time)`` they
-    simulate to: the longest per-rank span (first start to last end) and the last end overall. Every
-    action is placed through the timing kernel, so these are the simulator's times.
-
-    (Longer than a screen: the event loop shares its state with four small closures.)
-    """
+    """One greedy pass: the per-rank orders (:data:`~..timing.Code`) and their ``(makespan, total_time)``
+    (longest per-rank span; last end overall), the simulator's times (every action is placed through
+    the timing kernel). Longer than a screen: the event loop shares its state with four closures."""
     p = len(sc.t_f)
     tl = Timeline(plain_placement(p), m, sc)
     ready_f, ready_b, ready_w = tl.ready_of[F_CODE], tl.ready_of[B_CODE], tl.ready_of[W_CODE]
     run, free, mem = tl.run, tl.clock, tl.mem
-    d_f, d_w, tw = tl.delta[F_CODE], tl.delta[W_CODE], tl.duration[W_CODE]
-    d_b = tl.delta[B_CODE]
+    d_f, d_b, d_w, tw = tl.delta[F_CODE], tl.delta[B_CODE], tl.delta[W_CODE], tl.duration[W_CODE]
     extra = [sc.backward_alloc(s) for s in range(p)]          # what a B allocates (0.0: B frees)
     need_f = [d + e for d, e in zip(d_f, extra)]              # an F and, later, its B
     lim = slack_ceiling(limit)
@@ -135,8 +129,7 @@ def run_variant(sc: StageCosts, m: int, limit: float, v: Variant) -> tuple[list[
     max_bubble = 0.0
 
     def f_fits(r: int) -> bool:
-        """F (and what its B will allocate) fits in memory now, or once pending W's have run (same
-        float sums as the simulator)."""
+        """F (and what its B will allocate) fits now, or once pending W's ran (the simulator's float sums)."""
         cur, need = mem[r], need_f[r]
         if cur + need <= lim:
             return True
