@@ -51,6 +51,10 @@ class ZeroBubbleOptions:
             synchronisation: :class:`~megatron_zb.runtime.action_timing.ActionTiming`).
         validate: check the schedule before running it. Turn off only to exercise the runtime's
             own safety nets (p2p timeouts, pending-W check) with deliberately broken schedules.
+        vocab_parallel: the model's vocabulary slices
+            (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`), required by -- and only
+            allowed with -- a schedule with vocabulary-parallel passes (``1f1b-vocab-1``, ...); every
+            call then also takes ``vocab_data_iterator`` (docs/vocab_parallel.md).
     """
 
     schedule: str | Schedule = "zb"
@@ -63,6 +67,7 @@ class ZeroBubbleOptions:
     track_memory: bool = False
     time_actions: bool = False
     validate: bool = True
+    vocab_parallel: Any = None
 
 
 @dataclass
@@ -127,9 +132,7 @@ class ZeroBubbleForwardBackward:
     def install_schedule(self, schedule: Schedule) -> None:
         """Use ``schedule`` for its ``(p, m)`` from now on (e.g. one built on another rank and
         broadcast, so that every rank runs the identical action lists)."""
-        refusal = vocab_passes_unsupported(schedule)
-        if refusal is not None:
-            raise ValueError(refusal)
+        _check_vocab_option(self.options, vocab_passes_unsupported(schedule))
         self._cache[(schedule.num_ranks, schedule.num_microbatches)] = schedule
         self._drop_plans(schedule.num_ranks, schedule.num_microbatches)
 
@@ -150,10 +153,13 @@ class ZeroBubbleForwardBackward:
                  micro_batch_size: int, decoder_seq_length: int | None = None, forward_only: bool = False,
                  collect_non_loss_data: bool = False, first_val_step: bool | None = None,
                  adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
-                 pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
+                 pg_collection: Any = None, force_all_reduce: bool | None = False,
+                 vocab_data_iterator: Iterator | None = None) -> list[Any]:
         """One iteration, as megatron-core's ``forward_backward_func``: plan this rank's part of the
         schedule, execute it with gradient reduction held back, then finish the gradients; returns
-        the last stage's forward data (reduced losses) in microbatch order."""
+        the last stage's forward data (reduced losses) in microbatch order. ``vocab_data_iterator``
+        (vocabulary-parallel schedules only, on every rank): one ``{"tokens", "labels"}`` ``[b, s]``
+        micro batch per microbatch, the same ones ``forward_step_func`` reads on the first and last stage."""
         from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
@@ -172,6 +178,14 @@ class ZeroBubbleForwardBackward:
         runtime = StageRuntime(chunks=dict(zip(stages, chunks)), data_iterators=dict(zip(stages, iters)),
                                tensor_shape=shape, dtype=config.pipeline_dtype or torch.float32,
                                device=next(chunks[0].parameters()).device)
+        if self.options.vocab_parallel is not None:
+            from .vocab_runtime import vocab_passes
+
+            runtime.vocab = vocab_passes(
+                self.options.vocab_parallel, plan=plan, pp_group=pp_group, timeout=self.options.timeout,
+                data_iterator=vocab_data_iterator, config=config, runtime=runtime, store=self.store,
+                forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                cp_group_size=parallel_state.get_context_parallel_group().size())
         memory = None
         if self.options.track_memory:
             memory = ActivationMemoryTracker(p for c in chunks for p in c.parameters())
@@ -231,6 +245,8 @@ class ZeroBubbleForwardBackward:
                                                                 policy=self.options.wait_policy)
         except BaseException:
             comm.abort()
+            if execute_args["runtime"].vocab is not None:
+                execute_args["runtime"].vocab.close()
             self.store.clear()
             if grad_sync is not None:
                 grad_sync.end_failed()
@@ -327,6 +343,16 @@ def get_forward_backward_func(schedule: str | Schedule = "zb", **options: Any) -
     """
     refusal = (vocab_passes_unsupported(schedule) if isinstance(schedule, Schedule) else
                vocab_passes_unsupported(name=schedule, vocab_parallel=get_spec(schedule).vocab_parallel))
-    if refusal is not None:  # (get_spec above also fails early on an unknown name)
+    opts = ZeroBubbleOptions(schedule=schedule, **options)   # (get_spec above also fails early on an unknown name)
+    _check_vocab_option(opts, refusal)
+    return ZeroBubbleForwardBackward(opts)
+
+
+def _check_vocab_option(options: ZeroBubbleOptions, refusal: str | None) -> None:
+    """A schedule with vocabulary-parallel passes (``refusal`` says why one cannot run without the
+    model's slices) needs ``options.vocab_parallel``, and that option needs such a schedule."""
+    if refusal is not None and options.vocab_parallel is None:
         raise ValueError(refusal)
-    return ZeroBubbleForwardBackward(ZeroBubbleOptions(schedule=schedule, **options))
+    if refusal is None and options.vocab_parallel is not None:
+        raise ValueError("vocab_parallel (the model's vocabulary slices) needs a schedule with vocabulary-parallel "
+                         "passes (e.g. 1f1b-vocab-1, zb-h1-vocab-1); this one places none")

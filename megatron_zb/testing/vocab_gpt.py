@@ -1,0 +1,57 @@
+"""The tiny GPT of :mod:`~megatron_zb.testing.tiny_gpt` with vocabulary parallelism: one training step on
+this rank under a vocabulary-parallel schedule, with results keyed as :func:`~megatron_zb.testing.tiny_gpt.run_step`
+keys megatron-core's, so the two compare directly (tests/test_vocab_runtime.py).
+
+The chunks are built as for megatron-core (same seeds, same weights), then
+:func:`~megatron_zb.model.vocab_chunks.strip_vocab_layers` hands the word embedding and the output
+layer to :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` over the pipeline group, drawn
+from the same seeds (the slices of the same matrices). The slices' gradients are gathered over the
+pipeline group and returned under megatron-core's names (``embedding.word_embeddings.weight``,
+``output_layer.weight``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .tiny_gpt import TinyGPT, build, forward_step
+
+__all__ = ["run_vocab_step"]
+
+
+def run_vocab_step(cfg: TinyGPT, *, schedule: str, **options: Any) -> dict[str, Any]:
+    """One forward/backward of ``cfg`` under the vocabulary-parallel ``schedule`` on this rank: the
+    losses (last rank), every parameter's gradient by global name, and how many W entries ran."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ..model import named_global_parameters
+    from ..model.vocab_chunks import strip_vocab_layers
+    from ..model.vocab_parallel import VocabParallelSlices
+    from ..runtime import get_forward_backward_func
+    from ..runtime.vocab_runtime import VocabParallelModel
+
+    chunks, modules = build(cfg, schedule)
+    for c in chunks:
+        strip_vocab_layers(c.module)
+    config = chunks[0].module.config
+    group = parallel_state.get_pipeline_model_parallel_group()
+    slices = VocabParallelSlices(padded_size=cfg.vocab, hidden_size=cfg.hidden, group=group, tied=False,
+                                 seed=cfg.seed, init_method=config.embedding_init_method,
+                                 output_init_method=config.init_method)
+    fb = get_forward_backward_func(schedule, vocab_parallel=VocabParallelModel(slices), **options)
+    data = cfg.microbatches()
+    iters = [iter(data) for _ in modules]
+    losses = fb(forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0], model=modules,
+                num_microbatches=len(data), seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
+                vocab_data_iterator=iter(data))
+    grads = {n: p.grad.detach().clone() for c in chunks for n, p in named_global_parameters(c)}
+    for name, weight in (("embedding.word_embeddings.weight", slices.word_embeddings),
+                         ("output_layer.weight", slices.output_layer_weight)):
+        parts = [torch.empty_like(weight) for _ in range(group.size())]
+        dist.all_gather(parts, weight.grad.detach().contiguous(), group=group)
+        grads[name] = torch.cat(parts)
+    return {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": fb.store.executed,
+            "peak_bytes": None, "params": {}}
