@@ -198,8 +198,10 @@ class VocabPasses:
         tokens = self.inputs[mb]["tokens"]
         partial, state = embedding_if(tokens, self.slices.word_embeddings, self.slices.vocab)
         work = dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=self.g["if"], async_op=True)
-        self._if[mb] = (work, partial, state)
-        if not self.is_first:
+        if self.is_first:
+            self._if[mb] = (work, partial, state)
+        else:  # the sum is the first stage's: keep only what IB needs
+            self._if[mb] = (None, None, state)
             self._pending.append(work)
 
     def _run_s(self, mb: int) -> None:
@@ -257,12 +259,14 @@ class VocabPasses:
     def _run_ib(self, mb: int) -> None:
         from ..model.vocab_parallel import embedding_ib
 
-        _, partial, state = self._if.pop(mb)
+        state = self._if.pop(mb)[2]
         if self.is_first:
             work, grad = self._ib.pop(mb)
             self._pending.append(work)
         else:
-            grad = torch.empty_like(partial)
+            tokens = self.inputs[mb]["tokens"]
+            weight = self.slices.word_embeddings
+            grad = torch.empty(*tokens.shape, weight.shape[1], dtype=weight.dtype, device=weight.device)
             dist.broadcast(grad, src=self._global(0), group=self.g["ib"], async_op=True).wait()
         embedding_ib(state, grad, self.slices.word_embeddings)()
 
@@ -376,6 +380,11 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
         if size != 1:
             problems.append(f"{what}-parallel size {size}: vocabulary-parallel passes run with pipeline parallelism "
                             f"only so far")
+    if getattr(config, "calculate_per_token_loss", False):
+        problems.append("calculate_per_token_loss: finalize_model_grads would divide the chunks' gradients by the "
+                        "token count but not the vocabulary slices' (not supported yet)")
+    if getattr(config, "num_moe_experts", None):
+        problems.append("mixture of experts: the auxiliary-loss scale is not set by the vocabulary passes yet")
     if getattr(model.slices, "tied", False):
         problems.append("tied embeddings are not run with vocabulary-parallel passes yet")
     if schedule.vocab_barriers not in (1, 2):

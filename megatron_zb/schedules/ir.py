@@ -125,17 +125,20 @@ VOCAB_OPS: tuple[Op, ...] = (Op.IF, Op.S, Op.T, Op.IB)
 
 def vocab_passes_unsupported(schedule: "Schedule | None" = None, *, name: str | None = None,
                              vocab_parallel: bool = False) -> str | None:
-    """Why a consumer that executes schedules (megatron-zb's runtime, the PyTorch export) cannot take
-    this one yet -- it holds vocabulary-parallel passes -- or ``None``. Give a built ``schedule``, or a
-    registry ``name`` with its spec's ``vocab_parallel``. The one copy of the refusal's text."""
+    """Why a consumer that executes schedules cannot take this one -- it holds vocabulary-parallel
+    passes -- or ``None``: the PyTorch export and ``pretrain_gpt_zb.py --schedule`` never yet, megatron-zb's
+    runtime unless it is given the model's vocabulary slices (its ``vocab_parallel`` option). Give a
+    built ``schedule``, or a registry ``name`` with its spec's ``vocab_parallel``. The one copy of the
+    refusal's text."""
     holds = vocab_parallel if schedule is None else (
         schedule.vocab_barriers > 0 or any(a.op in VOCAB_OPS for _, _, a in schedule.actions()))
     if not holds:
         return None
     what = repr(name if name is not None else schedule.name)  # type: ignore[union-attr]
-    return (f"schedule {what} holds vocabulary-parallel passes (IF/S/T/IB), which only the simulator, the "
-            f"plots and `megatron-zb schedule` take so far (docs/vocab_parallel_schedules.md); choose a schedule "
-            f"without them")
+    return (f"schedule {what} holds vocabulary-parallel passes (IF/S/T/IB), which megatron-zb's runtime runs "
+            f"only given the model's vocabulary slices (vocab_parallel=VocabParallelModel(...), "
+            f"docs/vocab_parallel.md) and pretrain_gpt_zb.py and the PyTorch export do not take yet; choose a "
+            f"schedule without them")
 
 
 VOCAB_BARRIERS: tuple[int, ...] = (1, 2)

@@ -21,9 +21,11 @@ from .tiny_gpt import TinyGPT, build, forward_step
 __all__ = ["run_vocab_step"]
 
 
-def run_vocab_step(cfg: TinyGPT, *, schedule: str, **options: Any) -> dict[str, Any]:
+def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, tied: bool = False,
+                   **options: Any) -> dict[str, Any]:
     """One forward/backward of ``cfg`` under the vocabulary-parallel ``schedule`` on this rank: the
-    losses (last rank), every parameter's gradient by global name, and how many W entries ran."""
+    losses (last rank), every parameter's gradient by global name, and how many W entries ran.
+    ``tied``: one slice for the embedding and the output layer (refused by the runtime so far)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -38,7 +40,7 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, **options: Any) -> dict[str, 
         strip_vocab_layers(c.module)
     config = chunks[0].module.config
     group = parallel_state.get_pipeline_model_parallel_group()
-    slices = VocabParallelSlices(padded_size=cfg.vocab, hidden_size=cfg.hidden, group=group, tied=False,
+    slices = VocabParallelSlices(padded_size=cfg.vocab, hidden_size=cfg.hidden, group=group, tied=tied,
                                  seed=cfg.seed, init_method=config.embedding_init_method,
                                  output_init_method=config.init_method)
     fb = get_forward_backward_func(schedule, vocab_parallel=VocabParallelModel(slices), **options)
@@ -46,8 +48,12 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, **options: Any) -> dict[str, 
     iters = [iter(data) for _ in modules]
     losses = fb(forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0], model=modules,
                 num_microbatches=len(data), seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
-                vocab_data_iterator=iter(data))
-    grads = {n: p.grad.detach().clone() for c in chunks for n, p in named_global_parameters(c)}
+                forward_only=forward_only, vocab_data_iterator=iter(data))
+    if forward_only:
+        return {"losses": [d["lm loss"].cpu() for d in losses]}
+    use_main = cfg.ddp or cfg.gradient_accumulation_fusion  # megatron-core DDP: gradients in main_grad
+    grads = {n: (p.main_grad if use_main else p.grad).detach().clone()
+             for c in chunks for n, p in named_global_parameters(c)}
     for name, weight in (("embedding.word_embeddings.weight", slices.word_embeddings),
                          ("output_layer.weight", slices.output_layer_weight)):
         parts = [torch.empty_like(weight) for _ in range(group.size())]

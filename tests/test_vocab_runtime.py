@@ -1,0 +1,103 @@
+"""The runtime runs vocabulary-parallel schedules (1f1b-vocab-1/2, zb-h1-vocab-1/2) on real
+megatron-core GPT chunks over real gloo processes: the word embedding and the output layer sliced over
+the pipeline ranks (megatron_zb/model/vocab_parallel.py), their IF/S/T/IB passes and collectives run
+by megatron_zb/runtime/vocab_runtime.py.
+
+Compared with megatron-core's own 1F1B (``forward_backward_pipelining_without_interleaving``) on the
+same model (the same weights: the slices are drawn from the same seeds), one iteration: the losses and
+every parameter's gradient (the slices' gathered over the pipeline group, under megatron-core's
+names) within ``REL`` of the largest magnitude of megatron-core's tensor. Not bitwise: the cross
+entropy's sum over the vocabulary is a sum of per-slice partial sums reduced over the ranks (another
+association order; with one barrier also the paper's rescaled softmax), and the output layer's GEMMs
+have other shapes; the loss's last bits move, and every gradient behind it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+import megatron_zb  # noqa: F401  (CPU shim)
+from megatron_zb.testing import run_distributed
+from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
+from megatron_zb.testing.vocab_gpt import run_vocab_step
+
+REL = 5e-6  # largest error / largest reference magnitude, per tensor (fp32; measured worst 1.0e-6)
+LINEARS_PER_LAYER = 4  # qkv, proj, fc1, fc2: the linear route's W entries per layer and microbatch
+
+
+def _assert_close(ref: dict, got: dict, *, what: str) -> None:
+    assert len(got["losses"]) == len(ref["losses"]) > 0, what
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert abs(float(a) - float(b)) <= REL * abs(float(b)), f"{what}: loss {a} != {b}"
+    assert got["grads"].keys() == ref["grads"].keys(), f"{what}: {set(got['grads']) ^ set(ref['grads'])}"
+    for n, g in ref["grads"].items():
+        err = (got["grads"][n] - g).abs().max().item()
+        assert err <= REL * g.abs().max().item(), f"{what}: gradient of {n}: error {err:.3g}"
+
+
+def _deferred(cfg: TinyGPT, schedule: str) -> int:
+    """W entries a run executes: none for 1F1B (fused BW, T's weight gradient in T); for ZB-H1 every
+    transformer linear's and each rank's T weight gradient (queued for the rank's W of the microbatch)."""
+    if not schedule.startswith("zb-h1"):
+        return 0
+    return (LINEARS_PER_LAYER * cfg.num_layers + cfg.pp) * cfg.num_microbatches
+
+
+@pytest.fixture(scope="module")
+def pp2_reference() -> dict:
+    return TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=None), world_size=2, timeout=90))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-vocab-1", "1f1b-vocab-2", "zb-h1-vocab-1", "zb-h1-vocab-2"])
+def test_pp2_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule):
+    cfg = TinyGPT(pp=2)
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=2, timeout=90))
+    _assert_close(pp2_reference, got, what=schedule)
+    assert got["w_deferred"] == _deferred(cfg, schedule), "T's weight gradient runs in the rank's W (ZB-H1)"
+
+
+def test_pp2_with_megatron_core_ddp_chunks():
+    """The chunks wrapped in megatron-core DDP (gradients in ``main_grad``, gradient sync held back by
+    ``no_sync`` and finished by ``finalize_model_grads``); the slices outside it (DP=1)."""
+    cfg = TinyGPT(pp=2, ddp=True)
+    ref = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=None), world_size=2, timeout=90))
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule="zb-h1-vocab-1"), world_size=2,
+                                        timeout=90))
+    _assert_close(ref, got, what="zb-h1-vocab-1 with DDP")
+
+
+def test_pp4_vocab_schedules_match_megatron_1f1b():
+    cfg = TinyGPT(pp=4, num_microbatches=8)
+    ref = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=None), world_size=4, timeout=120))
+    for schedule in ("1f1b-vocab-1", "zb-h1-vocab-2"):
+        got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=4,
+                                            timeout=120))
+        _assert_close(ref, got, what=f"PP=4 {schedule}")
+        assert got["w_deferred"] == _deferred(cfg, schedule)
+
+
+def _refusal(cfg: TinyGPT, **kwargs) -> str:
+    try:
+        run_vocab_step(cfg, schedule="1f1b-vocab-1", **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "ran"
+
+
+def test_what_the_runtime_does_not_run_yet_is_refused():
+    """Forward-only calls (evaluation) and tied embeddings are refused by name, before anything runs;
+    the vocabulary slices need a schedule that places their passes, and such a schedule needs them."""
+    from megatron_zb.runtime import get_forward_backward_func
+    from megatron_zb.runtime.vocab_runtime import VocabParallelModel
+
+    with pytest.raises(ValueError, match="holds vocabulary-parallel passes"):
+        get_forward_backward_func("zb-h1-vocab-1")
+    with pytest.raises(ValueError, match="needs a schedule with vocabulary-parallel passes"):
+        get_forward_backward_func("1f1b", vocab_parallel=VocabParallelModel(torch.nn.Module()))
+    out = run_distributed(partial(_refusal, TinyGPT(pp=2), forward_only=True), world_size=2, timeout=90)
+    assert all("forward-only calls (evaluation) are not run" in o for o in out), out
+    out = run_distributed(partial(_refusal, TinyGPT(pp=2), tied=True), world_size=2, timeout=90)
+    assert all("tied embeddings" in o for o in out), out
