@@ -59,13 +59,15 @@ def test_pp2_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule):
     assert got["w_deferred"] == _deferred(cfg, schedule), "T's weight gradient runs in the rank's W (ZB-H1)"
 
 
-def test_pp2_with_megatron_core_ddp_chunks():
+def test_pp2_with_megatron_core_ddp_chunks_second_iteration():
     """The chunks wrapped in megatron-core DDP (gradients in ``main_grad``, gradient sync held back by
-    ``no_sync`` and finished by ``finalize_model_grads``); the slices outside it (DP=1)."""
+    ``no_sync`` and finished by ``finalize_model_grads``); the slices outside it (DP=1). The second
+    call of the same runtime object (its process groups, store and plans reused) on the same data
+    gives the first call's gradients again."""
     cfg = TinyGPT(pp=2, ddp=True)
     ref = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=None), world_size=2, timeout=90))
-    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule="zb-h1-vocab-1"), world_size=2,
-                                        timeout=90))
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule="zb-h1-vocab-1", iterations=2),
+                                        world_size=2, timeout=90))
     _assert_close(ref, got, what="zb-h1-vocab-1 with DDP")
 
 
@@ -101,3 +103,21 @@ def test_what_the_runtime_does_not_run_yet_is_refused():
     assert all("forward-only calls (evaluation) are not run" in o for o in out), out
     out = run_distributed(partial(_refusal, TinyGPT(pp=2), tied=True), world_size=2, timeout=90)
     assert all("tied embeddings" in o for o in out), out
+
+
+def test_vocabulary_passes_on_a_v_placement_are_refused():
+    """``place_vocab_passes`` takes any placement, the runtime only the plain one so far: a ZB-V order
+    with the passes placed is refused by name (no process group needed)."""
+    from megatron_zb.runtime.vocab_runtime import check_vocab_schedule
+    from megatron_zb.schedules.costs import CostModel
+    from megatron_zb.schedules.generators.vocab import place_vocab_passes
+    from megatron_zb.schedules.ir import make_schedule
+    from megatron_zb.schedules.registry import build_schedule
+
+    base = build_schedule("zbv", num_ranks=2, num_microbatches=4)
+    ranks = place_vocab_passes([list(r) for r in base.ranks], list(base.stage_to_rank), 4, CostModel(), 1)
+    sched = make_schedule(num_microbatches=4, stage_to_rank=base.stage_to_rank, ranks=ranks, name="zbv-vocab",
+                          vocab_barriers=1)
+    with pytest.raises(ValueError, match="'zbv-vocab': the runtime runs vocabulary passes on the plain placement"):
+        check_vocab_schedule(sched)
+    check_vocab_schedule(build_schedule("zb-h1-vocab-1", num_ranks=2, num_microbatches=4))  # plain: accepted

@@ -22,10 +22,12 @@ __all__ = ["run_vocab_step"]
 
 
 def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, tied: bool = False,
-                   **options: Any) -> dict[str, Any]:
+                   iterations: int = 1, **options: Any) -> dict[str, Any]:
     """One forward/backward of ``cfg`` under the vocabulary-parallel ``schedule`` on this rank: the
     losses (last rank), every parameter's gradient by global name, and how many W entries ran.
-    ``tied``: one slice for the embedding and the output layer (refused by the runtime so far)."""
+    ``tied``: one slice for the embedding and the output layer (refused by the runtime so far).
+    ``iterations``: calls of the same ``forward_backward_func`` on the same data, the gradients zeroed
+    before each (results of the last)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -45,10 +47,16 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
                                  output_init_method=config.init_method)
     fb = get_forward_backward_func(schedule, vocab_parallel=VocabParallelModel(slices), **options)
     data = cfg.microbatches()
-    iters = [iter(data) for _ in modules]
-    losses = fb(forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0], model=modules,
-                num_microbatches=len(data), seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
-                forward_only=forward_only, vocab_data_iterator=iter(data))
+    for _ in range(iterations):
+        for m in modules:
+            if hasattr(m, "zero_grad_buffer"):
+                m.zero_grad_buffer()
+            m.zero_grad()
+        slices.zero_grad()
+        iters = [iter(data) for _ in modules]
+        losses = fb(forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
+                    model=modules, num_microbatches=len(data), seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
+                    forward_only=forward_only, vocab_data_iterator=iter(data))
     if forward_only:
         return {"losses": [d["lm loss"].cpu() for d in losses]}
     use_main = cfg.ddp or cfg.gradient_accumulation_fusion  # megatron-core DDP: gradients in main_grad
@@ -59,5 +67,5 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
         parts = [torch.empty_like(weight) for _ in range(group.size())]
         dist.all_gather(parts, weight.grad.detach().contiguous(), group=group)
         grads[name] = torch.cat(parts)
-    return {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": fb.store.executed,
+    return {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": fb.store.executed // iterations,
             "peak_bytes": None, "params": {}}
