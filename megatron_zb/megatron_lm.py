@@ -41,7 +41,7 @@ distributed optimizer with torch's Adam cannot resume without it), with or witho
 schedule; checkpoints saved with zero bubble load without it and back (they hold the same state).
 
 What this route cannot honour yet is refused up front (:data:`NOT_YET`): ``--allow-padding-num-layers``
-(``pretrain_gpt_zb.py`` has it).
+and ``--enable-vocab-parallel`` (``pretrain_gpt_zb.py`` has them).
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ __all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "in
 NOT_YET: dict[str, str] = {
     "allow_padding_num_layers": "Megatron-LM splits the layers itself; use its --decoder-first-pipeline-num-layers "
                                 "/ --decoder-last-pipeline-num-layers, or drop the flag",
+    "enable_vocab_parallel": "Megatron-LM's model provider builds the whole word embedding and output layer; "
+                             "run vocabulary parallelism with pretrain_gpt_zb.py, or drop the flag",
 }
 """Zero-bubble flags (``args`` attribute -> why and what to do) refused inside Megatron-LM's loop."""
 

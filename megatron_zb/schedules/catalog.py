@@ -46,8 +46,8 @@ class ScheduleSpec:
         vocab_parallel: whether the schedule holds vocabulary-parallel passes (``IF``, ``S``,
             ``T``, ``IB``; ``Schedule.vocab_barriers > 0``). The simulator, the plots and the
             JSON form take them; the runtime runs them given the model's vocabulary slices
-            (docs/vocab_parallel.md); ``pretrain_gpt_zb.py`` and the export to PyTorch do not yet, so
-            they refuse such a schedule by this flag.
+            (docs/vocab_parallel.md; ``pretrain_gpt_zb.py --enable-vocab-parallel``); the export to
+            PyTorch does not yet; the consumers refuse such a schedule otherwise by this flag.
     """
 
     name: str

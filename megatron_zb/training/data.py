@@ -218,7 +218,8 @@ def build_datasets(args: argparse.Namespace, *, tokenizer: MegatronTokenizerBase
     tokenizer = tokenizer if tokenizer is not None else tokenizer_from_args(args)
     if pipeline_rank is None:
         pipeline_rank = _default_pipeline_rank()
-    consumes = pipeline_rank is None or pipeline_rank_consumes_data(
+    every_rank = getattr(args, "enable_vocab_parallel", False)  # the vocabulary passes need tokens and labels
+    consumes = pipeline_rank is None or every_rank or pipeline_rank_consumes_data(
         pipeline_rank, pipeline_size=args.pipeline_model_parallel_size, placement=args.schedule_placement)
     if not consumes and not torch.distributed.is_initialized():
         return None, None, None  # no collective to take part in

@@ -58,10 +58,12 @@ class SchedulePlanner:
     """
 
     def __init__(self, args: argparse.Namespace, *, schedule: Schedule, dist_ctx: DistributedContext,
-                 runtime: Any = None) -> None:
+                 runtime: Any = None, vocab_slices: Any = None) -> None:
         """Build the ``forward_backward_func`` (or own ``runtime``, megatron-zb's
         ``ZeroBubbleForwardBackward`` built elsewhere, e.g. by :func:`megatron_zb.patch_megatron`)
-        and install global rank 0's ``schedule``. Collective."""
+        and install global rank 0's ``schedule``. Collective. ``vocab_slices``
+        (``--enable-vocab-parallel``): the model's vocabulary slices, given to the runtime; such a run
+        has no profiling window (the vocabulary passes' costs are not measured yet)."""
         self.args = args
         self._dist = dist_ctx
         self._initial = schedule
@@ -77,6 +79,7 @@ class SchedulePlanner:
         self._bookkeeping = 0.0  # seconds the profiler itself spent after that iteration (left out of step_ms)
         self._bytes_only = self._times_tracked = False  # this iteration measures activation bytes (only)
         self._track_memory = False  # the runtime's track_memory outside the window
+        self._vocab_parallel = vocab_slices is not None
         if args.use_megatron_core_schedule:
             from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
             self.forward_backward: Any = megatron_func()
@@ -84,9 +87,14 @@ class SchedulePlanner:
         if runtime is None:
             from megatron_zb.runtime import get_forward_backward_func
 
+            extra: dict[str, Any] = {}
+            if vocab_slices is not None:
+                from megatron_zb.runtime.vocab_runtime import VocabParallelModel
+
+                extra["vocab_parallel"] = VocabParallelModel(vocab_slices)
             runtime = get_forward_backward_func(args.schedule, memory_limit=args.schedule_memory_limit,
                                                 num_chunks=args.num_model_chunks,
-                                                timeout=args.pipeline_timeout_seconds)
+                                                timeout=args.pipeline_timeout_seconds, **extra)
         self.runtime = runtime
         self._initial = self._rank0_schedule(schedule)
         self.runtime.install_schedule(self._initial)
@@ -96,6 +104,8 @@ class SchedulePlanner:
     # ------------------------------------------------------------------ the profiling window
     @property
     def _window(self) -> tuple[int, int]:
+        if self._vocab_parallel:  # no profiling window: the passes' costs are not measured yet
+            return 0, 0
         return self.args.zero_bubble_pipeline_timers_start_iter, self.args.zero_bubble_pipeline_timers_end_iter
 
     def profiles_after(self, iteration: int) -> bool:

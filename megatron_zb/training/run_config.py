@@ -451,6 +451,9 @@ class ScheduleConfig:
     """The same limit in the schedule library's unit (one stage's activation ``M_B``)."""
     use_megatron_core_schedule: bool = False
     """``--use-megatron-core-schedule``: megatron-core's own schedule (the parity reference)."""
+    enable_vocab_parallel: bool = False
+    """``--enable-vocab-parallel``: the word embedding and the output layer sliced over the pipeline
+    ranks, their passes placed by the (vocabulary-parallel) schedule (docs/vocab_parallel.md)."""
 
     @property
     def num_pipeline_stages(self) -> int:
@@ -464,7 +467,8 @@ class ScheduleConfig:
                    cost_aware=args.schedule_cost_aware, num_model_chunks=args.num_model_chunks,
                    layers_per_stage=tuple(args.num_layers_per_stage),
                    max_pending_backward=args.zero_bubble_max_pending_backward,
-                   memory_limit=args.schedule_memory_limit, use_megatron_core_schedule=args.use_megatron_core_schedule)
+                   memory_limit=args.schedule_memory_limit, use_megatron_core_schedule=args.use_megatron_core_schedule,
+                   enable_vocab_parallel=bool(getattr(args, "enable_vocab_parallel", False)))
 
 
 @dataclass(frozen=True)

@@ -105,10 +105,12 @@ class Trainer:
             self.model: ModelBundle = build_model(self.config, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
             self.optim: OptimizerBundle = build_optimizer(self.config, model=self.model,
                                                           on_validation_report=self._on_validation_report)
-            self.planner = SchedulePlanner(args, schedule=schedule, dist_ctx=self.dist)
+            self.planner = SchedulePlanner(args, schedule=schedule, dist_ctx=self.dist,
+                                           vocab_slices=self.model.vocab_slices)
             self.state: TrainState = self._load() if args.load else TrainState()
             self.last_saved: int | None = self.state.iteration if args.load else None
-            self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state)
+            self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state,
+                                               vocab_parallel=self.model.vocab_slices is not None)
             self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
@@ -145,7 +147,7 @@ class Trainer:
     def _train(self) -> bool:
         """The loop; returns True when it stopped early (``--exit-interval``, ``--exit-signal-handler``)."""
         args = self.args
-        for m in self.model.modules:
+        for m in self.model.all_modules:
             m.train()
         self.log.start_interval()
         start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
@@ -179,14 +181,14 @@ class Trainer:
         profiling = self.planner.begin_iteration(it)
         if opt.post_validation:
             opt.optimizer.begin_iteration()  # validates the previous step (reports to _on_validation_report)
-        for m in self.model.modules:
+        for m in self.model.all_modules:
             m.zero_grad_buffer()
         opt.optimizer.zero_grad()
         t0 = time.perf_counter()
         gbs = self.batch.global_batch_size
         out = run_batch(self.planner.forward_backward, model=self.model.modules, iterators=self.data.train,
                         args=args, device=self.dist.device, forward_only=False,
-                        num_microbatches=self.batch.num_microbatches)
+                        num_microbatches=self.batch.num_microbatches, vocab_iterator=self.data.vocab_train)
         fb_seconds = time.perf_counter() - t0
         self.hooks.after_forward_backward()
         replan_due = self.planner.end_iteration(it, profiling=profiling, seconds=fb_seconds)
@@ -343,7 +345,7 @@ class Trainer:
         """``--log-params-norm``: the parameters' L2 norm now (collective), else ``None``."""
         if not self.config.logging.log_params_norm:
             return None
-        return params_l2_norm(self.model.modules, bf16=self.config.precision.bf16, device=self.dist.device)
+        return params_l2_norm(self.model.all_modules, bf16=self.config.precision.bf16, device=self.dist.device)
 
     def _evaluate(self, prefix: str, iterators: Sequence[Any], *, valid: bool) -> float:
         args = self.args
