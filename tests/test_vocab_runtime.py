@@ -147,6 +147,7 @@ def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path):
     ref = in_process(tmp_path, "ref", 2, TRAIN + ["--use-megatron-core-schedule"])
     got = in_process(tmp_path, "vocab", 2, TRAIN + ["--schedule", "zb-h1-vocab-1", "--enable-vocab-parallel"])
     assert "> vocabulary parallelism: 2 slices of 64 rows (padded vocabulary 128)" in got["log"]
+    assert "> vocabulary parallelism: no profiling window, schedule 'zb-h1-vocab-1' kept as built" in got["log"]
     want, have = ref["values"]["train"], got["values"]["train"]
     assert [r["iteration"] for r in have] == [r["iteration"] for r in want] == list(range(1, 7))
     for a, b in zip(have, want):

@@ -12,6 +12,10 @@ action list (:func:`execute`):
 * ``W``  -- runs the queue of that (stage, microbatch);
 * ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does; layers that queue
   their weight gradients themselves, e.g. Transformer Engine's, run them right after);
+* ``IF`` / ``S`` / ``T`` / ``IB`` -- the vocabulary-parallel passes, run by the iteration's
+  :class:`~megatron_zb.runtime.vocab_runtime.VocabPasses` (``StageRuntime.vocab``), which also hooks
+  the first stage's ``F``/``B`` (the word embedding, its gradient) and the last stage's (``X``, its
+  gradient, the loss);
 * ``RECV_*`` / ``SEND_*`` -- p2p via :class:`PipeComm`, one communicator per direction, matched
   by order as on NCCL. When receives are posted (ahead of use) and when a sent tensor is let go
   is decided once per schedule, as the rank's issue order (:attr:`RankPlan.program`,

@@ -53,8 +53,8 @@ class ZeroBubbleOptions:
             own safety nets (p2p timeouts, pending-W check) with deliberately broken schedules.
         vocab_parallel: the model's vocabulary slices
             (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`), required by -- and only
-            allowed with -- a schedule with vocabulary-parallel passes (``1f1b-vocab-1``, ...); every
-            call then also takes ``vocab_data_iterator`` (docs/vocab_parallel.md).
+            allowed with -- a schedule with vocabulary-parallel passes (``1f1b-vocab-1``, ...), with the
+            iterator of micro batches every rank reads for them (docs/vocab_parallel.md).
     """
 
     schedule: str | Schedule = "zb"
@@ -153,13 +153,11 @@ class ZeroBubbleForwardBackward:
                  micro_batch_size: int, decoder_seq_length: int | None = None, forward_only: bool = False,
                  collect_non_loss_data: bool = False, first_val_step: bool | None = None,
                  adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
-                 pg_collection: Any = None, force_all_reduce: bool | None = False,
-                 vocab_data_iterator: Iterator | None = None) -> list[Any]:
+                 pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
         """One iteration, as megatron-core's ``forward_backward_func``: plan this rank's part of the
         schedule, execute it with gradient reduction held back, then finish the gradients; returns
-        the last stage's forward data (reduced losses) in microbatch order. ``vocab_data_iterator``
-        (vocabulary-parallel schedules only, on every rank): one ``{"tokens", "labels"}`` ``[b, s]``
-        micro batch per microbatch, the same ones ``forward_step_func`` reads on the first and last stage."""
+        the last stage's forward data (reduced losses) in microbatch order (a vocabulary-parallel
+        schedule also reads ``num_microbatches`` micro batches of ``options.vocab_parallel.data_iterator``)."""
         from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
@@ -183,7 +181,7 @@ class ZeroBubbleForwardBackward:
 
             runtime.vocab = vocab_passes(
                 self.options.vocab_parallel, plan=plan, pp_group=pp_group, timeout=self.options.timeout,
-                data_iterator=vocab_data_iterator, config=config, runtime=runtime, store=self.store,
+                config=config, runtime=runtime, store=self.store,
                 forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
                 cp_group_size=parallel_state.get_context_parallel_group().size())
         memory = None

@@ -66,9 +66,14 @@ class VocabParallelModel:
         slices: this rank's :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` over the
             pipeline group (untied); the chunks must have been passed through
             :func:`~megatron_zb.model.vocab_chunks.strip_vocab_layers`.
+        data_iterator: on every rank, the micro batches (dicts with ``tokens`` and ``labels``, ``[b, s]``)
+            in order: the same ones ``forward_step_func`` reads on the first and last stage (IF looks up
+            the tokens, S needs the targets). Each training call reads ``num_microbatches`` of them; set
+            or replace it between calls (megatron-core's ``forward_backward_func`` keywords stay as they are).
     """
 
     slices: torch.nn.Module
+    data_iterator: Any = None
 
 
 def vocab_channels(pp_group: Any, *, timeout: float) -> dict[str, Any]:
@@ -284,13 +289,14 @@ class VocabPasses:
         from ..model.vocab_chunks import embedding_source
 
         def source(input_ids: torch.Tensor) -> torch.Tensor:
-            work, partial, _ = self._if[mb]
+            work, partial, state = self._if[mb]
             if not torch.equal(input_ids.to(self.inputs[mb]["tokens"].device), self.inputs[mb]["tokens"]):
                 raise RuntimeError(f"microbatch {mb}: the first stage's tokens differ from the vocabulary-parallel "
                                    f"inputs' (every rank must be given the same micro batches, in order)")
             work.wait()
             leaf = partial.detach().requires_grad_()
             self._emb_leaf[mb] = leaf
+            self._if[mb] = (None, None, state)  # IB needs only the lookup's state
             return leaf
 
         with embedding_source(source):
@@ -362,12 +368,11 @@ class VocabPasses:
         return dist.get_global_rank(self.g["x"], group_rank)
 
 
-def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout: float, data_iterator: Any,
-                 config: Any, runtime: Any, store: WeightGradStore, forward_only: bool, collect_non_loss_data: bool,
+def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout: float, config: Any, runtime: Any, store: WeightGradStore, forward_only: bool, collect_non_loss_data: bool,
                  cp_group_size: int) -> VocabPasses:
     """This call's :class:`VocabPasses`, after refusing (``ValueError``) what the runtime does not run yet:
     forward-only calls, tensor or data parallelism, context parallelism, chunks not passed through
-    ``strip_vocab_layers``, schedules :func:`check_vocab_schedule` refuses, a missing data iterator."""
+    ``strip_vocab_layers``, schedules :func:`check_vocab_schedule` refuses, a missing ``data_iterator``."""
     from megatron.core import parallel_state
 
     schedule = plan.schedule
@@ -393,8 +398,10 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
         if stage in (0, schedule.num_stages - 1) and not getattr(_unwrap(chunk), "vocab_parallel_stripped", False):
             problems.append(f"stage {stage}'s chunk still holds its vocabulary layer: pass it through "
                             f"megatron_zb.model.vocab_chunks.strip_vocab_layers")
+    data_iterator = model.data_iterator
     if data_iterator is None:
-        problems.append("vocab_data_iterator is required: every rank needs each microbatch's tokens and labels")
+        problems.append("VocabParallelModel.data_iterator is not set: every rank needs each microbatch's tokens "
+                        "and labels")
     if problems:
         raise ValueError("vocabulary-parallel run refused: " + "; ".join(problems))
     check_vocab_schedule(schedule)

@@ -45,7 +45,8 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
     slices = VocabParallelSlices(padded_size=cfg.vocab, hidden_size=cfg.hidden, group=group, tied=tied,
                                  seed=cfg.seed, init_method=config.embedding_init_method,
                                  output_init_method=config.init_method)
-    fb = get_forward_backward_func(schedule, vocab_parallel=VocabParallelModel(slices), **options)
+    vocab = VocabParallelModel(slices)
+    fb = get_forward_backward_func(schedule, vocab_parallel=vocab, **options)
     data = cfg.microbatches()
     for _ in range(iterations):
         for m in modules:
@@ -54,9 +55,10 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
             m.zero_grad()
         slices.zero_grad()
         iters = [iter(data) for _ in modules]
+        vocab.data_iterator = iter(data)  # every rank: the same micro batches
         losses = fb(forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
                     model=modules, num_microbatches=len(data), seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
-                    forward_only=forward_only, vocab_data_iterator=iter(data))
+                    forward_only=forward_only)
     if forward_only:
         return {"losses": [d["lm loss"].cpu() for d in losses]}
     use_main = cfg.ddp or cfg.gradient_accumulation_fusion  # megatron-core DDP: gradients in main_grad

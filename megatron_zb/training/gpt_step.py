@@ -15,7 +15,7 @@ import torch
 
 from megatron_zb.training.data import get_batch
 
-__all__ = ["forward_step", "loss_func", "run_batch", "sum_lm_loss"]
+__all__ = ["device_batches", "forward_step", "loss_func", "run_batch", "sum_lm_loss"]
 
 
 def loss_func(loss_mask: torch.Tensor | None, output_tensor: torch.Tensor
@@ -42,23 +42,25 @@ def forward_step(data_iterator: Iterator[Any] | None, model: Any, *, device: Any
 
 def run_batch(forward_backward: Callable[..., list[Any]], *, model: Sequence[Any], iterators: Sequence[Any],
               args: argparse.Namespace, device: torch.device, forward_only: bool,
-              num_microbatches: int | None = None, vocab_iterator: Iterator[Any] | None = None) -> list[Any]:
+              num_microbatches: int | None = None) -> list[Any]:
     """One ``forward_backward_func`` call over ``num_microbatches`` micro batches (default
     ``args.num_microbatches``, ``--global-batch-size``'s; a training iteration of a batch ramp-up has fewer).
 
     ``iterators`` holds one iterator (or ``None``) per model chunk; returns the loss reports of
-    the last stage's micro batches (empty elsewhere). ``vocab_iterator`` (``--enable-vocab-parallel``): the
-    same micro batches once more, for the vocabulary passes (megatron-zb's ``vocab_data_iterator``).
+    the last stage's micro batches (empty elsewhere).
     """
     m = num_microbatches if num_microbatches is not None else args.num_microbatches
-    extra: dict[str, Any] = {}
-    if vocab_iterator is not None:
-        extra["vocab_data_iterator"] = iter(lambda: get_batch(vocab_iterator, device=device), None)
     return forward_backward(forward_step_func=partial(forward_step, device=device),
                             data_iterator=list(iterators) if len(iterators) > 1 else iterators[0],
                             model=list(model), num_microbatches=m, seq_length=args.seq_length,
                             micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length,
-                            forward_only=forward_only, **extra)
+                            forward_only=forward_only)
+
+
+def device_batches(data_iterator: Iterator[Any], *, device: Any) -> Iterator[dict[str, torch.Tensor]]:
+    """``data_iterator``'s micro batches moved to ``device`` (:func:`~megatron_zb.training.data.get_batch`),
+    one per ``next()``: what the vocabulary-parallel passes read on every rank (``--enable-vocab-parallel``)."""
+    return iter(lambda: get_batch(data_iterator, device=device), None)
 
 
 def sum_lm_loss(reports: Sequence[dict[str, torch.Tensor]], into: torch.Tensor | None = None) -> torch.Tensor:

@@ -80,6 +80,10 @@ class SchedulePlanner:
         self._bytes_only = self._times_tracked = False  # this iteration measures activation bytes (only)
         self._track_memory = False  # the runtime's track_memory outside the window
         self._vocab_parallel = vocab_slices is not None
+        self.vocab: Any = None  # the runtime's VocabParallelModel (its data_iterator is set by the trainer)
+        if self._vocab_parallel:
+            print_rank_0(f"> vocabulary parallelism: no profiling window, schedule {args.schedule!r} kept as built "
+                         f"(the vocabulary passes' costs are not measured yet)")
         if args.use_megatron_core_schedule:
             from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
             self.forward_backward: Any = megatron_func()
@@ -91,7 +95,7 @@ class SchedulePlanner:
             if vocab_slices is not None:
                 from megatron_zb.runtime.vocab_runtime import VocabParallelModel
 
-                extra["vocab_parallel"] = VocabParallelModel(vocab_slices)
+                self.vocab = extra["vocab_parallel"] = VocabParallelModel(vocab_slices)
             runtime = get_forward_backward_func(args.schedule, memory_limit=args.schedule_memory_limit,
                                                 num_chunks=args.num_model_chunks,
                                                 timeout=args.pipeline_timeout_seconds, **extra)

@@ -47,7 +47,7 @@ from megatron_zb.training.checkpointing import CheckpointError, load_checkpoint,
 from megatron_zb.training.data_setup import DataBundle, build_data
 from megatron_zb.training.distributed import DistributedContext, init_distributed, shutdown_distributed
 from megatron_zb.training.evaluation import evaluate
-from megatron_zb.training.gpt_step import run_batch, sum_lm_loss
+from megatron_zb.training.gpt_step import device_batches, run_batch, sum_lm_loss
 from megatron_zb.training.housekeeping import LoopHooks
 from megatron_zb.training.logging_utils import print_rank_0, tensorboard_writer
 from megatron_zb.training.model_setup import ModelBundle, build_model
@@ -111,6 +111,8 @@ class Trainer:
             self.last_saved: int | None = self.state.iteration if args.load else None
             self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state,
                                                vocab_parallel=self.model.vocab_slices is not None)
+            if self.planner.vocab is not None:  # the vocabulary passes read the micro batches on every rank
+                self.planner.vocab.data_iterator = device_batches(self.data.vocab_train, device=self.dist.device)
             self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
@@ -188,7 +190,7 @@ class Trainer:
         gbs = self.batch.global_batch_size
         out = run_batch(self.planner.forward_backward, model=self.model.modules, iterators=self.data.train,
                         args=args, device=self.dist.device, forward_only=False,
-                        num_microbatches=self.batch.num_microbatches, vocab_iterator=self.data.vocab_train)
+                        num_microbatches=self.batch.num_microbatches)
         fb_seconds = time.perf_counter() - t0
         self.hooks.after_forward_backward()
         replan_due = self.planner.end_iteration(it, profiling=profiling, seconds=fb_seconds)
