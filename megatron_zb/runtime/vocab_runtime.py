@@ -344,10 +344,10 @@ class VocabPasses:
         self._pending.clear()
         self.close()
         data = {mb: r.loss_data for mb, r in self.results.items() if r.loss_data}
-        tokens = torch.zeros([], dtype=torch.int)
+        tokens = torch.zeros([], dtype=torch.int, device=self.slices.word_embeddings.device)
         for r in self.results.values():
             if r.num_tokens is not None:
-                tokens += r.num_tokens
+                tokens += r.num_tokens.to(tokens.device)
         return data, tokens
 
     def close(self) -> None:
