@@ -26,6 +26,9 @@ consumer waits, so a rank never waits for anything the schedule does not make it
 * ``first``'s ``B(i)``: the embedding's gradient is broadcast (posted); ``IB(i)`` (every rank) waits
   for it and adds the slice's weight gradient.
 
+A forward-only call (evaluation) runs ``IF``, the forwards and ``S``; the barrier thread computes the
+loss, nothing is broadcast back and no ``T``/``IB`` runs.
+
 Each kind of collective has its own process group (:func:`vocab_channels`), so kinds issued in other
 orders on different ranks never meet; within a kind every rank issues them in microbatch order
 (checked: :func:`check_vocab_schedule`).
@@ -156,7 +159,7 @@ class VocabPasses:
     def __init__(self, *, model: VocabParallelModel, channels: dict[str, Any], schedule: Schedule, rank: int,
                  inputs: list[dict[str, torch.Tensor]], config: Any, chunks: dict[int, torch.nn.Module],
                  tensor_shape: Any, dtype: torch.dtype, store: WeightGradStore, rank_actions: tuple[Action, ...],
-                 collect_non_loss_data: bool, cp_group_size: int) -> None:
+                 collect_non_loss_data: bool, cp_group_size: int, forward_only: bool = False) -> None:
         from ..megatron_compat import forward_step_calc_loss
 
         self.slices, self.g = model.slices, channels
@@ -170,6 +173,7 @@ class VocabPasses:
         self.inputs, self.config, self.chunks = inputs, config, chunks
         self.tensor_shape, self.dtype, self.store = tensor_shape, dtype, store
         self.collect_non_loss_data, self.cp_group_size = collect_non_loss_data, cp_group_size
+        self.forward_only = forward_only  # evaluation: IF, F, S and the loss; no T, no IB
         self._calc_loss = forward_step_calc_loss()
         self._loss_config = copy.copy(config)
         self._loss_config.timers = None   # megatron-core's timers are the main thread's
@@ -231,6 +235,13 @@ class VocabPasses:
         grad_loss = torch.empty_like(loss)
         data: list[Any] = []
         num_tokens = None
+        if self.forward_only:
+            if self.is_last:
+                with torch.no_grad():
+                    _, num_tokens = self._calc_loss(
+                        self.chunks[self.last_stage], loss.transpose(0, 1).contiguous(), self._loss_funcs.pop(mb),
+                        self._loss_config, None, self.collect_non_loss_data, self.m, data, self.cp_group_size, True)
+            return _Barrier(grad_loss=grad_loss, x_grad=None, loss_data=data, num_tokens=num_tokens)
         if self.is_last:
             per_token = loss.transpose(0, 1).contiguous().requires_grad_()  # [b, s], as megatron-core's model returns
             with torch.enable_grad():
@@ -368,17 +379,16 @@ class VocabPasses:
         return dist.get_global_rank(self.g["x"], group_rank)
 
 
-def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout: float, config: Any, runtime: Any, store: WeightGradStore, forward_only: bool, collect_non_loss_data: bool,
+def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout: float, config: Any, runtime: Any,
+                 store: WeightGradStore, forward_only: bool, collect_non_loss_data: bool,
                  cp_group_size: int) -> VocabPasses:
     """This call's :class:`VocabPasses`, after refusing (``ValueError``) what the runtime does not run yet:
-    forward-only calls, tensor or data parallelism, context parallelism, chunks not passed through
+    tensor or data parallelism, context parallelism, chunks not passed through
     ``strip_vocab_layers``, schedules :func:`check_vocab_schedule` refuses, a missing ``data_iterator``."""
     from megatron.core import parallel_state
 
     schedule = plan.schedule
     problems = []
-    if forward_only:
-        problems.append("forward-only calls (evaluation) are not run with vocabulary-parallel passes yet")
     for what, size in (("tensor", parallel_state.get_tensor_model_parallel_world_size()),
                        ("data", parallel_state.get_data_parallel_world_size()),
                        ("context", cp_group_size)):
@@ -409,7 +419,8 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
     return VocabPasses(model=model, channels=vocab_channels(pp_group, timeout=timeout), schedule=schedule,
                        rank=plan.rank, inputs=inputs, config=config, chunks=runtime.chunks,
                        tensor_shape=runtime.tensor_shape, dtype=runtime.dtype, store=store, rank_actions=plan.actions,
-                       collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size)
+                       collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size,
+                       forward_only=forward_only)
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -60,7 +60,9 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
                     model=modules, num_microbatches=len(data), seq_length=cfg.seq, micro_batch_size=cfg.micro_batch,
                     forward_only=forward_only)
     if forward_only:
-        return {"losses": [d["lm loss"].cpu() for d in losses]}
+        params = [p for c in chunks for p in c.module.parameters()] + list(slices.parameters())
+        return {"losses": [d["lm loss"].cpu() for d in losses], "with_grad": sum(p.grad is not None for p in params),
+                "w_deferred": fb.store.executed}
     use_main = cfg.ddp or cfg.gradient_accumulation_fusion  # megatron-core DDP: gradients in main_grad
     grads = {n: (p.main_grad if use_main else p.grad).detach().clone()
              for c in chunks for n, p in named_global_parameters(c)}

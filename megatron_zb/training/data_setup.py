@@ -28,6 +28,7 @@ class DataBundle:
         has_test: whether the job has test data (agreed by all ranks).
         vocab_train: with ``--enable-vocab-parallel``, one more view of the training micro batches, on
             every rank (the vocabulary passes read each micro batch's tokens and labels); else ``None``.
+        vocab_valid, vocab_test: the same for the validation and test micro batches.
     """
 
     train: list[Any]
@@ -36,6 +37,8 @@ class DataBundle:
     has_valid: bool
     has_test: bool
     vocab_train: Any = None
+    vocab_valid: Any = None
+    vocab_test: Any = None
 
 
 def build_data(args: argparse.Namespace, *, reads_data: Sequence[bool], state: TrainState,
@@ -60,10 +63,9 @@ def build_data(args: argparse.Namespace, *, reads_data: Sequence[bool], state: T
     print_rank_0(f"> data ready: {'mock' if args.mock_data else 'indexed'} data, {n_train} training, "
                  f"{n_valid} validation, {n_test} test samples requested; starting at sample "
                  f"{state.consumed_train_samples} ({time.perf_counter() - t0:.1f} s)")
-    train_views = chunk_iterators(train, list(reads_data) + [vocab_parallel])
-    return DataBundle(train=train_views[:-1], valid=chunk_iterators(valid, reads_data),
-                      test=chunk_iterators(test, reads_data), has_valid=has_valid, has_test=has_test,
-                      vocab_train=train_views[-1])
+    views = [chunk_iterators(source, list(reads_data) + [vocab_parallel]) for source in (train, valid, test)]
+    return DataBundle(train=views[0][:-1], valid=views[1][:-1], test=views[2][:-1], has_valid=has_valid,
+                      has_test=has_test, vocab_train=views[0][-1], vocab_valid=views[1][-1], vocab_test=views[2][-1])
 
 
 class _SharedSource:

@@ -111,8 +111,7 @@ class Trainer:
             self.last_saved: int | None = self.state.iteration if args.load else None
             self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state,
                                                vocab_parallel=self.model.vocab_slices is not None)
-            if self.planner.vocab is not None:  # the vocabulary passes read the micro batches on every rank
-                self.planner.vocab.data_iterator = device_batches(self.data.vocab_train, device=self.dist.device)
+            self._use_vocab_data(self.data.vocab_train)
             self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
@@ -222,7 +221,7 @@ class Trainer:
             self._log_interval()
         if args.eval_iters > 0 and self.data.has_valid and it % args.eval_interval == 0:
             with self.log.excluding_time(), self.hooks.evaluation():
-                self._evaluate(f"iteration {it}", self.data.valid, valid=True)
+                self._evaluate(f"iteration {it}", self.data.valid, valid=True, vocab=self.data.vocab_valid)
         self.hooks.after_iteration(it)  # Megatron-LM's post-step callbacks: the profile window's end, manual GC
         if args.save and args.save_interval and it % args.save_interval == 0:
             with self.log.excluding_time():
@@ -262,9 +261,10 @@ class Trainer:
             self._save()
         if args.eval_iters > 0:
             if self.data.has_valid:
-                self._evaluate(f"iteration {it} on validation set", self.data.valid, valid=True)
+                self._evaluate(f"iteration {it} on validation set", self.data.valid, valid=True,
+                               vocab=self.data.vocab_valid)
             if self.data.has_test:
-                self._evaluate(f"iteration {it} on test set", self.data.test, valid=False)
+                self._evaluate(f"iteration {it} on test set", self.data.test, valid=False, vocab=self.data.vocab_test)
         self.log.write_json()
         if self.optim.post_validation:
             c = self.optim.optimizer.counters()
@@ -349,14 +349,21 @@ class Trainer:
             return None
         return params_l2_norm(self.model.all_modules, bf16=self.config.precision.bf16, device=self.dist.device)
 
-    def _evaluate(self, prefix: str, iterators: Sequence[Any], *, valid: bool) -> float:
+    def _use_vocab_data(self, iterator: Any) -> None:
+        """``--enable-vocab-parallel``: the micro batches the vocabulary passes read (every rank) from now on."""
+        if self.planner.vocab is not None:
+            self.planner.vocab.data_iterator = device_batches(iterator, device=self.dist.device)
+
+    def _evaluate(self, prefix: str, iterators: Sequence[Any], *, valid: bool, vocab: Any = None) -> float:
         args = self.args
+        self._use_vocab_data(vocab)
         if self.optim.post_validation:
             self.optim.optimizer.validate()  # evaluate the validated parameters
         self.planner.ensure_installed(args.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
         loss = evaluate(args, forward_backward=self.planner.forward_backward, modules=self.model.modules,
                         iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                         after_step=self.hooks.after_eval_step)
+        self._use_vocab_data(self.data.vocab_train)
         if valid:
             self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.log.add_validation(prefix, iteration=self.state.iteration, loss=loss, tensorboard=valid)

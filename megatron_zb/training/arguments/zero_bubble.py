@@ -101,8 +101,8 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
                         "layer with its cross entropy split evenly over the pipeline ranks, their passes placed "
                         "by the schedule: needs --schedule 1f1b-vocab-1, 1f1b-vocab-2, zb-h1-vocab-1 or "
                         "zb-h1-vocab-2 (-1: two barriers, -2: one) and --untie-embeddings-and-output-weights; "
-                        "pipeline parallelism only (no tensor, data or context parallelism), fp32, no evaluation "
-                        "(--eval-iters 0), no checkpoints so far (docs/vocab_parallel.md).")
+                        "pipeline parallelism only (no tensor, data or context parallelism), fp32, no checkpoints "
+                        "so far (docs/vocab_parallel.md).")
     g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
                    help="Timeout of pipeline point-to-point transfers, seconds (default 300).")
 
@@ -359,7 +359,6 @@ def check_vocab_parallel(args: argparse.Namespace) -> None:
         ("--num-experts", bool(args.num_experts)),
         ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
         ("--cross-entropy-loss-fusion", bool(getattr(args, "cross_entropy_loss_fusion", False))),
-        ("evaluation (set --eval-iters 0)", args.eval_iters > 0),
         ("--save/--load (checkpoints of the slices)", bool(args.save or args.load)),
         ("--use-distributed-optimizer", args.use_distributed_optimizer),
         ("--enable-optimizer-post-validation", args.enable_optimizer_post_validation),
