@@ -67,7 +67,8 @@ class VocabParallelModel:
 
     Attributes:
         slices: this rank's :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` over the
-            pipeline group (untied); the chunks must have been passed through
+            pipeline group (tied: one slice serves both layers); the chunks (built untied) must have been
+            passed through
             :func:`~megatron_zb.model.vocab_chunks.strip_vocab_layers`.
         data_iterator: on every rank, the micro batches (dicts with ``tokens`` and ``labels``, ``[b, s]``)
             in order: the same ones ``forward_step_func`` reads on the first and last stage (IF looks up
@@ -400,8 +401,6 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
                         "token count but not the vocabulary slices' (not supported yet)")
     if getattr(config, "num_moe_experts", None):
         problems.append("mixture of experts: the auxiliary-loss scale is not set by the vocabulary passes yet")
-    if getattr(model.slices, "tied", False):
-        problems.append("tied embeddings are not run with vocabulary-parallel passes yet")
     if schedule.vocab_barriers not in (1, 2):
         problems.append(f"schedule {schedule.name!r} has no vocabulary-parallel passes")
     for stage, chunk in runtime.chunks.items():

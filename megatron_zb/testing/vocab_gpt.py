@@ -25,7 +25,9 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
                    iterations: int = 1, **options: Any) -> dict[str, Any]:
     """One forward/backward of ``cfg`` under the vocabulary-parallel ``schedule`` on this rank: the
     losses (last rank), every parameter's gradient by global name, and how many W entries ran.
-    ``tied``: one slice for the embedding and the output layer (refused by the runtime so far).
+    ``tied``: one slice for the embedding and the output layer (the chunks are built untied: their
+    vocabulary layers are dropped anyway); compare with ``cfg``'s ``share_embeddings_and_output_weights=True``
+    reference, whose two copies' gradients megatron-core sums (``ddp=True``: ``finalize_model_grads``).
     ``iterations``: calls of the same ``forward_backward_func`` on the same data, the gradients zeroed
     before each (results of the last)."""
     import torch.distributed as dist
@@ -37,7 +39,10 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
     from ..runtime import get_forward_backward_func
     from ..runtime.vocab_runtime import VocabParallelModel
 
-    chunks, modules = build(cfg, schedule)
+    import dataclasses
+
+    untied = {k: v for k, v in cfg.model_options.items() if k != "share_embeddings_and_output_weights"}
+    chunks, modules = build(dataclasses.replace(cfg, model_options=untied), schedule)
     for c in chunks:
         strip_vocab_layers(c.module)
     config = chunks[0].module.config

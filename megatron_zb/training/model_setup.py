@@ -83,10 +83,13 @@ def build_model(config: RunConfig, *, stage_to_rank: Sequence[int], dist: Distri
         from megatron_zb.runtime.wgrad_kernels import install_megatron_fallback
 
         install_megatron_fallback()
+    gpt_kwargs = model.gpt_model_kwargs()
+    if schedule.enable_vocab_parallel:  # the slices tie (or not); the chunks' vocabulary layers are dropped
+        gpt_kwargs["share_embeddings_and_output_weights"] = False
     chunks = build_gpt_chunks(config=tc, vocab_size=model.padded_vocab_size,
                               max_sequence_length=model.max_position_embeddings, stage_to_rank=list(stage_to_rank),
                               seed=config.seed, layers_per_stage=list(schedule.layers_per_stage),
-                              layer_spec=gpt_layer_spec(model), **model.gpt_model_kwargs())
+                              layer_spec=gpt_layer_spec(model), **gpt_kwargs)
     print_rank_0(data_parallel_summary(parallel))
     slices = _strip_vocab_layers(config, chunks, tc) if schedule.enable_vocab_parallel else None
     modules = wrap_chunks([c.module for c in chunks],
@@ -112,9 +115,10 @@ def build_model(config: RunConfig, *, stage_to_rank: Sequence[int], dist: Distri
 
 
 def _strip_vocab_layers(config: RunConfig, chunks: Sequence[GPTChunk], tc: Any) -> Any:
-    """``--enable-vocab-parallel``: drop the first and last chunk's vocabulary layers
-    (:func:`~megatron_zb.model.vocab_chunks.strip_vocab_layers`); return this rank's slices of them over
-    the pipeline group, drawn from the same seeds as the chunks' would be."""
+    """``--enable-vocab-parallel``: drop the first and last chunk's vocabulary layers (built untied:
+    :func:`~megatron_zb.model.vocab_chunks.strip_vocab_layers`); return this rank's slices of them over
+    the pipeline group, drawn from the same seeds as the chunks' would be (one slice serving both
+    unless ``--untie-embeddings-and-output-weights``)."""
     from megatron.core import parallel_state
 
     from megatron_zb.model.vocab_chunks import strip_vocab_layers
@@ -123,9 +127,10 @@ def _strip_vocab_layers(config: RunConfig, chunks: Sequence[GPTChunk], tc: Any) 
     for c in chunks:
         strip_vocab_layers(c.module)
     slices = VocabParallelSlices(padded_size=config.model.padded_vocab_size, hidden_size=tc.hidden_size,
-                                 group=parallel_state.get_pipeline_model_parallel_group(), tied=False,
+                                 group=parallel_state.get_pipeline_model_parallel_group(),
+                                 tied=not config.model.untie_embeddings_and_output_weights,
                                  seed=config.seed, init_method=tc.embedding_init_method,
                                  output_init_method=tc.init_method, params_dtype=tc.params_dtype)
     print_rank_0(f"> vocabulary parallelism: {slices.vocab.num_slices} slices of {slices.vocab.size} rows "
-                 f"(padded vocabulary {slices.vocab.padded_size})")
+                 f"(padded vocabulary {slices.vocab.padded_size}){', tied' if slices.tied else ''}")
     return slices

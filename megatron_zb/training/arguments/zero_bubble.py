@@ -100,7 +100,7 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
                    help="Vocabulary parallelism (Yeung et al., MLSys 2025): the word embedding and the output "
                         "layer with its cross entropy split evenly over the pipeline ranks, their passes placed "
                         "by the schedule: needs --schedule 1f1b-vocab-1, 1f1b-vocab-2, zb-h1-vocab-1 or "
-                        "zb-h1-vocab-2 (-1: two barriers, -2: one) and --untie-embeddings-and-output-weights; "
+                        "zb-h1-vocab-2 (-1: two barriers, -2: one); tied or untied embeddings; "
                         "pipeline parallelism only (no tensor, data or context parallelism), fp32, no checkpoints "
                         "so far (docs/vocab_parallel.md).")
     g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
@@ -352,7 +352,6 @@ def check_vocab_parallel(args: argparse.Namespace) -> None:
         ("--tensor-model-parallel-size > 1", tp > 1),
         ("data parallelism (world size > TP x PP x CP)", args.world_size > tp * pp * cp),
         ("--context-parallel-size > 1", cp > 1),
-        ("tied embeddings (add --untie-embeddings-and-output-weights)", not args.untie_embeddings_and_output_weights),
         ("--sequence-parallel", args.sequence_parallel),
         ("--fp16/--bf16 (fp32 only)", args.fp16 or args.bf16),
         ("--calculate-per-token-loss", args.calculate_per_token_loss),
