@@ -38,6 +38,7 @@ def _assert_close(ref: dict, got: dict, *, what: str) -> None:
         assert abs(float(a) - float(b)) <= REL * abs(float(b)), f"{what}: loss {a} != {b}"
     assert got["grads"].keys() == ref["grads"].keys(), f"{what}: {set(got['grads']) ^ set(ref['grads'])}"
     for n, g in ref["grads"].items():
+        assert got["grads"][n].shape == g.shape, f"{what}: {n} differs between replicas"  # (merge stacks them)
         err = (got["grads"][n] - g).abs().max().item()
         assert err <= REL * g.abs().max().item(), f"{what}: gradient of {n}: error {err:.3g}"
 
@@ -73,6 +74,16 @@ def test_pp2_with_megatron_core_ddp_chunks_second_iteration():
     got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule="zb-h1-vocab-1", iterations=2),
                                         world_size=2, timeout=90))
     _assert_close(ref, got, what="zb-h1-vocab-1 with DDP")
+
+
+def test_pp2_dp2_the_slices_gradients_are_reduced_by_their_ddp():
+    """PP=2 x DP=2: every data-parallel replica's slices end with the same (reduced) gradients, those of
+    megatron-core's 1F1B with DDP (each replica reads its own micro batches)."""
+    cfg = TinyGPT(pp=2, dp=2, ddp=True)
+    ref = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=None), world_size=4, timeout=120))
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule="zb-h1-vocab-1"), world_size=4,
+                                        timeout=120))
+    _assert_close(ref, got, what="PP=2 x DP=2 zb-h1-vocab-1")
 
 
 def test_pp4_vocab_schedules_match_megatron_1f1b():
@@ -139,18 +150,19 @@ TRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 (padding by 64 x TP x PP = 128 and by 64 x TP = 64 both give 128): the same model either way."""
 
 
-@pytest.mark.parametrize("schedule,tying", [("zb-h1-vocab-1", []),
-                                            ("1f1b-vocab-2", ["--untie-embeddings-and-output-weights"])],
-                         ids=["tied-zb-h1-vocab-1", "untied-1f1b-vocab-2"])
-def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, schedule, tying):
+@pytest.mark.parametrize("schedule,tying,world", [("zb-h1-vocab-1", [], 2),
+                                                  ("1f1b-vocab-2", ["--untie-embeddings-and-output-weights"], 2),
+                                                  ("zb-h1-vocab-2", [], 4)],
+                         ids=["tied-zb-h1-vocab-1", "untied-1f1b-vocab-2", "dp2-tied-zb-h1-vocab-2"])
+def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, schedule, tying, world):
     """``pretrain_gpt_zb.py --enable-vocab-parallel --schedule ...`` (Adam, clipping, LR schedule:
     6 iterations, evaluation after iterations 3 and 6 and on the test set) against megatron-core's own 1F1B
     on the same model: the logged loss and grad norm of every iteration and every validation / test loss
     within a relative 1e-5 (measured worst: 5e-8, 1.5e-6 and 5e-8; not bitwise, see the module docstring)."""
     from megatron_zb.testing.trainer_run import in_process
 
-    ref = in_process(tmp_path, "ref", 2, TRAIN + tying + ["--use-megatron-core-schedule"])
-    got = in_process(tmp_path, "vocab", 2, TRAIN + tying + ["--schedule", schedule, "--enable-vocab-parallel"])
+    ref = in_process(tmp_path, "ref", world, TRAIN + tying + ["--use-megatron-core-schedule"])
+    got = in_process(tmp_path, "vocab", world, TRAIN + tying + ["--schedule", schedule, "--enable-vocab-parallel"])
     tied = ", tied" if not tying else ""
     assert f"> vocabulary parallelism: 2 slices of 64 rows (padded vocabulary 128){tied}\n" in got["log"]
     assert f"> vocabulary parallelism: no profiling window, schedule '{schedule}' kept as built" in got["log"]

@@ -204,6 +204,8 @@ class ZeroBubbleForwardBackward:
             cp_group_size=parallel_state.get_context_parallel_group().size(), first_val_step=first_val_step,
             timing=timing, memory=memory, overhead=overhead)
         if not forward_only:
+            if runtime.vocab is not None:  # the slices' own data-parallel reduction (their DDP)
+                runtime.vocab.sync_grads()
             _finish_gradients(config, chunks, grad_sync_launched=grad_sync is not None, schedule=sched,
                               total_tokens=total_tokens, pp_group=pp_group, pg_collection=pg_collection,
                               force_all_reduce=force_all_reduce)

@@ -78,6 +78,10 @@ class VocabParallelModel:
 
     slices: torch.nn.Module
     data_iterator: Any = None
+    ddp: Any = None
+    """With data parallelism: ``slices`` wrapped in megatron-core ``DistributedDataParallel`` with
+    ``overlap_grad_reduce=False`` (the weight gradients go straight into ``main_grad``; no autograd hook
+    fires); the runtime runs its ``finish_grad_sync`` after the schedule."""
 
 
 def vocab_channels(pp_group: Any, *, timeout: float) -> dict[str, Any]:
@@ -163,7 +167,7 @@ class VocabPasses:
                  collect_non_loss_data: bool, cp_group_size: int, forward_only: bool = False) -> None:
         from ..megatron_compat import forward_step_calc_loss
 
-        self.slices, self.g = model.slices, channels
+        self.slices, self.g, self.ddp = model.slices, channels, model.ddp
         self.p, self.rank, self.m = schedule.num_ranks, rank, schedule.num_microbatches
         self.last_stage = schedule.num_stages - 1
         self.is_first, self.is_last = rank == schedule.stage_to_rank[0], rank == schedule.stage_to_rank[-1]
@@ -362,6 +366,11 @@ class VocabPasses:
                 tokens += r.num_tokens.to(tokens.device)
         return data, tokens
 
+    def sync_grads(self) -> None:
+        """After a training call: the slices' data-parallel gradient reduction (their DDP's, when given)."""
+        if self.ddp is not None:
+            self.ddp.finish_grad_sync()
+
     def close(self) -> None:
         """Stop the barrier thread (also after a failure)."""
         self._thread.close()
@@ -384,18 +393,24 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
                  store: WeightGradStore, forward_only: bool, collect_non_loss_data: bool,
                  cp_group_size: int) -> VocabPasses:
     """This call's :class:`VocabPasses`, after refusing (``ValueError``) what the runtime does not run yet:
-    tensor or data parallelism, context parallelism, chunks not passed through
+    tensor parallelism, data parallelism without the slices' DDP, context parallelism, chunks not passed through
     ``strip_vocab_layers``, schedules :func:`check_vocab_schedule` refuses, a missing ``data_iterator``."""
     from megatron.core import parallel_state
 
     schedule = plan.schedule
     problems = []
     for what, size in (("tensor", parallel_state.get_tensor_model_parallel_world_size()),
-                       ("data", parallel_state.get_data_parallel_world_size()),
                        ("context", cp_group_size)):
         if size != 1:
-            problems.append(f"{what}-parallel size {size}: vocabulary-parallel passes run with pipeline parallelism "
-                            f"only so far")
+            problems.append(f"{what}-parallel size {size}: vocabulary-parallel passes run with pipeline (and data) "
+                            f"parallelism only so far")
+    dp = parallel_state.get_data_parallel_world_size()
+    if dp > 1 and model.ddp is None:
+        problems.append(f"data-parallel size {dp}: VocabParallelModel.ddp (the slices in megatron-core DDP) is needed "
+                        f"to reduce the slices' gradients")
+    if model.ddp is not None and model.ddp.ddp_config.overlap_grad_reduce:
+        problems.append("VocabParallelModel.ddp must have overlap_grad_reduce=False (no autograd hook reports the "
+                        "slices' gradients)")
     if getattr(config, "calculate_per_token_loss", False):
         problems.append("calculate_per_token_loss: finalize_model_grads would divide the chunks' gradients by the "
                         "token count but not the vocabulary slices' (not supported yet)")

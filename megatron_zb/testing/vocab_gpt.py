@@ -50,7 +50,7 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
     slices = VocabParallelSlices(padded_size=cfg.vocab, hidden_size=cfg.hidden, group=group, tied=tied,
                                  seed=cfg.seed, init_method=config.embedding_init_method,
                                  output_init_method=config.init_method)
-    vocab = VocabParallelModel(slices)
+    vocab = VocabParallelModel(slices, ddp=_slices_ddp(slices, config) if cfg.ddp else None)
     fb = get_forward_backward_func(schedule, vocab_parallel=vocab, **options)
     data = cfg.microbatches()
     for _ in range(iterations):
@@ -59,6 +59,8 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
                 m.zero_grad_buffer()
             m.zero_grad()
         slices.zero_grad()
+        if vocab.ddp is not None:
+            vocab.ddp.zero_grad_buffer()
         iters = [iter(data) for _ in modules]
         vocab.data_iterator = iter(data)  # every rank: the same micro batches
         losses = fb(forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
@@ -71,10 +73,26 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
     use_main = cfg.ddp or cfg.gradient_accumulation_fusion  # megatron-core DDP: gradients in main_grad
     grads = {n: (p.main_grad if use_main else p.grad).detach().clone()
              for c in chunks for n, p in named_global_parameters(c)}
+    slices_main = vocab.ddp is not None
     for name, weight in (("embedding.word_embeddings.weight", slices.word_embeddings),
                          ("output_layer.weight", slices.output_layer_weight)):
         parts = [torch.empty_like(weight) for _ in range(group.size())]
-        dist.all_gather(parts, weight.grad.detach().contiguous(), group=group)
+        grad = weight.main_grad if slices_main else weight.grad
+        dist.all_gather(parts, grad.detach().contiguous(), group=group)
         grads[name] = torch.cat(parts)
     return {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": fb.store.executed // iterations,
             "peak_bytes": None, "params": {}}
+
+
+def _slices_ddp(slices: Any, config: Any) -> Any:
+    """The slices in megatron-core DDP (the product's defaults, ``overlap_grad_reduce`` off: the runtime
+    reduces them after the schedule)."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    from ..training.run_config import ParallelConfig, PrecisionConfig
+    from ..training.wiring import ddp_config
+
+    cfg = dataclasses.replace(ddp_config(ParallelConfig(), PrecisionConfig()), overlap_grad_reduce=False)
+    return DistributedDataParallel(config=config, ddp_config=cfg, module=slices, disable_bucketing=True)

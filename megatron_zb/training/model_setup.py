@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -38,6 +39,16 @@ class ModelBundle:
     stage_to_rank: list[int]
     vocab_slices: Any = None
     vocab_module: Any = None
+
+    @property
+    def vocab_parallel(self) -> Any:
+        """What the runtime takes (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`: the slices
+        and their DDP), or ``None`` without ``--enable-vocab-parallel``."""
+        if self.vocab_slices is None:
+            return None
+        from megatron_zb.runtime.vocab_runtime import VocabParallelModel
+
+        return VocabParallelModel(self.vocab_slices, ddp=self.vocab_module)
 
     @property
     def all_modules(self) -> list[Any]:
@@ -101,8 +112,11 @@ def build_model(config: RunConfig, *, stage_to_rank: Sequence[int], dist: Distri
 
         from megatron_zb.training.wiring import ddp_config
 
-        vocab_module = DistributedDataParallel(config=tc, ddp_config=ddp_config(parallel, config.precision),
-                                               module=slices.to(dist.device), disable_bucketing=True)
+        # no autograd hook reports the slices' gradients (the passes add them to main_grad): reduced after
+        # the schedule by the runtime (VocabParallelModel.ddp), not overlapped
+        cfg = dataclasses.replace(ddp_config(parallel, config.precision), overlap_grad_reduce=False)
+        vocab_module = DistributedDataParallel(config=tc, ddp_config=cfg, module=slices.to(dist.device),
+                                               disable_bucketing=True)
     n = sum(p.numel() for c in chunks for p in c.module.parameters())
     n += sum(p.numel() for p in slices.parameters()) if slices is not None else 0
     if dist.dp_rank == 0:

@@ -58,12 +58,12 @@ class SchedulePlanner:
     """
 
     def __init__(self, args: argparse.Namespace, *, schedule: Schedule, dist_ctx: DistributedContext,
-                 runtime: Any = None, vocab_slices: Any = None) -> None:
+                 runtime: Any = None, vocab: Any = None) -> None:
         """Build the ``forward_backward_func`` (or own ``runtime``, megatron-zb's
         ``ZeroBubbleForwardBackward`` built elsewhere, e.g. by :func:`megatron_zb.patch_megatron`)
-        and install global rank 0's ``schedule``. Collective. ``vocab_slices``
-        (``--enable-vocab-parallel``): the model's vocabulary slices, given to the runtime; such a run
-        has no profiling window (the vocabulary passes' costs are not measured yet)."""
+        and install global rank 0's ``schedule``. Collective. ``vocab`` (``--enable-vocab-parallel``): the
+        model's vocabulary slices (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`), given to
+        the runtime; such a run has no profiling window (the vocabulary passes' costs are not measured yet)."""
         self.args = args
         self._dist = dist_ctx
         self._initial = schedule
@@ -79,8 +79,8 @@ class SchedulePlanner:
         self._bookkeeping = 0.0  # seconds the profiler itself spent after that iteration (left out of step_ms)
         self._bytes_only = self._times_tracked = False  # this iteration measures activation bytes (only)
         self._track_memory = False  # the runtime's track_memory outside the window
-        self._vocab_parallel = vocab_slices is not None
-        self.vocab: Any = None  # the runtime's VocabParallelModel (its data_iterator is set by the trainer)
+        self._vocab_parallel = vocab is not None
+        self.vocab: Any = vocab  # the runtime's VocabParallelModel (its data_iterator is set by the trainer)
         if self._vocab_parallel:
             print_rank_0(f"> vocabulary parallelism: no profiling window, schedule {args.schedule!r} kept as built "
                          f"(the vocabulary passes' costs are not measured yet)")
@@ -91,11 +91,7 @@ class SchedulePlanner:
         if runtime is None:
             from megatron_zb.runtime import get_forward_backward_func
 
-            extra: dict[str, Any] = {}
-            if vocab_slices is not None:
-                from megatron_zb.runtime.vocab_runtime import VocabParallelModel
-
-                self.vocab = extra["vocab_parallel"] = VocabParallelModel(vocab_slices)
+            extra: dict[str, Any] = {} if vocab is None else {"vocab_parallel": vocab}
             runtime = get_forward_backward_func(args.schedule, memory_limit=args.schedule_memory_limit,
                                                 num_chunks=args.num_model_chunks,
                                                 timeout=args.pipeline_timeout_seconds, **extra)

@@ -105,8 +105,7 @@ class Trainer:
             self.model: ModelBundle = build_model(self.config, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
             self.optim: OptimizerBundle = build_optimizer(self.config, model=self.model,
                                                           on_validation_report=self._on_validation_report)
-            self.planner = SchedulePlanner(args, schedule=schedule, dist_ctx=self.dist,
-                                           vocab_slices=self.model.vocab_slices)
+            self.planner = SchedulePlanner(args, schedule=schedule, dist_ctx=self.dist, vocab=self.model.vocab_parallel)
             self.state: TrainState = self._load() if args.load else TrainState()
             self.last_saved: int | None = self.state.iteration if args.load else None
             self.data: DataBundle = build_data(args, reads_data=self.model.reads_data, state=self.state,

@@ -101,8 +101,8 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
                         "layer with its cross entropy split evenly over the pipeline ranks, their passes placed "
                         "by the schedule: needs --schedule 1f1b-vocab-1, 1f1b-vocab-2, zb-h1-vocab-1 or "
                         "zb-h1-vocab-2 (-1: two barriers, -2: one); tied or untied embeddings; "
-                        "pipeline parallelism only (no tensor, data or context parallelism), fp32, no checkpoints "
-                        "so far (docs/vocab_parallel.md).")
+                        "pipeline and data parallelism only (no tensor or context parallelism), fp32, no "
+                        "checkpoints so far (docs/vocab_parallel.md).")
     g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
                    help="Timeout of pipeline point-to-point transfers, seconds (default 300).")
 
@@ -347,10 +347,9 @@ def check_vocab_parallel(args: argparse.Namespace) -> None:
         raise ArgumentError("--enable-vocab-parallel", f"needs a schedule that places the vocabulary passes: "
                                                        f"--schedule 1f1b-vocab-1, 1f1b-vocab-2, zb-h1-vocab-1 or "
                                                        f"zb-h1-vocab-2 ({args.schedule!r} places none)")
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size)
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     bad = [what for what, on in (
         ("--tensor-model-parallel-size > 1", tp > 1),
-        ("data parallelism (world size > TP x PP x CP)", args.world_size > tp * pp * cp),
         ("--context-parallel-size > 1", cp > 1),
         ("--sequence-parallel", args.sequence_parallel),
         ("--fp16/--bf16 (fp32 only)", args.fp16 or args.bf16),
