@@ -96,6 +96,17 @@ def test_pp4_vocab_schedules_match_megatron_1f1b():
         assert got["w_deferred"] == _deferred(cfg, schedule)
 
 
+def test_forward_only_gives_megatron_cores_losses(pp2_reference):
+    """Evaluation (``forward_only``): IF, the forwards and S run, the barrier thread computes the loss;
+    no gradient, no W."""
+    got = run_distributed(partial(run_vocab_step, TinyGPT(pp=2), schedule="zb-h1-vocab-1", forward_only=True),
+                          world_size=2, timeout=90)
+    assert got[0]["losses"] == [] and len(got[1]["losses"]) == len(pp2_reference["losses"])
+    for a, b in zip(got[1]["losses"], pp2_reference["losses"]):
+        assert abs(float(a) - float(b)) <= REL * abs(float(b)), (a, b)
+    assert all(r["with_grad"] == 0 and r["w_deferred"] == 0 for r in got), got
+
+
 def test_tied_slices_match_megatron_cores_tied_embeddings():
     """Tied: one slice per rank serves the embedding and the output layer (IB's and T's weight gradients
     both add into it), against megatron-core's tied model, whose two copies' gradients its

@@ -182,15 +182,17 @@ class VocabPasses:
         self._calc_loss = forward_step_calc_loss()
         self._loss_config = copy.copy(config)
         self._loss_config.timers = None   # megatron-core's timers are the main thread's
-        later_w = set()
-        for i, a in enumerate(rank_actions):
-            if a.op is Op.T:
-                later_w |= {b.mb for b in rank_actions[i:] if b.op is Op.W and b.mb == a.mb}
+        later_w, w_after = set(), set()
+        for a in reversed(rank_actions):
+            if a.op is Op.W:
+                w_after.add(a.mb)
+            elif a.op is Op.T and a.mb in w_after:
+                later_w.add(a.mb)
         self._t_to_w = later_w          # microbatches whose T's weight gradient goes to this rank's W
         self._w_stage = rank            # the rank's transformer stage (plain placement)
         self._thread = _BarrierThread()
         self._pending: list[Any] = []   # posted works nobody waits for on this rank (drained at the end)
-        self._if: dict[int, tuple[Any, torch.Tensor, Any]] = {}
+        self._if: dict[int, tuple[Any, Any, Any]] = {}  # mb -> (IF's work, partial sum, lookup state)
         self._emb_leaf: dict[int, torch.Tensor] = {}
         self._ib: dict[int, tuple[Any, torch.Tensor]] = {}
         self._x: dict[int, torch.Tensor] = {}
