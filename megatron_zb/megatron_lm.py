@@ -55,6 +55,7 @@ from typing import Any, Callable
 
 from . import megatron_lm_v
 from .megatron_lm_v import v_model_provider
+from .schedules.ir import vocab_passes_unsupported
 from .schedules.registry import get_spec
 from .training.arguments.common import ArgumentError, flag
 
@@ -194,6 +195,9 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
         check_post_validation(args, None)
         return None
     spec = get_spec(name)
+    refusal = vocab_passes_unsupported(name=name, vocab_parallel=spec.vocab_parallel)
+    if refusal is not None:  # Megatron-LM's model provider builds the whole vocabulary layers
+        raise ArgumentError(selected_by, refusal)
     _check_profiling(args, name)
     check_post_validation(args, spec)
     if spec.placement is Placement.V:

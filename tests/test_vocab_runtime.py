@@ -219,3 +219,6 @@ def test_enable_vocab_parallel_is_refused_inside_megatron_lms_loop():
     args = parser.parse_args(["--enable-vocab-parallel", "--schedule", "1f1b-vocab-1"])
     with pytest.raises(ArgumentError, match="--enable-vocab-parallel: not supported inside Megatron-LM's loop"):
         configure(args)
+    args = parser.parse_args(["--schedule", "zb-h1-vocab-2"])  # the schedule alone: refused by name too
+    with pytest.raises(ArgumentError, match="--schedule: schedule 'zb-h1-vocab-2' holds vocabulary-parallel passes"):
+        configure(args)
