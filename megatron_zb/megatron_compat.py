@@ -170,6 +170,11 @@ PRIVATE_API: dict[str, dict[str, Private | None]] = {
         "0.19": Private(f"{_SCHED}:get_forward_backward_func",
                         "(pp_size: Optional[int] = None, vp_size: Optional[int] = None, schedule_pg_collection: "
                         "Optional[megatron.core.process_groups_config.MultiModuleProcessGroupCollection] = None)")},
+    "forward_step_calc_loss": {
+        r: Private(f"{_SCHED}:forward_step_calc_loss",
+                   "(model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data, num_microbatches, "
+                   "forward_data_store, cp_group_size=None, is_last_stage=None)")
+        for r in RELEASES},
     "check_first_val_step": {
         r: Private(f"{_SCHED}:check_first_val_step", "(first_val_step, forward_only, cond)")
         for r in RELEASES},
@@ -365,6 +370,13 @@ def pipeline_step_functions() -> PipelineStepFunctions:
     return PipelineStepFunctions(private("forward_step"), uniform_backward_step,
                                  private("check_first_val_step"), private("get_tensor_shapes"),
                                  private("deallocate_output_tensor"))
+
+
+def forward_step_calc_loss() -> Callable[..., Any]:
+    """megatron-core's ``forward_step_calc_loss``: the last stage's part of ``forward_step`` (the
+    ``loss_func``, per-token normalisation, the forward data store), which the vocabulary-parallel
+    runtime calls once the loss is reduced over the pipeline ranks (runtime/vocab_runtime.py)."""
+    return private("forward_step_calc_loss")
 
 
 # ------------------------------------------------------------------------------------- model

@@ -41,7 +41,7 @@ distributed optimizer with torch's Adam cannot resume without it), with or witho
 schedule; checkpoints saved with zero bubble load without it and back (they hold the same state).
 
 What this route cannot honour yet is refused up front (:data:`NOT_YET`): ``--allow-padding-num-layers``
-(``pretrain_gpt_zb.py`` has it).
+and ``--enable-vocab-parallel`` (``pretrain_gpt_zb.py`` has them).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import megatron_lm_v
 from .megatron_lm_v import v_model_provider
+from .schedules.ir import vocab_passes_unsupported
 from .schedules.registry import get_spec
 from .training.arguments.common import ArgumentError, flag
 
@@ -67,6 +68,8 @@ __all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "in
 NOT_YET: dict[str, str] = {
     "allow_padding_num_layers": "Megatron-LM splits the layers itself; use its --decoder-first-pipeline-num-layers "
                                 "/ --decoder-last-pipeline-num-layers, or drop the flag",
+    "enable_vocab_parallel": "Megatron-LM's model provider builds the whole word embedding and output layer; "
+                             "run vocabulary parallelism with pretrain_gpt_zb.py, or drop the flag",
 }
 """Zero-bubble flags (``args`` attribute -> why and what to do) refused inside Megatron-LM's loop."""
 
@@ -195,6 +198,9 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
         check_post_validation(args, None)
         return None
     spec = get_spec(name)
+    refusal = vocab_passes_unsupported(name=name, vocab_parallel=spec.vocab_parallel)
+    if refusal is not None:  # Megatron-LM's model provider builds the whole vocabulary layers
+        raise ArgumentError(selected_by, refusal)
     _check_profiling(args, name)
     check_post_validation(args, spec)
     if spec.placement is Placement.V:

@@ -15,21 +15,21 @@ group rank ``i``). Per microbatch, with ``[s, b, h]`` the output layer's input a
   (:func:`broadcast_from`), gives this slice's weight gradient: :func:`embedding_ib` returns it as a
   :class:`WeightGrad` (all of IB is weight-gradient work; the scheduler may defer it like a W).
 * **S**: :func:`output_s`, local: logits ``X W_i^T``, their row maximum (and, rescaled, the local
-  sum-exp, the local softmax and Vocab-1's partial input gradient).
+  sum-exp, the local softmax and Vocab-2's partial input gradient).
 * **C0**: :func:`output_c0`, the forward barrier over the group: all-reduce MAX of the row maxima,
-  then all-reduce SUM of the target logits and the sum-exp (and Vocab-1's input gradient). Gives
+  then all-reduce SUM of the target logits and the sum-exp (and Vocab-2's input gradient). Gives
   the per-token loss on every rank.
 * **T**: :func:`output_t`, local: the softmax gradient (megatron-core's arithmetic), the input
   gradient's part (the B side) and the weight gradient ``dY_i^T X`` as a :class:`WeightGrad` (W).
-* **C1**: :func:`output_c1`, the backward barrier (Vocab-2 only): all-reduce SUM of the partial input
-  gradients. Vocab-1 (``fuse_input_grad``) computes them in S and reduces them in C0: no C1.
+* **C1**: :func:`output_c1`, the backward barrier (Vocab-1 only): all-reduce SUM of the partial input
+  gradients. Vocab-2 (``fuse_input_grad``) computes them in S and reduces them in C0: no C1.
 
 Two arithmetics (``exact`` of :func:`output_s`): ``exact=True`` is megatron-core's vocab-parallel
 cross entropy (``VocabParallelCrossEntropy``, reused): the exponentials wait for the global maximum,
 so C0 also runs that elementwise pass; bitwise equal to megatron-core on a tensor-parallel group of
 the same slices. ``exact=False`` is the paper's: S exponentiates with the local maximum and C0
 rescales by ``exp(m_i - m)`` -- a different rounding (tested within a relative tolerance), needed
-for Vocab-1. The input ``X``, the per-token loss gradient and the embedding gradient reach the other
+for Vocab-2. The input ``X``, the per-token loss gradient and the embedding gradient reach the other
 ranks by :func:`broadcast_from`; the runtime owns that and the placement of every piece.
 """
 
@@ -234,7 +234,7 @@ class OutputState:
     share: torch.Tensor | None = None
     """Rescaled: this slice's share of the softmax mass, ``s_i exp(m_i - m) / s`` (set by C0)."""
     input_grad: torch.Tensor | None = None
-    """Vocab-1: ``P_i W_i`` after S, ``(softmax - onehot) W`` summed over the group after C0."""
+    """Vocab-2: ``P_i W_i`` after S, ``(softmax - onehot) W`` summed over the group after C0."""
     target_rows: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     """``[s, b]`` per-token cross entropy (after C0), on every rank."""
@@ -244,10 +244,10 @@ class OutputState:
 def output_s(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab: VocabSlice, *, exact: bool = True,
              fuse_input_grad: bool = False) -> OutputState:
     """S, local: logits ``x [s, b, h] @ weight^T`` in fp32 and their row maximum; rescaled
-    (``exact=False``) also the local sum-exp, target logit and softmax; Vocab-1 (``fuse_input_grad``,
+    (``exact=False``) also the local sum-exp, target logit and softmax; Vocab-2 (``fuse_input_grad``,
     rescaled only) also ``softmax_i W_i`` and the target rows ``W_i[target]``. ``target``: ``[s, b]``."""
     if fuse_input_grad and exact:
-        raise ValueError("fuse_input_grad (Vocab-1) needs exact=False: the input gradient is formed before the "
+        raise ValueError("fuse_input_grad (Vocab-2) needs exact=False: the input gradient is formed before the "
                          "global maximum is known, from the locally normalised softmax (the paper's rescaling)")
     vpce = vocab_parallel_cross_entropy_math()
     logits, logits_max = vpce.calculate_logits_max(torch.matmul(x, weight.t()))
@@ -278,7 +278,7 @@ def output_c0(state: OutputState, group: Any) -> torch.Tensor:
     * exact: exponentiate with the global maximum, all-reduce SUM the target logits (exact: one
       non-zero contributor) and then the sum-exp -- megatron-core's three all-reduces, in its order;
     * rescaled: shift the local statistics to the global maximum, one all-reduce SUM of
-      ``[target logit, s_i exp(m_i - m)]``; Vocab-1 then all-reduce SUM ``share_i P_i W_i - W_i[target]``.
+      ``[target logit, s_i exp(m_i - m)]``; Vocab-2 then all-reduce SUM ``share_i P_i W_i - W_i[target]``.
 
     Returns (and keeps) the per-token loss ``log(sum-exp) - target logit`` ``[s, b]``, on every rank."""
     vpce = vocab_parallel_cross_entropy_math()
@@ -308,7 +308,7 @@ def output_c0(state: OutputState, group: Any) -> torch.Tensor:
 
 class OutputGrads(NamedTuple):
     """What T returns. ``input_grad`` ``[s, b, h]`` is this slice's part (C1 sums it) unless
-    ``reduced`` (Vocab-1: already complete); ``weight_grad`` is the deferred W."""
+    ``reduced`` (Vocab-2: already complete); ``weight_grad`` is the deferred W."""
 
     input_grad: torch.Tensor
     reduced: bool
@@ -319,7 +319,7 @@ class OutputGrads(NamedTuple):
 def output_t(state: OutputState, grad_loss: torch.Tensor) -> OutputGrads:
     """T, local: the logits' gradient ``(softmax - onehot) * grad_loss`` (megatron-core's
     ``prepare_gradient_calculation_operands`` / ``calculate_gradients``, in place on the softmax),
-    cast to the weight's dtype; the input gradient (B side: ``dY_i W_i``, or Vocab-1's
+    cast to the weight's dtype; the input gradient (B side: ``dY_i W_i``, or Vocab-2's
     ``grad_loss * input_grad``) and the weight gradient ``dY_i^T X`` as a :class:`WeightGrad` (W).
     ``grad_loss``: ``[s, b]``, d(final loss)/d(per-token loss), the same on every rank."""
     if state.loss is None:
@@ -343,7 +343,7 @@ def output_t(state: OutputState, grad_loss: torch.Tensor) -> OutputGrads:
 
 
 def output_c1(input_grad: torch.Tensor, group: Any) -> torch.Tensor:
-    """C1, the backward barrier (Vocab-2): all-reduce SUM of the slices' input gradients ``[s, b, h]``
+    """C1, the backward barrier (Vocab-1): all-reduce SUM of the slices' input gradients ``[s, b, h]``
     (in place), as megatron-core's column-parallel linear reduces its input gradient. Only the last
     stage's rank uses the result."""
     dist.all_reduce(input_grad, op=dist.ReduceOp.SUM, group=group)

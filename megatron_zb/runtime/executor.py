@@ -12,6 +12,10 @@ action list (:func:`execute`):
 * ``W``  -- runs the queue of that (stage, microbatch);
 * ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does; layers that queue
   their weight gradients themselves, e.g. Transformer Engine's, run them right after);
+* ``IF`` / ``S`` / ``T`` / ``IB`` -- the vocabulary-parallel passes, run by the iteration's
+  :class:`~megatron_zb.runtime.vocab_runtime.VocabPasses` (``StageRuntime.vocab``), which also hooks
+  the first stage's ``F``/``B`` (the word embedding, its gradient) and the last stage's (``X``, its
+  gradient, the loss);
 * ``RECV_*`` / ``SEND_*`` -- p2p via :class:`PipeComm`, one communicator per direction, matched
   by order as on NCCL. When receives are posted (ahead of use) and when a sent tensor is let go
   is decided once per schedule, as the rank's issue order (:attr:`RankPlan.program`,
@@ -122,6 +126,8 @@ class StageRuntime:
             (``[seq_len / tp if sequence parallel else seq_len, micro_batch_size, hidden]``).
         dtype: dtype of those hidden states (``config.pipeline_dtype``).
         device: device of those hidden states.
+        vocab: the iteration's vocabulary-parallel passes
+            (:class:`~megatron_zb.runtime.vocab_runtime.VocabPasses`) when the schedule has them.
     """
 
     chunks: dict[int, torch.nn.Module]
@@ -129,6 +135,7 @@ class StageRuntime:
     tensor_shape: Sequence[int]
     dtype: torch.dtype
     device: torch.device
+    vocab: Any = None
 
 
 def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, forward_step_func: Callable,
@@ -166,6 +173,8 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
             watch.after_comm(a if step is Step.WAIT or step is Step.SEND else None, t0, u0)
     t0, u0 = watch.now()
     comm.finish()
+    if runtime.vocab is not None:
+        it.vocab_finished(*runtime.vocab.finish())
     watch.after_comm(None, t0, u0)
     if not plan.forward_only:
         store.assert_empty()
@@ -320,7 +329,9 @@ class _Iteration:
     def compute(self, a: Action) -> None:
         """Run the compute action ``a`` (``F``, ``B``, ``W`` or ``BW``)."""
         op = a.op
-        if op is Op.F:
+        if op.is_vocab:
+            self.runtime.vocab.run(a)
+        elif op is Op.F:
             self.forward(a, (a.mb, a.stage))
         elif op is Op.W:
             self.store.run(a.stage, a.mb)
@@ -329,23 +340,32 @@ class _Iteration:
 
     def forward(self, a: Action, key: tuple[int, int]) -> None:
         """``F``: megatron-core's ``forward_step`` (data on stage 0, loss on the last stage)."""
-        stage, fo = a.stage, self.forward_only
+        stage, fo, vocab = a.stage, self.forward_only, self.runtime.vocab
+        step_func = self.forward_step_func
+        vocab_ctx: Any = contextlib.nullcontext()
+        if vocab is not None:  # the loss is the vocabulary passes' (runtime/vocab_runtime.py)
+            if stage == self.last:
+                step_func = vocab.wrap_forward_step_func(a.mb, step_func)
+            if stage == 0:
+                vocab_ctx = vocab.first_forward(a.mb)
         if stage == 0:
             inp = None
         else:  # received, or handed over by the previous stage on this rank
             inp = self.stage_inputs.pop(key) if fo else self.stage_inputs[key]
         data: list[Any] = []
         ctx = self.memory.saving() if self.memory is not None else contextlib.nullcontext()
-        with ctx:
+        with ctx, vocab_ctx:
             out, n_tok = self._forward_step(
-                self.forward_step_func,
+                step_func,
                 self.feeders[stage].for_microbatch(a.mb) if stage in self.feeders
                 else self.runtime.data_iterators.get(stage),
                 self.runtime.chunks[stage], self.m, inp, data, self.config,
                 self.cp_group_size, collect_non_loss_data=self.collect_non_loss_data,
                 is_first_microbatch=self._check_first_val_step(self.first_val_step, fo, a.mb == 0),
-                current_microbatch=a.mb, is_last_stage=(stage == self.last))
+                current_microbatch=a.mb, is_last_stage=(stage == self.last and vocab is None))
         self.total_tokens += n_tok
+        if vocab is not None and stage == self.last:
+            vocab.after_last_forward(a.mb, _first(out))
         if data:
             self.stage_data[key] = data
         _, dst = pipeline_neighbours(Op.F, stage, self.last + 1)
@@ -362,19 +382,31 @@ class _Iteration:
         stage = a.stage
         inp = self.stage_inputs.pop(key, None)
         out = self.outputs.pop(key)
-        out_grad = None if stage == self.last else self.output_grads.pop(key)
+        vocab = self.runtime.vocab
+        if stage != self.last:
+            out_grad = self.output_grads.pop(key)
+        else:  # the loss's own gradient, or with vocabulary parallelism the gradient of the final norm's output
+            out_grad = None if vocab is None else vocab.last_output_grad(a.mb)
         # tracked as in F: what a recomputed block saves in B (W closures may keep part of it)
         ctx = self.memory.saving() if self.memory is not None else contextlib.nullcontext()
         with ctx, backward_window(store=self.store, deferred=deferred, chunk=self.runtime.chunks[stage],
                                   stage=stage, microbatch=a.mb):
             in_grad = self._backward_step(inp, out, out_grad, self.config)
         del out, out_grad
+        if vocab is not None and stage == 0:
+            vocab.after_first_backward(a.mb)
         _, dst = pipeline_neighbours(a.op, stage, self.last + 1)
         if dst is not None:
             if self.stage_to_rank[dst] == self.rank:  # previous stage on this rank
                 self.output_grads[(a.mb, dst)] = in_grad
             else:
                 self.input_grads[key] = in_grad  # picked up by the SEND_B that follows
+
+    def vocab_finished(self, data: dict[int, list[Any]], tokens: torch.Tensor) -> None:
+        """The last rank's loss data per microbatch and token count, from the vocabulary passes."""
+        for mb, d in data.items():
+            self.stage_data[(mb, self.last)] = d
+        self.total_tokens += tokens.to(self.total_tokens.device)
 
     def result(self) -> tuple[list[Any], torch.Tensor]:
         """(forward data of the last stage in microbatch order, total tokens)."""

@@ -51,6 +51,10 @@ class ZeroBubbleOptions:
             synchronisation: :class:`~megatron_zb.runtime.action_timing.ActionTiming`).
         validate: check the schedule before running it. Turn off only to exercise the runtime's
             own safety nets (p2p timeouts, pending-W check) with deliberately broken schedules.
+        vocab_parallel: the model's vocabulary slices
+            (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`), required by -- and only
+            allowed with -- a schedule with vocabulary-parallel passes (``1f1b-vocab-1``, ...), with the
+            iterator of micro batches every rank reads for them (docs/vocab_parallel.md).
     """
 
     schedule: str | Schedule = "zb"
@@ -63,6 +67,7 @@ class ZeroBubbleOptions:
     track_memory: bool = False
     time_actions: bool = False
     validate: bool = True
+    vocab_parallel: Any = None
 
 
 @dataclass
@@ -127,9 +132,7 @@ class ZeroBubbleForwardBackward:
     def install_schedule(self, schedule: Schedule) -> None:
         """Use ``schedule`` for its ``(p, m)`` from now on (e.g. one built on another rank and
         broadcast, so that every rank runs the identical action lists)."""
-        refusal = vocab_passes_unsupported(schedule)
-        if refusal is not None:
-            raise ValueError(refusal)
+        _check_vocab_option(self.options, vocab_passes_unsupported(schedule))
         self._cache[(schedule.num_ranks, schedule.num_microbatches)] = schedule
         self._drop_plans(schedule.num_ranks, schedule.num_microbatches)
 
@@ -153,7 +156,8 @@ class ZeroBubbleForwardBackward:
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
         """One iteration, as megatron-core's ``forward_backward_func``: plan this rank's part of the
         schedule, execute it with gradient reduction held back, then finish the gradients; returns
-        the last stage's forward data (reduced losses) in microbatch order."""
+        the last stage's forward data (reduced losses) in microbatch order (a vocabulary-parallel
+        schedule also reads ``num_microbatches`` micro batches of ``options.vocab_parallel.data_iterator``)."""
         from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
@@ -172,6 +176,14 @@ class ZeroBubbleForwardBackward:
         runtime = StageRuntime(chunks=dict(zip(stages, chunks)), data_iterators=dict(zip(stages, iters)),
                                tensor_shape=shape, dtype=config.pipeline_dtype or torch.float32,
                                device=next(chunks[0].parameters()).device)
+        if self.options.vocab_parallel is not None:
+            from .vocab_runtime import vocab_passes
+
+            runtime.vocab = vocab_passes(
+                self.options.vocab_parallel, plan=plan, pp_group=pp_group, timeout=self.options.timeout,
+                config=config, runtime=runtime, store=self.store,
+                forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+                cp_group_size=parallel_state.get_context_parallel_group().size())
         memory = None
         if self.options.track_memory:
             memory = ActivationMemoryTracker(p for c in chunks for p in c.parameters())
@@ -192,6 +204,8 @@ class ZeroBubbleForwardBackward:
             cp_group_size=parallel_state.get_context_parallel_group().size(), first_val_step=first_val_step,
             timing=timing, memory=memory, overhead=overhead)
         if not forward_only:
+            if runtime.vocab is not None:  # the slices' own data-parallel reduction (their DDP)
+                runtime.vocab.sync_grads()
             _finish_gradients(config, chunks, grad_sync_launched=grad_sync is not None, schedule=sched,
                               total_tokens=total_tokens, pp_group=pp_group, pg_collection=pg_collection,
                               force_all_reduce=force_all_reduce)
@@ -231,6 +245,8 @@ class ZeroBubbleForwardBackward:
                                                                 policy=self.options.wait_policy)
         except BaseException:
             comm.abort()
+            if execute_args["runtime"].vocab is not None:
+                execute_args["runtime"].vocab.close()
             self.store.clear()
             if grad_sync is not None:
                 grad_sync.end_failed()
@@ -327,6 +343,16 @@ def get_forward_backward_func(schedule: str | Schedule = "zb", **options: Any) -
     """
     refusal = (vocab_passes_unsupported(schedule) if isinstance(schedule, Schedule) else
                vocab_passes_unsupported(name=schedule, vocab_parallel=get_spec(schedule).vocab_parallel))
-    if refusal is not None:  # (get_spec above also fails early on an unknown name)
+    opts = ZeroBubbleOptions(schedule=schedule, **options)   # (get_spec above also fails early on an unknown name)
+    _check_vocab_option(opts, refusal)
+    return ZeroBubbleForwardBackward(opts)
+
+
+def _check_vocab_option(options: ZeroBubbleOptions, refusal: str | None) -> None:
+    """A schedule with vocabulary-parallel passes (``refusal`` says why one cannot run without the
+    model's slices) needs ``options.vocab_parallel``, and that option needs such a schedule."""
+    if refusal is not None and options.vocab_parallel is None:
         raise ValueError(refusal)
-    return ZeroBubbleForwardBackward(ZeroBubbleOptions(schedule=schedule, **options))
+    if refusal is None and options.vocab_parallel is not None:
+        raise ValueError("vocab_parallel (the model's vocabulary slices) needs a schedule with vocabulary-parallel "
+                         "passes (e.g. 1f1b-vocab-1, zb-h1-vocab-1); this one places none")

@@ -92,8 +92,8 @@ def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, vali
 def _rank_part(lowered: Schedule, rank: int, forward_only: bool) -> RankPlan:
     """``rank``'s :class:`RankPlan` without its program."""
     acts = lowered.ranks[rank]
-    if forward_only:
-        acts = [a for a in acts if a.op in (Op.F, Op.SEND_F, Op.RECV_F)]
+    if forward_only:  # the forwards, their transfers, and the vocabulary passes that give the loss
+        acts = [a for a in acts if a.op in (Op.F, Op.SEND_F, Op.RECV_F, Op.IF, Op.S)]
     stages = {a.stage for a in acts if a.op is Op.F}
     mine = {(a.op, a.mb, a.stage): a for a in acts if a.op.is_recv}
     recv_order: dict[int, tuple[Action, ...]] = {}

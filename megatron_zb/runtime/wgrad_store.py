@@ -72,6 +72,7 @@ class WeightGradStore:
     def __init__(self) -> None:
         self._queues: dict[tuple[int, int], list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]] = {}
         self._active: tuple[int, int] | None = None
+        self._early: set[tuple[int, int]] = set()  # queues opened by queue_for before their B
         self._w_left: dict[int, int] = {}        # stage -> W actions still to run this iteration
         self._params: dict[int, dict[int, torch.Tensor]] = {}  # stage -> {id(param): param} queued
         self.executed = 0
@@ -88,9 +89,10 @@ class WeightGradStore:
             s, m = _CURRENT._active or (None, None)
             raise WeightGradStoreError(f"B of stage {stage} microbatch {microbatch} started while "
                                        f"B of stage {s} microbatch {m} is open")
-        if key in self._queues:
+        if key in self._queues and key not in self._early:
             raise WeightGradStoreError(f"B of stage {stage} microbatch {microbatch} ran twice before its W")
-        self._queues[key] = []
+        self._queues.setdefault(key, [])
+        self._early.discard(key)
         self._active = key
         _CURRENT = self
         try:
@@ -119,6 +121,20 @@ class WeightGradStore:
                 known = self._params[key[0]] = {}
             for p in params:
                 known[id(p)] = p
+
+    def queue_for(self, stage: int, microbatch: int, fn: Callable[[], None], *, params: tuple[torch.Tensor, ...]
+                  ) -> None:
+        """Queue ``fn`` for the W of ``(stage, microbatch)`` from outside a B window, before or after
+        that B (a vocabulary-parallel ``T`` pass's weight gradient, run by the rank's W of the microbatch)."""
+        key = (stage, microbatch)
+        if key not in self._queues:
+            self._queues[key] = []
+            self._early.add(key)
+        saved, self._active = self._active, key
+        try:
+            self.put(fn, params=params)
+        finally:
+            self._active = saved
 
     # ------------------------------------------------------------------ W: run
     def run(self, stage: int, microbatch: int) -> int:
@@ -218,6 +234,7 @@ class WeightGradStore:
                 if discard is not None:
                     discard()
         self._queues.clear()
+        self._early.clear()
         self._w_left.clear()
         self._params.clear()
         if _CURRENT is self:

@@ -45,8 +45,9 @@ class ScheduleSpec:
         build: the generator (see :class:`Builder`).
         vocab_parallel: whether the schedule holds vocabulary-parallel passes (``IF``, ``S``,
             ``T``, ``IB``; ``Schedule.vocab_barriers > 0``). The simulator, the plots and the
-            JSON form take them; the runtime and the exports to PyTorch do not run them yet
-            (docs/vocab_parallel_schedules.md), so their callers refuse such a schedule by this flag.
+            JSON form take them; the runtime runs them given the model's vocabulary slices
+            (docs/vocab_parallel.md; ``pretrain_gpt_zb.py --enable-vocab-parallel``); the export to
+            PyTorch does not yet; the consumers refuse such a schedule otherwise by this flag.
     """
 
     name: str

@@ -125,17 +125,21 @@ VOCAB_OPS: tuple[Op, ...] = (Op.IF, Op.S, Op.T, Op.IB)
 
 def vocab_passes_unsupported(schedule: "Schedule | None" = None, *, name: str | None = None,
                              vocab_parallel: bool = False) -> str | None:
-    """Why a consumer that executes schedules (megatron-zb's runtime, the PyTorch export) cannot take
-    this one yet -- it holds vocabulary-parallel passes -- or ``None``. Give a built ``schedule``, or a
-    registry ``name`` with its spec's ``vocab_parallel``. The one copy of the refusal's text."""
+    """Why a consumer that executes schedules cannot take this one -- it holds vocabulary-parallel
+    passes -- or ``None``: the PyTorch export never yet, megatron-zb's runtime and ``pretrain_gpt_zb.py
+    --schedule`` unless given the model's vocabulary slices (the runtime's ``vocab_parallel`` option,
+    ``--enable-vocab-parallel``). Give a
+    built ``schedule``, or a registry ``name`` with its spec's ``vocab_parallel``. The one copy of the
+    refusal's text."""
     holds = vocab_parallel if schedule is None else (
         schedule.vocab_barriers > 0 or any(a.op in VOCAB_OPS for _, _, a in schedule.actions()))
     if not holds:
         return None
     what = repr(name if name is not None else schedule.name)  # type: ignore[union-attr]
-    return (f"schedule {what} holds vocabulary-parallel passes (IF/S/T/IB), which only the simulator, the "
-            f"plots and `megatron-zb schedule` take so far (docs/vocab_parallel_schedules.md); choose a schedule "
-            f"without them")
+    return (f"schedule {what} holds vocabulary-parallel passes (IF/S/T/IB), which megatron-zb's runtime runs "
+            f"only given the model's vocabulary slices (pretrain_gpt_zb.py: add --enable-vocab-parallel; Python: "
+            f"vocab_parallel=VocabParallelModel(...); docs/vocab_parallel.md) and the PyTorch export does not take; "
+            f"choose a schedule without them")
 
 
 VOCAB_BARRIERS: tuple[int, ...] = (1, 2)

@@ -220,7 +220,8 @@ def build_datasets(config: RunConfig, *, tokenizer: MegatronTokenizerBase | None
     tokenizer = tokenizer if tokenizer is not None else data.tokenizer.build()
     if pipeline_rank is None:
         pipeline_rank = _default_pipeline_rank()
-    consumes = pipeline_rank is None or pipeline_rank_consumes_data(
+    every_rank = config.schedule.enable_vocab_parallel  # the vocabulary passes need tokens and labels
+    consumes = pipeline_rank is None or every_rank or pipeline_rank_consumes_data(
         pipeline_rank, pipeline_size=config.parallel.pipeline_model_parallel_size,
         placement=config.schedule.placement)
     if not consumes and not torch.distributed.is_initialized():

@@ -26,6 +26,9 @@ class DataBundle:
         test: test micro batches.
         has_valid: whether the job has validation data (agreed by all ranks).
         has_test: whether the job has test data (agreed by all ranks).
+        vocab_train: with ``--enable-vocab-parallel``, one more view of the training micro batches, on
+            every rank (the vocabulary passes read each micro batch's tokens and labels); else ``None``.
+        vocab_valid, vocab_test: the same for the validation and test micro batches.
     """
 
     train: list[Any]
@@ -33,11 +36,16 @@ class DataBundle:
     test: list[Any]
     has_valid: bool
     has_test: bool
+    vocab_train: Any = None
+    vocab_valid: Any = None
+    vocab_test: Any = None
 
 
-def build_data(config: RunConfig, *, reads_data: Sequence[bool], state: TrainState) -> DataBundle:
+def build_data(config: RunConfig, *, reads_data: Sequence[bool], state: TrainState,
+               vocab_parallel: bool = False) -> DataBundle:
     """Datasets and iterators (:mod:`megatron_zb.training.data`), resuming at ``state``'s consumed
-    samples; ``reads_data`` tells per chunk whether it reads micro batches. Collective."""
+    samples; ``reads_data`` tells per chunk whether it reads micro batches; ``vocab_parallel``: one more
+    view of the training micro batches for the vocabulary passes (every rank reads). Collective."""
     from megatron_zb.megatron_compat import quiet_mock_dataset_cache_notice
     from megatron_zb.training.data import build_data_iterators, train_valid_test_num_samples
 
@@ -55,8 +63,9 @@ def build_data(config: RunConfig, *, reads_data: Sequence[bool], state: TrainSta
     print_rank_0(f"> data ready: {'mock' if config.data.mock_data else 'indexed'} data, {n_train} training, "
                  f"{n_valid} validation, {n_test} test samples requested; starting at sample "
                  f"{state.consumed_train_samples} ({time.perf_counter() - t0:.1f} s)")
-    return DataBundle(train=chunk_iterators(train, reads_data), valid=chunk_iterators(valid, reads_data),
-                      test=chunk_iterators(test, reads_data), has_valid=has_valid, has_test=has_test)
+    views = [chunk_iterators(source, list(reads_data) + [vocab_parallel]) for source in (train, valid, test)]
+    return DataBundle(train=views[0][:-1], valid=views[1][:-1], test=views[2][:-1], has_valid=has_valid,
+                      has_test=has_test, vocab_train=views[0][-1], vocab_valid=views[1][-1], vocab_test=views[2][-1])
 
 
 class _SharedSource:

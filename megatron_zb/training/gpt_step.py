@@ -15,7 +15,7 @@ import torch
 from megatron_zb.training.data import get_batch
 from megatron_zb.training.run_config import RunConfig
 
-__all__ = ["forward_step", "loss_func", "run_batch", "sum_lm_loss"]
+__all__ = ["device_batches", "forward_step", "loss_func", "run_batch", "sum_lm_loss"]
 
 
 def loss_func(loss_mask: torch.Tensor | None, output_tensor: torch.Tensor
@@ -64,6 +64,12 @@ def run_batch(forward_backward: Callable[..., list[Any]], *, model: Sequence[Any
                             model=list(model), num_microbatches=m, seq_length=seq,
                             micro_batch_size=config.micro_batch_size, decoder_seq_length=seq,
                             forward_only=forward_only)
+
+
+def device_batches(data_iterator: Iterator[Any], *, device: Any) -> Iterator[dict[str, torch.Tensor]]:
+    """``data_iterator``'s micro batches moved to ``device`` (:func:`~megatron_zb.training.data.get_batch`),
+    one per ``next()``: what the vocabulary-parallel passes read on every rank (``--enable-vocab-parallel``)."""
+    return iter(lambda: get_batch(data_iterator, device=device), None)
 
 
 def sum_lm_loss(reports: Sequence[dict[str, torch.Tensor]], into: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -27,11 +28,32 @@ class ModelBundle:
         modules: the same chunks wrapped (``Float16Module`` for fp16/bf16, then megatron-core
             ``DistributedDataParallel``): the ``model`` list given to ``forward_backward_func``.
         stage_to_rank: pipeline rank of every stage, the placement the chunks were built for.
+        vocab_slices: with ``--enable-vocab-parallel``, this rank's
+            :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` (the chunks then hold no word
+            embedding and no output layer); ``None`` otherwise.
+        vocab_module: ``vocab_slices`` wrapped in megatron-core DDP (in the optimizer, not in ``modules``).
     """
 
     chunks: list[GPTChunk]
     modules: list[Any]
     stage_to_rank: list[int]
+    vocab_slices: Any = None
+    vocab_module: Any = None
+
+    @property
+    def vocab_parallel(self) -> Any:
+        """What the runtime takes (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`: the slices
+        and their DDP), or ``None`` without ``--enable-vocab-parallel``."""
+        if self.vocab_slices is None:
+            return None
+        from megatron_zb.runtime.vocab_runtime import VocabParallelModel
+
+        return VocabParallelModel(self.vocab_slices, ddp=self.vocab_module)
+
+    @property
+    def all_modules(self) -> list[Any]:
+        """``modules`` and the vocabulary slices' module: what the optimizer steps and the loop zeroes."""
+        return self.modules + ([self.vocab_module] if self.vocab_module is not None else [])
 
     @property
     def gpt_models(self) -> list[Any]:
@@ -72,18 +94,57 @@ def build_model(config: RunConfig, *, stage_to_rank: Sequence[int], dist: Distri
         from megatron_zb.runtime.wgrad_kernels import install_megatron_fallback
 
         install_megatron_fallback()
+    gpt_kwargs = model.gpt_model_kwargs()
+    if schedule.enable_vocab_parallel:  # the slices tie (or not); the chunks' vocabulary layers are dropped
+        gpt_kwargs["share_embeddings_and_output_weights"] = False
     chunks = build_gpt_chunks(config=tc, vocab_size=model.padded_vocab_size,
                               max_sequence_length=model.max_position_embeddings, stage_to_rank=list(stage_to_rank),
                               seed=config.seed, layers_per_stage=list(schedule.layers_per_stage),
-                              layer_spec=gpt_layer_spec(model), **model.gpt_model_kwargs())
+                              layer_spec=gpt_layer_spec(model), **gpt_kwargs)
     print_rank_0(data_parallel_summary(parallel))
+    slices = _strip_vocab_layers(config, chunks, tc) if schedule.enable_vocab_parallel else None
     modules = wrap_chunks([c.module for c in chunks],
                           first_last=[(c.plan.pre_process, c.plan.post_process) for c in chunks],
                           parallel=parallel, precision=config.precision, device=dist.device)
+    vocab_module = None
+    if slices is not None:
+        from megatron.core.distributed import DistributedDataParallel
+
+        from megatron_zb.training.wiring import ddp_config
+
+        # no autograd hook reports the slices' gradients (the passes add them to main_grad): reduced after
+        # the schedule by the runtime (VocabParallelModel.ddp), not overlapped
+        cfg = dataclasses.replace(ddp_config(parallel, config.precision), overlap_grad_reduce=False)
+        vocab_module = DistributedDataParallel(config=tc, ddp_config=cfg, module=slices.to(dist.device),
+                                               disable_bucketing=True)
     n = sum(p.numel() for c in chunks for p in c.module.parameters())
+    n += sum(p.numel() for p in slices.parameters()) if slices is not None else 0
     if dist.dp_rank == 0:
         print(f" > model built: {n} parameters on this rank (tensor rank {dist.tp_rank}, pipeline rank "
               f"{dist.pp_rank}, stages {[c.plan.stage for c in chunks]}) in {time.perf_counter() - t0:.1f} s",
               flush=True)
     torch.distributed.barrier()
-    return ModelBundle(chunks=list(chunks), modules=modules, stage_to_rank=list(stage_to_rank))
+    return ModelBundle(chunks=list(chunks), modules=modules, stage_to_rank=list(stage_to_rank), vocab_slices=slices,
+                       vocab_module=vocab_module)
+
+
+def _strip_vocab_layers(config: RunConfig, chunks: Sequence[GPTChunk], tc: Any) -> Any:
+    """``--enable-vocab-parallel``: drop the first and last chunk's vocabulary layers (built untied:
+    :func:`~megatron_zb.model.vocab_chunks.strip_vocab_layers`); return this rank's slices of them over
+    the pipeline group, drawn from the same seeds as the chunks' would be (one slice serving both
+    unless ``--untie-embeddings-and-output-weights``)."""
+    from megatron.core import parallel_state
+
+    from megatron_zb.model.vocab_chunks import strip_vocab_layers
+    from megatron_zb.model.vocab_parallel import VocabParallelSlices
+
+    for c in chunks:
+        strip_vocab_layers(c.module)
+    slices = VocabParallelSlices(padded_size=config.model.padded_vocab_size, hidden_size=tc.hidden_size,
+                                 group=parallel_state.get_pipeline_model_parallel_group(),
+                                 tied=not config.model.untie_embeddings_and_output_weights,
+                                 seed=config.seed, init_method=tc.embedding_init_method,
+                                 output_init_method=tc.init_method, params_dtype=tc.params_dtype)
+    print_rank_0(f"> vocabulary parallelism: {slices.vocab.num_slices} slices of {slices.vocab.size} rows "
+                 f"(padded vocabulary {slices.vocab.padded_size}){', tied' if slices.tied else ''}")
+    return slices

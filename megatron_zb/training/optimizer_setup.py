@@ -45,7 +45,7 @@ class OptimizerBundle:
 
 def build_optimizer(config: RunConfig, *, model: ModelBundle,
                     on_validation_report: Callable[[Any], None]) -> OptimizerBundle:
-    """megatron-core's optimizer over ``model.modules`` (:func:`~megatron_zb.training.wiring.megatron_optimizer`),
+    """megatron-core's optimizer over ``model.all_modules`` (:func:`~megatron_zb.training.wiring.megatron_optimizer`),
     the post-validation wrapper when asked for, the LR scheduler; sets every chunk's ``grad_scale_func``.
 
     With post-validation, every validation of an earlier step (``begin_iteration``, ``validate``,
@@ -56,7 +56,8 @@ def build_optimizer(config: RunConfig, *, model: ModelBundle,
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optim = config.optim
-    inner = megatron_optimizer(optim, precision=config.precision, parallel=config.parallel, modules=model.modules)
+    inner = megatron_optimizer(optim, precision=config.precision, parallel=config.parallel,
+                               modules=model.all_modules)
     optimizer = inner
     if optim.post_validation is not None:
         optimizer = wrap_post_validation(optim.post_validation, inner)

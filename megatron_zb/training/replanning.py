@@ -58,11 +58,14 @@ class SchedulePlanner:
     """
 
     def __init__(self, config: RunConfig, *, schedule: Schedule, dist_ctx: DistributedContext,
-                 runtime: Any = None) -> None:
+                 runtime: Any = None, vocab: Any = None) -> None:
         """Build the ``forward_backward_func`` (or own ``runtime``, megatron-zb's
         ``ZeroBubbleForwardBackward`` built elsewhere, e.g. by :func:`megatron_zb.patch_megatron`)
         and install global rank 0's ``schedule``. ``config``: the run (its ``schedule`` section, the
-        model's sizes, the parallel layout, the training length). Collective."""
+        model's sizes, the parallel layout, the training length). Collective. ``vocab``
+        (``--enable-vocab-parallel``): the model's vocabulary slices
+        (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`), given to the runtime; such a
+        run has no profiling window (the vocabulary passes' costs are not measured yet)."""
         self.config = config
         self._dist = dist_ctx
         self._initial = schedule
@@ -78,6 +81,11 @@ class SchedulePlanner:
         self._bookkeeping = 0.0  # seconds the profiler itself spent after that iteration (left out of step_ms)
         self._bytes_only = self._times_tracked = False  # this iteration measures activation bytes (only)
         self._track_memory = False  # the runtime's track_memory outside the window
+        self._vocab_parallel = vocab is not None
+        self.vocab: Any = vocab  # the runtime's VocabParallelModel (its data_iterator is set by the trainer)
+        if self._vocab_parallel:
+            print_rank_0(f"> vocabulary parallelism: no profiling window, schedule {config.schedule.name!r} kept as "
+                         f"built (the vocabulary passes' costs are not measured yet)")
         if config.schedule.use_megatron_core_schedule:
             from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
             self.forward_backward: Any = megatron_func()
@@ -85,9 +93,10 @@ class SchedulePlanner:
         if runtime is None:
             from megatron_zb.runtime import get_forward_backward_func
 
+            extra: dict[str, Any] = {} if vocab is None else {"vocab_parallel": vocab}
             runtime = get_forward_backward_func(config.schedule.name, memory_limit=config.schedule.memory_limit,
                                                 num_chunks=config.schedule.num_model_chunks,
-                                                timeout=config.schedule.pipeline_timeout_seconds)
+                                                timeout=config.schedule.pipeline_timeout_seconds, **extra)
         self.runtime = runtime
         self._initial = self._rank0_schedule(schedule)
         self.runtime.install_schedule(self._initial)
@@ -97,6 +106,8 @@ class SchedulePlanner:
     # ------------------------------------------------------------------ the profiling window
     @property
     def _window(self) -> tuple[int, int]:
+        if self._vocab_parallel:  # no profiling window: the passes' costs are not measured yet
+            return 0, 0
         sched = self.config.schedule
         return sched.zero_bubble_pipeline_timers_start_iter, sched.zero_bubble_pipeline_timers_end_iter
 

@@ -47,7 +47,7 @@ from megatron_zb.training.checkpointing import CheckpointError, load_checkpoint,
 from megatron_zb.training.data_setup import DataBundle, build_data
 from megatron_zb.training.distributed import DistributedContext, init_distributed, shutdown_distributed
 from megatron_zb.training.evaluation import evaluate
-from megatron_zb.training.gpt_step import run_batch, sum_lm_loss
+from megatron_zb.training.gpt_step import device_batches, run_batch, sum_lm_loss
 from megatron_zb.training.housekeeping import LoopHooks
 from megatron_zb.training.logging_utils import print_rank_0, tensorboard_writer
 from megatron_zb.training.measured_timeline import MeasuredTimeline
@@ -113,13 +113,16 @@ class Trainer:
             self.timing = TimingLog(level=logging.timing_log_level, option=logging.timing_log_option,
                                     barrier=logging.barrier_with_L1_time)
             self.timing.install([c.module.config for c in self.model.chunks] + optimizer_configs(self.optim.inner))
-            self.planner = SchedulePlanner(self.config, schedule=schedule, dist_ctx=self.dist)
+            self.planner = SchedulePlanner(self.config, schedule=schedule, dist_ctx=self.dist,
+                                           vocab=self.model.vocab_parallel)
             self.timeline = MeasuredTimeline(self.config.profiling, runtime=self.planner.runtime,
                                              device=self.dist.device, pp_group=self.dist.pp_group,
                                              train_iters=self.config.train_iters)
             self.state: TrainState = self._load() if args.load else TrainState()
             self.last_saved: int | None = self.state.iteration if args.load else None
-            self.data: DataBundle = build_data(self.config, reads_data=self.model.reads_data, state=self.state)
+            self.data: DataBundle = build_data(self.config, reads_data=self.model.reads_data, state=self.state,
+                                               vocab_parallel=self.model.vocab_slices is not None)
+            self._use_vocab_data(self.data.vocab_train)
             self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
             self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
@@ -156,7 +159,7 @@ class Trainer:
     def _train(self) -> bool:
         """The loop; returns True when it stopped early (``--exit-interval``, ``--exit-signal-handler``)."""
         args = self.args
-        for m in self.model.modules:
+        for m in self.model.all_modules:
             m.train()
         self.log.start_interval()
         start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
@@ -194,7 +197,7 @@ class Trainer:
         self.timeline.before_iteration(it)
         if opt.post_validation:
             opt.optimizer.begin_iteration()  # validates the previous step (reports to _on_validation_report)
-        for m in self.model.modules:
+        for m in self.model.all_modules:
             m.zero_grad_buffer()
         opt.optimizer.zero_grad()
         t0 = time.perf_counter()
@@ -236,7 +239,7 @@ class Trainer:
             self._log_interval()
         if self.config.data.eval_iters > 0 and self.data.has_valid and it % self.config.data.eval_interval == 0:
             with self.log.excluding_time(), self.hooks.evaluation():
-                self._evaluate(f"iteration {it}", self.data.valid, valid=True)
+                self._evaluate(f"iteration {it}", self.data.valid, valid=True, vocab=self.data.vocab_valid)
         self.hooks.after_iteration(it)  # Megatron-LM's post-step callbacks: the profile window's end, manual GC
         if args.save and args.save_interval and it % args.save_interval == 0:
             with self.log.excluding_time():
@@ -276,9 +279,10 @@ class Trainer:
             self._save()
         if self.config.data.eval_iters > 0:
             if self.data.has_valid:
-                self._evaluate(f"iteration {it} on validation set", self.data.valid, valid=True)
+                self._evaluate(f"iteration {it} on validation set", self.data.valid, valid=True,
+                               vocab=self.data.vocab_valid)
             if self.data.has_test:
-                self._evaluate(f"iteration {it} on test set", self.data.test, valid=False)
+                self._evaluate(f"iteration {it} on test set", self.data.test, valid=False, vocab=self.data.vocab_test)
         self.log.write_json()
         if self.optim.post_validation:
             c = self.optim.optimizer.counters()
@@ -363,9 +367,15 @@ class Trainer:
         """``--log-params-norm``: the parameters' L2 norm now (collective), else ``None``."""
         if not self.config.logging.log_params_norm:
             return None
-        return params_l2_norm(self.model.modules, bf16=self.config.precision.bf16, device=self.dist.device)
+        return params_l2_norm(self.model.all_modules, bf16=self.config.precision.bf16, device=self.dist.device)
 
-    def _evaluate(self, prefix: str, iterators: Sequence[Any], *, valid: bool) -> float:
+    def _use_vocab_data(self, iterator: Any) -> None:
+        """``--enable-vocab-parallel``: the micro batches the vocabulary passes read (every rank) from now on."""
+        if self.planner.vocab is not None:
+            self.planner.vocab.data_iterator = device_batches(iterator, device=self.dist.device)
+
+    def _evaluate(self, prefix: str, iterators: Sequence[Any], *, valid: bool, vocab: Any = None) -> float:
+        self._use_vocab_data(vocab)
         if self.optim.post_validation:
             self.optim.optimizer.validate()  # evaluate the validated parameters
         self.planner.ensure_installed(self.config.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
@@ -373,6 +383,7 @@ class Trainer:
             loss = evaluate(self.config, forward_backward=self.planner.forward_backward, modules=self.model.modules,
                             iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                             after_step=self.hooks.after_eval_step)
+        self._use_vocab_data(self.data.vocab_train)
         if valid:
             self.state.consumed_valid_samples += self.config.data.eval_iters * self.config.global_batch_size
         self.log.add_validation(prefix, iteration=self.state.iteration, loss=loss, tensorboard=valid)

@@ -9,7 +9,7 @@
   unsharded ``F.embedding`` (exact sum: one non-zero contributor per element).
 * Against plain unsharded PyTorch (``F.cross_entropy`` on the whole padded vocabulary), within a
   relative tolerance, on the real pipeline group (PP=2, PP=4) and the model-parallel group (TP=2 x
-  PP=2), for the exact arithmetic and the paper's rescaled one (Vocab-2 and Vocab-1). Not bitwise:
+  PP=2), for the exact arithmetic and the paper's rescaled one (Vocab-1 and Vocab-2). Not bitwise:
   the sum over the vocabulary is a sum of per-slice partial sums (another association order), the
   rescaled form exponentiates with the slice's maximum and multiplies by ``exp(m_i - m)``, and
   the GEMMs have other shapes (other blockings).

@@ -159,4 +159,6 @@ def resolve_tokenizer_vocab(args: argparse.Namespace) -> None:
     else:
         vocab = args.vocab_size
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    if getattr(args, "enable_vocab_parallel", False):  # every pipeline rank holds an equal slice
+        multiple *= args.pipeline_model_parallel_size
     args.padded_vocab_size = -(-vocab // multiple) * multiple

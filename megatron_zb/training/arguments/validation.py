@@ -33,7 +33,8 @@ from .parallel import (check_batch_sizes, check_context_parallel, check_data_par
 from .recompute import check_recompute
 from .training import (check_learning_rate, check_lr_schedule, check_precision, check_rampup_batch_size,
                        check_rampup_schedule, check_training_length, fill_training_values)
-from .zero_bubble import check_layers, check_schedule_builds, check_zero_bubble_options, resolve_schedule
+from .zero_bubble import (check_layers, check_schedule_builds, check_vocab_parallel, check_zero_bubble_options,
+                          resolve_schedule)
 
 __all__ = ["CHECKS", "NON_NEGATIVE", "POSITIVE", "REQUIRED", "UNIT_INTERVAL", "Check", "ValidatedArgs",
            "check_pipeline_timeout", "check_ranges", "validate_args", "validate_args_and_schedule"]
@@ -99,6 +100,7 @@ CHECKS: tuple[Check, ...] = (
     Check("rampup_schedule", lambda a, r: check_rampup_schedule(a),
           needs=("schedule_builds", "rampup_batch_size")),
     Check("zero_bubble_options", lambda a, r: check_zero_bubble_options(a, r["schedule"]), needs=("schedule",)),
+    Check("vocab_parallel", lambda a, r: check_vocab_parallel(a), needs=("schedule", "world_size")),
     Check("data", lambda a, r: check_data(a)),
     Check("tokenizer_vocab", lambda a, r: resolve_tokenizer_vocab(a), needs=("ranges",)),
     Check("model_sizes", lambda a, r: fill_model_sizes(a), needs=("ranges",)),

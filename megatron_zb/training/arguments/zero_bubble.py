@@ -22,6 +22,7 @@ __all__ = [
     "check_profile_out",
     "check_profiling_window",
     "check_schedule_builds",
+    "check_vocab_parallel",
     "check_zero_bubble_options",
     "initial_schedule",
     "resolve_schedule",
@@ -95,6 +96,13 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", dest="schedule_requested", choices=names, default=None, metavar="NAME",
                    help=f"Use any schedule of the library directly: {', '.join(names)}. Not together with "
                         "--zero-bubble-v-schedule.")
+    g.add_argument("--enable-vocab-parallel", action="store_true",
+                   help="Vocabulary parallelism (Yeung et al., MLSys 2025): the word embedding and the output "
+                        "layer with its cross entropy split evenly over the pipeline ranks, their passes placed "
+                        "by the schedule: needs --schedule 1f1b-vocab-1, 1f1b-vocab-2, zb-h1-vocab-1 or "
+                        "zb-h1-vocab-2 (-1: two barriers, -2: one); tied or untied embeddings; "
+                        "pipeline and data parallelism only (no tensor or context parallelism), fp32, no "
+                        "checkpoints so far (docs/vocab_parallel.md).")
     g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
                    help="Timeout of pipeline point-to-point transfers, seconds (default 300).")
 
@@ -131,7 +139,7 @@ def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
         raise ArgumentError(selected_by, f"schedule {name!r} is not available in this installation ({e}); "
                                          f"choose another schedule") from None
     refusal = vocab_passes_unsupported(name=name, vocab_parallel=spec.vocab_parallel)
-    if refusal is not None:
+    if refusal is not None and not args.enable_vocab_parallel:
         raise ArgumentError(selected_by, refusal)
     if args.enable_zero_bubble and not spec.split_backward:
         raise ArgumentError("--schedule", f"{name!r} is not a zero-bubble schedule (it does not split the backward); "
@@ -328,3 +336,34 @@ def _check_post_validation_tuning(args: argparse.Namespace) -> None:
             if getattr(args, dest) is None:
                 setattr(args, dest, default)
 
+
+
+def check_vocab_parallel(args: argparse.Namespace) -> None:
+    """``--enable-vocab-parallel``: a schedule that places the vocabulary passes, and none of what the
+    runtime does not run with them yet (all such flags named in one problem)."""
+    if not args.enable_vocab_parallel:
+        return
+    if not get_spec(args.schedule).vocab_parallel:
+        raise ArgumentError("--enable-vocab-parallel", f"needs a schedule that places the vocabulary passes: "
+                                                       f"--schedule 1f1b-vocab-1, 1f1b-vocab-2, zb-h1-vocab-1 or "
+                                                       f"zb-h1-vocab-2 ({args.schedule!r} places none)")
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    bad = [what for what, on in (
+        ("--tensor-model-parallel-size > 1", tp > 1),
+        ("--context-parallel-size > 1", cp > 1),
+        ("--sequence-parallel", args.sequence_parallel),
+        ("--fp16/--bf16 (fp32 only)", args.fp16 or args.bf16),
+        ("--calculate-per-token-loss", args.calculate_per_token_loss),
+        ("--num-experts", bool(args.num_experts)),
+        ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
+        ("--cross-entropy-loss-fusion", bool(getattr(args, "cross_entropy_loss_fusion", False))),
+        ("--save/--load (checkpoints of the slices)", bool(args.save or args.load)),
+        ("--use-distributed-optimizer", args.use_distributed_optimizer),
+        ("--enable-optimizer-post-validation", args.enable_optimizer_post_validation),
+        ("--use-megatron-core-schedule", args.use_megatron_core_schedule),
+        ("--profile-out", args.profile_out is not None),
+        ("--rampup-batch-size", bool(getattr(args, "rampup_batch_size", None))),
+    ) if on]
+    if bad:
+        raise ArgumentError("--enable-vocab-parallel", "not supported yet together with " + ", ".join(bad)
+                            + "; drop those flags or --enable-vocab-parallel")

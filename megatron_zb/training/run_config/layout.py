@@ -79,6 +79,9 @@ class ScheduleConfig:
     """The same limit in the schedule library's unit (one stage's activation ``M_B``)."""
     use_megatron_core_schedule: bool = False
     """``--use-megatron-core-schedule``: megatron-core's own schedule (the parity reference)."""
+    enable_vocab_parallel: bool = False
+    """``--enable-vocab-parallel``: the word embedding and the output layer sliced over the pipeline
+    ranks, their passes placed by the (vocabulary-parallel) schedule (docs/vocab_parallel.md)."""
     pipeline_timeout_seconds: float = 300.0
     """``--pipeline-timeout-seconds``: how long the runtime waits for a peer before naming it [s]."""
     zero_bubble_pipeline_timers_start_iter: int = 2
@@ -106,4 +109,5 @@ class ScheduleConfig:
                    pipeline_timeout_seconds=args.pipeline_timeout_seconds,
                    zero_bubble_pipeline_timers_start_iter=args.zero_bubble_pipeline_timers_start_iter,
                    zero_bubble_pipeline_timers_end_iter=args.zero_bubble_pipeline_timers_end_iter,
-                   profile_out=args.profile_out)
+                   profile_out=args.profile_out,
+                   enable_vocab_parallel=bool(getattr(args, "enable_vocab_parallel", False)))

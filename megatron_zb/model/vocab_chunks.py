@@ -1,0 +1,88 @@
+"""GPT chunks for vocabulary parallelism: the first stage's word embedding and the last stage's output
+layer (with its cross entropy) handed to :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices`,
+which every pipeline rank holds a slice of (docs/vocab_parallel.md).
+
+:func:`strip_vocab_layers` turns a megatron-core ``GPTModel`` chunk built as usual (e.g. by
+:func:`~megatron_zb.model.build_gpt_chunks`) into one that runs everything else of megatron-core's
+model unchanged:
+
+* first stage: ``embedding.word_embeddings`` becomes :class:`VocabEmbeddingInput`, which returns the
+  embedding the runtime's ``IF`` all-reduce produced for the microbatch in flight (checked against
+  the token ids the model was called with); the position embedding and the embedding dropout stay;
+* last stage: the output layer becomes :class:`HiddenOutput` (no parameter) and the chunk's
+  ``compute_language_model_loss`` hands the final norm's output ``X`` ``[s, b, h]`` back unchanged,
+  so that the chunk's forward returns ``X`` (the runtime's ``S``/``T`` passes compute the loss).
+
+The full-vocabulary weights the chunk was built with are dropped (built first, then freed: a build
+without them is not done yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = ["HiddenOutput", "VocabEmbeddingInput", "embedding_source", "strip_vocab_layers"]
+
+_SOURCE: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def embedding_source(source: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """While open, :class:`VocabEmbeddingInput` returns ``source(input_ids)`` (the runtime opens it
+    around the first stage's ``F``; process-wide, as the weight-gradient store's window)."""
+    global _SOURCE
+    if _SOURCE is not None:
+        raise RuntimeError("embedding_source: a first-stage forward is already in flight")
+    _SOURCE = source
+    try:
+        yield
+    finally:
+        _SOURCE = None
+
+
+class VocabEmbeddingInput(torch.nn.Module):
+    """Stand-in for the first stage's word embedding: the ``[b, s, h]`` embedding of the microbatch
+    in flight, summed over the pipeline ranks' slices by the runtime (``IF``); no parameter."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if _SOURCE is None:
+            raise RuntimeError("the word embedding of this chunk is vocabulary-parallel: run it through "
+                               "megatron-zb's runtime with a vocabulary-parallel schedule (e.g. 1f1b-vocab-1)")
+        return _SOURCE(input_ids)
+
+
+class HiddenOutput(torch.nn.Module):
+    """Stand-in for the last stage's output layer: returns its input (the final norm's output) and no
+    bias, as ``ColumnParallelLinear`` returns ``(output, bias)``; no parameter."""
+
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+                ) -> tuple[torch.Tensor, None]:
+        return hidden_states, None
+
+
+def _hidden_as_loss(labels: Any, logits: torch.Tensor) -> torch.Tensor:
+    """The chunk's ``compute_language_model_loss``: ``X`` ``[s, b, h]`` back unchanged."""
+    return logits
+
+
+def strip_vocab_layers(module: Any) -> None:
+    """Make the megatron-core ``GPTModel`` chunk ``module`` vocabulary-parallel (module docstring).
+
+    Untied embeddings only (``share_embeddings_and_output_weights=False``); multi-token prediction
+    is refused. Idempotent."""
+    if getattr(module, "vocab_parallel_stripped", False):
+        return
+    if getattr(module, "share_embeddings_and_output_weights", False):
+        raise NotImplementedError("vocabulary parallelism with tied embeddings is not run by the runtime yet "
+                                  "(build the model with share_embeddings_and_output_weights=False)")
+    if getattr(module.config, "mtp_num_layers", None):
+        raise NotImplementedError("vocabulary parallelism with multi-token prediction is not supported")
+    if module.pre_process:
+        module.embedding.word_embeddings = VocabEmbeddingInput()
+    if module.post_process:
+        module.output_layer = HiddenOutput()
+        module.compute_language_model_loss = _hidden_as_loss
+    module.vocab_parallel_stripped = True
