@@ -9,6 +9,7 @@ import ast
 from pathlib import Path
 
 import megatron_zb
+from megatron_zb.testing.import_graph import find_cycle
 
 PKG_DIR = Path(megatron_zb.__file__).parent
 MAX_MODULE_LINES = 550
@@ -77,28 +78,6 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}          # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(u: str) -> list[str] | None:
-        state[u] = 1
-        path.append(u)
-        for v in sorted(graph[u]):
-            if state.get(v) == 1:
-                return path[path.index(v):] + [v]
-            if v not in state and (found := visit(v)):
-                return found
-        path.pop()
-        state[u] = 2
-        return None
-
-    for u in sorted(graph):
-        if u not in state and (found := visit(u)):
-            return found
-    return None
-
-
 def test_no_module_is_over_550_lines():
     long = {name: n for name, path in _modules().items()
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
@@ -123,8 +102,8 @@ def test_the_checks_see_the_package():
     graph = _import_graph()
     assert "megatron_zb.schedules.timing" in graph["megatron_zb.schedules.simulator"]
     assert "megatron_zb.megatron_compat" in graph["megatron_zb.megatron_compat_te"]
-    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 def test_no_import_cycle_at_load_time():
-    assert _find_cycle(_import_graph()) is None
+    assert find_cycle(_import_graph()) is None

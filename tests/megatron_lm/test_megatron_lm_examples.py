@@ -13,23 +13,16 @@ checkpoint at the end (``--save``; ``--load`` finds none, as on a first launch).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 
 from test_megatron_lm_loop import FLAGS_PLUGIN, MCORE_1F1B, REPLAN_FUNC
+from test_megatron_lm_loop import pytestmark  # noqa: F401  (the loop tests' skips: no Megatron-LM, missing imports)
 
-from megatron_zb.testing.megatron_lm import SKIP_REASON, bitwise_differences, find_megatron_lm, run_megatron_lm
+from megatron_zb.testing.megatron_lm import bitwise_differences, run_megatron_lm
 from megatron_zb.testing.megatron_lm_examples import LLAMA3_8B, MIXTRAL_8X7B, PATH_FLAGS, ExampleScript
-
-_MISSING = [m for m in ("yaml", "regex", "pydantic") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.skipif(find_megatron_lm() is None, reason=SKIP_REASON),
-    pytest.mark.skipif(bool(_MISSING), reason=f"Megatron-LM's training package imports {_MISSING}: "
-                                              "pip install -e '.[test]'"),
-]
 
 ITERS = 4
 

@@ -14,6 +14,7 @@ from megatron_zb.schedules import CostModel, Placement, Schedule, ScheduleError,
 from megatron_zb.schedules.catalog import SCHEDULES, register
 from megatron_zb.schedules.ir import BW, F, make_schedule, plain_placement
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
+from megatron_zb.testing.import_graph import find_cycle
 
 PKG_DIR = Path(schedules_pkg.__file__).parent
 PKG = schedules_pkg.__name__
@@ -51,39 +52,17 @@ def _import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}          # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(u: str) -> list[str] | None:
-        state[u] = 1
-        path.append(u)
-        for v in sorted(graph[u]):
-            if state.get(v) == 1:
-                return path[path.index(v):] + [v]
-            if v not in state and (found := visit(v)):
-                return found
-        path.pop()
-        state[u] = 2
-        return None
-
-    for u in sorted(graph):
-        if u not in state and (found := visit(u)):
-            return found
-    return None
-
-
 def test_import_graph_is_read_correctly():
     graph = _import_graph()
     assert f"{PKG}.generators" in graph[f"{PKG}.registry"]
     assert f"{PKG}.catalog" in graph[f"{PKG}.generators.greedy"]
     assert f"{PKG}.timing" in graph[f"{PKG}.simulator"]
     assert f"{PKG}.limits" in graph[f"{PKG}.generators.vshape"]
-    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 def test_schedules_package_has_no_import_cycle():
-    assert _find_cycle(_import_graph()) is None
+    assert find_cycle(_import_graph()) is None
 
 
 def test_registration_order_is_the_documented_list_order():
