@@ -15,10 +15,11 @@ compares the recorded signatures, so an upgrade that moves or re-signs a name fa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 # ---------------------------------------------------------------------------------- releases
 
@@ -408,6 +409,36 @@ GPU, which the CPU shim drops (installed by ``megatron_zb.platform``'s import ho
 ``torch.utils.cpp_extension`` (``load_inline``) at module level, whose import logs
 "No CUDA runtime is found, using CUDA_HOME=..." when ``nvcc`` or ``CUDA_HOME`` is found but no GPU
 (0.16.1 does not import it; the filter is harmless there)."""
+
+
+MODEL_NOTICES: dict[str, tuple[tuple[str, str], ...]] = {
+    "0.16": (),
+    "0.19": (("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),),
+}
+"""Per release: (logger, message start) of what constructing a ``GPTModel`` logs, addressed to whoever
+chose the class. megatron-core 0.19 logs "GPTModel IS DEPRECATED ... use ``HybridModel``" (rank 0,
+WARNING) in every ``GPTModel.__init__``; megatron-zb builds ``GPTModel`` chunks as Megatron-LM
+core_v0.19.0's own ``pretrain_gpt.py`` does (``gpt_builders.py``), so the user has nothing to act on.
+:func:`quiet_model_notices` drops it while megatron-zb builds its chunks, and only then (a
+``GPTModel`` built elsewhere, e.g. by Megatron-LM's model provider, still logs it)."""
+
+
+@contextlib.contextmanager
+def quiet_model_notices() -> Iterator[None]:
+    """Drop the installed release's :data:`MODEL_NOTICES` log records inside the ``with`` block."""
+    import logging
+
+    filters = []
+    for name, start in MODEL_NOTICES[release()]:
+        logger = logging.getLogger(name)
+        f = (lambda r, start=start: not r.getMessage().startswith(start))
+        logger.addFilter(f)
+        filters.append((logger, f))
+    try:
+        yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)
 
 
 MOE_TE_NAMES: tuple[str, tuple[str, ...]] = ("megatron.core.transformer.moe.moe_utils", ("te_general_gemm",))
