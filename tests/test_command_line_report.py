@@ -291,7 +291,8 @@ print(json.dumps([{f: repr(getattr(parser.parse_args(a), dest_of[f])) for f in f
 """
 
 
-GONE_FROM: dict[str, set[str]] = {"core_v0.16.1": set(), "core_v0.19.0": {"use_legacy_models", "tiktoken_special_tokens"}}
+GONE_FROM: dict[str, set[str]] = {"core_v0.16.1": set(),
+                                  "core_v0.19.0": {"use_legacy_models", "tiktoken_special_tokens"}}
 """Per Megatron-LM release: the dests above whose flag its arguments.py no longer has (core_v0.19.0:
 ``megatron/legacy`` removed; the tokenizer flags generated from ``TokenizerConfig``, without
 ``tiktoken_special_tokens``)."""
