@@ -21,10 +21,11 @@ compares the recorded signatures, so an upgrade that moves or re-signs a name fa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 # ---------------------------------------------------------------------------------- releases
 
@@ -402,6 +403,36 @@ def initialize_affine_weight_cpu(weight: "torch.Tensor", output_size: int, input
     private("_initialize_affine_weight_cpu")(
         weight, output_size, input_size, per_partition_size, partition_dim, init_method,
         params_dtype=params_dtype, rank=rank, world_size=world_size, skip_set_tensor_parallel_attributes=True)
+
+
+MODEL_NOTICES: dict[str, tuple[tuple[str, str], ...]] = {
+    "0.16": (),
+    "0.19": (("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),),
+}
+"""Per release: (logger, message start) of what constructing a ``GPTModel`` logs, addressed to whoever
+chose the class. megatron-core 0.19 logs "GPTModel IS DEPRECATED ... use ``HybridModel``" (rank 0,
+WARNING) in every ``GPTModel.__init__``; megatron-zb builds ``GPTModel`` chunks as Megatron-LM
+core_v0.19.0's own ``pretrain_gpt.py`` does (``gpt_builders.py``), so the user has nothing to act on.
+:func:`quiet_model_notices` drops it while megatron-zb builds its chunks, and only then (a
+``GPTModel`` built elsewhere, e.g. by Megatron-LM's model provider, still logs it)."""
+
+
+@contextlib.contextmanager
+def quiet_model_notices() -> Iterator[None]:
+    """Drop the installed release's :data:`MODEL_NOTICES` log records inside the ``with`` block."""
+    import logging
+
+    filters = []
+    for name, start in MODEL_NOTICES[release()]:
+        logger = logging.getLogger(name)
+        f = (lambda r, start=start: not r.getMessage().startswith(start))
+        logger.addFilter(f)
+        filters.append((logger, f))
+    try:
+        yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)
 
 
 from typing import TYPE_CHECKING  # noqa: E402  (the annotations below)

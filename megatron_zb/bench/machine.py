@@ -23,14 +23,16 @@ def loadavg() -> tuple[float, float, float]:
         return (float("nan"),) * 3
 
 
-def _busy_jiffies() -> tuple[int, int]:
-    """Busy CPU time of the whole machine (all cores) and its part stolen by the hypervisor (a
-    virtual machine's CPU time the host gave to someone else), in clock ticks, from /proc/stat."""
+def _busy_jiffies() -> tuple[int, int, int]:
+    """Busy CPU time of the whole machine (all cores), its part stolen by the hypervisor (a virtual
+    machine's CPU time the host gave to someone else) and all its CPU time (busy, idle and iowait:
+    the cores times the time elapsed), in clock ticks, from /proc/stat."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal ...
+    # user nice system idle iowait irq softirq steal (guest and guest_nice are counted in user/nice)
     steal = v[7] if len(v) > 7 else 0
-    return v[0] + v[1] + v[2] + v[5] + v[6] + steal, steal
+    busy = v[0] + v[1] + v[2] + v[5] + v[6] + steal
+    return busy, steal, busy + v[3] + v[4]
 
 
 def _own_jiffies(root: int) -> int:
@@ -107,11 +109,12 @@ class LoadSampler:
                 f"{statistics.fmean(st):.2f}, max {max(st):.2f}")
 
 
-def _snapshot() -> tuple[float, int, int, int] | None:
-    """(monotonic seconds, machine busy ticks, this process tree's ticks, steal ticks), or None without /proc."""
+def _snapshot() -> tuple[float, int, int, int, int] | None:
+    """(monotonic seconds, machine busy ticks, this process tree's ticks, steal ticks, all ticks), or
+    None without /proc."""
     try:
-        busy, steal = _busy_jiffies()
-        return time.monotonic(), busy, _own_jiffies(os.getpid()), steal
+        busy, steal, total = _busy_jiffies()
+        return time.monotonic(), busy, _own_jiffies(os.getpid()), steal, total
     except OSError:
         return None
 
@@ -146,21 +149,33 @@ class OtherProcessesCpu:
 
     def __init__(self) -> None:
         self._start = _snapshot()
-        self._now: tuple[float, int, int, int] | None = None
+        self._now: tuple[float, int, int, int, int] | None = None
+
+    def _window_ticks(self) -> float:
+        """Ticks of one core over the window (``nan`` before a reading): the machine's CPU time from
+        the same /proc/stat snapshots as the busy time, divided by the cores, so that a busy share
+        never exceeds the cores (wall-clock time, read apart from /proc/stat, can run a tick short)."""
+        now, start = self._now, self._start
+        if now is None or start is None or now[0] <= start[0] or now[4] <= start[4]:
+            return float("nan")
+        return (now[4] - start[4]) / (os.cpu_count() or 1)
 
     def cores(self) -> float:
         """Mean number of cores busy with other processes since construction (the hypervisor's steal
         included: on a virtual machine another guest taking the host's core delays this run alike)."""
-        now = self._now = _snapshot()
-        if now is None or self._start is None or now[0] <= self._start[0]:
-            return float("nan")
-        hz = os.sysconf("SC_CLK_TCK")
-        others = (now[1] - self._start[1]) - (now[2] - self._start[2])
-        return max(0.0, others / hz / (now[0] - self._start[0]))
+        self._now = _snapshot()
+        window = self._window_ticks()
+        if window != window:  # nan
+            return window
+        now, start = self._now, self._start
+        assert now is not None and start is not None
+        others = (now[1] - start[1]) - (now[2] - start[2])
+        return max(0.0, others / window)
 
     def steal_cores(self) -> float:
         """Of :meth:`cores`' last reading, the mean cores stolen by the hypervisor (``nan`` before a reading)."""
-        now, start = self._now, self._start
-        if now is None or start is None or now[0] <= start[0]:
-            return float("nan")
-        return (now[3] - start[3]) / os.sysconf("SC_CLK_TCK") / (now[0] - start[0])
+        window = self._window_ticks()
+        if window != window:
+            return window
+        assert self._now is not None and self._start is not None
+        return (self._now[3] - self._start[3]) / window

@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from megatron_zb.megatron_compat import initialize_affine_weight_cpu
+from megatron_zb.megatron_compat import initialize_affine_weight_cpu, quiet_model_notices
 from megatron_zb.planning.layout import pipeline_split, split_layers  # layer-split rules live with the planner (no torch)
 
 __all__ = [
@@ -209,6 +209,7 @@ class GPTChunk:
     module: GPTModel
 
 
+@quiet_model_notices()  # megatron-core 0.19's "GPTModel IS DEPRECATED" is megatron-zb's to read, not the user's
 def build_gpt_chunks(
     *,
     config: TransformerConfig,

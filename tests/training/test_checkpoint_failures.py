@@ -111,10 +111,14 @@ def test_truncated_shard_is_named_and_ckpt_step_loads_the_previous_checkpoint(tm
 
 
 def test_missing_shard_is_named(tmp_path, saved):
+    """The second shard file of iteration 8 deleted (``__0_1.distcp`` with megatron-core 0.16.1, which
+    writes two files per rank; ``__1_0.distcp`` with 0.19, one per rank): the line names it."""
     root = _copy(saved[1], tmp_path / "ckpt")
-    (root / "iter_0000008" / "__0_1.distcp").unlink()
+    shards = sorted((root / "iter_0000008").glob("__*.distcp"))
+    assert len(shards) >= 2, shards
+    shards[1].unlink()
     line = _refused(ARGV + ["--load", str(root)], root)
-    assert f"{root / 'iter_0000008' / '__0_1.distcp'} is missing" in line and "--ckpt-step 4" in line, line
+    assert f"{shards[1]} is missing" in line and "--ckpt-step 4" in line, line
 
 
 def test_tracker_naming_a_missing_directory_is_named(tmp_path, saved):

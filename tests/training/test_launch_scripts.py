@@ -12,7 +12,9 @@ hidden and attention dropout 0; the difference is the tied-gradient summation or
 placement's other reduction order); on the scripts with Megatron-LM's default dropout 0.1 (GPT-3,
 the fork; both fp16) V's losses are finite and its loss scaler decides as the reference's (the same
 skipped iterations and loss scales).
-The LLaMA-3 FP8 variant is refused on CPU with one message naming its four FP8 flags.
+The LLaMA-3 FP8 variant is refused on CPU with one message naming its four FP8 flags. With
+megatron-core 0.19 (no batch-size ramp-up calculator) the GPT-3 script, which ramps its batch, is
+refused up front naming ``--rampup-batch-size`` and the version instead of trained.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 from megatron_zb.testing.megatron_lm_examples import (GPT3_175B, LLAMA3_8B, LLAMA3_8B_FP8, MIXTRAL_8X7B, ZB_FORK,
                                                       ZB_FORK_ZERO_BUBBLE)
+from megatron_zb.megatron_compat import rampup_calculator
 from megatron_zb.testing.trainer_run import in_process
 
 SCRIPTS = {"llama3_8b": (LLAMA3_8B, True), "mixtral_8x7b": (MIXTRAL_8X7B, None), "gpt3_175b": (GPT3_175B, False),
@@ -40,6 +43,9 @@ def _curve(run: dict) -> list[tuple[int, float, float | None, float, bool]]:
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_launch_script_trains_with_every_schedule_family(tmp_path, name):
     script, no_dropout = SCRIPTS[name]
+    if "--rampup-batch-size" in script.argv(tmp_path / "mcore", pretrain=True) and rampup_calculator() is None:
+        _assert_ramp_refused(script, tmp_path)  # megatron-core 0.19: GPT-3's published ramp
+        return
 
     def run(label: str, flags: list[str]) -> list:
         """The script with ``flags`` added; its own folder (the scripts --save and --load one path)."""
@@ -60,6 +66,21 @@ def test_launch_script_trains_with_every_schedule_family(tmp_path, name):
         assert all(math.isfinite(loss) for _, loss, *_ in v), v
         assert [(i, scale, skipped) for i, _, _, scale, skipped in v] == \
             [(i, scale, skipped) for i, _, _, scale, skipped in ref], (v, ref)
+
+
+def _assert_ramp_refused(script, tmp_path) -> None:
+    """A script with ``--rampup-batch-size`` on a megatron-core without the ramp-up calculator (0.19):
+    refused up front in one problem naming the flag and the installed version."""
+    from megatron_zb.megatron_compat import megatron_core_version
+    from megatron_zb.training.arguments import ArgumentError
+    from megatron_zb.training.pretrain import parse_command_line
+
+    argv = script.argv(tmp_path / "mcore", pretrain=True) + ["--use-megatron-core-schedule"]
+    with pytest.raises(ArgumentError) as e:
+        parse_command_line(argv, world_size=script.world_size)
+    [problem] = e.value.problems
+    assert problem.flag == "--rampup-batch-size", str(e.value)
+    assert f"megatron-core {megatron_core_version()} has no batch-size ramp-up calculator" in problem.text
 
 
 def test_llama3_fp8_variant_is_refused_naming_every_fp8_flag(tmp_path):

@@ -1,4 +1,6 @@
-"""megatron-zb's tokenizers against Megatron-LM core_v0.16.1's own, on the same tiny files and texts.
+"""megatron-zb's tokenizers against Megatron-LM core_v0.16.1's own, on the same tiny files and texts
+(with megatron-core 0.19: against core_v0.19.0's, which has only megatron-core's path -- the ``new``
+one below, which pads the vocabulary there -- and no offline GPT-2: that case is skipped).
 
 One subprocess (:func:`megatron_zb.testing.megatron_lm_tokenizers.megatron_lm_tokenizer_results`,
 ~15-25 s on the shared 2-core machine, mostly importing Megatron-LM's training package) builds
@@ -91,13 +93,22 @@ def ours(files: dict[str, str], name: str):
 
 @pytest.mark.parametrize("name", ["gpt2", "gpt_sp", "llama2", "llama2_pad", "tik_v1", "tik_v2"])
 def test_same_ids_eod_pad_vocabulary_as_megatron_lm(files, reference, name):
-    args, tok = ours(files, name)
     ref = reference[name]
-    legacy, new = ref["legacy"], ref.get("new")
+    legacy, new = ref.get("legacy"), ref.get("new")
+    if legacy is None and new is None:  # core_v0.19.0: no legacy path, and GPT-2's new one needs the network
+        pytest.skip(f"{name}: Megatron-LM core_v0.19.0 has no offline path for it (its GPT2BPETokenizer loads the "
+                    "hub model gpt2)")
+    args, tok = ours(files, name)
     default = new or legacy  # what Megatron-LM's pretrain_gpt.py / preprocess_data.py use
     got = [tok.tokenize(t) for t in TEXTS]
     # ids: Megatron-LM's default path on every text; the legacy one on the texts where the two agree
     assert got == default["ids"]
+    assert [tok.detokenize(i) for i in got] == default["text"]
+    assert (tok.vocab_size, tok.eod) == (default["vocab_size"], default["eod"])
+    assert getattr(tok, "pad", None) == default["pad"]
+    assert args.padded_vocab_size == (legacy or new)["padded_vocab_size"]  # the path that pads
+    if legacy is None:  # core_v0.19.0: megatron-core's path is Megatron-LM's only one
+        return
     for i, text in enumerate(TEXTS):
         legacy_ids = legacy["ids"][i]
         if name.startswith("llama2"):  # the legacy tokenize adds BOS
@@ -106,20 +117,18 @@ def test_same_ids_eod_pad_vocabulary_as_megatron_lm(files, reference, name):
             assert got[i] != legacy_ids and 1 in got[i] and 1 not in legacy_ids, text  # "</s>" is id 1 here
         else:
             assert got[i] == legacy_ids, text
-    assert [tok.detokenize(i) for i in got] == default["text"]
-    assert (tok.vocab_size, tok.eod) == (default["vocab_size"], default["eod"]) == (legacy["vocab_size"], legacy["eod"])
-    assert getattr(tok, "pad", None) == default["pad"]
+    assert (tok.vocab_size, tok.eod) == (legacy["vocab_size"], legacy["eod"])
     if name in ("llama2", "llama2_pad", "tik_v1", "tik_v2"):
         assert legacy["pad"] is None  # the legacy classes' pad property raises
     else:
         assert legacy["pad"] == default["pad"]
-    assert args.padded_vocab_size == legacy["padded_vocab_size"]
 
 
 def test_the_comparison_covers_what_it_claims(files, reference):
     """The texts exercise merges, unknown pieces and both TikToken patterns (else equality proves little)."""
-    gpt2 = reference["gpt2"]["legacy"]["ids"]
-    assert 259 in gpt2[0] and gpt2[0] != [*b"hello world"]  # merges applied
+    if "legacy" in reference["gpt2"]:  # core_v0.16.1 (core_v0.19.0 has no offline GPT-2 path)
+        gpt2 = reference["gpt2"]["legacy"]["ids"]
+        assert 259 in gpt2[0] and gpt2[0] != [*b"hello world"]  # merges applied
     v1, v2 = reference["tik_v1"]["new"]["ids"][1], reference["tik_v2"]["new"]["ids"][1]
     assert v1 != v2  # "HelloWorld": one piece in v1, two in v2
     assert 0 in reference["llama2"]["new"]["ids"][3]  # <unk> for characters the model never saw

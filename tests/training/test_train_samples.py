@@ -28,6 +28,8 @@ import pytest
 
 from test_pretrain import SMALL, _without, in_process, losses, train  # the end-to-end harness
 
+from megatron_zb.megatron_compat import rampup_calculator
+
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 BASE = _without(SMALL, "--hidden-dropout", "--attention-dropout", "--global-batch-size") + [
@@ -41,6 +43,9 @@ RAMP = _without(BASE, "--eval-iters") + [
 the validation and test sets at the end."""
 RAMP_BATCHES = [4, 4, 6, 6, 8, 8, 8, 8, 8]
 """The global batch of each iteration of RAMP, worked out by hand from megatron-core's rule."""
+NEEDS_RAMP = pytest.mark.skipif(rampup_calculator() is None, reason=(
+    "this megatron-core (0.19) has no batch-size ramp-up calculator: --rampup-batch-size is refused "
+    "(test_rampup_batch_size_is_refused_naming_the_release)"))
 
 
 def _lr_and_loss(run: dict) -> list[tuple]:
@@ -69,6 +74,7 @@ def _ramp_lines(log: str) -> list[str]:
     return [ln for ln in log.splitlines() if re.match(r"> global batch size \d+ -> \d+ at iteration", ln)]
 
 
+@NEEDS_RAMP
 def test_rampup_batch_size_rebuilds_the_schedule_and_matches_megatron_core(tmp_path):
     """Both schedules see m = 2, 3, 4; zero bubble rebuilds its schedule at each change (the last one
     from the costs measured in iterations 2-3) and gives megatron-core's curve bit for bit. Then a
@@ -145,11 +151,14 @@ def _validate(extra: str):
     ("--train-iters 4 --lr-warmup-iters 1 --lr-warmup-fraction 0.1", "--lr-warmup-fraction", "keep one"),
     ("--train-samples 32 --lr-warmup-fraction 1.5", "--lr-warmup-fraction", "[0, 1)"),
     ("--train-samples 32 --lr-warmup-samples 32", "--lr-warmup-samples", "shorter than the decay"),
-    ("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 3 16", "--rampup-batch-size", "does not reach"),
-    ("--global-batch-size 8 --train-samples 64 --rampup-batch-size 8 2 16", "--rampup-batch-size", "does not reach"),
-    ("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 2 0", "--rampup-batch-size", "must be >= 1"),
-    ("--global-batch-size 12 --train-samples 64 --rampup-batch-size 3 3 16", "--rampup-batch-size",
-     "multiples of --micro-batch-size"),
+    pytest.param("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 3 16", "--rampup-batch-size",
+                 "does not reach", marks=NEEDS_RAMP),
+    pytest.param("--global-batch-size 8 --train-samples 64 --rampup-batch-size 8 2 16", "--rampup-batch-size",
+                 "does not reach", marks=NEEDS_RAMP),
+    pytest.param("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 2 0", "--rampup-batch-size",
+                 "must be >= 1", marks=NEEDS_RAMP),
+    pytest.param("--global-batch-size 12 --train-samples 64 --rampup-batch-size 3 3 16", "--rampup-batch-size",
+                 "multiples of --micro-batch-size", marks=NEEDS_RAMP),
     ("--global-batch-size 8 --train-samples 4", "--train-samples", "less than one global batch"),
     ("--train-iters 4 --lr-decay-style WSD", "--lr-decay-style", "add --lr-wsd-decay-iters N"),
     ("--train-iters 4 --lr-decay-style WSD --lr-wsd-decay-iters 5", "--lr-wsd-decay-iters", "within the decay"),
@@ -172,7 +181,8 @@ def test_training_length_flags_are_checked_as_megatron_lm(extra, flag, text):
      6),
     ("--global-batch-size 8 --train-samples 52 --lr-warmup-samples 5", (5, 52, 52, None), 6),
     ("--global-batch-size 8 --train-iters 6 --lr-decay-style WSD --lr-wsd-decay-iters 2", (0, 48, 48, 16), 6),
-    ("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 2 16", (0, 64, 64, None), 9),
+    pytest.param("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 2 16", (0, 64, 64, None), 9,
+                 marks=NEEDS_RAMP),
 ])
 def test_lr_schedule_lengths_in_samples(extra, steps, iters):
     """Megatron-LM's get_optimizer_param_scheduler: lengths in samples; --lr-warmup-fraction x the decay;
@@ -191,6 +201,7 @@ def test_lr_schedule_lengths_in_samples(extra, steps, iters):
     assert vars(validated.args) == before
 
 
+@NEEDS_RAMP
 def test_training_split_holds_what_the_iterations_read():
     """--train-samples inside the ramp: Megatron-LM's count gives 3 iterations of 4, 4 and 6 samples
     (14 > 10: the last batch starts at 8 <= 10); the training split is sized for all of them."""
@@ -200,5 +211,27 @@ def test_training_split_holds_what_the_iterations_read():
     args = _validate("--global-batch-size 8 --train-samples 10 --rampup-batch-size 4 2 16 --eval-iters 0").args
     assert args.train_iters == 3
     assert train_valid_test_num_samples(run_config(args))[0] == 14
+
+
+def test_training_split_of_a_constant_batch_is_train_samples():
+    """Without a ramp the training split is --train-samples, as Megatron-LM's."""
+    from megatron_zb.training.data import train_valid_test_num_samples
+    from megatron_zb.training.run_config import run_config
+
     plain = _validate("--global-batch-size 8 --train-samples 60 --eval-iters 0").args
     assert (plain.train_iters, train_valid_test_num_samples(run_config(plain))[0]) == (7, 60)  # Megatron-LM: --train-samples
+
+
+def test_rampup_batch_size_is_refused_naming_the_release():
+    """megatron-core 0.19 has no batch-size ramp-up calculator (its step schedule replaced it):
+    --rampup-batch-size is refused up front, naming the installed version and what to do instead."""
+    from megatron_zb.megatron_compat import megatron_core_version
+    from megatron_zb.training.arguments import ArgumentError
+
+    if rampup_calculator() is not None:
+        pytest.skip(f"megatron-core {megatron_core_version()} has the ramp-up calculator (the tests above use it)")
+    with pytest.raises(ArgumentError) as e:
+        _validate("--global-batch-size 8 --train-samples 64 --rampup-batch-size 4 2 16")
+    assert e.value.flag == "--rampup-batch-size", str(e.value)
+    assert f"megatron-core {megatron_core_version()} has no batch-size ramp-up calculator" in str(e.value)
+    assert "use a constant --global-batch-size" in str(e.value)

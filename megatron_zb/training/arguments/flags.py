@@ -45,11 +45,14 @@ WHY_NOT: dict[str, str] = {
 }
 """Megatron-LM flags refused for a reason of their own (flag -> why), not as "not supported yet"."""
 
-def unknown_flag_error(flag: str, supported: Sequence[str]) -> UnsupportedFlagError:
-    """The error for ``flag`` (``--name``, no value), which is not among ``supported``."""
+def unknown_flag_error(flag: str, supported: Sequence[str],
+                       megatron_lm: tuple[str, frozenset[str]] | None = None) -> UnsupportedFlagError:
+    """The error for ``flag`` (``--name``, no value), which is not among ``supported``. ``megatron_lm``:
+    (version, flags) of the Megatron-LM release it is named against; default: the one that goes with
+    the installed megatron-core (``megatron_flags.megatron_lm_flags()``)."""
     if flag in WHY_NOT:
         return UnsupportedFlagError(flag, f"{flag} is refused: {WHY_NOT[flag]}; remove it")
-    version, flags = megatron_lm_flags()  # the installed megatron-core's Megatron-LM release
+    version, flags = megatron_lm if megatron_lm is not None else megatron_lm_flags()
     if flag in flags:
         return UnsupportedFlagError(flag, f"{flag} is a Megatron-LM flag megatron-zb does not support yet "
                                           f"(Megatron-LM {version.split()[0]}); remove it "

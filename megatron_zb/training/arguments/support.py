@@ -59,7 +59,9 @@ def parser_flags(parser: argparse.ArgumentParser) -> set[str]:
 def flag_support(name: str, supported: set[str]) -> FlagSupport:
     """The class of Megatron-LM flag ``name`` given the parser's flags ``supported``."""
     if name not in supported:
-        return FlagSupport("refused", unknown_flag_error(name, sorted(supported)).problems[0].text)
+        # named against the table's release (core_v0.16.1's list), whichever megatron-core is installed
+        error = unknown_flag_error(name, sorted(supported), (MEGATRON_LM_VERSION, MEGATRON_LM_FLAGS))
+        return FlagSupport("refused", error.problems[0].text)
     if name in ACCEPTED:
         return FlagSupport("accepted", ACCEPTED[name])
     return FlagSupport("implemented")
