@@ -19,10 +19,11 @@ are :meth:`OptimConfig.scheduler_steps` (Megatron-LM's rule, written once).
 
 The data (:class:`DataConfig`, its tokenizer :class:`TokenizerConfig`) and re-planning (the
 profiling window, ``--profile-out`` and the pipeline timeout in :class:`ScheduleConfig`) are typed
-too. Still read from ``args`` (not yet typed): most of checkpointing (``--save`` / ``--load``
-intervals and formats) and the iteration log's flags; typed of those so far: what Megatron-LM's
-loading, exit, logging, profiling and memory flags add (:class:`CheckpointConfig`,
-:class:`LoggingConfig`, :class:`ProfilingConfig`, :class:`MemoryConfig`).
+too, and so are checkpointing, early exit and the iteration log (:class:`CheckpointConfig`,
+:class:`LoggingConfig`), Megatron-LM's ``--profile`` window and memory flags
+(:class:`ProfilingConfig`, :class:`MemoryConfig`). The ``argparse.Namespace`` itself travels on only
+as :attr:`RunConfig.checkpoint_args`: what Megatron-LM stores in checkpoints (and gives W&B as the
+run's config), read by nothing else.
 
 The modules: :mod:`.model` (the network), :mod:`.layout` (parallel layout, schedule), :mod:`.optim`
 (precision, optimizer, LR schedule, post-validation), :mod:`.data` (data, tokenizer), :mod:`.loop`
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .data import DataConfig, TokenizerConfig
@@ -87,6 +88,14 @@ class RunConfig:
     """Manual garbage collection, ``torch.cuda.empty_cache()``."""
     data: DataConfig = DataConfig()
     """Datasets, loaders and the tokenizer."""
+    checkpoint_args: argparse.Namespace | None = field(default=None, compare=False, repr=False)
+    """The validated command line as Megatron-LM keeps it: the ``args`` it stores in every checkpoint
+    (:func:`~megatron_zb.training.checkpointing.save_checkpoint`; ``--load`` compares this run's
+    model-shape flags, ``--ckpt-step`` and the LR-schedule flags against the stored copy through it)
+    and gives W&B as the run's config. Read by nothing else: every setting a set-up function or the
+    loop uses is a typed field of a section. Kept here, not passed beside the configuration, so that
+    one object carries the run from the entry point down and a configuration built directly
+    (tests, benchmarks; ``None``) visibly has no Namespace to store. Not compared, not in ``repr``."""
 
     def batch_ramp(self, *, consumed_samples: int = 0) -> "BatchRamp":
         """The :class:`~megatron_zb.training.batch_ramp.BatchRamp` of this run at ``consumed_samples``."""
@@ -116,4 +125,4 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                      rampup_batch_size=(tuple(args.rampup_batch_size) if args.rampup_batch_size is not None
                                         else None), seed=args.seed, checkpoint=CheckpointConfig.from_args(args),
                      logging=LoggingConfig.from_args(args), profiling=ProfilingConfig.from_args(args),
-                     memory=MemoryConfig.from_args(args), data=DataConfig.from_args(args))
+                     memory=MemoryConfig.from_args(args), data=DataConfig.from_args(args), checkpoint_args=args)
