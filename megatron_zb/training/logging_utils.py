@@ -324,10 +324,9 @@ class WandbWriter:
     without it.
     """
 
-    def __init__(self, logging: Any, *, save: str | None, run_args: Any) -> None:
-        """``logging``: the run's :class:`~megatron_zb.training.run_config.LoggingConfig` (``--wandb-*``);
-        ``save``: ``--save``; ``run_args``: the validated command line, given to W&B as the run's
-        config as Megatron-LM does (``RunConfig.checkpoint_args``; ``None``: an empty config)."""
+    def __init__(self, logging: Any, *, save: str | None) -> None:
+        """``logging``: the run's :class:`~megatron_zb.training.run_config.LoggingConfig` (``--wandb-*``
+        and the run config it gives W&B); ``save``: ``--save``."""
         self._run: Any = None
         self.mode = ""
         if logging.wandb_project is None or not is_last_rank():
@@ -339,10 +338,8 @@ class WandbWriter:
         save_dir = logging.wandb_save_dir or os.path.join(save or ".", "wandb")
         os.makedirs(save_dir, exist_ok=True)
         self.mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_reachable() else "offline")
-        values = vars(run_args) if run_args is not None else {}
         self._run = wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name, dir=save_dir,
-                               mode=self.mode,
-                               config={k: v for k, v in values.items() if isinstance(v, (int, float, str, bool))})
+                               mode=self.mode, config=dict(logging.wandb_config))
         print(f"> wandb: project {logging.wandb_project!r}, {self.mode} mode, files in {save_dir}", flush=True)
 
     @property

@@ -67,9 +67,9 @@ __all__ = ["Trainer"]
 class Trainer:
     """One run of ``pretrain_gpt_zb.py`` (see the module docstring).
 
-    The Trainer reads its settings from :attr:`config` only; the ``argparse.Namespace`` it is
+    The Trainer reads its settings from :attr:`config` only: the ``argparse.Namespace`` it is
     constructed from is converted once (:func:`~megatron_zb.training.run_config.run_config`) and
-    travels on only as ``config.checkpoint_args``, stored into checkpoints as Megatron-LM does.
+    goes no further (why: :mod:`megatron_zb.training.run_config`).
 
     Attributes:
         config: the typed run configuration of ``args`` (:mod:`.run_config`): model, parallel
@@ -403,7 +403,7 @@ class Trainer:
         loaded = load_checkpoint(ckpt.load, chunks=self.model.gpt_models,
                                  optimizer=self.optim.optimizer if load_optim else None,
                                  scheduler=self.optim.scheduler if load_optim else None,
-                                 args=self.config.checkpoint_args, load_rng=not (ckpt.no_load_rng or ckpt.finetune))
+                                 config=self.config, load_rng=not (ckpt.no_load_rng or ckpt.finetune))
         if loaded is None:
             print_rank_0(f"WARNING: no checkpoint in {ckpt.load} (no latest_checkpointed_iteration.txt); "
                          f"training from scratch")
@@ -448,7 +448,7 @@ class Trainer:
                 m.start_param_sync(force_sync=True)
         path = save_checkpoint(self.config.checkpoint.save, state=self.state, chunks=self.model.gpt_models,
                                optimizer=self.optim.optimizer, scheduler=self.optim.scheduler,
-                               args=self.config.checkpoint_args)
+                               config=self.config)
         self.last_saved = self.state.iteration
         print_rank_0(f"  successfully saved checkpoint from iteration {self.state.iteration:7d} to {path} "
                      f"({time.perf_counter() - t0:.1f} s)")

@@ -107,7 +107,7 @@ class TrainingLog:
         self._stage_to_rank = list(stage_to_rank)
         self._dist = dist_ctx
         self.tb = tensorboard
-        self.wandb = WandbWriter(config.logging, save=config.checkpoint.save, run_args=config.checkpoint_args)
+        self.wandb = WandbWriter(config.logging, save=config.checkpoint.save)
         self.records: list[IterationRecord] = []
         self.interval_start = time.perf_counter()
         self.excluded = 0.0

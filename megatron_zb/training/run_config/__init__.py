@@ -21,9 +21,14 @@ The data (:class:`DataConfig`, its tokenizer :class:`TokenizerConfig`) and re-pl
 profiling window, ``--profile-out`` and the pipeline timeout in :class:`ScheduleConfig`) are typed
 too, and so are checkpointing, early exit and the iteration log (:class:`CheckpointConfig`,
 :class:`LoggingConfig`), Megatron-LM's ``--profile`` window and memory flags
-(:class:`ProfilingConfig`, :class:`MemoryConfig`). The ``argparse.Namespace`` itself travels on only
-as :attr:`RunConfig.checkpoint_args`: what Megatron-LM stores in checkpoints (and gives W&B as the
-run's config), read by nothing else.
+(:class:`ProfilingConfig`, :class:`MemoryConfig`).
+
+No ``argparse.Namespace`` travels below :func:`run_config`, not even for the two places where
+Megatron-LM hands its whole ``args`` on: a checkpoint's ``args`` entry here holds the model's shape
+fields (:data:`~megatron_zb.training.checkpointing.SHAPE_ARGS`), which :class:`ModelConfig` carries
+under the same names, so save and load take the :class:`RunConfig`; and W&B's run config (Megatron-LM's
+``vars(args)``) is captured once as :attr:`LoggingConfig.wandb_config`. Keeping a reference to the
+Namespace instead would leave every function below one attribute away from reading a flag untyped.
 
 The modules: :mod:`.model` (the network), :mod:`.layout` (parallel layout, schedule), :mod:`.optim`
 (precision, optimizer, LR schedule, post-validation), :mod:`.data` (data, tokenizer), :mod:`.loop`
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .data import DataConfig, TokenizerConfig
@@ -88,14 +93,6 @@ class RunConfig:
     """Manual garbage collection, ``torch.cuda.empty_cache()``."""
     data: DataConfig = DataConfig()
     """Datasets, loaders and the tokenizer."""
-    checkpoint_args: argparse.Namespace | None = field(default=None, compare=False, repr=False)
-    """The validated command line as Megatron-LM keeps it: the ``args`` it stores in every checkpoint
-    (:func:`~megatron_zb.training.checkpointing.save_checkpoint`; ``--load`` compares this run's
-    model-shape flags, ``--ckpt-step`` and the LR-schedule flags against the stored copy through it)
-    and gives W&B as the run's config. Read by nothing else: every setting a set-up function or the
-    loop uses is a typed field of a section. Kept here, not passed beside the configuration, so that
-    one object carries the run from the entry point down and a configuration built directly
-    (tests, benchmarks; ``None``) visibly has no Namespace to store. Not compared, not in ``repr``."""
 
     def batch_ramp(self, *, consumed_samples: int = 0) -> "BatchRamp":
         """The :class:`~megatron_zb.training.batch_ramp.BatchRamp` of this run at ``consumed_samples``."""
@@ -125,4 +122,4 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                      rampup_batch_size=(tuple(args.rampup_batch_size) if args.rampup_batch_size is not None
                                         else None), seed=args.seed, checkpoint=CheckpointConfig.from_args(args),
                      logging=LoggingConfig.from_args(args), profiling=ProfilingConfig.from_args(args),
-                     memory=MemoryConfig.from_args(args), data=DataConfig.from_args(args), checkpoint_args=args)
+                     memory=MemoryConfig.from_args(args), data=DataConfig.from_args(args))

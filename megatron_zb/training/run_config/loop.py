@@ -1,11 +1,12 @@
-"""The training loop's sections of the run configuration: checkpoint loading and early exit,
-extra logging, Megatron-LM's ``--profile`` window, host and CUDA memory housekeeping."""
+"""The training loop's sections of the run configuration: checkpoint saving, loading and early
+exit, the iteration log (TensorBoard, W&B, ``--loss-log-json``), Megatron-LM's ``--profile`` window,
+host and CUDA memory housekeeping."""
 
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 from .fields import read_section
 
@@ -78,6 +79,10 @@ class LoggingConfig:
     """``--wandb-exp-name``: the W&B run name."""
     wandb_save_dir: str | None = None
     """``--wandb-save-dir``: W&B's files; ``None``: ``SAVE/wandb`` with ``--save``, else ``./wandb``."""
+    wandb_config: tuple[tuple[str, Union[int, float, str, bool]], ...] = field(default=(), compare=False, repr=False)
+    """W&B's run config with ``--wandb-project``: every flag of the validated command line whose value
+    is a number, a string or a boolean, as ``(dest, value)`` pairs (Megatron-LM gives W&B ``vars(args)``).
+    Read by nothing else; not compared, not in ``repr``."""
 
     log_params_norm: bool = False
     """``--log-params-norm``: ``params norm`` in the iteration line and ``params-norm`` in TensorBoard:
@@ -97,7 +102,8 @@ class LoggingConfig:
     @classmethod
     def from_args(cls, args: Any) -> "LoggingConfig":
         """The section of validated ``args``."""
-        return read_section(cls, args)
+        wandb_config = tuple((k, v) for k, v in vars(args).items() if isinstance(v, (int, float, str, bool)))
+        return read_section(cls, args, wandb_config=wandb_config)
 
 
 @dataclass(frozen=True)
