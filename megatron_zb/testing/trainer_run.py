@@ -35,12 +35,13 @@ def trainer_rank(argv: list[str], json_path: str) -> dict[str, Any]:
         trainer = Trainer(parse_and_validate(argv + ["--loss-log-json", json_path], dist.get_world_size()))
         try:
             assert trainer.run() == 0
-            args, planner = trainer.args, trainer.planner
+            config, planner = trainer.config, trainer.planner
             installed = None
             if planner.runtime is not None:
-                installed = planner.runtime.schedule_for(args.pipeline_model_parallel_size, args.num_microbatches)
+                installed = planner.runtime.schedule_for(config.parallel.pipeline_model_parallel_size,
+                                                         config.num_microbatches)
             out = {"costs": trainer.state.schedule_costs, "installed": installed,
-                   "memory_limit": args.schedule_memory_limit, "m": args.num_microbatches}
+                   "memory_limit": config.schedule.memory_limit, "m": config.num_microbatches}
         finally:
             trainer.close()
     out["log"] = log.getvalue()

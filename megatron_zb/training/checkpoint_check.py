@@ -244,8 +244,10 @@ def scheduler_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list
     return out
 
 
-def check_scheduler(common: dict[str, Any], scheduler: Any, *, args: Any, path: str) -> tuple[str, ...]:
+def check_scheduler(common: dict[str, Any], scheduler: Any, *, optim: Any, path: str) -> tuple[str, ...]:
     """The LR-schedule settings on which the checkpoint and this run differ; refused without Megatron's flags.
+
+    ``optim``: the run's :class:`~megatron_zb.training.run_config.OptimConfig` (its two flags below).
 
     megatron-core's ``OptimizerParamScheduler.load_state_dict`` asserts that they agree unless
     ``--override-opt_param-scheduler`` (this command line's values) or
@@ -254,8 +256,7 @@ def check_scheduler(common: dict[str, Any], scheduler: Any, *, args: Any, path: 
     if scheduler is None or "opt_param_scheduler" not in common:
         return ()
     diffs = tuple(scheduler_mismatches(common["opt_param_scheduler"], scheduler.state_dict()))
-    if diffs and not (getattr(args, "override_opt_param_scheduler", False)
-                      or getattr(args, "use_checkpoint_opt_param_scheduler", False)):
+    if diffs and not (optim.override_opt_param_scheduler or optim.use_checkpoint_opt_param_scheduler):
         raise CheckpointError(f"checkpoint {path} was saved with another learning-rate schedule ({'; '.join(diffs)}): "
                               f"add --use-checkpoint-opt_param-scheduler to continue the checkpoint's schedule or "
                               f"--override-opt_param-scheduler to take this command line's, or resume with the "
@@ -263,9 +264,11 @@ def check_scheduler(common: dict[str, Any], scheduler: Any, *, args: Any, path: 
     return diffs
 
 
-def checkpoint_to_load(root: str, args: Any) -> tuple[int, str] | None:
-    """(iteration, directory) ``--load`` / ``--ckpt-step`` name, checked whole; ``None``: no tracker, no ``--ckpt-step``."""
-    step = getattr(args, "ckpt_step", None)
+def checkpoint_to_load(root: str, checkpoint: Any) -> tuple[int, str] | None:
+    """(iteration, directory) ``--load`` / ``--ckpt-step`` name, checked whole; ``None``: no tracker, no ``--ckpt-step``.
+
+    ``checkpoint``: the run's :class:`~megatron_zb.training.run_config.CheckpointConfig` (its ``ckpt_step``)."""
+    step = checkpoint.ckpt_step
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         return None

@@ -20,7 +20,9 @@ What one checkpoint holds:
 * the :class:`~megatron_zb.training.state.TrainState`: ``iteration``, ``consumed_train_samples``,
   ``consumed_valid_samples`` and ``zero_bubble`` (the schedule's name, its number of stages and
   the profiled costs, so a resumed run can rebuild the profiled schedule without profiling again);
-  besides ``checkpoint_version`` and ``args`` (a few shape fields checked on load);
+  besides ``checkpoint_version`` and ``args`` (the model's shape fields of :data:`SHAPE_ARGS`, from
+  the run's :class:`~megatron_zb.training.run_config.ModelConfig`, checked on load, and
+  ``use_distributed_optimizer``; Megatron-LM's key, not its whole ``argparse.Namespace``);
 * ``rng_state``: per (pipeline, tensor, data)-parallel rank, Python / NumPy / torch (and CUDA)
   generator states and megatron's RNG-tracker states. Restored only when the parallel layout
   is the one saved (otherwise a warning says so and the run starts from fresh RNG streams).
@@ -58,6 +60,7 @@ import torch.distributed as dist
 from megatron_zb.training.checkpoint_check import (TRACKER_FILENAME, CheckpointError, check_scheduler, checkpoint_dir,
                                                     checkpoint_to_load, earlier_checkpoint_hint, first_line,
                                                     raise_on_every_rank, read_tracker, shape_mismatches)
+from megatron_zb.training.run_config import RunConfig, ScheduleConfig
 from megatron_zb.training.state import TrainState
 
 __all__ = [
@@ -82,7 +85,8 @@ __all__ = [
 CHECKPOINT_VERSION = 3.0
 SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
               "max_position_embeddings", "padded_vocab_size", "kv_channels")
-"""Args that must agree between the saved and the loading model."""
+"""Fields of :class:`~megatron_zb.training.run_config.ModelConfig` (Megatron-LM's ``args`` names) that
+must agree between the saved and the loading model; stored under the checkpoint's ``args``."""
 
 
 TEST_HOOK_PAUSE_BEFORE_TRACKER = "MEGATRON_ZB_TEST_HOOK_PAUSE_BEFORE_TRACKER"
@@ -334,14 +338,14 @@ def check_optimizer_format(common: dict[str, Any], *, distributed: bool, layout:
                               f"pipeline and tensor parallel sizes")
 
 
-def _zero_bubble_entry(state: TrainState, args: Any) -> dict[str, Any]:
-    return {"schedule": args.schedule, "num_stages": args.num_pipeline_stages, "costs": state.schedule_costs}
+def _zero_bubble_entry(state: TrainState, schedule: ScheduleConfig) -> dict[str, Any]:
+    return {"schedule": schedule.name, "num_stages": schedule.num_pipeline_stages, "costs": state.schedule_costs}
 
 
-def _train_state(common: dict[str, Any], *, iteration: int, args: Any) -> TrainState:
+def _train_state(common: dict[str, Any], *, iteration: int, schedule: ScheduleConfig) -> TrainState:
     """The saved :class:`TrainState`; the profiled costs only when they are for this run's schedule and stages."""
     zb = common.get("zero_bubble") or {}
-    same = zb.get("schedule") == args.schedule and zb.get("num_stages") == args.num_pipeline_stages
+    same = zb.get("schedule") == schedule.name and zb.get("num_stages") == schedule.num_pipeline_stages
     return TrainState(iteration=int(common.get("iteration", iteration)),
                       consumed_train_samples=int(common.get("consumed_train_samples", 0)),
                       consumed_valid_samples=int(common.get("consumed_valid_samples", 0)),
@@ -349,10 +353,11 @@ def _train_state(common: dict[str, Any], *, iteration: int, args: Any) -> TrainS
 
 
 def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], optimizer: Any, scheduler: Any,
-                    args: Any) -> str:
+                    config: RunConfig) -> str:
     """Save a checkpoint of ``state.iteration`` under ``root``; collective over all ranks. Returns its directory.
 
-    ``chunks`` are this rank's unwrapped ``GPTModel`` chunks in stage order.
+    ``chunks`` are this rank's unwrapped ``GPTModel`` chunks in stage order; ``config``: the run's
+    (its model's shape, the distributed optimizer, the schedule the profiled costs belong to).
     """
     from megatron.core import dist_checkpointing
 
@@ -362,21 +367,20 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
     dist.barrier()
     if optimizer is not None:
         materialize_adam_state(optimizer)
-    sd = _sharded_state_dict(chunks, optimizer, is_loading=False,
-                             use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
+    distributed = config.parallel.use_distributed_optimizer
+    sd = _sharded_state_dict(chunks, optimizer, is_loading=False, use_distributed_optimizer=distributed)
     sd.update({
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
-        "args": {**{k: getattr(args, k, None) for k in SHAPE_ARGS},
-                 "use_distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False))},
+        "args": {**{k: getattr(config.model, k) for k in SHAPE_ARGS}, "use_distributed_optimizer": distributed},
         "parallel_layout": _layout()[0],
         "rng_state": _rng_sharded_object(collect_rng_state()),
     })
     if scheduler is not None:
         sd["opt_param_scheduler"] = scheduler.state_dict()
-    sd["zero_bubble"] = _zero_bubble_entry(state, args)
+    sd["zero_bubble"] = _zero_bubble_entry(state, config.schedule)
     dist_checkpointing.save(sd, path)
     dist.barrier()
     _test_hook_pause_before_tracker(state.iteration)
@@ -427,11 +431,12 @@ class LoadedCheckpoint:
     scheduler_differences: tuple[str, ...] = ()
 
 
-def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, scheduler: Any, args: Any,
+def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, scheduler: Any, config: RunConfig,
                     load_rng: bool = True) -> LoadedCheckpoint | None:
     """Load the checkpoint ``--load`` names into ``chunks`` / ``optimizer`` / ``scheduler``. Collective.
 
-    The tracker's iteration, or ``args.ckpt_step`` (``--ckpt-step``) when set. Returns ``None``
+    ``config``: the run's (``--ckpt-step``, the LR-schedule flags, the model's shape, the distributed
+    optimizer, the schedule). The tracker's iteration, or ``--ckpt-step`` when set. Returns ``None``
     when ``root`` holds no tracker file and no ``--ckpt-step`` is given. Raises
     :class:`CheckpointError` on every rank, before anything is loaded where it can be told
     beforehand, when the checkpoint is damaged (:func:`~.checkpoint_check.damage`; the message
@@ -441,20 +446,20 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     """
     from megatron.core import dist_checkpointing
 
-    found = checkpoint_to_load(root, args)
+    found = checkpoint_to_load(root, config.checkpoint)
     if found is None:
         return None
     iteration, path = found
     common = dist_checkpointing.load_common_state_dict(path)
     saved = common.get("args", {})
-    diff = [f"--{k.replace('_', '-')}: checkpoint {saved[k]}, this run {getattr(args, k, None)}"
-            for k in SHAPE_ARGS if k in saved and saved[k] != getattr(args, k, None)]
+    diff = [f"--{k.replace('_', '-')}: checkpoint {saved[k]}, this run {getattr(config.model, k)}"
+            for k in SHAPE_ARGS if k in saved and saved[k] != getattr(config.model, k)]
     if diff:
         raise CheckpointError(f"checkpoint {path} holds a different model: " + "; ".join(diff))
-    distributed = bool(getattr(args, "use_distributed_optimizer", False))
+    distributed = config.parallel.use_distributed_optimizer
     if optimizer is not None:
         check_optimizer_format(common, distributed=distributed, layout=_layout()[0], path=path)
-    scheduler_differences = check_scheduler(common, scheduler, args=args, path=path)
+    scheduler_differences = check_scheduler(common, scheduler, optim=config.optim, path=path)
     if optimizer is not None and distributed:
         # megatron-core's DistributedOptimizer.sharded_state_dict(is_loading=True) reads the step of
         # torch Adam's state, which a fresh optimizer does not have yet (apex/TE FusedAdam need none).
@@ -485,5 +490,5 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if rng:
         restore_rng_state(loaded["rng_state"])
-    return LoadedCheckpoint(state=_train_state(common, iteration=iteration, args=args), path=path,
+    return LoadedCheckpoint(state=_train_state(common, iteration=iteration, schedule=config.schedule), path=path,
                             rng_restored=rng, same_layout=same_layout, scheduler_differences=scheduler_differences)

@@ -324,21 +324,23 @@ class WandbWriter:
     without it.
     """
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, logging: Any, *, save: str | None) -> None:
+        """``logging``: the run's :class:`~megatron_zb.training.run_config.LoggingConfig` (``--wandb-*``
+        and the run config it gives W&B); ``save``: ``--save``."""
         self._run: Any = None
         self.mode = ""
-        if args.wandb_project is None or not is_last_rank():
+        if logging.wandb_project is None or not is_last_rank():
             return
         import os
 
         import wandb
 
-        save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
+        save_dir = logging.wandb_save_dir or os.path.join(save or ".", "wandb")
         os.makedirs(save_dir, exist_ok=True)
         self.mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_reachable() else "offline")
-        self._run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=save_dir, mode=self.mode,
-                               config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
-        print(f"> wandb: project {args.wandb_project!r}, {self.mode} mode, files in {save_dir}", flush=True)
+        self._run = wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name, dir=save_dir,
+                               mode=self.mode, config=dict(logging.wandb_config))
+        print(f"> wandb: project {logging.wandb_project!r}, {self.mode} mode, files in {save_dir}", flush=True)
 
     @property
     def enabled(self) -> bool:

@@ -67,10 +67,13 @@ __all__ = ["Trainer"]
 class Trainer:
     """One run of ``pretrain_gpt_zb.py`` (see the module docstring).
 
+    The Trainer reads its settings from :attr:`config` only: the ``argparse.Namespace`` it is
+    constructed from is converted once (:func:`~megatron_zb.training.run_config.run_config`) and
+    goes no further (why: :mod:`megatron_zb.training.run_config`).
+
     Attributes:
-        args: the validated command line (checkpointing and the iteration log still read it).
         config: the typed run configuration of ``args`` (:mod:`.run_config`): model, parallel
-            layout, precision, optimizer, schedule and re-planning, data.
+            layout, precision, optimizer, schedule and re-planning, data, checkpointing, logging.
         dist: process groups and ranks of this process.
         model: this rank's chunks.
         optim: optimizer and LR scheduler.
@@ -94,14 +97,14 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, *, schedule: Schedule | None = None) -> None:
         """Set the run up (collective). ``schedule``: the unit-cost schedule validation built
         (:attr:`~megatron_zb.training.arguments.ValidatedArgs.schedule`); ``None`` builds it again."""
-        self.args = args
         self.config: RunConfig = run_config(args)
+        ckpt = self.config.checkpoint
         self.t_start = time.perf_counter()
         # post-validation: optimizer step index -> (iteration, its global batch size)
         self._iteration_of_step: dict[int, tuple[int, int]] = {}
         self.dist: DistributedContext = init_distributed(self.config.parallel, seed=self.config.seed)
-        self.exit_signal = ExitSignalHandler(args.exit_signal).install() if args.exit_signal_handler else None
-        minutes = self.config.checkpoint.exit_duration_in_mins
+        self.exit_signal = ExitSignalHandler(ckpt.exit_signal).install() if ckpt.exit_signal_handler else None
+        minutes = ckpt.exit_duration_in_mins
         self.exit_duration = ExitDuration(minutes, started=self.t_start) if minutes else None
         self.hooks = LoopHooks(self.config, rank=dist.get_rank(), device=self.dist.device)
         try:
@@ -118,15 +121,15 @@ class Trainer:
             self.timeline = MeasuredTimeline(self.config.profiling, runtime=self.planner.runtime,
                                              device=self.dist.device, pp_group=self.dist.pp_group,
                                              train_iters=self.config.train_iters)
-            self.state: TrainState = self._load() if args.load else TrainState()
-            self.last_saved: int | None = self.state.iteration if args.load else None
+            self.state: TrainState = self._load() if ckpt.load else TrainState()
+            self.last_saved: int | None = self.state.iteration if ckpt.load else None
             self.data: DataBundle = build_data(self.config, reads_data=self.model.reads_data, state=self.state,
                                                vocab_parallel=self.model.vocab_slices is not None)
             self._use_vocab_data(self.data.vocab_train)
             self.batch: BatchRamp = self._start_batch_ramp()
             self.planner.report_initial()
-            self.log = TrainingLog(args, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
-                                   tensorboard=tensorboard_writer(args.tensorboard_dir), config=self.config)
+            self.log = TrainingLog(self.config, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
+                                   tensorboard=tensorboard_writer(self.config.logging.tensorboard_dir))
         except BaseException as e:
             if isinstance(e, CheckpointError):  # raised on every rank alike: rank 0 says it once
                 print_rank_0(f"pretrain_gpt_zb.py: error: {e}", file=sys.stderr)
@@ -158,20 +161,21 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def _train(self) -> bool:
         """The loop; returns True when it stopped early (``--exit-interval``, ``--exit-signal-handler``)."""
-        args = self.args
+        config = self.config
         for m in self.model.all_modules:
             m.train()
         self.log.start_interval()
-        start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
-        print_rank_0(f"> training: iterations {self.state.iteration + 1} to {args.train_iters}, "
-                     f"{self.batch.num_microbatches} micro batches of {args.micro_batch_size} per iteration per "
+        start = config.schedule.zero_bubble_pipeline_timers_start_iter
+        end = config.schedule.zero_bubble_pipeline_timers_end_iter
+        print_rank_0(f"> training: iterations {self.state.iteration + 1} to {config.train_iters}, "
+                     f"{self.batch.num_microbatches} micro batches of {config.micro_batch_size} per iteration per "
                      f"data-parallel rank"
-                     + (f" (growing to {args.num_microbatches}: --rampup-batch-size)"
-                        if self.batch.num_microbatches != args.num_microbatches else "")
+                     + (f" (growing to {config.num_microbatches}: --rampup-batch-size)"
+                        if self.batch.num_microbatches != config.num_microbatches else "")
                      + (f"; profiling iterations {start}-{end - 1}, then re-planning"
                         if self.planner.profiles_after(self.state.iteration) else ""))
         self.hooks.start(self.state.iteration)
-        while self.state.iteration < args.train_iters:
+        while self.state.iteration < config.train_iters:
             it = self.state.iteration + 1
             self.hooks.before_iteration(it)
             self._update_batch(it)
@@ -234,26 +238,26 @@ class Trainer:
 
     def _after_iteration(self, it: int) -> bool:
         """Megatron's interval actions after iteration ``it``; returns True when the run exits here."""
-        args = self.args
-        if it % args.log_interval == 0:
+        ckpt = self.config.checkpoint
+        if it % self.config.logging.log_interval == 0:
             self._log_interval()
         if self.config.data.eval_iters > 0 and self.data.has_valid and it % self.config.data.eval_interval == 0:
             with self.log.excluding_time(), self.hooks.evaluation():
                 self._evaluate(f"iteration {it}", self.data.valid, valid=True, vocab=self.data.vocab_valid)
         self.hooks.after_iteration(it)  # Megatron-LM's post-step callbacks: the profile window's end, manual GC
-        if args.save and args.save_interval and it % args.save_interval == 0:
+        if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
             with self.log.excluding_time():
                 self._finalize_optimizer()
                 self._save()
         if self.exit_signal is not None and self.exit_signal.any_rank_received(self.dist.device):
-            self._exit_early(it, f"after receiving {args.exit_signal.name} (--exit-signal-handler)")
+            self._exit_early(it, f"after receiving {ckpt.exit_signal.name} (--exit-signal-handler)")
             return True
         if self.exit_duration is not None and self.exit_duration.any_rank_over(self.dist.device):
             self._exit_early(it, f"after {self.exit_duration.elapsed_minutes():.3f} minutes "
                                  f"(--exit-duration-in-mins {self.exit_duration.minutes})")
             return True
-        if args.exit_interval and it % args.exit_interval == 0:
-            self._exit_early(it, f"(--exit-interval {args.exit_interval})")
+        if ckpt.exit_interval and it % ckpt.exit_interval == 0:
+            self._exit_early(it, f"(--exit-interval {ckpt.exit_interval})")
             return True
         return False
 
@@ -262,20 +266,21 @@ class Trainer:
         if self.log.records:
             self._log_interval(print_line=False)
         self._finalize_optimizer()
-        if self.args.save and self.last_saved != it:
+        save = self.config.checkpoint.save
+        if save and self.last_saved != it:
             self._save()
         dist.barrier()
         print_rank_0(f"> exiting program at iteration {it} {why}"
-                     + ("" if self.args.save else "; no --save: no checkpoint written"))
+                     + ("" if save else "; no --save: no checkpoint written"))
         self.log.write_json()
 
     def _finish(self) -> None:
         """After the last iteration: exact values of the last interval, a checkpoint, validation and test."""
-        args, it = self.args, self.state.iteration
+        it = self.state.iteration
         if self.log.records:
             self._log_interval(print_line=False)  # the last iterations' exact values (no log line: as Megatron)
         self._finalize_optimizer()
-        if args.save and self.last_saved != it:
+        if self.config.checkpoint.save and self.last_saved != it:
             self._save()
         if self.config.data.eval_iters > 0:
             if self.data.has_valid:
@@ -316,7 +321,7 @@ class Trainer:
         if not self.batch.update(self.state.consumed_train_samples):
             return
         with self.log.excluding_time():
-            if self.args.save and self.state.iteration > 0 and self.last_saved != self.state.iteration:
+            if self.config.checkpoint.save and self.state.iteration > 0 and self.last_saved != self.state.iteration:
                 self._finalize_optimizer()
                 self._save()
             self.planner.use_microbatches(
@@ -361,7 +366,7 @@ class Trainer:
         self.log.close_interval(now=now, consumed_samples=self.state.consumed_train_samples, rollbacks=rollbacks,
                                 print_line=print_line, params_norm=self._params_norm())
         if print_line:
-            self.timing.log(normalizer=self.args.log_interval)  # Megatron-LM's timers after its line
+            self.timing.log(normalizer=self.config.logging.log_interval)  # Megatron-LM's timers after its line
 
     def _params_norm(self) -> float | None:
         """``--log-params-norm``: the parameters' L2 norm now (collective), else ``None``."""
@@ -391,21 +396,20 @@ class Trainer:
 
     def _load(self) -> TrainState:
         """``--load``: the latest checkpoint into model, optimizer and scheduler; its state. Collective."""
-        args = self.args
-        t0 = time.perf_counter()
-        print_rank_0(f"> loading checkpoint from {args.load} ...")
         ckpt = self.config.checkpoint
+        t0 = time.perf_counter()
+        print_rank_0(f"> loading checkpoint from {ckpt.load} ...")
         load_optim = not (ckpt.no_load_optim or ckpt.finetune)
-        loaded = load_checkpoint(args.load, chunks=self.model.gpt_models,
+        loaded = load_checkpoint(ckpt.load, chunks=self.model.gpt_models,
                                  optimizer=self.optim.optimizer if load_optim else None,
-                                 scheduler=self.optim.scheduler if load_optim else None, args=args,
-                                 load_rng=not (ckpt.no_load_rng or ckpt.finetune))
+                                 scheduler=self.optim.scheduler if load_optim else None,
+                                 config=self.config, load_rng=not (ckpt.no_load_rng or ckpt.finetune))
         if loaded is None:
-            print_rank_0(f"WARNING: no checkpoint in {args.load} (no latest_checkpointed_iteration.txt); "
+            print_rank_0(f"WARNING: no checkpoint in {ckpt.load} (no latest_checkpointed_iteration.txt); "
                          f"training from scratch")
             return TrainState()
         if loaded.scheduler_differences:
-            which = ("this command line's (--override-opt_param-scheduler)" if args.override_opt_param_scheduler
+            which = ("this command line's (--override-opt_param-scheduler)" if self.config.optim.override_opt_param_scheduler
                      else "the checkpoint's (--use-checkpoint-opt_param-scheduler)")
             print_rank_0(f"> learning-rate schedule: {which}; they differ in " + "; ".join(loaded.scheduler_differences))
         if not load_optim:
@@ -439,11 +443,12 @@ class Trainer:
 
     def _save(self) -> None:
         t0 = time.perf_counter()
-        if self.args.overlap_param_gather:  # as Megatron: gather the stepped parameters before saving them
+        if self.config.parallel.overlap_param_gather:  # as Megatron: gather the stepped parameters before saving them
             for m in self.model.modules:
                 m.start_param_sync(force_sync=True)
-        path = save_checkpoint(self.args.save, state=self.state, chunks=self.model.gpt_models,
-                               optimizer=self.optim.optimizer, scheduler=self.optim.scheduler, args=self.args)
+        path = save_checkpoint(self.config.checkpoint.save, state=self.state, chunks=self.model.gpt_models,
+                               optimizer=self.optim.optimizer, scheduler=self.optim.scheduler,
+                               config=self.config)
         self.last_saved = self.state.iteration
         print_rank_0(f"  successfully saved checkpoint from iteration {self.state.iteration:7d} to {path} "
                      f"({time.perf_counter() - t0:.1f} s)")

@@ -8,7 +8,6 @@ end of an interval it gathers the losses from the last pipeline stage and prints
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.flops import tflops_per_gpu
-from megatron_zb.training.run_config import LoggingConfig, RunConfig
+from megatron_zb.training.run_config import RunConfig
 from megatron_zb.training.logging_utils import WandbWriter, format_iteration_line, is_last_rank, print_rank_last
 
 __all__ = ["IterationRecord", "TrainingLog", "cuda_memory_scalars", "gather_losses"]
@@ -99,18 +98,16 @@ class TrainingLog:
         valid_history: every evaluation's loss and perplexity.
     """
 
-    def __init__(self, args: argparse.Namespace, *, stage_to_rank: Sequence[int], dist_ctx: DistributedContext,
-                 tensorboard: Any, config: RunConfig | None) -> None:
-        """``config``: the run's typed configuration (the model and batch of ``--log-throughput``);
-        ``None`` only without ``--log-throughput``."""
-        if args.log_throughput and config is None:
-            raise ValueError("TrainingLog: --log-throughput needs the run configuration")
-        self.args = args
+    def __init__(self, config: RunConfig, *, stage_to_rank: Sequence[int], dist_ctx: DistributedContext | None,
+                 tensorboard: Any) -> None:
+        """``config``: the run's typed configuration (its :class:`~.run_config.LoggingConfig`, the
+        training length and batch of the line, the model of ``--log-throughput``)."""
         self.config = config
+        self.logging = config.logging
         self._stage_to_rank = list(stage_to_rank)
         self._dist = dist_ctx
         self.tb = tensorboard
-        self.wandb = WandbWriter(args)
+        self.wandb = WandbWriter(config.logging, save=config.checkpoint.save)
         self.records: list[IterationRecord] = []
         self.interval_start = time.perf_counter()
         self.excluded = 0.0
@@ -147,7 +144,7 @@ class TrainingLog:
         As Megatron: skipped iterations do not enter the average; a skipped iteration whose loss is
         inf/nan counts as a nan iteration; the loss field is left out when nothing is averaged.
         """
-        args, records = self.args, self.records
+        records = self.records
         losses = gather_losses([r.loss for r in records], stage_to_rank=self._stage_to_rank, dist_ctx=self._dist)
         per_iter = []
         for r, (num, den) in zip(records, losses):
@@ -167,12 +164,12 @@ class TrainingLog:
         last = records[-1]
         batch = self._batch_size(last)  # as Megatron-LM: the current global batch
         tflops = None
-        if args.log_throughput and elapsed > 0 and self.config is not None:
+        if self.logging.log_throughput and elapsed > 0:
             tflops = tflops_per_gpu(self.config.model, global_batch_size=batch,
                                     world_size=self.config.parallel.world_size, seconds_per_iteration=elapsed)
         if print_line:
             print_rank_last(format_iteration_line(
-                iteration=last.iteration, train_iters=args.train_iters, consumed_samples=consumed_samples,
+                iteration=last.iteration, train_iters=self.config.train_iters, consumed_samples=consumed_samples,
                 elapsed_ms=1e3 * elapsed, throughput=batch / elapsed if elapsed > 0 else None,
                 tflops_per_gpu=tflops,
                 learning_rate=last.lr, global_batch_size=self._batch_size(last),
@@ -185,7 +182,7 @@ class TrainingLog:
 
     def _batch_size(self, record: IterationRecord) -> int:
         """The global batch size of ``record``'s iteration [samples]."""
-        return record.global_batch_size if record.global_batch_size is not None else self.args.global_batch_size
+        return record.global_batch_size if record.global_batch_size is not None else self.config.global_batch_size
 
     def tensorboard_interval(self, last: IterationRecord, kept: list[float], elapsed: float,
                               tflops: float | None, *, params_norm: float | None = None) -> None:
@@ -204,10 +201,9 @@ class TrainingLog:
             scalars["num-zeros"] = last.num_zeros
         if params_norm is not None:
             scalars["params-norm"] = params_norm
-        logging = self.config.logging if self.config is not None else LoggingConfig()
-        if logging.log_memory_to_tensorboard and self._dist is not None and self._dist.device.type == "cuda":
+        if self.logging.log_memory_to_tensorboard and self._dist is not None and self._dist.device.type == "cuda":
             scalars.update(cuda_memory_scalars(torch.cuda.memory_stats(self._dist.device)))
-        if self.args.log_timers_to_tensorboard:
+        if self.logging.log_timers_to_tensorboard:
             for name in sorted({n for r in self.records for n in r.timers}):
                 scalars[f"{name}-time"] = sum(r.timers.get(name, 0.0) for r in self.records) / len(self.records)
         if tb:
@@ -227,12 +223,13 @@ class TrainingLog:
 
     def write_json(self) -> None:
         """Rewrite ``--loss-log-json`` (last rank only) with the history so far."""
-        path = self.args.loss_log_json
+        path = self.logging.loss_log_json
         if not path or not is_last_rank():
             return
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"schedule": self.args.schedule, "megatron_core_schedule": self.args.use_megatron_core_schedule,
+            schedule = self.config.schedule
+            json.dump({"schedule": schedule.name, "megatron_core_schedule": schedule.use_megatron_core_schedule,
                        "train": self.history, "valid": self.valid_history}, f, indent=1)
         os.replace(tmp, path)
 

@@ -23,6 +23,7 @@ import torch
 from megatron_zb.training import pretrain
 from megatron_zb.training.arguments import ArgumentError
 from megatron_zb.training.checkpoint_check import CheckpointError, checkpoint_to_load, torch_format
+from megatron_zb.training.run_config import CheckpointConfig
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
         "--train-iters 2 --lr 1e-4 --mock-data")
@@ -73,7 +74,7 @@ def test_legacy_model_checkpoint_is_refused_in_one_line_naming_the_directory(tmp
     assert err.count("\n") == 1 and str(ckpt) in err and "legacy-model checkpoint" in err
     # the load itself says the same (a caller of load_checkpoint without validation)
     with pytest.raises(CheckpointError) as c:
-        checkpoint_to_load(str(tmp_path), argparse.Namespace(ckpt_step=None))
+        checkpoint_to_load(str(tmp_path), CheckpointConfig())
     assert "--load: " + str(c.value) == text
 
 

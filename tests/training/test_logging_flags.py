@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import shlex
 
@@ -10,8 +9,9 @@ import pytest
 
 from megatron_zb.training.arguments import ArgumentError, parse_args, validate_args
 from megatron_zb.training.flops import num_floating_point_operations, tflops_per_gpu
-from megatron_zb.training.run_config import ModelConfig, MoEConfig
+from megatron_zb.training.run_config import ModelConfig, MoEConfig, run_config
 from megatron_zb.training.logging_utils import format_iteration_line, parse_iteration_line
+from megatron_zb.training.pretrain import parse_command_line
 from megatron_zb.training.training_log import IterationRecord, TrainingLog
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
@@ -73,9 +73,10 @@ class RecordingWriter:
 
 def test_timers_go_to_tensorboard_only_with_the_flag():
     for flag in (False, True):
-        args = argparse.Namespace(log_timers_to_tensorboard=flag, log_throughput=False, wandb_project=None)
+        argv = shlex.split(BASE + (" --log-timers-to-tensorboard" if flag else ""))
         tb = RecordingWriter()
-        log = TrainingLog(args, stage_to_rank=[0], dist_ctx=None, tensorboard=tb, config=None)
+        log = TrainingLog(run_config(parse_command_line(argv, world_size=1).args), stage_to_rank=[0], dist_ctx=None,
+                          tensorboard=tb)
         log.records = [IterationRecord(iteration=i, loss=None, skipped=False, grad_norm=1.0, lr=1e-3, loss_scale=1.0,
                                        timers={"forward-backward": 0.1 * i, "optimizer": 0.01})
                        for i in (1, 2)]

@@ -19,10 +19,16 @@ are :meth:`OptimConfig.scheduler_steps` (Megatron-LM's rule, written once).
 
 The data (:class:`DataConfig`, its tokenizer :class:`TokenizerConfig`) and re-planning (the
 profiling window, ``--profile-out`` and the pipeline timeout in :class:`ScheduleConfig`) are typed
-too. Still read from ``args`` (not yet typed): most of checkpointing (``--save`` / ``--load``
-intervals and formats) and the iteration log's flags; typed of those so far: what Megatron-LM's
-loading, exit, logging, profiling and memory flags add (:class:`CheckpointConfig`,
-:class:`LoggingConfig`, :class:`ProfilingConfig`, :class:`MemoryConfig`).
+too, and so are checkpointing, early exit and the iteration log (:class:`CheckpointConfig`,
+:class:`LoggingConfig`), Megatron-LM's ``--profile`` window and memory flags
+(:class:`ProfilingConfig`, :class:`MemoryConfig`).
+
+No ``argparse.Namespace`` travels below :func:`run_config`, not even for the two places where
+Megatron-LM hands its whole ``args`` on: a checkpoint's ``args`` entry here holds the model's shape
+fields (:data:`~megatron_zb.training.checkpointing.SHAPE_ARGS`), which :class:`ModelConfig` carries
+under the same names, so save and load take the :class:`RunConfig`; and W&B's run config (Megatron-LM's
+``vars(args)``) is captured once as :attr:`LoggingConfig.wandb_config`. Keeping a reference to the
+Namespace instead would leave every function below one attribute away from reading a flag untyped.
 
 The modules: :mod:`.model` (the network), :mod:`.layout` (parallel layout, schedule), :mod:`.optim`
 (precision, optimizer, LR schedule, post-validation), :mod:`.data` (data, tokenizer), :mod:`.loop`

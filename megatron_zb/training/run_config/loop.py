@@ -1,10 +1,12 @@
-"""The training loop's sections of the run configuration: checkpoint loading and early exit,
-extra logging, Megatron-LM's ``--profile`` window, host and CUDA memory housekeeping."""
+"""The training loop's sections of the run configuration: checkpoint saving, loading and early
+exit, the iteration log (TensorBoard, W&B, ``--loss-log-json``), Megatron-LM's ``--profile`` window,
+host and CUDA memory housekeeping."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 from .fields import read_section
 
@@ -13,8 +15,19 @@ __all__ = ["CheckpointConfig", "LoggingConfig", "MemoryConfig", "ProfilingConfig
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """What ``--load`` restores and when a run saves and exits early (Megatron-LM's meanings)."""
+    """Where checkpoints are saved and loaded, what ``--load`` restores and when a run saves and
+    exits early (Megatron-LM's meanings)."""
 
+    save: str | None = None
+    """``--save``: the directory checkpoints are written to; ``None``: none written."""
+    load: str | None = None
+    """``--load``: the directory a checkpoint is loaded from at start-up; ``None``: start from scratch."""
+    save_interval: int | None = None
+    """``--save-interval``: with ``--save``, a checkpoint after every this many iterations
+    (``None`` or 0: only at the end and on an early exit) [iterations]."""
+    ckpt_step: int | None = None
+    """``--ckpt-step``: with ``--load``, the iteration whose checkpoint is loaded; ``None``: the one
+    ``latest_checkpointed_iteration.txt`` names [iterations]."""
     no_load_optim: bool = False
     """``--no-load-optim``: keep this run's fresh optimizer state and LR scheduler; the fp32 main
     parameters are refreshed from the loaded model (megatron-core's ``reload_model_params``)."""
@@ -23,20 +36,53 @@ class CheckpointConfig:
     finetune: bool = False
     """``--finetune``: load the model only: iteration 0, no consumed samples, no optimizer / LR
     scheduler / random states / profiled costs from the checkpoint."""
+    exit_interval: int | None = None
+    """``--exit-interval``: save (``--save``) and exit 0 after the first iteration divisible by it;
+    ``None`` or 0: never [iterations]."""
+    exit_signal_handler: bool = False
+    """``--exit-signal-handler``: on :attr:`exit_signal`, finish the iteration, save (``--save``) and
+    exit 0; every rank checks after every iteration."""
+    exit_signal: signal.Signals = signal.SIGTERM
+    """``--exit-signal``: the signal :attr:`exit_signal_handler` handles."""
     exit_duration_in_mins: float | None = None
     """``--exit-duration-in-mins``: after the first iteration that ends this long after the run
     started, save (``--save``) and exit 0; checked on every rank after every iteration [minutes]."""
 
     @classmethod
     def from_args(cls, args: Any) -> "CheckpointConfig":
-        """The section of validated ``args`` (Megatron-LM's ``--no-load-*`` default to ``None``: off)."""
-        return cls(no_load_optim=bool(args.no_load_optim), no_load_rng=bool(args.no_load_rng),
-                   finetune=args.finetune, exit_duration_in_mins=args.exit_duration_in_mins or None)
+        """The section of validated ``args`` (Megatron-LM's ``--no-load-*`` default to ``None``: off).
+        The LR-schedule flags of ``--load`` are :class:`~.optim.OptimConfig`'s."""
+        return read_section(cls, args, no_load_optim=bool(args.no_load_optim), no_load_rng=bool(args.no_load_rng),
+                            exit_duration_in_mins=args.exit_duration_in_mins or None)
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """What the iteration line and TensorBoard report besides the loss (Megatron-LM's "logging" flags)."""
+    """When and where a run reports: the iteration line, TensorBoard, W&B, ``--loss-log-json``
+    (Megatron-LM's "logging" flags)."""
+
+    log_interval: int = 100
+    """``--log-interval``: an iteration line (and Megatron-LM's timers) after every this many
+    iterations [iterations]."""
+    tensorboard_dir: str | None = None
+    """``--tensorboard-dir``: where TensorBoard scalars are written; ``None``: nowhere."""
+    log_throughput: bool = False
+    """``--log-throughput``: the model's TFLOP/s per GPU in the iteration line [TFLOP/s]."""
+    log_timers_to_tensorboard: bool = False
+    """``--log-timers-to-tensorboard``: the timers in TensorBoard [s per iteration]."""
+    loss_log_json: str | None = None
+    """``--loss-log-json`` (developer flag): the file the last rank writes every iteration's exact
+    values to; ``None``: not written."""
+    wandb_project: str | None = None
+    """``--wandb-project``: the W&B project the scalars go to (last rank); ``None``: no W&B."""
+    wandb_exp_name: str | None = None
+    """``--wandb-exp-name``: the W&B run name."""
+    wandb_save_dir: str | None = None
+    """``--wandb-save-dir``: W&B's files; ``None``: ``SAVE/wandb`` with ``--save``, else ``./wandb``."""
+    wandb_config: tuple[tuple[str, Union[int, float, str, bool]], ...] = field(default=(), compare=False, repr=False)
+    """W&B's run config with ``--wandb-project``: every flag of the validated command line whose value
+    is a number, a string or a boolean, as ``(dest, value)`` pairs (Megatron-LM gives W&B ``vars(args)``).
+    Read by nothing else; not compared, not in ``repr``."""
 
     log_params_norm: bool = False
     """``--log-params-norm``: ``params norm`` in the iteration line and ``params-norm`` in TensorBoard:
@@ -56,7 +102,8 @@ class LoggingConfig:
     @classmethod
     def from_args(cls, args: Any) -> "LoggingConfig":
         """The section of validated ``args``."""
-        return read_section(cls, args)
+        wandb_config = tuple((k, v) for k, v in vars(args).items() if isinstance(v, (int, float, str, bool)))
+        return read_section(cls, args, wandb_config=wandb_config)
 
 
 @dataclass(frozen=True)
