@@ -29,7 +29,7 @@ import pytest
 from megatron_zb.testing.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, TINY_GPT_FLAGS, MegatronLMRun,
                                              bitwise_differences, run_megatron_lm)
 import test_megatron_lm_loop
-from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, REPLAN_FUNC, TIMEOUT_S, ZB_FUNC, _flags, assert_trains
+from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, REPLAN_FUNC, TIMEOUT_S, ZB_FUNC, loop_flags, assert_trains
 
 pytestmark = test_megatron_lm_loop.pytestmark  # skips without Megatron-LM or its imports
 
@@ -92,10 +92,10 @@ def test_the_schedule_placement_must_match_megatron_lm_chunks(argv: tuple[str, .
     from megatron_zb.megatron_lm import configure
     from megatron_zb.training.arguments.common import ArgumentError
 
-    args = _flags(*argv)
+    args = loop_flags(*argv)
     args.num_layers_per_virtual_pipeline_stage = per_stage
     with pytest.raises(ArgumentError, match=re.escape(message)):
         configure(args)
-    args = _flags("--schedule", "interleaved-1f1b")
+    args = loop_flags("--schedule", "interleaved-1f1b")
     args.num_layers_per_virtual_pipeline_stage = 1
     assert configure(args) == {"schedule": "interleaved-1f1b", "timeout": 300.0, "num_chunks": 2}

@@ -60,7 +60,7 @@ PP2_DP2 = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *LLAMA_FLAGS, "--pipeline-model-paralle
 4 micro batches of 2 per data-parallel rank per iteration."""
 
 
-def _run(argv: tuple[str, ...], world_size: int, plugin: str | None = None, extra: tuple[str, ...] = ()
+def run_loop(argv: tuple[str, ...], world_size: int, plugin: str | None = None, extra: tuple[str, ...] = ()
          ) -> MegatronLMRun:
     return run_megatron_lm([*argv, *extra], world_size=world_size, timeout=TIMEOUT_S, plugin=plugin, params=True)
 
@@ -92,7 +92,7 @@ def mcore_pp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[MegatronLMRun, 
     torch_dist checkpoint at the end (dist-checkpointing's results process uses the spawn start
     method and re-imports ``__main__``: the harness's entry script must survive that)."""
     save = tmp_path_factory.mktemp("mlm-ckpt")
-    return _run(PP2, world_size=2, extra=("--save", str(save), "--save-interval", str(ITERS))), save
+    return run_loop(PP2, world_size=2, extra=("--save", str(save), "--save-interval", str(ITERS))), save
 
 
 def test_pp2_megatron_core_1f1b_trains_and_saves(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
@@ -103,13 +103,13 @@ def test_pp2_megatron_core_1f1b_trains_and_saves(mcore_pp2: tuple[MegatronLMRun,
 
 
 def test_pp2_patch_megatron_zb_is_bitwise_1f1b(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
-    run = _run(PP2, world_size=2, plugin=ZB_PLUGIN)
+    run = run_loop(PP2, world_size=2, plugin=ZB_PLUGIN)
     assert_trains(run, 2, ZB_FUNC)
     assert_bitwise_equal(run, mcore_pp2[0])
 
 
 def test_pp2_patch_megatron_zb_without_dealloc_is_bitwise_1f1b(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
-    run = _run(PP2, world_size=2, plugin=ZB_NO_DEALLOC_PLUGIN)
+    run = run_loop(PP2, world_size=2, plugin=ZB_NO_DEALLOC_PLUGIN)
     assert_trains(run, 2, ZB_FUNC)
     assert_bitwise_equal(run, mcore_pp2[0])
 
@@ -118,7 +118,7 @@ def test_pp2_patch_megatron_zb_without_dealloc_is_bitwise_1f1b(mcore_pp2: tuple[
 @pytest.fixture(scope="module")
 def mcore_pp2_dp2() -> MegatronLMRun:
     """megatron-core's 1F1B with the distributed optimizer and overlapped reduce / gather: the baseline."""
-    return _run(PP2_DP2, world_size=4)
+    return run_loop(PP2_DP2, world_size=4)
 
 
 def test_pp2_dp2_megatron_core_1f1b_trains(mcore_pp2_dp2: MegatronLMRun) -> None:
@@ -135,14 +135,14 @@ def test_pp2_dp2_megatron_core_1f1b_trains(mcore_pp2_dp2: MegatronLMRun) -> None
 
 
 def test_pp2_dp2_patch_megatron_zb_is_bitwise_1f1b(mcore_pp2_dp2: MegatronLMRun) -> None:
-    run = _run(PP2_DP2, world_size=4, plugin=ZB_PLUGIN)
+    run = run_loop(PP2_DP2, world_size=4, plugin=ZB_PLUGIN)
     assert_trains(run, 4, ZB_FUNC)
     assert_bitwise_equal(run, mcore_pp2_dp2)
 
 
 def test_pp2_dp2_zero_bubble_flags_on_megatron_lm_parser_are_bitwise_1f1b(mcore_pp2_dp2: MegatronLMRun) -> None:
     """``--schedule zb-2p --zero-bubble-max-pending-backward 4`` on Megatron-LM's own command line."""
-    run = _run(PP2_DP2, world_size=4, plugin=FLAGS_PLUGIN,
+    run = run_loop(PP2_DP2, world_size=4, plugin=FLAGS_PLUGIN,
                extra=("--schedule", "zb-2p", "--zero-bubble-max-pending-backward", "4"))
     assert_trains(run, 4, REPLAN_FUNC)
     assert "    re-planned 'zb-2p' from the measured costs in " in run.logs[0]  # default window: iterations 2-3
@@ -152,7 +152,7 @@ def test_pp2_dp2_zero_bubble_flags_on_megatron_lm_parser_are_bitwise_1f1b(mcore_
 # ---------------------------------------------------------------------- the flags route
 def test_pp2_enable_zero_bubble_on_megatron_lm_parser_is_bitwise_1f1b(mcore_pp2: tuple[MegatronLMRun, Path]) -> None:
     """The default profiling window (iterations 2-3) ends before iteration 4: re-planned, still bitwise."""
-    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=("--enable-zero-bubble",))
+    run = run_loop(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=("--enable-zero-bubble",))
     assert_trains(run, 2, REPLAN_FUNC)
     assert "> schedule report after profiling iterations 2-3 " in run.logs[0]
     assert_bitwise_equal(run, mcore_pp2[0])
@@ -165,7 +165,7 @@ def test_pp2_profile_then_replan_on_the_flags_route(mcore_pp2: tuple[MegatronLMR
     from megatron_zb.planning.profile import read_profile
 
     out = tmp_path / "profile.json"
-    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN,
+    run = run_loop(PP2, world_size=2, plugin=FLAGS_PLUGIN,
                extra=("--enable-zero-bubble", "--zero-bubble-pipeline-timers-start-iter", "2",
                       "--zero-bubble-pipeline-timers-end-iter", "3", "--profile-out", str(out)))
     assert_trains(run, 2, REPLAN_FUNC)
@@ -202,7 +202,7 @@ V_WITHOUT_WRAPPER = {
 ])
 def test_a_bad_zero_bubble_flag_exits_2_before_any_process_group(bad: tuple[str, ...], message: str) -> None:
     with pytest.raises(MegatronLMError) as e:
-        _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=bad)
+        run_loop(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=bad)
     text = str(e.value) + "\n".join(e.value.logs)
     assert "exited with status 2" in str(e.value) and f"megatron-zb: error: {message}" in text
     assert "initializing torch distributed" not in text  # Megatron-LM's first line of its process-group set-up
@@ -270,7 +270,7 @@ def test_replanning_wrapper_counts_training_calls_only() -> None:
                                                           (True, False, True, False, False, True, True, False)]
 
 
-def _flags(*argv: str) -> argparse.Namespace:
+def loop_flags(*argv: str) -> argparse.Namespace:
     """The zero-bubble flags parsed as on Megatron-LM's parser, beside the Megatron-LM values
     :func:`~megatron_zb.megatron_lm.configure` reads (PP=2, 4 layers, no interleaving, dense)."""
     from megatron_zb.megatron_lm import add_flags
@@ -295,7 +295,7 @@ def test_configure_refuses_what_the_profiling_window_cannot_do(argv: tuple[str, 
     from megatron_zb.megatron_lm import configure
     from megatron_zb.training.arguments.common import ArgumentError
 
-    args = _flags(*argv)
+    args = loop_flags(*argv)
     args.num_experts = experts  # Megatron-LM's --num-experts
     with pytest.raises(ArgumentError, match=re.escape(message)):
         configure(args)
@@ -304,7 +304,7 @@ def test_configure_refuses_what_the_profiling_window_cannot_do(argv: tuple[str, 
 def test_configure_profiles_cost_aware_schedules_with_profile_out() -> None:
     from megatron_zb.megatron_lm import configure
 
-    args = _flags("--enable-zero-bubble", "--profile-out", "p.json")
+    args = loop_flags("--enable-zero-bubble", "--profile-out", "p.json")
     assert configure(args) == {"schedule": "zb", "timeout": 300.0, "memory_limit": 2.0}
     assert args.zero_bubble_max_pending_backward == 2  # resolved: PP (ZB-1p), as pretrain_gpt_zb.py does
 
@@ -320,4 +320,4 @@ def test_v_is_refused_where_the_loop_has_no_v_route() -> None:
     for argv in (("--zero-bubble-v-schedule",), ("--schedule", "zbv")):
         with pytest.raises(ArgumentError, match=f"^{argv[0]}: the V schedule 'zbv' is not supported inside this "
                                                 f"Megatron-LM's loop: Megatron-LM core_v0.19.0's pretrain"):
-            configure(_flags(*argv))
+            configure(loop_flags(*argv))

@@ -33,7 +33,7 @@ import re
 
 import pytest
 import test_megatron_lm_loop
-from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, MCORE_1F1B, PP2, REPLAN_FUNC, _flags, _run, assert_bitwise_equal
+from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, MCORE_1F1B, PP2, REPLAN_FUNC, loop_flags, run_loop, assert_bitwise_equal
 
 from megatron_zb.megatron_compat import megatron_lm_tag
 from megatron_zb.megatron_lm_optimizer import REFUSED
@@ -67,7 +67,7 @@ ROLLBACK = re.compile(r"^megatron-zb: post-validation rolled back the step of it
 @pytest.fixture(scope="module")
 def mcore_fp16() -> MegatronLMRun:
     """megatron-core's own 1F1B with :data:`FP16`, no post-validation: the baseline."""
-    return _run(PP2, world_size=2, extra=FP16)
+    return run_loop(PP2, world_size=2, extra=FP16)
 
 
 def logged(run: MegatronLMRun) -> list[dict[str, str]]:
@@ -103,7 +103,7 @@ def test_post_validation_exact_is_bitwise_megatron_core(mcore_fp16: MegatronLMRu
     """``--enable-exactly-numeric-match``: the eager step that stands (iteration 1), the skipped
     ones rolled back (2, 3) and the clipped one redone (4) give megatron-core's synchronous result
     bit for bit: every iteration's lm loss and grad norm, every rank's parameters."""
-    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN,
+    run = run_loop(PP2, world_size=2, plugin=FLAGS_PLUGIN,
                extra=(*FP16, *POST_VALIDATION, "--enable-exactly-numeric-match"))
     assert "> optimizer post-validation (exact rollback): synchronous steps in the first 0 iteration(s)" in run.logs[0]
     assert_same_events(run, mcore_fp16)
@@ -114,7 +114,7 @@ def test_post_validation_in_place_matches_megatron_core(mcore_fp16: MegatronLMRu
     """The default in-place rollback: bitwise until the first rollback (iteration 2's loss is
     computed after iteration 1's eager step), then equal to fp32 round-off in the main params --
     which can move an fp16 model parameter by one unit in the last place (at most 2^-10 relative)."""
-    run = _run(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=(*FP16, *POST_VALIDATION))
+    run = run_loop(PP2, world_size=2, plugin=FLAGS_PLUGIN, extra=(*FP16, *POST_VALIDATION))
     assert "> optimizer post-validation (in-place rollback)" in run.logs[0]
     assert_same_events(run, mcore_fp16)
     assert run.lm_losses[:2] == mcore_fp16.lm_losses[:2] and run.grad_norms[0] == mcore_fp16.grad_norms[0]
@@ -133,7 +133,7 @@ def _pv_flags(*argv: str, **megatron_lm: object) -> object:
     """The zero-bubble flags parsed as on Megatron-LM's parser, with the optimizer flags of
     Megatron-LM that :func:`~megatron_zb.megatron_lm_optimizer.check_flags` reads (defaults: adam,
     no offload / FSDP / expert parallelism) overridden by ``megatron_lm``."""
-    args = _flags(*argv)
+    args = loop_flags(*argv)
     for dest, value in {"optimizer": "adam", "expert_model_parallel_size": 1, **megatron_lm}.items():
         setattr(args, dest, value)
     return args

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from test_pretrain import DROPOUT, SCRIPT, _without, assert_curve, in_process, losses, train  # the end-to-end harness
+from megatron_zb.testing.pretrain_harness import DROPOUT, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -161,7 +161,7 @@ def test_other_train_iters_names_megatrons_flags_and_honours_them(tmp_path, save
     ``--use-checkpoint-opt_param-scheduler`` keeps decaying over 8 iterations,
     ``--override-opt_param-scheduler`` over 10 (as Megatron-LM's scheduler does)."""
     root = _copy(saved[1], tmp_path / "ckpt")
-    argv = _without(ARGV, "--train-iters") + ["--train-iters", "10", "--load", str(root), "--ckpt-step", "4"]
+    argv = without(ARGV, "--train-iters") + ["--train-iters", "10", "--load", str(root), "--ckpt-step", "4"]
     line = _refused(argv, root)
     assert "--override-opt_param-scheduler" in line and "--use-checkpoint-opt_param-scheduler" in line, line
     assert "--lr-decay-iters / --lr-decay-samples, default the training length [samples]: checkpoint 64, this run 80" \
@@ -224,7 +224,7 @@ def test_sigterm_saves_exits_0_and_resumes_exactly(tmp_path, saved):
     finish the iteration, save it and exit 0; the resumed run continues bit for bit (dropout on)."""
     full = saved[0]
     root = tmp_path / "ckpt"
-    argv = _without(ARGV, "--num-workers") + ["--num-workers", "1", "--exit-signal-handler", "--save", str(root),
+    argv = without(ARGV, "--num-workers") + ["--num-workers", "1", "--exit-signal-handler", "--save", str(root),
                                                "--loss-log-json", str(tmp_path / "first.json")]
     proc, lines = _launch(argv, tmp_path)
     _wait_for(proc, lines, r"\] iteration\s+2/")

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from test_pretrain import SMALL, _without  # the end-to-end harness's tiny model
+from megatron_zb.testing.pretrain_harness import SMALL, without  # the end-to-end harness's tiny model
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 TIMEOUT_S = 3.0
-ARGV = _without(SMALL, "--pipeline-timeout-seconds") + [
+ARGV = without(SMALL, "--pipeline-timeout-seconds") + [
     "--pipeline-model-parallel-size", "2", "--enable-zero-bubble", "--overlap-grad-reduce", "--train-iters", "3",
     "--pipeline-timeout-seconds", f"{TIMEOUT_S:g}"]
 """4 ranks: pipeline groups [0, 2] and [1, 3], data-parallel groups [0, 1] (stage 0) and [2, 3] (stage 1)."""
@@ -168,7 +168,7 @@ def test_pretrain_script_exits_at_once_on_a_late_peer_without_tearing_the_groups
     import subprocess
     import sys
 
-    from test_pretrain import SCRIPT
+    from megatron_zb.testing.pretrain_harness import SCRIPT
 
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", _SCRIPT_WITH_A_LATE_PEER, str(SCRIPT)], capture_output=True,

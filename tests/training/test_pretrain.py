@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,11 +37,13 @@ from typing import Any
 
 import pytest
 
+from megatron_zb.testing.pretrain_harness import (DROPOUT, SCRIPT, SMALL, assert_curve, in_process, losses, torchrun,
+                                                 train)
+
 # megatron-core's import-time notices (the bad-input tests import it into this process).
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "pretrain_gpt_zb.py"
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -54,7 +55,6 @@ COMMON = MODEL + [
     "--distributed-backend", "gloo", "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
 PP2 = COMMON + ["--pipeline-model-parallel-size", "2"]
 PP4 = COMMON + ["--pipeline-model-parallel-size", "4", "--exit-interval", "5"]
-RUN_TIMEOUT = 240  # seconds per run (2 shared cores; a PP=4 torchrun takes ~30 s)
 
 
 class Runs:
@@ -83,25 +83,6 @@ class Runs:
         return self.done[name]
 
 
-def torchrun(nproc: int, argv: list[str], *, cwd: Path) -> dict[str, Any]:
-    """Run ``pretrain_gpt_zb.py`` under torchrun; fail the test with the log on a non-zero exit."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(SCRIPT), *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun {' '.join(argv)} did not finish in {RUN_TIMEOUT} s:\n{out[-6000:]}")
-    (cwd / "log.txt").write_text(out)
-    if proc.returncode != 0:
-        errors = "\n".join(ln for ln in out.splitlines() if re.search(r"Error|error:|Traceback|Timeout", ln))
-        pytest.fail(f"torchrun {' '.join(argv)} exited {proc.returncode}; log in {cwd / 'log.txt'}; error lines:\n"
-                    f"{errors[-6000:]}\n--- end of the log ---\n{out[-3000:]}")
-    return {"log": out}
 
 
 @pytest.fixture(scope="module")
@@ -154,22 +135,6 @@ def pp2(runs: Runs, name: str, *flags: str) -> dict:
     return runs.get(name, 2, PP2 + list(flags))
 
 
-def train(run: dict) -> list[dict]:
-    return run["values"]["train"]
-
-
-def losses(run: dict) -> dict[int, float]:
-    return {r["iteration"]: r["lm loss"] for r in train(run)}
-
-
-def assert_curve(got: dict[int, float], ref: dict[int, float], *, what: str, exact: bool) -> None:
-    assert got, f"{what}: no losses"
-    assert set(got) <= set(ref), f"{what}: iterations {sorted(set(got) - set(ref))} not in the reference"
-    for it, value in sorted(got.items()):
-        if exact:
-            assert value == ref[it], f"{what}: iteration {it} lm loss {value!r} != reference {ref[it]!r}"
-        else:
-            assert value == pytest.approx(ref[it], rel=1e-5), f"{what}: iteration {it}: {value} vs {ref[it]}"
 
 
 # ---------------------------------------------------------------------------- loss curves
@@ -425,19 +390,7 @@ def test_mock_loss_mask_does_not_depend_on_the_first_sample_read():
 
 
 # ---------------------------------------------------------------------------- in-process runs
-# Runs of the trainer (what pretrain_gpt_zb.py runs) inside run_distributed's ranks: a few
-# seconds each instead of a torchrun start. 4 layers (V and PP=2 x 2 chunks split evenly).
-SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--lr", "2e-3", "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
-         "--distributed-backend", "gloo", "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
-
-
-def in_process(tmp_path: Path, name: str, world: int, argv: list[str]) -> dict:
-    """The trainer on ``argv`` in ``world`` ranks (:func:`megatron_zb.testing.trainer_run.in_process`)."""
-    from megatron_zb.testing.trainer_run import in_process as run
-
-    return run(tmp_path, name, world, argv, timeout=RUN_TIMEOUT)
+# (megatron_zb.testing.pretrain_harness: SMALL and in_process)
 
 
 def test_replanned_schedule_is_the_greedy_schedule_of_the_logged_costs(tmp_path):
@@ -577,22 +530,8 @@ def test_fp16_checkpoint_before_any_successful_step_resumes(tmp_path):
 
 
 # ---------------------------------------------------------------------------- exact resume with dropout
-def _without(argv: list[str], *flags: str) -> list[str]:
-    """``argv`` without ``flags`` and their values."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        else:
-            out.append(a)
-    return out
 
 
-DROPOUT = _without(SMALL, "--hidden-dropout", "--attention-dropout") + [
-    "--train-iters", "8", "--lr-warmup-iters", "2", "--save-interval", "4"]
-"""SMALL with Megatron's default dropout (0.1 hidden and attention), 8 iterations, a checkpoint at 4 and 8."""
 
 
 @pytest.mark.parametrize("world, flags", [

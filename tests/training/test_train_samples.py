@@ -26,17 +26,17 @@ import shutil
 
 import pytest
 
-from test_pretrain import SMALL, _without, in_process, losses, train  # the end-to-end harness
+from megatron_zb.testing.pretrain_harness import SMALL, without, in_process, losses, train  # the end-to-end harness
 
 from megatron_zb.megatron_compat import rampup_calculator
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-BASE = _without(SMALL, "--hidden-dropout", "--attention-dropout", "--global-batch-size") + [
+BASE = without(SMALL, "--hidden-dropout", "--attention-dropout", "--global-batch-size") + [
     "--pipeline-model-parallel-size", "2", "--lr-decay-style", "cosine", "--min-lr", "2e-4"]
 """SMALL of test_pretrain with Megatron's default dropout, PP=2 (2 ranks: DP=1), cosine decay to 2e-4."""
 
-RAMP = _without(BASE, "--eval-iters") + [
+RAMP = without(BASE, "--eval-iters") + [
     "--global-batch-size", "8", "--train-samples", "64", "--rampup-batch-size", "4", "2", "16",
     "--lr-warmup-samples", "8", "--eval-interval", "3", "--eval-iters", "1"]
 """Evaluation (one batch of --global-batch-size, as Megatron-LM's) after iterations 3 (mid-ramp), 6 and 9, then

@@ -1,0 +1,98 @@
+"""The end-to-end harness of ``pretrain_gpt_zb.py``'s tests (tests/training/): the script under
+torchrun, its trainer in-process, the tiny command lines, and the loss-curve helpers.
+
+Shared by ``tests/training/test_pretrain.py`` and the tests that run the trainer the same way
+(checkpoint failures, dead peers, MoE, training length, profile output, model flags, data). Needs
+pytest (the test extras): a failed run fails the calling test with the run's log.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["DROPOUT", "RUN_TIMEOUT", "SCRIPT", "SMALL", "assert_curve", "in_process", "losses", "torchrun", "train",
+           "without"]
+
+SCRIPT = Path(__file__).resolve().parents[2] / "pretrain_gpt_zb.py"
+"""The entry point under test."""
+RUN_TIMEOUT = 240
+"""Seconds per run (2 shared cores; a PP=4 torchrun takes ~30 s)."""
+
+# Runs of the trainer (what pretrain_gpt_zb.py runs) inside run_distributed's ranks: a few
+# seconds each instead of a torchrun start. 4 layers (V and PP=2 x 2 chunks split evenly).
+SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--lr", "2e-3", "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
+         "--distributed-backend", "gloo", "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
+
+
+def in_process(tmp_path: Path, name: str, world: int, argv: list[str]) -> dict:
+    """The trainer on ``argv`` in ``world`` ranks (:func:`megatron_zb.testing.trainer_run.in_process`)."""
+    from megatron_zb.testing.trainer_run import in_process as run
+
+    return run(tmp_path, name, world, argv, timeout=RUN_TIMEOUT)
+
+
+def torchrun(nproc: int, argv: list[str], *, cwd: Path) -> dict[str, Any]:
+    """Run ``pretrain_gpt_zb.py`` under torchrun; fail the test with the log on a non-zero exit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(SCRIPT), *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun {' '.join(argv)} did not finish in {RUN_TIMEOUT} s:\n{out[-6000:]}")
+    (cwd / "log.txt").write_text(out)
+    if proc.returncode != 0:
+        errors = "\n".join(ln for ln in out.splitlines() if re.search(r"Error|error:|Traceback|Timeout", ln))
+        pytest.fail(f"torchrun {' '.join(argv)} exited {proc.returncode}; log in {cwd / 'log.txt'}; error lines:\n"
+                    f"{errors[-6000:]}\n--- end of the log ---\n{out[-3000:]}")
+    return {"log": out}
+
+
+def train(run: dict) -> list[dict]:
+    return run["values"]["train"]
+
+
+def losses(run: dict) -> dict[int, float]:
+    return {r["iteration"]: r["lm loss"] for r in train(run)}
+
+
+def assert_curve(got: dict[int, float], ref: dict[int, float], *, what: str, exact: bool) -> None:
+    assert got, f"{what}: no losses"
+    assert set(got) <= set(ref), f"{what}: iterations {sorted(set(got) - set(ref))} not in the reference"
+    for it, value in sorted(got.items()):
+        if exact:
+            assert value == ref[it], f"{what}: iteration {it} lm loss {value!r} != reference {ref[it]!r}"
+        else:
+            assert value == pytest.approx(ref[it], rel=1e-5), f"{what}: iteration {it}: {value} vs {ref[it]}"
+
+
+def without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` without ``flags`` and their values."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+DROPOUT = without(SMALL, "--hidden-dropout", "--attention-dropout") + [
+    "--train-iters", "8", "--lr-warmup-iters", "2", "--save-interval", "4"]
+"""SMALL with Megatron's default dropout (0.1 hidden and attention), 8 iterations, a checkpoint at 4 and 8."""
