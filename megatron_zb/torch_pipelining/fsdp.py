@@ -6,7 +6,7 @@ adds, per stage, ``UNSHARD`` before its first compute action, ``RESHARD`` after 
 ``REDUCE_GRAD`` right after the stage's last ``W`` (or fused ``B``) of the iteration: the runtime
 then calls ``PipelineStage.perform_reduce_grad``, whose FSDP post-backward reduce-scatters the
 stage's gradients over the data-parallel mesh (on CUDA on FSDP's own stream, so it overlaps the
-rank's remaining compute; with gloo on the CPU the call returns when the reduce is done). With
+rank's remaining compute -- read from PyTorch's FSDP code, not run here; with gloo on the CPU the call returns when the reduce is done). With
 many stages per rank (V, interleaved), the order of a rank's trailing ``W``'s decides when each
 stage's reduce can start and how much of it the other stage's ``W``'s hide -- the question
 megatron-zb's reduce-aware tail (:func:`~megatron_zb.schedules.dp_reduce.reduce_aware_tail`)
