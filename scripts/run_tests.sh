@@ -18,6 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 LOGS=test-logs
 mkdir -p "$LOGS"
 BASETEMP="${TMPDIR:-/tmp}/megatron-zb-tests-$$"
+mkdir -p "$BASETEMP"
 PYTEST_ARGS=(-q -p no:cacheprovider --durations=15)
 if [[ $# -eq 0 ]]; then set -- tests; fi
 
@@ -38,7 +39,7 @@ fi
 # 3. Both suites, side by side (the 3.12 environment is installed inside its job).
 start=$SECONDS
 python -c 'import sys; from importlib.metadata import version as v
-print(f"py3.11 suite: Python {sys.version.split()[0]}, torch {v(\"torch\")}, megatron-core {v(\"megatron-core\")}")'
+print("py311 suite: Python", sys.version.split()[0], "torch", v("torch"), "megatron-core", v("megatron-core"))'
 python -m pytest "${PYTEST_ARGS[@]}" --basetemp "$BASETEMP/py311" "$@" >"$LOGS/py311.log" 2>&1 &
 pids=($!)
 names=(py311)
