@@ -195,8 +195,11 @@ TRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 @pytest.mark.parametrize("schedule,tying,world", [("zb-h1-vocab-1", [], 2),
                                                   ("1f1b-vocab-2", ["--untie-embeddings-and-output-weights"], 2),
-                                                  ("zb-h1-vocab-2", [], 4)],
-                         ids=["tied-zb-h1-vocab-1", "untied-1f1b-vocab-2", "dp2-tied-zb-h1-vocab-2"])
+                                                  ("zb-h1-vocab-2", [], 4),
+                                                  ("zbv-vocab-1", [], 2),
+                                                  ("zbv-vocab-2", ["--untie-embeddings-and-output-weights"], 2)],
+                         ids=["tied-zb-h1-vocab-1", "untied-1f1b-vocab-2", "dp2-tied-zb-h1-vocab-2", "tied-zbv-vocab-1",
+                              "untied-zbv-vocab-2"])
 def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, schedule, tying, world):
     """``pretrain_gpt_zb.py --enable-vocab-parallel --schedule ...`` (Adam, clipping, LR schedule:
     6 iterations, evaluation after iterations 3 and 6 and on the test set) against megatron-core's own 1F1B
