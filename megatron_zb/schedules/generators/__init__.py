@@ -14,7 +14,7 @@ module              schedules
 ``interleaved_zb``  ``interleaved-zb``
 ``exact``           ``zb-optimal``, ``zbv-optimal`` (CP-SAT; OR-Tools imported on use)
 ``vocab``           ``1f1b-vocab-1``, ``1f1b-vocab-2``, ``zb-h1-vocab-1``, ``zb-h1-vocab-2``
-``vocab_v``         ``zbv-vocab-1``, ``zbv-vocab-2`` (the V placement; ``search``)
+``vocab_v``         ``zbv-vocab-1``, ``zbv-vocab-2`` (the V placement, hand-made order)
 ==================  =====================================================================
 """
 
