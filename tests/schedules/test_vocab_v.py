@@ -121,3 +121,21 @@ def test_every_small_shape_is_deadlock_free():
         for p in range(1, 6):
             for m in range(1, 2 * p + 2):
                 simulate(build_schedule(name, num_ranks=p, num_microbatches=m, costs=costs), costs)
+
+
+def test_docs_table_rows():
+    """docs/vocab_parallel_schedules.md's simulated comparison (p=4, m=16; a V chunk is half a plain
+    stage): ZB-V with the passes holds p+1 = 5 stage M_B on every rank (ZB-H1-vocab-1: 6 on rank 0) and
+    ends no later than ZB-H1-vocab; ZB-V with the output layer and the embedding on rank 0 is over 1.5x longer."""
+    p, m = 4, 16
+    vc = VocabCosts(t_if=0.05, t_s=0.5, t_t=0.5, t_ib=0.05, t_collective=0.1)
+    v = CostModel(t_f=0.5, t_b=0.5, t_w=0.5, mem_b=0.5, mem_w=0.25, vocab=vc)
+    plain = CostModel(vocab=vc)
+    h1 = simulate(build_schedule("zb-h1-vocab-1", num_ranks=p, num_microbatches=m, costs=plain), plain)
+    v_last = CostModel(t_f=[0.7] + [0.5] * 6 + [2.5], t_b=[0.5] * 7 + [2.5], t_w=[0.7] + [0.5] * 7, mem_b=0.5,
+                       mem_w=0.25)
+    zbv = simulate(build_schedule("zbv", num_ranks=p, num_microbatches=m, costs=v_last), v_last).makespan
+    assert h1.peak_memory[0] == 6
+    for name in NAMES:
+        res = simulate(build_schedule(name, num_ranks=p, num_microbatches=m, costs=v), v)
+        assert res.peak_memory == [5.0] * p and res.makespan <= h1.makespan and zbv > 1.5 * res.makespan
