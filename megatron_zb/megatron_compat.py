@@ -57,19 +57,13 @@ class MegatronLMLoop(NamedTuple):
     script's model provider exists (the V route's check wraps it); ``None``: validation runs before
     ``pretrain()``."""
     v_model_builder: str | None
-    """The class (``module.Class``) whose ``build_model`` / ``build_distributed_models`` Megatron-LM's
-    ``setup_model_and_optimizer`` calls to build the model from ``pretrain_gpt.py``'s config
-    container; the V route wraps both (reading the builder's model config, its private
-    ``_model_config`` attribute), so the script needs no change beyond ``install()``. ``None``:
-    Megatron-LM's ``get_model`` calls the script's model provider, which the script passes through
-    ``megatron_zb.megatron_lm.v_model_provider``."""
+    """The class whose ``build_model`` / ``build_distributed_models`` Megatron-LM calls to build the
+    model from the script's config; the V route wraps both (reading its private ``_model_config``).
+    ``None``: ``get_model`` calls the script's provider, wrapped in ``v_model_provider``."""
     tp_batch_by_pipeline_end: str | None
-    """``module.function`` that ``pretrain_gpt.py``'s ``get_batch`` calls to share a micro batch over
-    the tensor-parallel group, where it keeps -- on tensor-parallel rank 0 too -- only the fields of
-    the rank's pipeline end (``is_pipeline_first_stage``: tokens; ``is_pipeline_last_stage``:
-    labels); the V's rank 0 holds both ends, so the V route calls it there as for one pipeline rank
-    (every field). ``None``: it keeps the whole batch on tensor-parallel rank 0."""
-
+    """The function ``pretrain_gpt.py``'s ``get_batch`` calls that keeps, on tensor-parallel rank 0
+    too, only the fields of the rank's pipeline end; the V route calls it on the V's rank 0 (both
+    ends) as for one pipeline rank. ``None``: it keeps the whole batch on tensor-parallel rank 0."""
 
 MEGATRON_LM_LOOP: dict[str, MegatronLMLoop] = {
     "0.16": MegatronLMLoop(
