@@ -56,25 +56,31 @@ class MegatronLMLoop(NamedTuple):
     """The module whose global ``validate_args`` Megatron-LM calls inside ``pretrain()``, once the
     script's model provider exists (the V route's check wraps it); ``None``: validation runs before
     ``pretrain()``."""
-    v_route_refused: str | None
-    """Why V schedules are refused inside this release's loop; ``None``: the V route works."""
-
+    v_model_builder: str | None
+    """The class whose ``build_model`` / ``build_distributed_models`` Megatron-LM calls to build the
+    model from the script's config; the V route wraps both (reading its private ``_model_config``).
+    ``None``: ``get_model`` calls the script's provider, wrapped in ``v_model_provider``."""
+    tp_batch_by_pipeline_end: str | None
+    """The function ``pretrain_gpt.py``'s ``get_batch`` calls that keeps, on tensor-parallel rank 0
+    too, only the fields of the rank's pipeline end; the V route calls it on the V's rank 0 (both
+    ends) as for one pipeline rank. ``None``: it keeps the whole batch on tensor-parallel rank 0."""
 
 MEGATRON_LM_LOOP: dict[str, MegatronLMLoop] = {
     "0.16": MegatronLMLoop(
         # arguments.parse_args, and initialize.py's name for it: initialize_megatron parses again
         parse_args_holders=("megatron.training.arguments", "megatron.training.initialize"),
         validate_args_holder="megatron.training.initialize",
-        v_route_refused=None),
+        v_model_builder=None,
+        tp_batch_by_pipeline_end=None),
     "0.19": MegatronLMLoop(
         # pretrain_gpt.py's __main__ calls arguments.parse_and_validate_args (parse_args, validate_args of
         # that module) before pretrain(); initialize.py no longer parses
         parse_args_holders=("megatron.training.arguments",),
         validate_args_holder=None,
-        v_route_refused="Megatron-LM core_v0.19.0's pretrain() builds the model from its config "
-                        "(megatron/training/models/), not from a model provider that megatron_zb.megatron_lm."
-                        "v_model_provider could wrap; use pretrain_gpt_zb.py, or Megatron-LM core_v0.16.1 with "
-                        "megatron-core 0.16.1"),
+        # setup_model_and_optimizer: GPTModelBuilder(model_cfg).build_distributed_models(...) ->
+        # unimodal_build_distributed_models(self.build_model, ...), one build_model call per vp_stage
+        v_model_builder="megatron.training.models.gpt.GPTModelBuilder",
+        tp_batch_by_pipeline_end="megatron.core.utils.get_batch_on_this_tp_rank"),
 }
 """Per release line: the Megatron-LM loop's hooks (the release of :data:`MEGATRON_LM_TAGS`)."""
 

@@ -30,10 +30,10 @@ counts its iterations from 1 again, so it profiles and re-plans again.
 
 ``--enable-optimizer-post-validation`` wraps the optimizer Megatron-LM builds and validates each
 step when Megatron-LM's ``train_step`` returns (:mod:`megatron_zb.megatron_lm_optimizer`). V schedules
-(``--zero-bubble-v-schedule``, ``--schedule zbv|v-half|v-min``) need the model provider wrapped in the
-script: :func:`v_model_provider` (:mod:`megatron_zb.megatron_lm_v`); inside Megatron-LM core_v0.19.0's
-loop, which builds the model from its config instead of a provider, they are refused (one line naming
-the flag, exit 2).
+(``--zero-bubble-v-schedule``, ``--schedule zbv|v-half|v-min``): :mod:`megatron_zb.megatron_lm_v`
+builds the V's two chunks per rank -- inside Megatron-LM core_v0.16.1's loop through the script's model
+provider passed through :func:`v_model_provider`, inside core_v0.19.0's through the model builder
+Megatron-LM calls (no further change of the script; ``megatron_compat.MEGATRON_LM_LOOP``).
 
 Resuming: :func:`install` also runs Megatron-LM's ``load_checkpoint`` inside
 :func:`~megatron_zb.training.checkpointing.repaired_distributed_adam_load` (megatron-core 0.16.1's
@@ -204,12 +204,6 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
     _check_profiling(args, name)
     check_post_validation(args, spec)
     if spec.placement is Placement.V:
-        from .megatron_compat import megatron_lm_loop
-
-        refused = megatron_lm_loop().v_route_refused
-        if refused is not None:
-            raise ArgumentError(selected_by, f"the V schedule {name!r} is not supported inside this Megatron-LM's "
-                                             f"loop: {refused}")
         megatron_lm_v.check_v(args, name, selected_by)
     chunks = _virtual_chunks(args)
     if spec.placement is not Placement.V and (spec.placement is Placement.INTERLEAVED) != (chunks > 1):

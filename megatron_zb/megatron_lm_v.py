@@ -2,12 +2,19 @@
 
 A V schedule places ``2p`` pipeline stages on ``p`` ranks as a V: rank ``r`` holds stage ``r``
 (model chunk 0) and stage ``2p - 1 - r`` (chunk 1), so rank 0 holds both the embedding (stage 0)
-and the loss (stage ``2p - 1``). Megatron-LM's ``get_model`` builds two chunks per rank when its
-virtual pipeline size is 2, but for its interleaved placement; the user's ``pretrain_gpt.py``
-therefore passes its model provider through :func:`v_model_provider` (docs/megatron_lm.md)::
+and the loss (stage ``2p - 1``). Megatron-LM builds two chunks per rank when its virtual pipeline
+size is 2, but for its interleaved placement. Where it builds them is per release
+(``megatron_compat.MEGATRON_LM_LOOP``): core_v0.16.1's ``get_model`` calls the script's model
+provider, so the user's ``pretrain_gpt.py`` passes it through :func:`v_model_provider`
+(docs/megatron_lm.md)::
 
     pretrain(train_valid_test_datasets_provider,
              megatron_zb.megatron_lm.v_model_provider(partial(model_provider, gpt_builder)), ...)
+
+core_v0.19.0's ``setup_model_and_optimizer`` builds them from the script's config with
+``GPTModelBuilder``, whose ``build_model`` and ``build_distributed_models`` :func:`activate` wraps
+(:func:`_wrap_builder`): no change of the script beyond ``install()``. Both routes build a chunk
+by one rule, :func:`_build_v_chunk`.
 
 With a V schedule chosen (``--zero-bubble-v-schedule [--zero-bubble-v-schedule-mem-setup
 half|min]`` or ``--schedule zbv|v-half|v-min``):
@@ -22,12 +29,14 @@ half|min]`` or ``--schedule zbv|v-half|v-min``):
   for the loss stage), on the other ranks none; and makes the ``Float16Module`` that ``get_model``
   wraps each chunk in with ``--bf16`` / ``--fp16`` cast by the V stage;
 * :func:`check_provider` refuses, when Megatron-LM validates its arguments inside ``pretrain()``
-  (before any process group), a script that created no :func:`v_model_provider`;
-* the wrapped provider builds each chunk for its V stage through the user's own provider: the
-  config a copy with a :class:`~megatron_zb.model.ChunkPlan` as its layout (global layer offsets),
-  ``pre_process`` / ``post_process`` by stage, tied embeddings as ``pretrain_gpt_zb.py`` ties them
-  in a V (both ends built untied, then the loss chunk's output layer uses chunk 0's embedding
-  parameter, on the same rank: :func:`~megatron_zb.model.tie_output_layer`);
+  (before any process group), a script that created no :func:`v_model_provider` (core_v0.16.1);
+* the wrapped provider (or builder) builds each chunk for its V stage through the user's own
+  provider (Megatron-LM's builder): the config a copy with a :class:`~megatron_zb.model.ChunkPlan`
+  as its layout (global layer offsets), ``pre_process`` / ``post_process`` by stage, tied
+  embeddings as ``pretrain_gpt_zb.py`` ties them in a V (both ends built untied, then the loss
+  chunk's output layer uses chunk 0's embedding parameter, on the same rank:
+  :func:`~megatron_zb.model.tie_output_layer`); where Megatron-LM's ``get_batch_on_this_tp_rank``
+  keeps only the fields of the rank's pipeline end (core_v0.19.0), the V's rank 0 keeps them all;
 * :class:`VForwardBackward` hands the loss stage's per-micro-batch losses from rank 0 to the last
   pipeline rank, where Megatron-LM's ``train_step`` and ``evaluate`` read them.
 """
@@ -35,6 +44,7 @@ half|min]`` or ``--schedule zbv|v-half|v-min``):
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Any, Callable
 
@@ -50,6 +60,7 @@ V_CHUNKS = V_CHUNKS_PER_RANK
 _PROVIDERS: list["VModelProvider"] = []
 _ACTIVE: dict[str, str] = {}  # "schedule", "flag" while a V schedule is installed
 _PATCHED: list[tuple[Any, str, Callable]] = []
+_BUILT: dict[int, Any] = {}  # this rank's chunks built for the V by the builder route, by vp_stage
 
 
 def v_model_provider(model_provider: Callable[..., Any]) -> "VModelProvider":
@@ -133,14 +144,100 @@ def activate(schedule: str, flag: str) -> None:
         return _v_stage(vp_stage) in (0, V_CHUNKS * _pp()[0] - 1)
 
     # pretrain_gpt.py imported the name before this runs: rebind it wherever it is held, as patch_megatron does
-    for module in list(sys.modules.values()):
-        if module is not None and getattr(module, "is_first_or_last_pipeline_stage", None) is original:
-            _PATCHED.append((module, "is_first_or_last_pipeline_stage", original))
-            module.is_first_or_last_pipeline_stage = is_first_or_last_pipeline_stage
+    _rebind(original, is_first_or_last_pipeline_stage)
     from megatron.training import training
+
+    from .megatron_compat import megatron_lm_loop
 
     _PATCHED.append((training, "Float16Module", training.Float16Module))
     training.Float16Module = _v_float16_module  # get_model's one use: Float16Module(config, model_module)
+    loop = megatron_lm_loop()
+    if loop.v_model_builder is not None:
+        _wrap_builder(loop.v_model_builder)
+    if loop.tp_batch_by_pipeline_end is not None:
+        _keep_whole_batch_on_rank_0(loop.tp_batch_by_pipeline_end)
+
+
+def _rebind(original: Callable, replacement: Callable) -> None:
+    """Bind ``replacement`` wherever a module holds ``original`` under its name (scripts imported the
+    name before :func:`activate` runs), recorded for :func:`deactivate`."""
+    for module in list(sys.modules.values()):
+        if module is not None and getattr(module, original.__name__, None) is original:
+            _PATCHED.append((module, original.__name__, original))
+            setattr(module, original.__name__, replacement)
+
+
+def _wrap_builder(path: str) -> None:
+    """Megatron-LM builds the model from its config with the builder class ``path``
+    (``megatron_compat.MEGATRON_LM_LOOP``): its ``build_model`` builds chunk ``vp_stage`` of the V
+    (:func:`_build_v_chunk`, the same rule as :class:`VModelProvider`), and its
+    ``build_distributed_models`` wraps each chunk with ``--bf16`` / ``--fp16`` in the V-aware
+    ``Float16Module`` before megatron-core's DDP, as ``get_model`` does on the provider route."""
+    import copy
+    import inspect
+
+    from megatron.core.transformer.module import Float16Module
+
+    module_name, name = path.rsplit(".", 1)
+    builder = getattr(importlib.import_module(module_name), name)
+    build_model, build_distributed_models = builder.build_model, builder.build_distributed_models
+    distributed_signature = inspect.signature(build_distributed_models)
+
+    def build_v_model(self: Any, pg_collection: Any, pre_process: bool | None = None,
+                      post_process: bool | None = None, vp_stage: int | None = None) -> Any:
+        """Megatron-LM's ``build_model``; with a V, chunk ``vp_stage`` of the V (Megatron-LM's
+        ``pre_process`` / ``post_process`` are for its interleaved placement and are replaced)."""
+        if not _ACTIVE:
+            return build_model(self, pg_collection, pre_process, post_process, vp_stage)
+        model_config = self._model_config
+
+        def build(plan: Any, num_ranks: int, untied: bool) -> Any:
+            from .model import chunk_config
+
+            chunk = copy.copy(model_config)  # the builder reads these two; object's setter: no proxying
+            object.__setattr__(chunk, "transformer", chunk_config(model_config.transformer, plan, num_ranks))
+            if untied:
+                object.__setattr__(chunk, "share_embeddings_and_output_weights", False)
+            return build_model(type(self)(chunk), pg_collection, plan.pre_process, plan.post_process, None)
+
+        return _build_v_chunk(_BUILT, vp_stage, pg_collection,
+                              tied=model_config.share_embeddings_and_output_weights, build=build)
+
+    def build_v_distributed_models(self: Any, *args: Any, **kwargs: Any) -> Any:
+        """Megatron-LM's ``build_distributed_models``; with a V, megatron-core's ``Float16Module``
+        (the default wrapper) replaced by the V-aware one."""
+        if _ACTIVE:
+            bound = distributed_signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            wrapper = bound.arguments["mixed_precision_wrapper"]
+            if wrapper is not None and wrapper is not Float16Module:
+                raise RuntimeError(f"the V schedule {_ACTIVE['schedule']!r} casts by V stage with megatron-core's "
+                                   f"Float16Module; {path}.build_distributed_models was given {wrapper!r}")
+            if wrapper is Float16Module:
+                bound.arguments["mixed_precision_wrapper"] = _v_float16_module
+            args, kwargs = bound.args[1:], bound.kwargs
+        return build_distributed_models(self, *args, **kwargs)
+
+    _PATCHED.append((builder, "build_model", build_model))
+    _PATCHED.append((builder, "build_distributed_models", build_distributed_models))
+    builder.build_model = build_v_model
+    builder.build_distributed_models = build_v_distributed_models
+
+
+def _keep_whole_batch_on_rank_0(path: str) -> None:
+    """``path`` (``megatron_compat.MEGATRON_LM_LOOP``) keeps only the fields of the rank's pipeline
+    end; on the V's rank 0 (the embedding's and the loss stage's rank) it is called as for one
+    pipeline rank, which keeps every field (the V route needs tensor-parallel size 1)."""
+    module_name, name = path.rsplit(".", 1)
+    original = getattr(importlib.import_module(module_name), name)
+
+    def keep_whole_batch_on_rank_0(*args: Any, **kwargs: Any) -> Any:
+        if _pp()[1] == 0:
+            kwargs["pipeline_model_parallel_size"] = 1
+        return original(*args, **kwargs)
+
+    keep_whole_batch_on_rank_0.__name__ = original.__name__
+    _rebind(original, keep_whole_batch_on_rank_0)
 
 
 def _v_float16_module(config: Any, module: Any) -> Any:
@@ -211,32 +308,59 @@ class VModelProvider:
         from megatron.training import get_args
         from megatron.training.arguments import core_transformer_config_from_args
 
-        from .model import chunk_config, plan_chunks, tie_output_layer
-        from .schedules.ir import v_placement
-
         args = get_args()
-        if vp_stage is None or args.virtual_pipeline_model_parallel_size != V_CHUNKS:
-            raise RuntimeError(f"the V needs Megatron-LM's virtual pipeline size {V_CHUNKS} (set by megatron_zb."
-                               f"megatron_lm.install()); get_model called the provider with vp_stage={vp_stage}")
-        p, _ = _pp(pg_collection)
-        plan = plan_chunks(num_layers=args.num_layers, stage_to_rank=v_placement(p))[_v_stage(vp_stage, pg_collection)]
         base = config if config is not None else core_transformer_config_from_args(args)
-        tied = not args.untie_embeddings_and_output_weights and (plan.pre_process or plan.post_process)
-        try:  # both ends of the V on rank 0: built untied, then the loss chunk uses chunk 0's embedding
-            if tied:
-                args.untie_embeddings_and_output_weights = True
-            module = self.model_provider(pre_process=plan.pre_process, post_process=plan.post_process, vp_stage=None,
-                                         config=chunk_config(base, plan, p), pg_collection=pg_collection)
-        finally:
-            if tied:
-                args.untie_embeddings_and_output_weights = False
-        if tied and plan.post_process:
-            first = self.chunks.get(0)
-            if first is None or not first.pre_process:
-                raise RuntimeError("the V's loss chunk was built before its embedding chunk (vp_stage 0)")
-            tie_output_layer(module, first.embedding.word_embeddings.weight)
-        self.chunks[vp_stage] = module
-        return module
+
+        def build(plan: Any, num_ranks: int, untied: bool) -> Any:
+            from .model import chunk_config
+
+            try:  # the user's provider reads Megatron-LM's argument
+                if untied:
+                    args.untie_embeddings_and_output_weights = True
+                return self.model_provider(pre_process=plan.pre_process, post_process=plan.post_process,
+                                           vp_stage=None, config=chunk_config(base, plan, num_ranks),
+                                           pg_collection=pg_collection)
+            finally:
+                if untied:
+                    args.untie_embeddings_and_output_weights = False
+
+        return _build_v_chunk(self.chunks, vp_stage, pg_collection, tied=not args.untie_embeddings_and_output_weights,
+                              build=build)
+
+
+def _build_v_chunk(chunks: dict[int, Any], vp_stage: int | None, pg_collection: Any, *, tied: bool,
+                   build: Callable[[Any, int, bool], Any]) -> Any:
+    """Chunk ``vp_stage`` of this rank's V, recorded in ``chunks`` -- the one rule of both routes
+    (:class:`VModelProvider`, the builder wrapped by :func:`_wrap_builder`).
+
+    ``build(plan, num_ranks, untied)`` builds the chunk of the V stage's
+    :class:`~megatron_zb.model.ChunkPlan` (``pre_process`` / ``post_process`` by stage, its config a
+    copy whose layout gives the global layer offset: ``megatron_zb.model.chunk_config``), with the
+    word embedding and output layer untied when ``untied``. With ``tied`` embeddings both ends of
+    the V (rank 0) are built untied and the loss chunk's output layer then uses chunk 0's embedding
+    parameter, as ``pretrain_gpt_zb.py`` ties them in a V. The chunk's ``vp_stage`` is set, as
+    Megatron-LM's ``get_model`` sets it."""
+    from megatron.training import get_args
+
+    from .model import plan_chunks, tie_output_layer
+    from .schedules.ir import v_placement
+
+    args = get_args()
+    if vp_stage is None or args.virtual_pipeline_model_parallel_size != V_CHUNKS:
+        raise RuntimeError(f"the V needs Megatron-LM's virtual pipeline size {V_CHUNKS} (set by megatron_zb."
+                           f"megatron_lm.install()); Megatron-LM built a chunk with vp_stage={vp_stage}")
+    p, _ = _pp(pg_collection)
+    plan = plan_chunks(num_layers=args.num_layers, stage_to_rank=v_placement(p))[_v_stage(vp_stage, pg_collection)]
+    untied = tied and (plan.pre_process or plan.post_process)
+    module = build(plan, p, untied)
+    if untied and plan.post_process:
+        first = chunks.get(0)
+        if first is None or not first.pre_process:
+            raise RuntimeError("the V's loss chunk was built before its embedding chunk (vp_stage 0)")
+        tie_output_layer(module, first.embedding.word_embeddings.weight)
+    module.vp_stage = vp_stage
+    chunks[vp_stage] = module
+    return module
 
 
 class VForwardBackward:
@@ -256,8 +380,8 @@ class VForwardBackward:
         from megatron.core import parallel_state
 
         if not self._checked:
-            if not any(len(p.chunks) == V_CHUNKS for p in _PROVIDERS):
-                raise RuntimeError(str(_how_to_wrap(_ACTIVE.get("flag", "--schedule"), _ACTIVE.get("schedule", "V"))))
+            if not any(len(chunks) == V_CHUNKS for chunks in (_BUILT, *(p.chunks for p in _PROVIDERS))):
+                raise RuntimeError(_not_built_for_the_v())
             self._checked = True
         out = self.inner(**kwargs)
         group = parallel_state.get_pipeline_model_parallel_group()
@@ -273,6 +397,19 @@ class VForwardBackward:
         model = kwargs["model"]
         device = next((model if isinstance(model, list) else [model])[0].parameters()).device
         return _to(received[0], device)
+
+
+def _not_built_for_the_v() -> str:
+    """Why this rank's chunks are not the V's, and what to change (the release's route)."""
+    from .megatron_compat import megatron_lm_loop
+
+    flag, schedule = _ACTIVE.get("flag", "--schedule"), _ACTIVE.get("schedule", "V")
+    builder = megatron_lm_loop().v_model_builder
+    if builder is None:
+        return str(_how_to_wrap(flag, schedule))
+    return (f"{flag}: the model chunks of the V schedule {schedule!r} were built neither by {builder}, which "
+            f"megatron-zb wraps for the V, nor by a megatron_zb.megatron_lm.v_model_provider (a script that "
+            f"passes its own model provider to pretrain() must wrap it; other model builders are not supported)")
 
 
 def _to(value: Any, device: Any) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_zb.megatron_compat import megatron_lm_tag
+from megatron_zb.megatron_compat import megatron_lm_loop, megatron_lm_tag
 from megatron_zb.testing.megatron_lm import (CPU_FLAGS, LLAMA_FLAGS, MOCK_DATA_FLAGS, SKIP_REASON, TINY_GPT_FLAGS,
                                              MegatronLMError, MegatronLMRun, bitwise_differences, find_megatron_lm,
                                              run_megatron_lm)
@@ -184,18 +184,19 @@ def test_pp2_profile_then_replan_on_the_flags_route(mcore_pp2: tuple[MegatronLMR
     assert_bitwise_equal(run, mcore_pp2[0])
 
 
-V_WITHOUT_WRAPPER = {
-    "core_v0.16.1": "--zero-bubble-v-schedule: 'zbv' is a V schedule: its two model chunks per rank must be built for "
-                    "the V, so in pretrain_gpt.py pass megatron_zb.megatron_lm.v_model_provider(partial(model_provider, "
-                    "gpt_builder)) to pretrain()",
-    "core_v0.19.0": "--zero-bubble-v-schedule: the V schedule 'zbv' is not supported inside this Megatron-LM's loop: "
-                    "Megatron-LM core_v0.19.0's pretrain() builds the model from its config",
-}
-"""What a V schedule without the provider wrapper gets, per Megatron-LM release (core_v0.19.0: no V route)."""
+V_WITHOUT_WRAPPER = ("--zero-bubble-v-schedule: 'zbv' is a V schedule: its two model chunks per rank must be built "
+                     "for the V, so in pretrain_gpt.py pass megatron_zb.megatron_lm.v_model_provider(partial("
+                     "model_provider, gpt_builder)) to pretrain()")
+"""What a V schedule without the provider wrapper gets where Megatron-LM builds the model through the
+script's provider (core_v0.16.1; core_v0.19.0 builds it with the builder the V route wraps:
+tests/megatron_lm/test_megatron_lm_v.py runs the V there with the two lines of the flags route only)."""
+V_NEEDS_THE_WRAPPER = megatron_lm_loop().v_model_builder is None
 
 
 @pytest.mark.parametrize("bad,message", [
-    (("--zero-bubble-v-schedule",), V_WITHOUT_WRAPPER[megatron_lm_tag()]),  # no wrapper
+    *([(("--zero-bubble-v-schedule",), V_WITHOUT_WRAPPER)] if V_NEEDS_THE_WRAPPER else []),  # no wrapper
+    (("--zero-bubble-v-schedule", "--tensor-model-parallel-size", "2"),  # refused with a V on every release
+     "--tensor-model-parallel-size: must be 1 with the V schedule 'zbv' inside Megatron-LM's loop"),
     (("--enable-optimizer-post-validation",),
      "--enable-optimizer-post-validation: needs a zero-bubble schedule"),
     (("--zero-bubble-max-pending-backward", "2"), "--zero-bubble-max-pending-backward: only applies with"),
@@ -309,15 +310,19 @@ def test_configure_profiles_cost_aware_schedules_with_profile_out() -> None:
     assert args.zero_bubble_max_pending_backward == 2  # resolved: PP (ZB-1p), as pretrain_gpt_zb.py does
 
 
-@pytest.mark.skipif(megatron_lm_tag() != "core_v0.19.0", reason="Megatron-LM core_v0.16.1's loop has the V route "
-                                                                "(tests/megatron_lm/test_megatron_lm_v.py)")
-def test_v_is_refused_where_the_loop_has_no_v_route() -> None:
-    """core_v0.19.0: a V schedule chosen by either flag is refused by configure() (exit 2 in the loop,
-    one line naming the flag: :data:`V_WITHOUT_WRAPPER`), before any process group."""
+def test_a_v_schedule_is_accepted_on_every_release() -> None:
+    """Chosen by either flag, a V schedule is accepted on the installed release -- core_v0.16.1 and
+    core_v0.19.0 alike (core_v0.19.0 refused it until its builder route existed) -- and given
+    Megatron-LM's two chunks per rank. Where the V's chunks are built is per release
+    (``megatron_compat.MEGATRON_LM_LOOP``'s ``v_model_builder``: core_v0.19.0's ``GPTModelBuilder``;
+    core_v0.16.1: the script's provider through ``v_model_provider``); both train in their loops:
+    tests/megatron_lm/test_megatron_lm_v.py. What the V still cannot have is refused by name
+    (:func:`test_a_bad_zero_bubble_flag_exits_2_before_any_process_group`, and test_megatron_lm_v.py)."""
     from megatron_zb.megatron_lm import configure
-    from megatron_zb.training.arguments.common import ArgumentError
 
     for argv in (("--zero-bubble-v-schedule",), ("--schedule", "zbv")):
-        with pytest.raises(ArgumentError, match=f"^{argv[0]}: the V schedule 'zbv' is not supported inside this "
-                                                f"Megatron-LM's loop: Megatron-LM core_v0.19.0's pretrain"):
-            configure(loop_flags(*argv))
+        args = loop_flags(*argv)
+        args.tensor_model_parallel_size, args.overlap_p2p_comm, args.rank = 1, True, 1  # what check_v reads
+        assert configure(args) == {"schedule": "zbv", "timeout": 300.0, "num_chunks": 2, "v_flag": argv[0]}
+        assert args.num_virtual_stages_per_pipeline_rank == 2
+    assert (megatron_lm_loop().v_model_builder is None) == (megatron_lm_tag() == "core_v0.16.1")

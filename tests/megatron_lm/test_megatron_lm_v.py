@@ -1,17 +1,18 @@
-"""V schedules inside NVIDIA Megatron-LM's own training loop (core_v0.16.1's ``pretrain_gpt.py``), on CPU.
-
-Megatron-LM core_v0.19.0 (megatron-core 0.19.x) has no V route: its ``pretrain()`` builds the model
-from its config, with no model provider to wrap, so there every test here is skipped
-(``tests/megatron_lm/test_megatron_lm_loop.py`` checks the refusal).
+"""V schedules inside NVIDIA Megatron-LM's own training loop (``pretrain_gpt.py`` of core_v0.16.1 with
+megatron-core 0.16.1, or of core_v0.19.0 with megatron-core 0.19.x), on CPU.
 
 The user's change (docs/megatron_lm.md) is applied to Megatron-LM's ``pretrain_gpt.py`` text before
 it runs (``run_megatron_lm(script_edit=...)``; the file is untouched): the two lines of the flags
-route first in its ``__main__`` block, and its model provider passed to ``pretrain()`` through
-``megatron_zb.megatron_lm.v_model_provider``. Three runs of the same script, tiny GPT (tied
+route first in its ``__main__`` block, and, where Megatron-LM builds the model through the script's
+model provider (core_v0.16.1; ``megatron_compat.MEGATRON_LM_LOOP``'s ``v_model_builder`` is
+``None``), that provider passed to ``pretrain()`` through ``megatron_zb.megatron_lm.v_model_provider``
+(core_v0.19.0 builds it with its ``GPTModelBuilder``, which the V route wraps: the two lines
+only). Three runs of the same script, tiny GPT (tied
 embeddings), PP=2, 4 iterations of 4 micro batches: megatron-core's own 1F1B (no zero-bubble flag:
 the wrapper passes Megatron-LM's arguments through), ``--zero-bubble-v-schedule`` (ZB-V: layers 0
 and 3 on rank 0, 1 and 2 on rank 1), and the same with ``--bf16``. A V schedule *without* the
-wrapper is ``tests/megatron_lm/test_megatron_lm_loop.py::test_a_bad_zero_bubble_flag_exits_2_before_any_process_group``.
+wrapper on core_v0.16.1 is
+``tests/megatron_lm/test_megatron_lm_loop.py::test_a_bad_zero_bubble_flag_exits_2_before_any_process_group``.
 
 Same model in both runs: Megatron-LM draws each rank's weights in construction order, so the V
 (other layers on each rank) would start elsewhere; both runs therefore use
@@ -34,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_zb.megatron_compat import megatron_lm_loop, megatron_lm_tag
+from megatron_zb.megatron_compat import megatron_lm_loop
 from megatron_zb.testing.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, SKIP_REASON, TINY_GPT_FLAGS, MegatronLMRun,
                                              find_megatron_lm, run_megatron_lm)
 
@@ -59,8 +60,9 @@ INSTALL_EDIT = ('if __name__ == "__main__":\n', 'if __name__ == "__main__":\n'
                 '    import megatron_zb.megatron_lm\n    megatron_zb.megatron_lm.install()\n')
 PROVIDER_EDIT = ("partial(model_provider, gpt_builder),",
                  "megatron_zb.megatron_lm.v_model_provider(partial(model_provider, gpt_builder)),")
-SCRIPT_EDIT = (INSTALL_EDIT, PROVIDER_EDIT)
-"""The documented change of the user's ``pretrain_gpt.py`` for V schedules."""
+SCRIPT_EDIT = (INSTALL_EDIT, PROVIDER_EDIT) if megatron_lm_loop().v_model_builder is None else (INSTALL_EDIT,)
+"""The documented change of the user's ``pretrain_gpt.py`` for V schedules, per release (the
+provider wrapper where Megatron-LM builds the model through the script's provider)."""
 SEED_PLUGIN = ("from megatron_zb.testing.layer_seeding import seed_layers_by_global_number\n"
                "seed_layers_by_global_number()\n")
 PP2_NO_DROPOUT = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *TINY_GPT_FLAGS, "--pipeline-model-parallel-size", "2",
@@ -71,9 +73,6 @@ validation and test sets at the end): Megatron-LM's ``evaluate`` calls
 ``forward_backward_func(forward_only=True)``, whose losses the V also hands to the last rank."""
 
 _MISSING = [m for m in ("yaml", "regex", "pydantic") if importlib.util.find_spec(m) is None]
-_NO_V_ROUTE = megatron_lm_loop().v_route_refused
-pytestmark = pytest.mark.skipif(_NO_V_ROUTE is not None,
-                                reason=f"no V route inside Megatron-LM {megatron_lm_tag()}'s loop: {_NO_V_ROUTE}")
 
 
 def needs_megatron_lm(test: Any) -> Any:
