@@ -12,7 +12,8 @@ JSON (``plan --json FILE``)::
          "peak_memory_per_rank_gib": [...], "peak_activation_per_rank_gib": [...],
          "param_optimizer_per_rank_gib": [...],   # per pipeline rank, rank order
          "chunks": 1, "memory_limit_n": null, "cost_source": "estimate", "step_source": "estimate",
-         "duration_spread_ms": null}, ...],  # > 0: a profile's measured duration spread (planner doc)
+         "duration_spread_ms": null,       # > 0: a profile's measured duration spread (planner doc)
+         "vocab_base": null}, ...],        # --enable-vocab-parallel: "zb-h1" for "zb-h1-vocab-1"
       "recommended": "zb-2p",             # fastest that fits, or null
       "not_planned": [{"name": "zb-optimal", "status": "skipped", "reason": "..."}, ...],
       "t_comm_ms": 1.15,
