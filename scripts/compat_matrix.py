@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Run the compatibility matrix (schedule families x training features) and write docs/compatibility.md.
+"""Run the compatibility matrix (schedule families x training features) and write its page:
+docs/compatibility.md on megatron-core 0.16.1, docs/compatibility_megatron_core_0.19.md on 0.19.x.
 
 Every cell runs real megatron-core models, optimizers and DDP on local gloo processes and is
 compared with megatron-core's own schedule on the same configuration (see
 ``megatron_zb/testing/compat_matrix.py``). Exit status 1 if any cell is neither equal nor
 refused up front.
 
-    python scripts/compat_matrix.py                          # everything, writes docs/compatibility.md
+    python scripts/compat_matrix.py                          # everything, writes the installed release's page
     python scripts/compat_matrix.py --features fp32,bf16 --families zb,zbv --out /tmp/m.md
     python scripts/compat_matrix.py --together               # fewer process start-ups (a shared machine)
 """
@@ -22,6 +23,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def default_page() -> Path:
+    """The installed megatron-core release's page: docs/compatibility.md for 0.16, else
+    docs/compatibility_megatron_core_<release>.md."""
+    from megatron_zb.megatron_compat import release
+
+    line = release()
+    return ROOT / "docs" / ("compatibility.md" if line == "0.16" else f"compatibility_megatron_core_{line}.md")
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_zb.testing.compat_features import FAMILIES, FEATURES, feature, placement_of
     from megatron_zb.testing.compat_report import write_report
@@ -32,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated feature names (default: all): " + ", ".join(f.name for f in FEATURES))
     ap.add_argument("--families", default=",".join(all_families),
                     help="comma-separated schedule families (default: all): " + ", ".join(all_families))
-    ap.add_argument("--out", default=str(ROOT / "docs" / "compatibility.md"), help="markdown file to write")
+    ap.add_argument("--out", default=str(default_page()), help="markdown file to write (default: the installed "
+                    "megatron-core release's page, %(default)s)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launch (default 300)")
     ap.add_argument("--together", action="store_true",
                     help="features of equal world size share one launch per placement group (fewer process "

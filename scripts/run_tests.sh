@@ -1,9 +1,90 @@
 #!/usr/bin/env bash
-# The README's test command: install megatron-zb with its test extras (CPU torch first: an
-# unpinned torch would pull a multi-GB CUDA build), then run the whole test suite.
-# Usage: bash scripts/run_tests.sh [extra pytest args]
+# The README's test command (CI runs exactly this): the whole test suite on both supported
+# platforms (docs/megatron_core_versions.md), the two suites side by side:
+#   py311  -- this Python (3.11 on these machines) with megatron-core 0.16.1: installs CPU torch
+#             2.13.0 first (an unpinned torch would pull a multi-GB CUDA build), then megatron-zb
+#             editable with its test extras;
+#   py312  -- Python 3.12 with the newest megatron-core 0.19.x, in the virtual environment
+#             scripts/test_py312.sh makes ($PY312_VENV, default .venv-py312), installed while the
+#             first suite already runs.
+# Each suite writes its own log (test-logs/<platform>.log) and pytest folder; a progress line every
+# minute; at the end each suite's summary (its whole log if it failed), the wall time, and exit 1 if
+# either failed. MEGATRON_ZB_PY312=skip runs the first suite only and says so on the last line;
+# without a Python 3.12 and without that setting the script stops before installing, naming both fixes.
+# Usage: bash scripts/run_tests.sh [extra pytest args, given to both suites]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+LOGS=test-logs
+mkdir -p "$LOGS"
+BASETEMP="${TMPDIR:-/tmp}/megatron-zb-tests-$$"
+PYTEST_ARGS=(-q -p no:cacheprovider --durations=15)
+if [[ $# -eq 0 ]]; then set -- tests; fi
+
+# 1. Python 3.12 present, or explicitly skipped (checked before anything is installed).
+first=$(python -c 'import sys; print("py%d%d" % sys.version_info[:2])')
+py312=run
+if [[ "${MEGATRON_ZB_PY312:-}" == skip ]]; then
+    py312=skip
+elif [[ $first == py312 ]]; then  # this Python is 3.12 itself: its suite is the megatron-core 0.19.x one
+    py312=self
+elif ! bash scripts/test_py312.sh --find-python >/dev/null 2>&1; then
+    echo "run_tests.sh: no Python 3.12 found for the megatron-core 0.19.x suite; install Python 3.12" \
+         "(e.g. pyenv install 3.12) or set MEGATRON_ZB_PY312=skip to test megatron-core 0.16.1 only" >&2
+    exit 2
+fi
+
+# 2. This Python's install (needed by everything after it).
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
-python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
+
+# 3. Both suites, side by side (the 3.12 environment is installed inside its job).
+start=$SECONDS
+mkdir -p "$BASETEMP"
+python -c 'import sys; from importlib.metadata import version as v
+print(f"{sys.argv[1]} suite: Python", sys.version.split()[0], "torch", v("torch"), "megatron-core", v("megatron-core"))' "$first"
+python -m pytest "${PYTEST_ARGS[@]}" --basetemp "$BASETEMP/$first" "$@" >"$LOGS/$first.log" 2>&1 &
+pids=($!)
+names=("$first")
+if [[ $py312 == run ]]; then
+    bash scripts/test_py312.sh "${PYTEST_ARGS[@]}" --basetemp "$BASETEMP/py312" "$@" >"$LOGS/py312.log" 2>&1 &
+    pids+=($!)
+    names+=(py312)
+fi
+
+progress() {  # one line: each suite's last pytest percentage (or what it is doing)
+    local line="[$(( (SECONDS - start) / 60 )) min]" name pct
+    for name in "${names[@]}"; do
+        pct=$(grep -o '\[ *[0-9]*%\]' "$LOGS/$name.log" 2>/dev/null | tail -1 | tr -d '[] ' || true)
+        line+="  $name: ${pct:-starting}"
+    done
+    echo "$line"
+}
+while kill -0 "${pids[@]}" 2>/dev/null; do
+    for _ in $(seq 60); do
+        sleep 1
+        running=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && running=1; done
+        [[ $running == 1 ]] || break
+    done
+    progress
+done
+
+# 4. Each suite's result.
+status=0
+for i in "${!pids[@]}"; do
+    name=${names[$i]}
+    if wait "${pids[$i]}"; then
+        echo "=== $name: passed ($LOGS/$name.log) ==="
+        sed -n '/slowest .* durations/,$p' "$LOGS/$name.log"
+    else
+        status=1
+        echo "=== $name: FAILED ($LOGS/$name.log) ==="
+        cat "$LOGS/$name.log"
+    fi
+done
+rm -rf "$BASETEMP"
+echo "run_tests.sh: $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s for the suites;" \
+     "$(case $py312 in run) echo "both platforms tested";; self) echo "this Python is 3.12: megatron-core 0.16.1 NOT tested";;
+        *) echo "megatron-core 0.19.x NOT tested (MEGATRON_ZB_PY312=skip)";; esac)"
+exit $status

@@ -49,10 +49,10 @@ import torch
 import torch.distributed as dist
 
 from ..schedules import Action, Op, Schedule
-from ..schedules.ir import plain_placement
+from ..schedules.ir import plain_placement, v_placement
 from .wgrad_store import WeightGradStore
 
-__all__ = ["VocabParallelModel", "VocabPasses", "check_vocab_schedule", "vocab_channels"]
+__all__ = ["VocabParallelModel", "VocabPasses", "check_vocab_schedule", "t_weight_stages", "vocab_channels"]
 
 KINDS = ("if", "x", "c0", "c1", "ib")
 """The collectives' process groups: IF's all-reduce, X's broadcast, the forward barrier (and the loss
@@ -103,19 +103,34 @@ def vocab_channels(pp_group: Any, *, timeout: float) -> dict[str, Any]:
 
 
 def check_vocab_schedule(schedule: Schedule) -> None:
-    """Refuse (``ValueError``) a vocabulary-parallel schedule the runtime cannot run: another placement
-    than plain, or a first stage whose ``B``/``BW`` or a last stage whose ``F`` leave microbatch order
-    (their broadcasts are matched by order)."""
+    """Refuse (``ValueError``) a vocabulary-parallel schedule the runtime cannot run: a placement other than
+    plain or V (interleaved: not run yet), or a first stage whose ``B``/``BW`` or a last stage whose ``F``
+    leave microbatch order (their broadcasts are matched by order)."""
     p = schedule.num_ranks
-    if list(schedule.stage_to_rank) != plain_placement(p):
-        raise ValueError(f"schedule {schedule.name!r}: the runtime runs vocabulary passes on the plain placement "
-                         f"only so far (1f1b-vocab-*, zb-h1-vocab-*)")
+    if list(schedule.stage_to_rank) not in (plain_placement(p), v_placement(p)):
+        raise ValueError(f"schedule {schedule.name!r}: the runtime runs vocabulary passes on the plain and the V "
+                         f"placement only so far (1f1b-vocab-*, zb-h1-vocab-*, zbv-vocab-*), not on an interleaved "
+                         f"one (stage_to_rank {list(schedule.stage_to_rank)})")
     last = schedule.num_stages - 1
     for stage, ops in ((0, (Op.B, Op.BW)), (last, (Op.F,))):
         mbs = [a.mb for a in schedule.ranks[schedule.stage_to_rank[stage]] if a.op in ops and a.stage == stage]
         if mbs != sorted(mbs):
             raise ValueError(f"schedule {schedule.name!r}: stage {stage}'s {ops[0].value}'s leave microbatch order; "
                              f"the vocabulary broadcasts need them in order")
+
+
+def t_weight_stages(rank_actions: tuple[Action, ...] | list[Action]) -> dict[int, int]:
+    """Microbatch -> the stage whose ``W`` of that microbatch runs ``T``'s weight gradient: the rank's first
+    ``W`` of the microbatch after its ``T`` (on the V a rank has two; microbatches without one are absent:
+    ``T`` runs its weight gradient at once)."""
+    out: dict[int, int] = {}
+    seen_t: set[int] = set()
+    for a in rank_actions:
+        if a.op is Op.T:
+            seen_t.add(a.mb)
+        elif a.op is Op.W and a.mb in seen_t and a.mb not in out:
+            out[a.mb] = a.stage
+    return out
 
 
 class _BarrierThread:
@@ -171,7 +186,8 @@ class VocabPasses:
         self.p, self.rank, self.m = schedule.num_ranks, rank, schedule.num_microbatches
         self.last_stage = schedule.num_stages - 1
         self.is_first, self.is_last = rank == schedule.stage_to_rank[0], rank == schedule.stage_to_rank[-1]
-        self.src_last = schedule.stage_to_rank[-1]  # group rank of the last stage (plain placement)
+        self.src_first = schedule.stage_to_rank[0]  # group rank of the first stage (0 on plain and V)
+        self.src_last = schedule.stage_to_rank[-1]  # group rank of the last stage (p - 1 plain, 0 on the V)
         self.exact = schedule.vocab_barriers == 2   # two barriers: megatron-core's arithmetic, C1 after T
         if len(inputs) != self.m:
             raise ValueError(f"vocabulary-parallel inputs: {len(inputs)} micro batches for {self.m} microbatches")
@@ -182,14 +198,7 @@ class VocabPasses:
         self._calc_loss = forward_step_calc_loss()
         self._loss_config = copy.copy(config)
         self._loss_config.timers = None   # megatron-core's timers are the main thread's
-        later_w, w_after = set(), set()
-        for a in reversed(rank_actions):
-            if a.op is Op.W:
-                w_after.add(a.mb)
-            elif a.op is Op.T and a.mb in w_after:
-                later_w.add(a.mb)
-        self._t_to_w = later_w          # microbatches whose T's weight gradient goes to this rank's W
-        self._w_stage = rank            # the rank's transformer stage (plain placement)
+        self._t_to_w = t_weight_stages(rank_actions)  # mb -> the stage of the W that runs T's weight gradient
         self._thread = _BarrierThread()
         self._pending: list[Any] = []   # posted works nobody waits for on this rank (drained at the end)
         self._if: dict[int, tuple[Any, Any, Any]] = {}  # mb -> (IF's work, partial sum, lookup state)
@@ -290,13 +299,13 @@ class VocabPasses:
             tokens = self.inputs[mb]["tokens"]
             weight = self.slices.word_embeddings
             grad = torch.empty(*tokens.shape, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            dist.broadcast(grad, src=self._global(0), group=self.g["ib"], async_op=True).wait()
+            dist.broadcast(grad, src=self._global(self.src_first), group=self.g["ib"], async_op=True).wait()
         embedding_ib(state, grad, self.slices.word_embeddings)()
 
     def _weight_grad(self, mb: int, wg: Callable[[], None]) -> None:
         """Run T's weight gradient now, or queue it for this rank's later W of ``mb``."""
         if mb in self._t_to_w:
-            self.store.queue_for(self._w_stage, mb, wg, params=(self.slices.output_layer_weight,))
+            self.store.queue_for(self._t_to_w[mb], mb, wg, params=(self.slices.output_layer_weight,))
         else:
             wg()
 
@@ -348,7 +357,7 @@ class VocabPasses:
         """After the first stage's ``B(mb)``: post the embedding gradient's broadcast for ``IB``."""
         leaf = self._emb_leaf.pop(mb)
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        work = dist.broadcast(grad, src=self._global(0), group=self.g["ib"], async_op=True)
+        work = dist.broadcast(grad, src=self._global(self.src_first), group=self.g["ib"], async_op=True)
         self._ib[mb] = (work, grad)
 
     # ------------------------------------------------------------------ end of the iteration

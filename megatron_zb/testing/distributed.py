@@ -339,6 +339,10 @@ def _raise_first(name: str, errors: list[tuple[int, tuple[Any, ...]]], unfinishe
 def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], rank: int, world_size: int,
                port: int, coll_timeout: float, threads: int, stack_file: str, conn: Any) -> None:
     os.setpgid(0, 0)  # own process group: the parent can kill this rank with everything it started
+    # As under torchrun (ranks started by subprocess): the platform's default start method for what the
+    # rank starts itself (DataLoader workers), not the forkserver this rank came from -- whose fresh
+    # per-rank server would import torch again for every worker (seconds each).
+    mp.set_start_method(None, force=True)
     import torch
     import torch.distributed as dist
 

@@ -44,9 +44,9 @@ def _assert_close(ref: dict, got: dict, *, what: str) -> None:
 
 
 def _deferred(cfg: TinyGPT, schedule: str) -> int:
-    """W entries a run executes: none for 1F1B (fused BW, T's weight gradient in T); for ZB-H1 every
+    """W entries a run executes: none for 1F1B (fused BW, T's weight gradient in T); for ZB-H1 and ZB-V every
     transformer linear's and each rank's T weight gradient (queued for the rank's W of the microbatch)."""
-    if not schedule.startswith("zb-h1"):
+    if not schedule.startswith(("zb-h1", "zbv")):
         return 0
     return (LINEARS_PER_LAYER * cfg.num_layers + cfg.pp) * cfg.num_microbatches
 
@@ -130,22 +130,54 @@ def test_the_slices_and_a_vocabulary_parallel_schedule_need_each_other():
         get_forward_backward_func("1f1b", vocab_parallel=VocabParallelModel(torch.nn.Module()))
 
 
-def test_vocabulary_passes_on_a_v_placement_are_refused():
-    """``place_vocab_passes`` takes any placement, the runtime only the plain one so far: a ZB-V order
-    with the passes placed is refused by name (no process group needed)."""
-    from megatron_zb.runtime.vocab_runtime import check_vocab_schedule
+@pytest.mark.parametrize("schedule", ["zbv-vocab-1", "zbv-vocab-2"])
+def test_pp2_zbv_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule):
+    """The V placement: rank 0 holds stage 0 and the last stage 3 (chunks built as megatron-core's V:
+    ``placement_for``), so X and dL/dloss are broadcast from rank 0 and the embedding's gradient too; each
+    rank's T weight gradient runs in its first W of the microbatch after T."""
+    cfg = TinyGPT(pp=2)
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=2, timeout=90))
+    _assert_close(pp2_reference, got, what=schedule)
+    assert got["w_deferred"] == _deferred(cfg, schedule), "T's weight gradient runs in the rank's W (ZB-V)"
+
+
+def test_pp4_zbv_vocab_matches_megatron_1f1b():
+    cfg = TinyGPT(pp=4, num_microbatches=8)
+    ref = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=None), world_size=4, timeout=120))
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule="zbv-vocab-1"), world_size=4,
+                                        timeout=120))
+    _assert_close(ref, got, what="PP=4 zbv-vocab-1")
+    assert got["w_deferred"] == _deferred(cfg, "zbv-vocab-1")
+
+
+def test_vocabulary_passes_on_an_interleaved_placement_are_refused():
+    """``place_vocab_passes`` takes any placement, the runtime the plain and the V one so far: an interleaved
+    order with the passes placed is refused by name (no process group needed); T's weight gradient goes to
+    the rank's first W of the microbatch after T."""
+    from megatron_zb.runtime.vocab_runtime import check_vocab_schedule, t_weight_stages
     from megatron_zb.schedules.costs import CostModel
     from megatron_zb.schedules.generators.vocab import place_vocab_passes
-    from megatron_zb.schedules.ir import make_schedule
+    from megatron_zb.schedules.ir import Op, make_schedule
     from megatron_zb.schedules.registry import build_schedule
 
-    base = build_schedule("zbv", num_ranks=2, num_microbatches=4)
+    base = build_schedule("interleaved-zb", num_ranks=2, num_microbatches=4, num_chunks=2)
+    assert list(base.stage_to_rank) == [0, 1, 0, 1]
     ranks = place_vocab_passes([list(r) for r in base.ranks], list(base.stage_to_rank), 4, CostModel(), 1)
-    sched = make_schedule(num_microbatches=4, stage_to_rank=base.stage_to_rank, ranks=ranks, name="zbv-vocab",
+    sched = make_schedule(num_microbatches=4, stage_to_rank=base.stage_to_rank, ranks=ranks, name="ilv-vocab",
                           vocab_barriers=1)
-    with pytest.raises(ValueError, match="'zbv-vocab': the runtime runs vocabulary passes on the plain placement"):
+    with pytest.raises(ValueError, match="'ilv-vocab': the runtime runs vocabulary passes on the plain and the V "
+                                         "placement only so far"):
         check_vocab_schedule(sched)
+    zbv = build_schedule("zbv-vocab-2", num_ranks=2, num_microbatches=4)
+    check_vocab_schedule(zbv)   # V: accepted
     check_vocab_schedule(build_schedule("zb-h1-vocab-1", num_ranks=2, num_microbatches=4))  # plain: accepted
+    for r, acts in enumerate(zbv.ranks):
+        pairs = t_weight_stages(acts)
+        assert sorted(pairs) == list(range(4)) and set(pairs.values()) <= {r, 3 - r}
+        for mb, stage in pairs.items():
+            t_at = next(i for i, a in enumerate(acts) if a.op is Op.T and a.mb == mb)
+            w_at = next(i for i, a in enumerate(acts) if a.op is Op.W and a.mb == mb and a.stage == stage)
+            assert w_at > t_at and not any(a.op is Op.W and a.mb == mb for a in acts[t_at:w_at])
 
 
 # ---------------------------------------------------------------------------- pretrain_gpt_zb.py
@@ -163,8 +195,11 @@ TRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 @pytest.mark.parametrize("schedule,tying,world", [("zb-h1-vocab-1", [], 2),
                                                   ("1f1b-vocab-2", ["--untie-embeddings-and-output-weights"], 2),
-                                                  ("zb-h1-vocab-2", [], 4)],
-                         ids=["tied-zb-h1-vocab-1", "untied-1f1b-vocab-2", "dp2-tied-zb-h1-vocab-2"])
+                                                  ("zb-h1-vocab-2", [], 4),
+                                                  ("zbv-vocab-1", [], 2),
+                                                  ("zbv-vocab-2", ["--untie-embeddings-and-output-weights"], 2)],
+                         ids=["tied-zb-h1-vocab-1", "untied-1f1b-vocab-2", "dp2-tied-zb-h1-vocab-2", "tied-zbv-vocab-1",
+                              "untied-zbv-vocab-2"])
 def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, schedule, tying, world):
     """``pretrain_gpt_zb.py --enable-vocab-parallel --schedule ...`` (Adam, clipping, LR schedule:
     6 iterations, evaluation after iterations 3 and 6 and on the test set) against megatron-core's own 1F1B

@@ -99,8 +99,8 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-vocab-parallel", action="store_true",
                    help="Vocabulary parallelism (Yeung et al., MLSys 2025): the word embedding and the output "
                         "layer with its cross entropy split evenly over the pipeline ranks, their passes placed "
-                        "by the schedule: needs --schedule 1f1b-vocab-1, 1f1b-vocab-2, zb-h1-vocab-1 or "
-                        "zb-h1-vocab-2 (-1: two barriers, -2: one); tied or untied embeddings; "
+                        f"by the schedule: needs --schedule {_vocab_names()} (-1: two barriers, -2: one); "
+                        "tied or untied embeddings; "
                         "pipeline and data parallelism only (no tensor or context parallelism), fp32, no "
                         "checkpoints so far (docs/vocab_parallel.md).")
     g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
@@ -338,6 +338,12 @@ def _check_post_validation_tuning(args: argparse.Namespace) -> None:
 
 
 
+def _vocab_names() -> str:
+    """The catalog's vocabulary-parallel schedules, ``"a, b or c"``."""
+    names = [n for n in schedule_names() if get_spec(n).vocab_parallel]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def check_vocab_parallel(args: argparse.Namespace) -> None:
     """``--enable-vocab-parallel``: a schedule that places the vocabulary passes, and none of what the
     runtime does not run with them yet (all such flags named in one problem)."""
@@ -345,8 +351,7 @@ def check_vocab_parallel(args: argparse.Namespace) -> None:
         return
     if not get_spec(args.schedule).vocab_parallel:
         raise ArgumentError("--enable-vocab-parallel", f"needs a schedule that places the vocabulary passes: "
-                                                       f"--schedule 1f1b-vocab-1, 1f1b-vocab-2, zb-h1-vocab-1 or "
-                                                       f"zb-h1-vocab-2 ({args.schedule!r} places none)")
+                                                       f"--schedule {_vocab_names()} ({args.schedule!r} places none)")
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     bad = [what for what, on in (
         ("--tensor-model-parallel-size > 1", tp > 1),
