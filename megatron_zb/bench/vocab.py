@@ -23,10 +23,10 @@ speed-up of a pair is the median over rounds of ``t_base / t_vocab`` measured in
 
 Beside each measured iteration: the planner's prediction (``megatron-zb plan`` with
 ``--enable-vocab-parallel``, :mod:`megatron_zb.planning`) for this model on a CPU "GPU" calibrated on
-this machine before the rounds, in the same two-rank set-up: matrix-product FLOP/ms (the output
-layer's and a layer's GEMM shapes, new output tensors as in training, weighted by their share of the
-model's FLOPs), element-wise bytes/ms (``log_softmax`` over one rank's ``[s, b, V/p]`` logits: read +
-write, the memory-bound kernel that dominates this model), the transfer time of one ``s x b x h`` activation (gloo ping-pong, used as
+this machine before the rounds, in the same two-rank set-up (:func:`calibrate_rank`): matrix-product
+FLOP/ms (the output layer's and a layer's GEMM shapes, weighted by their share of the model's FLOPs),
+element-wise bytes/ms (``exp`` over one rank's ``[s, b, V/p]`` logits), the fastest of a few repeats
+each, and the transfer time of one ``s x b x h`` activation (gloo ping-pong, used as
 the latency of every point-to-point transfer and collective). Not measured: the costs of any single
 pass in the run itself (the planner predicts from the calibration alone).
 """
@@ -43,6 +43,8 @@ from typing import Any, Sequence
 __all__ = ["VocabBenchSpec", "Variant", "bench_rank", "calibrate_rank", "main", "variants"]
 
 MEGATRON_SPLIT = "megatron-1f1b-split"
+CALIBRATION_REPEATS = 9
+"""Timed repeats of each calibration kernel (the fastest counts)."""
 SPLIT_FLAGS = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
 
 
@@ -163,32 +165,36 @@ def bench_rank(argv: list[str]) -> dict[str, Any]:
 def calibrate_rank(spec_dict: dict[str, Any]) -> dict[str, float]:
     """This machine as the planner's hardware, measured on every rank at once (as the runs share the
     cores): GEMM FLOP/ms of the output layer's slice and of a layer's shape, element-wise bytes/ms
-    (``log_softmax`` of the slice's logits),
-    one activation's gloo transfer in ms (ping-pong / 2). Medians of a few repeats."""
+    (``exp`` of the slice's logits: read + write), each into a preallocated output and the fastest of
+    :data:`CALIBRATION_REPEATS` (the kernel's speed while the rank has its core: the medians, with new
+    output tensors, came out 3-5x slower than the runs themselves on this shared machine); one
+    activation's gloo transfer in ms (ping-pong / 2, median)."""
     import torch
     import torch.distributed as dist
 
     spec = VocabBenchSpec(**spec_dict)
     T, h = spec.seq * spec.micro_batch, spec.hidden
 
-    def rate(fn: Any, work: float, reps: int = 5) -> float:
+    def rate(fn: Any, work: float) -> float:
         fn()
         ts = []
-        for _ in range(reps):
+        for _ in range(CALIBRATION_REPEATS):
             dist.barrier()
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-        return work / (statistics.median(ts) * 1e3)
+        return work / (min(ts) * 1e3)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, h, generator=g)
     w_out = torch.randn(spec.vocab // spec.pp, h, generator=g)
     w_layer = torch.randn(4 * h, h, generator=g)
+    o_out, o_layer = torch.empty(T, w_out.shape[0]), torch.empty(T, w_layer.shape[0])
     logits = torch.randn(T, 1, spec.vocab // spec.pp, generator=g)
-    out = {"gemm_output": rate(lambda: x @ w_out.t(), 2.0 * T * h * w_out.shape[0]),
-           "gemm_layer": rate(lambda: x @ w_layer.t(), 2.0 * T * h * w_layer.shape[0]),
-           "bytes": rate(lambda: torch.log_softmax(logits, -1), 2.0 * logits.numel() * 4)}
+    buf = torch.empty_like(logits)
+    out = {"gemm_output": rate(lambda: torch.matmul(x, w_out.t(), out=o_out), 2.0 * T * h * w_out.shape[0]),
+           "gemm_layer": rate(lambda: torch.matmul(x, w_layer.t(), out=o_layer), 2.0 * T * h * w_layer.shape[0]),
+           "bytes": rate(lambda: torch.exp(logits, out=buf), 2.0 * logits.numel() * 4)}
     act = torch.zeros(T, h)
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
     ts = []
