@@ -39,6 +39,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "greedy-speed": Benchmark("bench_greedy_speed.py", "wall time of the greedy zero-bubble scheduler"),
     "torch-pipelining": Benchmark("bench_torch_pipelining.py", "our profiled schedules beside PyTorch's "
                                                                "built-ins, run by torch.distributed.pipelining"),
+    "vocab": Benchmark("module:megatron_zb.bench.vocab", "measured on CPU (gloo): --enable-vocab-parallel against "
+                                                         "the same schedules without it, beside the planner"),
     "gpu": Benchmark("module:megatron_zb.testing.gpu_bench", "a GPU node: megatron-core's 1F1B against zb, zb-2p "
                                                              "and zbv (scripts/gpu_selftest.sh runs it)"),
 }

@@ -120,6 +120,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--profile", metavar="FILE", help="measured costs (pretrain_gpt_zb.py --profile-out FILE)")
     g.add_argument("--schedules", metavar="LIST", help="comma-separated families to plan (default: all but the "
                    "exact solvers; large search-based ones are skipped with a note)")
+    g.add_argument("--enable-vocab-parallel", action="store_true",
+                   help="also plan the vocabulary-parallel schedules (BASE-vocab-1/2: the embedding and the output "
+                        "layer split over the pipeline ranks), each beside its base family (docs/vocab_parallel.md)")
     g.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     g.add_argument("--plot", metavar="FILE", help="draw the recommended schedule (.png, .svg or .pdf)")
     g.add_argument("--torch-csv", metavar="FILE", help="write the recommended schedule as the compute-only CSV "
@@ -246,7 +249,8 @@ def _run(args: argparse.Namespace) -> int:
     if names == []:
         raise PlanError("--schedules", "names no schedule")
     result = plan(model=model, parallel=par, hardware=hw, schedules=names, profile=prof,
-                  memory_fraction=args.memory_fraction, progress=_progress(time.perf_counter()))
+                  memory_fraction=args.memory_fraction, progress=_progress(time.perf_counter()),
+                  enable_vocab_parallel=args.enable_vocab_parallel)
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(to_json(result), indent=1) + "\n")

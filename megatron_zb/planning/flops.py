@@ -202,23 +202,34 @@ def _layer_backward_w(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
         k.tp(2 * d.e * d.T * d.h, ring_factor=d.ar / 2)
 
 
-def _embedding(k: _Kernels, op: Op, m: ModelConfig, d: _Dims) -> None:
+def _embedding(k: _Kernels, op: Op, m: ModelConfig, d: _Dims, vocab_parallel: bool = False) -> None:
+    """The first stage's embedding; ``vocab_parallel``: the word embedding's gather and gradient are
+    the passes ``IF``/``IB`` (:mod:`.vocab`), the stage keeps the position embedding and dropout."""
     e, A = d.e, d.T * d.h / d.r
     drop = 1 if m.hidden_dropout > 0 else 0
     learned = m.position_embedding_type == "learned_absolute"
     if op is Op.F:
-        k.ew(2 * e * d.T * d.h)  # row gather (vocab-parallel: every TP rank writes the full output)
-        k.tp(e * d.T * d.h, ring_factor=d.ar / (2 if d.r > 1 else 1))
+        if not vocab_parallel:
+            k.ew(2 * e * d.T * d.h)  # row gather (vocab-parallel: every TP rank writes the full output)
+            k.tp(e * d.T * d.h, ring_factor=d.ar / (2 if d.r > 1 else 1))
         k.ew((3 * e if learned else 0) * A + (2 * e + drop) * A)  # + position, dropout
     elif op is Op.B:
         k.ew((2 * e + drop) * A)
     else:  # scatter-add into the fp32 gradient of the table (and sum of the position gradient)
-        k.ew(e * d.T * d.h + FP32_ACCUMULATE * d.T * d.h + (e * A if learned else 0))
+        k.ew((0 if vocab_parallel else e * d.T * d.h + FP32_ACCUMULATE * d.T * d.h) + (e * A if learned else 0))
 
 
-def _loss(k: _Kernels, op: Op, m: ModelConfig, d: _Dims, vocab_per_gpu: float) -> None:
+def _loss(k: _Kernels, op: Op, m: ModelConfig, d: _Dims, vocab_per_gpu: float, vocab_parallel: bool = False) -> None:
+    """The last stage's final norm, output layer and cross entropy; ``vocab_parallel``: the output layer
+    and the cross entropy are the passes ``S``/``T`` (:mod:`.vocab`), the stage keeps the final norm."""
     e, A, N = d.e, d.T * d.h / d.r, d.T * vocab_per_gpu
     cast = e + 4 if e < 4 else 0  # 16-bit logits: .float() in F, the cast back in B
+    if vocab_parallel:
+        if op is Op.F:
+            k.ew(2 * e * A)  # final norm
+        elif op is Op.B:
+            k.ew(6 * e * A)  # its backward
+        return
     if op is Op.F:
         k.ew(2 * e * A)  # final norm
         k.tp(e * d.T * d.h, ring_factor=d.ar / 2 if d.r > 1 else 0)  # SP all-gather
@@ -260,8 +271,9 @@ def layer_cost(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> dict[Op
 
 
 def stage_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware,
-                shapes: list[StageShape]) -> list[StageCost]:
-    """:class:`StageCost` of every stage in ``shapes``."""
+                shapes: list[StageShape], *, vocab_parallel: bool = False) -> list[StageCost]:
+    """:class:`StageCost` of every stage in ``shapes``; ``vocab_parallel``: without the word embedding's
+    gather and gradient and the output layer with its loss (their passes are :mod:`.vocab`'s)."""
     d = _Dims.of(model, par)
     layer = layer_cost(model, par, hw)
     vocab = model.padded_vocab_size(par.tp) / par.tp
@@ -271,9 +283,9 @@ def stage_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware,
         for op in (Op.F, Op.B, Op.W):
             k = _Kernels(hw, layer[op].scaled(sh.num_layers), d.e)
             if sh.embedding:
-                _embedding(k, op, model, d)
+                _embedding(k, op, model, d, vocab_parallel)
             if sh.loss:
-                _loss(k, op, model, d, vocab)
+                _loss(k, op, model, d, vocab, vocab_parallel)
             passes[op] = k.cost
         out.append(StageCost(sh, passes[Op.F], passes[Op.B], passes[Op.W]))
     return out

@@ -100,9 +100,12 @@ def layer_activations(model: ModelConfig, par: ParallelConfig) -> ActivationByte
     return ActivationBytes(mem_b, mem_w)
 
 
-def stage_activations(model: ModelConfig, par: ParallelConfig, shape: StageShape) -> ActivationBytes:
+def stage_activations(model: ModelConfig, par: ParallelConfig, shape: StageShape, *,
+                      vocab_parallel: bool = False) -> ActivationBytes:
     """``M_B`` and ``M_W`` of a whole stage (its layers, plus embedding / loss), bytes. ``M_W`` may
-    exceed ``M_B`` (sequence parallelism at a large TP, module doc): ``B`` then allocates."""
+    exceed ``M_B`` (sequence parallelism at a large TP, module doc): ``B`` then allocates.
+    ``vocab_parallel``: the loss stage keeps only its final norm's input (the output layer's are the
+    vocabulary passes' ``mem_s``, :mod:`.vocab`)."""
     e = model.element_bytes
     T, A, *_ = _sizes(model, par)
     layer = layer_activations(model, par)
@@ -110,7 +113,9 @@ def stage_activations(model: ModelConfig, par: ParallelConfig, shape: StageShape
     if shape.embedding:
         mem_b += A if model.hidden_dropout > 0 else 0.0
         mem_w += e * A
-    if shape.loss:
+    if shape.loss and vocab_parallel:
+        mem_b += e * A
+    elif shape.loss:
         n_logits = T * model.padded_vocab_size(par.tp) / par.tp
         mem_b += e * 2 * A + FP32 * n_logits
         mem_w += e * A + e * n_logits
@@ -127,12 +132,14 @@ def layer_parameters(model: ModelConfig, par: ParallelConfig) -> float:
             + h * f * gl + bias * f * gl + f * h + bias * h + 2 * norm)
 
 
-def stage_parameters(model: ModelConfig, par: ParallelConfig, shape: StageShape) -> float:
+def stage_parameters(model: ModelConfig, par: ParallelConfig, shape: StageShape, *,
+                     vocab_parallel: bool = False) -> float:
     """Parameters of one stage on one GPU (the last stage holds the output layer, or with tied
-    embeddings Megatron's copy of the word embeddings: the same size)."""
+    embeddings Megatron's copy of the word embeddings: the same size). ``vocab_parallel``: without the
+    word embedding and the output layer (every rank's slices, :mod:`.vocab`)."""
     h = float(model.hidden_size)
     n = layer_parameters(model, par) * shape.num_layers
-    word = model.padded_vocab_size(par.tp) / par.tp * h
+    word = 0.0 if vocab_parallel else model.padded_vocab_size(par.tp) / par.tp * h
     if shape.embedding:
         n += word + (model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0)
     if shape.loss:

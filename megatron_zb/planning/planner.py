@@ -38,8 +38,12 @@ Families left out by default, each listed in the plan with the reason: the exact
 schedules (``zb-optimal``, ``zbv-optimal``: minutes beyond small ``p`` and ``m``), and the
 search-based multi-chunk generators (cost-aware with interleaved or V placement) when
 ``stages * m`` exceeds :data:`SEARCH_LIMIT`. ``schedules=[...]`` runs exactly the named ones.
-The vocabulary-parallel schedules (``ScheduleSpec.vocab_parallel``) are always listed as skipped:
-the planner has no costs for their passes yet (issue 24).
+The vocabulary-parallel schedules (``ScheduleSpec.vocab_parallel``: every ``BASE-vocab-1|2`` in the
+catalogue) are planned with ``enable_vocab_parallel=True`` (``plan --enable-vocab-parallel``) and
+listed as skipped otherwise: their stages hold no word embedding and no output layer, every rank runs
+its slice's passes with :mod:`.vocab`'s costs and holds its slice's parameters; each is reported
+beside its base family (``FamilyResult.vocab_base``). With a profile they are skipped (it has no
+measured costs for the passes).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from .memory import GIB, bytes_per_parameter, stage_activations, stage_parameter
 from .model_flops import planned_flops_shape, tflops_per_gpu
 from .model import ModelConfig, ParallelConfig, PlanError
 from .profile import Profile
+from .vocab import base_family, vocab_pass_costs, vocab_variant
 
 EXCLUDED_BY_DEFAULT = {
     "zb-optimal": "exact CP-SAT solver: minutes beyond small p and m",
@@ -126,15 +131,18 @@ class CostSource:
                 total = sum(getattr(est, key))
                 self.scale[key] = sum(getattr(s, attr) for s in profile.stages) / total if total else 1.0
 
-    def estimate(self, placement: Placement, chunks: int) -> StageTable:
+    def estimate(self, placement: Placement, chunks: int, *, vocab_parallel: bool = False) -> StageTable:
+        """Estimated costs; ``vocab_parallel``: the stages without the word embedding and the output layer."""
         shapes = stage_shapes(num_layers=self.model.num_layers, pp=self.par.pp, placement=placement, chunks=chunks,
                               split=self.par.split)
-        costs = stage_costs(self.model, self.par, self.hw, shapes)
-        acts = [stage_activations(self.model, self.par, s) for s in shapes]
+        vp = vocab_parallel
+        costs = stage_costs(self.model, self.par, self.hw, shapes, vocab_parallel=vp)
+        acts = [stage_activations(self.model, self.par, s, vocab_parallel=vp) for s in shapes]
         return StageTable(tuple(shapes), tuple(c.f.time_ms for c in costs), tuple(c.b.time_ms for c in costs),
                           tuple(c.w.time_ms for c in costs), tuple(a.mem_b for a in acts),
                           tuple(a.mem_w for a in acts),
-                          tuple(stage_parameters(self.model, self.par, s) for s in shapes), "estimate")
+                          tuple(stage_parameters(self.model, self.par, s, vocab_parallel=vp) for s in shapes),
+                          "estimate")
 
     def table(self, placement: Placement, chunks: int) -> StageTable:
         """Costs for ``placement`` (``chunks`` per rank); ``ValueError`` if the layers do not split."""
@@ -180,6 +188,8 @@ class FamilyResult:
             measured per-rank peak compares with (``scripts/gpu_selftest.sh``'s memory step).
         fits: ``peak_memory_gib <= memory_fraction * GPU memory``.
         memory_limit_n: for ``zb``, the ``--zero-bubble-max-pending-backward`` value planned.
+        vocab_base: for a vocabulary-parallel family, the family it is compared with (``zb-h1`` for
+            ``zb-h1-vocab-1``); ``None`` otherwise.
         cost_source: where the stage costs came from (:class:`StageTable`).
         seconds: wall time spent building and simulating.
         result: the simulation (for plots), not serialised.
@@ -206,6 +216,7 @@ class FamilyResult:
     param_optimizer_per_rank_gib: list[float] | None = None
     fits: bool | None = None
     memory_limit_n: int | None = None
+    vocab_base: str | None = None
     cost_source: str | None = None
     seconds: float = 0.0
     result: SimResult | None = field(default=None, repr=False)
@@ -225,6 +236,7 @@ class Plan:
         memory_fraction: part of the GPU memory a plan may use.
         action_overhead_ms: added to every compute action's duration, ms (a profile's measured
             runtime overhead; 0 otherwise).
+        vocab_parallel: whether the vocabulary-parallel families were planned.
     """
 
     model: ModelConfig
@@ -237,6 +249,7 @@ class Plan:
     profile: Profile | None = None
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     action_overhead_ms: float = 0.0
+    vocab_parallel: bool = False
 
 
 def family_names(requested: Sequence[str] | None) -> list[str]:
@@ -265,8 +278,9 @@ def _interleaved_chunks(model: ModelConfig, par: ParallelConfig) -> int:
 
 def plan(*, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, schedules: Sequence[str] | None = None,
          profile: Profile | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
-         progress: Callable[[str, int, int], None] | None = None) -> Plan:
-    """Predict every schedule family (see the module doc).
+         progress: Callable[[str, int, int], None] | None = None, enable_vocab_parallel: bool = False) -> Plan:
+    """Predict every schedule family (see the module doc); ``enable_vocab_parallel`` plans the
+    vocabulary-parallel ones too.
 
     ``progress(name, i, n)`` is called before the ``i``-th of ``n`` families is planned.
     """
@@ -274,22 +288,25 @@ def plan(*, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, sc
         raise PlanError("--memory-fraction", f"must be in (0, 1], got {memory_fraction:g}")
     names = family_names(schedules)
     source = CostSource(model, parallel, hardware, profile, memory_fraction)
+    if enable_vocab_parallel:
+        vocab_pass_costs(model, parallel, hardware, variant=1)  # refuses what it cannot plan, before any family
     families = []
     for i, name in enumerate(names):
         if progress is not None:
             progress(name, i + 1, len(names))
         t0 = time.perf_counter()
-        fam = _plan_family(name, source, explicit=schedules is not None)
+        fam = _plan_family(name, source, explicit=schedules is not None, vocab=enable_vocab_parallel)
         fam.seconds = time.perf_counter() - t0
         families.append(fam)
     ok = [f for f in families if f.status == "ok" and f.fits]
     best = min(ok, key=lambda f: (round(f.iteration_time_ms, 6), round(f.peak_memory_gib, 6),
                                   f.memory_limit_n is not None), default=None)  # ties: a named family over zb
     return Plan(model, parallel, hardware, source.t_comm_ms, source.table(Placement.PLAIN, 1), families,
-                best.name if best else None, profile, memory_fraction, source.action_overhead_ms)
+                best.name if best else None, profile, memory_fraction, source.action_overhead_ms,
+                enable_vocab_parallel)
 
 
-def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResult:
+def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) -> FamilyResult:
     model, par = source.model, source.par
     spec = get_spec(name)
     placement = Placement(spec.placement)
@@ -297,11 +314,15 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
               else placement.chunks_per_rank(1))
     if not explicit and name in EXCLUDED_BY_DEFAULT:
         return FamilyResult(name, "skipped", f"{EXCLUDED_BY_DEFAULT[name]}; request it with --schedules", chunks)
-    if spec.vocab_parallel:
-        return FamilyResult(name, "skipped", "vocabulary-parallel schedule: the planner has no costs for the "
-                                             "vocabulary passes yet (issue 24)", chunks)
+    if spec.vocab_parallel and not vocab:
+        return FamilyResult(name, "skipped", "vocabulary-parallel schedule: plan it with --enable-vocab-parallel",
+                            chunks)
+    if spec.vocab_parallel and source.profile is not None:
+        return FamilyResult(name, "skipped", "vocabulary-parallel schedule: a profile has no measured costs for "
+                                             "the vocabulary passes; plan without --profile", chunks)
     try:
-        table = source.table(placement, chunks)
+        table = (source.estimate(placement, chunks, vocab_parallel=True) if spec.vocab_parallel
+                 else source.table(placement, chunks))
     except ValueError as e:
         return FamilyResult(name, "skipped", f"{placement.value} placement with {chunks} chunk(s) per rank: {e}",
                             chunks)
@@ -309,13 +330,16 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
     if not explicit and spec.cost_aware and placement != Placement.PLAIN and size > SEARCH_LIMIT:
         return FamilyResult(name, "skipped", f"search-based generator takes minutes at stages x m = {size} > "
                                              f"{SEARCH_LIMIT}; request it with --schedules {name}", chunks)
+    passes = vocab_pass_costs(model, par, source.hw, variant=vocab_variant(name)) if spec.vocab_parallel else None
     compute = CostModel(t_f=list(table.t_f), t_b=list(table.t_b), t_w=list(table.t_w), t_comm=source.t_comm_ms,
-                        mem_b=list(table.mem_b), mem_w=list(table.mem_w))
+                        mem_b=list(table.mem_b), mem_w=list(table.mem_w),
+                        vocab=None if passes is None else passes.costs())
     costs = compute.with_action_overhead(source.action_overhead_ms, split_backward=spec.split_backward)
     ranks = [r.rank for r in table.shapes]
-    param_bytes = [0.0] * par.pp
+    params = [0.0 if passes is None else passes.params] * par.pp  # the vocabulary slices: every rank alike
     for sh, n in zip(table.shapes, table.params):
-        param_bytes[sh.rank] += n * bytes_per_parameter(source.model, par)
+        params[sh.rank] += n
+    param_bytes = [n * bytes_per_parameter(source.model, par) for n in params]
     limit, n_limit = None, None
     if name == "zb":
         free = source.usable_bytes - max(param_bytes)
@@ -338,15 +362,14 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool) -> FamilyResu
         drawn = simulate_spread(res.schedule, compute, source.spread, action_overhead=source.action_overhead_ms,
                                 draws=SPREAD_DRAWS)
         spread_ms = drawn.median - res.makespan
-    return _metrics(name, chunks, res, param_bytes, table, source, n_limit, spread_ms)
+    fam = _metrics(name, chunks, res, params, param_bytes, table, source, n_limit, spread_ms)
+    fam.vocab_base = base_family(name) if spec.vocab_parallel else None
+    return fam
 
 
-def _metrics(name: str, chunks: int, res: SimResult, param_bytes: list[float], table: StageTable,
-             source: CostSource, n_limit: int | None, spread_ms: float | None) -> FamilyResult:
+def _metrics(name: str, chunks: int, res: SimResult, params: list[float], param_bytes: list[float],
+             table: StageTable, source: CostSource, n_limit: int | None, spread_ms: float | None) -> FamilyResult:
     model, par, hw = source.model, source.par, source.hw
-    params = [0.0] * par.pp
-    for sh, n in zip(table.shapes, table.params):
-        params[sh.rank] += n
     if source.step_ms is not None:
         optimizer_ms, dp_ms, step_source = source.step_ms, 0.0, "profile"
     else:

@@ -12,7 +12,8 @@ JSON (``plan --json FILE``)::
          "peak_memory_per_rank_gib": [...], "peak_activation_per_rank_gib": [...],
          "param_optimizer_per_rank_gib": [...],   # per pipeline rank, rank order
          "chunks": 1, "memory_limit_n": null, "cost_source": "estimate", "step_source": "estimate",
-         "duration_spread_ms": null}, ...],  # > 0: a profile's measured duration spread (planner doc)
+         "duration_spread_ms": null,       # > 0: a profile's measured duration spread (planner doc)
+         "vocab_base": null}, ...],        # --enable-vocab-parallel: "zb-h1" for "zb-h1-vocab-1"
       "recommended": "zb-2p",             # fastest that fits, or null
       "not_planned": [{"name": "zb-optimal", "status": "skipped", "reason": "..."}, ...],
       "t_comm_ms": 1.15,
@@ -40,7 +41,8 @@ from .planner import SPREAD_DRAWS, FamilyResult, Plan
 _KEYS = ("iteration_time_ms", "bubble_rate", "peak_memory_gib", "fits")
 _MORE = ("makespan_ms", "optimizer_ms", "dp_sync_ms", "peak_activation_gib", "param_optimizer_gib",
          "peak_memory_per_rank_gib", "peak_activation_per_rank_gib", "param_optimizer_per_rank_gib", "chunks",
-         "memory_limit_n", "cost_source", "step_source", "duration_spread_ms", "model_tflops_per_gpu")
+         "memory_limit_n", "cost_source", "step_source", "duration_spread_ms", "model_tflops_per_gpu",
+         "vocab_base")
 
 
 def to_json(plan: Plan) -> dict[str, Any]:
@@ -145,9 +147,31 @@ def render(plan: Plan) -> str:
     if rest:
         lines.append("not planned:")
         lines += [f"  {f.name}: {f.status}: {f.reason}" for f in rest]
+    lines += vocab_lines(plan)
     lines.append("")
     lines.append(recommendation(plan))
     return "\n".join(lines)
+
+
+def vocab_lines(plan: Plan) -> list[str]:
+    """With ``--enable-vocab-parallel``: each vocabulary-parallel family beside its base family --
+    throughput ratio, the largest rank's peak memory, parameters + optimizer state max/min over ranks."""
+    if not plan.vocab_parallel:
+        return []
+    fams = {f.name: f for f in plan.families if f.status == "ok"}
+    pairs = [(f, fams[f.vocab_base]) for f in fams.values() if f.vocab_base in fams]
+    if not pairs:
+        return ["vocabulary parallelism: no vocabulary-parallel family was planned beside its base family"]
+    width = max(len(f.name) for f, _ in pairs) + 2
+    lines = ["vocabulary parallelism (each beside its family without it):",
+             f"  {'schedule':<{width}}{'base':<10}{'speed-up':>9}{'peak GiB':>18}{'p+o max/min':>18}"]
+    for f, b in pairs:
+        def spread(x: FamilyResult) -> str:
+            po = x.param_optimizer_per_rank_gib or [0.0]
+            return f"{max(po) / min(po):.2f}" if min(po) > 0 else "inf"
+        lines.append(f"  {f.name:<{width}}{b.name:<10}{f.throughput / b.throughput:>8.3f}x"
+                     f"{b.peak_memory_gib:>8.2f} -> {f.peak_memory_gib:<6.2f}{spread(b):>9} -> {spread(f):<6}")
+    return lines
 
 
 def recommendation(plan: Plan) -> str:
