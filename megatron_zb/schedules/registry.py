@@ -14,7 +14,7 @@ from .catalog import SCHEDULES, ScheduleSpec, register
 from .costs import CostModel
 from .ir import Schedule, ScheduleError
 
-__all__ = ["SCHEDULES", "ScheduleSpec", "build_schedule", "get_spec", "register", "schedule_names"]
+__all__ = ["SCHEDULES", "ScheduleSpec", "build_schedule", "get_spec", "register", "schedule_names", "vocab_schedule_names"]
 
 
 def get_spec(name: str) -> ScheduleSpec:
@@ -28,6 +28,11 @@ def get_spec(name: str) -> ScheduleSpec:
 def schedule_names() -> list[str]:
     """Every registered name, in registration order."""
     return list(SCHEDULES)
+
+
+def vocab_schedule_names() -> list[str]:
+    """The registered schedules that place the vocabulary passes, in registration order."""
+    return [name for name, spec in SCHEDULES.items() if spec.vocab_parallel]
 
 
 def build_schedule(name: str, *, num_ranks: int, num_microbatches: int, costs: CostModel | None = None,

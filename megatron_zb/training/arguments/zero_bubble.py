@@ -8,7 +8,7 @@ import argparse
 
 from megatron_zb.planning.layout import LayerSplit, layers_per_stage
 from megatron_zb.schedules.ir import Placement, Schedule, ScheduleError, vocab_passes_unsupported
-from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spec, schedule_names
+from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spec, schedule_names, vocab_schedule_names
 
 from .common import ArgumentError, flag
 
@@ -340,7 +340,7 @@ def _check_post_validation_tuning(args: argparse.Namespace) -> None:
 
 def _vocab_names() -> str:
     """The catalog's vocabulary-parallel schedules, ``"a, b or c"``."""
-    names = [n for n in schedule_names() if get_spec(n).vocab_parallel]
+    names = vocab_schedule_names()
     return ", ".join(names[:-1]) + " or " + names[-1]
 
 
