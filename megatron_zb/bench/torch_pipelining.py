@@ -11,7 +11,8 @@ the others). Per schedule:
   ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``; one missing from the installed torch is reported
   as absent) are built as PyTorch documents them;
 * ours are built with :func:`~megatron_zb.torch_pipelining.runtime.build_pipeline` from unit costs
-  and re-planned once with :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan`
+  (``auto`` on V-placed stages: it chooses between ``1f1b-v`` and ``zbv``, and is labelled with
+  its choice after the re-plan) and re-planned once with :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan`
   (1 warm-up, ``profile_iterations`` timed iterations), so they run from costs measured inside
   PyTorch's runtime;
 * every schedule runs one warm-up step, then ``rounds`` paired rounds: each round runs every
@@ -51,7 +52,9 @@ __all__ = ["TorchBenchConfig", "bench_rank", "report"]
 
 BUILTINS = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
             "ScheduleDualPipeV")
-OURS = ("1f1b", "zb-1p", "zb-2p", "zbv", "v-half", "v-min", "interleaved-zb")
+OURS = ("1f1b", "zb-1p", "zb-2p", "zbv", "v-half", "v-min", "1f1b-v", "auto", "interleaved-zb")
+AUTO_STAGES = "1f1b-v"
+"""``auto`` picks among the families of its stages' placement: the benchmark builds them V-placed."""
 
 
 @dataclass(frozen=True)
@@ -122,14 +125,15 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
     say = log if rank == 0 else (lambda msg: None)
     for name in bc.ours:
         say(f"torch-pipelining: building and profiling {name} ({bc.profile_iterations} timed iterations)")
-        mine = stages_for_rank(name, num_ranks=p, rank=rank)
+        mine = stages_for_rank(AUTO_STAGES if name == "auto" else name, num_ranks=p, rank=rank)
         n = p * len(mine)
         mods, stages = _modules(bc.model, mine, n)
         pipe = build_pipeline(stages, name, num_microbatches=m, loss_fn=loss_fn)
         step = _stepper(pipe, mods, n, x, y)
         rep = profile_and_replan(pipe, step, iterations=bc.profile_iterations, warmup=1)
-        profiles[name] = (rep.medians_ms, rep.bytes)
-        entries.append(_Entry(name, pipe.spec.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
+        label = f"auto: {rep.after.name}" if name == "auto" else name
+        profiles[label] = (rep.medians_ms, rep.bytes)
+        entries.append(_Entry(label, pipe.spec.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
 
     for e in entries:  # warm-up (PyTorch's shape inference on a class's first step)
         e.step()
@@ -206,7 +210,8 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
                          f"{ratio:.3f} of {best_builtin}'s iteration time")
         else:
             lines.append(f"\nnone of ours is at or below {best_builtin}'s peak activation memory")
-    if "v-half" in peak and "ScheduleZBVZeroBubble" in peak:
-        lines.append(f"v-half / ScheduleZBVZeroBubble peak activation memory: "
-                     f"{peak['v-half'] / peak['ScheduleZBVZeroBubble']:.3f}")
+    for name in ("v-half", "v-min"):
+        if name in peak and "ScheduleZBVZeroBubble" in peak:
+            lines.append(f"{name} / ScheduleZBVZeroBubble peak activation memory: "
+                         f"{peak[name] / peak['ScheduleZBVZeroBubble']:.3f}")
     return "\n".join(lines)
