@@ -41,10 +41,11 @@ def _step(pipe: Any, mods: dict[int, Any], cfg: LMConfig, m: int) -> dict[str, A
             "grads": {k: prm.grad.clone() for mod in mods.values() for k, prm in mod.named_parameters()}}
 
 
-def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) -> dict[str, Any]:
+def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str, auto: bool = False) -> dict[str, Any]:
     """One rank: every family of ``names`` built by ``build_pipeline`` and stepped once; then
     ``replan_name`` profiled (1 warm-up, 2 timed iterations), re-planned and stepped again; then
-    the refusals (a DDP-wrapped and a compiled stage module for ``zb-1p``; DDP over a one-rank group).
+    the refusals (a DDP-wrapped and a compiled stage module for ``zb-1p``; DDP over a one-rank group);
+    with ``auto``, then :func:`auto_rank` (its result under ``"auto"``).
 
     Returns ``{name: {"losses", "grads"}, "replan": {"medians", "bytes", "t_b", "t_w", "mem_b", "mem_w",
     "before", "after", "loaded", "samples", "step"},
@@ -90,6 +91,8 @@ def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) ->
         except TorchExportError as e:
             refused[label] = str(e)
     out["refused"] = refused
+    if auto:
+        out["auto"] = auto_rank(cfg, m)
     return out
 
 

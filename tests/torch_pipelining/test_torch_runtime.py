@@ -25,7 +25,7 @@ from megatron_zb.testing.distributed import run_distributed  # noqa: E402
 from megatron_zb.testing.torch_pipelining import LMConfig, reference  # noqa: E402
 from megatron_zb.schedules.ir import Placement  # noqa: E402
 from megatron_zb.schedules.simulator import simulate  # noqa: E402
-from megatron_zb.testing.torch_runtime import api_rank, auto_rank, fsdp_rank  # noqa: E402
+from megatron_zb.testing.torch_runtime import api_rank, fsdp_rank  # noqa: E402
 from megatron_zb.torch_pipelining.choice import choose_schedule, placement_of  # noqa: E402
 from megatron_zb.torch_pipelining.export import TorchExportError, torch_lowering  # noqa: E402
 from megatron_zb.torch_pipelining.runtime import runtime_costs, stages_for_rank  # noqa: E402
@@ -46,15 +46,22 @@ def _check(result: dict, ref_losses: list, ref_grads: dict, label: str) -> None:
         assert (g - ref_grads[k]).norm() <= RTOL * ref_grads[k].norm(), (label, k)
 
 
-def test_build_profile_replan_and_refusals_on_2_processes():
+@pytest.fixture(scope="module")
+def api_results() -> list:
+    """One 2-process run for the API tests below (one process start for both)."""
+    t0 = time.perf_counter()
+    res = run_distributed(partial(api_rank, LMConfig(), M, ("zb-1p", "zbv"), "zbv", True), world_size=2,
+                          timeout=240, preload=("torch", "torch.distributed", "megatron_zb"))
+    print(f"distributed part, 2 processes: {time.perf_counter() - t0:.1f} s")
+    return res
+
+
+def test_build_profile_replan_and_refusals_on_2_processes(api_results):
     """``build_pipeline`` runs zb-1p and zbv; ``profile_and_replan`` measures every stage inside the
     runtime and reloads a re-planned zbv that PyTorch validates and that still computes the same
     step; DDP-wrapped and compiled stage modules are refused in one line."""
     cfg = LMConfig()
-    t0 = time.perf_counter()
-    res = run_distributed(partial(api_rank, cfg, M, ("zb-1p", "zbv"), "zbv"), world_size=2, timeout=180,
-                          preload=("torch", "torch.distributed", "megatron_zb"))
-    print(f"distributed part, 2 processes: {time.perf_counter() - t0:.1f} s")
+    res = api_results
     ref_losses, ref_grads = reference(cfg, M)
     for name in ("zb-1p", "zbv"):
         _check([r[name] for r in res], ref_losses, ref_grads, name)
@@ -151,15 +158,14 @@ def test_fsdp2_on_a_2x2_cpu_mesh():
     assert all(m.startswith(own) or m.startswith("pipeline rank 1: " + own) for m in msgs), msgs
 
 
-def test_auto_measures_split_and_fused_backwards_and_chooses_on_2_processes():
+def test_auto_measures_split_and_fused_backwards_and_chooses_on_2_processes(api_results):
     """``build_pipeline(..., "auto")`` on V-placed stages: one step; ``profile_and_replan`` times the
     loaded order once with every backward split (PyTorch's I, W) and once fused (its B), so every
     stage has T_F, T_I, T_W and T_B (fused) and the measured costs' ``t_bw`` is the fused medians;
     the choice after it is the best-predicted candidate, agreed on both ranks, and still computes
     the unpipelined model's losses and gradients."""
     cfg = LMConfig()
-    res = run_distributed(partial(auto_rank, cfg, M), world_size=2, timeout=180,
-                          preload=("torch", "torch.distributed", "megatron_zb"))
+    res = [r["auto"] for r in api_results]
     ref_losses, ref_grads = reference(cfg, M)
     _check([r["first"] for r in res], ref_losses, ref_grads, "auto")
     _check([r["step"] for r in res], ref_losses, ref_grads, "auto after re-planning")
