@@ -273,8 +273,9 @@ class Replan:
 
 def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, iterations: int = 3,
                        warmup: int = 1, memory: bool = True, data_parallel_group: Any = None) -> Replan:
-    """Time ``iterations`` calls of ``train_step`` (after ``warmup`` untimed ones) inside PyTorch's
-    runtime, agree on the medians across the pipeline ranks, rebuild ``pipe``'s schedule from the
+    """Time ``iterations`` calls of ``train_step`` (after ``warmup`` untimed ones; for an ``auto``
+    pipeline ``iterations`` per form, split and fused) inside PyTorch's runtime, agree on the medians
+    across the pipeline ranks, rebuild ``pipe``'s schedule (``auto``: choose again) from the
     measured costs and reload its runtime (module doc). ``memory``: one more call with the
     saved-activation tracker on (its hooks slow the calls, so its times are not used), for
     ``mem_w / mem_b`` (:func:`measured_costs`). Collective over the stages' group: every pipeline
