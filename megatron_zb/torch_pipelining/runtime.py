@@ -87,7 +87,8 @@ def stages_for_rank(schedule_name: str, *, num_ranks: int, rank: int, num_chunks
 def runtime_costs(costs: CostModel, num_stages: int) -> CostModel:
     """``costs`` (the model's own per-stage times and memory) as PyTorch's runtime spends them:
     stage 0's backward time moved from ``t_b`` into ``t_w``, and every stage's ``mem_w`` set to its
-    ``mem_b`` (module doc). Units are kept; the other stages' times are unchanged."""
+    ``mem_b`` (module doc). Units are kept; the other stages' times, and ``t_bw`` (a fused
+    backward's time; on stage 0 too: PyTorch's ``B`` is the whole backward there), are unchanged."""
     res = costs.resolve(num_stages)
     whole = res.t_b[0] + res.t_w[0]
     t_b, t_w = list(res.t_b), list(res.t_w)
