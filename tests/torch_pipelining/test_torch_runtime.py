@@ -211,6 +211,8 @@ def test_stage0_quirk_in_the_cost_model():
     assert rc.t_b[0] == pytest.approx(2.5e-6, rel=1e-12) and rc.t_b[0] + rc.t_w[0] == pytest.approx(2.5, rel=1e-12)
     assert list(rc.t_b[1:]) == [2.0, 2.0] and list(rc.t_w[1:]) == [0.5, 0.5] and list(rc.t_f) == [1.0] * 3
     assert list(rc.mem_w) == [4.0] * 3 and list(rc.mem_b) == [4.0] * 3  # PyTorch's I frees nothing
+    # a fused backward's own time is kept: PyTorch's B on stage 0 is its whole backward as elsewhere
+    assert runtime_costs(CostModel(t_bw=[2.0, 2.2, 2.4]), 3).t_bw == [2.0, 2.2, 2.4]
     # the schedule built from it is one PyTorch's runtime accepts
     torch_lowering(build_schedule("zb-1p", num_ranks=3, num_microbatches=6, costs=rc))
 
