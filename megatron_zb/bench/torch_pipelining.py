@@ -34,7 +34,9 @@ the others). Per schedule:
   everything it saved, until the step's outputs are dropped.
 
 The measured T_F, T_I (our B) and T_W per stage of our re-planned schedules are printed too (the
-profile the schedules were rebuilt from), to show where T_W differs from T_F.
+profile the schedules were rebuilt from), to show where T_W differs from T_F; for ``auto`` also
+T_B (fused) and every candidate's predicted iteration time and peak (in chunk ``M_B`` units of the
+unit-cost memory model: the re-plan keeps ``mem_b`` in the given units).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
         entries.append(_Entry(name, pl.value, _stepper(sched, mods, n, x, y),
                               [q for mod in mods.values() for q in mod.parameters()]))
     profiles: dict[str, Any] = {}
+    choices: dict[str, Any] = {}
     say = log if rank == 0 else (lambda msg: None)
     for name in bc.ours:
         say(f"torch-pipelining: building and profiling {name} ({bc.profile_iterations} timed iterations)")
@@ -133,6 +136,8 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
         rep = profile_and_replan(pipe, step, iterations=bc.profile_iterations, warmup=1)
         label = f"auto: {rep.after.name}" if name == "auto" else name
         profiles[label] = (rep.medians_ms, rep.bytes)
+        if pipe.candidates is not None:
+            choices[label] = pipe.candidates
         entries.append(_Entry(label, pipe.spec.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
 
     for e in entries:  # warm-up (PyTorch's shape inference on a class's first step)
@@ -158,7 +163,7 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
             with saving(tracker):
                 e.step(return_outputs=ret)
             into[e.label] = tracker.peak_bytes
-    return {"times": times, "peaks": peaks, "peaks_outputs": peaks_outputs, "profiles": profiles, "absent": absent,
+    return {"times": times, "peaks": peaks, "peaks_outputs": peaks_outputs, "profiles": profiles, "choices": choices, "absent": absent,
             "placement": {e.label: e.placement for e in entries}}
 
 
@@ -200,6 +205,9 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
             cells = [f"{med_ms[(op, s)]:.2f}" if (op, s) in med_ms else "-" for op in ("F", "B", "W", "BW")]
             held = f"{(m_b + nbytes[('B', s)]) / m_b:.2f}" if ("B", s) in nbytes else "-"
             lines.append(f"| {name} | {s} | {' | '.join(cells)} | {_mib(m_b)} | {held} |")
+    for label, rows in r0.get("choices", {}).items():
+        lines.append(f"\n{label}: candidates predicted from the measured costs (simulator, PyTorch's fused B at T_B "
+                     f"(fused)): " + "; ".join(f"{n} {t:.1f} ms, peak {pk:g} M_B" for n, t, pk in rows))
     if best_builtin is not None:
         ours = [k for k in labels if k not in bc.builtins and peak[k] <= peak[best_builtin]]
         if ours:
