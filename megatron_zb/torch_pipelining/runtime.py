@@ -177,6 +177,10 @@ class TorchPipeline:
             (:func:`runtime_costs`; after a re-plan, the measured one: milliseconds).
         memory_limit: per-rank activation limit, unit of ``costs.mem_b`` (``None``: the family's default).
         num_chunks: stages per rank for the interleaved families.
+        loss: the loss function as the runtime calls it (timed while profiling), or ``None``.
+        placement: the stages' placement (for ``auto``: read from them; else the family's).
+        candidates: for ``auto``, every candidate's ``(name, predicted iteration time, simulated
+            peak)`` at the last choice, best first (units of the costs); else ``None``.
     """
 
     runtime: Any
