@@ -103,9 +103,9 @@ def simulate_spread(schedule: Schedule, costs: CostModel | StageCosts, spread: D
     """Makespan of ``schedule`` with every action's duration drawn from ``spread`` (module doc).
 
     One action lasts ``median x factor + action_overhead``: ``costs`` give the medians (compute
-    only, without the overhead); a fused ``BW`` lasts its duration (``t_bw``, else ``t_b + t_w``) x a factor of the spread's
-    ``BW`` entry when it has one (a backward measured fused), else its ``B`` and ``W`` parts are
-    drawn independently; it pays the overhead once. ``draws`` iterations from
+    only, without the overhead); a fused ``BW`` lasts its duration (``t_bw``, else ``t_b + t_w``)
+    x a factor of the spread's ``BW`` entry when it has one (a backward measured fused), else its
+    ``B`` and ``W`` parts drawn independently (``t_bw`` unused); it pays the overhead once. ``draws`` iterations from
     ``random.Random(seed)``; memory is not checked (the durations do not change what is held).
     """
     if draws < 1:
