@@ -62,5 +62,6 @@ def test_1f1b_v_fuses_every_backward_and_beats_1f1b(p):
     assert simulate(one_f_one_b, CostModel(t_f=2.0, t_b=3.0, t_w=2.0, t_bw=4.0)).makespan == pytest.approx((m + p - 1) * 6)
     bound = m * 6 + (p - 1) * 3
     assert bound <= r.makespan < (m + p - 1) * 6
+    assert r.makespan == pytest.approx(m * 6 + (p - 1) * 4)  # at 1F1B's peak: two thirds of 1F1B's bubble
     free = build_schedule("1f1b-v", num_ranks=p, num_microbatches=m, costs=chunk, memory_limit=1e9)
     assert simulate(free, chunk).makespan == pytest.approx(bound)  # with memory to spare, the bound is reached

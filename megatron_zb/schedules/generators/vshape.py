@@ -29,7 +29,7 @@ name        default limit                   what it gives (unit costs, ``m >= 2p
 ``v-min``   ``(p/3 + 1.5) / p * R``          about a third of 1F1B's memory, bubble <= 1F1B's
 ``1f1b-v``  ``R``                           fused backward (``BW``): for runtimes whose split
                                             backward costs more than the fused one; at least
-                                            ``(p-1)(T_F + T_BW)`` of a chunk, half of 1F1B's bubble
+                                            ``(p-1)(T_F + T_BW)`` of a chunk (half of 1F1B's)
 ==========  ==============================  ========================================================
 
 Any explicit ``memory_limit`` from the feasible minimum (one microbatch in flight per rank:
@@ -278,7 +278,7 @@ def v_fused(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_l
     """1F1B on the V: every backward fused (``BW``), at 1F1B's peak memory by default (limit ``R``).
 
     For a runtime whose split backward costs more than its fused one (``costs.t_bw < t_b + t_w``,
-    PyTorch's): the V placement halves 1F1B's bubble at the same per-rank memory without
+    PyTorch's): the V placement cuts 1F1B's bubble (to half of it at best) at the same per-rank memory without
     splitting. Built as the V family's search under the fused costs (``t_b := T_BW``, ``t_w := 0``,
     ``mem_w := 0``: a ``W`` then costs and holds nothing), every ``B`` then made a ``BW`` in place
     (:func:`~..fusion.fuse_all`), timed under ``costs``. Memory in units of ``costs.mem_b``; see
@@ -315,5 +315,5 @@ _SPECS = (
 )
 for _name, _description, _fn in _SPECS:
     register(_name, _description, placement=Placement.V, split_backward=True, cost_aware=True)(_v_builder(_fn))
-register("1f1b-v", "1F1B on the V placement, fused backward (no B/W split): half of 1F1B's bubble at its peak memory",
+register("1f1b-v", "1F1B on the V placement, fused backward (no B/W split): less bubble than 1F1B at its peak memory",
          placement=Placement.V, split_backward=False, cost_aware=True)(_v_builder(v_fused))
