@@ -5,6 +5,7 @@ pipeline runtime (``torch.distributed.pipelining``) on CPU with gloo, in one run
 Usage:
     python scripts/bench_torch_pipelining.py                 # PP=2, 8 microbatches, 7 paired rounds
     python scripts/bench_torch_pipelining.py --pp 4 --rounds 5
+    python scripts/bench_torch_pipelining.py --rounds 21 --builtins Schedule1F1B,ScheduleDualPipeV --ours 1f1b,1f1b-v,auto
 
 What is measured and how: ``megatron_zb/bench/torch_pipelining.py``; results: docs/torch_pipelining.md.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_zb.bench.machine import LoadSampler, machine  # noqa: E402
-from megatron_zb.bench.torch_pipelining import TorchBenchConfig, bench_rank, report  # noqa: E402
+from megatron_zb.bench.torch_pipelining import BUILTINS, OURS, TorchBenchConfig, bench_rank, report  # noqa: E402
 from megatron_zb.testing.distributed import run_distributed  # noqa: E402
 
 
@@ -33,8 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8, help="transformer layers (divisible by 2 x pp)")
     ap.add_argument("--seq", type=int, default=256, help="tokens per sample")
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--builtins", default=",".join(BUILTINS),
+                    help="PyTorch's schedule classes to run, comma-separated (default: all five)")
+    ap.add_argument("--ours", default=",".join(OURS), help="megatron-zb families (or auto) to run, comma-separated")
     a = ap.parse_args(argv)
-    bc = TorchBenchConfig(pp=a.pp, microbatches=a.microbatches, rounds=a.rounds)
+    pick = {k: tuple(n for n in getattr(a, k).split(",") if n) for k in ("builtins", "ours")}
+    bc = TorchBenchConfig(pp=a.pp, microbatches=a.microbatches, rounds=a.rounds, **pick)
     bc = replace(bc, model=replace(bc.model, layers=a.layers, seq=a.seq, hidden=a.hidden, ffn=4 * a.hidden))
     print(machine())
     sampler = LoadSampler()

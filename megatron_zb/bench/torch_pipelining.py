@@ -11,7 +11,8 @@ the others). Per schedule:
   ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``; one missing from the installed torch is reported
   as absent) are built as PyTorch documents them;
 * ours are built with :func:`~megatron_zb.torch_pipelining.runtime.build_pipeline` from unit costs
-  and re-planned once with :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan`
+  (``auto`` on V-placed stages: it chooses between ``1f1b-v`` and ``zbv``, and is labelled with
+  its choice after the re-plan) and re-planned once with :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan`
   (1 warm-up, ``profile_iterations`` timed iterations), so they run from costs measured inside
   PyTorch's runtime;
 * every schedule runs one warm-up step, then ``rounds`` paired rounds: each round runs every
@@ -33,7 +34,9 @@ the others). Per schedule:
   everything it saved, until the step's outputs are dropped.
 
 The measured T_F, T_I (our B) and T_W per stage of our re-planned schedules are printed too (the
-profile the schedules were rebuilt from), to show where T_W differs from T_F.
+profile the schedules were rebuilt from), to show where T_W differs from T_F; for ``auto`` also
+T_B (fused) and every candidate's predicted iteration time and peak (in chunk ``M_B`` units of the
+unit-cost memory model: the re-plan keeps ``mem_b`` in the given units).
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ __all__ = ["TorchBenchConfig", "bench_rank", "report"]
 
 BUILTINS = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
             "ScheduleDualPipeV")
-OURS = ("1f1b", "zb-1p", "zb-2p", "zbv", "v-half", "v-min", "interleaved-zb")
+OURS = ("1f1b", "zb-1p", "zb-2p", "zbv", "v-half", "v-min", "1f1b-v", "auto", "interleaved-zb")
+AUTO_STAGES = "1f1b-v"
+"""``auto`` picks among the families of its stages' placement: the benchmark builds them V-placed."""
 
 
 @dataclass(frozen=True)
@@ -119,17 +124,21 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
         entries.append(_Entry(name, pl.value, _stepper(sched, mods, n, x, y),
                               [q for mod in mods.values() for q in mod.parameters()]))
     profiles: dict[str, Any] = {}
+    choices: dict[str, Any] = {}
     say = log if rank == 0 else (lambda msg: None)
     for name in bc.ours:
         say(f"torch-pipelining: building and profiling {name} ({bc.profile_iterations} timed iterations)")
-        mine = stages_for_rank(name, num_ranks=p, rank=rank)
+        mine = stages_for_rank(AUTO_STAGES if name == "auto" else name, num_ranks=p, rank=rank)
         n = p * len(mine)
         mods, stages = _modules(bc.model, mine, n)
         pipe = build_pipeline(stages, name, num_microbatches=m, loss_fn=loss_fn)
         step = _stepper(pipe, mods, n, x, y)
         rep = profile_and_replan(pipe, step, iterations=bc.profile_iterations, warmup=1)
-        profiles[name] = (rep.medians_ms, rep.bytes)
-        entries.append(_Entry(name, pipe.spec.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
+        label = f"auto: {rep.after.name}" if name == "auto" else name
+        profiles[label] = (rep.medians_ms, rep.bytes)
+        if pipe.candidates is not None:
+            choices[label] = pipe.candidates
+        entries.append(_Entry(label, pipe.spec.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
 
     for e in entries:  # warm-up (PyTorch's shape inference on a class's first step)
         e.step()
@@ -154,7 +163,7 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
             with saving(tracker):
                 e.step(return_outputs=ret)
             into[e.label] = tracker.peak_bytes
-    return {"times": times, "peaks": peaks, "peaks_outputs": peaks_outputs, "profiles": profiles, "absent": absent,
+    return {"times": times, "peaks": peaks, "peaks_outputs": peaks_outputs, "profiles": profiles, "choices": choices, "absent": absent,
             "placement": {e.label: e.placement for e in entries}}
 
 
@@ -196,6 +205,9 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
             cells = [f"{med_ms[(op, s)]:.2f}" if (op, s) in med_ms else "-" for op in ("F", "B", "W", "BW")]
             held = f"{(m_b + nbytes[('B', s)]) / m_b:.2f}" if ("B", s) in nbytes else "-"
             lines.append(f"| {name} | {s} | {' | '.join(cells)} | {_mib(m_b)} | {held} |")
+    for label, rows in r0.get("choices", {}).items():
+        lines.append(f"\n{label}: candidates predicted from the measured costs (simulator, PyTorch's fused B at T_B "
+                     f"(fused)): " + "; ".join(f"{n} {t:.1f} ms, peak {pk:g} M_B" for n, t, pk in rows))
     if best_builtin is not None:
         ours = [k for k in labels if k not in bc.builtins and peak[k] <= peak[best_builtin]]
         if ours:
@@ -206,7 +218,8 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
                          f"{ratio:.3f} of {best_builtin}'s iteration time")
         else:
             lines.append(f"\nnone of ours is at or below {best_builtin}'s peak activation memory")
-    if "v-half" in peak and "ScheduleZBVZeroBubble" in peak:
-        lines.append(f"v-half / ScheduleZBVZeroBubble peak activation memory: "
-                     f"{peak['v-half'] / peak['ScheduleZBVZeroBubble']:.3f}")
+    for name in ("v-half", "v-min"):
+        if name in peak and "ScheduleZBVZeroBubble" in peak:
+            lines.append(f"{name} / ScheduleZBVZeroBubble peak activation memory: "
+                         f"{peak[name] / peak['ScheduleZBVZeroBubble']:.3f}")
     return "\n".join(lines)

@@ -145,8 +145,12 @@ class CostModel:
 
     Attributes:
         t_f: forward time per stage.
-        t_b: input-gradient backward time per stage. A fused ``BW`` costs ``t_b + t_w``.
+        t_b: input-gradient backward time per stage.
         t_w: weight-gradient backward time per stage.
+        t_bw: fused backward (``BW``) time per stage, or ``None`` (default): ``t_b + t_w``. A
+            runtime whose split backward costs more than its fused one (PyTorch's ``I`` + ``W``
+            repeat autograd work its ``B`` does once) has ``t_bw < t_b + t_w``; the timing kernel
+            charges it to every ``BW`` action (:meth:`StageCosts.duration`, the one place).
         t_comm: latency of one activation/gradient transfer between two different ranks
             (transfers between stages on the same rank are free).
         mem_b: activation memory allocated by ``F`` and held until ``B`` (or ``BW``).
@@ -177,6 +181,7 @@ class CostModel:
     memory_limit: float | None = None
     dp_reduce: DPReduceModel | None = None
     vocab: VocabCosts | None = None
+    t_bw: PerStage | None = None
 
     def with_limit(self, memory_limit: float | None) -> "CostModel":
         return replace(self, memory_limit=memory_limit)
@@ -184,11 +189,12 @@ class CostModel:
     def with_action_overhead(self, overhead: float, *, split_backward: bool) -> "CostModel":
         """Every compute action ``overhead`` longer (a runtime's measured time per action beyond the
         compute); with a fused backward (``split_backward=False``) ``BW = t_b + t_w`` is one action,
-        so only ``t_b`` grows."""
+        so only ``t_b`` grows (and ``t_bw``, when given)."""
         def plus(v: PerStage) -> PerStage:
             return v + overhead if isinstance(v, (int, float)) else [x + overhead for x in v]
         return replace(self, t_f=plus(self.t_f), t_b=plus(self.t_b),
-                       t_w=plus(self.t_w) if split_backward else self.t_w)
+                       t_w=plus(self.t_w) if split_backward else self.t_w,
+                       t_bw=None if self.t_bw is None else plus(self.t_bw))
 
     def resolve(self, num_stages: int) -> "StageCosts":
         """Check the values and expand scalars to one value per stage."""
@@ -209,6 +215,7 @@ class CostModel:
             t_comm=t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=self.memory_limit,
             dp_reduce=None if self.dp_reduce is None else self.dp_reduce.resolve(num_stages),
             vocab=self.vocab,
+            t_bw=None if self.t_bw is None else _expand("t_bw", self.t_bw, num_stages, positive=True),
         )
 
 
@@ -225,6 +232,7 @@ class StageCosts:
     memory_limit: float | None
     dp_reduce: DPReduceModel | None = None  # resolved: one byte count per stage
     vocab: VocabCosts | None = None  # per rank; resolved by the timing kernel, which knows the ranks
+    t_bw: tuple[float, ...] | None = None  # fused backward per stage; None: t_b + t_w
 
     def vocab_for(self, num_ranks: int) -> VocabCosts:
         """The vocabulary passes' costs resolved for ``num_ranks`` (``VocabCosts()`` when unset)."""
@@ -239,7 +247,7 @@ class StageCosts:
         if op == Op.W:
             return self.t_w[stage]
         if op == Op.BW:
-            return self.t_b[stage] + self.t_w[stage]
+            return self.t_b[stage] + self.t_w[stage] if self.t_bw is None else self.t_bw[stage]
         raise ScheduleError(f"{op} is not a compute action")
 
     def backward_alloc(self, stage: int) -> float:

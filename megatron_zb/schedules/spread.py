@@ -103,9 +103,9 @@ def simulate_spread(schedule: Schedule, costs: CostModel | StageCosts, spread: D
     """Makespan of ``schedule`` with every action's duration drawn from ``spread`` (module doc).
 
     One action lasts ``median x factor + action_overhead``: ``costs`` give the medians (compute
-    only, without the overhead); a fused ``BW`` lasts ``(t_b + t_w) x`` a factor of the spread's
-    ``BW`` entry when it has one (a backward measured fused), else its ``B`` and ``W`` parts are
-    drawn independently; it pays the overhead once. ``draws`` iterations from
+    only, without the overhead); a fused ``BW`` lasts its duration (``t_bw``, else ``t_b + t_w``)
+    x a factor of the spread's ``BW`` entry when it has one (a backward measured fused), else its
+    ``B`` and ``W`` parts drawn independently (``t_bw`` unused); it pays the overhead once. ``draws`` iterations from
     ``random.Random(seed)``; memory is not checked (the durations do not change what is held).
     """
     if draws < 1:
@@ -140,7 +140,7 @@ def _draw(table: list[list[list[float]]], sc: StageCosts, spread: DurationSpread
             if op != Op.BW:
                 row = part[op][s]
             elif fused:
-                row = [(sc.t_b[s] + sc.t_w[s]) * spread.factor(Op.BW, rng.random()) for _ in range(m)]
+                row = [sc.duration(Op.BW, s) * spread.factor(Op.BW, rng.random()) for _ in range(m)]
             else:
                 row = [b + w for b, w in zip(part[Op.B][s], part[Op.W][s])]
             table[k][s][:] = [x + overhead for x in row]

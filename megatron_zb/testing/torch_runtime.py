@@ -13,7 +13,7 @@ import torch
 
 from .torch_pipelining import LMConfig, batch, loss_fn, stage_module
 
-__all__ = ["api_rank", "fsdp_rank"]
+__all__ = ["api_rank", "auto_rank", "fsdp_rank"]
 
 
 def _stages(cfg: LMConfig, name: str) -> tuple[dict[int, Any], list[Any]]:
@@ -41,10 +41,11 @@ def _step(pipe: Any, mods: dict[int, Any], cfg: LMConfig, m: int) -> dict[str, A
             "grads": {k: prm.grad.clone() for mod in mods.values() for k, prm in mod.named_parameters()}}
 
 
-def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) -> dict[str, Any]:
+def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str, auto: bool = False) -> dict[str, Any]:
     """One rank: every family of ``names`` built by ``build_pipeline`` and stepped once; then
     ``replan_name`` profiled (1 warm-up, 2 timed iterations), re-planned and stepped again; then
-    the refusals (a DDP-wrapped and a compiled stage module for ``zb-1p``; DDP over a one-rank group).
+    the refusals (a DDP-wrapped and a compiled stage module for ``zb-1p``; DDP over a one-rank group);
+    with ``auto``, then :func:`auto_rank` (its result under ``"auto"``).
 
     Returns ``{name: {"losses", "grads"}, "replan": {"medians", "bytes", "t_b", "t_w", "mem_b", "mem_w",
     "before", "after", "loaded", "samples", "step"},
@@ -90,6 +91,8 @@ def api_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) ->
         except TorchExportError as e:
             refused[label] = str(e)
     out["refused"] = refused
+    if auto:
+        out["auto"] = auto_rank(cfg, m)
     return out
 
 
@@ -165,4 +168,24 @@ def fsdp_rank(cfg: LMConfig, m: int, names: tuple[str, ...], replan_name: str) -
     except TorchExportError as e:
         out["refused"] = str(e)
     dist.barrier()
+    return out
+
+
+def auto_rank(cfg: LMConfig, m: int) -> dict[str, Any]:
+    """One rank: ``build_pipeline(..., "auto")`` on stages built for the V placement, stepped once;
+    then profiled (no warm-up, 1 timed iteration per form, memory off), re-chosen and stepped again.
+
+    Returns ``{"first": {"losses", "grads"}, "chosen": (before, after) family names, "candidates":
+    pipe.candidates after, "medians": the measured medians, "t_bw": the measured costs' t_bw,
+    "samples", "step": {"losses", "grads"} after re-planning}``.
+    """
+    from megatron_zb.torch_pipelining.profiling import profile_and_replan
+    from megatron_zb.torch_pipelining.runtime import build_pipeline
+
+    mods, stages = _stages(cfg, "zbv")   # the V placement's stages
+    pipe = build_pipeline(stages, "auto", num_microbatches=m, loss_fn=loss_fn)
+    out: dict[str, Any] = {"first": _step(pipe, mods, cfg, m)}
+    rep = profile_and_replan(pipe, lambda: _step(pipe, mods, cfg, m), iterations=1, warmup=0, memory=False)
+    out.update(chosen=(rep.before.name, rep.after.name), candidates=pipe.candidates, medians=rep.medians_ms,
+               t_bw=rep.costs.t_bw, samples=rep.samples, step=_step(pipe, mods, cfg, m))
     return out

@@ -53,7 +53,8 @@ import torch
 from torch.distributed.pipelining import schedules as _ts
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from ..schedules.ir import Action, Op, Placement, Schedule, ScheduleError, validate, vocab_passes_unsupported
+from ..schedules.fusion import fuse_adjacent
+from ..schedules.ir import Placement, Schedule, ScheduleError, validate, vocab_passes_unsupported
 from ..schedules.torch_import import TORCH_COMPUTE_OPS, TORCH_SCHEDULES, StandInStage
 
 __all__ = ["TESTED_TORCH", "TorchExportError", "TorchPlacement", "check_torch_version", "parse_cell",
@@ -154,21 +155,8 @@ def to_torch_actions(schedule: Schedule, *, merge_iw: bool = True) -> dict[int, 
     except ScheduleError as e:
         raise TorchExportError(f"{_name(schedule)} is not a valid schedule: {e}") from None
     torch_placement(schedule)  # refuses a placement PyTorch has no numbering for
-    out: dict[int, list[Any]] = {}
-    for r, acts in enumerate(schedule.ranks):
-        row: list[Any] = []
-        i = 0
-        while i < len(acts):
-            a = acts[i]
-            nxt = acts[i + 1] if i + 1 < len(acts) else None
-            if merge_iw and a.op is Op.B and nxt is not None and nxt == Action(Op.W, a.mb, a.stage):
-                row.append(_ts._Action(a.stage, _TORCH_TYPE[Op.BW], a.mb))  # I + its W -> B
-                i += 2
-                continue
-            row.append(_ts._Action(a.stage, _TORCH_TYPE[a.op], a.mb))
-            i += 1
-        out[r] = row
-    return out
+    written = fuse_adjacent(schedule) if merge_iw else schedule  # I + its W -> B
+    return {r: [_ts._Action(a.stage, _TORCH_TYPE[a.op], a.mb) for a in acts] for r, acts in enumerate(written.ranks)}
 
 
 def parse_cell(text: str) -> Any:

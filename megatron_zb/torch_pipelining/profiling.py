@@ -25,11 +25,14 @@ their unit; ``mem_w / mem_b`` is measured (one more iteration with the saved-act
 call of the user's ``train_step`` (which calls ``pipe.step(...)`` and whatever else an iteration
 does). While timing, a family that splits the backward runs with every ``I`` and ``W`` as separate
 actions (the export otherwise writes an ``I`` directly followed by its ``W`` as one ``B``; the order
-is the same), so every stage has ``T_I`` and ``T_W``. Then every rank all-gathers the medians per
+is the same), so every stage has ``T_I`` and ``T_W``. An ``auto`` pipeline (:mod:`.choice`) is timed
+``iterations`` times in each of two forms of its order, every backward split (``I`` then ``W``) and
+every backward fused (PyTorch's ``B``), so every stage has ``T_I``, ``T_W`` and ``T_BW`` and the
+choice can weigh what splitting costs (``t_bw`` of the cost model). Then every rank all-gathers the medians per
 ``(op, stage)`` over the stages' process group (so all ranks hold identical numbers), builds the
 measured :class:`~megatron_zb.schedules.costs.CostModel` (:func:`measured_costs`, milliseconds;
 with FSDP stages it holds their reduce as its data-parallel reduce, :func:`~.fsdp.fsdp_reduce_model`),
-rebuilds the family's schedule from it and reloads the runtime (every rank checks that all built
+rebuilds the family's schedule (``auto``: chooses again) from it and reloads the runtime (every rank checks that all built
 the same schedule). Stage 0's quirk and ``M_W = M_B`` (:mod:`.runtime`) need no correction here:
 the measured ``T_I`` of stage 0 is the runtime's near-zero call, its ``T_W`` the whole backward,
 and the measured bytes what the runtime holds.
@@ -47,7 +50,9 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.costs import CostModel
+from ..schedules.fusion import fuse_all, split_all
 from ..schedules.ir import Schedule
+from .choice import AUTO
 from .export import TorchExportError, prepare_runtime
 from .fsdp import fsdp_reduce_model, stage_grad_bytes
 from .runtime import TorchPipeline
@@ -189,9 +194,10 @@ def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, nu
                    nbytes: dict[tuple[str, int], float] | None = None,
                    reduce_bytes: Sequence[float] | None = None) -> CostModel:
     """The cost model [ms] from measured medians per ``(op, stage)``: ``t_f`` from ``F``; ``t_b``,
-    ``t_w`` from ``B`` (PyTorch's ``I``) and ``W`` when every stage has both, else ``t_b`` from ``BW``
-    and ``t_w = 0`` (a fused backward simulates exactly so); ``t_f``, ``t_b`` floored at
-    :data:`MIN_COST_MS`. ``mem_b``, the memory limit and ``t_comm`` are ``base``'s (their units).
+    ``t_w`` from ``B`` (PyTorch's ``I``) and ``W`` when every stage has both, and then ``t_bw`` from
+    ``BW`` (PyTorch's fused ``B``) when every stage has it too (``auto`` measures both), else
+    ``None`` (``t_b + t_w``); without ``B`` and ``W``, ``t_b`` from ``BW`` and ``t_w = 0`` (a fused
+    backward simulates exactly so); ``t_f``, ``t_b``, ``t_bw`` floored at :data:`MIN_COST_MS`. ``mem_b``, the memory limit and ``t_comm`` are ``base``'s (their units).
     With ``nbytes`` (mean net saved-activation bytes per ``(op, stage)`` call) and a split backward,
     ``mem_w = mem_b x (M_B + dM_I) / M_B`` per stage, clipped to ``[0, mem_b]``: the share of a
     microbatch's activations PyTorch's ``I`` leaves held until ``W`` (``M_B``: the bytes one ``F``
@@ -218,11 +224,27 @@ def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, nu
     d_i = _per_stage(nbytes or {}, "B", num_stages)
     if split and m_f is not None and d_i is not None and all(v > 0 for v in m_f):
         mem_w = [b * min(1.0, max(0.0, (f + d) / f)) for b, f, d in zip(res.mem_b, m_f, d_i)]
+    t_bw = _per_stage(medians_ms, "BW", num_stages) if split else None   # both measured (auto)
     dp_reduce = base.dp_reduce
     if reduce_bytes is not None:
         dp_reduce = fsdp_reduce_model(reduce_bytes, [medians_ms.get(("R", s)) for s in range(num_stages)]) or dp_reduce
     return replace(base, t_f=[max(v, MIN_COST_MS) for v in t_f], t_b=[max(v, MIN_COST_MS) for v in t_b], t_w=t_w,
-                   mem_b=list(res.mem_b), mem_w=mem_w, dp_reduce=dp_reduce)
+                   mem_b=list(res.mem_b), mem_w=mem_w, dp_reduce=dp_reduce,
+                   t_bw=None if t_bw is None else [max(v, MIN_COST_MS) for v in t_bw])
+
+
+def _timed_forms(pipe: TorchPipeline) -> list[tuple[Schedule, bool]]:
+    """The orders timed, each ``(schedule, merge_iw)``: a split-backward family's schedule with every
+    ``I`` and ``W`` its own action; a fused family's as it is; for ``auto`` both, the split form of
+    the loaded order (:func:`~megatron_zb.schedules.fusion.split_all`) and its fused form
+    (:func:`~megatron_zb.schedules.fusion.fuse_all`), so every stage gets ``T_I``, ``T_W`` and ``T_BW``.
+    Every rank derives the same forms from the same schedule."""
+    sched = pipe.schedule
+    split = [(split_all(sched), False)]
+    fused = [(fuse_all(sched), True)]
+    if pipe.schedule_name == AUTO:
+        return split + fused
+    return split if pipe.spec.split_backward else fused
 
 
 @dataclass
@@ -251,8 +273,9 @@ class Replan:
 
 def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, iterations: int = 3,
                        warmup: int = 1, memory: bool = True, data_parallel_group: Any = None) -> Replan:
-    """Time ``iterations`` calls of ``train_step`` (after ``warmup`` untimed ones) inside PyTorch's
-    runtime, agree on the medians across the pipeline ranks, rebuild ``pipe``'s schedule from the
+    """Time ``iterations`` calls of ``train_step`` (after ``warmup`` untimed ones; for an ``auto``
+    pipeline ``iterations`` per form, split and fused) inside PyTorch's runtime, agree on the medians
+    across the pipeline ranks, rebuild ``pipe``'s schedule (``auto``: choose again) from the
     measured costs and reload its runtime (module doc). ``memory``: one more call with the
     saved-activation tracker on (its hooks slow the calls, so its times are not used), for
     ``mem_w / mem_b`` (:func:`measured_costs`). Collective over the stages' group: every pipeline
@@ -276,23 +299,23 @@ def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, it
                                "the same schedule: pass data_parallel_group= (the group of this rank's replicas)")
     for _ in range(warmup):
         train_step()
-    split = pipe.spec.split_backward
-    if split:  # the same order, every I and W its own action (checked the same on every rank at its load)
-        prepare_runtime(pipe.runtime, before, merge_iw=False)
+    forms = _timed_forms(pipe)
     timer = StageTimer(pipe)
     mine_bytes: dict[tuple[str, int], float] = {}
     try:
         with timer:
-            for _ in range(iterations):
-                train_step()
-        if memory:
+            for sched, merge_iw in forms:
+                prepare_runtime(pipe.runtime, sched, merge_iw=merge_iw)
+                for _ in range(iterations):
+                    train_step()
+        if memory:  # with the first form loaded (the split one, when timed)
+            prepare_runtime(pipe.runtime, forms[0][0], merge_iw=forms[0][1])
             tracker = ActivationMemoryTracker([q for st in pipe.stages for q in st.submod.parameters()])
             with StageTimer(pipe) as spans, saving(tracker):
                 train_step()
             mine_bytes = spans.mean_bytes(tracker)
     finally:
-        if split:
-            prepare_runtime(pipe.runtime, before)
+        prepare_runtime(pipe.runtime, before)
     medians = _replica_mean(agree(timer.medians_ms(), pipe.group), data_parallel_group)
     nbytes = _replica_mean(agree(mine_bytes, pipe.group), data_parallel_group)
     costs = measured_costs(medians, pipe.costs, before.num_stages, nbytes, reduce_bytes)

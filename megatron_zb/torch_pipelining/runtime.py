@@ -66,6 +66,7 @@ from ..schedules.catalog import ScheduleSpec
 from ..schedules.costs import CostModel
 from ..schedules.ir import Placement, Schedule
 from ..schedules.registry import build_schedule, get_spec
+from .choice import AUTO, choose_schedule, placement_of
 from .export import TorchExportError, check_torch_version, prepare_runtime, to_torch_actions
 from .fsdp import nested_fsdp
 
@@ -86,7 +87,8 @@ def stages_for_rank(schedule_name: str, *, num_ranks: int, rank: int, num_chunks
 def runtime_costs(costs: CostModel, num_stages: int) -> CostModel:
     """``costs`` (the model's own per-stage times and memory) as PyTorch's runtime spends them:
     stage 0's backward time moved from ``t_b`` into ``t_w``, and every stage's ``mem_w`` set to its
-    ``mem_b`` (module doc). Units are kept; the other stages' times are unchanged."""
+    ``mem_b`` (module doc). Units are kept; the other stages' times, and ``t_bw`` (a fused
+    backward's time; on stage 0 too: PyTorch's ``B`` is the whole backward there), are unchanged."""
     res = costs.resolve(num_stages)
     whole = res.t_b[0] + res.t_w[0]
     t_b, t_w = list(res.t_b), list(res.t_w)
@@ -102,8 +104,9 @@ def _compiled(module: torch.nn.Module) -> bool:
 
 def check_stage_modules(stages: Sequence[Any], schedule_name: str) -> None:
     """Refuse stage modules PyTorch's split backward cannot honour (module doc); a schedule with
-    fused backwards only (``split_backward=False`` in the registry) takes any module."""
-    if not get_spec(schedule_name).split_backward:
+    fused backwards only (``split_backward=False`` in the registry) takes any module; ``auto`` may
+    choose a split one, so it refuses them too."""
+    if schedule_name != AUTO and not get_spec(schedule_name).split_backward:
         return
     for st in stages:
         for name, mod in st.submod.named_modules():
@@ -168,12 +171,16 @@ class TorchPipeline:
     Attributes:
         runtime: the ``_PipelineScheduleRuntime`` (``step(...)`` as PyTorch documents it).
         stages: this rank's ``PipelineStage`` objects.
-        schedule_name: the registered megatron-zb family.
-        schedule: the schedule loaded now.
+        schedule_name: the registered megatron-zb family, or ``"auto"`` (:mod:`.choice`).
+        schedule: the schedule loaded now (for ``auto``: the chosen family's, ``schedule.name``).
         costs: the cost model it was built from, as PyTorch's runtime spends it
             (:func:`runtime_costs`; after a re-plan, the measured one: milliseconds).
         memory_limit: per-rank activation limit, unit of ``costs.mem_b`` (``None``: the family's default).
         num_chunks: stages per rank for the interleaved families.
+        loss: the loss function as the runtime calls it (timed while profiling), or ``None``.
+        placement: the stages' placement (for ``auto``: read from them; else the family's).
+        candidates: for ``auto``, every candidate's ``(name, predicted iteration time, simulated
+            peak)`` at the last choice, best first (units of the costs); else ``None``.
     """
 
     runtime: Any
@@ -184,10 +191,13 @@ class TorchPipeline:
     memory_limit: float | None
     num_chunks: int
     loss: _TimedLoss | None
+    placement: Placement = Placement.PLAIN
+    candidates: list[tuple] | None = None
 
     @property
     def spec(self) -> ScheduleSpec:
-        return get_spec(self.schedule_name)
+        """The loaded schedule's family (for ``auto``: the chosen one)."""
+        return get_spec(self.schedule.name or self.schedule_name)
 
     @property
     def group(self) -> Any:
@@ -215,13 +225,24 @@ class TorchPipeline:
 
     def rebuild(self, costs: CostModel) -> Schedule:
         """Build the family's schedule from ``costs`` (already as PyTorch's runtime spends them, e.g.
-        measured by :func:`~.profiling.profile_and_replan`) and :attr:`memory_limit`, load it, return it."""
-        sched = build_schedule(self.schedule_name, num_ranks=self.schedule.num_ranks,
-                               num_microbatches=self.schedule.num_microbatches, costs=costs,
-                               memory_limit=self.memory_limit, num_chunks=self.num_chunks)
+        measured by :func:`~.profiling.profile_and_replan`) and :attr:`memory_limit`, load it, return it
+        (``auto``: chosen again, :attr:`candidates` updated)."""
+        sched, self.candidates = _build(self.schedule_name, self.placement, num_ranks=self.schedule.num_ranks,
+                                        num_microbatches=self.schedule.num_microbatches, costs=costs,
+                                        memory_limit=self.memory_limit, num_chunks=self.num_chunks)
         self.load(sched)
         self.costs = costs
         return sched
+
+
+def _build(name: str, placement: Placement, *, num_ranks: int, num_microbatches: int, costs: CostModel,
+           memory_limit: float | None, num_chunks: int) -> tuple[Schedule, list[tuple] | None]:
+    """The family's schedule, or ``auto``'s choice and its candidates (:func:`~.choice.choose_schedule`)."""
+    if name == AUTO:
+        return choose_schedule(placement, num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
+                               memory_limit=memory_limit, num_chunks=num_chunks)
+    return build_schedule(name, num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
+                          memory_limit=memory_limit, num_chunks=num_chunks), None
 
 
 def build_pipeline(stages: Sequence[Any], schedule_name: str, *, num_microbatches: int,
@@ -233,7 +254,9 @@ def build_pipeline(stages: Sequence[Any], schedule_name: str, *, num_microbatche
         stages: this rank's ``PipelineStage`` objects, with the stage indices the family places on
             this rank (one for the plain families; ``v`` stages ``r, r+p, ...`` for the interleaved
             ones; stages ``r`` and ``2p-1-r`` for the V families), all of the same pipeline.
-        schedule_name: a registered family (``megatron-zb list``).
+        schedule_name: a registered family (``megatron-zb list``), or ``"auto"``: the fastest
+            candidate of the stages' placement within the memory limit, predicted from the costs
+            (:mod:`.choice`; ``pipe.candidates`` lists them).
         num_microbatches: microbatches per ``step``.
         loss_fn: as PyTorch's schedules take it (``None``: forward only).
         costs: the model's per-stage costs (times in any one unit, ``t_b`` the input-gradient
@@ -251,15 +274,19 @@ def build_pipeline(stages: Sequence[Any], schedule_name: str, *, num_microbatche
     check_torch_version()
     if not stages:
         raise TorchExportError("no PipelineStage given: pass this rank's stages")
-    spec = get_spec(schedule_name)
-    _agree_on_stage_modules(stages, schedule_name)
     n, p = stages[0].num_stages, stages[0].group_size
-    num_chunks = len(stages) if spec.placement is Placement.INTERLEAVED else 2
+    if schedule_name == AUTO:
+        placement = placement_of([st.stage_index for st in stages], n, p, stages[0].group_rank)
+    else:
+        placement = get_spec(schedule_name).placement
+    _agree_on_stage_modules(stages, schedule_name)
+    num_chunks = len(stages) if placement is Placement.INTERLEAVED else 2
     base = runtime_costs(costs if costs is not None else CostModel(), n)
-    sched = build_schedule(schedule_name, num_ranks=p, num_microbatches=num_microbatches, costs=base,
-                           memory_limit=memory_limit, num_chunks=num_chunks)
+    sched, candidates = _build(schedule_name, placement, num_ranks=p, num_microbatches=num_microbatches, costs=base,
+                               memory_limit=memory_limit, num_chunks=num_chunks)
     loss = _TimedLoss(loss_fn) if loss_fn is not None else None
     runtime = _ts._PipelineScheduleRuntime(list(stages), num_microbatches, loss_fn=loss, **runtime_kwargs)
-    pipe = TorchPipeline(runtime, list(stages), schedule_name, sched, base, memory_limit, num_chunks, loss)
+    pipe = TorchPipeline(runtime, list(stages), schedule_name, sched, base, memory_limit, num_chunks, loss,
+                         placement, candidates)
     pipe.load(sched)
     return pipe

@@ -191,8 +191,9 @@ def _run_and_compare(cfg: LMConfig, p: int, m: int, names: tuple[str, ...], csv_
 def test_runs_in_pytorchs_runtime_on_2_processes():
     """A float64 4-layer transformer LM in PyTorch's runtime (``_run_and_compare`` has the tolerances);
     ``zb-h1`` and ``v-half`` loaded from their CSV file as torchtitan does; the V schedule's stages
-    built the other way are refused."""
-    res, bitwise = _run_and_compare(LMConfig(), 2, 4, ("1f1b", "zb-h1", "zb-1p", "zb-2p", "zbv", "v-half",
+    built the other way are refused. ``1f1b-v`` (V placement, fused backward) runs with PyTorch's
+    ``B`` only."""
+    res, bitwise = _run_and_compare(LMConfig(), 2, 4, ("1f1b", "zb-h1", "zb-1p", "zb-2p", "zbv", "v-half", "1f1b-v",
                                                        "interleaved-zb"), csv_names=("zb-h1", "v-half"))
     assert {"1f1b", "zb-h1"} <= bitwise  # the same weight-gradient order as 1F1B by construction
     for r, want in ((0, "[0, 3]"), (1, "[1, 2]")):

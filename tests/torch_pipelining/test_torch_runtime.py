@@ -23,8 +23,11 @@ from megatron_zb.schedules.costs import CostModel  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule  # noqa: E402
 from megatron_zb.testing.distributed import run_distributed  # noqa: E402
 from megatron_zb.testing.torch_pipelining import LMConfig, reference  # noqa: E402
+from megatron_zb.schedules.ir import Placement  # noqa: E402
+from megatron_zb.schedules.simulator import simulate  # noqa: E402
 from megatron_zb.testing.torch_runtime import api_rank, fsdp_rank  # noqa: E402
-from megatron_zb.torch_pipelining.export import torch_lowering  # noqa: E402
+from megatron_zb.torch_pipelining.choice import choose_schedule, placement_of  # noqa: E402
+from megatron_zb.torch_pipelining.export import TorchExportError, torch_lowering  # noqa: E402
 from megatron_zb.torch_pipelining.runtime import runtime_costs, stages_for_rank  # noqa: E402
 
 M = 4
@@ -43,15 +46,22 @@ def _check(result: dict, ref_losses: list, ref_grads: dict, label: str) -> None:
         assert (g - ref_grads[k]).norm() <= RTOL * ref_grads[k].norm(), (label, k)
 
 
-def test_build_profile_replan_and_refusals_on_2_processes():
+@pytest.fixture(scope="module")
+def api_results() -> list:
+    """One 2-process run for the API tests below (one process start for both)."""
+    t0 = time.perf_counter()
+    res = run_distributed(partial(api_rank, LMConfig(), M, ("zb-1p", "zbv"), "zbv", True), world_size=2,
+                          timeout=240, preload=("torch", "torch.distributed", "megatron_zb"))
+    print(f"distributed part, 2 processes: {time.perf_counter() - t0:.1f} s")
+    return res
+
+
+def test_build_profile_replan_and_refusals_on_2_processes(api_results):
     """``build_pipeline`` runs zb-1p and zbv; ``profile_and_replan`` measures every stage inside the
     runtime and reloads a re-planned zbv that PyTorch validates and that still computes the same
     step; DDP-wrapped and compiled stage modules are refused in one line."""
     cfg = LMConfig()
-    t0 = time.perf_counter()
-    res = run_distributed(partial(api_rank, cfg, M, ("zb-1p", "zbv"), "zbv"), world_size=2, timeout=180,
-                          preload=("torch", "torch.distributed", "megatron_zb"))
-    print(f"distributed part, 2 processes: {time.perf_counter() - t0:.1f} s")
+    res = api_results
     ref_losses, ref_grads = reference(cfg, M)
     for name in ("zb-1p", "zbv"):
         _check([r[name] for r in res], ref_losses, ref_grads, name)
@@ -148,12 +158,61 @@ def test_fsdp2_on_a_2x2_cpu_mesh():
     assert all(m.startswith(own) or m.startswith("pipeline rank 1: " + own) for m in msgs), msgs
 
 
+def test_auto_measures_split_and_fused_backwards_and_chooses_on_2_processes(api_results):
+    """``build_pipeline(..., "auto")`` on V-placed stages: one step; ``profile_and_replan`` times the
+    loaded order once with every backward split (PyTorch's I, W) and once fused (its B), so every
+    stage has T_F, T_I, T_W and T_B (fused) and the measured costs' ``t_bw`` is the fused medians;
+    the choice after it is the best-predicted candidate, agreed on both ranks, and still computes
+    the unpipelined model's losses and gradients."""
+    cfg = LMConfig()
+    res = [r["auto"] for r in api_results]
+    ref_losses, ref_grads = reference(cfg, M)
+    _check([r["first"] for r in res], ref_losses, ref_grads, "auto")
+    _check([r["step"] for r in res], ref_losses, ref_grads, "auto after re-planning")
+    r0 = res[0]
+    assert res[1]["chosen"] == r0["chosen"] and res[1]["candidates"] == r0["candidates"]
+    assert {name for name, _, _ in r0["candidates"]} == {"1f1b-v", "zbv"}
+    assert r0["chosen"][1] == r0["candidates"][0][0]  # the least predicted makespan
+    medians = r0["medians"]
+    for s in range(4):
+        assert {("F", s), ("B", s), ("W", s), ("BW", s)} <= set(medians), s
+        assert r0["t_bw"][s] == max(medians[("BW", s)], 1e-6)
+    for r in res:  # one timed iteration per form: F in both, I and W in the split one, B in the fused one
+        assert {op: n for (op, _), n in r["samples"].items() if op != "R"} == {"F": 2 * M, "B": M, "W": M, "BW": M}
+
+
+def test_choose_schedule_weighs_what_splitting_costs():
+    """Per chunk T_F = 1, T_I = 1, T_W = 1 (hand): with the fused backward as dear as I + W
+    (``t_bw = 2``) the V's zero-bubble ``zbv`` wins; with it half of that (``t_bw = 1``) every rank's
+    split work alone, 8 microbatches x 2 chunks x 3 = 48, exceeds ``1f1b-v``'s predicted iteration,
+    so ``1f1b-v`` wins. Candidates over the limit are not chosen; stages that fit no placement are refused."""
+    p, m = 2, 8
+    kw = dict(num_ranks=p, num_microbatches=m)
+    dear = CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_bw=2.0, mem_b=1.0, mem_w=1.0)
+    cheap = CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_bw=1.0, mem_b=1.0, mem_w=1.0)
+    s, rows = choose_schedule(Placement.V, costs=dear, **kw)
+    assert s.name == "zbv" and rows[0][0] == "zbv" and rows[0][1] < rows[1][1]
+    s, rows = choose_schedule(Placement.V, costs=cheap, **kw)
+    assert s.name == "1f1b-v" and rows[0][1] < 48 and {a.op.value for _, _, a in s.actions()} == {"F", "BW"}
+    assert simulate(s, cheap).makespan == rows[0][1]
+    # plain placement: 1f1b's peak (p microbatches) is the default limit; zb-2p's 2p is not a candidate
+    s, rows = choose_schedule(Placement.PLAIN, costs=dear, **kw)
+    assert {r[0] for r in rows} == {"1f1b", "zb-h1", "zb-1p"} and all(r[2] <= p for r in rows)
+    assert s.name != "1f1b"  # zero bubble beats 1F1B when splitting costs nothing
+    assert placement_of([1, 2], 4, 2, 1) is Placement.V and placement_of([1, 3], 4, 2, 1) is Placement.INTERLEAVED
+    assert placement_of([1], 2, 2, 1) is Placement.PLAIN
+    with pytest.raises(TorchExportError, match=r"rank 1 holds stages \[2\] of 4 on 2 ranks, which no placement"):
+        placement_of([2], 4, 2, 1)
+
+
 def test_stage0_quirk_in_the_cost_model():
     costs = CostModel(t_f=[1.0, 1.0, 1.0], t_b=[2.0, 2.0, 2.0], t_w=[0.5, 0.5, 0.5], mem_b=4.0, mem_w=1.0)
     rc = runtime_costs(costs, 3)
     assert rc.t_b[0] == pytest.approx(2.5e-6, rel=1e-12) and rc.t_b[0] + rc.t_w[0] == pytest.approx(2.5, rel=1e-12)
     assert list(rc.t_b[1:]) == [2.0, 2.0] and list(rc.t_w[1:]) == [0.5, 0.5] and list(rc.t_f) == [1.0] * 3
     assert list(rc.mem_w) == [4.0] * 3 and list(rc.mem_b) == [4.0] * 3  # PyTorch's I frees nothing
+    # a fused backward's own time is kept: PyTorch's B on stage 0 is its whole backward as elsewhere
+    assert runtime_costs(CostModel(t_bw=[2.0, 2.2, 2.4]), 3).t_bw == [2.0, 2.2, 2.4]
     # the schedule built from it is one PyTorch's runtime accepts
     torch_lowering(build_schedule("zb-1p", num_ranks=3, num_microbatches=6, costs=rc))
 

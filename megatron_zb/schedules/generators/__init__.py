@@ -10,7 +10,7 @@ module              schedules
 ``baselines``       ``1f1b``, ``interleaved-1f1b``
 ``handcrafted``     ``zb-h1``, ``zb-h2``
 ``greedy``          ``zb``, ``zb-1p``, ``zb-2p`` (greedy list scheduler, plain placement)
-``vshape``          ``zbv``, ``v-half``, ``v-min`` (with ``list_scheduler`` and ``search``)
+``vshape``          ``zbv``, ``v-half``, ``v-min``, ``1f1b-v`` (with ``list_scheduler`` and ``search``)
 ``interleaved_zb``  ``interleaved-zb``
 ``exact``           ``zb-optimal``, ``zbv-optimal`` (CP-SAT; OR-Tools imported on use)
 ``vocab``           ``1f1b-vocab-1``, ``1f1b-vocab-2``, ``zb-h1-vocab-1``, ``zb-h1-vocab-2``

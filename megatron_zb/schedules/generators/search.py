@@ -33,7 +33,7 @@ def proxy_costs(sc: StageCosts) -> list[tuple[str, StageCosts]]:
         out.append(("T_comm = 0", replace(sc, t_comm=0.0)))
     n = len(sc.t_f)
     if len(set(sc.t_f) | set(sc.t_b) | set(sc.t_w)) > 1:
-        out.append(("unit times", replace(sc, t_f=(1.0,) * n, t_b=(1.0,) * n, t_w=(1.0,) * n, t_comm=0.0)))
+        out.append(("unit times", replace(sc, t_f=(1.0,) * n, t_b=(1.0,) * n, t_w=(1.0,) * n, t_comm=0.0, t_bw=None)))
     return out
 
 

@@ -1,4 +1,5 @@
-"""V-shaped zero-bubble schedules: ZB-V, V-Half, V-Min, and any memory limit in between.
+"""V-shaped zero-bubble schedules: ZB-V, V-Half, V-Min, and any memory limit in between; and
+``1f1b-v``, the V placement with every backward fused (:func:`v_fused`).
 
 Placement (:func:`~megatron_zb.schedules.ir.v_placement`): ``p`` ranks, ``2p`` stages; rank ``r``
 holds stage ``r`` (its *chunk 0*) and stage ``2p-1-r`` (its *chunk 1*), so rank 0 holds the first
@@ -26,6 +27,9 @@ name        default limit                   what it gives (unit costs, ``m >= 2p
                                             ``(p+2)//2`` microbatches of 1F1B's ``p``), < 0.6x
                                             its bubble
 ``v-min``   ``(p/3 + 1.5) / p * R``          about a third of 1F1B's memory, bubble <= 1F1B's
+``1f1b-v``  ``R``                           fused backward (``BW``): for runtimes whose split
+                                            backward costs more than the fused one; at least
+                                            ``(p-1)(T_F + T_BW)`` of a chunk (half of 1F1B's)
 ==========  ==============================  ========================================================
 
 Any explicit ``memory_limit`` from the feasible minimum (one microbatch in flight per rank:
@@ -67,7 +71,8 @@ from typing import Callable
 from ..catalog import register
 from ..costs import CostModel, StageCosts
 from ..dp_reduce import overlapped_reduce_tail
-from ..ir import V_CHUNKS_PER_RANK, Action, Placement, Schedule, ScheduleError, make_schedule, v_placement, v_stages
+from ..fusion import fuse_all
+from ..ir import V_CHUNKS_PER_RANK, Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement, v_stages
 from ..limits import check_minimum, fits, resolve_limit
 from ..simulator import simulate
 from .common import check_cost_model, check_count
@@ -75,8 +80,8 @@ from .handcrafted import zbv_handcrafted_order
 from .list_scheduler import asap_times, improve
 from .search import proxy_costs, search
 
-__all__ = ["one_f_one_b_memory", "v_default_limit", "v_full_memory", "v_half", "v_min", "v_min_memory", "v_schedule",
-           "zbv"]
+__all__ = ["one_f_one_b_memory", "v_default_limit", "v_full_memory", "v_fused", "v_half", "v_min", "v_min_memory",
+           "v_schedule", "zbv"]
 
 _IMPROVE_MAX_ACTIONS = 200
 """Problems with at most this many actions get a local-search pass after the knob search."""
@@ -269,6 +274,28 @@ def v_min(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_lim
                       memory_limit=memory_limit, name="v-min", default_fraction=lambda p: p / 3 + 1.5)
 
 
+def v_fused(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None = None) -> Schedule:
+    """1F1B on the V: every backward fused (``BW``), at 1F1B's peak memory by default (limit ``R``).
+
+    For a runtime whose split backward costs more than its fused one (``costs.t_bw < t_b + t_w``,
+    PyTorch's): the V placement cuts 1F1B's bubble (to half of it at best) at the same per-rank memory without
+    splitting. Built as the V family's search under the fused costs (``t_b := T_BW``, ``t_w := 0``,
+    ``mem_w := 0``: a ``W`` then costs and holds nothing), every ``B`` then made a ``BW`` in place
+    (:func:`~..fusion.fuse_all`), timed under ``costs``. Memory in units of ``costs.mem_b``; see
+    :func:`v_schedule` for the arguments.
+    """
+    n = V_CHUNKS_PER_RANK * check_count("num_ranks", num_ranks)
+    sc = check_cost_model(costs).resolve(n)
+    fused_costs = replace(costs, t_b=[sc.duration(Op.BW, s) for s in range(n)], t_w=0.0, mem_w=0.0, t_bw=None)
+    split = v_schedule(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=fused_costs,  # 1. search
+                       memory_limit=memory_limit, name="1f1b-v", default_fraction=float)
+    sched = fuse_all(split)                                                                         # 2. fuse
+    res = simulate(sched, costs.with_limit(split.meta["memory_limit"]))                            # 3. time
+    return make_schedule(num_microbatches=sched.num_microbatches, stage_to_rank=sched.stage_to_rank,
+                         ranks=sched.ranks, name="1f1b-v", memory_limit=split.meta["memory_limit"],
+                         variant=split.meta.get("variant", ""), makespan=res.makespan)
+
+
 # ---------------------------------------------------------------------------- registration
 def _v_builder(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
     def build(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
@@ -288,3 +315,5 @@ _SPECS = (
 )
 for _name, _description, _fn in _SPECS:
     register(_name, _description, placement=Placement.V, split_backward=True, cost_aware=True)(_v_builder(_fn))
+register("1f1b-v", "1F1B on the V placement, fused backward (no B/W split): less bubble than 1F1B at its peak memory",
+         placement=Placement.V, split_backward=False, cost_aware=True)(_v_builder(v_fused))

@@ -1,0 +1,59 @@
+"""Fused and split backwards of one schedule: the same order, the backward as one ``BW`` or as ``B`` + ``W``.
+
+A runtime may pay more for a split backward than for a fused one: PyTorch's pipeline runtime runs
+an ``I`` (our ``B``) and a ``W`` as two autograd passes, which together cost more than its fused
+``B`` (our ``BW``; docs/torch_pipelining.md measures +25%). The cost model says so with
+:attr:`~.costs.CostModel.t_bw`, which the timing kernel charges to every ``BW``; these functions
+rewrite a schedule so that its fused backwards are ``BW`` actions:
+
+* :func:`fuse_adjacent` -- each ``B`` directly followed on its rank by its own ``W`` becomes one
+  ``BW``: what the export to PyTorch writes as one ``B`` and PyTorch runs fused, so simulate this
+  form to predict PyTorch's run;
+* :func:`fuse_all` -- every ``B`` becomes a ``BW`` at its place and its ``W`` is dropped (valid:
+  a ``BW`` waits for what its ``B`` waited for, and nothing waits for a ``W``; memory only falls);
+* :func:`split_all` -- every ``BW`` becomes its ``B`` directly followed by its ``W``.
+
+The profiler of :mod:`megatron_zb.torch_pipelining.profiling` runs both forms of one order to
+measure ``T_B``, ``T_W`` and ``T_BW`` on every stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .ir import Action, Op, Schedule
+
+__all__ = ["fuse_adjacent", "fuse_all", "split_all"]
+
+
+def _with_ranks(schedule: Schedule, ranks: list[list[Action]]) -> Schedule:
+    return replace(schedule, ranks=ranks, meta=dict(schedule.meta))
+
+
+def fuse_adjacent(schedule: Schedule) -> Schedule:
+    """``schedule`` with each ``B`` directly followed (same rank) by its own ``W`` written as one ``BW``."""
+    ranks = []
+    for acts in schedule.ranks:
+        row: list[Action] = []
+        for a in acts:
+            prev = row[-1] if row else None
+            if a.op is Op.W and prev is not None and prev == Action(Op.B, a.mb, a.stage):
+                row[-1] = Action(Op.BW, a.mb, a.stage)   # B + its W -> BW
+            else:
+                row.append(a)
+        ranks.append(row)
+    return _with_ranks(schedule, ranks)
+
+
+def fuse_all(schedule: Schedule) -> Schedule:
+    """``schedule`` with every backward fused: each ``B`` replaced by ``BW``, each ``W`` dropped."""
+    ranks = [[Action(Op.BW, a.mb, a.stage) if a.op is Op.B else a for a in acts if a.op is not Op.W]
+             for acts in schedule.ranks]
+    return _with_ranks(schedule, ranks)
+
+
+def split_all(schedule: Schedule) -> Schedule:
+    """``schedule`` with every backward split: each ``BW`` replaced by its ``B`` and, right after, its ``W``."""
+    ranks = [[b for a in acts for b in ((Action(Op.B, a.mb, a.stage), Action(Op.W, a.mb, a.stage))
+                                        if a.op is Op.BW else (a,))] for acts in schedule.ranks]
+    return _with_ranks(schedule, ranks)

@@ -1,0 +1,100 @@
+"""``auto``: the fastest of a few candidate families for the stages' placement, within a memory limit.
+
+PyTorch's split backward costs more than its fused one (an ``I`` and a ``W`` are two autograd
+passes; docs/torch_pipelining.md measures ``T_I + T_W`` 25% over ``T_B`` on CPU), so whether a
+zero-bubble schedule beats a fused-backward one depends on the measured costs. ``auto``
+(:func:`choose_schedule`) builds every candidate of the placement (:data:`CANDIDATES`: one
+fused-backward family, the others split) from the costs and the memory limit, predicts each one
+*as PyTorch runs it* -- each ``B`` directly followed by its own ``W`` fused into one ``BW``, as the
+export writes it (:func:`~megatron_zb.schedules.fusion.fuse_adjacent`), every ``BW`` charged
+``costs.t_bw`` (the simulator's timing kernel; ``t_b + t_w`` when ``t_bw`` is not given) -- and
+returns the one with the least predicted makespan among those whose simulated peak activation
+memory is within the limit (ties: the lower peak, then :data:`CANDIDATES`' order).
+
+The limit (per rank, unit of ``costs.mem_b``): the given one, else ``costs.memory_limit``, else
+the simulated peak of the placement's fused-backward candidate (``1f1b``, ``1f1b-v``,
+``interleaved-1f1b``): ``auto`` never holds more than that schedule would. The cost-aware
+candidates are built for the limit; the others are kept only when they fit it.
+
+Which placement: the stages'. :func:`placement_of` reads it from this rank's stage indices (the
+user builds the stages before a schedule is chosen, so the choice is among the families of that
+placement). :func:`~.profiling.profile_and_replan` measures ``T_I``, ``T_W`` *and* ``T_B`` (fused)
+on every stage for an ``auto`` pipeline and chooses again from them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from ..schedules.costs import CostModel
+from ..schedules.fusion import fuse_adjacent
+from ..schedules.ir import Placement, Schedule, ScheduleError
+from ..schedules.registry import build_schedule, get_spec
+from ..schedules.simulator import simulate
+from .export import TorchExportError
+
+__all__ = ["AUTO", "CANDIDATES", "choose_schedule", "placement_of"]
+
+AUTO = "auto"
+"""The schedule name that asks :func:`~.runtime.build_pipeline` for :func:`choose_schedule`."""
+
+CANDIDATES: dict[Placement, tuple[str, ...]] = {
+    Placement.PLAIN: ("1f1b", "zb-h1", "zb-1p"),
+    Placement.V: ("1f1b-v", "zbv"),
+    Placement.INTERLEAVED: ("interleaved-1f1b", "interleaved-zb"),
+}
+"""The families ``auto`` compares per placement; the first one fuses every backward."""
+
+_REL = 1e-9
+"""Relative slack of the memory comparison (float rounding of sums of ``mem_b``)."""
+
+
+def placement_of(stage_indices: Sequence[int], num_stages: int, num_ranks: int, rank: int) -> Placement:
+    """The placement whose ``stage_to_rank`` puts exactly ``stage_indices`` on ``rank``.
+
+    Raises:
+        TorchExportError: no placement does (the stages were built for none of them).
+    """
+    mine = sorted(stage_indices)
+    for pl in (Placement.PLAIN, Placement.V, Placement.INTERLEAVED):
+        chunks = num_stages // num_ranks
+        if num_stages % num_ranks or pl.chunks_per_rank(chunks) != chunks:
+            continue
+        if [s for s, r in enumerate(pl.stage_to_rank(num_ranks, chunks)) if r == rank] == mine:
+            return pl
+    raise TorchExportError(f"rank {rank} holds stages {mine} of {num_stages} on {num_ranks} ranks, which no placement "
+                        f"gives (plain: stage r; V: stages r and 2p-1-r; interleaved: r, r+p, ...): build the stages "
+                        f"with stages_for_rank for one family of the placement wanted")
+
+
+def choose_schedule(placement: Placement, *, num_ranks: int, num_microbatches: int, costs: CostModel,
+                    memory_limit: float | None = None, num_chunks: int = 2) -> tuple[Schedule, list[tuple]]:
+    """The fastest candidate of ``placement`` within the limit (module doc), and every candidate's
+    ``(name, predicted makespan, simulated peak)`` (makespan ``inf`` for one over the limit), best first.
+
+    ``costs`` as PyTorch's runtime spends them (:func:`~.runtime.runtime_costs`, or measured).
+    """
+    names = CANDIDATES[placement]
+    built = {n: build_schedule(n, num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
+                               memory_limit=memory_limit if get_spec(n).cost_aware else None, num_chunks=num_chunks)
+             for n in names[:1]}
+    limit = memory_limit if memory_limit is not None else costs.memory_limit
+    if limit is None:   # the fused-backward candidate's own peak
+        limit = simulate(built[names[0]], costs, enforce_memory=False).max_peak_memory or math.inf
+    for n in names[1:]:
+        try:
+            built[n] = build_schedule(n, num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
+                                      memory_limit=limit if get_spec(n).cost_aware else None, num_chunks=num_chunks)
+        except ScheduleError:   # e.g. the limit is below what the family needs
+            continue
+    rows = []
+    for k, (n, s) in enumerate(built.items()):
+        res = simulate(fuse_adjacent(s), costs, enforce_memory=False)
+        fits = res.max_peak_memory <= limit * (1 + _REL)
+        rows.append((n, res.makespan if fits else math.inf, res.max_peak_memory, k))
+    rows.sort(key=lambda t: (t[1], t[2], t[3]))
+    if not math.isfinite(rows[0][1]):
+        raise TorchExportError(f"no {placement.value} candidate ({', '.join(names)}) fits the memory limit {limit:g}: "
+                            f"raise the limit")
+    return built[rows[0][0]], [r[:3] for r in rows]

@@ -1,0 +1,67 @@
+"""A fused backward's own cost (``CostModel.t_bw``), the fused/split forms of one order
+(``schedules.fusion``) and the fused-backward V family ``1f1b-v``, with hand-worked numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_zb.schedules import CostModel, Schedule, ScheduleError, simulate
+from megatron_zb.schedules.fusion import fuse_adjacent, fuse_all, split_all
+from megatron_zb.schedules.ir import B, BW, F, W, Op, v_placement
+from megatron_zb.schedules.registry import build_schedule, get_spec
+
+SPLIT = Schedule(1, [0, 1], [[F(0, 0), B(0, 0), W(0, 0)], [F(0, 1), B(0, 1), W(0, 1)]])
+FUSED = Schedule(1, [0, 1], [[F(0, 0), BW(0, 0)], [F(0, 1), BW(0, 1)]])
+
+
+def test_fused_backward_costs_t_bw_by_hand():
+    costs = CostModel(t_f=1.0, t_b=2.0, t_w=1.0, t_bw=2.2)
+    # fused: F(0,0) 0-1, F(0,1) 1-2, BW(0,1) 2-4.2, BW(0,0) 4.2-6.4
+    r = simulate(FUSED, costs)
+    assert r.end[1] == pytest.approx([2.0, 4.2]) and r.end[0] == pytest.approx([1.0, 6.4])
+    # split: B(0,1) 2-4, W(0,1) 4-5; B(0,0) 4-6, W(0,0) 6-7 -- t_bw does not apply to B + W
+    assert simulate(SPLIT, costs).makespan == pytest.approx(7.0)
+    # without t_bw a BW costs t_b + t_w: 2 + 3 + 3
+    assert simulate(FUSED, CostModel(t_f=1.0, t_b=2.0, t_w=1.0)).makespan == pytest.approx(8.0)
+    # an overhead per action: a BW is one action
+    sc = CostModel(t_bw=[2.2, 3.0]).with_action_overhead(0.1, split_backward=False).resolve(2)
+    assert (sc.duration(Op.BW, 0), sc.duration(Op.BW, 1)) == pytest.approx((2.3, 3.1))
+    with pytest.raises(ScheduleError, match=r"t_bw for stage 1 is 0.0; it must be finite and > 0"):
+        CostModel(t_bw=[1.0, 0.0]).resolve(2)
+
+
+def test_fused_and_split_forms_of_one_order():
+    assert fuse_adjacent(SPLIT).ranks == FUSED.ranks
+    # a W that does not directly follow its B stays split
+    late = Schedule(2, [0], [[F(0, 0), F(1, 0), B(0, 0), B(1, 0), W(0, 0), W(1, 0)]])
+    assert fuse_adjacent(late).ranks == late.ranks
+    mixed = Schedule(2, [0], [[F(0, 0), F(1, 0), B(0, 0), B(1, 0), W(1, 0), W(0, 0)]])
+    assert fuse_adjacent(mixed).ranks == [[F(0, 0), F(1, 0), B(0, 0), BW(1, 0), W(0, 0)]]
+    assert fuse_all(late).ranks == [[F(0, 0), F(1, 0), BW(0, 0), BW(1, 0)]]
+    assert split_all(FUSED).ranks == SPLIT.ranks
+    # simulated as PyTorch runs the export (an I directly followed by its W is one B): 6.4, not 7
+    assert simulate(fuse_adjacent(SPLIT), CostModel(t_f=1.0, t_b=2.0, t_w=1.0, t_bw=2.2)).makespan == pytest.approx(6.4)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_1f1b_v_fuses_every_backward_and_beats_1f1b(p):
+    m = 8
+    spec = get_spec("1f1b-v")
+    assert spec.placement.value == "v" and not spec.split_backward
+    # per chunk F = 1, fused BW = 2 (split: B = 1.5, W = 1, i.e. +25%); plain 1F1B's stage = 2 chunks
+    chunk = CostModel(t_f=1.0, t_b=1.5, t_w=1.0, t_bw=2.0)
+    s = build_schedule("1f1b-v", num_ranks=p, num_microbatches=m, costs=chunk)
+    assert s.stage_to_rank == v_placement(p)
+    assert {a.op for _, _, a in s.actions()} == {Op.F, Op.BW}
+    r = simulate(s, chunk)
+    assert r.max_peak_memory <= 2 * p  # 1F1B's peak: p microbatches of 2 chunks
+    # hand: 1F1B on plain stages of 2 chunks takes (m + p - 1)(T_F + T_BW) = (m + p - 1) * 6; each V rank's
+    # work is m * 6, and rank p-1 (the V's turn) waits (p - 1) chunk forwards before its first action and
+    # (p - 1) chunk backwards follow its last: at least m * 6 + (p - 1) * 3, half of 1F1B's bubble
+    one_f_one_b = build_schedule("1f1b", num_ranks=p, num_microbatches=m)
+    assert simulate(one_f_one_b, CostModel(t_f=2.0, t_b=3.0, t_w=2.0, t_bw=4.0)).makespan == pytest.approx((m + p - 1) * 6)
+    bound = m * 6 + (p - 1) * 3
+    assert bound <= r.makespan < (m + p - 1) * 6
+    assert r.makespan == pytest.approx(m * 6 + (p - 1) * 4)  # at 1F1B's peak: two thirds of 1F1B's bubble
+    free = build_schedule("1f1b-v", num_ranks=p, num_microbatches=m, costs=chunk, memory_limit=1e9)
+    assert simulate(free, chunk).makespan == pytest.approx(bound)  # with memory to spare, the bound is reached
