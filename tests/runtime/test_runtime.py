@@ -211,6 +211,14 @@ def test_v_schedules_match_the_unpipelined_model(pp1_reference, schedule, wait_p
     assert got["w_deferred"] > 0
 
 
+def test_fused_v_schedule_matches_the_unpipelined_model(pp1_reference):
+    """``1f1b-v`` (V placement, every backward fused: no W deferred) in megatron-zb's own runtime,
+    as ``pretrain_gpt_zb.py --schedule 1f1b-v`` runs it."""
+    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule="1f1b-v"), world_size=2, timeout=90))
+    _assert_same(pp1_reference, got, what="1f1b-v")
+    assert got["w_deferred"] == 0
+
+
 def test_v_schedule_pp4_and_interleaved_zb(pp1_reference):
     cfg = TinyGPT(pp=4, num_microbatches=8)
     ref = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=1, num_microbatches=8), schedule=None),
