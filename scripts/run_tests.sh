@@ -47,7 +47,7 @@ python -m pytest "${PYTEST_ARGS[@]}" --basetemp "$BASETEMP/$first" "$@" >"$LOGS/
 pids=($!)
 names=("$first")
 if [[ $py312 == run ]]; then
-    bash scripts/test_py312.sh "${PYTEST_ARGS[@]}" --basetemp "$BASETEMP/py312" "$@" >"$LOGS/py312.log" 2>&1 &
+    bash scripts/test_py312.sh --basetemp "$BASETEMP/py312" "$@" >"$LOGS/py312.log" 2>&1 &  # its own pytest options: those above
     pids+=($!)
     names+=(py312)
 fi
