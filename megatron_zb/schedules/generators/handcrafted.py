@@ -25,7 +25,7 @@ from ..costs import CostModel
 from ..ir import Action, Op, Placement, Schedule, make_schedule, plain_placement, v_stages
 from .baselines import check_shape, one_f_one_b_order
 
-__all__ = ["zb_h1", "zb_h2", "zbv_handcrafted_order"]
+__all__ = ["VOrder", "zb_h1", "zb_h2", "zbv_handcrafted_order"]
 
 
 def _split_backward_1f1b(p: int, m: int, warmup: list[int], delay: list[int], name: str) -> Schedule:
@@ -48,6 +48,29 @@ def zb_h2(*, num_ranks: int, num_microbatches: int) -> Schedule:
                                 [2 * r for r in range(p)], "zb-h2")
 
 
+
+class VOrder:
+    """One rank's order on the V placement, written step by step: ``run((op, chunk), ...)`` appends
+    each op for its chunk's next microbatch (``done[op, chunk]`` counts them; chunk ``c`` is stage
+    ``v_stages(p, r)[c]``). With ``limit=n`` a forward past ``n`` microbatches, or a backward without
+    its forward, is skipped instead of written."""
+
+    def __init__(self, num_ranks: int, rank: int, limit: int | None = None) -> None:
+        self.stage = v_stages(num_ranks, rank)
+        self.limit = limit
+        self.done = {(op, c): 0 for op in (Op.F, Op.B, Op.W) for c in (0, 1)}
+        self.acts: list[Action] = []
+
+    def run(self, *steps: tuple[Op, int]) -> None:
+        """Append ``steps`` in order (each: ``(op, chunk)``)."""
+        done = self.done
+        for op, c in steps:
+            if self.limit is not None and ((op is Op.F and done[op, c] >= self.limit)
+                                           or (op is Op.B and done[op, c] >= done[Op.F, c])):
+                continue
+            self.acts.append(Action(op, done[op, c], self.stage[c]))
+            done[op, c] += 1
+
 def zbv_handcrafted_order(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
     """The zero-bubble paper's hand-made ZB-V order (Sec. 6), per rank, on the V placement.
 
@@ -69,15 +92,8 @@ def zbv_handcrafted_order(num_ranks: int, num_microbatches: int) -> list[list[Ac
     n = max(m, 2 * p - 1)
     ranks = []
     for r in range(p):
-        stage = v_stages(p, r)
-        done = {(op, c): 0 for op in (Op.F, Op.B, Op.W) for c in (0, 1)}
-        acts: list[Action] = []
-
-        def run(*steps: tuple[Op, int]) -> None:
-            for op, c in steps:
-                acts.append(Action(op, done[op, c], stage[c]))
-                done[op, c] += 1
-
+        order = VOrder(p, r)
+        run, done, acts = order.run, order.done, order.acts
         f0, f1, b0, b1, w0, w1 = (Op.F, 0), (Op.F, 1), (Op.B, 0), (Op.B, 1), (Op.W, 0), (Op.W, 1)
         run(*[f0] * (2 * (p - r) - 1), *[f1, f0] * r, *[f1, b1, w1] * (p - r))          # 1. warm-up
         while done[f1] < done[f0] or done[f0] < n:                                      # 2. steady state

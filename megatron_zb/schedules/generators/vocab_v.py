@@ -37,10 +37,11 @@ from __future__ import annotations
 
 from ..catalog import register
 from ..costs import CostModel
-from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement, v_stages
+from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement
 from ..limits import fits
 from ..simulator import simulate
 from .common import check_cost_model, check_count
+from .handcrafted import VOrder
 from .vocab import VARIANT_BARRIERS, place_vocab_passes
 from .vshape import check_v_chunks
 
@@ -63,17 +64,8 @@ def zbv_vocab_order(num_ranks: int, num_microbatches: int, extra: int) -> list[l
     n = max(m, 2 * p - 1)
     ranks = []
     for r in range(p):
-        stage = v_stages(p, r)
-        done = {(op, c): 0 for op in (Op.F, Op.B, Op.W) for c in (0, 1)}
-        acts: list[Action] = []
-
-        def run(*steps: tuple[Op, int]) -> None:
-            for op, c in steps:
-                if (op is Op.F and done[op, c] >= n) or (op is Op.B and done[op, c] >= done[Op.F, c]):
-                    continue
-                acts.append(Action(op, done[op, c], stage[c]))
-                done[op, c] += 1
-
+        order = VOrder(p, r, limit=n)
+        run, done, acts = order.run, order.done, order.acts
         f0, f1, b0, b1, w0, w1 = (Op.F, 0), (Op.F, 1), (Op.B, 0), (Op.B, 1), (Op.W, 0), (Op.W, 1)
         run(*[f0] * (2 * (p - r) - 1), *[f1, f0] * (r + extra), *[f1, b1, w1] * (p - r))   # 1. warm-up
         while (done[f1] < done[f0] or done[f0] < n) and done[b0] < n:                      # 2. steady state
