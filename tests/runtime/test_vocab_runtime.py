@@ -190,7 +190,10 @@ TRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--pipeline-model-parallel-size", "2",
          "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
 """A PP=2 run whose padded vocabulary (101 ids -> 128) is the same with and without vocabulary parallelism
-(padding by 64 x TP x PP = 128 and by 64 x TP = 64 both give 128): the same model either way."""
+(padding by 64 x TP x PP = 128 and by 64 x TP = 64 both give 128): the same model either way. Dropout
+off (not Megatron-LM's default): on the V each rank builds other layers, and megatron-core draws each
+rank's dropout masks from its own stream in execution order, so the V's masks are not 1F1B's (as in
+docs/megatron_lm.md's V section); every case uses the same flags, so all compare the same model."""
 
 
 @pytest.mark.parametrize("schedule,tying,world", [("zb-h1-vocab-1", [], 2),
