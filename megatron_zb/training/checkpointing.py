@@ -11,6 +11,8 @@ What one checkpoint holds:
   ``GPTModel.sharded_state_dict()``, built from the *unwrapped* ``GPTModel``. Layer numbers
   in the keys are global (``decoder.layers.{i}``, see :mod:`megatron_zb.model.gpt_chunks`),
   so a checkpoint loads into any placement and pipeline size (plain, V, interleaved);
+* ``vocab`` (``--enable-vocab-parallel``): the vocabulary slices' ``sharded_state_dict``, dim-0 shards of
+  the ``[V_pad, h]`` matrices under the keys a ``GPTModel`` with them uses (docs/vocab_parallel.md);
 * ``optimizer``: ``optimizer.sharded_state_dict(model_sharded_state_dict)`` (Adam moments,
   fp32 main params, loss scaler), keyed by the same global names; with the distributed
   optimizer in Megatron-LM's ``dp_reshardable`` format (per gradient bucket of one (PP, TP)
