@@ -66,8 +66,8 @@ def test_vocab_parallel_checkpoints_and_distributed_optimizer(tmp_path):
       a relative 1e-5 of the flag's run (what tests/runtime/test_vocab_runtime.py allows between the
       two arithmetics; measured: losses equal, grad norm 4.7e-8).
 
-    Measured (one 2-core machine shared with other jobs, load average 8-16): the four runs 16, 6, 11
-    and 4 s, the first with the process start-up.
+    Measured (one 2-core machine shared with other jobs, load average 8-18): the four runs 16, 6, 11
+    and 4 s, the first with the process start-up; 21-48 s for the test.
     """
     from megatron_zb.testing.trainer_run import in_process
 
