@@ -11,7 +11,8 @@ model unchanged:
   the token ids the model was called with); the position embedding and the embedding dropout stay;
 * last stage: the output layer becomes :class:`HiddenOutput` (no parameter) and the chunk's
   ``compute_language_model_loss`` hands the final norm's output ``X`` ``[s, b, h]`` back unchanged,
-  so that the chunk's forward returns ``X`` (the runtime's ``S``/``T`` passes compute the loss).
+  so that the chunk's forward returns ``X`` (the runtime's ``S``/``T`` passes compute the loss);
+* its ``sharded_state_dict`` (checkpoints) holds neither layer: the slices' holds them.
 
 The full-vocabulary weights the chunk was built with are dropped (built first, then freed: a build
 without them is not done yet).
@@ -20,6 +21,7 @@ without them is not done yet).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -68,6 +70,20 @@ def _hidden_as_loss(labels: Any, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _stripped_sharded_state_dict(module: Any, prefix: str = "", sharded_offsets: tuple = (),
+                                 metadata: Any = None) -> dict[str, Any]:
+    """A stripped chunk's megatron-core ``sharded_state_dict``: its ``GPTModel``'s without the vocabulary
+    layers (the slices checkpoint those: ``VocabParallelSlices.sharded_state_dict``). megatron-core's
+    ``LanguageModule`` marks the last stage's ``output_layer.weight``, which :class:`HiddenOutput` does
+    not have: the method runs with ``post_process`` off (nothing else of it reads that flag)."""
+    post = module.post_process
+    module.post_process = False
+    try:
+        return type(module).sharded_state_dict(module, prefix, sharded_offsets, metadata)
+    finally:
+        module.post_process = post
+
+
 def strip_vocab_layers(module: Any) -> None:
     """Make the megatron-core ``GPTModel`` chunk ``module`` vocabulary-parallel (module docstring).
 
@@ -85,4 +101,5 @@ def strip_vocab_layers(module: Any) -> None:
     if module.post_process:
         module.output_layer = HiddenOutput()
         module.compute_language_model_loss = _hidden_as_loss
+    module.sharded_state_dict = functools.partial(_stripped_sharded_state_dict, module)
     module.vocab_parallel_stripped = True

@@ -138,6 +138,29 @@ class VocabParallelSlices(torch.nn.Module):
         """The output layer's weight slice (the word embedding's when tied)."""
         return self.word_embeddings if self.output_weight is None else self.output_weight
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict[str, Any]:
+        """megatron-core dist-checkpointing view of the slices: each a ``ShardedTensor`` of the whole
+        ``[V_pad, h]`` matrix, this rank's rows ``[start, end)`` (dim 0 in ``num_slices`` parts), under
+        megatron-core ``GPTModel``'s keys -- ``embedding.word_embeddings.weight`` (tied: the only one) and
+        ``output_layer.weight`` -- so a checkpoint holds the matrices a run without vocabulary
+        parallelism holds (same padded vocabulary). Replica id: the data-parallel rank (rank 0 writes).
+        ``sharded_offsets`` / ``metadata``: megatron-core's signature; must be empty / are unused."""
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        if sharded_offsets:
+            raise ValueError("VocabParallelSlices.sharded_state_dict: sharded_offsets are not supported")
+        replica = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+        def sharded(key: str, param: torch.nn.Parameter) -> Any:
+            return ShardedTensor.from_rank_offsets(f"{prefix}{key}", param,
+                                                   (0, self.vocab.index, self.vocab.num_slices), replica_id=replica)
+
+        sd = {"word_embeddings": sharded("embedding.word_embeddings.weight", self.word_embeddings)}
+        if self.output_weight is not None:
+            sd["output_weight"] = sharded("output_layer.weight", self.output_weight)
+        return sd
+
 
 class WeightGrad:
     """One microbatch's weight gradient of a slice, deferred: ``compute()`` returns it; calling the

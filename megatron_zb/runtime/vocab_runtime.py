@@ -419,9 +419,9 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
     if dp > 1 and model.ddp is None:
         problems.append(f"data-parallel size {dp}: VocabParallelModel.ddp (the slices in megatron-core DDP) is needed "
                         f"to reduce the slices' gradients")
-    if model.ddp is not None and model.ddp.ddp_config.overlap_grad_reduce:
-        problems.append("VocabParallelModel.ddp must have overlap_grad_reduce=False (no autograd hook reports the "
-                        "slices' gradients)")
+    if model.ddp is not None and (model.ddp.ddp_config.overlap_grad_reduce or model.ddp.ddp_config.overlap_param_gather):
+        problems.append("VocabParallelModel.ddp must have overlap_grad_reduce=False and overlap_param_gather=False "
+                        "(no autograd hook reports the slices' gradients; no forward hook gathers them)")
     if getattr(config, "calculate_per_token_loss", False):
         problems.append("calculate_per_token_loss: finalize_model_grads would divide the chunks' gradients by the "
                         "token count but not the vocabulary slices' (not supported yet)")

@@ -11,6 +11,8 @@ What one checkpoint holds:
   ``GPTModel.sharded_state_dict()``, built from the *unwrapped* ``GPTModel``. Layer numbers
   in the keys are global (``decoder.layers.{i}``, see :mod:`megatron_zb.model.gpt_chunks`),
   so a checkpoint loads into any placement and pipeline size (plain, V, interleaved);
+* ``vocab`` (``--enable-vocab-parallel``): the vocabulary slices' ``sharded_state_dict``, dim-0 shards of
+  the ``[V_pad, h]`` matrices under the keys a ``GPTModel`` with them uses (docs/vocab_parallel.md);
 * ``optimizer``: ``optimizer.sharded_state_dict(model_sharded_state_dict)`` (Adam moments,
   fp32 main params, loss scaler), keyed by the same global names; with the distributed
   optimizer in Megatron-LM's ``dp_reshardable`` format (per gradient bucket of one (PP, TP)
@@ -143,11 +145,14 @@ def _model_key(i: int, n: int) -> str:
 
 
 def _sharded_state_dict(chunks: Sequence[Any], optimizer: Any, *, is_loading: bool,
-                        use_distributed_optimizer: bool) -> dict[str, Any]:
-    """Model chunks' and optimizer's sharded state dicts (``chunks``: unwrapped ``GPTModel`` s)."""
+                        use_distributed_optimizer: bool, vocab: Any = None) -> dict[str, Any]:
+    """Model chunks' (unwrapped ``GPTModel`` s), the vocabulary slices' (``vocab``, under ``vocab``) and
+    the optimizer's sharded state dicts."""
     sd: dict[str, Any] = {}
     for i, module in enumerate(chunks):
         sd[_model_key(i, len(chunks))] = module.sharded_state_dict()
+    if vocab is not None:
+        sd["vocab"] = vocab.sharded_state_dict()
     if optimizer is not None:
         kwargs: dict[str, Any] = {}
         if use_distributed_optimizer:
@@ -316,20 +321,28 @@ def repaired_distributed_adam_load(optimizer: Any) -> Iterator[None]:
     give_each_param_its_step(optimizer, _loaded_group_steps(optimizer))
 
 
-def check_optimizer_format(common: dict[str, Any], *, distributed: bool, layout: Sequence[int], path: str) -> None:
+def check_optimizer_format(common: dict[str, Any], *, distributed: bool, layout: Sequence[int], path: str,
+                           vocab_parallel: bool = False) -> None:
     """Refuse (:class:`CheckpointError`) an optimizer state this run cannot load exactly.
 
     ``common``: the checkpoint's common state dict; ``distributed``: this run's
-    ``--use-distributed-optimizer``; ``layout``: this run's (PP, TP, DP) sizes. The distributed
-    optimizer's state and the other optimizers' are different formats; the distributed one
-    (``dp_reshardable``, Megatron-LM's) follows the gradient buckets of one (PP, TP) layout.
-    Checkpoints that do not record the flag are not checked.
+    ``--use-distributed-optimizer``; ``layout``: this run's (PP, TP, DP) sizes; ``vocab_parallel``: its
+    ``--enable-vocab-parallel``. The distributed optimizer's state and the other optimizers' are
+    different formats; the distributed one (``dp_reshardable``, Megatron-LM's) follows the gradient
+    buckets of one (PP, TP) layout -- and of one ``--enable-vocab-parallel`` (the slices have buffers of
+    their own). Checkpoints that do not record a flag are not checked for it.
     """
     saved = common.get("args", {}).get("use_distributed_optimizer")
     if saved is not None and bool(saved) != distributed:
         was, now = ("with", "without") if saved else ("without", "with")
         raise CheckpointError(f"checkpoint {path} was saved {was} --use-distributed-optimizer and this run is {now} "
                               f"it: the optimizer states differ in format; resume {was} --use-distributed-optimizer")
+    saved_vocab = bool(common.get("args", {}).get("enable_vocab_parallel", False))
+    if distributed and saved and saved_vocab != vocab_parallel:
+        was = "with" if saved_vocab else "without"
+        raise CheckpointError(f"checkpoint {path} holds the distributed optimizer's state of a run {was} "
+                              f"--enable-vocab-parallel: its gradient buckets are not this run's; resume {was} "
+                              f"--enable-vocab-parallel, or save and load without --use-distributed-optimizer")
     saved_layout = tuple(common.get("parallel_layout", ()))[:2]
     if distributed and saved and saved_layout != tuple(layout)[:2]:
         raise CheckpointError(f"checkpoint {path} holds the distributed optimizer's state of (PP, TP) = {saved_layout}; "
@@ -353,10 +366,11 @@ def _train_state(common: dict[str, Any], *, iteration: int, schedule: ScheduleCo
 
 
 def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], optimizer: Any, scheduler: Any,
-                    config: RunConfig) -> str:
+                    config: RunConfig, vocab: Any = None) -> str:
     """Save a checkpoint of ``state.iteration`` under ``root``; collective over all ranks. Returns its directory.
 
-    ``chunks`` are this rank's unwrapped ``GPTModel`` chunks in stage order; ``config``: the run's
+    ``chunks`` are this rank's unwrapped ``GPTModel`` chunks in stage order; ``vocab``: its
+    :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` (``--enable-vocab-parallel``); ``config``: the run's
     (its model's shape, the distributed optimizer, the schedule the profiled costs belong to).
     """
     from megatron.core import dist_checkpointing
@@ -368,13 +382,14 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
     if optimizer is not None:
         materialize_adam_state(optimizer)
     distributed = config.parallel.use_distributed_optimizer
-    sd = _sharded_state_dict(chunks, optimizer, is_loading=False, use_distributed_optimizer=distributed)
+    sd = _sharded_state_dict(chunks, optimizer, is_loading=False, use_distributed_optimizer=distributed, vocab=vocab)
     sd.update({
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
-        "args": {**{k: getattr(config.model, k) for k in SHAPE_ARGS}, "use_distributed_optimizer": distributed},
+        "args": {**{k: getattr(config.model, k) for k in SHAPE_ARGS}, "use_distributed_optimizer": distributed,
+                 "enable_vocab_parallel": vocab is not None},
         "parallel_layout": _layout()[0],
         "rng_state": _rng_sharded_object(collect_rng_state()),
     })
@@ -432,7 +447,7 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, scheduler: Any, config: RunConfig,
-                    load_rng: bool = True) -> LoadedCheckpoint | None:
+                    load_rng: bool = True, vocab: Any = None) -> LoadedCheckpoint | None:
     """Load the checkpoint ``--load`` names into ``chunks`` / ``optimizer`` / ``scheduler``. Collective.
 
     ``config``: the run's (``--ckpt-step``, the LR-schedule flags, the model's shape, the distributed
@@ -458,14 +473,15 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
         raise CheckpointError(f"checkpoint {path} holds a different model: " + "; ".join(diff))
     distributed = config.parallel.use_distributed_optimizer
     if optimizer is not None:
-        check_optimizer_format(common, distributed=distributed, layout=_layout()[0], path=path)
+        check_optimizer_format(common, distributed=distributed, layout=_layout()[0], path=path,
+                               vocab_parallel=vocab is not None)
     scheduler_differences = check_scheduler(common, scheduler, optim=config.optim, path=path)
     if optimizer is not None and distributed:
         # megatron-core's DistributedOptimizer.sharded_state_dict(is_loading=True) reads the step of
         # torch Adam's state, which a fresh optimizer does not have yet (apex/TE FusedAdam need none).
         materialize_adam_state(optimizer)
-    sd = _sharded_state_dict(chunks, optimizer, is_loading=True, use_distributed_optimizer=distributed)
-    mismatched = shape_mismatches({k: v for k, v in sd.items() if k.startswith("model")}, path)
+    sd = _sharded_state_dict(chunks, optimizer, is_loading=True, use_distributed_optimizer=distributed, vocab=vocab)
+    mismatched = shape_mismatches({k: v for k, v in sd.items() if k.startswith("model") or k == "vocab"}, path)
     raise_on_every_rank(f"checkpoint {path} holds another model: {mismatched[0]}"
                          + (f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else "")
                          + "; load it with the model flags it was saved with" if mismatched else None)
@@ -480,6 +496,8 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
         loaded = dist_checkpointing.load(sd, path)
         for i, module in enumerate(chunks):
             module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
+        if vocab is not None:
+            vocab.load_state_dict(loaded["vocab"], strict=True)
     except Exception as e:  # noqa: BLE001 -- reported on every rank as one line below
         error = (f"cannot load checkpoint {path}: {first_line(e)}; "
                  f"{earlier_checkpoint_hint(os.path.dirname(path), iteration)}")

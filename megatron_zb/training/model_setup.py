@@ -113,8 +113,10 @@ def build_model(config: RunConfig, *, stage_to_rank: Sequence[int], dist: Distri
         from megatron_zb.training.wiring import ddp_config
 
         # no autograd hook reports the slices' gradients (the passes add them to main_grad): reduced after
-        # the schedule by the runtime (VocabParallelModel.ddp), not overlapped
-        cfg = dataclasses.replace(ddp_config(parallel, config.precision), overlap_grad_reduce=False)
+        # the schedule by the runtime (VocabParallelModel.ddp), not overlapped; with the distributed optimizer,
+        # reduce-scattered there and all-gathered by the optimizer's step (--overlap-param-gather refused)
+        cfg = dataclasses.replace(ddp_config(parallel, config.precision), overlap_grad_reduce=False,
+                                  overlap_param_gather=False)
         vocab_module = DistributedDataParallel(config=tc, ddp_config=cfg, module=slices.to(dist.device),
                                                disable_bucketing=True)
     n = sum(p.numel() for c in chunks for p in c.module.parameters())

@@ -403,7 +403,8 @@ class Trainer:
         loaded = load_checkpoint(ckpt.load, chunks=self.model.gpt_models,
                                  optimizer=self.optim.optimizer if load_optim else None,
                                  scheduler=self.optim.scheduler if load_optim else None,
-                                 config=self.config, load_rng=not (ckpt.no_load_rng or ckpt.finetune))
+                                 config=self.config, load_rng=not (ckpt.no_load_rng or ckpt.finetune),
+                                 vocab=self.model.vocab_slices)
         if loaded is None:
             print_rank_0(f"WARNING: no checkpoint in {ckpt.load} (no latest_checkpointed_iteration.txt); "
                          f"training from scratch")
@@ -444,11 +445,11 @@ class Trainer:
     def _save(self) -> None:
         t0 = time.perf_counter()
         if self.config.parallel.overlap_param_gather:  # as Megatron: gather the stepped parameters before saving them
-            for m in self.model.modules:
+            for m in self.model.all_modules:
                 m.start_param_sync(force_sync=True)
         path = save_checkpoint(self.config.checkpoint.save, state=self.state, chunks=self.model.gpt_models,
                                optimizer=self.optim.optimizer, scheduler=self.optim.scheduler,
-                               config=self.config)
+                               config=self.config, vocab=self.model.vocab_slices)
         self.last_saved = self.state.iteration
         print_rank_0(f"  successfully saved checkpoint from iteration {self.state.iteration:7d} to {path} "
                      f"({time.perf_counter() - t0:.1f} s)")
