@@ -186,7 +186,7 @@ class VocabPasses:
         self.p, self.rank, self.m = schedule.num_ranks, rank, schedule.num_microbatches
         self.last_stage = schedule.num_stages - 1
         self.is_first, self.is_last = rank == schedule.stage_to_rank[0], rank == schedule.stage_to_rank[-1]
-        self.src_first = schedule.stage_to_rank[0]  # group rank of the first stage (0 on plain and V)
+        self.src_first = schedule.stage_to_rank[0]  # group rank of the first stage (0 on every placement)
         self.src_last = schedule.stage_to_rank[-1]  # group rank of the last stage (0 on the V, else p - 1)
         self.exact = schedule.vocab_barriers == 2   # two barriers: megatron-core's arithmetic, C1 after T
         if len(inputs) != self.m:

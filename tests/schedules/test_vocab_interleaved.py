@@ -120,3 +120,21 @@ def test_planner_pairs_them_with_their_base():
     assert got["interleaved-1f1b-vocab-1"].vocab_base == "interleaved-1f1b"
     assert got["interleaved-zb-vocab-2"].vocab_base == "interleaved-zb" and got["interleaved-zb"].vocab_base is None
     assert got["interleaved-zb-vocab-2"].chunks == 2
+
+
+def test_docs_table_rows():
+    """docs/vocab_parallel_schedules.md's simulated comparison, interleaved rows (p=4, m=16, v=2: chunks of
+    half a plain stage): with the passes, makespan and per-rank peak (stage M_B) as the table states (rank r:
+    interleaved 1F1B's 5.5 - r plus ``extra`` chunks); without them (the embedding on chunk 0, the output
+    layer on chunk 7 of rank 3, as the table's ``zbv`` row) interleaved 1F1B and ZB are over 1.5x longer."""
+    rows = {"interleaved-1f1b-vocab-1": (70.2, [6.5, 5.5, 4.5, 3.5]), "interleaved-1f1b-vocab-2": (70.2, [6, 5, 4, 3]),
+            "interleaved-zb-vocab-1": (67.25, [6, 5.25, 4.5, 3.75]),
+            "interleaved-zb-vocab-2": (67.15, [6, 5.25, 4.5, 3.75])}
+    for name, (makespan, peaks) in rows.items():
+        res = simulate(build_schedule(name, num_ranks=4, num_microbatches=16, costs=DOCS, num_chunks=2), DOCS)
+        assert res.makespan == pytest.approx(makespan) and res.peak_memory == pytest.approx(peaks), name
+    last = CostModel(t_f=[0.7] + [0.5] * 6 + [2.5], t_b=[0.5] * 7 + [2.5], t_w=[0.7] + [0.5] * 7, mem_b=0.5,
+                     mem_w=0.25)
+    for name, makespan in (("interleaved-1f1b", 118.1), ("interleaved-zb", 112.5)):
+        res = simulate(build_schedule(name, num_ranks=4, num_microbatches=16, costs=last, num_chunks=2), last)
+        assert res.makespan == pytest.approx(makespan) and makespan > 1.5 * rows[name + "-vocab-1"][0], name
