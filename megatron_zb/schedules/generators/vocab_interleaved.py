@@ -111,7 +111,8 @@ def _register(variant: int, split_backward: bool) -> None:
 
     @register(f"{base}-vocab-{variant}",
               f"{label} with vocabulary parallelism, Vocab-{variant}: {what}, v chunks per rank (--chunks), "
-              f"up to {VARIANT_BARRIERS[variant]} more warm-up forwards", placement=Placement.INTERLEAVED,
+              f"up to {VARIANT_BARRIERS[variant]} more warm-up forward{'s' * (variant == 1)} per rank",
+              placement=Placement.INTERLEAVED,
               split_backward=split_backward, cost_aware=True, vocab_parallel=True)
     def build(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
               num_chunks: int) -> Schedule:
