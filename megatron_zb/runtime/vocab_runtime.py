@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules import Action, Op, Schedule
-from ..schedules.ir import plain_placement, v_placement
+from ..schedules.ir import interleaved_placement, plain_placement, v_placement
 from .wgrad_store import WeightGradStore
 
 __all__ = ["VocabParallelModel", "VocabPasses", "check_vocab_schedule", "t_weight_stages", "vocab_channels"]
@@ -104,14 +104,14 @@ def vocab_channels(pp_group: Any, *, timeout: float) -> dict[str, Any]:
 
 def check_vocab_schedule(schedule: Schedule) -> None:
     """Refuse (``ValueError``) a vocabulary-parallel schedule the runtime cannot run: a placement other than
-    plain or V (interleaved: not run yet), or a first stage whose ``B``/``BW`` or a last stage whose ``F``
-    leave microbatch order (their broadcasts are matched by order)."""
-    p = schedule.num_ranks
-    if list(schedule.stage_to_rank) not in (plain_placement(p), v_placement(p)):
-        raise ValueError(f"schedule {schedule.name!r}: the runtime runs vocabulary passes on the plain and the V "
-                         f"placement only so far (1f1b-vocab-*, zb-h1-vocab-*, zbv-vocab-*), not on an interleaved "
-                         f"one (stage_to_rank {list(schedule.stage_to_rank)})")
-    last = schedule.num_stages - 1
+    plain, V or interleaved (Megatron's ``v`` chunks per rank), or a first stage whose ``B``/``BW`` or a last
+    stage whose ``F`` leave microbatch order (their broadcasts are matched by order)."""
+    p, n = schedule.num_ranks, schedule.num_stages
+    known = [plain_placement(p), v_placement(p)] + ([interleaved_placement(p, n // p)] if n % p == 0 else [])
+    if list(schedule.stage_to_rank) not in known:
+        raise ValueError(f"schedule {schedule.name!r}: the runtime runs vocabulary passes on the plain, the V and the "
+                         f"interleaved placement only, not on stage_to_rank {list(schedule.stage_to_rank)}")
+    last = n - 1
     for stage, ops in ((0, (Op.B, Op.BW)), (last, (Op.F,))):
         mbs = [a.mb for a in schedule.ranks[schedule.stage_to_rank[stage]] if a.op in ops and a.stage == stage]
         if mbs != sorted(mbs):
@@ -186,8 +186,8 @@ class VocabPasses:
         self.p, self.rank, self.m = schedule.num_ranks, rank, schedule.num_microbatches
         self.last_stage = schedule.num_stages - 1
         self.is_first, self.is_last = rank == schedule.stage_to_rank[0], rank == schedule.stage_to_rank[-1]
-        self.src_first = schedule.stage_to_rank[0]  # group rank of the first stage (0 on plain and V)
-        self.src_last = schedule.stage_to_rank[-1]  # group rank of the last stage (p - 1 plain, 0 on the V)
+        self.src_first = schedule.stage_to_rank[0]  # group rank of the first stage (0 on every placement)
+        self.src_last = schedule.stage_to_rank[-1]  # group rank of the last stage (0 on the V, else p - 1)
         self.exact = schedule.vocab_barriers == 2   # two barriers: megatron-core's arithmetic, C1 after T
         if len(inputs) != self.m:
             raise ValueError(f"vocabulary-parallel inputs: {len(inputs)} micro batches for {self.m} microbatches")

@@ -2,7 +2,8 @@
 this rank under a vocabulary-parallel schedule, with results keyed as :func:`~megatron_zb.testing.tiny_gpt.run_step`
 keys megatron-core's, so the two compare directly (tests/runtime/test_vocab_runtime.py).
 
-The chunks are built as for megatron-core (same seeds, same weights), then
+The chunks are built as for megatron-core (same seeds, same weights) for the schedule's placement
+(plain, V or interleaved with 2 chunks per rank: :func:`~megatron_zb.testing.tiny_gpt.placement_for`), then
 :func:`~megatron_zb.model.vocab_chunks.strip_vocab_layers` hands the word embedding and the output
 layer to :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` over the pipeline group, drawn
 from the same seeds (the slices of the same matrices). The slices' gradients are gathered over the

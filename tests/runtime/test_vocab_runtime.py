@@ -1,5 +1,5 @@
-"""The runtime runs vocabulary-parallel schedules (1f1b-vocab-1/2, zb-h1-vocab-1/2) on real
-megatron-core GPT chunks over real gloo processes: the word embedding and the output layer sliced over
+"""The runtime runs vocabulary-parallel schedules (1f1b-vocab-1/2, zb-h1-vocab-1/2, zbv-vocab-1/2,
+interleaved-1f1b-vocab-1, interleaved-zb-vocab-2) on real megatron-core GPT chunks over real gloo processes: the word embedding and the output layer sliced over
 the pipeline ranks (megatron_zb/model/vocab_parallel.py), their IF/S/T/IB passes and collectives run
 by megatron_zb/runtime/vocab_runtime.py.
 
@@ -44,9 +44,10 @@ def _assert_close(ref: dict, got: dict, *, what: str) -> None:
 
 
 def _deferred(cfg: TinyGPT, schedule: str) -> int:
-    """W entries a run executes: none for 1F1B (fused BW, T's weight gradient in T); for ZB-H1 and ZB-V every
+    """W entries a run executes: none for (interleaved) 1F1B (fused BW, T's weight gradient in T); for ZB-H1,
+    ZB-V and interleaved ZB every
     transformer linear's and each rank's T weight gradient (queued for the rank's W of the microbatch)."""
-    if not schedule.startswith(("zb-h1", "zbv")):
+    if not schedule.startswith(("zb-h1", "zbv", "interleaved-zb")):
         return 0
     return (LINEARS_PER_LAYER * cfg.num_layers + cfg.pp) * cfg.num_microbatches
 
@@ -56,8 +57,11 @@ def pp2_reference() -> dict:
     return TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=None), world_size=2, timeout=90))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b-vocab-1", "1f1b-vocab-2", "zb-h1-vocab-1", "zb-h1-vocab-2"])
+@pytest.mark.parametrize("schedule", ["1f1b-vocab-1", "1f1b-vocab-2", "zb-h1-vocab-1", "zb-h1-vocab-2",
+                                      "interleaved-1f1b-vocab-1", "interleaved-zb-vocab-2"])
 def test_pp2_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule):
+    """The plain placement, and the interleaved one with 2 chunks per rank (the same 8 layers in 4 stages of
+    2: stage 0, the embedding's, is chunk 0 of rank 0, the last stage 3 chunk 1 of rank 1)."""
     cfg = TinyGPT(pp=2)
     got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=2, timeout=90))
     _assert_close(pp2_reference, got, what=schedule)
@@ -150,34 +154,35 @@ def test_pp4_zbv_vocab_matches_megatron_1f1b():
     assert got["w_deferred"] == _deferred(cfg, "zbv-vocab-1")
 
 
-def test_vocabulary_passes_on_an_interleaved_placement_are_refused():
-    """``place_vocab_passes`` takes any placement, the runtime the plain and the V one so far: an interleaved
-    order with the passes placed is refused by name (no process group needed); T's weight gradient goes to
+def test_check_vocab_schedule_takes_plain_v_and_interleaved_placements_only():
+    """The runtime runs the passes on the plain, the V and the interleaved placement; another placement (here
+    two contiguous stages per rank) is refused by name (no process group needed); T's weight gradient goes to
     the rank's first W of the microbatch after T."""
+    import dataclasses
+
     from megatron_zb.runtime.vocab_runtime import check_vocab_schedule, t_weight_stages
-    from megatron_zb.schedules.costs import CostModel
-    from megatron_zb.schedules.generators.vocab import place_vocab_passes
-    from megatron_zb.schedules.ir import Op, make_schedule
+    from megatron_zb.schedules.ir import Op
     from megatron_zb.schedules.registry import build_schedule
 
-    base = build_schedule("interleaved-zb", num_ranks=2, num_microbatches=4, num_chunks=2)
-    assert list(base.stage_to_rank) == [0, 1, 0, 1]
-    ranks = place_vocab_passes([list(r) for r in base.ranks], list(base.stage_to_rank), 4, CostModel(), 1)
-    sched = make_schedule(num_microbatches=4, stage_to_rank=base.stage_to_rank, ranks=ranks, name="ilv-vocab",
-                          vocab_barriers=1)
-    with pytest.raises(ValueError, match="'ilv-vocab': the runtime runs vocabulary passes on the plain and the V "
-                                         "placement only so far"):
-        check_vocab_schedule(sched)
+    ilv = build_schedule("interleaved-zb-vocab-1", num_ranks=2, num_microbatches=4, num_chunks=2)
+    assert list(ilv.stage_to_rank) == [0, 1, 0, 1]
+    check_vocab_schedule(ilv)   # interleaved: accepted
+    check_vocab_schedule(build_schedule("interleaved-1f1b-vocab-2", num_ranks=2, num_microbatches=3, num_chunks=3))
+    other = dataclasses.replace(ilv, stage_to_rank=[0, 0, 1, 1], name="contiguous")
+    with pytest.raises(ValueError, match="'contiguous': the runtime runs vocabulary passes on the plain, the V and "
+                                         "the interleaved placement only"):
+        check_vocab_schedule(other)
     zbv = build_schedule("zbv-vocab-2", num_ranks=2, num_microbatches=4)
     check_vocab_schedule(zbv)   # V: accepted
     check_vocab_schedule(build_schedule("zb-h1-vocab-1", num_ranks=2, num_microbatches=4))  # plain: accepted
-    for r, acts in enumerate(zbv.ranks):
-        pairs = t_weight_stages(acts)
-        assert sorted(pairs) == list(range(4)) and set(pairs.values()) <= {r, 3 - r}
-        for mb, stage in pairs.items():
-            t_at = next(i for i, a in enumerate(acts) if a.op is Op.T and a.mb == mb)
-            w_at = next(i for i, a in enumerate(acts) if a.op is Op.W and a.mb == mb and a.stage == stage)
-            assert w_at > t_at and not any(a.op is Op.W and a.mb == mb for a in acts[t_at:w_at])
+    for sched, stages in ((zbv, lambda r: {r, 3 - r}), (ilv, lambda r: {r, r + 2})):
+        for r, acts in enumerate(sched.ranks):
+            pairs = t_weight_stages(acts)
+            assert sorted(pairs) == list(range(4)) and set(pairs.values()) <= stages(r)
+            for mb, stage in pairs.items():
+                t_at = next(i for i, a in enumerate(acts) if a.op is Op.T and a.mb == mb)
+                w_at = next(i for i, a in enumerate(acts) if a.op is Op.W and a.mb == mb and a.stage == stage)
+                assert w_at > t_at and not any(a.op is Op.W and a.mb == mb for a in acts[t_at:w_at])
 
 
 # ---------------------------------------------------------------------------- pretrain_gpt_zb.py
@@ -196,22 +201,48 @@ rank's dropout masks from its own stream in execution order, so the V's masks ar
 docs/megatron_lm.md's V section); every case uses the same flags, so all compare the same model."""
 
 
-@pytest.mark.parametrize("schedule,tying,world", [("zb-h1-vocab-1", [], 2),
-                                                  ("1f1b-vocab-2", ["--untie-embeddings-and-output-weights"], 2),
-                                                  ("zb-h1-vocab-2", [], 4),
-                                                  ("zbv-vocab-1", [], 2),
-                                                  ("zbv-vocab-2", ["--untie-embeddings-and-output-weights"], 2)],
+@pytest.fixture(scope="module")
+def megatron_core_run(tmp_path_factory):
+    """``--use-megatron-core-schedule`` on ``TRAIN`` plus the tying flags, in ``world`` ranks: run once per
+    (world, tying) in this module, shared by the cases that compare with it."""
+    from megatron_zb.testing.trainer_run import in_process
+
+    runs: dict[tuple[int, tuple[str, ...]], dict] = {}
+
+    def get(world: int, tying: list[str]) -> dict:
+        key = (world, tuple(tying))
+        if key not in runs:
+            runs[key] = in_process(tmp_path_factory.mktemp("ref"), "ref", world,
+                                   TRAIN + tying + ["--use-megatron-core-schedule"])
+        return runs[key]
+    return get
+
+
+CHUNKS = ["--num-layers-per-virtual-pipeline-stage", "1"]
+"""Megatron-LM's interleaving flag: 4 layers over PP=2 in chunks of 1 layer, 2 chunks per rank."""
+
+
+@pytest.mark.parametrize("schedule,tying,world,own", [("zb-h1-vocab-1", [], 2, []),
+                                                      ("1f1b-vocab-2", ["--untie-embeddings-and-output-weights"], 2, []),
+                                                      ("zb-h1-vocab-2", [], 4, []),
+                                                      ("zbv-vocab-1", [], 2, []),
+                                                      ("zbv-vocab-2", ["--untie-embeddings-and-output-weights"], 2, []),
+                                                      ("interleaved-zb-vocab-1", [], 2, CHUNKS)],
                          ids=["tied-zb-h1-vocab-1", "untied-1f1b-vocab-2", "dp2-tied-zb-h1-vocab-2", "tied-zbv-vocab-1",
-                              "untied-zbv-vocab-2"])
-def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, schedule, tying, world):
+                              "untied-zbv-vocab-2", "tied-interleaved-zb-vocab-1"])
+def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, megatron_core_run, schedule, tying, world,
+                                                                   own):
     """``pretrain_gpt_zb.py --enable-vocab-parallel --schedule ...`` (Adam, clipping, LR schedule:
     6 iterations, evaluation after iterations 3 and 6 and on the test set) against megatron-core's own 1F1B
     on the same model: the logged loss and grad norm of every iteration and every validation / test loss
-    within a relative 1e-5 (measured worst: 5e-8, 1.5e-6 and 5e-8; not bitwise, see the module docstring)."""
+    within a relative 1e-5 (measured worst: 5e-8, 1.5e-6 and 5e-8; not bitwise, see the module docstring).
+    ``own``: flags of the vocabulary-parallel run only (the interleaved placement's chunks)."""
     from megatron_zb.testing.trainer_run import in_process
 
-    ref = in_process(tmp_path, "ref", world, TRAIN + tying + ["--use-megatron-core-schedule"])
-    got = in_process(tmp_path, "vocab", world, TRAIN + tying + ["--schedule", schedule, "--enable-vocab-parallel"])
+    ref = megatron_core_run(world, tying)
+    got = in_process(tmp_path, "vocab", world, TRAIN + tying + own + ["--schedule", schedule, "--enable-vocab-parallel"])
+    if own:  # the interleaved placement: chunks 0 and 1 of rank r are stages r and r + 2
+        assert "pipeline rank 0, stages [0, 2])" in got["log"] and "pipeline rank 1, stages [1, 3])" in got["log"]
     tied = ", tied" if not tying else ""
     assert f"> vocabulary parallelism: 2 slices of 64 rows (padded vocabulary 128){tied}\n" in got["log"]
     assert f"> vocabulary parallelism: no profiling window, schedule '{schedule}' kept as built" in got["log"]

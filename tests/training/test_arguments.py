@@ -164,6 +164,29 @@ def test_schedule_flag_and_interleaved_chunks():
     assert b.schedule == "zb-2p"
 
 
+def test_num_layers_per_virtual_pipeline_stage_as_megatron_lm_reads_it():
+    """Megatron-LM's flag: 8 layers / PP 2 / 2 layers per chunk = 2 chunks per rank (with an
+    ``--account-for-*`` flag one more layer counts: 10 / 2 / 1 = 5); refused with the other chunk flag, when
+    the layers do not divide, and on a schedule of one placement that does not match."""
+    pp = "--pipeline-model-parallel-size 2 --schedule interleaved-zb"
+    a = resolve(f"{pp} --num-layers-per-virtual-pipeline-stage 2", world_size=2)
+    assert (a.num_model_chunks, a.virtual_pipeline_model_parallel_size, a.num_layers_per_stage) == (2, 2, [2] * 4)
+    a = resolve(f"{pp} --num-layers 9 --account-for-embedding-in-pipeline-split "
+                "--num-layers-per-virtual-pipeline-stage 1", world_size=2)
+    assert a.num_model_chunks == 5
+    for extra, msg in (("--num-layers-per-virtual-pipeline-stage 2 --num-virtual-stages-per-pipeline-rank 2",
+                        "give it or --num-virtual-stages-per-pipeline-rank, not both"),
+                       ("--num-layers-per-virtual-pipeline-stage 3", "8 layers over --pipeline-model-parallel-size 2 "
+                                                                     "do not split into chunks of 3 layers"),
+                       ("--num-layers-per-virtual-pipeline-stage 4",
+                        "interleaved schedule .interleaved-zb. needs >= 2 chunks per rank, got 1")):
+        with pytest.raises(ArgumentError, match=f"--num-layers-per-virtual-pipeline-stage: {msg}"):
+            resolve(f"{pp} {extra}", world_size=2)
+    with pytest.raises(ArgumentError, match="--num-layers-per-virtual-pipeline-stage: schedule 'zb-h1' uses 1 model"):
+        resolve("--pipeline-model-parallel-size 2 --schedule zb-h1 --num-layers-per-virtual-pipeline-stage 2",
+                world_size=2)
+
+
 def test_padding_splits_first_and_last_stage():
     a = resolve("--num-layers 10 --pipeline-model-parallel-size 4 --allow-padding-num-layers", world_size=4)
     assert a.num_layers_per_stage == [2, 3, 3, 2]

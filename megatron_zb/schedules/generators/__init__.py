@@ -15,6 +15,7 @@ module              schedules
 ``exact``           ``zb-optimal``, ``zbv-optimal`` (CP-SAT; OR-Tools imported on use)
 ``vocab``           ``1f1b-vocab-1``, ``1f1b-vocab-2``, ``zb-h1-vocab-1``, ``zb-h1-vocab-2``
 ``vocab_v``         ``zbv-vocab-1``, ``zbv-vocab-2`` (the V placement, hand-made order)
+``vocab_interl..``  ``interleaved-1f1b-vocab-1/2``, ``interleaved-zb-vocab-1/2`` (``vocab_interleaved``)
 ==================  =====================================================================
 """
 
@@ -27,3 +28,4 @@ from . import interleaved_zb  # noqa: F401
 from . import exact  # noqa: F401
 from . import vocab  # noqa: F401
 from . import vocab_v  # noqa: F401
+from . import vocab_interleaved  # noqa: F401

@@ -7,7 +7,8 @@ from ..costs import CostModel
 from ..ir import BW, B, F, W, Action, Placement, Schedule, ScheduleError, interleaved_placement, make_schedule, plain_placement
 from ..simulator import deadlocks
 
-__all__ = ["check_shape", "interleaved_1f1b", "interleaved_order", "one_f_one_b", "one_f_one_b_order"]
+__all__ = ["check_shape", "interleaved_1f1b", "interleaved_1f1b_order", "interleaved_order",
+           "interleaved_warmup_extra", "one_f_one_b", "one_f_one_b_order"]
 
 
 def check_shape(num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> None:
@@ -80,41 +81,56 @@ def interleaved_order(num_ranks: int, num_microbatches: int, num_chunks: int) ->
     return order
 
 
+def interleaved_1f1b_order(num_ranks: int, num_microbatches: int, num_chunks: int, extra: int = 0
+                           ) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B order, per rank, with ``extra`` more warm-up forwards on every rank
+    (``0``: Megatron's count ``min(2*(p-1-r) + (v-1)*p, m*v)``; all of them when ``m == p``); fused
+    ``BW``. The one rule behind :func:`interleaved_1f1b` and the interleaved vocabulary-parallel
+    schedules (:mod:`.vocab_interleaved`), which keep more microbatches in flight."""
+    p, m, v = num_ranks, num_microbatches, num_chunks
+    fwd = interleaved_order(p, m, v)
+    bwd = [(v - 1 - c, i) for c, i in fwd]
+    total = m * v
+    ranks: list[list[Action]] = []
+    for r in range(p):
+        warmup = total if m == p else min(2 * (p - 1 - r) + (v - 1) * p + extra, total)
+        acts = [F(i, c * p + r) for c, i in fwd[:warmup]]  # 1. warm-up
+        for k in range(total - warmup):                     # 2. steady state
+            c, i = fwd[warmup + k]
+            cb, ib = bwd[k]
+            acts += [F(i, c * p + r), BW(ib, cb * p + r)]
+        acts += [BW(i, c * p + r) for c, i in bwd[total - warmup:]]  # 3. cool-down
+        ranks.append(acts)
+    return ranks
+
+
 def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 2) -> Schedule:
     """Megatron's interleaved (virtual pipeline) 1F1B with ``v`` chunks per rank.
 
     Stage ``s = c*p + r`` (chunk ``c`` of rank ``r``). Rank ``r`` runs
     ``min(2*(p-1-r) + (v-1)*p, m*v)`` warm-up forwards (Megatron's count; all of them when
-    ``m == p``), then alternates one forward and one backward, then drains. Any ``m >= 1``
-    works; the last microbatch group may have fewer than ``p`` microbatches.
+    ``m == p``), then alternates one forward and one backward, then drains
+    (:func:`interleaved_1f1b_order`). Any ``m >= 1`` works; the last microbatch group may have
+    fewer than ``p`` microbatches.
     """
     check_shape(num_ranks, num_microbatches, num_chunks)
     p, m, v = num_ranks, num_microbatches, num_chunks
-    fwd = interleaved_order(p, m, v)
-    bwd = [(v - 1 - c, i) for c, i in fwd]
-    total = m * v
+    return make_schedule(num_microbatches=m, stage_to_rank=interleaved_placement(p, v),
+                         ranks=interleaved_1f1b_order(p, m, v, interleaved_warmup_extra(p, m, v)),
+                         name="interleaved-1f1b", num_chunks=v)
 
-    def build(extra: int) -> Schedule:
-        ranks: list[list[Action]] = []
-        for r in range(p):
-            warmup = total if m == p else min(2 * (p - 1 - r) + (v - 1) * p + extra, total)
-            acts = [F(i, c * p + r) for c, i in fwd[:warmup]]  # 1. warm-up
-            for k in range(total - warmup):                     # 2. steady state
-                c, i = fwd[warmup + k]
-                cb, ib = bwd[k]
-                acts += [F(i, c * p + r), BW(ib, cb * p + r)]
-            acts += [BW(i, c * p + r) for c, i in bwd[total - warmup:]]  # 3. cool-down
-            ranks.append(acts)
-        return make_schedule(num_microbatches=m, stage_to_rank=interleaved_placement(p, v), ranks=ranks,
-                             name="interleaved-1f1b", num_chunks=v)
 
-    # Megatron's warm-up count assumes full groups of p microbatches. When the last group is
-    # shorter (m % p != 0), the same count can deadlock; add the fewest extra warm-up forwards
-    # (the same on every rank) that make the order complete.
-    for extra in range(0, total + 1):
-        sched = build(extra)
-        if m % p == 0 or not deadlocks(sched):
-            return sched
+def interleaved_warmup_extra(num_ranks: int, num_microbatches: int, num_chunks: int) -> int:
+    """The fewest extra warm-up forwards (the same on every rank) with which
+    :func:`interleaved_1f1b_order` completes: 0 when ``m % p == 0``. Megatron's warm-up count assumes
+    full groups of ``p`` microbatches; when the last group is shorter the same count can deadlock."""
+    p, m, v = num_ranks, num_microbatches, num_chunks
+    if m % p == 0:
+        return 0
+    s2r = interleaved_placement(p, v)
+    for extra in range(0, m * v + 1):
+        if not deadlocks(Schedule(m, s2r, interleaved_1f1b_order(p, m, v, extra), "interleaved-1f1b")):
+            return extra
     raise AssertionError("unreachable: with every forward in warm-up the order cannot deadlock")
 
 

@@ -35,6 +35,8 @@ not run. With ``memory_limit`` only the ``extra`` whose peak fits are tried.
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 from ..catalog import register
 from ..costs import CostModel
 from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement
@@ -45,7 +47,7 @@ from .handcrafted import VOrder
 from .vocab import VARIANT_BARRIERS, place_vocab_passes
 from .vshape import check_v_chunks
 
-__all__ = ["EXTRA_GAIN", "vocab_zbv", "zbv_vocab_order"]
+__all__ = ["EXTRA_GAIN", "fewest_extra_warmup", "vocab_zbv", "zbv_vocab_order"]
 
 EXTRA_GAIN = 0.01
 """A larger warm-up (one more microbatch in flight per rank) is kept only if its simulated makespan is
@@ -96,22 +98,46 @@ def vocab_zbv(*, num_ranks: int, num_microbatches: int, variant: int = 1, costs:
         raise ScheduleError(f"vocabulary-parallel variant must be 1 (Vocab-1) or 2 (Vocab-2), got {variant!r}")
     costs = check_cost_model(costs or CostModel())
     vb, s2r, name = VARIANT_BARRIERS[variant], v_placement(p), f"zbv-vocab-{variant}"
-    fits_limit: list[tuple[float, int, list[list[Action]]]] = []   # (makespan, extra, ranks)
-    least = float("inf")
-    for extra in range(vb + 1):
-        ranks = place_vocab_passes(zbv_vocab_order(p, m, extra), s2r, m, costs, vb)
-        res = simulate(make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name,
-                                     vocab_barriers=vb), costs, enforce_memory=False)
-        least = min(least, res.max_peak_memory)
-        if memory_limit is None or fits(res.max_peak_memory, memory_limit):
-            fits_limit.append((res.makespan, extra, ranks))
-    if not fits_limit:
-        raise ScheduleError(f"memory_limit {memory_limit:g} is below the least peak of {name} ({least:g}, the "
-                            f"hand-made ZB-V warm-up) for p={p}, m={m}")
-    fastest = min(t for t, _, _ in fits_limit)
-    makespan, extra, ranks = min((c for c in fits_limit if c[0] <= fastest * (1 + EXTRA_GAIN)), key=lambda c: c[1])
+    makespan, extra, ranks = fewest_extra_warmup(lambda extra: [zbv_vocab_order(p, m, extra)], range(vb + 1),
+                                                 stage_to_rank=s2r, num_microbatches=m, costs=costs, barriers=vb,
+                                                 name=name, memory_limit=memory_limit,
+                                                 least_is="the hand-made ZB-V warm-up")
     return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name, vocab_barriers=vb,
                          variant=variant, extra_warmup=extra, makespan=makespan)
+
+
+def fewest_extra_warmup(bases: Callable[[int], list[list[list[Action]]]], extras: Iterable[int], *,
+                        stage_to_rank: list[int], num_microbatches: int, costs: CostModel, barriers: int, name: str,
+                        memory_limit: float | None, least_is: str) -> tuple[float, int, list[list[Action]]]:
+    """The module docstring's rule, for any placement: for each ``extra`` of ``extras`` (more warm-up in
+    flight), the base orders ``bases(extra)`` with the vocabulary passes placed
+    (:func:`~.vocab.place_vocab_passes`), each simulated; per ``extra`` the fastest that fits
+    ``memory_limit`` (least peak on a tie); then the smallest ``extra`` whose makespan is within
+    :data:`EXTRA_GAIN` of the fastest one's. Returns ``(makespan, extra, ranks)`` (makespan in ``costs``'
+    time unit).
+
+    Raises:
+        ScheduleError: no candidate fits ``memory_limit`` (naming the least peak, ``least_is``).
+    """
+    m, s2r = num_microbatches, stage_to_rank
+    best: dict[int, tuple[tuple[float, float], float, list[list[Action]]]] = {}  # extra -> (score, makespan, ranks)
+    least = float("inf")
+    for extra in extras:
+        for base in bases(extra):
+            ranks = place_vocab_passes(base, s2r, m, costs, barriers)
+            res = simulate(make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name,
+                                         vocab_barriers=barriers), costs, enforce_memory=False)
+            least = min(least, res.max_peak_memory)
+            score = (round(res.makespan, 9), round(res.max_peak_memory, 9))
+            if (memory_limit is None or fits(res.max_peak_memory, memory_limit)) and (
+                    extra not in best or score < best[extra][0]):
+                best[extra] = (score, res.makespan, ranks)
+    if not best:
+        raise ScheduleError(f"memory_limit {memory_limit:g} is below the least peak of {name} ({least:g}, "
+                            f"{least_is}) for p={len(set(s2r))}, m={m}")
+    fastest = min(t for _, t, _ in best.values())
+    extra = min(e for e, (_, t, _) in best.items() if t <= fastest * (1 + EXTRA_GAIN))
+    return best[extra][1], extra, best[extra][2]
 
 
 # ---------------------------------------------------------------------------- registration

@@ -21,6 +21,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="Model chunks per pipeline rank for interleaved schedules (--schedule "
                         "interleaved-1f1b / interleaved-zb). Default 2 for those; V schedules always use 2.")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="Megatron-LM's other way to ask for model chunks: layers per chunk; chunks per rank = "
+                        "num-layers / PP / this (not with --num-virtual-stages-per-pipeline-rank or the uneven "
+                        "first/last stage flags).")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism; at --tensor-model-parallel-size 1 it is turned off with a "
                         "log line (as Megatron-LM).")

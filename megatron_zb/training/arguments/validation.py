@@ -48,7 +48,7 @@ POSITIVE: tuple[str, ...] = (
     "train_samples", "lr_decay_iters", "lr_decay_samples",
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "global_batch_size", "ffn_hidden_size",
     "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "num_virtual_stages_per_pipeline_rank",
-    "log_interval", "eval_interval", "save_interval", "distributed_timeout_minutes", "ckpt_step",
+    "num_layers_per_virtual_pipeline_stage", "log_interval", "eval_interval", "save_interval", "distributed_timeout_minutes", "ckpt_step",
     "context_parallel_size")
 """Integer flags that must be >= 1 when given."""
 NON_NEGATIVE: tuple[str, ...] = ("eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers")

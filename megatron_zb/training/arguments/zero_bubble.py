@@ -27,6 +27,7 @@ __all__ = [
     "initial_schedule",
     "resolve_schedule",
     "select_schedule",
+    "virtual_chunks_flag",
 ]
 
 V_MEM_SETUP_TO_SCHEDULE: dict[str, str] = {"zb": "zbv", "half": "v-half", "min": "v-min"}
@@ -148,18 +149,16 @@ def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
         raise ArgumentError(selected_by, f"the V schedule {name!r} needs --pipeline-model-parallel-size > 1 "
                                          f"(it places two model chunks per pipeline rank); raise PP or use "
                                          f"--enable-zero-bubble")
-    chunks_flag = args.num_virtual_stages_per_pipeline_rank
+    chunks_flag, chunks_by = virtual_chunks_flag(args)
     if spec.placement == Placement.INTERLEAVED:
         chunks = chunks_flag if chunks_flag is not None else 2
         if chunks < 2:
-            raise ArgumentError("--num-virtual-stages-per-pipeline-rank",
-                                f"interleaved schedule {name!r} needs >= 2 chunks per rank, got {chunks}")
+            raise ArgumentError(chunks_by, f"interleaved schedule {name!r} needs >= 2 chunks per rank, got {chunks}")
     else:
         chunks = spec.chunks_per_rank(2)
         if chunks_flag is not None and chunks_flag != chunks:
-            raise ArgumentError("--num-virtual-stages-per-pipeline-rank",
-                                f"schedule {name!r} uses {chunks} model chunk(s) per rank ({spec.placement} "
-                                f"placement); drop the flag or choose an interleaved schedule")
+            raise ArgumentError(chunks_by, f"schedule {name!r} uses {chunks} model chunk(s) per rank ({spec.placement} "
+                                           f"placement); drop the flag or choose an interleaved schedule")
     args.schedule = name
     args.schedule_selected_by = selected_by
     args.schedule_placement = spec.placement
@@ -169,6 +168,29 @@ def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
     args.virtual_pipeline_model_parallel_size = chunks if chunks > 1 else None
     args.num_pipeline_stages = pp * chunks
     return spec
+
+
+def virtual_chunks_flag(args: argparse.Namespace) -> tuple[int | None, str]:
+    """Model chunks per rank the interleaving flags ask for (``None``: neither given) and the flag that
+    asked: ``--num-virtual-stages-per-pipeline-rank``, or Megatron-LM's ``--num-layers-per-virtual-pipeline-stage
+    N`` as Megatron-LM reads it (``num_layers / PP / N``, each ``--account-for-*-in-pipeline-split`` adding
+    one layer; not with the other flag nor the uneven first/last stage flags; every division exact)."""
+    per_chunk, flag = args.num_layers_per_virtual_pipeline_stage, "--num-layers-per-virtual-pipeline-stage"
+    if per_chunk is None:
+        return args.num_virtual_stages_per_pipeline_rank, "--num-virtual-stages-per-pipeline-rank"
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        raise ArgumentError(flag, "give it or --num-virtual-stages-per-pipeline-rank, not both (as Megatron-LM)")
+    if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
+        raise ArgumentError(flag, "with --decoder-first/last-pipeline-num-layers use "
+                                  "--num-virtual-stages-per-pipeline-rank instead (as Megatron-LM)")
+    pp = args.pipeline_model_parallel_size
+    layers = args.num_layers + int(args.account_for_embedding_in_pipeline_split) + int(
+        args.account_for_loss_in_pipeline_split)
+    if layers % pp or (layers // pp) % per_chunk:
+        raise ArgumentError(flag, f"{layers} layers over --pipeline-model-parallel-size {pp} do not split into "
+                                  f"chunks of {per_chunk} layers; choose a divisor of {layers // pp} "
+                                  f"(layers per pipeline rank) or --num-virtual-stages-per-pipeline-rank")
+    return layers // pp // per_chunk, flag
 
 
 def check_layers(args: argparse.Namespace) -> None:
