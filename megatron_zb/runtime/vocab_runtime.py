@@ -109,8 +109,8 @@ def check_vocab_schedule(schedule: Schedule) -> None:
     p = schedule.num_ranks
     if list(schedule.stage_to_rank) not in (plain_placement(p), v_placement(p)):
         raise ValueError(f"schedule {schedule.name!r}: the runtime runs vocabulary passes on the plain and the V "
-                         f"placement only so far (1f1b-vocab-*, zb-h1-vocab-*, zbv-vocab-*), not on an interleaved "
-                         f"one (stage_to_rank {list(schedule.stage_to_rank)})")
+                         f"placement only so far (1f1b-, zb-h1-, zb-, zb-1p-, zb-2p-, zbv-, v-half-, v-min-vocab-*), "
+                         f"not on an interleaved one (stage_to_rank {list(schedule.stage_to_rank)})")
     last = schedule.num_stages - 1
     for stage, ops in ((0, (Op.B, Op.BW)), (last, (Op.F,))):
         mbs = [a.mb for a in schedule.ranks[schedule.stage_to_rank[stage]] if a.op in ops and a.stage == stage]

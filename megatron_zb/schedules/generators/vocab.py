@@ -25,6 +25,10 @@ microbatch order per kind, whenever one is ready no later than its next base act
 pass first on a tie). ``IF(i)`` becomes eligible once the first stage has started ``F(i - 2)``,
 so the embedding's all-reduce is two microbatches ahead of its use without running all of them
 at the start.
+
+Shared with the other vocabulary generators (:mod:`.vocab_v`, :mod:`.vocab_family`): :func:`deepen`
+(an order with ``extra`` more microbatches in flight per stage) and :func:`least_extra` (the one rule
+choosing ``extra``).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ last stage's ``F(i)`` and its ``B(i)`` rank 0 runs ``extra`` more microbatches' 
 period (every rank's ``F0, B0, W0, F1, B1, W1`` and its passes) is longer than a barrier's delay
 (broadcast, ``S``, ``C1``, for Vocab-1 ``T`` and ``C2``, each pass waiting at most one action), so
 ``extra = 1`` suffices for both variants under those costs. The generator tries ``extra = 0 ..
-barriers`` (:func:`~.vocab.least_extra`: :func:`~.vocab.place_vocab_passes` inserting the passes under the given costs) and keeps
-the smallest ``extra`` whose simulated makespan is within :data:`~.vocab.EXTRA_GAIN` of the best one's
+barriers`` (:func:`~.vocab.least_extra`, the rule :mod:`.vocab_family` uses too:
+:func:`~.vocab.place_vocab_passes` inserting the passes under the given costs) and keeps the smallest
+``extra`` whose simulated makespan is within :data:`~.vocab.EXTRA_GAIN` of the best one's
 (``meta['extra_warmup']``): one more microbatch of memory only for a real gain.
 
 **Peak activation memory per rank** (any ``M_W <= M_B``, any ``m``; tested): at most ``2(p + extra)``
