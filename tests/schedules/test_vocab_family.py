@@ -40,6 +40,8 @@ def test_registered_and_paired_with_their_family():
         spec = get_spec(name)
         assert spec.vocab_parallel and spec.split_backward and spec.placement is BASES[base], name
         assert name in vocab_schedule_names() and base_family(name) == base   # the planner's pairing
+    zb, zb_1p = (build_schedule(n, num_ranks=4, num_microbatches=8, costs=PLAIN) for n in ("zb-vocab-1", "zb-1p-vocab-1"))
+    assert zb.ranks == zb_1p.ranks                           # zb-1p is zb at zb's default limit (p M_B)
 
 
 def test_deepen_by_hand():
