@@ -68,7 +68,9 @@ def test_schedules_package_has_no_import_cycle():
 def test_registration_order_is_the_documented_list_order():
     assert schedule_names() == ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb", "zb-1p", "zb-2p", "zbv", "v-half",
                                 "v-min", "1f1b-v", "interleaved-zb", "zb-optimal", "zbv-optimal", "1f1b-vocab-1",
-                                "1f1b-vocab-2", "zb-h1-vocab-1", "zb-h1-vocab-2", "zbv-vocab-1", "zbv-vocab-2"]
+                                "1f1b-vocab-2", "zb-h1-vocab-1", "zb-h1-vocab-2", "zbv-vocab-1", "zbv-vocab-2",
+                                "zb-vocab-1", "zb-vocab-2", "zb-1p-vocab-1", "zb-1p-vocab-2", "zb-2p-vocab-1",
+                                "zb-2p-vocab-2", "v-half-vocab-1", "v-half-vocab-2", "v-min-vocab-1", "v-min-vocab-2"]
 
 
 def test_every_builder_takes_the_same_keyword_arguments():
