@@ -13,13 +13,13 @@ pipeline group and returned under megatron-core's names (``embedding.word_embedd
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from .tiny_gpt import TinyGPT, build, forward_step
 
-__all__ = ["run_vocab_step"]
+__all__ = ["run_vocab_step", "run_vocab_steps"]
 
 
 def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, tied: bool = False,
@@ -83,6 +83,19 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
         grads[name] = torch.cat(parts)
     return {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": fb.store.executed // iterations,
             "peak_bytes": None, "params": {}}
+
+
+def run_vocab_steps(cfg: TinyGPT, *, schedules: Sequence[str], **options: Any) -> dict[str, dict[str, Any]]:
+    """:func:`run_vocab_step` for each of ``schedules`` in turn in the same processes (megatron-core's
+    parallel state torn down after each: the next one builds the same weights again), to start the
+    processes once for several schedules; results by schedule name."""
+    from megatron.core import parallel_state
+
+    out = {}
+    for name in schedules:
+        out[name] = run_vocab_step(cfg, schedule=name, **options)
+        parallel_state.destroy_model_parallel()
+    return out
 
 
 def _slices_ddp(slices: Any, config: Any) -> Any:

@@ -136,3 +136,17 @@ def test_cli_prints_the_pairs_and_refuses_tensor_parallelism(capsys):
     assert "--enable-vocab-parallel: planned with --tensor-model-parallel-size 1 only" in capsys.readouterr().err
     with pytest.raises(PlanError):
         vocab_pass_costs(small()[0], make_parallel(small()[0], pp=2, tp=2, num_microbatches=4), HW, variant=1)
+
+
+def test_the_searched_families_are_planned_beside_their_family():
+    """zb-2p-vocab-1 and v-half-vocab-2 (schedules/generators/vocab_family.py) are planned and paired by name
+    (4 layers: the V's 4 stages need one each)."""
+    model = make_model(num_layers=4, hidden_size=H, num_attention_heads=4, seq_length=T, micro_batch_size=1,
+                       vocab_size=1000, precision="fp32", untie_embeddings_and_output_weights=True)
+    par = make_parallel(model, pp=2, num_microbatches=8)
+    res = plan(model=model, parallel=par, hardware=HW, schedules=["zb-2p", "zb-2p-vocab-1", "v-half", "v-half-vocab-2"],
+               enable_vocab_parallel=True)
+    got = {f.name: f for f in res.families}
+    for name, base in (("zb-2p-vocab-1", "zb-2p"), ("v-half-vocab-2", "v-half")):
+        assert got[name].status == "ok" and got[base].status == "ok", (got[name].reason, got[base].reason)
+        assert got[name].vocab_base == base

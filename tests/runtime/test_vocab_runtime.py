@@ -22,7 +22,7 @@ import torch
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.testing import run_distributed
 from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
-from megatron_zb.testing.vocab_gpt import run_vocab_step
+from megatron_zb.testing.vocab_gpt import run_vocab_step, run_vocab_steps
 
 # megatron-core's import-time notices (the argument tests import it into this process).
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -44,10 +44,10 @@ def _assert_close(ref: dict, got: dict, *, what: str) -> None:
 
 
 def _deferred(cfg: TinyGPT, schedule: str) -> int:
-    """W entries a run executes: none for (interleaved) 1F1B (fused BW, T's weight gradient in T); for ZB-H1,
-    ZB-V and interleaved ZB every
-    transformer linear's and each rank's T weight gradient (queued for the rank's W of the microbatch)."""
-    if not schedule.startswith(("zb-h1", "zbv", "interleaved-zb")):
+    """W entries a run executes: none for (interleaved) 1F1B (fused BW, T's weight gradient in T); for the
+    split-backward schedules every transformer linear's and each rank's T weight gradient (queued for the
+    rank's W of the microbatch)."""
+    if schedule.startswith(("1f1b", "interleaved-1f1b")):
         return 0
     return (LINEARS_PER_LAYER * cfg.num_layers + cfg.pp) * cfg.num_microbatches
 
@@ -143,6 +143,21 @@ def test_pp2_zbv_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule):
     got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=2, timeout=90))
     _assert_close(pp2_reference, got, what=schedule)
     assert got["w_deferred"] == _deferred(cfg, schedule), "T's weight gradient runs in the rank's W (ZB-V)"
+
+
+FAMILY_SCHEDULES = [f"{base}-vocab-{v}" for base in ("zb", "zb-1p", "zb-2p", "v-half", "v-min") for v in (1, 2)]
+
+
+def test_pp2_family_vocab_schedules_match_megatron_1f1b(pp2_reference):
+    """The searched families' vocabulary forms (schedules/generators/vocab_family.py: greedy on the plain
+    placement, the memory-controllable V's), one iteration each; all ten in one pair of processes (the
+    parallel state rebuilt between them) to start the processes once."""
+    cfg = TinyGPT(pp=2)
+    per_rank = run_distributed(partial(run_vocab_steps, cfg, schedules=FAMILY_SCHEDULES), world_size=2, timeout=180)
+    for schedule in FAMILY_SCHEDULES:
+        got = TinyGPT.merge([r[schedule] for r in per_rank])
+        _assert_close(pp2_reference, got, what=schedule)
+        assert got["w_deferred"] == _deferred(cfg, schedule), schedule
 
 
 def test_pp4_zbv_vocab_matches_megatron_1f1b():
@@ -266,8 +281,11 @@ def test_enable_vocab_parallel_refusals_name_every_flag():
 
     with pytest.raises(ArgumentError, match="add --enable-vocab-parallel"):
         parse_command_line(TRAIN + ["--schedule", "1f1b-vocab-1"], world_size=2)
-    with pytest.raises(ArgumentError, match=r"--enable-vocab-parallel: needs a schedule that places the vocabulary"):
+    with pytest.raises(ArgumentError, match=r"--enable-vocab-parallel: needs a schedule that places the vocabulary"
+                                            r".*zb-2p-vocab-1, .*v-min-vocab-2"):
         parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", "zb-h1"], world_size=2)
+    for name in ("zb-2p-vocab-1", "v-half-vocab-2"):      # the searched families' forms are accepted
+        parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", name], world_size=2)
     with pytest.raises(ArgumentError) as e:
         parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", "1f1b-vocab-2",
                                    "--tensor-model-parallel-size", "2", "--fp16", "--use-distributed-optimizer",

@@ -70,7 +70,9 @@ def test_registration_order_is_the_documented_list_order():
                                 "v-min", "1f1b-v", "interleaved-zb", "zb-optimal", "zbv-optimal", "1f1b-vocab-1",
                                 "1f1b-vocab-2", "zb-h1-vocab-1", "zb-h1-vocab-2", "zbv-vocab-1", "zbv-vocab-2",
                                 "interleaved-1f1b-vocab-1", "interleaved-1f1b-vocab-2", "interleaved-zb-vocab-1",
-                                "interleaved-zb-vocab-2"]
+                                "interleaved-zb-vocab-2",
+                                "zb-vocab-1", "zb-vocab-2", "zb-1p-vocab-1", "zb-1p-vocab-2", "zb-2p-vocab-1",
+                                "zb-2p-vocab-2", "v-half-vocab-1", "v-half-vocab-2", "v-min-vocab-1", "v-min-vocab-2"]
 
 
 def test_every_builder_takes_the_same_keyword_arguments():

@@ -16,6 +16,7 @@ module              schedules
 ``vocab``           ``1f1b-vocab-1``, ``1f1b-vocab-2``, ``zb-h1-vocab-1``, ``zb-h1-vocab-2``
 ``vocab_v``         ``zbv-vocab-1``, ``zbv-vocab-2`` (the V placement, hand-made order)
 ``vocab_interl..``  ``interleaved-1f1b-vocab-1/2``, ``interleaved-zb-vocab-1/2`` (``vocab_interleaved``)
+``vocab_family``    ``zb-vocab-*``, ``zb-1p-vocab-*``, ``zb-2p-vocab-*``, ``v-half-vocab-*``, ``v-min-vocab-*``
 ==================  =====================================================================
 """
 
@@ -29,3 +30,4 @@ from . import exact  # noqa: F401
 from . import vocab  # noqa: F401
 from . import vocab_v  # noqa: F401
 from . import vocab_interleaved  # noqa: F401
+from . import vocab_family  # noqa: F401

@@ -17,10 +17,10 @@ generator's choice; tested: more than 10%).
 forwards in flight. Every rank's warm-up gets ``extra`` more chunk forwards
 (:func:`~.baselines.interleaved_1f1b_order`; each holds one chunk's ``M_B`` more until the end of the
 warm-up), so between the last stage's ``F(i)`` and its ``B(i)`` rank ``p-1`` runs ``extra`` more
-forwards' work. The rule is :mod:`.vocab_v`'s (:func:`~.vocab_v.fewest_extra_warmup`): ``extra = e0 ..
+forwards' work. The rule is every vocabulary family's (:func:`~.vocab.least_extra`): ``extra = e0 ..
 e0 + barriers`` are tried (``e0``: the extra forwards Megatron's order itself needs when ``m % p != 0``,
 :func:`~.baselines.interleaved_warmup_extra`), the passes placed by :func:`~.vocab.place_vocab_passes`
-under the given costs, and the smallest ``extra`` within :data:`~.vocab_v.EXTRA_GAIN` of the fastest
+under the given costs, and the smallest ``extra`` within :data:`~.vocab.EXTRA_GAIN` of the fastest
 is kept (``meta['extra_warmup']``, counted from ``e0``).
 
 ==============================  =========================================================================
@@ -54,8 +54,7 @@ from ..limits import resolve_limit
 from .baselines import check_shape, interleaved_1f1b_order, interleaved_warmup_extra
 from .common import check_cost_model
 from .interleaved_zb import split_with_delay
-from .vocab import VARIANT_BARRIERS
-from .vocab_v import fewest_extra_warmup
+from .vocab import VARIANT_BARRIERS, least_extra
 
 __all__ = ["vocab_interleaved"]
 
@@ -96,9 +95,8 @@ def vocab_interleaved(*, num_ranks: int, num_microbatches: int, num_chunks: int 
         return [split_with_delay(fused, d) for d in delays]
 
     limit = resolve_limit(memory_limit, costs, math.inf)
-    makespan, extra, ranks = fewest_extra_warmup(bases, range(vb + 1), stage_to_rank=s2r, num_microbatches=m,
-                                                 costs=costs, barriers=vb, name=name, memory_limit=limit,
-                                                 least_is="Megatron's interleaved warm-up")
+    extra, ranks, makespan = least_extra(bases, s2r, m, costs, vb, name=name, memory_limit=limit,
+                                         what="Megatron's interleaved warm-up")
     return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name, vocab_barriers=vb,
                          num_chunks=v, variant=variant, extra_warmup=extra, makespan=makespan)
 

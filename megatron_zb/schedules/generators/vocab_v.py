@@ -22,8 +22,9 @@ last stage's ``F(i)`` and its ``B(i)`` rank 0 runs ``extra`` more microbatches' 
 period (every rank's ``F0, B0, W0, F1, B1, W1`` and its passes) is longer than a barrier's delay
 (broadcast, ``S``, ``C1``, for Vocab-1 ``T`` and ``C2``, each pass waiting at most one action), so
 ``extra = 1`` suffices for both variants under those costs. The generator tries ``extra = 0 ..
-barriers`` (:func:`~.vocab.place_vocab_passes` inserting the passes under the given costs) and keeps
-the smallest ``extra`` whose simulated makespan is within :data:`EXTRA_GAIN` of the best one's
+barriers`` (:func:`~.vocab.least_extra`, the rule :mod:`.vocab_family` uses too:
+:func:`~.vocab.place_vocab_passes` inserting the passes under the given costs) and keeps the smallest
+``extra`` whose simulated makespan is within :data:`~.vocab.EXTRA_GAIN` of the best one's
 (``meta['extra_warmup']``): one more microbatch of memory only for a real gain.
 
 **Peak activation memory per rank** (any ``M_W <= M_B``, any ``m``; tested): at most ``2(p + extra)``
@@ -35,23 +36,15 @@ not run. With ``memory_limit`` only the ``extra`` whose peak fits are tried.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
-
 from ..catalog import register
 from ..costs import CostModel
-from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, v_placement
-from ..limits import fits
-from ..simulator import simulate
+from ..ir import Action, Op, Placement, Schedule, make_schedule, v_placement
 from .common import check_cost_model, check_count
 from .handcrafted import VOrder
-from .vocab import VARIANT_BARRIERS, place_vocab_passes
+from .vocab import VARIANT_BARRIERS, check_variant, least_extra
 from .vshape import check_v_chunks
 
-__all__ = ["EXTRA_GAIN", "fewest_extra_warmup", "vocab_zbv", "zbv_vocab_order"]
-
-EXTRA_GAIN = 0.01
-"""A larger warm-up (one more microbatch in flight per rank) is kept only if its simulated makespan is
-shorter than the smaller one's by more than this fraction."""
+__all__ = ["vocab_zbv", "zbv_vocab_order"]
 
 
 def zbv_vocab_order(num_ranks: int, num_microbatches: int, extra: int) -> list[list[Action]]:
@@ -94,50 +87,13 @@ def vocab_zbv(*, num_ranks: int, num_microbatches: int, variant: int = 1, costs:
     """
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
-    if variant not in VARIANT_BARRIERS:
-        raise ScheduleError(f"vocabulary-parallel variant must be 1 (Vocab-1) or 2 (Vocab-2), got {variant!r}")
+    vb = check_variant(variant)
     costs = check_cost_model(costs or CostModel())
-    vb, s2r, name = VARIANT_BARRIERS[variant], v_placement(p), f"zbv-vocab-{variant}"
-    makespan, extra, ranks = fewest_extra_warmup(lambda extra: [zbv_vocab_order(p, m, extra)], range(vb + 1),
-                                                 stage_to_rank=s2r, num_microbatches=m, costs=costs, barriers=vb,
-                                                 name=name, memory_limit=memory_limit,
-                                                 least_is="the hand-made ZB-V warm-up")
+    s2r, name = v_placement(p), f"zbv-vocab-{variant}"
+    extra, ranks, makespan = least_extra(lambda e: [zbv_vocab_order(p, m, e)], s2r, m, costs, vb, name=name,
+                                         memory_limit=memory_limit, what="the hand-made ZB-V warm-up")
     return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name, vocab_barriers=vb,
                          variant=variant, extra_warmup=extra, makespan=makespan)
-
-
-def fewest_extra_warmup(bases: Callable[[int], list[list[list[Action]]]], extras: Iterable[int], *,
-                        stage_to_rank: list[int], num_microbatches: int, costs: CostModel, barriers: int, name: str,
-                        memory_limit: float | None, least_is: str) -> tuple[float, int, list[list[Action]]]:
-    """The module docstring's rule, for any placement: for each ``extra`` of ``extras`` (more warm-up in
-    flight), the base orders ``bases(extra)`` with the vocabulary passes placed
-    (:func:`~.vocab.place_vocab_passes`), each simulated; per ``extra`` the fastest that fits
-    ``memory_limit`` (least peak on a tie); then the smallest ``extra`` whose makespan is within
-    :data:`EXTRA_GAIN` of the fastest one's. Returns ``(makespan, extra, ranks)`` (makespan in ``costs``'
-    time unit).
-
-    Raises:
-        ScheduleError: no candidate fits ``memory_limit`` (naming the least peak, ``least_is``).
-    """
-    m, s2r = num_microbatches, stage_to_rank
-    best: dict[int, tuple[tuple[float, float], float, list[list[Action]]]] = {}  # extra -> (score, makespan, ranks)
-    least = float("inf")
-    for extra in extras:
-        for base in bases(extra):
-            ranks = place_vocab_passes(base, s2r, m, costs, barriers)
-            res = simulate(make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name,
-                                         vocab_barriers=barriers), costs, enforce_memory=False)
-            least = min(least, res.max_peak_memory)
-            score = (round(res.makespan, 9), round(res.max_peak_memory, 9))
-            if (memory_limit is None or fits(res.max_peak_memory, memory_limit)) and (
-                    extra not in best or score < best[extra][0]):
-                best[extra] = (score, res.makespan, ranks)
-    if not best:
-        raise ScheduleError(f"memory_limit {memory_limit:g} is below the least peak of {name} ({least:g}, "
-                            f"{least_is}) for p={len(set(s2r))}, m={m}")
-    fastest = min(t for _, t, _ in best.values())
-    extra = min(e for e, (_, t, _) in best.items() if t <= fastest * (1 + EXTRA_GAIN))
-    return best[extra][1], extra, best[extra][2]
 
 
 # ---------------------------------------------------------------------------- registration
