@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from ..schedules import Action, Op, Schedule
 from ..schedules.ir import plain_placement, v_placement
+from .vocab_timing import VocabTiming
 from .wgrad_store import WeightGradStore
 
 __all__ = ["VocabParallelModel", "VocabPasses", "check_vocab_schedule", "t_weight_stages", "vocab_channels"]
@@ -200,6 +201,9 @@ class VocabPasses:
         self._loss_config.timers = None   # megatron-core's timers are the main thread's
         self._t_to_w = t_weight_stages(rank_actions)  # mb -> the stage of the W that runs T's weight gradient
         self._thread = _BarrierThread()
+        self.timing = VocabTiming()  # waits inside actions, T's queued weight gradients, the barriers (host seconds)
+        self._last_b = next((a.op.value for a in rank_actions if a.stage == self.last_stage and a.op in (Op.B, Op.BW)),
+                            "B")  # the last stage's backward action (its wait for the output layer's gradient)
         self._pending: list[Any] = []   # posted works nobody waits for on this rank (drained at the end)
         self._if: dict[int, tuple[Any, Any, Any]] = {}  # mb -> (IF's work, partial sum, lookup state)
         self._emb_leaf: dict[int, torch.Tensor] = {}
@@ -236,12 +240,13 @@ class VocabPasses:
             x = self._x.pop(mb)
         else:
             x = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.slices.word_embeddings.device)
-            dist.broadcast(x, src=self._global(self.src_last), group=self.g["x"], async_op=True).wait()
+            work = dist.broadcast(x, src=self._global(self.src_last), group=self.g["x"], async_op=True)
+            self.timing.wait(("S", self.rank, mb), work.wait)
         target = self.inputs[mb]["labels"].transpose(0, 1).contiguous()
         state = output_s(x, self.slices.output_layer_weight, target, self.slices.vocab, exact=self.exact,
                          fuse_input_grad=not self.exact)
         self._state[mb] = state
-        self._barrier[mb] = self._thread.submit(lambda: self._forward_barrier(mb, state))
+        self._barrier[mb] = self._thread.submit(self.timing.timed_barrier(mb, lambda: self._forward_barrier(mb, state)))
 
     def _forward_barrier(self, mb: int, state: Any) -> _Barrier:
         """The barrier thread's work for microbatch ``mb``: C0, the loss (last rank), its gradient's broadcast."""
@@ -277,7 +282,7 @@ class VocabPasses:
     def _run_t(self, mb: int) -> None:
         from ..model.vocab_parallel import output_t
 
-        barrier = self._barrier[mb].result()
+        barrier = self.timing.wait(("T", self.rank, mb), self._barrier[mb].result)
         self.results[mb] = barrier
         grads = output_t(self._state.pop(mb), barrier.grad_loss)
         if self.exact:  # C1: the input gradient's parts, summed for the last stage's B
@@ -299,13 +304,16 @@ class VocabPasses:
             tokens = self.inputs[mb]["tokens"]
             weight = self.slices.word_embeddings
             grad = torch.empty(*tokens.shape, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            dist.broadcast(grad, src=self._global(self.src_first), group=self.g["ib"], async_op=True).wait()
+            work = dist.broadcast(grad, src=self._global(self.src_first), group=self.g["ib"], async_op=True)
+            self.timing.wait(("IB", self.rank, mb), work.wait)
         embedding_ib(state, grad, self.slices.word_embeddings)()
 
     def _weight_grad(self, mb: int, wg: Callable[[], None]) -> None:
         """Run T's weight gradient now, or queue it for this rank's later W of ``mb``."""
         if mb in self._t_to_w:
-            self.store.queue_for(self._t_to_w[mb], mb, wg, params=(self.slices.output_layer_weight,))
+            stage = self._t_to_w[mb]
+            self.store.queue_for(stage, mb, self.timing.timed_weight_grad(stage, mb, wg),
+                                 params=(self.slices.output_layer_weight,))
         else:
             wg()
 
@@ -320,7 +328,7 @@ class VocabPasses:
             if not torch.equal(input_ids.to(self.inputs[mb]["tokens"].device), self.inputs[mb]["tokens"]):
                 raise RuntimeError(f"microbatch {mb}: the first stage's tokens differ from the vocabulary-parallel "
                                    f"inputs' (every rank must be given the same micro batches, in order)")
-            work.wait()
+            self.timing.wait(("F", 0, mb), work.wait)
             leaf = partial.detach().requires_grad_()
             self._emb_leaf[mb] = leaf
             self._if[mb] = (None, None, state)  # IB needs only the lookup's state
@@ -347,9 +355,9 @@ class VocabPasses:
         """For the last stage's ``B(mb)``: the gradient of ``X`` (C1's sum, or the barrier thread's)."""
         if self.exact:
             work, grad = self._c1.pop(mb)
-            work.wait()
+            self.timing.wait((self._last_b, self.last_stage, mb), work.wait)
             return grad.to(self.dtype)
-        x_grad = self._barrier[mb].result().x_grad
+        x_grad = self.timing.wait((self._last_b, self.last_stage, mb), self._barrier[mb].result).x_grad
         assert x_grad is not None
         return x_grad
 
