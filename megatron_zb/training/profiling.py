@@ -78,7 +78,7 @@ from ..schedules.ir import Op
 from ..planning.memory import mem_w_ratio
 from ..schedules.spread import DurationSpread
 
-__all__ = ["ActionProfile", "AgreedProfile", "ProfileWindow", "agree_on_profile", "cost_model", "mem_w_ratio",
+__all__ = ["ActionProfile", "AgreedProfile", "ProfileWindow", "agree_on_profile", "collective_ms", "cost_model", "mem_w_ratio",
            "measure_t_comm"]
 
 MemoryTracker = Any  # megatron_zb.runtime.memory.ActivationMemoryTracker (imported lazily with the runtime)
@@ -338,12 +338,12 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
                             action_overhead_ms=None if None in overheads else sum(overheads) / len(overheads),
                             step_ms=None if None in outside else min(outside),
                             spread=spread if spread.quantiles else None,
-                            t_collective=_collective_ms([g["barriers"] for g in gathered]))]
+                            t_collective=collective_ms([g["barriers"] for g in gathered]))]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
 
 
-def _collective_ms(barriers: list[list[dict[int, float]]]) -> float | None:
+def collective_ms(barriers: list[list[dict[int, float]]]) -> float | None:
     """``t_collective`` (ms) from every pipeline rank's forward barriers (``barriers[rank][iteration][mb]``,
     seconds): per microbatch of an iteration the shortest over the ranks -- the rank that reached the
     barrier last, which waits for no other rank, only for the collectives (and the last rank's loss) --

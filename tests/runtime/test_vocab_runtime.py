@@ -214,7 +214,7 @@ def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, sch
     got = in_process(tmp_path, "vocab", world, TRAIN + tying + ["--schedule", schedule, "--enable-vocab-parallel"])
     tied = ", tied" if not tying else ""
     assert f"> vocabulary parallelism: 2 slices of 64 rows (padded vocabulary 128){tied}\n" in got["log"]
-    assert f"re-planned '{schedule}' from the measured costs" in got["log"]  # the window (iterations 2-3)
+    _assert_replanned_from_the_vocabulary_passes(got, schedule)
     want, have = ref["values"]["train"], got["values"]["train"]
     assert [r["iteration"] for r in have] == [r["iteration"] for r in want] == list(range(1, 7))
     for a, b in zip(have, want):
@@ -224,6 +224,31 @@ def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, sch
     assert len(have_v) == len(want_v) == 4  # iterations 3 and 6, then the final validation and test sets
     for a, b in zip(have_v, want_v):
         assert a["lm loss"] == pytest.approx(b["lm loss"], rel=1e-5), (a, b)
+
+
+def _assert_replanned_from_the_vocabulary_passes(got: dict, schedule: str) -> None:
+    """The profiling window (iterations 2-3) timed every vocabulary pass on both ranks (IF, S, T, IB and the
+    collectives: every cost > 0) and the schedule every rank ran afterwards is the generator's under those
+    measured costs, valid."""
+    from megatron_zb.schedules import CostModel
+    from megatron_zb.schedules.registry import build_schedule
+    from megatron_zb.schedules.costs import VocabCosts
+    from megatron_zb.schedules.ir import validate
+
+    assert f"re-planned '{schedule}' from the measured costs" in got["log"]
+    assert "measured vocabulary passes per rank (ms, without their waits): T_IF=[" in got["log"]
+    costs = got["costs"]
+    assert costs is not None and costs["vocab"] is not None, "the re-plan had no vocabulary costs"
+    vocab = costs["vocab"]
+    for key in ("t_if", "t_s", "t_t", "t_ib"):
+        assert len(vocab[key]) == 2 and all(v > 0 for v in vocab[key]), (key, vocab[key])
+    assert vocab["t_collective"] > 0
+    model = CostModel(**{**costs, "vocab": VocabCosts(**vocab)})
+    limit = costs["memory_limit"] if costs["memory_limit"] is not None else got["memory_limit"]
+    want = build_schedule(schedule, num_ranks=2, num_microbatches=got["m"], costs=model, memory_limit=limit)
+    installed = got["installed"]
+    validate(installed)
+    assert installed.ranks == want.ranks and installed.vocab_barriers == want.vocab_barriers
 
 
 def test_enable_vocab_parallel_refusals_name_every_flag():
