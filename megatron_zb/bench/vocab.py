@@ -27,8 +27,13 @@ this machine before the rounds, in the same two-rank set-up (:func:`calibrate_ra
 FLOP/ms (the output layer's and a layer's GEMM shapes, weighted by their share of the model's FLOPs),
 element-wise bytes/ms (``exp`` over one rank's ``[s, b, V/p]`` logits), the fastest of a few repeats
 each, and the transfer time of one ``s x b x h`` activation (gloo ping-pong, used as
-the latency of every point-to-point transfer and collective). Not measured: the costs of any single
-pass in the run itself (the planner predicts from the calibration alone).
+the latency of every point-to-point transfer and collective), nothing taken from the runs.
+
+And beside it the prediction from each run's own profile (:func:`profile_prediction`): the profiling
+window (iterations 2 to ``max(--measure-from, 5) - 1``, the first measuring activation bytes only) times
+every action -- with the flag also ``IF``/``S``/``T``/``IB`` without their waits and the collectives,
+docs/vocab_parallel.md -- the schedule is re-planned from those costs, and the schedule then run is
+simulated under them, plus the measured time outside the schedule's actions (the optimizer step).
 """
 
 from __future__ import annotations
@@ -80,7 +85,9 @@ class VocabBenchSpec:
                 str(gbs), "--train-iters", str(self.iters), "--lr", "1e-4", "--mock-data", "--num-workers", "0",
                 "--log-interval", "1", "--eval-iters", "0", "--eval-interval", str(10 * self.iters),
                 "--distributed-backend", "gloo", "--pipeline-model-parallel-size", str(self.pp),
-                "--pipeline-timeout-seconds", str(int(self.timeout)), "--distributed-timeout-minutes", "10"]
+                "--pipeline-timeout-seconds", str(int(self.timeout)), "--distributed-timeout-minutes", "10",
+                "--zero-bubble-pipeline-timers-start-iter", "2",
+                "--zero-bubble-pipeline-timers-end-iter", str(max(self.measure_from, 5))]
 
 
 @dataclass(frozen=True)
@@ -156,10 +163,30 @@ def bench_rank(argv: list[str]) -> dict[str, Any]:
                 f.write("5")
             assert trainer.run() == 0
             peak = _status_kib("VmHWM")
+            profiled = profile_prediction(trainer)
         finally:
             trainer.close()
-    lines = [ln for ln in log.getvalue().splitlines() if "elapsed time per iteration" in ln]
-    return {"param_bytes": param_bytes, "peak_bytes": (peak - rss0) * 1024, "lines": lines}
+    text = log.getvalue().splitlines()
+    lines = [ln for ln in text if "elapsed time per iteration" in ln]
+    measured = [ln.strip() for ln in text if ln.lstrip().startswith("measured ")]
+    return {"param_bytes": param_bytes, "peak_bytes": (peak - rss0) * 1024, "lines": lines,
+            "profile_ms": profiled, "measured": measured}
+
+
+def profile_prediction(trainer: Any) -> float | None:
+    """The iteration time (ms) the run's own profile predicts: the schedule installed after the window
+    (re-planned from the measured costs when cost-aware), simulated under the measured cost model (with vocabulary parallelism the
+    passes' too), plus the measured time outside the schedule's actions (``step_ms``: the optimizer step,
+    the gradient reduces); ``None`` without a profile (megatron-core's schedule) or without ``step_ms``."""
+    from ..schedules import simulate
+
+    planner = trainer.planner
+    costs = planner.measured_costs
+    if planner.runtime is None or costs is None or planner.agreed is None or planner.agreed.step_ms is None:
+        return None
+    config = trainer.config
+    sched = planner.runtime.schedule_for(config.parallel.pipeline_model_parallel_size, config.num_microbatches)
+    return simulate(sched, costs, enforce_memory=False).makespan + planner.agreed.step_ms
 
 
 def calibrate_rank(spec_dict: dict[str, Any]) -> dict[str, float]:
@@ -216,12 +243,15 @@ def calibrate_rank(spec_dict: dict[str, Any]) -> dict[str, float]:
 @dataclass
 class Measured:
     """One variant over the rounds: iteration ms per round, per-rank parameter and peak bytes, the load
-    average before each run's pair."""
+    average before each run's pair, the iteration ms its own profile predicts per round
+    (:func:`profile_prediction`), the last round's "measured ..." report lines."""
 
     iter_ms: list[float] = field(default_factory=list)
     param_bytes: list[int] = field(default_factory=list)
     peak_bytes: list[list[int]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
+    profile_ms: list[float] = field(default_factory=list)
+    measured: list[str] = field(default_factory=list)
 
 
 def _iteration_ms(lines: list[str], measure_from: int) -> float:
@@ -242,7 +272,8 @@ def run_variant(spec: VocabBenchSpec, v: Variant) -> dict[str, Any]:
                             timeout=spec.timeout)
     lines = [ln for r in ranks for ln in r["lines"]]
     return {"iter_ms": _iteration_ms(lines, spec.measure_from), "param_bytes": [r["param_bytes"] for r in ranks],
-            "peak_bytes": [r["peak_bytes"] for r in ranks]}
+            "peak_bytes": [r["peak_bytes"] for r in ranks], "profile_ms": ranks[0]["profile_ms"],
+            "measured": ranks[0]["measured"]}
 
 
 def predict(spec: VocabBenchSpec, calib: dict[str, float], vs: Sequence[Variant]) -> dict[str, float]:
@@ -318,6 +349,9 @@ def run_rounds(spec: VocabBenchSpec, vs: Sequence[Variant], *, wait_load: float 
                 m.param_bytes = res["param_bytes"]
                 m.peak_bytes.append(res["peak_bytes"])
                 m.loads.append(load)
+                if res["profile_ms"] is not None:
+                    m.profile_ms.append(res["profile_ms"])
+                m.measured = res["measured"]
                 print(f"vocab bench: round {r + 1}/{spec.rounds} {v.label}: {res['iter_ms']:.1f} ms/iteration "
                       f"(run {time.perf_counter() - t0:.0f} s, load average before the pair {load})",
                       file=log, flush=True)
@@ -331,9 +365,10 @@ def _mib(x: float) -> str:
 def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured],
            predicted: dict[str, float]) -> list[str]:
     """The table and the acceptance lines (markdown, as docs/vocab_parallel.md records them)."""
-    lines = ["| variant | iter ms (median of rounds) | predicted ms | predicted / measured | throughput vs pair "
-             "(paired median) | param MiB per rank | param max/min | peak RSS growth MiB per rank |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | iter ms (median of rounds) | predicted ms | predicted / measured | profile-predicted ms "
+             "(median of rounds) | profile-predicted / measured | throughput vs pair (paired median) | "
+             "param MiB per rank | param max/min | peak RSS growth MiB per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     speedup: dict[str, float] = {}
     for v in vs:
         m = got[v.label]
@@ -345,8 +380,10 @@ def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured]
             speedup[v.label] = statistics.median(ratios)
             pair = f"{speedup[v.label]:.2f}x {v.base}"
         peaks = [max(p[i] for p in m.peak_bytes) for i in range(spec.pp)]
+        prof = statistics.median(m.profile_ms) if m.profile_ms else None
         lines.append(f"| {v.label} | {t:.0f} | {'-' if pred is None else f'{pred:.0f}'} | "
-                     f"{'-' if pred is None else f'{pred / t:.2f}'} | {pair} | "
+                     f"{'-' if pred is None else f'{pred / t:.2f}'} | {'-' if prof is None else f'{prof:.0f}'} | "
+                     f"{'-' if prof is None else f'{prof / t:.2f}'} | {pair} | "
                      f"{' / '.join(_mib(b) for b in m.param_bytes)} | "
                      f"{max(m.param_bytes) / min(m.param_bytes):.3f} | {' / '.join(_mib(b) for b in peaks)} |")
     lines.append("")
@@ -360,6 +397,14 @@ def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured]
            and abs(predicted[v.label] / statistics.median(got[v.label].iter_ms) - 1) > 0.10]
     lines.append("simulator within 10% of every measured iteration: " + ("yes" if not off else
                                                                         f"no ({', '.join(off)})"))
+    off = [v.label for v in vs if got[v.label].profile_ms and abs(
+        statistics.median(got[v.label].profile_ms) / statistics.median(got[v.label].iter_ms) - 1) > 0.10]
+    lines.append("simulator from each run's own profile within 10% of every measured iteration it predicts: "
+                 + ("yes" if not off else f"no ({', '.join(off)})"))
+    for v in vs:
+        if got[v.label].measured:
+            lines += [f"{v.label}, last round's profile (rank 0's report):"] + [
+                f"    {ln}" for ln in got[v.label].measured]
     return lines
 
 

@@ -53,6 +53,9 @@ class SchedulePlanner:
             their events are resolved with one synchronisation at the window's end).
         profiled_iterations: the iterations profiled so far.
         restored_costs: the cost model a resumed run re-planned from (``None`` otherwise).
+        agreed: the profile the window measured, as every rank agreed on it (``None`` before the window ends).
+        measured_costs: its cost model (ms, bytes; ``None`` before the window ends or when unusable),
+            whether or not the schedule is cost-aware.
         num_microbatches: micro batches per iteration per data-parallel rank of the next training
             iteration (changes with ``--rampup-batch-size``).
     """
@@ -75,6 +78,8 @@ class SchedulePlanner:
         self.window = ProfileWindow()
         self.profiled_iterations: list[int] = []
         self.restored_costs: CostModel | None = None
+        self.agreed: AgreedProfile | None = None  # the window's agreed profile, once it re-planned
+        self.measured_costs: CostModel | None = None  # the cost model of that profile
         self.runtime: Any = None
         self.num_microbatches: int = schedule.num_microbatches
         self._installed: set[int] = {schedule.num_microbatches}  # m's whose schedule is rank 0's, current costs
@@ -164,8 +169,8 @@ class SchedulePlanner:
         """
         self.runtime.options.time_actions = False
         self.runtime.options.track_memory = self._track_memory
-        agreed = self._agreed_profile()
-        costs = self._measured_costs(agreed)
+        agreed = self.agreed = self._agreed_profile()
+        costs = self.measured_costs = self._measured_costs(agreed)
         if costs is None:
             return None
         replanned, note = self._replan_from(costs)
