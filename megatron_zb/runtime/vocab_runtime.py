@@ -17,8 +17,8 @@ consumer waits, so a rank never waits for anything the schedule does not make it
   broadcast to every rank. The thread runs the barriers in microbatch order, on its own process
   group, so nothing of it waits for the rank's other work.
 * ``T(i)`` (every rank): waits for the barrier, computes the slice's logits gradient, input-gradient
-  part and weight gradient (run at once, or -- when the rank runs a ``W`` of microbatch ``i`` later --
-  queued in the weight-gradient store for that ``W``); with two barriers (``vocab_barriers == 2``,
+  part and weight gradient (run at once, or -- with ``VocabParallelModel.defer_t_weight``, when the rank
+  runs a ``W`` of microbatch ``i`` later -- queued in the weight-gradient store for that ``W``); with two barriers (``vocab_barriers == 2``,
   megatron-core's exact arithmetic) the parts are all-reduced (``C1``, posted).
 * ``last``'s ``B(i)``: the gradient of ``X`` is ``C1``'s sum (two barriers) or, with one barrier (the
   paper's rescaled arithmetic, the input gradient formed in ``S`` and reduced in ``C0``), computed by
@@ -83,6 +83,12 @@ class VocabParallelModel:
     """With data parallelism: ``slices`` wrapped in megatron-core ``DistributedDataParallel`` with
     ``overlap_grad_reduce=False`` (the weight gradients go straight into ``main_grad``; no autograd hook
     fires); the runtime runs its ``finish_grad_sync`` after the schedule."""
+    defer_t_weight: bool = False
+    """``True``: ``T``'s weight gradient is queued for the rank's first ``W`` of the microbatch after ``T``
+    (:func:`t_weight_stages`); ``False`` (default): ``T`` runs it at once, as the schedule's cost model
+    has it (:class:`~megatron_zb.schedules.costs.VocabCosts` ``t_t`` includes it). Deferred, a ``W``
+    meant to fill a bubble carries the output layer's weight gradient -- on the benchmark's model about
+    as long as ``T`` itself -- and ``zbv-vocab-1`` ran 1.3x slower (docs/vocab_parallel.md, "Benchmark")."""
 
 
 def vocab_channels(pp_group: Any, *, timeout: float) -> dict[str, Any]:
@@ -199,7 +205,8 @@ class VocabPasses:
         self._calc_loss = forward_step_calc_loss()
         self._loss_config = copy.copy(config)
         self._loss_config.timers = None   # megatron-core's timers are the main thread's
-        self._t_to_w = t_weight_stages(rank_actions)  # mb -> the stage of the W that runs T's weight gradient
+        # mb -> the stage of the W that runs T's weight gradient (none: T runs it)
+        self._t_to_w = t_weight_stages(rank_actions) if model.defer_t_weight else {}
         self._thread = _BarrierThread()
         self.timing = VocabTiming()  # waits inside actions, T's queued weight gradients, the barriers (host seconds)
         self._last_b = next((a.op.value for a in rank_actions if a.stage == self.last_stage and a.op in (Op.B, Op.BW)),

@@ -43,12 +43,13 @@ def _assert_close(ref: dict, got: dict, *, what: str) -> None:
         assert err <= REL * g.abs().max().item(), f"{what}: gradient of {n}: error {err:.3g}"
 
 
-def _deferred(cfg: TinyGPT, schedule: str) -> int:
+def _deferred(cfg: TinyGPT, schedule: str, *, defer_t_weight: bool = False) -> int:
     """W entries a run executes: none for 1F1B (fused BW, T's weight gradient in T); for ZB-H1 and ZB-V every
-    transformer linear's and each rank's T weight gradient (queued for the rank's W of the microbatch)."""
+    transformer linear's and, with ``defer_t_weight``, each rank's T weight gradient (queued for the rank's W
+    of the microbatch; by default T runs it)."""
     if not schedule.startswith(("zb-h1", "zbv")):
         return 0
-    return (LINEARS_PER_LAYER * cfg.num_layers + cfg.pp) * cfg.num_microbatches
+    return (LINEARS_PER_LAYER * cfg.num_layers + (cfg.pp if defer_t_weight else 0)) * cfg.num_microbatches
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +60,10 @@ def pp2_reference() -> dict:
 @pytest.mark.parametrize("schedule", ["1f1b-vocab-1", "1f1b-vocab-2", "zb-h1-vocab-1", "zb-h1-vocab-2"])
 def test_pp2_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule):
     cfg = TinyGPT(pp=2)
-    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=2, timeout=90))
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule, defer_t_weight=True),
+                                        world_size=2, timeout=90))
     _assert_close(pp2_reference, got, what=schedule)
-    assert got["w_deferred"] == _deferred(cfg, schedule), "T's weight gradient runs in the rank's W (ZB-H1)"
+    assert got["w_deferred"] == _deferred(cfg, schedule, defer_t_weight=True), "T's weight gradient in the W (ZB-H1)"
 
 
 def test_pp2_with_megatron_core_ddp_chunks_second_iteration():
@@ -130,15 +132,16 @@ def test_the_slices_and_a_vocabulary_parallel_schedule_need_each_other():
         get_forward_backward_func("1f1b", vocab_parallel=VocabParallelModel(torch.nn.Module()))
 
 
-@pytest.mark.parametrize("schedule", ["zbv-vocab-1", "zbv-vocab-2"])
-def test_pp2_zbv_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule):
+@pytest.mark.parametrize("schedule,defer", [("zbv-vocab-1", False), ("zbv-vocab-2", True)])
+def test_pp2_zbv_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule, defer):
     """The V placement: rank 0 holds stage 0 and the last stage 3 (chunks built as megatron-core's V:
     ``placement_for``), so X and dL/dloss are broadcast from rank 0 and the embedding's gradient too; each
-    rank's T weight gradient runs in its first W of the microbatch after T."""
+    rank's T weight gradient runs in T, or (``defer_t_weight``) in its first W of the microbatch after T."""
     cfg = TinyGPT(pp=2)
-    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=2, timeout=90))
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule, defer_t_weight=defer),
+                                        world_size=2, timeout=90))
     _assert_close(pp2_reference, got, what=schedule)
-    assert got["w_deferred"] == _deferred(cfg, schedule), "T's weight gradient runs in the rank's W (ZB-V)"
+    assert got["w_deferred"] == _deferred(cfg, schedule, defer_t_weight=defer), "T's weight gradient in T or W"
 
 
 def test_pp4_zbv_vocab_matches_megatron_1f1b():
