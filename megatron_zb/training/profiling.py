@@ -111,7 +111,7 @@ class ActionProfile:
         if times:
             if timing.records:
                 self.overhead.append(runtime_seconds(timing) / len(timing.records))
-            vocab = timing.vocab  # vocabulary passes: the waits and T's weight gradients inside actions
+            vocab = getattr(timing, "vocab", None)  # vocabulary passes: the waits and T's weight gradients inside actions
             for action, t0, t1 in timing.records:
                 d = t1 - t0 if vocab is None else max(0.0, t1 - t0 - vocab.inside(action.op.value, action.stage,
                                                                                   action.mb))
