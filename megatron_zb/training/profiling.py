@@ -60,6 +60,14 @@ warning: ``mem_b = 1`` and ``mem_w / mem_b = 32h / (34h + 5as)`` (:func:`mem_w_r
 
 Fused ``BW`` actions (1F1B) are reported as ``T_BW`` (there is no separate T_W to measure);
 the cost model then uses ``t_b = T_BW`` and ``t_w = 0``, which simulates the fused backward exactly.
+
+With vocabulary parallelism (``--enable-vocab-parallel``) the passes ``IF``/``S``/``T``/``IB`` are actions
+too (their stage is the rank) and are timed the same way; what an action spent waiting for the other
+ranks' collectives, and a ``W``'s share of ``T``'s deferred weight gradient, are taken out of it
+(:class:`~megatron_zb.runtime.vocab_timing.VocabTiming`); per rank their medians become the cost model's
+:class:`~megatron_zb.schedules.costs.VocabCosts`, with ``t_collective`` from the barrier thread's forward
+barriers (:func:`collective_ms`) and the deferred weight gradients added to their ``W``'s ``t_w``
+(:func:`cost_model`; docs/vocab_parallel.md, "The flag").
 """
 
 from __future__ import annotations
@@ -79,7 +87,7 @@ from ..planning.memory import mem_w_ratio
 from ..schedules.spread import DurationSpread
 
 __all__ = ["ActionProfile", "AgreedProfile", "ProfileWindow", "agree_on_profile", "collective_ms", "cost_model", "mem_w_ratio",
-           "measure_t_comm"]
+           "measure_t_comm", "vocab_line"]
 
 MemoryTracker = Any  # megatron_zb.runtime.memory.ActivationMemoryTracker (imported lazily with the runtime)
 
@@ -393,3 +401,17 @@ def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num
     return CostModel(t_f=[max(v, floor) for v in t_f], t_b=[max(v, floor) for v in t_b], t_w=list(t_w),  # type: ignore[arg-type]
                      t_comm=profile.t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=limit, vocab=vocab
                      ).with_action_overhead(overhead, split_backward=profile.split_backward(num_stages))
+
+
+def vocab_line(agreed: AgreedProfile, stages: int, num_ranks: int) -> str:
+    """The report's line of the vocabulary passes: per rank (ms) the medians of ``IF``, ``S``, ``T``, ``IB``
+    without their waits, ``T``'s weight gradient per ``W`` of each stage that ran it, ``t_collective``."""
+    vc = agreed.vocab_costs(num_ranks)
+    if vc is None:
+        return "    vocabulary passes: not timed on every pipeline rank"
+    tw = [agreed.costs_ms.get(("TW", s), 0.0) for s in range(stages)]
+    return ("    measured vocabulary passes per rank (ms, without their waits): " + "; ".join(
+        f"{name}=[{', '.join(f'{v:.3f}' for v in getattr(vc, key))}]"
+        for name, key in (("T_IF", "t_if"), ("T_S", "t_s"), ("T_T", "t_t"), ("T_IB", "t_ib")))
+        + f"; T's weight gradient per W, by stage: [{', '.join(f'{v:.3f}' for v in tw)}]; t_collective="
+        + ("not measured" if agreed.t_collective is None else f"{agreed.t_collective:.3f}"))

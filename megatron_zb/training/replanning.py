@@ -35,7 +35,7 @@ from megatron_zb.schedules.ir import Placement, Schedule
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import format_schedule_report, print_rank_0
 from megatron_zb.training.profiling import (ActionProfile, AgreedProfile, ProfileWindow, agree_on_profile,
-                                            cost_model, measure_t_comm, mem_w_ratio)
+                                            cost_model, measure_t_comm, mem_w_ratio, vocab_line)
 from megatron_zb.training.run_config import RunConfig
 
 __all__ = ["SchedulePlanner", "planning_model", "planning_parallel"]
@@ -451,20 +451,6 @@ def measured_lines(agreed: AgreedProfile, stages: int, *, num_ranks: int | None 
                   "--zero-bubble-max-pending-backward x M_B may be below what B leaves) and under-counts "
                   "memory between B and W")
     return lines
-
-
-def vocab_line(agreed: AgreedProfile, stages: int, num_ranks: int) -> str:
-    """The report's line of the vocabulary passes: per rank (ms) the medians of ``IF``, ``S``, ``T``, ``IB``
-    without their waits, ``T``'s weight gradient per ``W`` of each stage that ran it, ``t_collective``."""
-    vc = agreed.vocab_costs(num_ranks)
-    if vc is None:
-        return "    vocabulary passes: not timed on every pipeline rank"
-    tw = [agreed.costs_ms.get(("TW", s), 0.0) for s in range(stages)]
-    return ("    measured vocabulary passes per rank (ms, without their waits): " + "; ".join(
-        f"{name}=[{', '.join(f'{v:.3f}' for v in getattr(vc, key))}]"
-        for name, key in (("T_IF", "t_if"), ("T_S", "t_s"), ("T_T", "t_t"), ("T_IB", "t_ib")))
-        + f"; T's weight gradient per W, by stage: [{', '.join(f'{v:.3f}' for v in tw)}]; t_collective="
-        + _ms(agreed.t_collective))
 
 
 def planning_model(config: RunConfig) -> Any:
