@@ -100,6 +100,8 @@ class Variant:
         planned: the planner's family name for its prediction.
         base: for a vocabulary-parallel variant, the label it is paired with; else ``None``.
         split: whether Megatron's embedding/loss split accounting is on (the planner's layout too).
+        defer_t_weight: ``VocabParallelModel.defer_t_weight`` (T's weight gradient queued for a W; the
+            ``-deferred`` variants, paired with the same schedule running it in T).
     """
 
     label: str
@@ -107,12 +109,15 @@ class Variant:
     planned: str
     base: str | None = None
     split: bool = False
+    defer_t_weight: bool = False
 
 
-def variants(pairs: Sequence[str] = ("1f1b", "zb-h1", "zbv"), *, megatron_split: bool = True) -> list[Variant]:
+def variants(pairs: Sequence[str] = ("1f1b", "zb-h1", "zbv"), *, megatron_split: bool = True,
+             deferred: bool = False) -> list[Variant]:
     """Each base schedule and its ``-vocab-1`` schedule when the catalogue has it (a base whose
-    vocabulary schedule is not registered runs alone, unpaired), then megatron-core's 1F1B with the
-    split flags."""
+    vocabulary schedule is not registered runs alone, unpaired), with ``deferred`` also that schedule with
+    T's weight gradient queued for a W (``<vocab>-deferred``, paired with it; not for 1F1B, whose fused
+    backward has no W), then megatron-core's 1F1B with the split flags."""
     from ..schedules.registry import schedule_names
 
     names = set(schedule_names())
@@ -122,6 +127,9 @@ def variants(pairs: Sequence[str] = ("1f1b", "zb-h1", "zbv"), *, megatron_split:
         out.append(Variant(base, ("--schedule", base), base))
         if vocab in names:
             out.append(Variant(vocab, ("--schedule", vocab, "--enable-vocab-parallel"), vocab, base=base))
+            if deferred and base != "1f1b":
+                out.append(Variant(f"{vocab}-deferred", ("--schedule", vocab, "--enable-vocab-parallel"), vocab,
+                                   base=vocab, defer_t_weight=True))
     if megatron_split:
         out.append(Variant(MEGATRON_SPLIT, ("--use-megatron-core-schedule", *SPLIT_FLAGS), "1f1b", split=True))
     return out
@@ -137,9 +145,11 @@ def _status_kib(key: str) -> int:
     raise KeyError(key)
 
 
-def bench_rank(argv: list[str]) -> dict[str, Any]:
-    """One rank of one run: parse and validate ``argv`` as ``pretrain_gpt_zb.py`` does, run the Trainer;
-    this rank's iteration lines, parameter bytes and peak resident set above the start (bytes)."""
+def bench_rank(argv: list[str], defer_t_weight: bool = False) -> dict[str, Any]:
+    """One rank of one run: parse and validate ``argv`` as ``pretrain_gpt_zb.py`` does, run the Trainer
+    (``defer_t_weight``: its ``VocabParallelModel.defer_t_weight``, which no flag sets); this rank's
+    iteration lines, parameter bytes, peak resident set above the start (bytes), the profile's prediction
+    and report lines."""
     import contextlib
     import io
 
@@ -154,6 +164,8 @@ def bench_rank(argv: list[str]) -> dict[str, Any]:
         validated = parse_command_line(argv, world_size=dist.get_world_size())
         trainer = Trainer(validated.args, schedule=validated.schedule)
         try:
+            if defer_t_weight:
+                trainer.planner.vocab.defer_t_weight = True
             model = trainer.model
             params = {id(p): p for ch in model.chunks for p in ch.module.parameters()}
             if model.vocab_slices is not None:
@@ -268,7 +280,7 @@ def run_variant(spec: VocabBenchSpec, v: Variant) -> dict[str, Any]:
     """One run of ``v`` on ``spec.pp`` ranks: ``{"iter_ms", "param_bytes": [per rank], "peak_bytes": [...]}``."""
     from ..testing import run_distributed
 
-    ranks = run_distributed(bench_rank, world_size=spec.pp, args=(spec.argv() + list(v.flags),),
+    ranks = run_distributed(bench_rank, world_size=spec.pp, args=(spec.argv() + list(v.flags), v.defer_t_weight),
                             timeout=spec.timeout)
     lines = [ln for r in ranks for ln in r["lines"]]
     return {"iter_ms": _iteration_ms(lines, spec.measure_from), "param_bytes": [r["param_bytes"] for r in ranks],
@@ -307,10 +319,11 @@ def predict(spec: VocabBenchSpec, calib: dict[str, float], vs: Sequence[Variant]
 
 
 def _units(vs: Sequence[Variant]) -> list[list[Variant]]:
-    """The variants grouped as they run back to back: each base with its vocabulary variant, others alone."""
+    """The variants grouped as they run back to back: each base with its vocabulary variant (and that one's
+    ``-deferred`` variant), others alone."""
     units: list[list[Variant]] = []
     for v in vs:
-        if v.base is not None and units and units[-1][0].label == v.base:
+        if v.base is not None and units and any(u.label == v.base for u in units[-1]):
             units[-1].append(v)
         else:
             units.append([v])
@@ -387,9 +400,9 @@ def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured]
                      f"{' / '.join(_mib(b) for b in m.param_bytes)} | "
                      f"{max(m.param_bytes) / min(m.param_bytes):.3f} | {' / '.join(_mib(b) for b in peaks)} |")
     lines.append("")
+    bases = {v.label: v.base for v in vs}
     for name, x in speedup.items():
-        lines.append(f"{name}: {x:.2f}x the throughput of {name.rsplit('-vocab-', 1)[0]} (paired median over "
-                     f"{spec.rounds} rounds)")
+        lines.append(f"{name}: {x:.2f}x the throughput of {bases[name]} (paired median over {spec.rounds} rounds)")
     if "zbv-vocab-1" in got and MEGATRON_SPLIT in got:
         ratios = [b / x for b, x in zip(got[MEGATRON_SPLIT].iter_ms, got["zbv-vocab-1"].iter_ms)]
         lines.append(f"zbv-vocab-1: {statistics.median(ratios):.2f}x the throughput of {MEGATRON_SPLIT}")
@@ -424,13 +437,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="before each pair, wait for a 1-minute load average below X (default: do not wait)")
     p.add_argument("--max-wait", type=float, default=600.0, metavar="S",
                    help="seconds to wait for --wait-load at most, per pair (default 600)")
+    p.add_argument("--deferred", action="store_true",
+                   help="also run each ZB-H1/ZB-V vocabulary schedule with T's weight gradient queued for a W "
+                        "(VocabParallelModel.defer_t_weight), paired with it")
     p.add_argument("--no-megatron-split", action="store_true",
                    help=f"leave out {MEGATRON_SPLIT} (megatron-core's 1F1B with {' '.join(SPLIT_FLAGS)})")
     a = p.parse_args(argv)
     spec = VocabBenchSpec(**{k: getattr(a, k) for k in asdict(d)})
     if not 1 <= spec.measure_from <= spec.iters:
         p.error(f"--measure-from {spec.measure_from} must be in 1..--iters {spec.iters}")
-    vs = variants([s.strip() for s in a.schedules.split(",") if s.strip()], megatron_split=not a.no_megatron_split)
+    vs = variants([s.strip() for s in a.schedules.split(",") if s.strip()], megatron_split=not a.no_megatron_split,
+                  deferred=a.deferred)
     if not vs:
         p.error("no variant to run")
     from ..testing import run_distributed

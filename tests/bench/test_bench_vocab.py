@@ -26,6 +26,10 @@ def test_variants_pair_each_base_with_its_registered_vocab_schedule():
     assert labels[-1] == "megatron-1f1b-split"
     assert {v.label: v.base for v in vs}["zb-h1-vocab-1"] == "zb-h1"
     assert "--enable-vocab-parallel" in dict((v.label, v.flags) for v in vs)["1f1b-vocab-1"]
+    deferred = variants(["1f1b", "zbv"], megatron_split=False, deferred=True)
+    assert [(v.label, v.base, v.defer_t_weight) for v in deferred] == [
+        ("1f1b", None, False), ("1f1b-vocab-1", "1f1b", False), ("zbv", None, False), ("zbv-vocab-1", "zbv", False),
+        ("zbv-vocab-1-deferred", "zbv-vocab-1", True)]  # 1F1B's fused backward has no W to defer into
 
 
 def test_bench_vocab_tiny_prints_both_sides(capsys):
