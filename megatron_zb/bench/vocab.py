@@ -27,8 +27,13 @@ this machine before the rounds, in the same two-rank set-up (:func:`calibrate_ra
 FLOP/ms (the output layer's and a layer's GEMM shapes, weighted by their share of the model's FLOPs),
 element-wise bytes/ms (``exp`` over one rank's ``[s, b, V/p]`` logits), the fastest of a few repeats
 each, and the transfer time of one ``s x b x h`` activation (gloo ping-pong, used as
-the latency of every point-to-point transfer and collective). Not measured: the costs of any single
-pass in the run itself (the planner predicts from the calibration alone).
+the latency of every point-to-point transfer and collective), nothing taken from the runs.
+
+And beside it the prediction from each run's own profile (:func:`profile_prediction`): the profiling
+window (iterations 2 to ``max(--measure-from, 5) - 1``, the first measuring activation bytes only) times
+every action -- with the flag also ``IF``/``S``/``T``/``IB`` without their waits and the collectives,
+docs/vocab_parallel.md -- the schedule is re-planned from those costs, and the schedule then run is
+simulated under them, plus the measured time outside the schedule's actions (the optimizer step).
 """
 
 from __future__ import annotations
@@ -80,7 +85,9 @@ class VocabBenchSpec:
                 str(gbs), "--train-iters", str(self.iters), "--lr", "1e-4", "--mock-data", "--num-workers", "0",
                 "--log-interval", "1", "--eval-iters", "0", "--eval-interval", str(10 * self.iters),
                 "--distributed-backend", "gloo", "--pipeline-model-parallel-size", str(self.pp),
-                "--pipeline-timeout-seconds", str(int(self.timeout)), "--distributed-timeout-minutes", "10"]
+                "--pipeline-timeout-seconds", str(int(self.timeout)), "--distributed-timeout-minutes", "10",
+                "--zero-bubble-pipeline-timers-start-iter", "2",
+                "--zero-bubble-pipeline-timers-end-iter", str(max(self.measure_from, 5))]
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,8 @@ class Variant:
         planned: the planner's family name for its prediction.
         base: for a vocabulary-parallel variant, the label it is paired with; else ``None``.
         split: whether Megatron's embedding/loss split accounting is on (the planner's layout too).
+        defer_t_weight: ``VocabParallelModel.defer_t_weight`` (T's weight gradient queued for a W; the
+            ``-deferred`` variants, paired with the same schedule running it in T).
     """
 
     label: str
@@ -100,12 +109,15 @@ class Variant:
     planned: str
     base: str | None = None
     split: bool = False
+    defer_t_weight: bool = False
 
 
-def variants(pairs: Sequence[str] = ("1f1b", "zb-h1", "zbv"), *, megatron_split: bool = True) -> list[Variant]:
+def variants(pairs: Sequence[str] = ("1f1b", "zb-h1", "zbv"), *, megatron_split: bool = True,
+             deferred: bool = False) -> list[Variant]:
     """Each base schedule and its ``-vocab-1`` schedule when the catalogue has it (a base whose
-    vocabulary schedule is not registered runs alone, unpaired), then megatron-core's 1F1B with the
-    split flags."""
+    vocabulary schedule is not registered runs alone, unpaired), with ``deferred`` also that schedule with
+    T's weight gradient queued for a W (``<vocab>-deferred``, paired with it; not for 1F1B, whose fused
+    backward has no W), then megatron-core's 1F1B with the split flags."""
     from ..schedules.registry import schedule_names
 
     names = set(schedule_names())
@@ -115,6 +127,9 @@ def variants(pairs: Sequence[str] = ("1f1b", "zb-h1", "zbv"), *, megatron_split:
         out.append(Variant(base, ("--schedule", base), base))
         if vocab in names:
             out.append(Variant(vocab, ("--schedule", vocab, "--enable-vocab-parallel"), vocab, base=base))
+            if deferred and base != "1f1b":
+                out.append(Variant(f"{vocab}-deferred", ("--schedule", vocab, "--enable-vocab-parallel"), vocab,
+                                   base=vocab, defer_t_weight=True))
     if megatron_split:
         out.append(Variant(MEGATRON_SPLIT, ("--use-megatron-core-schedule", *SPLIT_FLAGS), "1f1b", split=True))
     return out
@@ -130,9 +145,11 @@ def _status_kib(key: str) -> int:
     raise KeyError(key)
 
 
-def bench_rank(argv: list[str]) -> dict[str, Any]:
-    """One rank of one run: parse and validate ``argv`` as ``pretrain_gpt_zb.py`` does, run the Trainer;
-    this rank's iteration lines, parameter bytes and peak resident set above the start (bytes)."""
+def bench_rank(argv: list[str], defer_t_weight: bool = False) -> dict[str, Any]:
+    """One rank of one run: parse and validate ``argv`` as ``pretrain_gpt_zb.py`` does, run the Trainer
+    (``defer_t_weight``: its ``VocabParallelModel.defer_t_weight``, which no flag sets); this rank's
+    iteration lines, parameter bytes, peak resident set above the start (bytes), the profile's prediction
+    and report lines."""
     import contextlib
     import io
 
@@ -147,6 +164,8 @@ def bench_rank(argv: list[str]) -> dict[str, Any]:
         validated = parse_command_line(argv, world_size=dist.get_world_size())
         trainer = Trainer(validated.args, schedule=validated.schedule)
         try:
+            if defer_t_weight:
+                trainer.planner.vocab.defer_t_weight = True
             model = trainer.model
             params = {id(p): p for ch in model.chunks for p in ch.module.parameters()}
             if model.vocab_slices is not None:
@@ -156,10 +175,30 @@ def bench_rank(argv: list[str]) -> dict[str, Any]:
                 f.write("5")
             assert trainer.run() == 0
             peak = _status_kib("VmHWM")
+            profiled = profile_prediction(trainer)
         finally:
             trainer.close()
-    lines = [ln for ln in log.getvalue().splitlines() if "elapsed time per iteration" in ln]
-    return {"param_bytes": param_bytes, "peak_bytes": (peak - rss0) * 1024, "lines": lines}
+    text = log.getvalue().splitlines()
+    lines = [ln for ln in text if "elapsed time per iteration" in ln]
+    measured = [ln.strip() for ln in text if ln.lstrip().startswith("measured ")]
+    return {"param_bytes": param_bytes, "peak_bytes": (peak - rss0) * 1024, "lines": lines,
+            "profile_ms": profiled, "measured": measured}
+
+
+def profile_prediction(trainer: Any) -> float | None:
+    """The iteration time (ms) the run's own profile predicts: the schedule installed after the window
+    (re-planned from the measured costs when cost-aware), simulated under the measured cost model (with vocabulary parallelism the
+    passes' too), plus the measured time outside the schedule's actions (``step_ms``: the optimizer step,
+    the gradient reduces); ``None`` without a profile (megatron-core's schedule) or without ``step_ms``."""
+    from ..schedules import simulate
+
+    planner = trainer.planner
+    costs = planner.measured_costs
+    if planner.runtime is None or costs is None or planner.agreed is None or planner.agreed.step_ms is None:
+        return None
+    config = trainer.config
+    sched = planner.runtime.schedule_for(config.parallel.pipeline_model_parallel_size, config.num_microbatches)
+    return simulate(sched, costs, enforce_memory=False).makespan + planner.agreed.step_ms
 
 
 def calibrate_rank(spec_dict: dict[str, Any]) -> dict[str, float]:
@@ -216,12 +255,15 @@ def calibrate_rank(spec_dict: dict[str, Any]) -> dict[str, float]:
 @dataclass
 class Measured:
     """One variant over the rounds: iteration ms per round, per-rank parameter and peak bytes, the load
-    average before each run's pair."""
+    average before each run's pair, the iteration ms its own profile predicts per round
+    (:func:`profile_prediction`), the last round's "measured ..." report lines."""
 
     iter_ms: list[float] = field(default_factory=list)
     param_bytes: list[int] = field(default_factory=list)
     peak_bytes: list[list[int]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
+    profile_ms: list[float] = field(default_factory=list)
+    measured: list[str] = field(default_factory=list)
 
 
 def _iteration_ms(lines: list[str], measure_from: int) -> float:
@@ -238,11 +280,12 @@ def run_variant(spec: VocabBenchSpec, v: Variant) -> dict[str, Any]:
     """One run of ``v`` on ``spec.pp`` ranks: ``{"iter_ms", "param_bytes": [per rank], "peak_bytes": [...]}``."""
     from ..testing import run_distributed
 
-    ranks = run_distributed(bench_rank, world_size=spec.pp, args=(spec.argv() + list(v.flags),),
+    ranks = run_distributed(bench_rank, world_size=spec.pp, args=(spec.argv() + list(v.flags), v.defer_t_weight),
                             timeout=spec.timeout)
     lines = [ln for r in ranks for ln in r["lines"]]
     return {"iter_ms": _iteration_ms(lines, spec.measure_from), "param_bytes": [r["param_bytes"] for r in ranks],
-            "peak_bytes": [r["peak_bytes"] for r in ranks]}
+            "peak_bytes": [r["peak_bytes"] for r in ranks], "profile_ms": ranks[0]["profile_ms"],
+            "measured": ranks[0]["measured"]}
 
 
 def predict(spec: VocabBenchSpec, calib: dict[str, float], vs: Sequence[Variant]) -> dict[str, float]:
@@ -276,10 +319,11 @@ def predict(spec: VocabBenchSpec, calib: dict[str, float], vs: Sequence[Variant]
 
 
 def _units(vs: Sequence[Variant]) -> list[list[Variant]]:
-    """The variants grouped as they run back to back: each base with its vocabulary variant, others alone."""
+    """The variants grouped as they run back to back: each base with its vocabulary variant (and that one's
+    ``-deferred`` variant), others alone."""
     units: list[list[Variant]] = []
     for v in vs:
-        if v.base is not None and units and units[-1][0].label == v.base:
+        if v.base is not None and units and any(u.label == v.base for u in units[-1]):
             units[-1].append(v)
         else:
             units.append([v])
@@ -318,6 +362,9 @@ def run_rounds(spec: VocabBenchSpec, vs: Sequence[Variant], *, wait_load: float 
                 m.param_bytes = res["param_bytes"]
                 m.peak_bytes.append(res["peak_bytes"])
                 m.loads.append(load)
+                if res["profile_ms"] is not None:
+                    m.profile_ms.append(res["profile_ms"])
+                m.measured = res["measured"]
                 print(f"vocab bench: round {r + 1}/{spec.rounds} {v.label}: {res['iter_ms']:.1f} ms/iteration "
                       f"(run {time.perf_counter() - t0:.0f} s, load average before the pair {load})",
                       file=log, flush=True)
@@ -331,9 +378,10 @@ def _mib(x: float) -> str:
 def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured],
            predicted: dict[str, float]) -> list[str]:
     """The table and the acceptance lines (markdown, as docs/vocab_parallel.md records them)."""
-    lines = ["| variant | iter ms (median of rounds) | predicted ms | predicted / measured | throughput vs pair "
-             "(paired median) | param MiB per rank | param max/min | peak RSS growth MiB per rank |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | iter ms (median of rounds) | predicted ms | predicted / measured | profile-predicted ms "
+             "(median of rounds) | profile-predicted / measured | throughput vs pair (paired median) | "
+             "param MiB per rank | param max/min | peak RSS growth MiB per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     speedup: dict[str, float] = {}
     for v in vs:
         m = got[v.label]
@@ -345,14 +393,16 @@ def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured]
             speedup[v.label] = statistics.median(ratios)
             pair = f"{speedup[v.label]:.2f}x {v.base}"
         peaks = [max(p[i] for p in m.peak_bytes) for i in range(spec.pp)]
+        prof = statistics.median(m.profile_ms) if m.profile_ms else None
         lines.append(f"| {v.label} | {t:.0f} | {'-' if pred is None else f'{pred:.0f}'} | "
-                     f"{'-' if pred is None else f'{pred / t:.2f}'} | {pair} | "
+                     f"{'-' if pred is None else f'{pred / t:.2f}'} | {'-' if prof is None else f'{prof:.0f}'} | "
+                     f"{'-' if prof is None else f'{prof / t:.2f}'} | {pair} | "
                      f"{' / '.join(_mib(b) for b in m.param_bytes)} | "
                      f"{max(m.param_bytes) / min(m.param_bytes):.3f} | {' / '.join(_mib(b) for b in peaks)} |")
     lines.append("")
+    bases = {v.label: v.base for v in vs}
     for name, x in speedup.items():
-        lines.append(f"{name}: {x:.2f}x the throughput of {name.rsplit('-vocab-', 1)[0]} (paired median over "
-                     f"{spec.rounds} rounds)")
+        lines.append(f"{name}: {x:.2f}x the throughput of {bases[name]} (paired median over {spec.rounds} rounds)")
     if "zbv-vocab-1" in got and MEGATRON_SPLIT in got:
         ratios = [b / x for b, x in zip(got[MEGATRON_SPLIT].iter_ms, got["zbv-vocab-1"].iter_ms)]
         lines.append(f"zbv-vocab-1: {statistics.median(ratios):.2f}x the throughput of {MEGATRON_SPLIT}")
@@ -360,6 +410,14 @@ def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured]
            and abs(predicted[v.label] / statistics.median(got[v.label].iter_ms) - 1) > 0.10]
     lines.append("simulator within 10% of every measured iteration: " + ("yes" if not off else
                                                                         f"no ({', '.join(off)})"))
+    off = [v.label for v in vs if got[v.label].profile_ms and abs(
+        statistics.median(got[v.label].profile_ms) / statistics.median(got[v.label].iter_ms) - 1) > 0.10]
+    lines.append("simulator from each run's own profile within 10% of every measured iteration it predicts: "
+                 + ("yes" if not off else f"no ({', '.join(off)})"))
+    for v in vs:
+        if got[v.label].measured:
+            lines += [f"{v.label}, last round's profile (rank 0's report):"] + [
+                f"    {ln}" for ln in got[v.label].measured]
     return lines
 
 
@@ -379,13 +437,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="before each pair, wait for a 1-minute load average below X (default: do not wait)")
     p.add_argument("--max-wait", type=float, default=600.0, metavar="S",
                    help="seconds to wait for --wait-load at most, per pair (default 600)")
+    p.add_argument("--deferred", action="store_true",
+                   help="also run each ZB-H1/ZB-V vocabulary schedule with T's weight gradient queued for a W "
+                        "(VocabParallelModel.defer_t_weight), paired with it")
     p.add_argument("--no-megatron-split", action="store_true",
                    help=f"leave out {MEGATRON_SPLIT} (megatron-core's 1F1B with {' '.join(SPLIT_FLAGS)})")
     a = p.parse_args(argv)
     spec = VocabBenchSpec(**{k: getattr(a, k) for k in asdict(d)})
     if not 1 <= spec.measure_from <= spec.iters:
         p.error(f"--measure-from {spec.measure_from} must be in 1..--iters {spec.iters}")
-    vs = variants([s.strip() for s in a.schedules.split(",") if s.strip()], megatron_split=not a.no_megatron_split)
+    vs = variants([s.strip() for s in a.schedules.split(",") if s.strip()], megatron_split=not a.no_megatron_split,
+                  deferred=a.deferred)
     if not vs:
         p.error("no variant to run")
     from ..testing import run_distributed

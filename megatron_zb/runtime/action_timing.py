@@ -58,12 +58,16 @@ class ActionTiming:
             ``isend`` call (the copy into the transport), for a ``RECV_*`` the posting of the
             receives it needs plus the host's wait for its data (on CUDA the stream's wait for a
             NCCL receive is not timed).
+        vocab: with vocabulary-parallel passes, what they measured inside the actions
+            (:class:`~megatron_zb.runtime.vocab_timing.VocabTiming`: waits for collectives, ``T``'s weight
+            gradients run by a ``W``, the barrier thread's barriers; host seconds), else ``None``.
     """
 
     def __init__(self, *, device: torch.device | str = "cpu", start: float = 0.0) -> None:
         self.device = torch.device(device)
         self.start = start
         self.comm: list[Record] = []
+        self.vocab: Any = None
         self.cpu: list[float] = []
         self._records: list[Record] = []
         self._cuda = self.device.type == "cuda"

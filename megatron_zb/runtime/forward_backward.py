@@ -197,6 +197,8 @@ class ZeroBubbleForwardBackward:
         overhead = LoopOverhead()
         # created last: on CUDA it records the iteration's start event (ActionTiming)
         timing = ActionTiming(device=runtime.device) if self.options.time_actions else None
+        if timing is not None and runtime.vocab is not None:
+            timing.vocab = runtime.vocab.timing
         data, total_tokens = self._execute(
             comm=comm, grad_sync=grad_sync, sync_ctx=sync_ctx, plan=plan,
             runtime=runtime, forward_step_func=forward_step_func, config=config,

@@ -17,8 +17,8 @@ consumer waits, so a rank never waits for anything the schedule does not make it
   broadcast to every rank. The thread runs the barriers in microbatch order, on its own process
   group, so nothing of it waits for the rank's other work.
 * ``T(i)`` (every rank): waits for the barrier, computes the slice's logits gradient, input-gradient
-  part and weight gradient (run at once, or -- when the rank runs a ``W`` of microbatch ``i`` later --
-  queued in the weight-gradient store for that ``W``); with two barriers (``vocab_barriers == 2``,
+  part and weight gradient (run at once, or -- with ``VocabParallelModel.defer_t_weight``, when the rank
+  runs a ``W`` of microbatch ``i`` later -- queued in the weight-gradient store for that ``W``); with two barriers (``vocab_barriers == 2``,
   megatron-core's exact arithmetic) the parts are all-reduced (``C1``, posted).
 * ``last``'s ``B(i)``: the gradient of ``X`` is ``C1``'s sum (two barriers) or, with one barrier (the
   paper's rescaled arithmetic, the input gradient formed in ``S`` and reduced in ``C0``), computed by
@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from ..schedules import Action, Op, Schedule
 from ..schedules.ir import interleaved_placement, plain_placement, v_placement
+from .vocab_timing import VocabTiming
 from .wgrad_store import WeightGradStore
 
 __all__ = ["VocabParallelModel", "VocabPasses", "check_vocab_schedule", "t_weight_stages", "vocab_channels"]
@@ -82,6 +83,12 @@ class VocabParallelModel:
     """With data parallelism: ``slices`` wrapped in megatron-core ``DistributedDataParallel`` with
     ``overlap_grad_reduce=False`` (the weight gradients go straight into ``main_grad``; no autograd hook
     fires); the runtime runs its ``finish_grad_sync`` after the schedule."""
+    defer_t_weight: bool = False
+    """``True``: ``T``'s weight gradient is queued for the rank's first ``W`` of the microbatch after ``T``
+    (:func:`t_weight_stages`); ``False`` (default): ``T`` runs it at once, as the schedule's cost model
+    has it (:class:`~megatron_zb.schedules.costs.VocabCosts` ``t_t`` includes it). Deferred, a ``W``
+    meant to fill a bubble carries the output layer's weight gradient -- on the benchmark's model about
+    as long as ``T`` itself -- and ``zbv-vocab-1`` ran 1.3x slower (docs/vocab_parallel.md, "Benchmark")."""
 
 
 def vocab_channels(pp_group: Any, *, timeout: float) -> dict[str, Any]:
@@ -198,8 +205,12 @@ class VocabPasses:
         self._calc_loss = forward_step_calc_loss()
         self._loss_config = copy.copy(config)
         self._loss_config.timers = None   # megatron-core's timers are the main thread's
-        self._t_to_w = t_weight_stages(rank_actions)  # mb -> the stage of the W that runs T's weight gradient
+        # mb -> the stage of the W that runs T's weight gradient (none: T runs it)
+        self._t_to_w = t_weight_stages(rank_actions) if model.defer_t_weight else {}
         self._thread = _BarrierThread()
+        self.timing = VocabTiming()  # waits inside actions, T's queued weight gradients, the barriers (host seconds)
+        self._last_b = next((a.op.value for a in rank_actions if a.stage == self.last_stage and a.op in (Op.B, Op.BW)),
+                            "B")  # the last stage's backward action (its wait for the output layer's gradient)
         self._pending: list[Any] = []   # posted works nobody waits for on this rank (drained at the end)
         self._if: dict[int, tuple[Any, Any, Any]] = {}  # mb -> (IF's work, partial sum, lookup state)
         self._emb_leaf: dict[int, torch.Tensor] = {}
@@ -236,12 +247,13 @@ class VocabPasses:
             x = self._x.pop(mb)
         else:
             x = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.slices.word_embeddings.device)
-            dist.broadcast(x, src=self._global(self.src_last), group=self.g["x"], async_op=True).wait()
+            work = dist.broadcast(x, src=self._global(self.src_last), group=self.g["x"], async_op=True)
+            self.timing.wait(("S", self.rank, mb), work.wait)
         target = self.inputs[mb]["labels"].transpose(0, 1).contiguous()
         state = output_s(x, self.slices.output_layer_weight, target, self.slices.vocab, exact=self.exact,
                          fuse_input_grad=not self.exact)
         self._state[mb] = state
-        self._barrier[mb] = self._thread.submit(lambda: self._forward_barrier(mb, state))
+        self._barrier[mb] = self._thread.submit(self.timing.timed_barrier(mb, lambda: self._forward_barrier(mb, state)))
 
     def _forward_barrier(self, mb: int, state: Any) -> _Barrier:
         """The barrier thread's work for microbatch ``mb``: C0, the loss (last rank), its gradient's broadcast."""
@@ -277,7 +289,7 @@ class VocabPasses:
     def _run_t(self, mb: int) -> None:
         from ..model.vocab_parallel import output_t
 
-        barrier = self._barrier[mb].result()
+        barrier = self.timing.wait(("T", self.rank, mb), self._barrier[mb].result)
         self.results[mb] = barrier
         grads = output_t(self._state.pop(mb), barrier.grad_loss)
         if self.exact:  # C1: the input gradient's parts, summed for the last stage's B
@@ -299,13 +311,16 @@ class VocabPasses:
             tokens = self.inputs[mb]["tokens"]
             weight = self.slices.word_embeddings
             grad = torch.empty(*tokens.shape, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            dist.broadcast(grad, src=self._global(self.src_first), group=self.g["ib"], async_op=True).wait()
+            work = dist.broadcast(grad, src=self._global(self.src_first), group=self.g["ib"], async_op=True)
+            self.timing.wait(("IB", self.rank, mb), work.wait)
         embedding_ib(state, grad, self.slices.word_embeddings)()
 
     def _weight_grad(self, mb: int, wg: Callable[[], None]) -> None:
         """Run T's weight gradient now, or queue it for this rank's later W of ``mb``."""
         if mb in self._t_to_w:
-            self.store.queue_for(self._t_to_w[mb], mb, wg, params=(self.slices.output_layer_weight,))
+            stage = self._t_to_w[mb]
+            self.store.queue_for(stage, mb, self.timing.timed_weight_grad(stage, mb, wg),
+                                 params=(self.slices.output_layer_weight,))
         else:
             wg()
 
@@ -320,7 +335,7 @@ class VocabPasses:
             if not torch.equal(input_ids.to(self.inputs[mb]["tokens"].device), self.inputs[mb]["tokens"]):
                 raise RuntimeError(f"microbatch {mb}: the first stage's tokens differ from the vocabulary-parallel "
                                    f"inputs' (every rank must be given the same micro batches, in order)")
-            work.wait()
+            self.timing.wait(("F", 0, mb), work.wait)
             leaf = partial.detach().requires_grad_()
             self._emb_leaf[mb] = leaf
             self._if[mb] = (None, None, state)  # IB needs only the lookup's state
@@ -347,9 +362,9 @@ class VocabPasses:
         """For the last stage's ``B(mb)``: the gradient of ``X`` (C1's sum, or the barrier thread's)."""
         if self.exact:
             work, grad = self._c1.pop(mb)
-            work.wait()
+            self.timing.wait((self._last_b, self.last_stage, mb), work.wait)
             return grad.to(self.dtype)
-        x_grad = self._barrier[mb].result().x_grad
+        x_grad = self.timing.wait((self._last_b, self.last_stage, mb), self._barrier[mb].result).x_grad
         assert x_grad is not None
         return x_grad
 

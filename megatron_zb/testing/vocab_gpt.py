@@ -23,14 +23,14 @@ __all__ = ["run_vocab_step", "run_vocab_steps"]
 
 
 def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, tied: bool = False,
-                   iterations: int = 1, **options: Any) -> dict[str, Any]:
+                   iterations: int = 1, defer_t_weight: bool = False, **options: Any) -> dict[str, Any]:
     """One forward/backward of ``cfg`` under the vocabulary-parallel ``schedule`` on this rank: the
     losses (last rank), every parameter's gradient by global name, and how many W entries ran.
     ``tied``: one slice for the embedding and the output layer (the chunks are built untied: their
     vocabulary layers are dropped anyway); compare with ``cfg``'s ``share_embeddings_and_output_weights=True``
     reference, whose two copies' gradients megatron-core sums (``ddp=True``: ``finalize_model_grads``).
     ``iterations``: calls of the same ``forward_backward_func`` on the same data, the gradients zeroed
-    before each (results of the last)."""
+    before each (results of the last). ``defer_t_weight``: ``VocabParallelModel.defer_t_weight``."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -51,7 +51,8 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
     slices = VocabParallelSlices(padded_size=cfg.vocab, hidden_size=cfg.hidden, group=group, tied=tied,
                                  seed=cfg.seed, init_method=config.embedding_init_method,
                                  output_init_method=config.init_method)
-    vocab = VocabParallelModel(slices, ddp=_slices_ddp(slices, config) if cfg.ddp else None)
+    vocab = VocabParallelModel(slices, ddp=_slices_ddp(slices, config) if cfg.ddp else None,
+                               defer_t_weight=defer_t_weight)
     fb = get_forward_backward_func(schedule, vocab_parallel=vocab, **options)
     data = cfg.microbatches()
     for _ in range(iterations):

@@ -60,26 +60,34 @@ warning: ``mem_b = 1`` and ``mem_w / mem_b = 32h / (34h + 5as)`` (:func:`mem_w_r
 
 Fused ``BW`` actions (1F1B) are reported as ``T_BW`` (there is no separate T_W to measure);
 the cost model then uses ``t_b = T_BW`` and ``t_w = 0``, which simulates the fused backward exactly.
+
+With vocabulary parallelism (``--enable-vocab-parallel``) the passes ``IF``/``S``/``T``/``IB`` are actions
+too (their stage is the rank) and are timed the same way; what an action spent waiting for the other
+ranks' collectives, and a ``W``'s share of ``T``'s deferred weight gradient, are taken out of it
+(:class:`~megatron_zb.runtime.vocab_timing.VocabTiming`); per rank their medians become the cost model's
+:class:`~megatron_zb.schedules.costs.VocabCosts`, with ``t_collective`` from the barrier thread's forward
+barriers (:func:`collective_ms`) and the deferred weight gradients added to their ``W``'s ``t_w``
+(:func:`cost_model`; docs/vocab_parallel.md, "The flag").
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..runtime.action_timing import ActionTiming, resolve_timings
-from ..schedules.costs import CostModel
+from ..schedules.costs import CostModel, VocabCosts
 from ..schedules.ir import Op
 from ..planning.memory import mem_w_ratio
 from ..schedules.spread import DurationSpread
 
-__all__ = ["ActionProfile", "AgreedProfile", "ProfileWindow", "agree_on_profile", "cost_model", "mem_w_ratio",
-           "measure_t_comm"]
+__all__ = ["ActionProfile", "AgreedProfile", "ProfileWindow", "agree_on_profile", "collective_ms", "cost_model", "mem_w_ratio",
+           "measure_t_comm", "vocab_line"]
 
 MemoryTracker = Any  # megatron_zb.runtime.memory.ActivationMemoryTracker (imported lazily with the runtime)
 
@@ -97,6 +105,8 @@ class ActionProfile:
     iterations: int = 0
     overhead: list[float] = field(default_factory=list)  # per iteration: runtime seconds per compute action
     outside: list[float] = field(default_factory=list)   # per sample: seconds outside the schedule's actions
+    t_weight: dict[int, float] = field(default_factory=dict)  # W's stage -> seconds of T's weight gradients it ran
+    barriers: list[dict[int, float]] = field(default_factory=list)  # per iteration: mb -> the forward barrier [s]
 
     def add(self, timing: ActionTiming, elapsed: float, memory: MemoryTracker | None = None, *,
             times: bool = True) -> None:
@@ -109,9 +119,16 @@ class ActionProfile:
         if times:
             if timing.records:
                 self.overhead.append(runtime_seconds(timing) / len(timing.records))
+            vocab = getattr(timing, "vocab", None)  # vocabulary passes: the waits and T's weight gradients inside actions
             for action, t0, t1 in timing.records:
-                self.durations.setdefault((action.op, action.stage), []).append(t1 - t0)
-                self.busy += t1 - t0
+                d = t1 - t0 if vocab is None else max(0.0, t1 - t0 - vocab.inside(action.op.value, action.stage,
+                                                                                  action.mb))
+                self.durations.setdefault((action.op, action.stage), []).append(d)
+                self.busy += d
+            if vocab is not None:
+                for (stage, _), seconds in vocab.t_weight.items():
+                    self.t_weight[stage] = self.t_weight.get(stage, 0.0) + seconds
+                self.barriers.append(dict(vocab.barrier))
             self.elapsed += elapsed
             self.iterations += 1
         if memory is not None:
@@ -121,8 +138,13 @@ class ActionProfile:
                 self.byte_counts[key] = self.byte_counts.get(key, 0) + 1
 
     def medians_ms(self) -> dict[tuple[str, int], float]:
-        """Median duration per ``(op, stage)`` in milliseconds (robust to an action the OS descheduled)."""
-        return {k: 1e3 * statistics.median(v) for k, v in self.durations.items()}
+        """Median duration per ``(op, stage)`` in milliseconds (robust to an action the OS descheduled);
+        with vocabulary passes also ``("TW", stage)``: ``T``'s weight gradients run by the stage's ``W``'s,
+        per ``W`` (their sum over the number of ``W``'s: the share each ``W`` carries on average)."""
+        out = {k: 1e3 * statistics.median(v) for k, v in self.durations.items()}
+        for stage, seconds in self.t_weight.items():
+            out[("TW", stage)] = 1e3 * seconds / len(self.durations[(Op.W, stage)])
+        return out
 
     def mean_bytes(self) -> dict[tuple[str, int], float]:
         """Mean net change of the saved-activation bytes per ``(op, stage)`` action [bytes]."""
@@ -245,6 +267,7 @@ class AgreedProfile:
     action_overhead_ms: float | None = None  # runtime time per compute action (mean over ranks of medians)
     step_ms: float | None = None  # time outside the schedule's actions per iteration (min over ranks of medians)
     spread: DurationSpread | None = None  # how single F / B / W durations vary around their medians (all stages)
+    t_collective: float | None = None  # vocabulary passes: one collective's time (ms; agree_on_profile)
 
     def per_stage(self, op: str, num_stages: int) -> list[float] | None:
         vals = [self.costs_ms.get((op, s)) for s in range(num_stages)]
@@ -272,6 +295,16 @@ class AgreedProfile:
             return None
         return [max(0.0, f + b) for f, b in vals]  # type: ignore[operator]
 
+    def vocab_costs(self, num_ranks: int) -> VocabCosts | None:
+        """The vocabulary passes' measured :class:`VocabCosts` (ms, per rank: the medians of ``IF``, ``S``,
+        ``T``, ``IB`` without their waits, ``t_collective``), or ``None`` when a pass was not timed on every rank.
+        ``mem_s`` is not measured (0)."""
+        times = [self.per_stage(op, num_ranks) for op in ("IF", "S", "T", "IB")]
+        if any(v is None for v in times):
+            return None
+        t_if, t_s, t_t, t_ib = times
+        return VocabCosts(t_if=t_if, t_s=t_s, t_t=t_t, t_ib=t_ib, t_collective=self.t_collective or 0.0)
+
     def split_backward(self, num_stages: int) -> bool:
         return self.per_stage("B", num_stages) is not None and self.per_stage("W", num_stages) is not None
 
@@ -294,7 +327,7 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
     mine = {"costs": profile.medians_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
             "iterations": profile.iterations, "bytes": profile.mean_bytes(),
             "overhead": _median_ms(profile.overhead), "outside": _median_ms(profile.outside),
-            "durations": profile.durations}
+            "durations": profile.durations, "barriers": profile.barriers}
     gathered: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(gathered, mine, group=pp_group)
     costs: dict[tuple[str, int], float] = {}
@@ -312,19 +345,36 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
                             iterations=min(int(g["iterations"]) for g in gathered), bytes=nbytes,
                             action_overhead_ms=None if None in overheads else sum(overheads) / len(overheads),
                             step_ms=None if None in outside else min(outside),
-                            spread=spread if spread.quantiles else None)]
+                            spread=spread if spread.quantiles else None,
+                            t_collective=collective_ms([g["barriers"] for g in gathered]))]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
 
 
+def collective_ms(barriers: list[list[dict[int, float]]]) -> float | None:
+    """``t_collective`` (ms) from every pipeline rank's forward barriers (``barriers[rank][iteration][mb]``,
+    seconds): per microbatch of an iteration the shortest over the ranks -- the rank that reached the
+    barrier last, which waits for no other rank, only for the collectives (and the last rank's loss) --
+    then the median over them; ``None`` without barriers."""
+    samples = []
+    for per_rank in zip(*barriers):  # one iteration, every rank
+        for mb in set.intersection(*(set(b) for b in per_rank)):
+            samples.append(min(b[mb] for b in per_rank))
+    return 1e3 * statistics.median(samples) if samples else None
+
+
 def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num_attention_heads: int,
-               seq_length: int, max_pending_microbatches: int | None, num_chunks: int = 1) -> CostModel:
+               seq_length: int, max_pending_microbatches: int | None, num_chunks: int = 1,
+               num_ranks: int | None = None) -> CostModel:
     """The schedule library's cost model from ``profile``: times in ms (each compute action's median
     plus the runtime's measured time per action, as ``plan --profile`` simulates it), memory in
     measured bytes (or in units of one stage's M_B when bytes were not measured, see the module doc).
 
     ``max_pending_microbatches``: ``--zero-bubble-max-pending-backward`` (``None``: the schedule's own
-    limit); ``num_chunks``: model chunks per pipeline rank.
+    limit); ``num_chunks``: model chunks per pipeline rank; ``num_ranks``: pipeline ranks, for the
+    vocabulary passes' costs (:meth:`AgreedProfile.vocab_costs`, each plus the runtime's time per action,
+    as every action; ``T``'s weight gradients run by ``W``'s added to those stages' ``t_w``: their ``TW``
+    share), given when they were timed.
     """
     t_f = profile.per_stage("F", num_stages)
     if t_f is None:
@@ -343,6 +393,25 @@ def cost_model(profile: AgreedProfile, *, num_stages: int, hidden_size: int, num
         ratio = mem_w_ratio(hidden_size=hidden_size, num_attention_heads=num_attention_heads, seq_length=seq_length)
         mem_b, mem_w = [1.0] * num_stages, [ratio] * num_stages
     limit = None if max_pending_microbatches is None else float(max_pending_microbatches * num_chunks * max(mem_b))
+    overhead = profile.action_overhead_ms or 0.0
+    vocab = None if num_ranks is None else profile.vocab_costs(num_ranks)
+    if vocab is not None:
+        t_w = [w + profile.costs_ms.get(("TW", s), 0.0) for s, w in enumerate(t_w)]  # type: ignore[arg-type]
+        vocab = replace(vocab, **{k: [v + overhead for v in getattr(vocab, k)] for k in ("t_if", "t_s", "t_t", "t_ib")})
     return CostModel(t_f=[max(v, floor) for v in t_f], t_b=[max(v, floor) for v in t_b], t_w=list(t_w),  # type: ignore[arg-type]
-                     t_comm=profile.t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=limit).with_action_overhead(
-        profile.action_overhead_ms or 0.0, split_backward=profile.split_backward(num_stages))
+                     t_comm=profile.t_comm, mem_b=mem_b, mem_w=mem_w, memory_limit=limit, vocab=vocab
+                     ).with_action_overhead(overhead, split_backward=profile.split_backward(num_stages))
+
+
+def vocab_line(agreed: AgreedProfile, stages: int, num_ranks: int) -> str:
+    """The report's line of the vocabulary passes: per rank (ms) the medians of ``IF``, ``S``, ``T``, ``IB``
+    without their waits, ``T``'s weight gradient per ``W`` of each stage that ran it, ``t_collective``."""
+    vc = agreed.vocab_costs(num_ranks)
+    if vc is None:
+        return "    vocabulary passes: not timed on every pipeline rank"
+    tw = [agreed.costs_ms.get(("TW", s), 0.0) for s in range(stages)]
+    return ("    measured vocabulary passes per rank (ms, without their waits): " + "; ".join(
+        f"{name}=[{', '.join(f'{v:.3f}' for v in getattr(vc, key))}]"
+        for name, key in (("T_IF", "t_if"), ("T_S", "t_s"), ("T_T", "t_t"), ("T_IB", "t_ib")))
+        + f"; T's weight gradient per W, by stage: [{', '.join(f'{v:.3f}' for v in tw)}]; t_collective="
+        + ("not measured" if agreed.t_collective is None else f"{agreed.t_collective:.3f}"))

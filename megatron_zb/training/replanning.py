@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from megatron_zb.schedules import ScheduleError, simulate
 from megatron_zb.schedules.registry import get_spec
-from megatron_zb.schedules.costs import CostModel
+from megatron_zb.schedules.costs import CostModel, VocabCosts
 from megatron_zb.schedules.ir import Placement, Schedule
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.logging_utils import format_schedule_report, print_rank_0
 from megatron_zb.training.profiling import (ActionProfile, AgreedProfile, ProfileWindow, agree_on_profile,
-                                            cost_model, measure_t_comm, mem_w_ratio)
+                                            cost_model, measure_t_comm, mem_w_ratio, vocab_line)
 from megatron_zb.training.run_config import RunConfig
 
 __all__ = ["SchedulePlanner", "planning_model", "planning_parallel"]
@@ -53,6 +53,9 @@ class SchedulePlanner:
             their events are resolved with one synchronisation at the window's end).
         profiled_iterations: the iterations profiled so far.
         restored_costs: the cost model a resumed run re-planned from (``None`` otherwise).
+        agreed: the profile the window measured, as every rank agreed on it (``None`` before the window ends).
+        measured_costs: its cost model (ms, bytes; ``None`` before the window ends or when unusable),
+            whether or not the schedule is cost-aware.
         num_microbatches: micro batches per iteration per data-parallel rank of the next training
             iteration (changes with ``--rampup-batch-size``).
     """
@@ -64,8 +67,9 @@ class SchedulePlanner:
         and install global rank 0's ``schedule``. ``config``: the run (its ``schedule`` section, the
         model's sizes, the parallel layout, the training length). Collective. ``vocab``
         (``--enable-vocab-parallel``): the model's vocabulary slices
-        (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`), given to the runtime; such a
-        run has no profiling window (the vocabulary passes' costs are not measured yet)."""
+        (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`), given to the runtime; the
+        window then also times the passes ``IF``/``S``/``T``/``IB`` and the collectives
+        (:meth:`~megatron_zb.training.profiling.AgreedProfile.vocab_costs`), and the re-plan uses them."""
         self.config = config
         self._dist = dist_ctx
         self._initial = schedule
@@ -74,6 +78,8 @@ class SchedulePlanner:
         self.window = ProfileWindow()
         self.profiled_iterations: list[int] = []
         self.restored_costs: CostModel | None = None
+        self.agreed: AgreedProfile | None = None  # the window's agreed profile, once it re-planned
+        self.measured_costs: CostModel | None = None  # the cost model of that profile
         self.runtime: Any = None
         self.num_microbatches: int = schedule.num_microbatches
         self._installed: set[int] = {schedule.num_microbatches}  # m's whose schedule is rank 0's, current costs
@@ -83,9 +89,6 @@ class SchedulePlanner:
         self._track_memory = False  # the runtime's track_memory outside the window
         self._vocab_parallel = vocab is not None
         self.vocab: Any = vocab  # the runtime's VocabParallelModel (its data_iterator is set by the trainer)
-        if self._vocab_parallel:
-            print_rank_0(f"> vocabulary parallelism: no profiling window, schedule {config.schedule.name!r} kept as "
-                         f"built (the vocabulary passes' costs are not measured yet)")
         if config.schedule.use_megatron_core_schedule:
             from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
             self.forward_backward: Any = megatron_func()
@@ -106,8 +109,6 @@ class SchedulePlanner:
     # ------------------------------------------------------------------ the profiling window
     @property
     def _window(self) -> tuple[int, int]:
-        if self._vocab_parallel:  # no profiling window: the passes' costs are not measured yet
-            return 0, 0
         sched = self.config.schedule
         return sched.zero_bubble_pipeline_timers_start_iter, sched.zero_bubble_pipeline_timers_end_iter
 
@@ -168,13 +169,15 @@ class SchedulePlanner:
         """
         self.runtime.options.time_actions = False
         self.runtime.options.track_memory = self._track_memory
-        agreed = self._agreed_profile()
-        costs = self._measured_costs(agreed)
+        agreed = self.agreed = self._agreed_profile()
+        costs = self.measured_costs = self._measured_costs(agreed)
         if costs is None:
             return None
         replanned, note = self._replan_from(costs)
         stages = self.config.schedule.num_pipeline_stages
-        print_rank_0(self._window_report(agreed, costs) + "\n" + measured_lines(agreed, stages) + "\n" + note)
+        ranks = self.config.parallel.pipeline_model_parallel_size if self._vocab_parallel else None
+        print_rank_0(self._window_report(agreed, costs) + "\n" + measured_lines(agreed, stages, num_ranks=ranks)
+                     + "\n" + note)
         if self.config.schedule.profile_out:
             self._write_profile(agreed)
         dist.barrier()
@@ -198,10 +201,14 @@ class SchedulePlanner:
             costs = cost_model(agreed, num_stages=stages, hidden_size=c.model.hidden_size,
                                num_attention_heads=c.model.num_attention_heads, seq_length=c.model.seq_length,
                                max_pending_microbatches=c.schedule.max_pending_backward,
-                               num_chunks=c.schedule.num_model_chunks)
+                               num_chunks=c.schedule.num_model_chunks,
+                               num_ranks=c.parallel.pipeline_model_parallel_size if self._vocab_parallel else None)
         except ValueError as e:
             print_rank_0(f"WARNING: profiling gave no usable costs ({e}); keeping the schedule")
             return None
+        if self._vocab_parallel and costs.vocab is None:
+            print_rank_0("WARNING: the vocabulary passes were not timed on every pipeline rank; re-planning with "
+                         "their default costs (VocabCosts())")
         if agreed.activation_bytes(stages) is None:
             print_rank_0("WARNING: no activation bytes were measured for every stage; planning memory in units "
                          "of M_B with M_W/M_B = 32h/(34h+5as)")
@@ -272,6 +279,8 @@ class SchedulePlanner:
                 or iteration < sched.zero_bubble_pipeline_timers_end_iter - 1):
             return
         costs = CostModel(**saved)
+        if isinstance(costs.vocab, dict):  # dataclasses.asdict flattened the vocabulary passes' costs
+            costs = dataclasses.replace(costs, vocab=VocabCosts(**costs.vocab))
         status, payload, _ = self._replan_on_rank0(costs)
         if status == "ok":
             self.restored_costs = costs
@@ -417,13 +426,16 @@ def _memory_in_report(costs: CostModel, peak: Any) -> tuple[list[float], float |
             "MiB (measured bytes)")
 
 
-def measured_lines(agreed: AgreedProfile, stages: int) -> str:
-    """The report's lines of what the window measured: per-stage times, the runtime's time per action
-    and outside the schedule, activation bytes (and a warning when B leaves more for W than F left for B)."""
+def measured_lines(agreed: AgreedProfile, stages: int, *, num_ranks: int | None = None) -> str:
+    """The report's lines of what the window measured: per-stage times, with ``num_ranks`` (vocabulary
+    parallelism) the passes' per-rank times and ``t_collective``, the runtime's time per action and outside
+    the schedule, activation bytes (and a warning when B leaves more for W than F left for B)."""
     lines = "    measured per stage (ms): " + "; ".join(
         f"{name}=[{', '.join(f'{v:.3f}' for v in vals)}]"
         for name, op in (("T_F", "F"), ("T_B", "B"), ("T_W", "W"), ("T_BW", "BW"))
         if (vals := agreed.per_stage(op, stages)) is not None)
+    if num_ranks is not None:
+        lines += "\n" + vocab_line(agreed, stages, num_ranks)
     lines += "\n    measured runtime time per compute action (ms, mean over ranks of medians): " + _ms(
         agreed.action_overhead_ms) + "; outside the schedule's actions per iteration (ms, min over ranks of " \
         "medians): " + _ms(agreed.step_ms)

@@ -43,13 +43,13 @@ def _assert_close(ref: dict, got: dict, *, what: str) -> None:
         assert err <= REL * g.abs().max().item(), f"{what}: gradient of {n}: error {err:.3g}"
 
 
-def _deferred(cfg: TinyGPT, schedule: str) -> int:
+def _deferred(cfg: TinyGPT, schedule: str, *, defer_t_weight: bool = False) -> int:
     """W entries a run executes: none for (interleaved) 1F1B (fused BW, T's weight gradient in T); for the
-    split-backward schedules every transformer linear's and each rank's T weight gradient (queued for the
-    rank's W of the microbatch)."""
+    split-backward schedules every transformer linear's and, with ``defer_t_weight``, each rank's T weight
+    gradient (queued for the rank's W of the microbatch; by default T runs it)."""
     if schedule.startswith(("1f1b", "interleaved-1f1b")):
         return 0
-    return (LINEARS_PER_LAYER * cfg.num_layers + cfg.pp) * cfg.num_microbatches
+    return (LINEARS_PER_LAYER * cfg.num_layers + (cfg.pp if defer_t_weight else 0)) * cfg.num_microbatches
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,10 @@ def test_pp2_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule):
     """The plain placement, and the interleaved one with 2 chunks per rank (the same 8 layers in 4 stages of
     2: stage 0, the embedding's, is chunk 0 of rank 0, the last stage 3 chunk 1 of rank 1)."""
     cfg = TinyGPT(pp=2)
-    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=2, timeout=90))
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule, defer_t_weight=True),
+                                        world_size=2, timeout=90))
     _assert_close(pp2_reference, got, what=schedule)
-    assert got["w_deferred"] == _deferred(cfg, schedule), "T's weight gradient runs in the rank's W (ZB-H1)"
+    assert got["w_deferred"] == _deferred(cfg, schedule, defer_t_weight=True), "T's weight gradient in the W (ZB-H1)"
 
 
 def test_pp2_with_megatron_core_ddp_chunks_second_iteration():
@@ -134,15 +135,16 @@ def test_the_slices_and_a_vocabulary_parallel_schedule_need_each_other():
         get_forward_backward_func("1f1b", vocab_parallel=VocabParallelModel(torch.nn.Module()))
 
 
-@pytest.mark.parametrize("schedule", ["zbv-vocab-1", "zbv-vocab-2"])
-def test_pp2_zbv_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule):
+@pytest.mark.parametrize("schedule,defer", [("zbv-vocab-1", False), ("zbv-vocab-2", True)])
+def test_pp2_zbv_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule, defer):
     """The V placement: rank 0 holds stage 0 and the last stage 3 (chunks built as megatron-core's V:
     ``placement_for``), so X and dL/dloss are broadcast from rank 0 and the embedding's gradient too; each
-    rank's T weight gradient runs in its first W of the microbatch after T."""
+    rank's T weight gradient runs in T, or (``defer_t_weight``) in its first W of the microbatch after T."""
     cfg = TinyGPT(pp=2)
-    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=2, timeout=90))
+    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule, defer_t_weight=defer),
+                                        world_size=2, timeout=90))
     _assert_close(pp2_reference, got, what=schedule)
-    assert got["w_deferred"] == _deferred(cfg, schedule), "T's weight gradient runs in the rank's W (ZB-V)"
+    assert got["w_deferred"] == _deferred(cfg, schedule, defer_t_weight=defer), "T's weight gradient in T or W"
 
 
 FAMILY_SCHEDULES = [f"{base}-vocab-{v}" for base in ("zb", "zb-1p", "zb-2p", "v-half", "v-min") for v in (1, 2)]
@@ -260,7 +262,7 @@ def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, meg
         assert "pipeline rank 0, stages [0, 2])" in got["log"] and "pipeline rank 1, stages [1, 3])" in got["log"]
     tied = ", tied" if not tying else ""
     assert f"> vocabulary parallelism: 2 slices of 64 rows (padded vocabulary 128){tied}\n" in got["log"]
-    assert f"> vocabulary parallelism: no profiling window, schedule '{schedule}' kept as built" in got["log"]
+    _assert_replanned_from_the_vocabulary_passes(got, schedule)
     want, have = ref["values"]["train"], got["values"]["train"]
     assert [r["iteration"] for r in have] == [r["iteration"] for r in want] == list(range(1, 7))
     for a, b in zip(have, want):
@@ -270,6 +272,31 @@ def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, meg
     assert len(have_v) == len(want_v) == 4  # iterations 3 and 6, then the final validation and test sets
     for a, b in zip(have_v, want_v):
         assert a["lm loss"] == pytest.approx(b["lm loss"], rel=1e-5), (a, b)
+
+
+def _assert_replanned_from_the_vocabulary_passes(got: dict, schedule: str) -> None:
+    """The profiling window (iterations 2-3) timed every vocabulary pass on both ranks (IF, S, T, IB and the
+    collectives: every cost > 0) and the schedule every rank ran afterwards is the generator's under those
+    measured costs, valid."""
+    from megatron_zb.schedules import CostModel
+    from megatron_zb.schedules.registry import build_schedule
+    from megatron_zb.schedules.costs import VocabCosts
+    from megatron_zb.schedules.ir import validate
+
+    assert f"re-planned '{schedule}' from the measured costs" in got["log"]
+    assert "measured vocabulary passes per rank (ms, without their waits): T_IF=[" in got["log"]
+    costs = got["costs"]
+    assert costs is not None and costs["vocab"] is not None, "the re-plan had no vocabulary costs"
+    vocab = costs["vocab"]
+    for key in ("t_if", "t_s", "t_t", "t_ib"):
+        assert len(vocab[key]) == 2 and all(v > 0 for v in vocab[key]), (key, vocab[key])
+    assert vocab["t_collective"] > 0
+    model = CostModel(**{**costs, "vocab": VocabCosts(**vocab)})
+    limit = costs["memory_limit"] if costs["memory_limit"] is not None else got["memory_limit"]
+    want = build_schedule(schedule, num_ranks=2, num_microbatches=got["m"], costs=model, memory_limit=limit)
+    installed = got["installed"]
+    validate(installed)
+    assert installed.ranks == want.ranks and installed.vocab_barriers == want.vocab_barriers
 
 
 def test_enable_vocab_parallel_refusals_name_every_flag():
