@@ -7,9 +7,9 @@ ranks; ``X``, the loss gradient and the embedding's gradient are replicated over
 parallelism, bitwise: megatron-core's tensor-parallel all-reduces give every tensor rank the same sum) and
 broadcast from the stage's tensor rank 0; the stage's other tensor ranks take part in the broadcast with a
 scratch buffer and use their own copy, as megatron-core's tensor-parallel layers do, so they never wait for
-it: a broadcast over more than two ranks may be relayed through other receivers, and a wait there would
-tie the stage's tensor ranks -- which meet in every tensor-parallel all-reduce -- to other stages' progress
-the schedule does not expect; every collective is
+it: over more than two ranks one receiver's copy can depend on the other receivers having posted theirs,
+and a wait there would tie the stage's tensor ranks -- which meet in every tensor-parallel all-reduce -- to
+other stages' progress the schedule does not expect (a deadlock otherwise); every collective is
 issued asynchronously where it is produced and waited for where the schedule's timing kernel says its
 consumer waits, so a rank never waits for anything the schedule does not make it wait for):
 

@@ -1,6 +1,6 @@
 """The runtime runs vocabulary-parallel schedules (1f1b-vocab-1/2, zb-h1-vocab-1/2) on real
 megatron-core GPT chunks over real gloo processes: the word embedding and the output layer sliced over
-the pipeline ranks (megatron_zb/model/vocab_parallel.py), their IF/S/T/IB passes and collectives run
+the pipeline (x tensor) ranks (megatron_zb/model/vocab_parallel.py), their IF/S/T/IB passes and collectives run
 by megatron_zb/runtime/vocab_runtime.py.
 
 Compared with megatron-core's own 1F1B (``forward_backward_pipelining_without_interleaving``) on the
@@ -130,18 +130,21 @@ def test_the_slices_and_a_vocabulary_parallel_schedule_need_each_other():
         get_forward_backward_func("1f1b", vocab_parallel=VocabParallelModel(torch.nn.Module()))
 
 
-def test_tp2_pp2_zb_h1_vocab_1_matches_megatron_1f1b():
+def test_tp2_pp2_vocab_schedules_match_megatron_1f1b():
     """TP=2 x PP=2 (4 processes, no sequence parallelism): the slices over megatron-core's model-parallel
     group (slice ``pp_rank x TP + tp_rank``), every pass's collective over it; X and dL/dloss broadcast from
     the last stage's tensor rank 0, the embedding's gradient from the first stage's. Against megatron-core's
-    1F1B with TP=2 on the same model (the chunks' gradients gathered over the tensor group)."""
+    1F1B with TP=2 on the same model (the chunks' gradients gathered over the tensor group); two barriers
+    (``zb-h1-vocab-1``, megatron-core's arithmetic) and one (``zb-h1-vocab-2``, the input gradient formed by
+    every tensor rank of the last stage from C0's sum)."""
     cfg = TinyGPT(pp=2, tp=2, num_layers=4, hidden=32, seq=16)
     ref = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=None), world_size=4, timeout=120))
-    got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule="zb-h1-vocab-1"), world_size=4,
-                                        timeout=120))
-    _assert_close(ref, got, what="TP=2 x PP=2 zb-h1-vocab-1")
-    # summed over the ranks: each tensor rank runs its stage's linears' W and its own T weight gradient
-    assert got["w_deferred"] == cfg.tp * _deferred(cfg, "zb-h1-vocab-1")
+    for schedule in ("zb-h1-vocab-1", "zb-h1-vocab-2"):
+        got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=4,
+                                            timeout=120))
+        _assert_close(ref, got, what=f"TP=2 x PP=2 {schedule}")
+        # summed over the ranks: each tensor rank runs its stage's linears' W and its own T weight gradient
+        assert got["w_deferred"] == cfg.tp * _deferred(cfg, schedule)
 
 
 @pytest.mark.parametrize("schedule", ["zbv-vocab-1", "zbv-vocab-2"])
