@@ -123,11 +123,14 @@ def vocab_pass_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware, *, v
     """Costs of one rank's ``IF``, ``S``, ``T``, ``IB`` (module doc) for the paper's ``variant`` (1 or 2).
 
     Raises:
-        PlanError: tensor parallelism (the runtime splits the vocabulary over the pipeline group only).
+        PlanError: tensor parallelism (these costs split the vocabulary over the pipeline ranks only; the
+            runtime and pretrain_gpt_zb.py run it over tensor x pipeline ranks, not planned yet).
     """
     if par.tp != 1:
         raise PlanError("--enable-vocab-parallel", f"planned with --tensor-model-parallel-size 1 only (got "
-                                                   f"{par.tp}): pretrain_gpt_zb.py refuses the two together")
+                                                   f"{par.tp}): the passes' costs are modelled for slices over the "
+                                                   f"pipeline ranks; pretrain_gpt_zb.py runs the two together, the "
+                                                   f"planner does not plan it yet")
     e, p, h = model.element_bytes, par.pp, float(model.hidden_size)
     T = float(model.seq_length * model.micro_batch_size)
     v_pad = vocab_padded_size(model, par)

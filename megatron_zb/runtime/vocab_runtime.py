@@ -1,8 +1,15 @@
 """The runtime's vocabulary-parallel passes: ``IF``, ``S``, ``T``, ``IB`` of a schedule on the slices of
 :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices`, with their collectives over the
-pipeline group (docs/vocab_parallel.md, "What runs").
+model-parallel group, tensor x pipeline ranks (docs/vocab_parallel.md, "What runs").
 
-Per microbatch ``i`` (``first`` / ``last``: the ranks of the first and last stage; every collective is
+Per microbatch ``i`` (``first`` / ``last``: the ranks of the first and last stage, each of their tensor-parallel
+ranks; ``X``, the loss gradient and the embedding's gradient are replicated over those (no sequence
+parallelism, bitwise: megatron-core's tensor-parallel all-reduces give every tensor rank the same sum) and
+broadcast from the stage's tensor rank 0; the stage's other tensor ranks take part in the broadcast with a
+scratch buffer and use their own copy, as megatron-core's tensor-parallel layers do, so they never wait for
+it: over more than two ranks one receiver's copy can depend on the other receivers having posted theirs,
+and a wait there would tie the stage's tensor ranks -- which meet in every tensor-parallel all-reduce -- to
+other stages' progress the schedule does not expect (a deadlock otherwise); every collective is
 issued asynchronously where it is produced and waited for where the schedule's timing kernel says its
 consumer waits, so a rank never waits for anything the schedule does not make it wait for):
 
@@ -91,18 +98,20 @@ class VocabParallelModel:
     as long as ``T`` itself -- and ``zbv-vocab-1`` ran 1.3x slower (docs/vocab_parallel.md, "Benchmark")."""
 
 
-def vocab_channels(pp_group: Any, *, timeout: float) -> dict[str, Any]:
-    """One process group per kind of collective (:data:`KINDS`) over ``pp_group``'s ranks, built on
-    the first call (collective over the default group, as :func:`~megatron_zb.runtime.p2p.pipe_channels`),
-    then cached. ``timeout``: seconds, the groups' own timeout."""
-    ranks = tuple(dist.get_process_group_ranks(pp_group))
+def vocab_channels(group: Any, *, timeout: float) -> dict[str, Any]:
+    """One process group per kind of collective (:data:`KINDS`) over ``group``'s ranks (the model-parallel
+    group: tensor x pipeline ranks; the pipeline group's at TP = 1), built on the first call (collective
+    over the default group: every rank creates every replica's groups, in the same order, as
+    :func:`~megatron_zb.runtime.p2p.pipe_channels`), then cached. ``timeout``: seconds, the groups' own
+    timeout."""
+    ranks = tuple(dist.get_process_group_ranks(group))
     key = (dist.group.WORLD, ranks)
     if key not in _CHANNELS:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, ranks)
         td = datetime.timedelta(seconds=timeout)
         for group_ranks in sorted(set(everyone)):
-            groups = {k: dist.new_group(list(group_ranks), timeout=td, backend=dist.get_backend(pp_group),
+            groups = {k: dist.new_group(list(group_ranks), timeout=td, backend=dist.get_backend(group),
                                         group_desc=f"vocab_parallel_{k}") for k in KINDS}
             if group_ranks == ranks:
                 _CHANNELS[key] = groups
@@ -186,15 +195,18 @@ class VocabPasses:
     def __init__(self, *, model: VocabParallelModel, channels: dict[str, Any], schedule: Schedule, rank: int,
                  inputs: list[dict[str, torch.Tensor]], config: Any, chunks: dict[int, torch.nn.Module],
                  tensor_shape: Any, dtype: torch.dtype, store: WeightGradStore, rank_actions: tuple[Action, ...],
-                 collect_non_loss_data: bool, cp_group_size: int, forward_only: bool = False) -> None:
+                 collect_non_loss_data: bool, cp_group_size: int, forward_only: bool = False,
+                 tp_size: int = 1, tp_rank: int = 0) -> None:
         from ..megatron_compat import forward_step_calc_loss
 
         self.slices, self.g, self.ddp = model.slices, channels, model.ddp
         self.p, self.rank, self.m = schedule.num_ranks, rank, schedule.num_microbatches
         self.last_stage = schedule.num_stages - 1
         self.is_first, self.is_last = rank == schedule.stage_to_rank[0], rank == schedule.stage_to_rank[-1]
-        self.src_first = schedule.stage_to_rank[0]  # group rank of the first stage (0 on every placement)
-        self.src_last = schedule.stage_to_rank[-1]  # group rank of the last stage (0 on the V, else p - 1)
+        # the broadcasts' sources: the stage's tensor rank 0, group rank pp_rank x TP + tp_rank (the slices' numbering)
+        self.src_first = schedule.stage_to_rank[0] * tp_size  # first stage (pipeline rank 0 on plain and V)
+        self.src_last = schedule.stage_to_rank[-1] * tp_size  # last stage (pipeline rank p - 1 plain, 0 on the V)
+        self.sends_first, self.sends_last = self.is_first and tp_rank == 0, self.is_last and tp_rank == 0
         self.exact = schedule.vocab_barriers == 2   # two barriers: megatron-core's arithmetic, C1 after T
         if len(inputs) != self.m:
             raise ValueError(f"vocabulary-parallel inputs: {len(inputs)} micro batches for {self.m} microbatches")
@@ -280,7 +292,8 @@ class VocabPasses:
                     out = self.config.grad_scale_func(out)
                 (g,) = torch.autograd.grad(out, per_token)
             grad_loss.copy_(g.transpose(0, 1))
-        dist.broadcast(grad_loss, src=self._global(self.src_last), group=self.g["c0"])
+        recv = grad_loss if not self.is_last or self.sends_last else torch.empty_like(grad_loss)  # own copy kept
+        dist.broadcast(recv, src=self._global(self.src_last), group=self.g["c0"])
         x_grad = None
         if self.is_last and not self.exact:  # one barrier: the input gradient was reduced in C0
             x_grad = (state.input_grad * grad_loss.unsqueeze(-1)).to(self.dtype)
@@ -353,10 +366,12 @@ class VocabPasses:
         return wrapped
 
     def after_last_forward(self, mb: int, out: torch.Tensor) -> None:
-        """After the last stage's ``F(mb)``: keep ``X`` and post its broadcast."""
+        """After the last stage's ``F(mb)``: keep ``X`` and post its broadcast (from tensor rank 0; the stage's
+        other tensor ranks keep their own, equal, copy and receive into a scratch buffer)."""
         x = out.detach().clone()
         self._x[mb] = x
-        self._pending.append(dist.broadcast(x, src=self._global(self.src_last), group=self.g["x"], async_op=True))
+        send = x if self.sends_last else torch.empty_like(x)
+        self._pending.append(dist.broadcast(send, src=self._global(self.src_last), group=self.g["x"], async_op=True))
 
     def last_output_grad(self, mb: int) -> torch.Tensor:
         """For the last stage's ``B(mb)``: the gradient of ``X`` (C1's sum, or the barrier thread's)."""
@@ -372,7 +387,8 @@ class VocabPasses:
         """After the first stage's ``B(mb)``: post the embedding gradient's broadcast for ``IB``."""
         leaf = self._emb_leaf.pop(mb)
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        work = dist.broadcast(grad, src=self._global(self.src_first), group=self.g["ib"], async_op=True)
+        send = grad if self.sends_first else torch.empty_like(grad)  # tensor ranks > 0: their own copy kept
+        work = dist.broadcast(send, src=self._global(self.src_first), group=self.g["ib"], async_op=True)
         self._ib[mb] = (work, grad)
 
     # ------------------------------------------------------------------ end of the iteration
@@ -419,17 +435,18 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
                  store: WeightGradStore, forward_only: bool, collect_non_loss_data: bool,
                  cp_group_size: int) -> VocabPasses:
     """This call's :class:`VocabPasses`, after refusing (``ValueError``) what the runtime does not run yet:
-    tensor parallelism, data parallelism without the slices' DDP, context parallelism, chunks not passed through
+    sequence parallelism, data parallelism without the slices' DDP, context parallelism, chunks not passed through
     ``strip_vocab_layers``, schedules :func:`check_vocab_schedule` refuses, a missing ``data_iterator``."""
     from megatron.core import parallel_state
 
     schedule = plan.schedule
     problems = []
-    for what, size in (("tensor", parallel_state.get_tensor_model_parallel_world_size()),
-                       ("context", cp_group_size)):
-        if size != 1:
-            problems.append(f"{what}-parallel size {size}: vocabulary-parallel passes run with pipeline (and data) "
-                            f"parallelism only so far")
+    if cp_group_size != 1:
+        problems.append(f"context-parallel size {cp_group_size}: vocabulary-parallel passes run with tensor, pipeline "
+                        f"and data parallelism only so far")
+    if getattr(config, "sequence_parallel", False):
+        problems.append("sequence parallelism: X and the embedding's gradient are split over the tensor ranks along "
+                        "the sequence (the passes broadcast them whole from one tensor rank); not supported yet")
     dp = parallel_state.get_data_parallel_world_size()
     if dp > 1 and model.ddp is None:
         problems.append(f"data-parallel size {dp}: VocabParallelModel.ddp (the slices in megatron-core DDP) is needed "
@@ -448,6 +465,12 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
         if stage in (0, schedule.num_stages - 1) and not getattr(_unwrap(chunk), "vocab_parallel_stripped", False):
             problems.append(f"stage {stage}'s chunk still holds its vocabulary layer: pass it through "
                             f"megatron_zb.model.vocab_chunks.strip_vocab_layers")
+    mp_group = parallel_state.get_model_parallel_group()  # the slices' group: pp_rank x TP + tp_rank
+    vocab = getattr(model.slices, "vocab", None)
+    if vocab is not None and (vocab.num_slices, vocab.index) != (mp_group.size(), mp_group.rank()):
+        problems.append(f"the slices are slice {vocab.index} of {vocab.num_slices}, this rank is rank {mp_group.rank()} "
+                        f"of {mp_group.size()} of the model-parallel group: build VocabParallelSlices over "
+                        f"parallel_state.get_model_parallel_group()")
     data_iterator = model.data_iterator
     if data_iterator is None:
         problems.append("VocabParallelModel.data_iterator is not set: every rank needs each microbatch's tokens "
@@ -456,11 +479,12 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
         raise ValueError("vocabulary-parallel run refused: " + "; ".join(problems))
     check_vocab_schedule(schedule)
     inputs = [next(data_iterator) for _ in range(schedule.num_microbatches)]
-    return VocabPasses(model=model, channels=vocab_channels(pp_group, timeout=timeout), schedule=schedule,
+    return VocabPasses(model=model, channels=vocab_channels(mp_group, timeout=timeout), schedule=schedule,
                        rank=plan.rank, inputs=inputs, config=config, chunks=runtime.chunks,
                        tensor_shape=runtime.tensor_shape, dtype=runtime.dtype, store=store, rank_actions=plan.actions,
                        collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size,
-                       forward_only=forward_only)
+                       forward_only=forward_only, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+                       tp_rank=parallel_state.get_tensor_model_parallel_rank())
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

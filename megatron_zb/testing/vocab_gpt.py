@@ -5,9 +5,10 @@ keys megatron-core's, so the two compare directly (tests/runtime/test_vocab_runt
 The chunks are built as for megatron-core (same seeds, same weights) for the schedule's placement
 (plain, V or interleaved with 2 chunks per rank: :func:`~megatron_zb.testing.tiny_gpt.placement_for`), then
 :func:`~megatron_zb.model.vocab_chunks.strip_vocab_layers` hands the word embedding and the output
-layer to :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` over the pipeline group, drawn
-from the same seeds (the slices of the same matrices). The slices' gradients are gathered over the
-pipeline group and returned under megatron-core's names (``embedding.word_embeddings.weight``,
+layer to :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` over the model-parallel group
+(tensor x pipeline ranks; the pipeline group's ranks at TP = 1), drawn from the same seeds (the slices of
+the same matrices). The slices' gradients are gathered over that group, the chunks' over the tensor
+group (as ``run_step``), and returned under megatron-core's names (``embedding.word_embeddings.weight``,
 ``output_layer.weight``).
 """
 
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .tiny_gpt import TinyGPT, build, forward_step
+from .tiny_gpt import TinyGPT, build, forward_step, full_tensor
 
 __all__ = ["run_vocab_step", "run_vocab_steps"]
 
@@ -47,7 +48,7 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
     for c in chunks:
         strip_vocab_layers(c.module)
     config = chunks[0].module.config
-    group = parallel_state.get_pipeline_model_parallel_group()
+    group = parallel_state.get_model_parallel_group()
     slices = VocabParallelSlices(padded_size=cfg.vocab, hidden_size=cfg.hidden, group=group, tied=tied,
                                  seed=cfg.seed, init_method=config.embedding_init_method,
                                  output_init_method=config.init_method)
@@ -73,7 +74,7 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
         return {"losses": [d["lm loss"].cpu() for d in losses], "with_grad": sum(p.grad is not None for p in params),
                 "w_deferred": fb.store.executed}
     use_main = cfg.ddp or cfg.gradient_accumulation_fusion  # megatron-core DDP: gradients in main_grad
-    grads = {n: (p.main_grad if use_main else p.grad).detach().clone()
+    grads = {n: full_tensor(p.main_grad if use_main else p.grad, p)
              for c in chunks for n, p in named_global_parameters(c)}
     slices_main = vocab.ddp is not None
     for name, weight in (("embedding.word_embeddings.weight", slices.word_embeddings),

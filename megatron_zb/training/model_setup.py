@@ -133,7 +133,7 @@ def build_model(config: RunConfig, *, stage_to_rank: Sequence[int], dist: Distri
 def _strip_vocab_layers(config: RunConfig, chunks: Sequence[GPTChunk], tc: Any) -> Any:
     """``--enable-vocab-parallel``: drop the first and last chunk's vocabulary layers (built untied:
     :func:`~megatron_zb.model.vocab_chunks.strip_vocab_layers`); return this rank's slices of them over
-    the pipeline group, drawn from the same seeds as the chunks' would be (one slice serving both
+    the model-parallel group (tensor x pipeline ranks, slice ``pp_rank x TP + tp_rank``), drawn from the same seeds as the chunks' would be (one slice serving both
     unless ``--untie-embeddings-and-output-weights``)."""
     from megatron.core import parallel_state
 
@@ -143,7 +143,7 @@ def _strip_vocab_layers(config: RunConfig, chunks: Sequence[GPTChunk], tc: Any) 
     for c in chunks:
         strip_vocab_layers(c.module)
     slices = VocabParallelSlices(padded_size=config.model.padded_vocab_size, hidden_size=tc.hidden_size,
-                                 group=parallel_state.get_pipeline_model_parallel_group(),
+                                 group=parallel_state.get_model_parallel_group(),
                                  tied=not config.model.untie_embeddings_and_output_weights,
                                  seed=config.seed, init_method=tc.embedding_init_method,
                                  output_init_method=tc.init_method, params_dtype=tc.params_dtype)

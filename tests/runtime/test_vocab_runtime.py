@@ -135,6 +135,23 @@ def test_the_slices_and_a_vocabulary_parallel_schedule_need_each_other():
         get_forward_backward_func("1f1b", vocab_parallel=VocabParallelModel(torch.nn.Module()))
 
 
+def test_tp2_pp2_vocab_schedules_match_megatron_1f1b():
+    """TP=2 x PP=2 (4 processes, no sequence parallelism): the slices over megatron-core's model-parallel
+    group (slice ``pp_rank x TP + tp_rank``), every pass's collective over it; X and dL/dloss broadcast from
+    the last stage's tensor rank 0, the embedding's gradient from the first stage's. Against megatron-core's
+    1F1B with TP=2 on the same model (the chunks' gradients gathered over the tensor group); two barriers
+    (``zb-h1-vocab-1``, megatron-core's arithmetic) and one (``zb-h1-vocab-2``, the input gradient formed by
+    every tensor rank of the last stage from C0's sum)."""
+    cfg = TinyGPT(pp=2, tp=2, num_layers=4, hidden=32, seq=16)
+    ref = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=None), world_size=4, timeout=120))
+    for schedule in ("zb-h1-vocab-1", "zb-h1-vocab-2"):
+        got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=4,
+                                            timeout=120))
+        _assert_close(ref, got, what=f"TP=2 x PP=2 {schedule}")
+        # summed over the ranks: each tensor rank runs its stage's linears' W and its own T weight gradient
+        assert got["w_deferred"] == cfg.tp * _deferred(cfg, schedule)
+
+
 @pytest.mark.parametrize("schedule,defer", [("zbv-vocab-1", False), ("zbv-vocab-2", True)])
 def test_pp2_zbv_vocab_schedules_match_megatron_1f1b(pp2_reference, schedule, defer):
     """The V placement: rank 0 holds stage 0 and the last stage 3 (chunks built as megatron-core's V:
@@ -299,10 +316,34 @@ def _assert_replanned_from_the_vocabulary_passes(got: dict, schedule: str) -> No
     assert installed.ranks == want.ranks and installed.vocab_barriers == want.vocab_barriers
 
 
+def test_pretrain_enable_vocab_parallel_with_tensor_parallelism(tmp_path):
+    """``--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --enable-vocab-parallel --schedule
+    zb-h1-vocab-1`` (tied; 4 processes; the slices over the model-parallel group: 4 slices of 32 rows) against
+    ``--use-megatron-core-schedule`` with TP=2 on the same model (101 ids padded to 128 both ways: by 32 x TP x PP
+    and by 32 x TP): the logged loss and grad norm of 3 iterations and the validation loss within a relative 1e-5."""
+    from megatron_zb.testing.trainer_run import in_process
+
+    argv = [*TRAIN, "--make-vocab-size-divisible-by", "32", "--tensor-model-parallel-size", "2",
+            "--train-iters", "3", "--eval-interval", "3", "--global-batch-size", "4"]
+    ref = in_process(tmp_path, "ref", 4, argv + ["--use-megatron-core-schedule"])
+    got = in_process(tmp_path, "vocab", 4, argv + ["--schedule", "zb-h1-vocab-1", "--enable-vocab-parallel"])
+    assert "> vocabulary parallelism: 4 slices of 32 rows (padded vocabulary 128), tied\n" in got["log"]
+    want, have = ref["values"]["train"], got["values"]["train"]
+    assert [r["iteration"] for r in have] == [r["iteration"] for r in want] == [1, 2, 3]
+    for a, b in zip(have, want):
+        for key in ("lm loss", "grad norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["iteration"], key, a[key], b[key])
+    want_v, have_v = ref["values"]["valid"], got["values"]["valid"]
+    assert len(have_v) == len(want_v) == 3  # after iteration 3, then the final validation and test sets
+    for a, b in zip(have_v, want_v):
+        assert a["lm loss"] == pytest.approx(b["lm loss"], rel=1e-5), (a, b)
+
+
 def test_enable_vocab_parallel_refusals_name_every_flag():
     """Before any process group: a vocabulary-parallel schedule needs the flag, the flag such a schedule,
-    and what the runtime does not run with it yet is named in one line (TP, fp16, overlapped parameter
-    gathers, ...); checkpoints and the distributed optimizer are not refused (tests/training/test_vocab_checkpoint.py)."""
+    and what the runtime does not run with it yet is named in one line (sequence parallelism, fp16, overlapped
+    parameter gathers, ...); tensor parallelism alone is accepted, and checkpoints and the distributed optimizer
+    are not refused (tests/training/test_vocab_checkpoint.py)."""
     from megatron_zb.training.arguments import ArgumentError
     from megatron_zb.training.pretrain import parse_command_line
 
@@ -315,11 +356,16 @@ def test_enable_vocab_parallel_refusals_name_every_flag():
         parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", name], world_size=2)
     with pytest.raises(ArgumentError) as e:
         parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", "1f1b-vocab-2",
-                                   "--tensor-model-parallel-size", "2", "--fp16", "--use-distributed-optimizer",
-                                   "--overlap-grad-reduce", "--overlap-param-gather"], world_size=4)
+                                   "--tensor-model-parallel-size", "2", "--sequence-parallel", "--fp16",
+                                   "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+                           world_size=4)
     msg = str(e.value)
-    for what in ("--tensor-model-parallel-size > 1", "--fp16/--bf16", "--overlap-param-gather"):
+    for what in ("--sequence-parallel (X and the embedding's gradient are split over the tensor ranks",
+                 "--fp16/--bf16", "--overlap-param-gather"):
         assert what in msg, (what, msg)
+    assert "--tensor-model-parallel-size" not in msg, msg
+    parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", "zb-h1-vocab-1",
+                                "--tensor-model-parallel-size", "2"], world_size=4)
 
 
 def test_enable_vocab_parallel_is_refused_inside_megatron_lms_loop():

@@ -374,11 +374,11 @@ def check_vocab_parallel(args: argparse.Namespace) -> None:
     if not get_spec(args.schedule).vocab_parallel:
         raise ArgumentError("--enable-vocab-parallel", f"needs a schedule that places the vocabulary passes: "
                                                        f"--schedule {_vocab_names()} ({args.schedule!r} places none)")
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    cp = args.context_parallel_size
     bad = [what for what, on in (
-        ("--tensor-model-parallel-size > 1", tp > 1),
         ("--context-parallel-size > 1", cp > 1),
-        ("--sequence-parallel", args.sequence_parallel),
+        ("--sequence-parallel (X and the embedding's gradient are split over the tensor ranks along the "
+         "sequence; the passes broadcast them whole)", args.sequence_parallel),
         ("--fp16/--bf16 (fp32 only)", args.fp16 or args.bf16),
         ("--calculate-per-token-loss", args.calculate_per_token_loss),
         ("--num-experts", bool(args.num_experts)),
