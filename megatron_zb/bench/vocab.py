@@ -69,18 +69,20 @@ class VocabBenchSpec:
     measure_from: int = 5
     rounds: int = 3
     timeout: float = 600.0
+    position_embedding: str = "rope"
 
     def describe(self) -> str:
         return (f"GPT {self.num_layers} layers, hidden {self.hidden}, {self.heads} heads, seq {self.seq}, vocab "
-                f"{self.vocab}, micro batch {self.micro_batch}, {self.microbatches} microbatches, PP={self.pp}, "
-                f"fp32, tied embeddings, no dropout, Adam")
+                f"{self.vocab}, {self.position_embedding} positions, micro batch {self.micro_batch}, "
+                f"{self.microbatches} microbatches, PP={self.pp}, fp32, tied embeddings, no dropout, Adam")
 
     def argv(self) -> list[str]:
         """``pretrain_gpt_zb.py`` flags common to every variant."""
         gbs = self.micro_batch * self.microbatches
         return ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden), "--num-attention-heads",
                 str(self.heads), "--seq-length", str(self.seq), "--max-position-embeddings", str(self.seq),
-                "--vocab-size", str(self.vocab), "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0",
+                "--vocab-size", str(self.vocab), "--position-embedding-type", self.position_embedding,
+                "--tokenizer-type", "NullTokenizer", "--hidden-dropout", "0",
                 "--attention-dropout", "0", "--micro-batch-size", str(self.micro_batch), "--global-batch-size",
                 str(gbs), "--train-iters", str(self.iters), "--lr", "1e-4", "--mock-data", "--num-workers", "0",
                 "--log-interval", "1", "--eval-iters", "0", "--eval-interval", str(10 * self.iters),
@@ -171,6 +173,8 @@ def bench_rank(argv: list[str], defer_t_weight: bool = False) -> dict[str, Any]:
             if model.vocab_slices is not None:
                 params.update({id(p): p for p in model.vocab_slices.parameters()})
             param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+            decoder_bytes = sum(p.numel() * p.element_size() for ch in model.chunks
+                                for name, p in ch.module.named_parameters() if ".decoder." in f".{name}")
             with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS now (Linux >= 4.0)
                 f.write("5")
             assert trainer.run() == 0
@@ -181,7 +185,7 @@ def bench_rank(argv: list[str], defer_t_weight: bool = False) -> dict[str, Any]:
     text = log.getvalue().splitlines()
     lines = [ln for ln in text if "elapsed time per iteration" in ln]
     measured = [ln.strip() for ln in text if ln.lstrip().startswith("measured ")]
-    return {"param_bytes": param_bytes, "peak_bytes": (peak - rss0) * 1024, "lines": lines,
+    return {"param_bytes": param_bytes, "decoder_bytes": decoder_bytes, "peak_bytes": (peak - rss0) * 1024, "lines": lines,
             "profile_ms": profiled, "measured": measured}
 
 
@@ -260,6 +264,7 @@ class Measured:
 
     iter_ms: list[float] = field(default_factory=list)
     param_bytes: list[int] = field(default_factory=list)
+    decoder_bytes: list[int] = field(default_factory=list)
     peak_bytes: list[list[int]] = field(default_factory=list)
     loads: list[str] = field(default_factory=list)
     profile_ms: list[float] = field(default_factory=list)
@@ -284,6 +289,7 @@ def run_variant(spec: VocabBenchSpec, v: Variant) -> dict[str, Any]:
                             timeout=spec.timeout)
     lines = [ln for r in ranks for ln in r["lines"]]
     return {"iter_ms": _iteration_ms(lines, spec.measure_from), "param_bytes": [r["param_bytes"] for r in ranks],
+            "decoder_bytes": [r["decoder_bytes"] for r in ranks],
             "peak_bytes": [r["peak_bytes"] for r in ranks], "profile_ms": ranks[0]["profile_ms"],
             "measured": ranks[0]["measured"]}
 
@@ -303,7 +309,7 @@ def predict(spec: VocabBenchSpec, calib: dict[str, float], vs: Sequence[Variant]
     model = make_model(num_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
                        seq_length=spec.seq, micro_batch_size=spec.micro_batch, vocab_size=spec.vocab,
                        precision="fp32", hidden_dropout=0.0, attention_dropout=0.0,
-                       max_position_embeddings=spec.seq)
+                       position_embedding_type=spec.position_embedding, max_position_embeddings=spec.seq)
     out: dict[str, float] = {}
     for split in sorted({v.split for v in vs}):
         par = make_parallel(model, pp=spec.pp, num_microbatches=spec.microbatches,
@@ -360,6 +366,7 @@ def run_rounds(spec: VocabBenchSpec, vs: Sequence[Variant], *, wait_load: float 
                 m = got[v.label]
                 m.iter_ms.append(res["iter_ms"])
                 m.param_bytes = res["param_bytes"]
+                m.decoder_bytes = res["decoder_bytes"]
                 m.peak_bytes.append(res["peak_bytes"])
                 m.loads.append(load)
                 if res["profile_ms"] is not None:
@@ -380,8 +387,8 @@ def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured]
     """The table and the acceptance lines (markdown, as docs/vocab_parallel.md records them)."""
     lines = ["| variant | iter ms (median of rounds) | predicted ms | predicted / measured | profile-predicted ms "
              "(median of rounds) | profile-predicted / measured | throughput vs pair (paired median) | "
-             "param MiB per rank | param max/min | peak RSS growth MiB per rank |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "param MiB per rank | param max/min | outside the transformer blocks MiB per rank | peak RSS growth MiB per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     speedup: dict[str, float] = {}
     for v in vs:
         m = got[v.label]
@@ -398,7 +405,9 @@ def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured]
                      f"{'-' if pred is None else f'{pred / t:.2f}'} | {'-' if prof is None else f'{prof:.0f}'} | "
                      f"{'-' if prof is None else f'{prof / t:.2f}'} | {pair} | "
                      f"{' / '.join(_mib(b) for b in m.param_bytes)} | "
-                     f"{max(m.param_bytes) / min(m.param_bytes):.3f} | {' / '.join(_mib(b) for b in peaks)} |")
+                     f"{max(m.param_bytes) / min(m.param_bytes):.4f} | "
+                     f"{' / '.join(_mib(b - d) for b, d in zip(m.param_bytes, m.decoder_bytes))} | "
+                     f"{' / '.join(_mib(b) for b in peaks)} |")
     lines.append("")
     bases = {v.label: v.base for v in vs}
     for name, x in speedup.items():
@@ -406,6 +415,11 @@ def report(spec: VocabBenchSpec, vs: Sequence[Variant], got: dict[str, Measured]
     if "zbv-vocab-1" in got and MEGATRON_SPLIT in got:
         ratios = [b / x for b, x in zip(got[MEGATRON_SPLIT].iter_ms, got["zbv-vocab-1"].iter_ms)]
         lines.append(f"zbv-vocab-1: {statistics.median(ratios):.2f}x the throughput of {MEGATRON_SPLIT}")
+    for v in vs:
+        if v.base is not None:
+            rest = {b - d for b, d in zip(got[v.label].param_bytes, got[v.label].decoder_bytes)}
+            lines.append(f"{v.label}: parameters outside the transformer blocks equal on every rank: "
+                         + (f"yes ({rest.pop()} bytes each)" if len(rest) == 1 else f"no ({sorted(rest)} bytes)"))
     off = [v.label for v in vs if v.label in predicted
            and abs(predicted[v.label] / statistics.median(got[v.label].iter_ms) - 1) > 0.10]
     lines.append("simulator within 10% of every measured iteration: " + ("yes" if not off else
@@ -430,6 +444,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
                        help=f"default {getattr(d, name)}")
     p.add_argument("--timeout", type=float, default=d.timeout, help=f"seconds per run (default {d.timeout:g})")
+    p.add_argument("--position-embedding-type", dest="position_embedding", default=d.position_embedding,
+                   choices=("rope", "learned_absolute"), help=f"Megatron-LM's flag (default {d.position_embedding}: no "
+                                                              "position-embedding table, so every rank's parameters "
+                                                              "with the flag are its slices and its layers)")
     p.add_argument("--schedules", default="1f1b,zb-h1,zbv",
                    help="base schedules, each run with and without its -vocab-1 schedule (default 1f1b,zb-h1,zbv; a "
                         "base whose -vocab-1 schedule is not registered is left out)")

@@ -3,7 +3,7 @@
 Structure only (no timing is asserted: performance lives in the benchmark, docs/vocab_parallel.md):
 both sides of the 1F1B pair run through ``pretrain_gpt_zb.py``'s parse and Trainer on two gloo
 ranks, the table has its columns and a row per variant with a measured iteration, a prediction,
-per-rank parameter bytes and peak memory, the prediction from the run's own profile (with the
+per-rank parameter bytes (and those outside the transformer blocks: equal on every rank with the flag) and peak memory, the prediction from the run's own profile (with the
 vocabulary passes' measured costs), and the paired speed-up line.
 """
 
@@ -37,18 +37,21 @@ def test_bench_vocab_tiny_prints_both_sides(capsys):
     assert vocab_main(TINY) == 0
     out = capsys.readouterr().out
     header = next(ln for ln in out.splitlines() if ln.startswith("| variant |"))
-    assert header.count("|") == 11
+    assert header.count("|") == 12
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]]
             for ln in out.splitlines() if ln.startswith("| 1f1b")}
     assert set(rows) == {"1f1b", "1f1b-vocab-1"}
     for name, cells in rows.items():
-        measured, predicted, ratio, profiled, profiled_ratio, _, params, spread, peaks = cells
+        measured, predicted, ratio, profiled, profiled_ratio, _, params, spread, outside, peaks = cells
         assert float(measured) > 0 and float(predicted) > 0 and float(ratio) > 0, (name, cells)
         assert float(profiled) > 0 and float(profiled_ratio) > 0, (name, cells)  # the run's own profile
         assert len(params.split(" / ")) == 2 and len(peaks.split(" / ")) == 2, (name, cells)
-        assert float(spread) >= 1.0
+        assert float(spread) >= 1.0 and len(outside.split(" / ")) == 2
     assert rows["1f1b-vocab-1"][5].endswith("x 1f1b")
     assert re.search(r"^1f1b-vocab-1: \d+\.\d\dx the throughput of 1f1b", out, re.M)
+    # rope (the default): with the flag every rank holds the same parameters besides its layers -- its slice
+    assert re.search(r"^1f1b-vocab-1: parameters outside the transformer blocks equal on every rank: yes \(\d+ bytes each\)",
+                     out, re.M)
     assert "simulator within 10% of every measured iteration:" in out
     assert "simulator from each run's own profile within 10% of every measured iteration it predicts:" in out
     assert "    measured vocabulary passes per rank (ms, without their waits): T_IF=[" in out
