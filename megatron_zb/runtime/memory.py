@@ -39,6 +39,7 @@ class ActivationMemoryTracker:
         self._param_storages = {p.untyped_storage().data_ptr() for p in parameters}
         self._sizes: dict[int, int] = {}      # storage pointer -> bytes, while the storage lives
         self._p2p: set[int] = set()           # storages counted as p2p bytes (not activations)
+        self._aliases: dict[int, int] = {}    # storage pointer -> saved aliases alive (track_saved)
         self.current_bytes = 0
         self.peak_bytes = 0
         self.p2p_bytes = 0                    # bytes of p2p buffers held now
@@ -65,6 +66,31 @@ class ActivationMemoryTracker:
         self.current_bytes += self._sizes[ptr]
         self.events.append((time.perf_counter(), self._sizes[ptr]))
         self._peaks()
+
+    def track_saved(self, alias: torch.Tensor) -> None:
+        """Count ``alias``'s storage while ``alias`` -- the object autograd keeps for a backward, a
+        detached view of a saved tensor -- or another alias of the same storage lives: the bytes *saved
+        for backward*, freed when autograd releases the last of them even where something else (a
+        runtime's preallocated receive buffer) keeps the storage alive. Not mixed with :meth:`track` on
+        the same storage."""
+        storage, ptr = self._storage(alias)
+        if storage is None:
+            return
+        n = self._aliases.get(ptr, 0)
+        self._aliases[ptr] = n + 1
+        weakref.finalize(alias, self._drop_alias, ptr)
+        if n == 0:
+            self._sizes[ptr] = storage.nbytes()
+            self.current_bytes += self._sizes[ptr]
+            self.events.append((time.perf_counter(), self._sizes[ptr]))
+            self._peaks()
+
+    def _drop_alias(self, ptr: int) -> None:
+        n = self._aliases.pop(ptr) - 1
+        if n:
+            self._aliases[ptr] = n
+        else:
+            self._release(ptr)
 
     def track_p2p(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage as p2p bytes (a receive buffer or a sent tensor) until it is freed,

@@ -17,9 +17,9 @@ timer closes; PyTorch's classes and private code are not touched):
 The waits for a peer's activation or gradient are *outside* these calls (the runtime waits on its
 receives before calling them), so a duration is the stage's own compute. Not measured: ``T_comm``
 and the runtime's own time between actions (the re-planned cost model keeps the ``t_comm`` of the
-pipeline's costs; with unit costs that is 0). Memory: ``mem_b`` and the memory limit are kept in
-their unit; ``mem_w / mem_b`` is measured (one more iteration with the saved-activation tracker,
-:func:`saving`; :func:`measured_costs`).
+pipeline's costs; with unit costs that is 0). Memory: the stages' relative ``mem_b`` and ``mem_w /
+mem_b`` are measured (one more iteration with the saved-activation tracker, :func:`saving`), in the
+given costs' unit (their mean ``mem_b`` kept), the memory limit kept (:func:`measured_costs`).
 
 :func:`profile_and_replan`: ``warmup`` untimed iterations, then ``iterations`` timed ones, each one
 call of the user's ``train_step`` (which calls ``pipe.step(...)`` and whatever else an iteration
@@ -155,10 +155,16 @@ def saving(tracker: Any) -> Iterator[None]:
     through that output, and PyTorch's ``W`` -- which runs only the weight-side part of the graph --
     never releases the buffers of the other nodes, so with ``tracker.saving()`` those nodes and
     what they saved would stay alive after the step (measured: a last stage's saved bytes
-    held after every ``W``). Gradients are unchanged (``tests/torch_pipelining/test_torch_runtime.py``)."""
+    held after every ``W``). Each saved storage is counted while autograd holds an alias of it
+    (``tracker.track_saved``), not while the storage lives: PyTorch's ``PipelineStage`` preallocates one
+    receive buffer per microbatch and keeps all of them for the whole run (``args_recv_info``), and a
+    stage's first operation saves its input, which is that buffer -- counted until the ``W`` (or ``B``)
+    that releases it, as any activation, instead of to the end of the step. Gradients are unchanged
+    (``tests/torch_pipelining/test_torch_runtime.py``)."""
     def pack(t: torch.Tensor) -> torch.Tensor:
-        tracker.track(t)
-        return t.detach()
+        alias = t.detach()
+        tracker.track_saved(alias)
+        return alias
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
@@ -197,8 +203,12 @@ def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, nu
     ``t_w`` from ``B`` (PyTorch's ``I``) and ``W`` when every stage has both, and then ``t_bw`` from
     ``BW`` (PyTorch's fused ``B``) when every stage has it too (``auto`` measures both), else
     ``None`` (``t_b + t_w``); without ``B`` and ``W``, ``t_b`` from ``BW`` and ``t_w = 0`` (a fused
-    backward simulates exactly so); ``t_f``, ``t_b``, ``t_bw`` floored at :data:`MIN_COST_MS`. ``mem_b``, the memory limit and ``t_comm`` are ``base``'s (their units).
-    With ``nbytes`` (mean net saved-activation bytes per ``(op, stage)`` call) and a split backward,
+    backward simulates exactly so); ``t_f``, ``t_b``, ``t_bw`` floored at :data:`MIN_COST_MS`. The memory
+    limit and ``t_comm`` are ``base``'s (their units). With ``nbytes`` (mean net saved-activation bytes per
+    ``(op, stage)`` call): ``mem_b`` per stage in proportion to the measured ``M_B`` (the bytes one ``F``
+    leaves), scaled so that its mean is ``base``'s -- the stages' relative sizes measured (the loss
+    stage's logits, an embedding stage), the unit kept, so a family's default limit (a fraction of
+    1F1B's peak) follows them -- and, with a split backward,
     ``mem_w = mem_b x (M_B + dM_I) / M_B`` per stage, clipped to ``[0, mem_b]``: the share of a
     microbatch's activations PyTorch's ``I`` leaves held until ``W`` (``M_B``: the bytes one ``F``
     leaves; ``dM_I``: the net change over one ``I``); else ``base``'s ``mem_w``. With
@@ -219,17 +229,21 @@ def measured_costs(medians_ms: dict[tuple[str, int], float], base: CostModel, nu
         raise TorchExportError(f"no forward or backward time was measured for stage(s) {missing}: run at least one "
                                f"training step (pipe.step with target and losses) inside the profiling window")
     res = base.resolve(num_stages)
-    mem_w = list(res.mem_w)
+    mem_b, mem_w = list(res.mem_b), list(res.mem_w)
     m_f = _per_stage(nbytes or {}, "F", num_stages)
     d_i = _per_stage(nbytes or {}, "B", num_stages)
-    if split and m_f is not None and d_i is not None and all(v > 0 for v in m_f):
-        mem_w = [b * min(1.0, max(0.0, (f + d) / f)) for b, f, d in zip(res.mem_b, m_f, d_i)]
+    if m_f is not None and all(v > 0 for v in m_f):
+        mean_b, mean_f = sum(mem_b) / num_stages, sum(m_f) / num_stages
+        mem_b = [mean_b * f / mean_f for f in m_f]   # the measured relative sizes, in base's unit and mean
+        mem_w = [min(w, b) for w, b in zip(mem_w, mem_b)]
+        if split and d_i is not None:
+            mem_w = [b * min(1.0, max(0.0, (f + d) / f)) for b, f, d in zip(mem_b, m_f, d_i)]
     t_bw = _per_stage(medians_ms, "BW", num_stages) if split else None   # both measured (auto)
     dp_reduce = base.dp_reduce
     if reduce_bytes is not None:
         dp_reduce = fsdp_reduce_model(reduce_bytes, [medians_ms.get(("R", s)) for s in range(num_stages)]) or dp_reduce
     return replace(base, t_f=[max(v, MIN_COST_MS) for v in t_f], t_b=[max(v, MIN_COST_MS) for v in t_b], t_w=t_w,
-                   mem_b=list(res.mem_b), mem_w=mem_w, dp_reduce=dp_reduce,
+                   mem_b=mem_b, mem_w=mem_w, dp_reduce=dp_reduce,
                    t_bw=None if t_bw is None else [max(v, MIN_COST_MS) for v in t_bw])
 
 

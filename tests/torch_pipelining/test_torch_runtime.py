@@ -81,8 +81,14 @@ def test_build_profile_replan_and_refusals_on_2_processes(api_results):
     assert all(nbytes[("F", s)] > 0 for s in range(n))
     assert [nbytes[("B", s)] for s in range(n - 1)] == [0.0] * (n - 1), nbytes
     assert -0.5 * nbytes[("F", n - 1)] <= nbytes[("B", n - 1)] < 0, nbytes
-    mem_w, mem_b = rep[0]["mem_w"], rep[0]["mem_b"]  # measured_costs' mem_w follows
+    mem_w, mem_b = rep[0]["mem_w"], rep[0]["mem_b"]  # measured_costs' mem_b and mem_w follow
     assert mem_w[:-1] == mem_b[:-1] and 0.5 * mem_b[-1] <= mem_w[-1] < mem_b[-1]
+    # mem_b: the stages' measured M_B relative to each other, in the given unit (unit costs: mean 1);
+    # the loss stage, which also saves the logits, the largest
+    assert sum(mem_b) == pytest.approx(n, rel=1e-12)
+    for s in range(n):
+        assert mem_b[s] / mem_b[0] == pytest.approx(nbytes[("F", s)] / nbytes[("F", 0)], rel=1e-12), s
+    assert mem_b[-1] == max(mem_b) > mem_b[1]
     # stage 0's quirk, measured: PyTorch's I on stage 0 computes nothing, its W the whole backward
     assert medians[("B", 0)] < 0.25 * medians[("W", 0)]
     assert medians[("B", 0)] < 0.25 * min(medians[("B", s)] for s in range(1, n))
