@@ -266,7 +266,8 @@ class OutputState:
 @torch.no_grad()
 def output_s(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab: VocabSlice, *, exact: bool = True,
              fuse_input_grad: bool = False) -> OutputState:
-    """S, local: logits ``x [s, b, h] @ weight^T`` in fp32 and their row maximum; rescaled
+    """S, local: logits ``x [s, b, h] @ weight^T`` (the GEMM in their dtype, e.g. bf16), cast to fp32 as
+    megatron-core's cross entropy casts them, and their row maximum; rescaled
     (``exact=False``) also the local sum-exp, target logit and softmax; Vocab-2 (``fuse_input_grad``,
     rescaled only) also ``softmax_i W_i`` and the target rows ``W_i[target]``. ``target``: ``[s, b]``."""
     if fuse_input_grad and exact:

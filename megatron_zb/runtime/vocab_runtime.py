@@ -228,6 +228,7 @@ class VocabPasses:
         self._emb_leaf: dict[int, torch.Tensor] = {}
         self._ib: dict[int, tuple[Any, torch.Tensor]] = {}
         self._x: dict[int, torch.Tensor] = {}
+        self._out_dtype = dtype  # the last stage's chunk output's dtype (fp32 behind Float16Module)
         self._state: dict[int, Any] = {}
         self._barrier: dict[int, Future] = {}
         self._c1: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -367,21 +368,24 @@ class VocabPasses:
 
     def after_last_forward(self, mb: int, out: torch.Tensor) -> None:
         """After the last stage's ``F(mb)``: keep ``X`` and post its broadcast (from tensor rank 0; the stage's
-        other tensor ranks keep their own, equal, copy and receive into a scratch buffer)."""
-        x = out.detach().clone()
+        other tensor ranks keep their own, equal, copy and receive into a scratch buffer). ``X`` travels in the
+        pipeline's dtype (bf16: ``Float16Module`` hands the last stage's output out as fp32, an exact cast back)."""
+        self._out_dtype = out.dtype
+        x = out.detach().to(self.dtype, copy=True)
         self._x[mb] = x
         send = x if self.sends_last else torch.empty_like(x)
         self._pending.append(dist.broadcast(send, src=self._global(self.src_last), group=self.g["x"], async_op=True))
 
     def last_output_grad(self, mb: int) -> torch.Tensor:
-        """For the last stage's ``B(mb)``: the gradient of ``X`` (C1's sum, or the barrier thread's)."""
+        """For the last stage's ``B(mb)``: the gradient of ``X`` (C1's sum, or the barrier thread's), in the
+        pipeline's dtype, then in the dtype of the chunk's output (fp32 behind bf16's ``Float16Module``)."""
         if self.exact:
             work, grad = self._c1.pop(mb)
             self.timing.wait((self._last_b, self.last_stage, mb), work.wait)
-            return grad.to(self.dtype)
+            return grad.to(self.dtype).to(self._out_dtype)
         x_grad = self.timing.wait((self._last_b, self.last_stage, mb), self._barrier[mb].result).x_grad
         assert x_grad is not None
-        return x_grad
+        return x_grad.to(self._out_dtype)
 
     def after_first_backward(self, mb: int) -> None:
         """After the first stage's ``B(mb)``: post the embedding gradient's broadcast for ``IB``."""

@@ -4,7 +4,8 @@ Test code, not the product's run path. :func:`in_process` runs the product's own
 and :class:`~megatron_zb.training.trainer.Trainer` on every rank of
 :func:`megatron_zb.testing.run_distributed` (its forkserver has torch and megatron-core imported:
 no process start-up per run) with ``--loss-log-json``, and returns rank 0's view: the logged values,
-every rank's stdout, the installed schedule and the costs the run re-planned from.
+every rank's stdout, the installed schedule, the costs the run re-planned from and the vocabulary slices'
+dtypes (:func:`vocab_dtypes`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RUN_TIMEOUT", "in_process", "trainer_rank"]
+__all__ = ["RUN_TIMEOUT", "in_process", "trainer_rank", "vocab_dtypes"]
 
 RUN_TIMEOUT = 240.0
 """Seconds per run (2 shared cores; a PP=4 run takes ~30 s)."""
@@ -41,11 +42,33 @@ def trainer_rank(argv: list[str], json_path: str) -> dict[str, Any]:
                 installed = planner.runtime.schedule_for(config.parallel.pipeline_model_parallel_size,
                                                          config.num_microbatches)
             out = {"costs": trainer.state.schedule_costs, "installed": installed,
-                   "memory_limit": config.schedule.memory_limit, "m": config.num_microbatches}
+                   "memory_limit": config.schedule.memory_limit, "m": config.num_microbatches,
+                   "vocab_dtypes": vocab_dtypes(trainer)}
         finally:
             trainer.close()
     out["log"] = log.getvalue()
     return out
+
+
+def vocab_dtypes(trainer: Any) -> dict[str, list[str]] | None:
+    """With ``--enable-vocab-parallel``: the dtypes of the vocabulary slices' parameters, of their
+    ``main_grad`` buffers (and of the chunks' parameters') and of the optimizer's main (master) copies of them (the
+    parameter itself where the optimizer keeps no copy), each a sorted list of names (``"torch.bfloat16"``);
+    ``None`` without."""
+    slices = trainer.model.vocab_slices
+    if slices is None:
+        return None
+    params = list(slices.parameters())
+    main: dict[int, Any] = {id(p): p for p in params}
+    inner = trainer.optim.inner
+    for opt in getattr(inner, "chained_optimizers", [inner]):
+        for model_group, main_group in zip(getattr(opt, "float16_groups", []),
+                                           getattr(opt, "fp32_from_float16_groups", [])):
+            main.update({id(p): m for p, m in zip(model_group, main_group) if id(p) in main})
+    return {"params": sorted({str(p.dtype) for p in params}),
+            "main_grad": sorted({str(p.main_grad.dtype) for p in params}),
+            "chunks_main_grad": sorted({str(p.main_grad.dtype) for m in trainer.model.modules for p in m.parameters()}),
+            "main_params": sorted({str(main[id(p)].dtype) for p in params})}
 
 
 def in_process(tmp_path: Path, name: str, world: int, argv: list[str], *,

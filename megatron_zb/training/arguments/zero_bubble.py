@@ -102,8 +102,8 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
                         "layer with its cross entropy split evenly over the pipeline ranks, their passes placed "
                         f"by the schedule: needs --schedule {_vocab_names()} (-1: two barriers, -2: one); "
                         "tied or untied embeddings; "
-                        "pipeline and data parallelism only (no tensor or context parallelism), fp32, no "
-                        "checkpoints so far (docs/vocab_parallel.md).")
+                        "pipeline, tensor (no --sequence-parallel) and data parallelism (no context "
+                        "parallelism), fp32, --bf16 or --fp16, checkpoints (docs/vocab_parallel.md).")
     g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
                    help="Timeout of pipeline point-to-point transfers, seconds (default 300).")
 
@@ -379,7 +379,6 @@ def check_vocab_parallel(args: argparse.Namespace) -> None:
         ("--context-parallel-size > 1", cp > 1),
         ("--sequence-parallel (X and the embedding's gradient are split over the tensor ranks along the "
          "sequence; the passes broadcast them whole)", args.sequence_parallel),
-        ("--fp16/--bf16 (fp32 only)", args.fp16 or args.bf16),
         ("--calculate-per-token-loss", args.calculate_per_token_loss),
         ("--num-experts", bool(args.num_experts)),
         ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
