@@ -9,9 +9,19 @@ model unchanged:
 * first stage: ``embedding.word_embeddings`` becomes :class:`VocabEmbeddingInput`, which returns the
   embedding the runtime's ``IF`` all-reduce produced for the microbatch in flight (checked against
   the token ids the model was called with); the position embedding and the embedding dropout stay;
+  with sequence parallelism it returns what megatron-core's word embedding returns there (below);
 * last stage: the output layer becomes :class:`HiddenOutput` (no parameter) and the chunk's
   ``compute_language_model_loss`` hands the final norm's output ``X`` ``[s, b, h]`` back unchanged,
   so that the chunk's forward returns ``X`` (the runtime's ``S``/``T`` passes compute the loss);
+* with sequence parallelism (a tensor rank holds ``s / TP`` rows of the activations) the stand-ins do
+  megatron-core's sequence-parallel mappings: :class:`HiddenOutput` all-gathers the final norm's rows over
+  the tensor group, as ``ColumnParallelLinear`` does before its GEMM, so ``X`` is whole and the same on
+  every tensor rank, and its backward takes this rank's rows of ``X``'s gradient (which the runtime gives
+  whole: the sum over every slice); :class:`VocabEmbeddingInput` returns IF's whole sum where
+  megatron-core's ``LanguageModelEmbedding`` scatters it itself (a learned position embedding), or this
+  rank's rows ``[s / TP, b, h]`` of it where megatron-core's word embedding would reduce-scatter
+  (``reduce_scatter_embeddings``: no position embedding), whose backward all-gathers the gradient, so the
+  embedding's gradient is whole and the same on every tensor rank either way;
 * its ``sharded_state_dict`` (checkpoints) holds neither layer: the slices' holds them.
 
 The full-vocabulary weights the chunk was built with are dropped (built first, then freed: a build
@@ -47,22 +57,49 @@ def embedding_source(source: Callable[[torch.Tensor], torch.Tensor]) -> Iterator
 
 class VocabEmbeddingInput(torch.nn.Module):
     """Stand-in for the first stage's word embedding: the ``[b, s, h]`` embedding of the microbatch
-    in flight, summed over the pipeline ranks' slices by the runtime (``IF``); no parameter."""
+    in flight, summed over the pipeline ranks' slices by the runtime (``IF``); no parameter.
+
+    ``reduce_scatter_group``: the tensor group where megatron-core's word embedding reduce-scatters its
+    output to the sequence-parallel region (``VocabParallelEmbedding.reduce_scatter_embeddings``): then
+    this rank's rows ``[s / TP, b, h]`` of the sum (``scatter_to_sequence_parallel_region``: the sum is
+    already whole; its backward all-gathers the gradient)."""
+
+    def __init__(self, reduce_scatter_group: Any = None) -> None:
+        super().__init__()
+        self.reduce_scatter_group = reduce_scatter_group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if _SOURCE is None:
             raise RuntimeError("the word embedding of this chunk is vocabulary-parallel: run it through "
                                "megatron-zb's runtime with a vocabulary-parallel schedule (e.g. 1f1b-vocab-1)")
-        return _SOURCE(input_ids)
+        out = _SOURCE(input_ids)
+        if self.reduce_scatter_group is None:
+            return out
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        return scatter_to_sequence_parallel_region(out.transpose(0, 1).contiguous(), group=self.reduce_scatter_group)
 
 
 class HiddenOutput(torch.nn.Module):
     """Stand-in for the last stage's output layer: returns its input (the final norm's output) and no
-    bias, as ``ColumnParallelLinear`` returns ``(output, bias)``; no parameter."""
+    bias, as ``ColumnParallelLinear`` returns ``(output, bias)``; no parameter.
+
+    ``gather_group``: with sequence parallelism the tensor group, over which the input's ``s / TP`` rows are
+    all-gathered first (as ``ColumnParallelLinear`` does), ``[s, b, h]`` on every tensor rank; the backward
+    takes this rank's rows of the (whole, already summed) gradient: ``tensor_parallel_output_grad=False``."""
+
+    def __init__(self, gather_group: Any = None) -> None:
+        super().__init__()
+        self.gather_group = gather_group
 
     def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
                 ) -> tuple[torch.Tensor, None]:
-        return hidden_states, None
+        if self.gather_group is None:
+            return hidden_states, None
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False,
+                                                    group=self.gather_group), None
 
 
 def _hidden_as_loss(labels: Any, logits: torch.Tensor) -> torch.Tensor:
@@ -97,9 +134,12 @@ def strip_vocab_layers(module: Any) -> None:
     if getattr(module.config, "mtp_num_layers", None):
         raise NotImplementedError("vocabulary parallelism with multi-token prediction is not supported")
     if module.pre_process:
-        module.embedding.word_embeddings = VocabEmbeddingInput()
+        old = module.embedding.word_embeddings
+        module.embedding.word_embeddings = VocabEmbeddingInput(
+            old.tp_group if getattr(old, "reduce_scatter_embeddings", False) else None)
     if module.post_process:
-        module.output_layer = HiddenOutput()
+        layer = module.output_layer
+        module.output_layer = HiddenOutput(layer.tp_group if getattr(layer, "sequence_parallel", False) else None)
         module.compute_language_model_loss = _hidden_as_loss
     module.sharded_state_dict = functools.partial(_stripped_sharded_state_dict, module)
     module.vocab_parallel_stripped = True

@@ -3,8 +3,9 @@
 model-parallel group, tensor x pipeline ranks (docs/vocab_parallel.md, "What runs").
 
 Per microbatch ``i`` (``first`` / ``last``: the ranks of the first and last stage, each of their tensor-parallel
-ranks; ``X``, the loss gradient and the embedding's gradient are replicated over those (no sequence
-parallelism, bitwise: megatron-core's tensor-parallel all-reduces give every tensor rank the same sum) and
+ranks; ``X``, the loss gradient and the embedding's gradient are replicated over those (bitwise:
+megatron-core's tensor-parallel all-reduces give every tensor rank the same sum; with sequence parallelism
+the stripped chunks' stand-ins gather ``X``'s rows and the embedding gradient's, :mod:`~megatron_zb.model.vocab_chunks`) and
 broadcast from the stage's tensor rank 0; the stage's other tensor ranks take part in the broadcast with a
 scratch buffer and use their own copy, as megatron-core's tensor-parallel layers do, so they never wait for
 it: over more than two ranks one receiver's copy can depend on the other receivers having posted theirs,
@@ -256,13 +257,14 @@ class VocabPasses:
     def _run_s(self, mb: int) -> None:
         from ..model.vocab_parallel import output_s
 
+        target = self.inputs[mb]["labels"].transpose(0, 1).contiguous()
         if self.is_last:
             x = self._x.pop(mb)
-        else:
-            x = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.slices.word_embeddings.device)
+        else:  # X whole, [s, b, h] (with sequence parallelism too: the stand-in output layer gathers it)
+            weight = self.slices.output_layer_weight
+            x = torch.empty(*target.shape, weight.shape[1], dtype=self.dtype, device=weight.device)
             work = dist.broadcast(x, src=self._global(self.src_last), group=self.g["x"], async_op=True)
             self.timing.wait(("S", self.rank, mb), work.wait)
-        target = self.inputs[mb]["labels"].transpose(0, 1).contiguous()
         state = output_s(x, self.slices.output_layer_weight, target, self.slices.vocab, exact=self.exact,
                          fuse_input_grad=not self.exact)
         self._state[mb] = state
@@ -439,7 +441,7 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
                  store: WeightGradStore, forward_only: bool, collect_non_loss_data: bool,
                  cp_group_size: int) -> VocabPasses:
     """This call's :class:`VocabPasses`, after refusing (``ValueError``) what the runtime does not run yet:
-    sequence parallelism, data parallelism without the slices' DDP, context parallelism, chunks not passed through
+    data parallelism without the slices' DDP, context parallelism, chunks not passed through
     ``strip_vocab_layers``, schedules :func:`check_vocab_schedule` refuses, a missing ``data_iterator``."""
     from megatron.core import parallel_state
 
@@ -448,9 +450,6 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
     if cp_group_size != 1:
         problems.append(f"context-parallel size {cp_group_size}: vocabulary-parallel passes run with tensor, pipeline "
                         f"and data parallelism only so far")
-    if getattr(config, "sequence_parallel", False):
-        problems.append("sequence parallelism: X and the embedding's gradient are split over the tensor ranks along "
-                        "the sequence (the passes broadcast them whole from one tensor rank); not supported yet")
     dp = parallel_state.get_data_parallel_world_size()
     if dp > 1 and model.ddp is None:
         problems.append(f"data-parallel size {dp}: VocabParallelModel.ddp (the slices in megatron-core DDP) is needed "

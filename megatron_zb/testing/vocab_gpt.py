@@ -14,13 +14,13 @@ group (as ``run_step``), and returned under megatron-core's names (``embedding.w
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .tiny_gpt import TinyGPT, build, forward_step, full_tensor
 
-__all__ = ["run_vocab_step", "run_vocab_steps"]
+__all__ = ["run_in_turn", "run_vocab_step", "run_vocab_steps"]
 
 
 def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, tied: bool = False,
@@ -96,6 +96,19 @@ def run_vocab_steps(cfg: TinyGPT, *, schedules: Sequence[str], **options: Any) -
     out = {}
     for name in schedules:
         out[name] = run_vocab_step(cfg, schedule=name, **options)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def run_in_turn(calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Each of ``calls`` (e.g. ``partial(run_step, cfg, schedule=None)``, ``partial(run_vocab_step, ...)``) in
+    turn in the same processes, megatron-core's parallel state torn down after each (each call builds its
+    own), to start the processes once for several runs, references included; their results in order."""
+    from megatron.core import parallel_state
+
+    out = []
+    for call in calls:
+        out.append(call())
         parallel_state.destroy_model_parallel()
     return out
 

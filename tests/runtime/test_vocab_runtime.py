@@ -14,6 +14,7 @@ have other shapes; the loss's last bits move, and every gradient behind it.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -22,7 +23,7 @@ import torch
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.testing import run_distributed
 from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
-from megatron_zb.testing.vocab_gpt import run_vocab_step, run_vocab_steps
+from megatron_zb.testing.vocab_gpt import run_in_turn, run_vocab_step, run_vocab_steps
 
 # megatron-core's import-time notices (the argument tests import it into this process).
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -136,20 +137,38 @@ def test_the_slices_and_a_vocabulary_parallel_schedule_need_each_other():
 
 
 def test_tp2_pp2_vocab_schedules_match_megatron_1f1b():
-    """TP=2 x PP=2 (4 processes, no sequence parallelism): the slices over megatron-core's model-parallel
-    group (slice ``pp_rank x TP + tp_rank``), every pass's collective over it; X and dL/dloss broadcast from
-    the last stage's tensor rank 0, the embedding's gradient from the first stage's. Against megatron-core's
-    1F1B with TP=2 on the same model (the chunks' gradients gathered over the tensor group); two barriers
-    (``zb-h1-vocab-1``, megatron-core's arithmetic) and one (``zb-h1-vocab-2``, the input gradient formed by
-    every tensor rank of the last stage from C0's sum)."""
+    """TP=2 x PP=2 (4 processes): the slices over megatron-core's model-parallel group (slice ``pp_rank x TP +
+    tp_rank``), every pass's collective over it; X and dL/dloss broadcast from the last stage's tensor rank 0,
+    the embedding's gradient from the first stage's. Against megatron-core's 1F1B with TP=2 on the same model
+    (the chunks' gradients gathered over the tensor group; sequence-parallel norm gradients, which differ per
+    tensor rank before megatron-core's all-reduce, compared rank by rank), all in one launch:
+
+    * no sequence parallelism: two barriers (``zb-h1-vocab-1``, megatron-core's arithmetic) and one
+      (``zb-h1-vocab-2``, the input gradient formed by every tensor rank of the last stage from C0's sum);
+    * sequence parallelism (``zb-h1-vocab-1``): the last stage's stand-in output layer all-gathers X's rows
+      over the tensor group (its backward takes the rank's rows of X's gradient); the first stage's embedding
+      gets IF's whole sum and scatters it itself (learned position embedding), or -- with RoPE, where
+      megatron-core's word embedding reduce-scatters -- the stand-in returns the rank's rows."""
     cfg = TinyGPT(pp=2, tp=2, num_layers=4, hidden=32, seq=16)
-    ref = TinyGPT.merge(run_distributed(partial(run_step, cfg, schedule=None), world_size=4, timeout=120))
-    for schedule in ("zb-h1-vocab-1", "zb-h1-vocab-2"):
-        got = TinyGPT.merge(run_distributed(partial(run_vocab_step, cfg, schedule=schedule), world_size=4,
-                                            timeout=120))
-        _assert_close(ref, got, what=f"TP=2 x PP=2 {schedule}")
+    sp = dataclasses.replace(cfg, sequence_parallel=True)
+    rope = dataclasses.replace(sp, model_options={"position_embedding_type": "rope"})
+    runs = [(cfg, "zb-h1-vocab-1"), (cfg, "zb-h1-vocab-2"), (sp, "zb-h1-vocab-1"), (rope, "zb-h1-vocab-1")]
+    calls = []
+    for c in (cfg, sp, rope):
+        calls.append(partial(run_step, c, schedule=None))
+        calls += [partial(run_vocab_step, c, schedule=s) for cc, s in runs if cc is c]
+    per_rank = run_distributed(partial(run_in_turn, calls), world_size=4, timeout=240)
+    merged = [TinyGPT.merge([r[i] for r in per_rank]) for i in range(len(calls))]
+    refs = [i for i, call in enumerate(calls) if call.func is run_step]
+    for i, call in enumerate(calls):
+        if call.func is run_step:
+            continue
+        c, schedule = call.args[0], call.keywords["schedule"]
+        ref = merged[max(j for j in refs if j < i)]
+        what = f"TP=2 x PP=2 {schedule}" + (" SP" if c.sequence_parallel else "") + (" RoPE" if c is rope else "")
+        _assert_close(ref, merged[i], what=what)
         # summed over the ranks: each tensor rank runs its stage's linears' W and its own T weight gradient
-        assert got["w_deferred"] == cfg.tp * _deferred(cfg, schedule)
+        assert merged[i]["w_deferred"] == c.tp * _deferred(c, schedule), what
 
 
 @pytest.mark.parametrize("schedule,defer", [("zbv-vocab-1", False), ("zbv-vocab-2", True)])
@@ -316,15 +335,17 @@ def _assert_replanned_from_the_vocabulary_passes(got: dict, schedule: str) -> No
     assert installed.ranks == want.ranks and installed.vocab_barriers == want.vocab_barriers
 
 
-def test_pretrain_enable_vocab_parallel_with_tensor_parallelism(tmp_path):
+@pytest.mark.parametrize("sp", [[], ["--sequence-parallel"]], ids=["tp", "tp-sp"])
+def test_pretrain_enable_vocab_parallel_with_tensor_parallelism(tmp_path, sp):
     """``--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --enable-vocab-parallel --schedule
-    zb-h1-vocab-1`` (tied; 4 processes; the slices over the model-parallel group: 4 slices of 32 rows) against
-    ``--use-megatron-core-schedule`` with TP=2 on the same model (101 ids padded to 128 both ways: by 32 x TP x PP
-    and by 32 x TP): the logged loss and grad norm of 3 iterations and the validation loss within a relative 1e-5."""
+    zb-h1-vocab-1`` (tied; 4 processes; the slices over the model-parallel group: 4 slices of 32 rows), without
+    and with ``--sequence-parallel``, against ``--use-megatron-core-schedule`` with TP=2 (and the same
+    ``--sequence-parallel``) on the same model (101 ids padded to 128 both ways: by 32 x TP x PP and by 32 x TP):
+    the logged loss and grad norm of 3 iterations and the validation loss within a relative 1e-5."""
     from megatron_zb.testing.trainer_run import in_process
 
     argv = [*TRAIN, "--make-vocab-size-divisible-by", "32", "--tensor-model-parallel-size", "2",
-            "--train-iters", "3", "--eval-interval", "3", "--global-batch-size", "4"]
+            "--train-iters", "3", "--eval-interval", "3", "--global-batch-size", "4", *sp]
     ref = in_process(tmp_path, "ref", 4, argv + ["--use-megatron-core-schedule"])
     got = in_process(tmp_path, "vocab", 4, argv + ["--schedule", "zb-h1-vocab-1", "--enable-vocab-parallel"])
     assert "> vocabulary parallelism: 4 slices of 32 rows (padded vocabulary 128), tied\n" in got["log"]
@@ -377,9 +398,9 @@ def test_pretrain_enable_vocab_parallel_in_half_precision(tmp_path, half):
 
 def test_enable_vocab_parallel_refusals_name_every_flag():
     """Before any process group: a vocabulary-parallel schedule needs the flag, the flag such a schedule,
-    and what the runtime does not run with it yet is named in one line (sequence parallelism, overlapped
-    parameter gathers, ...); tensor parallelism and half precision are accepted, and checkpoints and the distributed optimizer
-    are not refused (tests/training/test_vocab_checkpoint.py)."""
+    and what the runtime does not run with it yet is named in one line (overlapped parameter gathers, ...);
+    tensor parallelism, with and without sequence parallelism, and half precision are accepted, and checkpoints
+    and the distributed optimizer are not refused (tests/training/test_vocab_checkpoint.py)."""
     from megatron_zb.training.arguments import ArgumentError
     from megatron_zb.training.pretrain import parse_command_line
 
@@ -396,12 +417,13 @@ def test_enable_vocab_parallel_refusals_name_every_flag():
                                    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
                            world_size=4)
     msg = str(e.value)
-    for what in ("--sequence-parallel (X and the embedding's gradient are split over the tensor ranks",
-                 "--overlap-param-gather"):
+    for what in ("--overlap-param-gather",):
         assert what in msg, (what, msg)
-    assert "--tensor-model-parallel-size" not in msg and "--bf16" not in msg, msg
-    parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", "zb-h1-vocab-1",
-                                "--tensor-model-parallel-size", "2"], world_size=4)
+    assert "--tensor-model-parallel-size" not in msg and "--sequence-parallel" not in msg and "--bf16" not in msg, msg
+    for sp in ([], ["--sequence-parallel"]):
+        ok = parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", "zb-h1-vocab-1",
+                                         "--tensor-model-parallel-size", "2", *sp], world_size=4)
+        assert ok.args.sequence_parallel == bool(sp)
 
 
 def test_enable_vocab_parallel_is_refused_inside_megatron_lms_loop():

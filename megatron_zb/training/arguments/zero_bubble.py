@@ -377,8 +377,6 @@ def check_vocab_parallel(args: argparse.Namespace) -> None:
     cp = args.context_parallel_size
     bad = [what for what, on in (
         ("--context-parallel-size > 1", cp > 1),
-        ("--sequence-parallel (X and the embedding's gradient are split over the tensor ranks along the "
-         "sequence; the passes broadcast them whole)", args.sequence_parallel),
         ("--calculate-per-token-loss", args.calculate_per_token_loss),
         ("--num-experts", bool(args.num_experts)),
         ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
