@@ -9,7 +9,9 @@ weights: the same global layer gets the same weights in every placement), wraps 
 asks for it), and trains ``feature.iterations`` iterations on fixed data. It returns, per arm,
 this rank's raw results (no comparison happens here): see :class:`ArmResult`. The model is the
 :class:`~megatron_zb.testing.tiny_gpt.TinyGPT` of :func:`tiny_gpt_of` (the feature's options);
-:func:`run_specs` runs several launches' worth of arms (features) one after another.
+:func:`run_specs` runs several launches' worth of arms (features) one after another. A
+``vocab_parallel`` feature's megatron-zb arms run the family's vocabulary form on sliced vocabulary
+layers (:mod:`~megatron_zb.testing.compat_vocab`); its reference arm the unsliced model.
 
 Refusals: anything raised while *setting an arm up* (building, wrapping, the optimizer, the
 schedule and this rank's lowered plan) of type ``ValueError`` / ``NotImplementedError`` /

@@ -294,3 +294,16 @@ def test_script_writes_the_table(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "compat_matrix.py"), "--features", "nope"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "unknown feature 'nope'" in bad.stderr
+
+
+def test_script_refuses_a_pipeline_size_below_2(capsys):
+    """``--pp`` (docs/compatibility_pp4.md is ``--pp 4``'s page; not run here: the PP=4 column's cells run in
+    test_vocab_parallel_column_at_pp4): below 2 refused by name, exit 2, before any launch (in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compat_matrix_script", ROOT / "scripts" / "compat_matrix.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as e:
+        script.main(["--pp", "1", "--features", "vocab-parallel"])
+    assert e.value.code == 2 and "--pp 1: the pipeline size must be at least 2" in capsys.readouterr().err
