@@ -10,6 +10,7 @@ refused up front.
     python scripts/compat_matrix.py                          # everything, writes the installed release's page
     python scripts/compat_matrix.py --features fp32,bf16 --families zb,zbv --out /tmp/m.md
     python scripts/compat_matrix.py --together               # fewer process start-ups (a shared machine)
+    python scripts/compat_matrix.py --pp 4 --features fp32,vocab-parallel --out docs/compatibility_pp4.md
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated schedule families (default: all): " + ", ".join(all_families))
     ap.add_argument("--out", default=str(default_page()), help="markdown file to write (default: the installed "
                     "megatron-core release's page, %(default)s)")
+    ap.add_argument("--pp", type=int, default=2,
+                    help="pipeline size of the megatron-zb arms (default 2); the model then has 2 x PP layers and "
+                         "2 x PP microbatches per iteration (the default shape at 2; features with their own layer "
+                         "count, uneven-split and moe, are for PP=2)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launch (default 300)")
     ap.add_argument("--together", action="store_true",
                     help="features of equal world size share one launch per placement group (fewer process "
@@ -55,15 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
 
+    if args.pp < 2:
+        ap.error(f"--pp {args.pp}: the pipeline size must be at least 2")
+    from megatron_zb.testing.compat_features import ModelShape
     from megatron_zb.testing.compat_matrix import run_matrix
 
+    model = ModelShape(pp=args.pp, num_layers=2 * args.pp, num_microbatches=2 * args.pp)
     t0 = time.monotonic()
-    cells = run_matrix(features=features, families=families, timeout=args.timeout, together=args.together,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    cells = run_matrix(features=features, families=families, model=model, timeout=args.timeout,
+                       together=args.together, progress=lambda line: print(line, file=sys.stderr, flush=True))
     command = "python scripts/compat_matrix.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     out = Path(args.out)
     write_report(out, cells=cells, features=features, families=families, command=command,
-                 seconds=time.monotonic() - t0)
+                 seconds=time.monotonic() - t0, model=model)
     failed = [c for c in cells if not c.ok]
     for c in failed:
         print(f"{c.family} x {c.feature}: {c.status}", file=sys.stderr)

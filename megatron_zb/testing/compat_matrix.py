@@ -10,12 +10,15 @@ same world size in turn), then compares each family's results with the reference
 
 * ``equal (bitwise)`` -- every loss, gradient copy, parameter and step result identical;
 * ``equal (<= rtol, reason)`` -- within the feature's :class:`~.compat_features.Tolerance` for
-  that placement (relative to the largest magnitude of each reference tensor);
+  that placement (relative to the largest magnitude of each reference tensor); ``equal (<= rtol;
+  after a step <= after_step, reason)`` where the tolerance is looser for what follows an optimizer
+  step (later gradients, the parameters) than for the loss curve and the first gradients;
 * ``refused: message`` -- set-up raised a clear error on every rank before anything ran;
 * ``FAILED: ...`` -- anything else (a difference beyond the tolerance, an error while running,
   or a vacuous run: no W deferred by a split-backward schedule, no rollback under
   post-validation, no overflow under fp16, another number of deferred W computations than the
-  feature's :attr:`~.compat_features.Feature.same_w_as` column for the same family).
+  feature's :attr:`~.compat_features.Feature.same_w_as` column for the same family, plus its
+  :attr:`~.compat_features.Feature.w_offset` per microbatch).
 
 A feature with ``same_w_as`` brings that feature's launches along (:func:`plan_launches`), so
 the count is always checked; the extra column is not reported unless selected.
@@ -45,8 +48,11 @@ class Cell:
         family, feature: the cell's row and column.
         kind: ``"bitwise"``, ``"tolerance"``, ``"refused"`` or ``"failed"``.
         status: the full status text (see the module docstring).
-        max_rel: the largest relative difference seen (0.0 when bitwise; None if not compared).
+        max_rel: the largest relative difference seen (0.0 when bitwise; None if not compared); with a
+            tolerance's ``after_step``, the largest among the losses and the first iteration's gradients.
         tolerance: the accepted tolerance (kind ``"tolerance"`` only).
+        max_rel_after_step: with a tolerance's ``after_step``: the largest relative difference among the
+            later gradients and the parameters (else None).
     """
 
     family: str
@@ -55,6 +61,7 @@ class Cell:
     status: str
     max_rel: float | None = None
     tolerance: Tolerance | None = None
+    max_rel_after_step: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -158,12 +165,17 @@ def _vacuous(family: str, feature: Feature, got: dict[str, Any], ref: dict[str, 
     return None
 
 
+_AFTER_STEP = ("grads after a step", "params")
+"""The comparison's categories that follow an optimizer step (:attr:`~.compat_features.Tolerance.after_step`)."""
+
+
 def compare(family: str, feature: Feature, placement: Placement, ref: dict[str, Any], got: dict[str, Any], *,
             w_baseline: int | None = None) -> Cell:
     """Classify one cell from the merged results of the reference and the family (module docstring);
     ``w_baseline``: the ``w_deferred`` of the same family's ``feature.same_w_as`` cell."""
-    def cell(kind: str, status: str, max_rel: float | None = None, tol: Tolerance | None = None) -> Cell:
-        return Cell(family, feature.name, kind, status, max_rel, tol)
+    def cell(kind: str, status: str, max_rel: float | None = None, tol: Tolerance | None = None,
+             after: float | None = None) -> Cell:
+        return Cell(family, feature.name, kind, status, max_rel, tol, after)
 
     if got["refused"]:
         return cell("refused", f"refused: {got['refused']}")
@@ -184,8 +196,9 @@ def compare(family: str, feature: Feature, placement: Placement, ref: dict[str, 
                 return cell("failed", f"FAILED: {key} {k}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
             if not torch.equal(a, b):
                 rel = _rel_diff(a, b)
-                if rel >= worst.get(key, (0.0, ""))[0]:
-                    worst[key] = (rel, f"{k}")
+                category = "grads after a step" if key == "grads" and k[0] > 0 else key
+                if rel >= worst.get(category, (0.0, ""))[0]:
+                    worst[category] = (rel, f"{k}")
     why = _vacuous(family, feature, got, ref, w_baseline)
     if why:
         return cell("failed", f"FAILED: vacuous: {why}")
@@ -193,9 +206,16 @@ def compare(family: str, feature: Feature, placement: Placement, ref: dict[str, 
         return cell("bitwise", "equal (bitwise)", 0.0)
     largest = max(rel for rel, _ in worst.values())
     tol = feature.tolerance.get(placement)
-    if tol is not None and largest <= tol.rtol:
+    if tol is not None and tol.after_step is not None:
+        late = max((rel for c, (rel, _) in worst.items() if c in _AFTER_STEP), default=0.0)
+        early = max((rel for c, (rel, _) in worst.items() if c not in _AFTER_STEP), default=0.0)
+        if early <= tol.rtol and late <= tol.after_step:
+            return cell("tolerance", f"equal (<= {tol.rtol:g}; after a step <= {tol.after_step:g}, {tol.reason})",
+                        early, tol, late)
+    elif tol is not None and largest <= tol.rtol:
         return cell("tolerance", f"equal (<= {tol.rtol:g}, {tol.reason})", largest, tol)
-    allowed = f"tolerance {tol.rtol:g}" if tol else "bitwise required"
+    allowed = "bitwise required" if tol is None else f"tolerance {tol.rtol:g}" + (
+        f", after a step {tol.after_step:g}" if tol.after_step is not None else "")
     where = "; ".join(f"{key} {rel:.3g} at {at}" for key, (rel, at) in worst.items())
     return cell("failed", f"FAILED: max relative difference ({allowed}): {where}", largest, tol)
 
@@ -239,8 +259,9 @@ def run_launches(launches: list[Launch], *, timeout: float = 300.0, progress: Ca
 
 
 def classify(features: list[Feature], families: list[str], results: dict[tuple[str, str], dict[str, Any]],
-             errors: dict[tuple[str, str], str]) -> list[Cell]:
-    """The cells of ``features`` x ``families`` from :func:`run_launches`' output, in table order."""
+             errors: dict[tuple[str, str], str], model: ModelShape = ModelShape()) -> list[Cell]:
+    """The cells of ``features`` x ``families`` from :func:`run_launches`' output, in table order
+    (``model``: the launches' shape, for a feature's :attr:`~.compat_features.Feature.w_offset`)."""
     cells = []
     for f in features:
         for placement, names in FAMILIES.items():
@@ -252,6 +273,8 @@ def classify(features: list[Feature], families: list[str], results: dict[tuple[s
                     cells.append(Cell(family, f.name, "failed", f"FAILED: error while running: {err}"))
                 else:
                     base = results[basekey]["w_deferred"] if basekey else None
+                    if base and f.w_offset:  # per microbatch of every iteration and TP x DP replica
+                        base += f.w_offset * f.iterations * model.num_microbatches * f.tp * f.dp
                     cells.append(compare(family, f, placement, results[refkey], results[famkey], w_baseline=base))
     return cells
 
@@ -266,4 +289,4 @@ def run_matrix(*, features: list[Feature], families: list[str], model: ModelShap
     """
     launches = plan_launches(features, families, model, together=together)
     results, errors = run_launches(launches, timeout=timeout, progress=progress)
-    return classify(features, families, results, errors)
+    return classify(features, families, results, errors, model)

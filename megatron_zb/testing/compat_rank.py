@@ -9,7 +9,9 @@ weights: the same global layer gets the same weights in every placement), wraps 
 asks for it), and trains ``feature.iterations`` iterations on fixed data. It returns, per arm,
 this rank's raw results (no comparison happens here): see :class:`ArmResult`. The model is the
 :class:`~megatron_zb.testing.tiny_gpt.TinyGPT` of :func:`tiny_gpt_of` (the feature's options);
-:func:`run_specs` runs several launches' worth of arms (features) one after another.
+:func:`run_specs` runs several launches' worth of arms (features) one after another. A
+``vocab_parallel`` feature's megatron-zb arms run the family's vocabulary form on sliced vocabulary
+layers (:mod:`~megatron_zb.testing.compat_vocab`); its reference arm the unsliced model.
 
 Refusals: anything raised while *setting an arm up* (building, wrapping, the optimizer, the
 schedule and this rank's lowered plan) of type ``ValueError`` / ``NotImplementedError`` /
@@ -179,15 +181,22 @@ def _layout(spec: GroupSpec) -> tuple[Any, Any]:
     return parallel, precision
 
 
-def _build_modules(spec: GroupSpec, arm: str) -> tuple[list[Any], list[Any]]:
+def _build_modules(spec: GroupSpec, arm: str) -> tuple[list[Any], list[Any], Any]:
     """This rank's chunks and the modules to run, wrapped and hooked up by the product's own wiring
     (:func:`megatron_zb.training.wiring.wrap_chunks`; every arm: get_megatron_optimizer needs
-    DDP-wrapped chunks, at DP=1 just the main_grad buffer)."""
+    DDP-wrapped chunks, at DP=1 just the main_grad buffer), and for a ``vocab_parallel`` feature's
+    megatron-zb arm ``(VocabParallelModel, the slices' DDP module)`` (:mod:`.compat_vocab`), else None."""
     from ..training.wiring import wrap_chunks
     from .distributed import device_from_env
     from .tiny_gpt import build_chunks
 
     chunks = build_chunks(tiny_gpt_of(spec, arm), _stage_to_rank(spec.placement, spec.pp))
+    vocab = None
+    if spec.feature.vocab_parallel and arm != REFERENCE:  # the word embedding and output layer sliced
+        from .compat_vocab import attach_slices
+
+        vocab = attach_slices(chunks, vocab=spec.model.vocab, hidden=spec.model.hidden, seed=spec.model.seed,
+                              dtype=_DTYPES[spec.feature.precision], device=device_from_env())
     parallel, precision = _layout(spec)
     modules = wrap_chunks([c.module for c in chunks],
                           first_last=[(c.plan.pre_process, c.plan.post_process) for c in chunks],
@@ -197,7 +206,7 @@ def _build_modules(spec: GroupSpec, arm: str) -> tuple[list[Any], list[Any]]:
         for c in chunks:
             c.module.config.virtual_pipeline_model_parallel_size = len(chunks)
             c.module.config.microbatch_group_size_per_vp_stage = spec.pp
-    return chunks, modules
+    return chunks, modules, vocab
 
 
 def _build_optimizer(spec: GroupSpec, arm: str, chunks: list[Any], modules: list[Any]) -> Any:
@@ -220,14 +229,21 @@ def _build_optimizer(spec: GroupSpec, arm: str, chunks: list[Any], modules: list
     return opt
 
 
-def _forward_backward_func(spec: GroupSpec, arm: str) -> Any:
+def _forward_backward_func(spec: GroupSpec, arm: str, vocab: Any) -> Any:
+    """megatron-core's (reference) or megatron-zb's ``forward_backward_func`` of the arm (with ``vocab``, a
+    :class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`: the family's vocabulary form)."""
     if arm == REFERENCE:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()
     from ..runtime import get_forward_backward_func as zb_func
 
-    fb = zb_func(arm, num_chunks=2, timeout=60.0)
+    if vocab is not None:
+        from .compat_vocab import vocab_schedule
+
+        fb = zb_func(vocab_schedule(arm), num_chunks=2, timeout=60.0, vocab_parallel=vocab)
+    else:
+        fb = zb_func(arm, num_chunks=2, timeout=60.0)
     from megatron.core import parallel_state
 
     group = parallel_state.get_pipeline_model_parallel_group()
@@ -245,9 +261,14 @@ def _setup(spec: GroupSpec, arm: str) -> tuple[Any, str | None]:
             from ..runtime.wgrad_kernels import install_megatron_fallback
 
             install_megatron_fallback()
-        chunks, modules = _build_modules(spec, arm)
-        opt = _build_optimizer(spec, arm, chunks, modules)
-        parts = (chunks, modules, opt, _forward_backward_func(spec, arm))
+        if spec.feature.vocab_parallel and arm != REFERENCE:  # a family without a vocabulary form: refused
+            from .compat_vocab import vocab_schedule
+
+            vocab_schedule(arm)
+        chunks, modules, vocab = _build_modules(spec, arm)
+        stepped = modules + [vocab[1]] if vocab else modules  # the slices' DDP: stepped and zeroed, not run
+        opt = _build_optimizer(spec, arm, chunks, stepped)
+        parts = (chunks, modules, opt, _forward_backward_func(spec, arm, vocab and vocab[0]), vocab)
     except _refusal_types() as e:
         message = f"{type(e).__name__}: {e}"
     flag = torch.tensor([0 if message is None else 1])
@@ -262,9 +283,9 @@ def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
     from megatron.core import parallel_state
 
     from ..model import named_global_parameters
-    from .tiny_gpt import forward_backward
+    from .compat_vocab import gathered
 
-    chunks, modules, opt, fb = parts
+    chunks, modules, opt, fb, vocab = parts
     f, m = spec.feature, spec.model
     tp, dp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
     res = ArmResult()
@@ -276,7 +297,7 @@ def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
     for it in range(f.iterations):
         if hasattr(opt, "begin_iteration"):
             opt.begin_iteration()
-        for mod in modules:
+        for mod in modules + ([vocab[1]] if vocab else []):
             if hasattr(mod, "zero_grad_buffer"):
                 mod.zero_grad_buffer()
         opt.zero_grad()
@@ -284,6 +305,8 @@ def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
                              per_token=f.per_token_loss)
         data = _microbatches(m, it, dp)
         iters = [iter(data) for _ in modules]
+        if vocab:
+            vocab[0].data_iterator = iter(data)  # every rank: the same micro batches (IF's tokens, S's targets)
         out = fb(forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0],
                  model=modules if len(modules) > 1 else modules[0], num_microbatches=len(data), seq_length=m.seq,
                  micro_batch_size=m.micro_batch)
@@ -293,6 +316,8 @@ def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
             for c in chunks:
                 for n, p in named_global_parameters(c):
                     res.grads[(it, n, tp, dp)] = p.main_grad.detach().clone()
+        if vocab:
+            res.grads.update({(it, n, tp, dp): g for n, g in gathered(vocab[0], grads=True).items()})
         ok, _, _ = opt.step()
         # The wrapper's own get_loss_scale() would validate the step at once: read the inner one.
         res.steps.append((bool(ok), float(getattr(opt, "wrapped", opt).get_loss_scale())))
@@ -300,6 +325,8 @@ def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
         opt.finalize()
         res.rollbacks = opt.counters().rollbacks
     res.params = {(n, tp, dp): p.detach().clone() for c in chunks for n, p in named_global_parameters(c)}
+    if vocab:
+        res.params.update({(n, tp, dp): t for n, t in gathered(vocab[0], grads=False).items()})
     res.w_deferred = 0 if store is None else store.executed - before
     return res
 

@@ -33,6 +33,15 @@ fill the V's 4 stages with the even split). Clipping is off except in the post-v
 columns: with the V the reference is PP=1, whose gradient norm sums the squares in another
 grouping than any PP=2 layout, so a clip factor would differ from the reference's in its last
 bit for reasons that are not the schedule's.
+
+The `vocab-parallel` column (issue 24) runs one launch per placement group, like the first eleven
+(its `fp32` W-count baseline taken from that column's run), and checks that each split-backward
+family queues exactly the `fp32` column's weight-gradient computations less the output layer's
+one per microbatch (its weight gradient runs in T, on the slices). The test also runs the column
+at PP=4 (8 layers, 8 microbatches; the W count checked by hand: 512 for a split-backward family,
+the `fp32` column's PP=4 launches are not run there); [compatibility_pp4.md](compatibility_pp4.md)
+is that column (and `fp32`) at PP=4, written by `scripts/compat_matrix.py --pp 4` (megatron-core
+0.16.1 only).
 """
 """The paragraph on what the test suite runs (kept next to the table it describes)."""
 
@@ -53,6 +62,9 @@ def _short(cell: Cell, notes: dict[str, str]) -> str:
     if cell.kind == "tolerance":
         reason = cell.tolerance.reason if cell.tolerance else ""
         n = notes.setdefault(reason, f"t{len(notes) + 1}")
+        if cell.max_rel_after_step is not None:
+            return (f"equal (<= {cell.tolerance.rtol:g}, after a step <= {cell.tolerance.after_step:g}, [{n}](#{n}); "
+                    f"max {cell.max_rel:.1e}, after a step {cell.max_rel_after_step:.1e})")
         return f"equal (<= {cell.tolerance.rtol:g}, [{n}](#{n}); max {cell.max_rel:.1e})"
     if cell.kind == "refused":
         msg = cell.status.removeprefix("refused: ")
@@ -91,8 +103,9 @@ def render_report(*, cells: list[Cell], features: list[Feature], families: list[
         "(update_successful, loss scale). A cell is `equal (bitwise)`, `equal (<= rtol, ...)` (max "
         "|difference| / max |reference| per tensor), or `refused` (a clear error before anything ran). "
         "A cell also fails when it would prove nothing: a split-backward schedule deferred no weight "
-        "gradient, post-validation never rolled back, fp16 never overflowed, or recomputation queued another "
-        "number of weight-gradient computations than the same family without it (the `fp32` column).",
+        "gradient, post-validation never rolled back, fp16 never overflowed, or recomputation or vocabulary "
+        "parallelism queued another number of weight-gradient computations than the same family without it (the "
+        "`fp32` column; with vocabulary parallelism one fewer per microbatch: the output layer's runs in T).",
         "",
         "| family | " + " | ".join(f"`{f.name}`" for f in features) + " |",
         "|---|" + "---|" * len(features),

@@ -8,7 +8,9 @@ idle cores); issue 13's six model features (:data:`MODEL_FEATURES`) share one la
 placement group (about 25 s of CPU time per rank). Also: recomputation and MoE queue the
 expected number of deferred weight-gradient computations; megatron-core's own execution order
 (instrumented forward and backward steps) equals ``1f1b``'s and ``interleaved-1f1b``'s, at PP=2
-and PP=4; a refused cell; the comparison's failure modes; the script end to end.
+and PP=4; issue 24's vocab-parallel column (each family's vocabulary form against megatron-core's
+schedule on the unsliced model) at PP=2 and PP=4; a refused cell; the comparison's failure modes;
+the script end to end.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.schedules.registry import get_spec
-from megatron_zb.testing.compat_features import FAMILIES, FEATURES, Feature, ModelShape, feature
-from megatron_zb.testing.compat_matrix import Cell, classify, compare, plan_launches, run_launches
+from megatron_zb.testing.compat_features import FAMILIES, FEATURES, Feature, ModelShape, Tolerance, feature
+from megatron_zb.testing.compat_matrix import Cell, Launch, classify, compare, plan_launches, run_launches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,12 +60,27 @@ v-half           B     B              B                   T    B            B
 v-min            B     B              B                   T    B            B
 """
 """Issue 13's model features (one table per line width)."""
+EXPECTED_VOCAB_TABLE = """
+family           vocab-parallel
+1f1b             T
+zb-h1            T
+zb-h2            R
+zb               T
+zb-1p            T
+zb-2p            T
+interleaved-1f1b T
+interleaved-zb   T
+zbv              T
+v-half           T
+v-min            T
+"""
+"""Issue 24's column: each family's vocabulary form (zb-h2 has none: refused by name)."""
 _KIND = {"B": "bitwise", "T": "tolerance", "R": "refused"}
 
 
 def _expected() -> dict[tuple[str, str], str]:
     out = {}
-    for table in (EXPECTED_TABLE, EXPECTED_MODEL_TABLE):
+    for table in (EXPECTED_TABLE, EXPECTED_MODEL_TABLE, EXPECTED_VOCAB_TABLE):
         header, *rows = [ln.split() for ln in table.strip().splitlines()]
         out.update({(row[0], feat): _KIND[mark] for row in rows for feat, mark in zip(header[1:], row[1:])})
     return out
@@ -94,10 +111,14 @@ class Matrix:
         if f.name not in self.cells:
             group = [feature(n) for n in MODEL_FEATURES] if f.name in MODEL_FEATURES else [f]
             launches = plan_launches(group, ALL_FAMILIES, ModelShape(), together=f.name in MODEL_FEATURES)
+            if f.name not in MODEL_FEATURES:  # a same_w_as column already run (fp32) is not run again
+                done = {name for name, _ in self.results}
+                launches = [Launch(specs, launch.world_size) for launch in launches
+                            if (specs := tuple(s for s in launch.specs if s.feature.name not in done))]
             results, errors = run_launches(launches, timeout=300)
             self.results.update(results)
             for g in group:
-                self.cells[g.name] = {c.family: c for c in classify([g], ALL_FAMILIES, results, errors)}
+                self.cells[g.name] = {c.family: c for c in classify([g], ALL_FAMILIES, self.results, errors)}
         return self.cells[f.name]
 
 
@@ -116,6 +137,9 @@ def test_matrix_column(matrix, name):
     for c in column.values():
         if c.kind == "bitwise":
             assert c.status == "equal (bitwise)" and c.max_rel == 0.0
+        elif c.kind == "tolerance" and c.tolerance.after_step is not None:
+            assert 0.0 < c.max_rel <= c.tolerance.rtol and 0.0 < c.max_rel_after_step <= c.tolerance.after_step
+            assert c.status.startswith(f"equal (<= {c.tolerance.rtol:g}; after a step <= {c.tolerance.after_step:g}, ")
         elif c.kind == "tolerance":
             assert 0.0 < c.max_rel <= c.tolerance.rtol and c.status.startswith(f"equal (<= {c.tolerance.rtol:g}, ")
 
@@ -139,6 +163,40 @@ def test_moe_defers_expert_weight_gradients(matrix):
     for fam in ALL_FAMILIES:
         got, base = matrix.results[("moe", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
         assert got * 17 == base * 35, f"{fam}: {got} W computations with MoE, {base} dense"
+
+
+def test_vocab_parallel_runs_each_familys_vocabulary_form(matrix):
+    """The vocab-parallel column: the slices' weight gradient runs in T (the product's default), so each
+    split-backward family queues exactly fp32's W computations less the output layer's one per microbatch
+    (2 iterations x 4 microbatches = 8 fewer), the others none; zb-h2 is refused by name."""
+    column = matrix.column(feature("vocab-parallel"))
+    for fam in ALL_FAMILIES:
+        if fam == "zb-h2":
+            assert "'zb-h2' has no vocabulary-parallel form (no schedule 'zb-h2-vocab-1'" in column[fam].status
+            continue
+        got, base = matrix.results[("vocab-parallel", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
+        want = base - 8 if get_spec(fam).split_backward else 0
+        assert got == want and (base > 0) == get_spec(fam).split_backward, f"{fam}: {got} W, fp32's {base}"
+
+
+def test_vocab_parallel_column_at_pp4():
+    """The vocab-parallel column at PP=4 (8 layers, 8 microbatches; the V and interleaved placements: 8
+    stages of 1 layer): every family's vocabulary form within the column's tolerance of megatron-core's
+    schedule on the unsliced model; zb-h2 refused. The W count by hand (not fp32's PP=4 column: its
+    launches are not run here): 4 linears x 8 layers x 8 microbatches x 2 iterations = 512 for a
+    split-backward family, the output layer's weight gradient in T."""
+    f = dataclasses.replace(feature("vocab-parallel"), same_w_as=None)
+    model = ModelShape(pp=4, num_layers=8, num_microbatches=8)
+    results, errors = run_launches(plan_launches([f], ALL_FAMILIES, model), timeout=300)
+    assert not errors, errors
+    cells = {c.family: c for c in classify([f], ALL_FAMILIES, results, errors, model)}
+    wrong = {fam: c.status for fam, c in cells.items() if c.kind != EXPECTED[(fam, "vocab-parallel")]}
+    assert not wrong, wrong
+    for fam, c in cells.items():
+        if c.kind == "refused":
+            continue
+        assert 0.0 < c.max_rel <= 5e-6 and 0.0 < c.max_rel_after_step <= 2e-2, (fam, c.status)
+        assert results[(f.name, fam)]["w_deferred"] == (512 if get_spec(fam).split_backward else 0), fam
 
 
 # ---------------------------------------------------------------------- execution order vs megatron-core
@@ -210,6 +268,15 @@ def test_compare_classifies_each_failure():
     assert compare("zb", recompute, "plain", ref, _fake(), w_baseline=8).kind == "bitwise"
     c = compare("zb", recompute, "plain", ref, _fake(), w_baseline=9)
     assert c.status == "FAILED: vacuous: 8 deferred weight-gradient computations, 9 in the same family's 'fp32' cell"
+    vocab = dataclasses.replace(f, tolerance={"plain": Tolerance(1e-7, "why", after_step=1e-3)})
+    later = {(1, "w", 0, 0): torch.tensor([1.0, -2.0 * (1 + 2 ** -12)])}  # 1.2e-4 after a step
+    c = compare("zb", vocab, "plain", _fake(grads={**ref["grads"], (1, "w", 0, 0): torch.tensor([1.0, -2.0])}),
+                _fake(grads={**ref["grads"], **later}))
+    assert c.kind == "tolerance" and c.max_rel == 0.0 and c.max_rel_after_step == pytest.approx(2 ** -12, rel=1e-3)
+    assert c.status == "equal (<= 1e-07; after a step <= 0.001, why)"
+    c = compare("zb", vocab, "plain", ref, off)  # the first iteration's gradient (9.5e-7): 1e-7 still applies
+    assert c.kind == "failed"
+    assert c.status.startswith("FAILED: max relative difference (tolerance 1e-07, after a step 0.001): grads 9.54e-07")
     pv = dataclasses.replace(f, post_validation="exact")
     assert "never rolled back" in compare("zb", pv, "plain", ref, _fake()).status
 
@@ -227,3 +294,16 @@ def test_script_writes_the_table(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "compat_matrix.py"), "--features", "nope"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "unknown feature 'nope'" in bad.stderr
+
+
+def test_script_refuses_a_pipeline_size_below_2(capsys):
+    """``--pp`` (docs/compatibility_pp4.md is ``--pp 4``'s page; not run here: the PP=4 column's cells run in
+    test_vocab_parallel_column_at_pp4): below 2 refused by name, exit 2, before any launch (in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compat_matrix_script", ROOT / "scripts" / "compat_matrix.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as e:
+        script.main(["--pp", "1", "--features", "vocab-parallel"])
+    assert e.value.code == 2 and "--pp 1: the pipeline size must be at least 2" in capsys.readouterr().err
