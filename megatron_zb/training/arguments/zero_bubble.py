@@ -99,11 +99,12 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
                         "--zero-bubble-v-schedule.")
     g.add_argument("--enable-vocab-parallel", action="store_true",
                    help="Vocabulary parallelism (Yeung et al., MLSys 2025): the word embedding and the output "
-                        "layer with its cross entropy split evenly over the pipeline ranks, their passes placed "
+                        "layer with its cross entropy split evenly over the pipeline x tensor ranks, their passes placed "
                         f"by the schedule: needs --schedule {_vocab_names()} (-1: two barriers, -2: one); "
                         "tied or untied embeddings; "
-                        "pipeline, tensor (no --sequence-parallel) and data parallelism (no context "
-                        "parallelism), fp32, --bf16 or --fp16, checkpoints (docs/vocab_parallel.md).")
+                        "pipeline, tensor (with or without --sequence-parallel) and data parallelism (no context "
+                        "parallelism), fp32, --bf16 or --fp16, checkpoints, the distributed optimizer "
+                        "(docs/vocab_parallel.md).")
     g.add_argument("--pipeline-timeout-seconds", type=float, default=300.0,
                    help="Timeout of pipeline point-to-point transfers, seconds (default 300).")
 
