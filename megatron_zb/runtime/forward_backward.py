@@ -180,7 +180,7 @@ class ZeroBubbleForwardBackward:
             from .vocab_runtime import vocab_passes
 
             runtime.vocab = vocab_passes(
-                self.options.vocab_parallel, plan=plan, pp_group=pp_group, timeout=self.options.timeout,
+                self.options.vocab_parallel, plan=plan, timeout=self.options.timeout,
                 config=config, runtime=runtime, store=self.store,
                 forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
                 cp_group_size=parallel_state.get_context_parallel_group().size())

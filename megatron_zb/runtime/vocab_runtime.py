@@ -195,7 +195,7 @@ class VocabPasses:
 
     def __init__(self, *, model: VocabParallelModel, channels: dict[str, Any], schedule: Schedule, rank: int,
                  inputs: list[dict[str, torch.Tensor]], config: Any, chunks: dict[int, torch.nn.Module],
-                 tensor_shape: Any, dtype: torch.dtype, store: WeightGradStore, rank_actions: tuple[Action, ...],
+                 dtype: torch.dtype, store: WeightGradStore, rank_actions: tuple[Action, ...],
                  collect_non_loss_data: bool, cp_group_size: int, forward_only: bool = False,
                  tp_size: int = 1, tp_rank: int = 0) -> None:
         from ..megatron_compat import forward_step_calc_loss
@@ -212,7 +212,7 @@ class VocabPasses:
         if len(inputs) != self.m:
             raise ValueError(f"vocabulary-parallel inputs: {len(inputs)} micro batches for {self.m} microbatches")
         self.inputs, self.config, self.chunks = inputs, config, chunks
-        self.tensor_shape, self.dtype, self.store = tensor_shape, dtype, store
+        self.dtype, self.store = dtype, store
         self.collect_non_loss_data, self.cp_group_size = collect_non_loss_data, cp_group_size
         self.forward_only = forward_only  # evaluation: IF, F, S and the loss; no T, no IB
         self._calc_loss = forward_step_calc_loss()
@@ -437,7 +437,7 @@ class VocabPasses:
         return dist.get_global_rank(self.g["x"], group_rank)
 
 
-def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout: float, config: Any, runtime: Any,
+def vocab_passes(model: VocabParallelModel, *, plan: Any, timeout: float, config: Any, runtime: Any,
                  store: WeightGradStore, forward_only: bool, collect_non_loss_data: bool,
                  cp_group_size: int) -> VocabPasses:
     """This call's :class:`VocabPasses`, after refusing (``ValueError``) what the runtime does not run yet:
@@ -484,7 +484,7 @@ def vocab_passes(model: VocabParallelModel, *, plan: Any, pp_group: Any, timeout
     inputs = [next(data_iterator) for _ in range(schedule.num_microbatches)]
     return VocabPasses(model=model, channels=vocab_channels(mp_group, timeout=timeout), schedule=schedule,
                        rank=plan.rank, inputs=inputs, config=config, chunks=runtime.chunks,
-                       tensor_shape=runtime.tensor_shape, dtype=runtime.dtype, store=store, rank_actions=plan.actions,
+                       dtype=runtime.dtype, store=store, rank_actions=plan.actions,
                        collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size,
                        forward_only=forward_only, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
                        tp_rank=parallel_state.get_tensor_model_parallel_rank())
