@@ -288,8 +288,6 @@ def plan(*, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, sc
         raise PlanError("--memory-fraction", f"must be in (0, 1], got {memory_fraction:g}")
     names = family_names(schedules)
     source = CostSource(model, parallel, hardware, profile, memory_fraction)
-    if enable_vocab_parallel:
-        vocab_pass_costs(model, parallel, hardware, variant=1)  # refuses what it cannot plan, before any family
     families = []
     for i, name in enumerate(names):
         if progress is not None:

@@ -1,8 +1,8 @@
 """Costs of the vocabulary-parallel passes for ``megatron-zb plan --enable-vocab-parallel`` (issue 24).
 
 With vocabulary parallelism (Yeung et al., MLSys 2025; docs/vocab_parallel.md) the input embedding
-and the output layer with its cross entropy are split over the ``p`` pipeline ranks: each rank holds
-``V_i = V_pad / p`` rows (``V_pad``: the vocabulary padded to a multiple of
+and the output layer with its cross entropy are split over the ``p`` ranks of the model-parallel group
+(``TP x PP``; the pipeline ranks when ``TP = 1``): each rank holds ``V_i = V_pad / p`` rows (``V_pad``: the vocabulary padded to a multiple of
 ``--make-vocab-size-divisible-by x TP x PP``, as ``pretrain_gpt_zb.py --enable-vocab-parallel`` pads
 it) and runs its slice's passes ``IF``, ``S``, ``T``, ``IB`` for every microbatch. Their kernels are
 counted as :mod:`.flops` counts the output layer and the embedding of the last / first stage without
@@ -28,7 +28,7 @@ costs ``F = T h (24 h + 4 s)``, ``B = T h (24 h + 8 s)``, ``W = 24 T h^2`` FLOPs
 ``T h (72 h + 12 s)`` in all. The ratio is ``6 V / (72 h + 12 s) = V / (12 h + 2 s)`` layers
 (:func:`output_layer_in_layers`; vocabulary 65,536, ``h = s = 256``: 18.3 layers).
 
-**Collectives.** Each one runs over the pipeline group beside compute (the timing kernel's barrier,
+**Collectives.** Each one runs over the model-parallel group beside compute (the timing kernel's barrier,
 :class:`~megatron_zb.schedules.costs.VocabCosts`, one ``t_collective`` for all of them). The largest
 is an ``s x b x h`` tensor (``e T h`` bytes): the embedding's all-reduce after ``IF``, the broadcast of
 the last stage's output before ``S``, the input gradient's all-reduce (``C1``, or ``C0`` with Vocab-2),
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from ..schedules.costs import VocabCosts
 from .flops import CE_BACKWARD_BYTES, CE_FORWARD_BYTES, FP32_ACCUMULATE, PassCost, _Kernels
 from .hardware import Hardware
-from .model import ModelConfig, ParallelConfig, PlanError
+from .model import ModelConfig, ParallelConfig
 
 __all__ = ["VocabPassCosts", "base_family", "output_layer_in_layers", "vocab_pass_costs", "vocab_padded_size",
            "vocab_variant"]
@@ -92,11 +92,11 @@ class VocabPassCosts:
 
     Attributes:
         padded_vocab: ``V_pad``, rows over all ranks.
-        rows: ``V_i = V_pad / p``, rows per rank.
+        rows: ``V_i = V_pad / (TP x PP)``, rows per rank.
         if_, s, t, ib: the passes (:class:`~.flops.PassCost`; ``time_ms`` in ms, ``flops``, bytes).
         t_weight: the part of ``t`` that is the weight-gradient GEMM (included in ``t``).
         collective_bytes: bytes of the largest collective (``e T h``).
-        t_collective_ms: one collective over the pipeline group, ms.
+        t_collective_ms: one collective over the model-parallel group, ms.
         mem_s: bytes held from ``S`` to ``T``.
         params: parameters of the slices on every rank (elements).
     """
@@ -120,18 +120,11 @@ class VocabPassCosts:
 
 
 def vocab_pass_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware, *, variant: int) -> VocabPassCosts:
-    """Costs of one rank's ``IF``, ``S``, ``T``, ``IB`` (module doc) for the paper's ``variant`` (1 or 2).
-
-    Raises:
-        PlanError: tensor parallelism (these costs split the vocabulary over the pipeline ranks only; the
-            runtime and pretrain_gpt_zb.py run it over tensor x pipeline ranks, not planned yet).
-    """
-    if par.tp != 1:
-        raise PlanError("--enable-vocab-parallel", f"planned with --tensor-model-parallel-size 1 only (got "
-                                                   f"{par.tp}): the passes' costs are modelled for slices over the "
-                                                   f"pipeline ranks; pretrain_gpt_zb.py runs the two together, the "
-                                                   f"planner does not plan it yet")
-    e, p, h = model.element_bytes, par.pp, float(model.hidden_size)
+    """Costs of one rank's ``IF``, ``S``, ``T``, ``IB`` (module doc) for the paper's ``variant`` (1 or 2):
+    the slices over the model-parallel group, ``TP x PP`` ranks (``pretrain_gpt_zb.py`` builds them so;
+    with ``TP = 1`` the pipeline ranks), each collective over that group."""
+    e, h = model.element_bytes, float(model.hidden_size)
+    p = par.pp * par.tp  # slices: pp_rank x TP + tp_rank
     T = float(model.seq_length * model.micro_batch_size)
     v_pad = vocab_padded_size(model, par)
     rows = v_pad // p

@@ -18,7 +18,7 @@ from megatron_zb.planning.flops import stage_costs
 from megatron_zb.planning.hardware import resolve_hardware
 from megatron_zb.planning.layout import stage_shapes
 from megatron_zb.planning.memory import GIB
-from megatron_zb.planning.model import PlanError, make_model, make_parallel
+from megatron_zb.planning.model import make_model, make_parallel
 from megatron_zb.planning.planner import plan
 from megatron_zb.planning.vocab import base_family, output_layer_in_layers, vocab_pass_costs
 
@@ -122,7 +122,7 @@ def test_output_dominated_model_recommends_vocabulary_parallelism():
     assert skipped.status == "skipped" and "--enable-vocab-parallel" in skipped.reason
 
 
-def test_cli_prints_the_pairs_and_refuses_tensor_parallelism(capsys):
+def test_cli_prints_the_pairs_and_plans_tensor_parallelism(capsys):
     flags = ["plan", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
              "--micro-batch-size", "1", "--vocab-size", "1000", "--pipeline-model-parallel-size", "2",
              "--num-microbatches", "4", "--gpu-tflops", "0.001", "--gpu-memory-gib", "16", "--gpu-hbm-gbs", "1000",
@@ -131,11 +131,26 @@ def test_cli_prints_the_pairs_and_refuses_tensor_parallelism(capsys):
     out = capsys.readouterr().out
     assert "vocabulary parallelism (each beside its family without it):" in out
     assert any(line.split()[:2] == ["1f1b-vocab-1", "1f1b"] for line in out.splitlines())
-    assert main(flags[:-3] + ["--tensor-model-parallel-size", "2", "--num-attention-heads", "4",
-                              "--enable-vocab-parallel"]) == 2
-    assert "--enable-vocab-parallel: planned with --tensor-model-parallel-size 1 only" in capsys.readouterr().err
-    with pytest.raises(PlanError):
-        vocab_pass_costs(small()[0], make_parallel(small()[0], pp=2, tp=2, num_microbatches=4), HW, variant=1)
+    assert main(flags + ["--tensor-model-parallel-size", "2"]) == 0
+    assert any(line.split()[:2] == ["1f1b-vocab-1", "1f1b"] for line in capsys.readouterr().out.splitlines())
+
+
+def test_pass_costs_with_tensor_parallelism_worked_by_hand():
+    """TP=2 x PP=2: four slices over the model-parallel group (the vocabulary padded to 128 x 4 = 1024 as
+    at TP=1 here): 256 rows per rank, half the TP=1 slice's FLOPs, parameters and softmax bytes; the
+    collective a ring all-reduce over 4 ranks, 2 x 3/4 of the 8192 bytes."""
+    model = small()[0]
+    par = make_parallel(model, pp=2, tp=2, num_microbatches=4)
+    v1 = vocab_pass_costs(model, par, HW, variant=1)
+    rows = 256
+    assert (v1.padded_vocab, v1.rows) == (V_PAD, rows)
+    gemm = 2 * T * H * rows
+    assert v1.s.flops == gemm and v1.t.flops == 2 * gemm
+    assert v1.s.time_ms == pytest.approx(gemm / FLOP_PER_MS + 32 * T * rows / BYTES_PER_MS)
+    assert v1.ib.time_ms == pytest.approx((4 * T * H + 8 * T * H / 4) / BYTES_PER_MS)
+    assert v1.t_collective_ms == pytest.approx(0.5 + 2 * 3 / 4 * 8192 / 1e6)
+    assert v1.mem_s == 4 * T * H + 4 * T * rows
+    assert v1.params == 2 * rows * H  # untied
 
 
 def test_the_searched_families_are_planned_beside_their_family():
