@@ -7,10 +7,14 @@
 #   py312  -- Python 3.12 with the newest megatron-core 0.19.x, in the virtual environment
 #             scripts/test_py312.sh makes ($PY312_VENV, default .venv-py312), installed while the
 #             first suite already runs.
-# Run once, by the first suite only (unless test paths are given): tests/schedules and tests/cli, whose
-# code imports neither torch nor megatron-core (schedules/ and the planner: asserted by
-# tests/schedules/test_schedules_layout.py; the CLI's --torch-csv needs torch 2.13, the same release in
-# both environments), so a second megatron-core release cannot change their outcome.
+# Run once when both suites run (unless test paths are given), the work split between them so both end
+# about together: tests/schedules and tests/cli by the first suite -- their code imports neither torch
+# nor megatron-core (schedules/ and the planner: asserted by tests/schedules/test_schedules_layout.py;
+# the CLI's --torch-csv needs torch 2.13, the same release in both environments) -- and
+# tests/torch_pipelining (torch 2.13 only, no megatron-core) and tests/bench (the benchmark scripts'
+# smoke tests: no number asserted; the training path they drive is tested on both releases by
+# tests/training) by the 3.12 suite. With one suite (MEGATRON_ZB_PY312=skip, or this Python is 3.12) it
+# runs everything.
 # Each suite writes its own log (test-logs/<platform>.log) and pytest folder; a progress line every
 # 10 s (tests done, failed, percentage); at the end each suite's summary (its whole log if it failed), the wall time, and exit 1 if
 # either failed. MEGATRON_ZB_PY312=skip runs the first suite only and says so on the last line;
@@ -23,8 +27,13 @@ LOGS=test-logs
 mkdir -p "$LOGS"
 BASETEMP="${TMPDIR:-/tmp}/megatron-zb-tests-$$"
 PYTEST_ARGS=(-q -p no:cacheprovider --durations=15)
-ONCE=()
-if [[ $# -eq 0 ]]; then set -- tests; ONCE=(--ignore=tests/schedules --ignore=tests/cli); fi
+ONCE_FIRST=()   # left out of the first suite when both run: run by the 3.12 suite
+ONCE=()         # left out of the 3.12 suite: run by the first
+if [[ $# -eq 0 ]]; then
+    set -- tests
+    ONCE_FIRST=(--ignore=tests/torch_pipelining --ignore=tests/bench)
+    ONCE=(--ignore=tests/schedules --ignore=tests/cli)
+fi
 
 # 1. Python 3.12 present, or explicitly skipped (checked before anything is installed).
 first=$(python -c 'import sys; print("py%d%d" % sys.version_info[:2])')
@@ -48,7 +57,9 @@ start=$SECONDS
 mkdir -p "$BASETEMP"
 python -c 'import sys; from importlib.metadata import version as v
 print(f"{sys.argv[1]} suite: Python", sys.version.split()[0], "torch", v("torch"), "megatron-core", v("megatron-core"))' "$first"
-python -m pytest "${PYTEST_ARGS[@]}" --basetemp "$BASETEMP/$first" "$@" >"$LOGS/$first.log" 2>&1 &
+[[ $py312 == run ]] || ONCE_FIRST=()
+[[ ${#ONCE_FIRST[@]} -gt 0 ]] && echo "$first suite: tests/torch_pipelining and tests/bench run by the py312 suite only (release-independent)"
+python -m pytest "${PYTEST_ARGS[@]}" --basetemp "$BASETEMP/$first" "${ONCE_FIRST[@]}" "$@" >"$LOGS/$first.log" 2>&1 &
 pids=($!)
 names=("$first")
 if [[ $py312 == run ]]; then
