@@ -8,12 +8,12 @@
 #             scripts/test_py312.sh makes ($PY312_VENV, default .venv-py312), installed while the
 #             first suite already runs.
 # Run once when both suites run (unless test paths are given), the work split between them so both end
-# about together: tests/schedules and tests/cli by the first suite -- their code imports neither torch
+# about together: tests/schedules, tests/cli by the first suite -- their code imports neither torch
 # nor megatron-core (schedules/ and the planner: asserted by tests/schedules/test_schedules_layout.py;
 # the CLI's --torch-csv needs torch 2.13, the same release in both environments) -- and
-# tests/torch_pipelining (torch 2.13 only, no megatron-core) and tests/bench (the benchmark scripts'
-# smoke tests: no number asserted; the training path they drive is tested on both releases by
-# tests/training) by the 3.12 suite. With one suite (MEGATRON_ZB_PY312=skip, or this Python is 3.12) it
+# tests/bench (the benchmark scripts' smoke tests: no number asserted; the training path they drive is
+# tested on both releases by tests/training) -- and tests/torch_pipelining (torch 2.13 only, no
+# megatron-core) by the 3.12 suite, which starts later (its install). With one suite (MEGATRON_ZB_PY312=skip, or this Python is 3.12) it
 # runs everything.
 # Each suite writes its own log (test-logs/<platform>.log) and pytest folder; a progress line every
 # 10 s (tests done, failed, percentage); at the end each suite's summary (its whole log if it failed), the wall time, and exit 1 if
@@ -31,8 +31,8 @@ ONCE_FIRST=()   # left out of the first suite when both run: run by the 3.12 sui
 ONCE=()         # left out of the 3.12 suite: run by the first
 if [[ $# -eq 0 ]]; then
     set -- tests
-    ONCE_FIRST=(--ignore=tests/torch_pipelining --ignore=tests/bench)
-    ONCE=(--ignore=tests/schedules --ignore=tests/cli)
+    ONCE_FIRST=(--ignore=tests/torch_pipelining)
+    ONCE=(--ignore=tests/schedules --ignore=tests/cli --ignore=tests/bench)
 fi
 
 # 1. Python 3.12 present, or explicitly skipped (checked before anything is installed).
@@ -58,12 +58,12 @@ mkdir -p "$BASETEMP"
 python -c 'import sys; from importlib.metadata import version as v
 print(f"{sys.argv[1]} suite: Python", sys.version.split()[0], "torch", v("torch"), "megatron-core", v("megatron-core"))' "$first"
 [[ $py312 == run ]] || ONCE_FIRST=()
-[[ ${#ONCE_FIRST[@]} -gt 0 ]] && echo "$first suite: tests/torch_pipelining and tests/bench run by the py312 suite only (release-independent)"
+[[ ${#ONCE_FIRST[@]} -gt 0 ]] && echo "$first suite: tests/torch_pipelining run by the py312 suite only (release-independent)"
 python -m pytest "${PYTEST_ARGS[@]}" --basetemp "$BASETEMP/$first" "${ONCE_FIRST[@]}" "$@" >"$LOGS/$first.log" 2>&1 &
 pids=($!)
 names=("$first")
 if [[ $py312 == run ]]; then
-    [[ ${#ONCE[@]} -gt 0 ]] && echo "py312 suite: tests/schedules and tests/cli run by the $first suite only (release-independent)"
+    [[ ${#ONCE[@]} -gt 0 ]] && echo "py312 suite: tests/schedules, tests/cli and tests/bench run by the $first suite only (release-independent)"
     bash scripts/test_py312.sh --basetemp "$BASETEMP/py312" "${ONCE[@]}" "$@" >"$LOGS/py312.log" 2>&1 &  # its own pytest options: those above
     pids+=($!)
     names+=(py312)
