@@ -348,7 +348,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if fuse:
             wgrad_list = [w.main_grad for w in origin]
         else:  # TE: torch.empty (uninitialised); NaN here so that the garbage shows wherever it lands
-            packed = torch.full((n, *weights[0].shape), float("nan"), dtype=weights[0].dtype)
+            packed = torch.full((n, *weights[0].shape), float("nan"), dtype=weights[0].dtype,
+                                device=weights[0].device)
             wgrad_list = [packed[i] for i in range(n)]
 
         def grouped_gemm_wgrad(xs, dys, grad_weights):
@@ -367,7 +368,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         for w, g in zip(origin, wgrad_list):  # handle_custom_ddp_from_mcore
             if fuse and hasattr(w, "grad_added_to_main_grad"):
                 w.grad_added_to_main_grad = True
-                g = torch.zeros(w.main_grad.shape, dtype=w.dtype)
+                g = torch.zeros(w.main_grad.shape, dtype=w.dtype, device=w.main_grad.device)
             elif fuse:
                 g = None
             wgrads.append(g)

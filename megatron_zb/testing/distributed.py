@@ -58,6 +58,7 @@ __all__ = [
     "init_parallel_state",
     "run_distributed",
     "backend_from_env",
+    "cpu_run_env",
     "device_from_env",
 ]
 
@@ -72,6 +73,13 @@ DEVICE_ENV = "MEGATRON_ZB_TEST_DEVICE"
 """Environment variable naming the device tests run on: ``cpu`` (default) or ``cuda``."""
 BACKEND_ENV = "MEGATRON_ZB_TEST_BACKEND"
 """Environment variable naming the process-group backend (default: gloo on CPU, nccl on CUDA)."""
+
+
+def cpu_run_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a CPU-by-design subprocess (a ``--distributed-backend gloo`` run):
+    the GPUs hidden (``CUDA_VISIBLE_DEVICES=``), one OpenMP thread, plus ``extra``. On a GPU node
+    ``pretrain_gpt_zb.py`` refuses gloo while CUDA is visible."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra}
 
 
 def device_from_env() -> "torch.device":
@@ -125,9 +133,15 @@ class RemoteTraceback(Exception):
 
 # ---------------------------------------------------------------------- parent side
 def _get_context(preload: Sequence[str]) -> Any:
-    """The process-wide forkserver context (its preload list is fixed by the first call)."""
+    """The process-wide forkserver context (its preload list is fixed by the first call). On CUDA only
+    ``torch`` modules are preloaded: with megatron-core and megatron_zb preloaded every forked rank failed
+    at ``torch.cuda.set_device`` ("Cannot re-initialize CUDA in forked subprocess"; H200, torch 2.11,
+    megatron-core 0.19.2, 2026-11-28) although no module of either initialises CUDA at import (checked
+    module by module there); with torch alone preloaded the ranks ran."""
     global _context
     if _context is None:
+        if os.environ.get(DEVICE_ENV, "cpu").strip().lower() == "cuda":
+            preload = [m for m in preload if m == "torch" or m.startswith("torch.")]
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(preload))
         _context = ctx

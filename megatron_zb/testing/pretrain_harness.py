@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from .distributed import cpu_run_env
+
 __all__ = ["DROPOUT", "RUN_TIMEOUT", "SCRIPT", "SMALL", "assert_curve", "in_process", "losses", "torchrun", "train",
            "without"]
 
@@ -45,7 +47,7 @@ def torchrun(nproc: int, argv: list[str], *, cwd: Path) -> dict[str, Any]:
     """Run ``pretrain_gpt_zb.py`` under torchrun; fail the test with the log on a non-zero exit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(SCRIPT), *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = cpu_run_env(PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from functools import partial
@@ -25,6 +24,7 @@ from megatron_zb.schedules import CostModel, Op, Schedule
 from megatron_zb.schedules.dp_reduce import DPReduceModel
 from megatron_zb.schedules.registry import build_schedule
 from megatron_zb.testing import run_distributed
+from megatron_zb.testing.distributed import cpu_run_env
 from megatron_zb.testing.dp_overlap import DPCase, assert_equal_runs, merge, run_dp_iterations
 from megatron_zb.testing.tiny_gpt import TinyGPT
 
@@ -122,7 +122,7 @@ def _pretrain(tmp: Path, name: str, argv: list[str]) -> tuple[list[float], str]:
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
            str(REPO / "pretrain_gpt_zb.py"), *argv, "--loss-log-json", str(out / "values.json")]
-    proc = subprocess.run(cmd, cwd=out, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=out, env=cpu_run_env(), capture_output=True, text=True,
                           timeout=400)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]

@@ -37,6 +37,7 @@ from megatron_zb.schedules import Action, Op, Schedule, ScheduleError
 from megatron_zb.schedules.order import w_order_matches_b
 from megatron_zb.schedules.registry import build_schedule, schedule_names
 from megatron_zb.testing import run_distributed
+from megatron_zb.testing.distributed import device_from_env
 from megatron_zb.testing.tiny_gpt import TinyGPT, assert_bitwise_equal, check_te_run, run_step
 
 SPEC = "te_double:gpt_layer_spec"
@@ -488,13 +489,14 @@ def _grouped_main_grads(cls_name: str, fuse: bool, delay: bool) -> dict[str, tor
 
     install_routes()
     torch.manual_seed(0)
-    grouped = getattr(te_double, cls_name)(3, 8, 4, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay)
+    dev = device_from_env()  # megatron-core DDP puts main_grad on the GPU whenever CUDA is available
+    grouped = getattr(te_double, cls_name)(3, 8, 4, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay).to(dev)
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, gradient_accumulation_fusion=fuse)
     ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=grouped)
     ddp.zero_grad_buffer()
     store = WeightGradStore()
     for mb in range(3):
-        x = torch.randn(sum(GROUPED_SPLITS), 8, generator=torch.Generator().manual_seed(mb), requires_grad=True)
+        x = torch.randn(sum(GROUPED_SPLITS), 8, generator=torch.Generator().manual_seed(mb)).to(dev).requires_grad_()
         window = backward_window(store=store, deferred=True, chunk=ddp, stage=0, microbatch=mb) if delay \
             else contextlib.nullcontext()
         with window:
@@ -503,7 +505,7 @@ def _grouped_main_grads(cls_name: str, fuse: bool, delay: bool) -> dict[str, tor
         if delay:
             store.run(0, mb)
     assert te_double.queues_empty(grouped)
-    return {n: p.main_grad.clone() for n, p in grouped.named_parameters()}
+    return {n: p.main_grad.cpu().clone() for n, p in grouped.named_parameters()}
 
 
 def _ddp_delay_wgrad_refusal() -> str:

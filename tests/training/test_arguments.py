@@ -364,6 +364,14 @@ def test_nccl_without_cuda():
         resolve("--distributed-backend nccl")
 
 
+def test_gloo_with_cuda_visible_is_refused(monkeypatch):
+    """gloo is the CPU path; with a GPU visible megatron-core allocates on it (an H200 run crashed). CUDA's
+    availability is monkeypatched: this machine has no GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ArgumentError, match="^--distributed-backend: gloo runs the CPU path, but CUDA is visible"):
+        resolve("--distributed-backend gloo")
+
+
 def test_unavailable_schedule_name_is_a_clear_error(monkeypatch):
     real = arguments.get_spec
 

@@ -28,6 +28,7 @@ from megatron_zb.model import pipeline_split
 from megatron_zb.schedules.registry import get_spec
 from megatron_zb.testing import run_distributed
 from megatron_zb.testing.compat_features import LLAMA
+from megatron_zb.testing.distributed import cpu_run_env
 from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -187,7 +188,7 @@ SCHEDULE_FLAGS = {"mcore": "--use-megatron-core-schedule", "zb": "--enable-zero-
 
 
 def _example_env(name: str, **extra: str) -> dict[str, str]:
-    return dict(os.environ, SCHEDULE=SCHEDULE_FLAGS[name], ITERS="4", **extra)
+    return cpu_run_env(SCHEDULE=SCHEDULE_FLAGS[name], ITERS="4", **extra)
 
 
 def _example_run(name: str, tmp: Path) -> list[dict]:

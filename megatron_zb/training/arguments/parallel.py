@@ -118,11 +118,19 @@ def check_batch_sizes(args: argparse.Namespace) -> None:
 
 
 def resolve_backend(args: argparse.Namespace) -> None:
-    """``--distributed-backend auto`` -> ``nccl`` with CUDA, else ``gloo``; ``nccl`` needs CUDA."""
+    """``--distributed-backend auto`` -> ``nccl`` with CUDA, else ``gloo``; ``nccl`` needs CUDA; ``gloo`` needs
+    the GPUs hidden: the CPU path (the CPU shim) runs only where CUDA is not available, and with CUDA visible
+    megatron-core puts its gradient buffers on the GPU beside gloo (a PP=2 x DP=2 run crashed, SIGSEGV,
+    on an H200 with megatron-core 0.19.2)."""
+    cuda = torch.cuda.is_available()
     if args.distributed_backend == "auto":
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    elif args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    elif args.distributed_backend == "nccl" and not cuda:
         raise ArgumentError("--distributed-backend", "nccl needs CUDA, which is not available here; use gloo or auto")
+    elif args.distributed_backend == "gloo" and cuda:
+        raise ArgumentError("--distributed-backend", "gloo runs the CPU path, but CUDA is visible here (megatron-core "
+                                                     "would put its buffers on the GPU); use nccl (or auto) on GPUs, "
+                                                     "or hide them (CUDA_VISIBLE_DEVICES=) to train on the CPU")
 
 
 def check_data_parallel_overlap(args: argparse.Namespace) -> None:
