@@ -66,7 +66,7 @@ class TorchBenchConfig:
     pp: int = 2
     microbatches: int = 8
     rounds: int = 7
-    profile_iterations: int = 2
+    profile_iterations: int = 3
     model: LMConfig = field(default_factory=lambda: LMConfig(vocab=256, hidden=128, heads=4, ffn=512, layers=8,
                                                              seq=256, mbs=1, dtype="float32"))
     builtins: tuple[str, ...] = BUILTINS
@@ -104,6 +104,8 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
     from ..runtime.memory import ActivationMemoryTracker
     from .progress import RoundProgress, log
     from ..schedules.torch_import import TORCH_SCHEDULES
+    from ..schedules.fusion import fuse_adjacent
+    from ..schedules.simulator import simulate
     from ..torch_pipelining.profiling import profile_and_replan, saving
     from ..torch_pipelining.runtime import build_pipeline, stages_for_rank
 
@@ -135,7 +137,8 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
         step = _stepper(pipe, mods, n, x, y)
         rep = profile_and_replan(pipe, step, iterations=bc.profile_iterations, warmup=1)
         label = f"auto: {rep.after.name}" if name == "auto" else name
-        profiles[label] = (rep.medians_ms, rep.bytes)
+        predicted = simulate(fuse_adjacent(rep.after), rep.costs, enforce_memory=False).total_time
+        profiles[label] = (rep.medians_ms, rep.bytes, rep.action_overhead_ms, predicted)
         if pipe.candidates is not None:
             choices[label] = pipe.candidates
         entries.append(_Entry(label, pipe.spec.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
@@ -198,13 +201,17 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
               "| schedule | stage | T_F | T_I | T_W | T_B (fused) | M_B MiB | held after I (M_W / M_B) |",
               "|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
-    for name, (med_ms, nbytes) in r0["profiles"].items():
+    for name, (med_ms, nbytes, _, _) in r0["profiles"].items():
         n = 1 + max(s for _, s in med_ms)
         for s in range(n):
             m_b = nbytes.get(("F", s), nan)
             cells = [f"{med_ms[(op, s)]:.2f}" if (op, s) in med_ms else "-" for op in ("F", "B", "W", "BW")]
             held = f"{(m_b + nbytes[('B', s)]) / m_b:.2f}" if ("B", s) in nbytes else "-"
             lines.append(f"| {name} | {s} | {' | '.join(cells)} | {_mib(m_b)} | {held} |")
+    lines.append("\nThe runtime's time per compute action beyond the compute (measured iteration minus the simulator's "
+                 "prediction, over the busiest rank's actions) and the re-planned schedule's predicted iteration with it: "
+                 + "; ".join(f"{k} {o:.2f} ms/action, predicted {pred:.1f} ms = {pred / med[k]:.2f} of measured"
+                             for k, (_, _, o, pred) in r0["profiles"].items() if k in med))
     for label, rows in r0.get("choices", {}).items():
         lines.append(f"\n{label}: candidates predicted from the measured costs (simulator, PyTorch's fused B at T_B "
                      f"(fused)): " + "; ".join(f"{n} {t:.1f} ms, peak {pk:g} M_B" for n, t, pk in rows))

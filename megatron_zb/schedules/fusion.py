@@ -11,7 +11,10 @@ rewrite a schedule so that its fused backwards are ``BW`` actions:
   form to predict PyTorch's run;
 * :func:`fuse_all` -- every ``B`` becomes a ``BW`` at its place and its ``W`` is dropped (valid:
   a ``BW`` waits for what its ``B`` waited for, and nothing waits for a ``W``; memory only falls);
-* :func:`split_all` -- every ``BW`` becomes its ``B`` directly followed by its ``W``.
+* :func:`split_all` -- every ``BW`` becomes its ``B`` directly followed by its ``W``;
+* :func:`fuse_where_free` -- each ``W`` moved directly behind its ``B`` (fused, as PyTorch runs it)
+  wherever the fused form's simulated makespan does not grow: a split schedule that keeps apart only
+  the ``W``'s that fill a bubble, and pays the split's extra cost for those alone.
 
 The profiler of :mod:`megatron_zb.torch_pipelining.profiling` runs both forms of one order to
 measure ``T_B``, ``T_W`` and ``T_BW`` on every stage.
@@ -21,9 +24,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .costs import CostModel
 from .ir import Action, Op, Schedule
 
-__all__ = ["fuse_adjacent", "fuse_all", "split_all"]
+__all__ = ["fuse_adjacent", "fuse_all", "fuse_where_free", "split_all"]
+
+_REL = 1e-9
+"""Relative slack of a makespan comparison (float rounding of sums of costs)."""
 
 
 def _with_ranks(schedule: Schedule, ranks: list[list[Action]]) -> Schedule:
@@ -56,4 +63,40 @@ def split_all(schedule: Schedule) -> Schedule:
     """``schedule`` with every backward split: each ``BW`` replaced by its ``B`` and, right after, its ``W``."""
     ranks = [[b for a in acts for b in ((Action(Op.B, a.mb, a.stage), Action(Op.W, a.mb, a.stage))
                                         if a.op is Op.BW else (a,))] for acts in schedule.ranks]
+    return _with_ranks(schedule, ranks)
+
+
+def _makespan(schedule: Schedule, costs: CostModel) -> float:
+    from .simulator import simulate   # the simulator imports nothing from here; kept local all the same
+
+    return simulate(fuse_adjacent(schedule), costs, enforce_memory=False, check=False).makespan
+
+
+def fuse_where_free(schedule: Schedule, costs: CostModel, *, max_rounds: int = 4) -> Schedule:
+    """``schedule`` with every ``W`` that can be fused for free moved directly behind its ``B``.
+
+    Greedy: rank by rank, each ``W`` not yet behind its ``B`` is moved there when the fused form's
+    simulated makespan (:func:`fuse_adjacent`, every ``BW`` charged ``costs.t_bw``) stays at most the
+    current one; rounds repeat until none moves (at most ``max_rounds``). Valid by construction (a ``W``
+    waits only for its ``B``, and nothing waits for a ``W``), and memory only falls: a ``W`` frees what
+    its ``B`` kept, now earlier. With ``t_bw`` at ``t_b + t_w`` (not measured) fusing saves nothing, so
+    only ``W``'s that leave no gap behind move.
+    """
+    ranks = [list(acts) for acts in schedule.ranks]
+    best = _makespan(schedule, costs)
+    for _ in range(max_rounds):
+        moved = False
+        for r, acts in enumerate(ranks):
+            for w in [a for a in acts if a.op is Op.W]:
+                i, j = acts.index(w), acts.index(Action(Op.B, w.mb, w.stage))
+                if i == j + 1:
+                    continue
+                trial = acts[:i] + acts[i + 1:]
+                trial.insert(j + 1, w)
+                cand = _with_ranks(schedule, ranks[:r] + [trial] + ranks[r + 1:])
+                span = _makespan(cand, costs)
+                if span <= best * (1 + _REL):
+                    ranks[r], acts, best, moved = trial, trial, span, True
+        if not moved:
+            break
     return _with_ranks(schedule, ranks)

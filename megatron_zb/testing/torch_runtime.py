@@ -176,8 +176,9 @@ def auto_rank(cfg: LMConfig, m: int) -> dict[str, Any]:
     then profiled (no warm-up, 1 timed iteration per form, memory off), re-chosen and stepped again.
 
     Returns ``{"first": {"losses", "grads"}, "chosen": (before, after) family names, "candidates":
-    pipe.candidates after, "medians": the measured medians, "t_bw": the measured costs' t_bw,
-    "samples", "step": {"losses", "grads"} after re-planning}``.
+    pipe.candidates after, "medians": the measured medians, "t_bw", "t_f": the measured costs' (the
+    action overhead included), "overhead": the measured overhead per action [ms], "step_ms": per form
+    the slowest rank's median iteration [ms], "samples", "step": {"losses", "grads"} after re-planning}``.
     """
     from megatron_zb.torch_pipelining.profiling import profile_and_replan
     from megatron_zb.torch_pipelining.runtime import build_pipeline
@@ -187,5 +188,6 @@ def auto_rank(cfg: LMConfig, m: int) -> dict[str, Any]:
     out: dict[str, Any] = {"first": _step(pipe, mods, cfg, m)}
     rep = profile_and_replan(pipe, lambda: _step(pipe, mods, cfg, m), iterations=1, warmup=0, memory=False)
     out.update(chosen=(rep.before.name, rep.after.name), candidates=pipe.candidates, medians=rep.medians_ms,
-               t_bw=rep.costs.t_bw, samples=rep.samples, step=_step(pipe, mods, cfg, m))
+               t_bw=rep.costs.t_bw, t_f=rep.costs.t_f, overhead=rep.action_overhead_ms, step_ms=rep.step_ms,
+               samples=rep.samples, step=_step(pipe, mods, cfg, m))
     return out

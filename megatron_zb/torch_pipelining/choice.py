@@ -8,6 +8,9 @@ fused-backward family, the others split) from the costs and the memory limit, pr
 *as PyTorch runs it* -- each ``B`` directly followed by its own ``W`` fused into one ``BW``, as the
 export writes it (:func:`~megatron_zb.schedules.fusion.fuse_adjacent`), every ``BW`` charged
 ``costs.t_bw`` (the simulator's timing kernel; ``t_b + t_w`` when ``t_bw`` is not given) -- and
+the split families with each ``W`` moved behind its ``B`` wherever the prediction does not grow
+(:func:`~megatron_zb.schedules.fusion.fuse_where_free`: only the ``W``'s that fill a bubble pay the
+split's extra cost; memory only falls) -- and
 returns the one with the least predicted makespan among those whose simulated peak activation
 memory is within the limit (ties: the lower peak, then :data:`CANDIDATES`' order).
 
@@ -28,7 +31,7 @@ import math
 from typing import Sequence
 
 from ..schedules.costs import CostModel
-from ..schedules.fusion import fuse_adjacent
+from ..schedules.fusion import fuse_adjacent, fuse_where_free
 from ..schedules.ir import Placement, Schedule, ScheduleError
 from ..schedules.registry import build_schedule, get_spec
 from ..schedules.simulator import simulate
@@ -88,6 +91,9 @@ def choose_schedule(placement: Placement, *, num_ranks: int, num_microbatches: i
                                       memory_limit=limit if get_spec(n).cost_aware else None, num_chunks=num_chunks)
         except ScheduleError:   # e.g. the limit is below what the family needs
             continue
+    for n in names[1:]:   # split families: each W fused behind its B wherever that costs no time
+        if n in built:
+            built[n] = fuse_where_free(built[n], costs)
     rows = []
     for k, (n, s) in enumerate(built.items()):
         res = simulate(fuse_adjacent(s), costs, enforce_memory=False)

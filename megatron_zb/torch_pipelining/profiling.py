@@ -16,8 +16,14 @@ timer closes; PyTorch's classes and private code are not touched):
 
 The waits for a peer's activation or gradient are *outside* these calls (the runtime waits on its
 receives before calling them), so a duration is the stage's own compute. Not measured: ``T_comm``
-and the runtime's own time between actions (the re-planned cost model keeps the ``t_comm`` of the
-pipeline's costs; with unit costs that is 0). Memory: the stages' relative ``mem_b`` and ``mem_w /
+(the re-planned cost model keeps the ``t_comm`` of the pipeline's costs; with unit costs that is 0).
+The runtime's own time between actions is measured as one **overhead per compute action**
+(:func:`action_overhead_ms`): each timed ``pipe.step`` (the slowest rank's median per timed form, the
+first step after loading a form left out when more were timed)
+minus the simulator's prediction of that form from the measured costs, over the busiest rank's count
+of actions, floored at 0; the re-planned costs carry it
+(:meth:`~megatron_zb.schedules.costs.CostModel.with_action_overhead`), so a schedule of more actions
+-- a split backward, the V's two chunks -- is predicted to pay for them. Memory: the stages' relative ``mem_b`` and ``mem_w /
 mem_b`` are measured (one more iteration with the saved-activation tracker, :func:`saving`), in the
 given costs' unit (their mean ``mem_b`` kept), the memory limit kept (:func:`measured_costs`).
 
@@ -50,14 +56,16 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.costs import CostModel
-from ..schedules.fusion import fuse_all, split_all
+from ..schedules.fusion import fuse_adjacent, fuse_all, split_all
 from ..schedules.ir import Schedule
+from ..schedules.simulator import simulate
 from .choice import AUTO
 from .export import TorchExportError, prepare_runtime
 from .fsdp import fsdp_reduce_model, stage_grad_bytes
 from .runtime import TorchPipeline
 
-__all__ = ["MIN_COST_MS", "Replan", "StageTimer", "agree", "measured_costs", "profile_and_replan", "saving"]
+__all__ = ["MIN_COST_MS", "Replan", "StageTimer", "action_overhead_ms", "agree", "measured_costs", "profile_and_replan",
+           "saving"]
 
 MIN_COST_MS = 1e-6
 """Floor of a measured ``t_f``/``t_b`` [ms]: the cost model needs them ``> 0`` (stage 0's ``I`` is ~0)."""
@@ -181,6 +189,13 @@ def agree(mine: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int
     return out
 
 
+def _slowest(mine: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int], float]:
+    """The largest value per key over the ranks of ``group`` (an all-gather): identical on all ranks."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    return {k: max(g[k] for g in gathered) for k in mine}
+
+
 def _replica_mean(values: dict[tuple[str, int], float], group: Any) -> dict[tuple[str, int], float]:
     """``values`` averaged over the data-parallel replicas of ``group`` (``None``: unchanged);
     identical on every replica."""
@@ -274,6 +289,9 @@ class Replan:
         before, after: the schedule loaded before and after.
         iterations: timed iterations.
         samples: timed calls per ``(op, stage)`` of this rank.
+        step_ms: per timed form, the slowest rank's median ``pipe.step`` [ms].
+        action_overhead_ms: the runtime's time per compute action beyond the compute [ms]
+            (:func:`action_overhead_ms`), included in :attr:`costs`.
     """
 
     medians_ms: dict[tuple[str, int], float]
@@ -283,6 +301,48 @@ class Replan:
     after: Schedule
     iterations: int
     samples: dict[tuple[str, int], int] = field(default_factory=dict)
+    step_ms: list[float] = field(default_factory=list)
+    action_overhead_ms: float = 0.0
+
+
+def action_overhead_ms(forms: Sequence[tuple[Schedule, bool]], step_ms: Sequence[float], costs: CostModel) -> float:
+    """The runtime's time per compute action beyond the compute [ms]: the mean over the timed
+    ``forms`` (``(schedule, merge_iw)``, as loaded) of (measured iteration ``step_ms`` - the
+    simulator's ``total_time`` of the form as run, from ``costs`` [ms]) / the busiest rank's number of
+    compute actions in it (an ``I`` merged with its ``W`` is one), floored at 0."""
+    per_form = []
+    for (sched, merge_iw), step in zip(forms, step_ms):
+        run = fuse_adjacent(sched) if merge_iw else sched
+        actions = max(len(acts) for acts in run.ranks)
+        per_form.append((step - simulate(run, costs, enforce_memory=False).total_time) / actions)
+    return max(0.0, statistics.fmean(per_form)) if per_form else 0.0
+
+
+def _with_overhead(costs: CostModel, overhead: float, *, split: bool) -> CostModel:
+    """``costs`` with every compute action ``overhead`` longer: a fused backward is one action, so with
+    split costs measured its ``t_bw`` (``t_b + t_w`` when not measured) grows once, not twice."""
+    if split and costs.t_bw is None:
+        res = costs.resolve(len(costs.t_b) if isinstance(costs.t_b, list) else 1)
+        costs = replace(costs, t_bw=[b + w for b, w in zip(res.t_b, res.t_w)])
+    return costs.with_action_overhead(overhead, split_backward=split)
+
+
+@contextlib.contextmanager
+def _timing_steps(pipe: TorchPipeline, into: list[float]) -> Iterator[None]:
+    """Append the wall time of every ``pipe.step`` call inside the block to ``into`` [s]."""
+    step = pipe.step
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = step(*args, **kwargs)
+        into.append(time.perf_counter() - t0)
+        return out
+
+    pipe.step = timed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pipe.step
 
 
 def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, iterations: int = 3,
@@ -315,13 +375,15 @@ def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, it
         train_step()
     forms = _timed_forms(pipe)
     timer = StageTimer(pipe)
+    step_s: list[list[float]] = [[] for _ in forms]
     mine_bytes: dict[tuple[str, int], float] = {}
     try:
         with timer:
-            for sched, merge_iw in forms:
+            for (sched, merge_iw), steps in zip(forms, step_s):
                 prepare_runtime(pipe.runtime, sched, merge_iw=merge_iw)
-                for _ in range(iterations):
-                    train_step()
+                with _timing_steps(pipe, steps):
+                    for _ in range(iterations):
+                        train_step()
         if memory:  # with the first form loaded (the split one, when timed)
             prepare_runtime(pipe.runtime, forms[0][0], merge_iw=forms[0][1])
             tracker = ActivationMemoryTracker([q for st in pipe.stages for q in st.submod.parameters()])
@@ -333,6 +395,12 @@ def profile_and_replan(pipe: TorchPipeline, train_step: Callable[[], Any], *, it
     medians = _replica_mean(agree(timer.medians_ms(), pipe.group), data_parallel_group)
     nbytes = _replica_mean(agree(mine_bytes, pipe.group), data_parallel_group)
     costs = measured_costs(medians, pipe.costs, before.num_stages, nbytes, reduce_bytes)
+    # the first step after loading a form is not counted when there are more (PyTorch re-prepares its runtime)
+    steps = _slowest(_replica_mean({("step", k): 1e3 * statistics.median(v[1:] or v) for k, v in enumerate(step_s)},
+                                   data_parallel_group), pipe.group)
+    step_ms = [steps[("step", k)] for k in range(len(forms))]
+    overhead = action_overhead_ms(forms, step_ms, costs)
+    costs = _with_overhead(costs, overhead, split=_per_stage(medians, "W", before.num_stages) is not None)
     after = pipe.rebuild(costs)
     samples = {k: len(v) for k, v in timer.durations.items()}
-    return Replan(medians, nbytes, costs, before, after, iterations, samples)
+    return Replan(medians, nbytes, costs, before, after, iterations, samples, step_ms, overhead)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_zb.schedules import CostModel, Schedule, ScheduleError, simulate
-from megatron_zb.schedules.fusion import fuse_adjacent, fuse_all, split_all
+from megatron_zb.schedules.fusion import fuse_adjacent, fuse_all, fuse_where_free, split_all
 from megatron_zb.schedules.ir import B, BW, F, W, Op, v_placement
 from megatron_zb.schedules.registry import build_schedule, get_spec
 
@@ -65,3 +65,24 @@ def test_1f1b_v_fuses_every_backward_and_beats_1f1b(p):
     assert r.makespan == pytest.approx(m * 6 + (p - 1) * 4)  # at 1F1B's peak: two thirds of 1F1B's bubble
     free = build_schedule("1f1b-v", num_ranks=p, num_microbatches=m, costs=chunk, memory_limit=1e9)
     assert simulate(free, chunk).makespan == pytest.approx(bound)  # with memory to spare, the bound is reached
+
+
+def test_fuse_where_free_keeps_apart_only_the_ws_that_fill_a_bubble():
+    """T_F = T_B = T_W = 1 and a fused backward 1.9 (hand). Split, the order below takes 8: rank 0
+    F0 0-1, F1 1-2, B0 3-4 (after rank 1's B0 at 3), B1 5-6, W0 6-7, W1 7-8. Moving rank 0's W0 behind
+    B0 makes both of its backwards fused: BW0 3-4.9, BW1 5-6.9 (rank 1's B1 ends at 5) -> 6.9, kept.
+    Rank 1's W's fill its slack while rank 0 works: fusing W0 there delays rank 1's F1 and B1 (8.7),
+    fusing W1 delays B1's gradient to rank 0 (7.8) -- both stay split. Memory only falls."""
+    costs = CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_bw=1.9, mem_b=1.0, mem_w=0.5)
+    split = Schedule(2, [0, 1], [[F(0, 0), F(1, 0), B(0, 0), B(1, 0), W(0, 0), W(1, 0)],
+                                 [F(0, 1), B(0, 1), F(1, 1), B(1, 1), W(0, 1), W(1, 1)]])
+    assert simulate(fuse_adjacent(split), costs).makespan == pytest.approx(8.0)
+    free = fuse_where_free(split, costs)
+    assert free.ranks == [[F(0, 0), F(1, 0), B(0, 0), W(0, 0), B(1, 0), W(1, 0)], split.ranks[1]]
+    res = simulate(fuse_adjacent(free), costs)
+    assert res.makespan == pytest.approx(6.9)
+    assert fuse_adjacent(free).ranks[0] == [F(0, 0), F(1, 0), BW(0, 0), BW(1, 0)]
+    assert res.max_peak_memory <= simulate(split, costs).max_peak_memory
+    # splitting as dear as fusing (no t_bw): fusing W0 still ends rank 0 at 7 instead of 8
+    assert simulate(fuse_adjacent(fuse_where_free(split, CostModel(t_f=1.0, t_b=1.0, t_w=1.0))),
+                    CostModel(t_f=1.0, t_b=1.0, t_w=1.0)).makespan == pytest.approx(7.0)

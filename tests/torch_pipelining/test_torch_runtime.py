@@ -23,11 +23,12 @@ from megatron_zb.schedules.costs import CostModel  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule  # noqa: E402
 from megatron_zb.testing.distributed import run_distributed  # noqa: E402
 from megatron_zb.testing.torch_pipelining import LMConfig, reference  # noqa: E402
-from megatron_zb.schedules.ir import Placement  # noqa: E402
+from megatron_zb.schedules.ir import B, F, Placement, Schedule, W  # noqa: E402
 from megatron_zb.schedules.simulator import simulate  # noqa: E402
 from megatron_zb.testing.torch_runtime import api_rank, fsdp_rank  # noqa: E402
 from megatron_zb.torch_pipelining.choice import choose_schedule, placement_of  # noqa: E402
 from megatron_zb.torch_pipelining.export import TorchExportError, torch_lowering  # noqa: E402
+from megatron_zb.torch_pipelining.profiling import action_overhead_ms  # noqa: E402
 from megatron_zb.torch_pipelining.runtime import runtime_costs, stages_for_rank  # noqa: E402
 
 M = 4
@@ -180,9 +181,12 @@ def test_auto_measures_split_and_fused_backwards_and_chooses_on_2_processes(api_
     assert {name for name, _, _ in r0["candidates"]} == {"1f1b-v", "zbv"}
     assert r0["chosen"][1] == r0["candidates"][0][0]  # the least predicted makespan
     medians = r0["medians"]
+    o = r0["overhead"]  # the runtime's time per action beyond the compute, in every cost
+    assert o >= 0 and res[1]["overhead"] == o and len(r0["step_ms"]) == 2 and min(r0["step_ms"]) > 0
     for s in range(4):
         assert {("F", s), ("B", s), ("W", s), ("BW", s)} <= set(medians), s
-        assert r0["t_bw"][s] == max(medians[("BW", s)], 1e-6)
+        assert r0["t_bw"][s] == pytest.approx(max(medians[("BW", s)], 1e-6) + o, rel=1e-12)
+        assert r0["t_f"][s] == pytest.approx(max(medians[("F", s)], 1e-6) + o, rel=1e-12)
     for r in res:  # one timed iteration per form: F in both, I and W in the split one, B in the fused one
         assert {op: n for (op, _), n in r["samples"].items() if op != "R"} == {"F": 2 * M, "B": M, "W": M, "BW": M}
 
@@ -209,6 +213,19 @@ def test_choose_schedule_weighs_what_splitting_costs():
     assert placement_of([1], 2, 2, 1) is Placement.PLAIN
     with pytest.raises(TorchExportError, match=r"rank 1 holds stages \[2\] of 4 on 2 ranks, which no placement"):
         placement_of([2], 4, 2, 1)
+
+
+def test_action_overhead_by_hand():
+    """T_F = T_I = T_W = 1 ms (hand), one stage, one microbatch. Split (F, I, W: 3 actions) the
+    simulator predicts 3 ms; a measured 3.6 ms leaves 0.2 ms per action. Fused (F, B: 2 actions, B at
+    t_b + t_w = 2) it predicts 3 ms too; 3.6 ms leaves 0.3. Both forms timed: their mean, 0.25.
+    Faster than predicted: 0, not negative."""
+    one = Schedule(1, [0], [[F(0, 0), B(0, 0), W(0, 0)]])
+    costs = CostModel(t_f=1.0, t_b=1.0, t_w=1.0)
+    assert action_overhead_ms([(one, False)], [3.6], costs) == pytest.approx(0.2)
+    assert action_overhead_ms([(one, True)], [3.6], costs) == pytest.approx(0.3)
+    assert action_overhead_ms([(one, False), (one, True)], [3.6, 3.6], costs) == pytest.approx(0.25)
+    assert action_overhead_ms([(one, False)], [2.0], costs) == 0.0
 
 
 def test_stage0_quirk_in_the_cost_model():
