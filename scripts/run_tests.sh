@@ -8,13 +8,13 @@
 #             scripts/test_py312.sh makes ($PY312_VENV, default .venv-py312), installed while the
 #             first suite already runs.
 # Run once when both suites run (unless test paths are given), the work split between them so both end
-# about together: tests/schedules, tests/cli by the first suite -- their code imports neither torch
-# nor megatron-core (schedules/ and the planner: asserted by tests/schedules/test_schedules_layout.py;
-# the CLI's --torch-csv needs torch 2.13, the same release in both environments) -- and
-# tests/bench (the benchmark scripts' smoke tests: no number asserted; the training path they drive is
-# tested on both releases by tests/training) -- and tests/torch_pipelining (torch 2.13 only, no
-# megatron-core) by the 3.12 suite, which starts later (its install). With one suite (MEGATRON_ZB_PY312=skip, or this Python is 3.12) it
-# runs everything.
+# about together: tests/schedules, tests/cli and tests/bench by the first suite -- schedules/ and the
+# planner import neither torch nor megatron-core (asserted by tests/schedules/test_schedules_layout.py);
+# the CLI's --torch-csv needs torch 2.13, the same release in both environments; tests/bench holds the
+# benchmark scripts' smoke tests (no number asserted; the training path they drive is tested on both
+# releases by tests/training) -- and tests/torch_pipelining (torch 2.13 only, no megatron-core) by the
+# 3.12 suite, which starts later (its install). With one suite (MEGATRON_ZB_PY312=skip, or this Python
+# is 3.12) it runs everything.
 # Each suite writes its own log (test-logs/<platform>.log) and pytest folder; a progress line every
 # 10 s (tests done, failed, percentage); at the end each suite's summary (its whole log if it failed), the wall time, and exit 1 if
 # either failed. MEGATRON_ZB_PY312=skip runs the first suite only and says so on the last line;

@@ -5,13 +5,18 @@ is the benchmark's; only the rank that is told to (rank 0) prints, so a run of `
 writes ``n`` lines such as::
 
     [12:03:41] real m=8 round 3/32: megatron-1f1b 167.2, 1f1b 166.0, zb-2p 156.1 ms; elapsed 41 s, ETA 6 min 50 s
+
+A step that prints nothing itself for longer (one whole training run of ``bench vocab``) runs under
+:func:`heartbeat`: a line every few seconds naming it and the time so far.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
-from typing import Mapping, TextIO
+from typing import Iterator, Mapping, TextIO
 
 
 def log(msg: str, *, stream: TextIO | None = None) -> None:
@@ -58,3 +63,23 @@ class RoundProgress:
         text = self.line(m=m, times_ms=times_ms, what=what)
         if self.enabled:
             log(text)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, *, every_s: float = 5.0, stream: TextIO | None = None) -> Iterator[None]:
+    """While the body runs, a :func:`log` line ``<what>: running, <elapsed>`` every ``every_s`` seconds
+    (from a daemon thread of this process, stopped and joined when the body ends or raises)."""
+    stop = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            log(f"{what}: running, {duration(time.perf_counter() - t0)}", stream=stream)
+
+    thread = threading.Thread(target=beat, name="bench-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -45,12 +45,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from .progress import heartbeat
+from .progress import log as stamped
+
 __all__ = ["VocabBenchSpec", "Variant", "bench_rank", "calibrate_rank", "main", "variants"]
 
 MEGATRON_SPLIT = "megatron-1f1b-split"
 CALIBRATION_REPEATS = 9
 """Timed repeats of each calibration kernel (the fastest counts)."""
 SPLIT_FLAGS = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+HEARTBEAT_S = 5.0
+"""Seconds between the progress lines while one run (or the calibration) goes (:func:`.progress.heartbeat`)."""
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,7 @@ def wait_for_load(limit: float | None, max_wait_s: float, *, log: Any = sys.stde
             load = f.read().split()[:3]
         if limit is None or float(load[0]) < limit or time.perf_counter() - t0 >= max_wait_s:
             return " ".join(load)
-        print(f"vocab bench: load average {load[0]} >= {limit:g}, waiting", file=log, flush=True)
+        stamped(f"vocab bench: load average {load[0]} >= {limit:g}, waiting", stream=log)
         time.sleep(20)
 
 
@@ -353,7 +358,8 @@ def run_rounds(spec: VocabBenchSpec, vs: Sequence[Variant], *, wait_load: float 
                max_wait_s: float = 0.0, log: Any = sys.stderr) -> dict[str, Measured]:
     """``spec.rounds`` rounds; in each, every pair runs back to back (base first in odd rounds, the
     vocabulary variant first in even ones), the order of the pairs rotated by one each round. Before
-    each pair: :func:`wait_for_load` with ``wait_load`` / ``max_wait_s``."""
+    each pair: :func:`wait_for_load` with ``wait_load`` / ``max_wait_s``. On ``log``: a line per run, and
+    while it runs one every :data:`HEARTBEAT_S` seconds (:func:`.progress.heartbeat`)."""
     got = {v.label: Measured() for v in vs}
     units = _units(vs)
     for r in range(spec.rounds):
@@ -362,7 +368,8 @@ def run_rounds(spec: VocabBenchSpec, vs: Sequence[Variant], *, wait_load: float 
             load = wait_for_load(wait_load, max_wait_s, log=log)
             for v in (unit if r % 2 == 0 else unit[::-1]):
                 t0 = time.perf_counter()
-                res = run_variant(spec, v)
+                with heartbeat(f"vocab bench: round {r + 1}/{spec.rounds} {v.label}", every_s=HEARTBEAT_S, stream=log):
+                    res = run_variant(spec, v)
                 m = got[v.label]
                 m.iter_ms.append(res["iter_ms"])
                 m.param_bytes = res["param_bytes"]
@@ -372,9 +379,8 @@ def run_rounds(spec: VocabBenchSpec, vs: Sequence[Variant], *, wait_load: float 
                 if res["profile_ms"] is not None:
                     m.profile_ms.append(res["profile_ms"])
                 m.measured = res["measured"]
-                print(f"vocab bench: round {r + 1}/{spec.rounds} {v.label}: {res['iter_ms']:.1f} ms/iteration "
-                      f"(run {time.perf_counter() - t0:.0f} s, load average before the pair {load})",
-                      file=log, flush=True)
+                stamped(f"vocab bench: round {r + 1}/{spec.rounds} {v.label}: {res['iter_ms']:.1f} ms/iteration "
+                        f"(run {time.perf_counter() - t0:.0f} s, load average before the pair {load})", stream=log)
     return got
 
 
@@ -473,8 +479,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     print(f"vocab bench: {spec.describe()}; {len(vs)} variants x {spec.rounds} rounds; load average {load}")
-    calib = {k: statistics.median(r[k] for r in rs) for rs in [run_distributed(
-        calibrate_rank, world_size=spec.pp, args=(asdict(spec),), timeout=spec.timeout)] for k in rs[0]}
+    with heartbeat("vocab bench: calibration", every_s=HEARTBEAT_S):
+        ranks = run_distributed(calibrate_rank, world_size=spec.pp, args=(asdict(spec),), timeout=spec.timeout)
+    calib = {k: statistics.median(r[k] for r in ranks) for k in ranks[0]}
     print("calibration (median over ranks): " + ", ".join(f"{k} {v:.4g}" for k, v in calib.items())
           + " (FLOP/ms, FLOP/ms, bytes/ms, ms)")
     predicted = predict(spec, calib, vs)

@@ -32,7 +32,9 @@ The recommendation is the fastest family that fits (ties: less memory, then a na
 
 ``zb`` (the greedy scheduler under an explicit limit) is planned with the largest number ``N``
 of microbatches' activations that fits the usable memory next to the parameters on every rank (its report names
-``N``: ``pretrain_gpt_zb.py --schedule zb --zero-bubble-max-pending-backward N``).
+``N``: ``pretrain_gpt_zb.py --schedule zb --zero-bubble-max-pending-backward N``); so are its
+vocabulary-parallel forms ``zb-vocab-1|2`` (``N`` from their own parameters and stage ``M_B``, the
+limit ``N x M_B`` capping their whole peak, the passes' included: ``vocab_family``).
 
 Families left out by default, each listed in the plan with the reason: the exact CP-SAT
 schedules (``zb-optimal``, ``zbv-optimal``: minutes beyond small ``p`` and ``m``), and the
@@ -187,7 +189,8 @@ class FamilyResult:
             same per pipeline rank (GiB; total = activation + parameters and optimizer state), what a
             measured per-rank peak compares with (``scripts/gpu_selftest.sh``'s memory step).
         fits: ``peak_memory_gib <= memory_fraction * GPU memory``.
-        memory_limit_n: for ``zb``, the ``--zero-bubble-max-pending-backward`` value planned.
+        memory_limit_n: for ``zb`` and ``zb-vocab-1|2``, the ``--zero-bubble-max-pending-backward``
+            value planned.
         vocab_base: for a vocabulary-parallel family, the family it is compared with (``zb-h1`` for
             ``zb-h1-vocab-1``); ``None`` otherwise.
         cost_source: where the stage costs came from (:class:`StageTable`).
@@ -339,7 +342,7 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
         params[sh.rank] += n
     param_bytes = [n * bytes_per_parameter(source.model, par) for n in params]
     limit, n_limit = None, None
-    if name == "zb":
+    if _limited_by_free_memory(name):
         free = source.usable_bytes - max(param_bytes)
         n_limit = count_that_fit(free, max(table.mem_b)) if free > 0 else 0
         if n_limit < 1:
@@ -363,6 +366,13 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
     fam = _metrics(name, chunks, res, params, param_bytes, table, source, n_limit, spread_ms)
     fam.vocab_base = base_family(name) if spec.vocab_parallel else None
     return fam
+
+
+def _limited_by_free_memory(name: str) -> bool:
+    """Whether ``name`` is planned under the free memory's limit (module doc): ``zb``, the greedy
+    scheduler under an explicit limit, and its vocabulary-parallel forms ``zb-vocab-1|2`` (the same
+    greedy order, the limit capping their whole peak)."""
+    return "zb" in (name, base_family(name))
 
 
 def _metrics(name: str, chunks: int, res: SimResult, params: list[float], param_bytes: list[float],

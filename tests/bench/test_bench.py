@@ -179,6 +179,28 @@ def test_round_progress_line_counts_rounds_and_estimates_what_is_left(monkeypatc
     assert [progress.duration(x) for x in (59.4, 410, 3725)] == ["59 s", "6 min 50 s", "1 h 02 min"]
 
 
+def test_heartbeat_prints_while_the_body_runs_and_stops_after_it():
+    import io
+    import threading
+    import time
+
+    from megatron_zb.bench import progress
+
+    out = io.StringIO()
+    with pytest.raises(KeyError):  # the body's exception passes through; the thread still stops
+        with progress.heartbeat("vocab bench: round 1/3 zbv", every_s=0.02, stream=out):
+            deadline = time.monotonic() + 10.0
+            while out.getvalue().count("\n") < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise KeyError("done")
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 2
+    assert all(re.fullmatch(r"\[\d\d:\d\d:\d\d\] vocab bench: round 1/3 zbv: running, \d+ s", ln) for ln in lines), lines
+    assert not any(t.name == "bench-heartbeat" for t in threading.enumerate())
+    time.sleep(0.1)
+    assert out.getvalue().splitlines() == lines  # nothing after the body ended
+
+
 def test_csv_round_trip(tmp_path):
     rows = [Row("real-timing", 2, 8, "zb-2p", "ratio_vs_megatron_1f1b", 0.9123456789),
             Row("emulated", 8, 24, "zbv", "measured_ms", 123.0, "ms")]

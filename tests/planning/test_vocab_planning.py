@@ -165,3 +165,34 @@ def test_the_searched_families_are_planned_beside_their_family():
     for name, base in (("zb-2p-vocab-1", "zb-2p"), ("v-half-vocab-2", "v-half")):
         assert got[name].status == "ok" and got[base].status == "ok", (got[name].reason, got[base].reason)
         assert got[name].vocab_base == base
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 8])
+def test_zb_vocab_is_planned_under_the_free_memory_limit_as_zb(n):
+    """``zb-vocab-1|2`` (the greedy ``zb`` with the passes) get ``zb``'s rule: the largest ``N`` microbatches
+    of ``M_B`` that fit next to the parameters, its whole activation peak capped at ``N x M_B``.
+
+    By hand, no dropout, fp32 (4 bytes), T = s = 32, h = 64, 4 heads, f = 256: one layer's ``M_B`` = 4 x (2A
+    (norm, QKV input) + 3Tq (Q, K, V) + S (softmax) + Tq (projection input) + 2A (MLP norm, FC1 input)
+    + 2Tf (activation, FC2 input)) with A = Th = 2048, q = 64, S = s^2 a = 4096: 4 x 36,864 = 147,456
+    bytes (the paper's 34sbh + 5as^2b without dropout, 64sbh + 4as^2b in fp32); the last stage adds the
+    final norm's input 4A: M_B = 155,648. Parameters (untied): rank 0 49,984 + the positions 2,048 + two
+    512 x 64 slices 65,536 = 117,568, x 16 bytes = 1,881,088 (the largest rank). The GPU's usable memory
+    (0.9 of it) = those bytes + (n + 1/2) M_B, so N = n. (The greedy order fills its limit: with a slice's
+    ``S`` in flight beside it only a lower order fits, schedules/generators/vocab_family.py.)"""
+    model = make_model(num_layers=2, hidden_size=H, num_attention_heads=4, seq_length=T, micro_batch_size=1,
+                       vocab_size=1000, precision="fp32", untie_embeddings_and_output_weights=True,
+                       hidden_dropout=0.0, attention_dropout=0.0)
+    par = make_parallel(model, pp=2, num_microbatches=8)
+    m_b, params = 155_648, 117_568 * 16
+    hw = resolve_hardware(tflops=0.001, memory_gib=(params + (n + 0.5) * m_b) / 0.9 / GIB, hbm_gbs=1000, tp_gbs=1,
+                          p2p_gbps=8, p2p_latency_ms=0.5, mfu=1.0, hbm_efficiency=1.0)
+    res = plan(model=model, parallel=par, hardware=hw, schedules=["zb-vocab-1", "zb-vocab-2"],
+               enable_vocab_parallel=True)
+    assert [f.name for f in res.families] == ["zb-vocab-1", "zb-vocab-2"]
+    for fam in res.families:
+        assert fam.status == "ok", (fam.name, fam.reason)
+        assert fam.memory_limit_n == n
+        assert fam.peak_activation_gib * GIB <= n * m_b * (1 + 1e-9)
+        assert fam.param_optimizer_gib * GIB == pytest.approx(params)
+        assert fam.fits

@@ -111,6 +111,18 @@ def test_explicit_limit_caps_the_whole_peak():
         build_schedule("zb-vocab-1", num_ranks=4, num_microbatches=8, costs=PLAIN, memory_limit=0.5)
 
 
+@pytest.mark.parametrize("name", ["zb-vocab-1", "zb-vocab-2", "zb-2p-vocab-1"])
+def test_explicit_limit_leaves_room_for_the_slices_in_flight(name):
+    """M_W = M_B = 1 (a microbatch holds its 1 from F until its W) and ``mem_s`` = 0.5: a base built at
+    ``X - extra x M`` holds ``X - extra`` microbatches at its peak, ``extra`` more deepened, and a slice's S
+    in flight beside them makes 4.5 > X = 4 for every ``extra`` (the rule before ``k x mem_s``: "below the
+    least peak"); a base at least one ``mem_s`` lower leaves the room, and ``X`` is met."""
+    costs = _costs(name, mem_w=1.0, vocab=replace(VC, mem_s=0.5))
+    s = build_schedule(name, num_ranks=2, num_microbatches=8, costs=costs, memory_limit=4.0)
+    assert max(simulate(s, costs).peak_memory) <= 4.0
+    assert s.meta["base_memory_limit"] <= 4.0 - s.meta["extra_warmup"] - 0.5
+
+
 def test_makespan_against_hand_worked_bounds():
     """p=4, m=16. Every rank's work per microbatch is 3 + 1.1 = 4.1 (plain; on the V 6 chunk actions of
     0.5), so no schedule ends before 16 x 4.1 = 65.6: the vocabulary families end within 6% (greedy) /

@@ -28,15 +28,17 @@ an explicit limit the base is built at ``L`` and the result peaks at most at ``L
 (:func:`~.vocab.deepen`'s bound; ``extra <= barriers``), plus ``mem_s`` for each ``S`` whose ``T`` has
 not run -- the paper's ``p + 1`` / ``p + 2`` generalised (1F1B: ``L = p M_B``). An explicit
 ``memory_limit`` ``X`` (or ``costs.memory_limit``) caps the whole peak, as ``zbv-vocab``'s does: the base
-for ``extra`` is built at ``X - extra x M`` (an ``extra`` whose limit is below the family's minimum is
-skipped) and only the results whose simulated peak fits ``X`` are kept.
+for ``extra`` is built at ``X - extra x M - k x mem_s`` for ``k = 0 .. barriers + 1`` (room for ``k``
+slices' ``S`` in flight, which the base order fills up to ``X`` otherwise; ``mem_s`` the largest rank's;
+``k = 0`` only without ``mem_s``; a limit below the family's minimum is skipped, and ``X`` itself below it
+refused) and only the results whose simulated peak fits ``X`` are kept, the fastest of them per ``extra``.
 """
 
 from __future__ import annotations
 
 from ..catalog import SCHEDULES, register
 from ..costs import CostModel
-from ..ir import Action, Op, Placement, Schedule, ScheduleError, make_schedule, plain_placement, v_placement
+from ..ir import VOCAB_OPS, Action, Op, Placement, Schedule, ScheduleError, make_schedule, plain_placement, v_placement
 from .common import check_cost_model, check_count
 from .vocab import VARIANT_BARRIERS, check_variant, deepen, least_extra
 from .vshape import check_v_chunks
@@ -89,26 +91,32 @@ def vocab_family(base: str, *, num_ranks: int, num_microbatches: int, variant: i
     per_mb = chunks * max(costs.resolve(n).mem_b)          # M: one microbatch's share of a rank
     cap = memory_limit if memory_limit is not None else costs.memory_limit
     name = f"{base}-vocab-{variant}"
-    built: dict[int, Schedule] = {}
+    mem_s = max(costs.vocab.resolve(p).mem_s) if costs.vocab is not None else 0.0
+    built: dict[int, list[Schedule]] = {}   # extra -> the distinct base orders tried, limits descending
 
     def base_for(extra: int) -> list[list[list[Action]]]:
         if cap is None:
             if 0 not in built:
-                built[0] = _base_order(base, p, m, costs, None)
-            sched = built[0]
-        else:
+                built[0] = [_base_order(base, p, m, costs, None)]
+            return [deepen(built[0][0].ranks, extra)]
+        tried = built[extra] = []
+        for k in range(vb + 2 if mem_s > 0 else 1):   # room for k slices' S in flight (module doc)
             try:
-                sched = built[extra] = _base_order(base, p, m, costs, cap - extra * per_mb)
+                sched = _base_order(base, p, m, costs, cap - extra * per_mb - k * mem_s)
             except ScheduleError:
-                if extra == 0:
+                if extra == 0 and k == 0:
                     raise
-                return []   # the family's minimum is above cap - extra x M
-        return [deepen(sched.ranks, extra)]
+                break   # the family's minimum is above this limit
+            if not tried or sched.ranks != tried[-1].ranks:
+                tried.append(sched)
+        return [deepen(sched.ranks, extra) for sched in tried]
 
     s2r = v_placement(p) if spec.placement is Placement.V else plain_placement(p)
     extra, ranks, makespan = least_extra(base_for, s2r, m, costs, vb, name=name, memory_limit=cap,
                                          what=f"{base}'s order at its least limit")
-    limit = built[extra if cap is not None else 0].meta.get("memory_limit")
+    order = [[a for a in r if a.op not in VOCAB_OPS] for r in ranks]   # the chosen base, deepened
+    chosen = next(b for b in built[extra if cap is not None else 0] if deepen(b.ranks, extra) == order)
+    limit = chosen.meta.get("memory_limit")
     return make_schedule(num_microbatches=m, stage_to_rank=s2r, ranks=ranks, name=name, vocab_barriers=vb,
                          variant=variant, extra_warmup=extra, makespan=makespan, base_memory_limit=limit)
 

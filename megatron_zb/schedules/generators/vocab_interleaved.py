@@ -49,12 +49,12 @@ import math
 
 from ..catalog import register
 from ..costs import CostModel
-from ..ir import Action, Placement, Schedule, ScheduleError, interleaved_placement, make_schedule
+from ..ir import Action, Placement, Schedule, interleaved_placement, make_schedule
 from ..limits import resolve_limit
 from .baselines import check_shape, interleaved_1f1b_order, interleaved_warmup_extra
 from .common import check_cost_model
 from .interleaved_zb import split_with_delay
-from .vocab import VARIANT_BARRIERS, least_extra
+from .vocab import VARIANT_BARRIERS, check_variant, least_extra
 
 __all__ = ["vocab_interleaved"]
 
@@ -78,11 +78,10 @@ def vocab_interleaved(*, num_ranks: int, num_microbatches: int, num_chunks: int 
         ScheduleError: bad sizes, costs or variant, or no candidate fits ``memory_limit``.
     """
     check_shape(num_ranks, num_microbatches, num_chunks)
-    if variant not in VARIANT_BARRIERS:
-        raise ScheduleError(f"vocabulary-parallel variant must be 1 (Vocab-1) or 2 (Vocab-2), got {variant!r}")
+    vb = check_variant(variant)
     costs = check_cost_model(costs or CostModel())
     p, m, v = num_ranks, num_microbatches, num_chunks
-    vb, s2r = VARIANT_BARRIERS[variant], interleaved_placement(p, v)
+    s2r = interleaved_placement(p, v)
     name = f"interleaved-{'zb' if split_backward else '1f1b'}-vocab-{variant}"
     e0 = interleaved_warmup_extra(p, m, v)
     delays = [[0] * p, list(range(p)), [2 * r for r in range(p)], [v * r for r in range(p)]]
