@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--builtins", default=",".join(BUILTINS),
                     help="PyTorch's schedule classes to run, comma-separated (default: all five)")
-    ap.add_argument("--ours", default=",".join(OURS), help="megatron-zb families (or auto) to run, comma-separated")
+    ap.add_argument("--ours", default=",".join(OURS),
+                    help="megatron-zb families (or auto) to run, comma-separated; NAME@BUILTIN: NAME re-planned with "
+                         "that built-in's measured peak activation memory as its limit")
     a = ap.parse_args(argv)
     pick = {k: tuple(n for n in getattr(a, k).split(",") if n) for k in ("builtins", "ours")}
     bc = TorchBenchConfig(pp=a.pp, microbatches=a.microbatches, rounds=a.rounds, **pick)

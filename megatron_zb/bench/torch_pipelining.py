@@ -14,7 +14,9 @@ the others). Per schedule:
   (``auto`` on V-placed stages: it chooses between ``1f1b-v`` and ``zbv``, and is labelled with
   its choice after the re-plan) and re-planned once with :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan`
   (1 warm-up, ``profile_iterations`` timed iterations), so they run from costs measured inside
-  PyTorch's runtime;
+  PyTorch's runtime; ``NAME@BUILTIN`` (e.g. ``zbv@ScheduleZBVZeroBubble``) re-plans ``NAME`` once more
+  with the built-in's measured peak activation memory (max over ranks, measured first) as its memory
+  limit, in the profile's unit (the stages' mean measured ``M_B``): ours at the built-in's memory;
 * every schedule runs one warm-up step, then ``rounds`` paired rounds: each round runs every
   schedule once (the order rotated by one each round), each step between two barriers; the
   iteration time is rank 0's wall time from the first barrier to the second [ms]. Reported: the
@@ -128,15 +130,21 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
     profiles: dict[str, Any] = {}
     choices: dict[str, Any] = {}
     say = log if rank == 0 else (lambda msg: None)
-    for name in bc.ours:
-        say(f"torch-pipelining: building and profiling {name} ({bc.profile_iterations} timed iterations)")
+    matched = _builtin_peaks(entries, {o.partition("@")[2] for o in bc.ours} - {""})
+    for spec in bc.ours:
+        name, _, like = spec.partition("@")
+        say(f"torch-pipelining: building and profiling {spec} ({bc.profile_iterations} timed iterations)")
         mine = stages_for_rank(AUTO_STAGES if name == "auto" else name, num_ranks=p, rank=rank)
         n = p * len(mine)
         mods, stages = _modules(bc.model, mine, n)
         pipe = build_pipeline(stages, name, num_microbatches=m, loss_fn=loss_fn)
         step = _stepper(pipe, mods, n, x, y)
         rep = profile_and_replan(pipe, step, iterations=bc.profile_iterations, warmup=1)
-        label = f"auto: {rep.after.name}" if name == "auto" else name
+        if like:  # the built-in's measured peak as the limit, in the costs' unit (the stages' mean measured M_B)
+            mean_mb = statistics.fmean(rep.bytes[("F", s)] for s in range(rep.after.num_stages))
+            pipe.memory_limit = matched[like] / mean_mb
+            rep.after = pipe.rebuild(rep.costs)
+        label = (f"auto: {rep.after.name}" if name == "auto" else name) + (f"@{like}" if like else "")
         predicted = simulate(fuse_adjacent(rep.after), rep.costs, enforce_memory=False).total_time
         profiles[label] = (rep.medians_ms, rep.bytes, rep.action_overhead_ms, predicted)
         if pipe.candidates is not None:
@@ -168,6 +176,30 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
             into[e.label] = tracker.peak_bytes
     return {"times": times, "peaks": peaks, "peaks_outputs": peaks_outputs, "profiles": profiles, "choices": choices, "absent": absent,
             "placement": {e.label: e.placement for e in entries}}
+
+
+def _builtin_peaks(entries: list[_Entry], names: set[str]) -> dict[str, float]:
+    """The peak activation bytes (max over ranks) of the built-ins ``names`` among ``entries``, each
+    measured as the benchmark's memory step does, after a warm-up step (collective over the ranks)."""
+    import torch.distributed as dist
+
+    from ..runtime.memory import ActivationMemoryTracker
+    from ..torch_pipelining.profiling import saving
+
+    unknown = names - {e.label for e in entries}
+    if unknown:
+        raise ValueError(f"--ours NAME@BUILTIN: {', '.join(sorted(unknown))} is not among the --builtins run")
+    peaks = {}
+    for e in (e for e in entries if e.label in names):
+        e.step()
+        tracker = ActivationMemoryTracker(e.params)
+        dist.barrier()
+        with saving(tracker):
+            e.step()
+        peak = torch.tensor([float(tracker.peak_bytes)])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        peaks[e.label] = float(peak)
+    return peaks
 
 
 def _mib(b: float) -> str:
@@ -219,10 +251,12 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
         ours = [k for k in labels if k not in bc.builtins and peak[k] <= peak[best_builtin]]
         if ours:
             best = min(ours, key=lambda k: med[k])
-            ratio = statistics.median(a / b for a, b in zip(r0["times"][best], r0["times"][best_builtin]))
+            pairs = [a / b for a, b in zip(r0["times"][best], r0["times"][best_builtin])]
+            q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
             lines.append(f"\nfastest of ours at or below {best_builtin}'s peak activation memory "
                          f"({_mib(peak[best_builtin])} MiB): {best} ({_mib(peak[best])} MiB), paired median ratio "
-                         f"{ratio:.3f} of {best_builtin}'s iteration time")
+                         f"{statistics.median(pairs):.3f} of {best_builtin}'s iteration time (quartiles {q1:.3f}-"
+                         f"{q3:.3f}; faster in {sum(x < 1 for x in pairs)} of {len(pairs)} rounds)")
         else:
             lines.append(f"\nnone of ours is at or below {best_builtin}'s peak activation memory")
     for name in ("v-half", "v-min"):
