@@ -35,6 +35,9 @@ the others). Per schedule:
   layer result is), the part of its autograd graph a split backward's ``W`` does not run, with
   everything it saved, until the step's outputs are dropped.
 
+PyTorch's V orders (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``, imported into our IR) are also
+predicted by our simulator from ``auto``'s measured costs, beside their measured medians.
+
 The measured T_F, T_I (our B) and T_W per stage of our re-planned schedules are printed too (the
 profile the schedules were rebuilt from), to show where T_W differs from T_F; for ``auto`` also
 T_B (fused) and every candidate's predicted iteration time and peak (in chunk ``M_B`` units of the
@@ -146,7 +149,7 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
             rep.after = pipe.rebuild(rep.costs)
         label = (f"auto: {rep.after.name}" if name == "auto" else name) + (f"@{like}" if like else "")
         predicted = simulate(fuse_adjacent(rep.after), rep.costs, enforce_memory=False).total_time
-        profiles[label] = (rep.medians_ms, rep.bytes, rep.action_overhead_ms, predicted)
+        profiles[label] = (rep.medians_ms, rep.bytes, rep.action_overhead_ms, predicted, rep.costs)
         if pipe.candidates is not None:
             choices[label] = pipe.candidates
         entries.append(_Entry(label, pipe.spec.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
@@ -202,6 +205,25 @@ def _builtin_peaks(entries: list[_Entry], names: set[str]) -> dict[str, float]:
     return peaks
 
 
+def _builtins_predicted(bc: TorchBenchConfig, r0: dict[str, Any], med: dict[str, float]) -> list[str]:
+    """The V built-ins' orders (imported into our IR) predicted by our simulator from the first V-placed
+    ``auto`` profile's measured costs (overhead per action included), beside their measured medians:
+    how well the cost model ranks schedules it did not build."""
+    from ..schedules.simulator import simulate
+    from ..schedules.torch_import import TORCH_SCHEDULES, import_torch_schedule
+
+    costs = next((c for k, (*_, c) in r0["profiles"].items() if k.startswith("auto: ") and "@" not in k), None)
+    names = [k for k in bc.builtins if k in med and TORCH_SCHEDULES[k].placement.value == "v"]
+    if costs is None or not names:
+        return []
+    cells = []
+    for k in names:
+        sched = import_torch_schedule(k, num_ranks=bc.pp, num_microbatches=bc.microbatches, repair=True)
+        pred = simulate(sched, costs, enforce_memory=False).total_time
+        cells.append(f"{k} predicted {pred:.1f} ms = {pred / med[k]:.2f} of measured")
+    return ["\nPyTorch's V orders predicted by our simulator from auto's measured costs: " + "; ".join(cells)]
+
+
 def _mib(b: float) -> str:
     return f"{b / 2**20:.2f}"
 
@@ -233,7 +255,7 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
               "| schedule | stage | T_F | T_I | T_W | T_B (fused) | M_B MiB | held after I (M_W / M_B) |",
               "|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
-    for name, (med_ms, nbytes, _, _) in r0["profiles"].items():
+    for name, (med_ms, nbytes, *_) in r0["profiles"].items():
         n = 1 + max(s for _, s in med_ms)
         for s in range(n):
             m_b = nbytes.get(("F", s), nan)
@@ -243,7 +265,8 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
     lines.append("\nThe runtime's time per compute action beyond the compute (measured iteration minus the simulator's "
                  "prediction, over the busiest rank's actions) and the re-planned schedule's predicted iteration with it: "
                  + "; ".join(f"{k} {o:.2f} ms/action, predicted {pred:.1f} ms = {pred / med[k]:.2f} of measured"
-                             for k, (_, _, o, pred) in r0["profiles"].items() if k in med))
+                             for k, (_, _, o, pred, _) in r0["profiles"].items() if k in med))
+    lines += _builtins_predicted(bc, r0, med)
     for label, rows in r0.get("choices", {}).items():
         lines.append(f"\n{label}: candidates predicted from the measured costs (simulator, PyTorch's fused B at T_B "
                      f"(fused)): " + "; ".join(f"{n} {t:.1f} ms, peak {pk:g} M_B" for n, t, pk in rows))
