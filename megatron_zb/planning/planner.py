@@ -34,7 +34,9 @@ The recommendation is the fastest family that fits (ties: less memory, then a na
 of microbatches' activations that fits the usable memory next to the parameters on every rank (its report names
 ``N``: ``pretrain_gpt_zb.py --schedule zb --zero-bubble-max-pending-backward N``); so are its
 vocabulary-parallel forms ``zb-vocab-1|2`` (``N`` from their own parameters and stage ``M_B``, the
-limit ``N x M_B`` capping their whole peak, the passes' included: ``vocab_family``).
+limit ``N x M_B`` capping their whole peak, the passes' included: ``vocab_family``). ``N x M_B`` rounds
+the peak down to whole microbatches, so the family's default limit is simulated too and taken -- the
+report then names no ``N`` -- when it fits and is faster.
 
 Families left out by default, each listed in the plan with the reason: the exact CP-SAT
 schedules (``zb-optimal``, ``zbv-optimal``: minutes beyond small ``p`` and ``m``), and the
@@ -353,6 +355,13 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
         sched = build_schedule(name, num_ranks=par.pp, num_microbatches=par.num_microbatches, costs=costs,
                                memory_limit=limit, num_chunks=chunks)
         res = simulate(sched, costs)
+        if limit is not None:  # N x M_B rounds the peak down: the default limit when it fits and is faster
+            default = build_schedule(name, num_ranks=par.pp, num_microbatches=par.num_microbatches, costs=costs,
+                                     num_chunks=chunks)
+            d_res = simulate(default, costs)
+            d_peak = max(a + b for a, b in zip(d_res.peak_memory, param_bytes))
+            if d_res.makespan < res.makespan and fits_limit(d_peak, source.usable_bytes):
+                sched, res, n_limit = default, d_res, None
     except ImportError as e:
         return FamilyResult(name, "skipped", f"its generator cannot be imported here ({e})", chunks)
     except (ScheduleError, ValueError) as e:

@@ -196,3 +196,21 @@ def test_zb_vocab_is_planned_under_the_free_memory_limit_as_zb(n):
         assert fam.peak_activation_gib * GIB <= n * m_b * (1 + 1e-9)
         assert fam.param_optimizer_gib * GIB == pytest.approx(params)
         assert fam.fits
+
+
+def test_zb_vocab_takes_the_default_limit_when_it_fits_and_is_faster():
+    """``N x M_B`` rounds the greedy's peak down to whole microbatches. docs/planning.md's model (PP=8, 24
+    microbatches, A100) with the passes: the greedy's default limit peaks at 34.7 GiB with the parameters
+    (printed by `plan`), so with 38.4 GiB (34.56 usable: 9 of the 3.45-GiB stages' M_B beside 3.4 GiB of
+    parameters, not the default's peak) the plan is N = 9, and with 40 GiB (36 usable) the default's
+    plan fits and is faster than N = 9's: planned without an N. With 80 GiB N = 19 is faster again."""
+    model = make_model(num_layers=22, hidden_size=2304, num_attention_heads=24, seq_length=1024, micro_batch_size=6,
+                       vocab_size=32000, precision="fp16")
+    par = make_parallel(model, pp=8, num_microbatches=24, allow_padding_num_layers=True)
+    got = {gib: plan(model=model, parallel=par, hardware=resolve_hardware(gpu="A100", memory_gib=gib),
+                     schedules=["zb-vocab-1"], enable_vocab_parallel=True).families[0] for gib in (38.4, 40, 80)}
+    assert all(f.status == "ok" and f.fits for f in got.values()), [(f.status, f.reason) for f in got.values()]
+    assert (got[38.4].memory_limit_n, got[40].memory_limit_n, got[80].memory_limit_n) == (9, None, 19)
+    assert got[40].peak_memory_gib <= 0.9 * 40  # fits the usable 36 GiB
+    assert got[40].peak_memory_gib > 0.9 * 38.4  # ... which 38.4 GiB's usable memory could not hold
+    assert got[40].makespan_ms < got[38.4].makespan_ms and got[80].makespan_ms < got[40].makespan_ms
