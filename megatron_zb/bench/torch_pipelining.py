@@ -106,12 +106,11 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.pipelining import schedules as ts
 
-    from ..runtime.memory import ActivationMemoryTracker
     from .progress import RoundProgress, log
     from ..schedules.torch_import import TORCH_SCHEDULES
     from ..schedules.fusion import fuse_adjacent
     from ..schedules.simulator import simulate
-    from ..torch_pipelining.profiling import profile_and_replan, saving
+    from ..torch_pipelining.profiling import profile_and_replan
     from ..torch_pipelining.runtime import build_pipeline, stages_for_rank
 
     rank, p, m = dist.get_rank(), dist.get_world_size(), bc.microbatches
@@ -172,13 +171,23 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
     peaks_outputs: dict[str, int] = {}
     for e in entries:
         for ret, into in ((False, peaks), (True, peaks_outputs)):
-            tracker = ActivationMemoryTracker(e.params)
-            dist.barrier()
-            with saving(tracker):
-                e.step(return_outputs=ret)
-            into[e.label] = tracker.peak_bytes
+            into[e.label] = _peak_bytes(e, return_outputs=ret)
     return {"times": times, "peaks": peaks, "peaks_outputs": peaks_outputs, "profiles": profiles, "choices": choices, "absent": absent,
             "placement": {e.label: e.placement for e in entries}}
+
+
+def _peak_bytes(e: _Entry, *, return_outputs: bool = False) -> int:
+    """This rank's peak activation bytes over one step of ``e`` (the benchmark's memory step; collective)."""
+    import torch.distributed as dist
+
+    from ..runtime.memory import ActivationMemoryTracker
+    from ..torch_pipelining.profiling import saving
+
+    tracker = ActivationMemoryTracker(e.params)
+    dist.barrier()
+    with saving(tracker):
+        e.step(return_outputs=return_outputs)
+    return tracker.peak_bytes
 
 
 def _builtin_peaks(entries: list[_Entry], names: set[str]) -> dict[str, float]:
@@ -186,20 +195,13 @@ def _builtin_peaks(entries: list[_Entry], names: set[str]) -> dict[str, float]:
     measured as the benchmark's memory step does, after a warm-up step (collective over the ranks)."""
     import torch.distributed as dist
 
-    from ..runtime.memory import ActivationMemoryTracker
-    from ..torch_pipelining.profiling import saving
-
     unknown = names - {e.label for e in entries}
     if unknown:
         raise ValueError(f"--ours NAME@BUILTIN: {', '.join(sorted(unknown))} is not among the --builtins run")
     peaks = {}
     for e in (e for e in entries if e.label in names):
         e.step()
-        tracker = ActivationMemoryTracker(e.params)
-        dist.barrier()
-        with saving(tracker):
-            e.step()
-        peak = torch.tensor([float(tracker.peak_bytes)])
+        peak = torch.tensor([float(_peak_bytes(e))])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         peaks[e.label] = float(peak)
     return peaks

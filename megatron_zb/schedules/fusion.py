@@ -26,6 +26,7 @@ from dataclasses import replace
 
 from .costs import CostModel
 from .ir import Action, Op, Schedule
+from .simulator import simulate
 
 __all__ = ["fuse_adjacent", "fuse_all", "fuse_where_free", "split_all"]
 
@@ -67,8 +68,6 @@ def split_all(schedule: Schedule) -> Schedule:
 
 
 def _makespan(schedule: Schedule, costs: CostModel) -> float:
-    from .simulator import simulate   # the simulator imports nothing from here; kept local all the same
-
     return simulate(fuse_adjacent(schedule), costs, enforce_memory=False, check=False).makespan
 
 
