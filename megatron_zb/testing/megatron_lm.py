@@ -2,7 +2,7 @@
 
 Test code, not the product's run path. :func:`run_megatron_lm` starts ``world_size`` processes on
 127.0.0.1 (torchrun's environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``). Each runs :mod:`megatron_zb.testing.megatron_lm_main` as its ``__main__``, which
+``MASTER_PORT``; the rendezvous store hosted by the harness, as torchrun's agent hosts it). Each runs :mod:`megatron_zb.testing.megatron_lm_main` as its ``__main__``, which
 
 1. applies the CPU workarounds (:mod:`megatron_zb.testing.megatron_lm_workarounds`; each names the
    Megatron-LM / megatron-core line it answers) and installs the recorders below;
@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -308,18 +307,22 @@ def plugin_spec(plugin: str | Callable[[], Any] | None) -> str:
     return plugin
 
 
-def _free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for MASTER_PORT)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store() -> Any:
+    """The ranks' rendezvous store, hosted by this process on a port the OS picks, as torchrun's agent
+    hosts it: with ``TORCHELASTIC_USE_AGENT_STORE=True`` every rank connects as a client. (A port found
+    free and handed to rank 0 to bind later can be taken in between -- EADDRINUSE in CI, 2026-11-28.)"""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _launch(argv: list[str], world_size: int, env: dict[str, str], out: str, timeout: float, threads: int,
             grace: float) -> tuple[list[str], float, str]:
     """Start the ranks, wait for them; returns (per-rank output, wall seconds, failure message or "")."""
+    store = _rendezvous_store()  # referenced until every rank has exited
     base = {**os.environ, **env, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": str(threads),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "OMP_NUM_THREADS": str(threads),
             "CUDA_DEVICE_MAX_CONNECTIONS": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)}
     procs: list[Any] = []

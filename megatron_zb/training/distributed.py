@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +60,8 @@ def init_distributed(parallel: ParallelConfig, *, seed: int) -> DistributedConte
         torch.cuda.set_device(local_rank())
     started = False
     if not dist.is_initialized():
-        if parallel.world_size == 1:
-            _single_process_rendezvous()
         dist.init_process_group(backend=parallel.distributed_backend, world_size=parallel.world_size,
-                                rank=int(os.environ.get("RANK", "0")),
+                                rank=int(os.environ.get("RANK", "0")), store=_single_process_store(parallel),
                                 timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
         started = True
     parallel_state.initialize_model_parallel(
@@ -95,13 +92,12 @@ def context_from_parallel_state(*, backend: str, started_pg: bool = False) -> Di
         started_pg=started_pg)
 
 
-def _single_process_rendezvous() -> None:
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+def _single_process_store(parallel: ParallelConfig) -> dist.Store | None:
+    """An in-memory store for a one-process run started without a launcher (no ``MASTER_PORT``): no port
+    to pick, so none another process can take first; ``None`` (``env://`` rendezvous) otherwise."""
+    if parallel.world_size != 1 or "MASTER_PORT" in os.environ:
+        return None
+    return dist.HashStore()
 
 
 def shutdown_distributed(ctx: DistributedContext | None) -> None:

@@ -119,3 +119,19 @@ def test_the_other_releases_training_files_do_not_pass_the_site_check() -> None:
         pytest.skip(f"no other release's training files beside the project ({[str(f) for f in others]})")
     for folder in present:
         assert check_sites(folder), folder
+
+
+def test_the_rendezvous_port_is_held_before_any_rank_starts() -> None:
+    """The ranks' MASTER_PORT is bound by the harness's own store before they start (a port found free
+    and released for rank 0 to bind later was taken in between once in CI: EADDRINUSE); a rank connects
+    as a client, as under torchrun's agent store."""
+    import socket
+
+    import torch.distributed as dist
+
+    store = mlm._rendezvous_store()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+    client.set("rank0", "up")
+    assert store.get("rank0") == b"up"

@@ -233,3 +233,17 @@ def test_data_and_replanning_flags_land_in_their_sections():
                               num_model_chunks=1, layers_per_stage=(4,), use_megatron_core_schedule=False)
     assert dataclasses.replace(plain.schedule, placement="plain", memory_limit=None,
                                max_pending_backward=None) == sched
+
+
+def test_a_one_process_run_without_a_launcher_picks_no_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """World size 1 and no MASTER_PORT: an in-memory store (no port another process could take first);
+    a launcher's MASTER_PORT, or more than one process: env:// rendezvous as torchrun sets it up."""
+    import torch.distributed as dist
+
+    from megatron_zb.training.distributed import _single_process_store
+
+    one = _parsed(BASE[:-2], 1).parallel
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert isinstance(_single_process_store(one), dist.HashStore)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert _single_process_store(one) is None
