@@ -108,8 +108,7 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
 
     from .progress import RoundProgress, log
     from ..schedules.torch_import import TORCH_SCHEDULES
-    from ..schedules.fusion import fuse_adjacent
-    from ..schedules.simulator import simulate
+    from ..schedules.fusion import simulate_as_run
     from ..torch_pipelining.profiling import profile_and_replan
     from ..torch_pipelining.runtime import build_pipeline, stages_for_rank
 
@@ -147,11 +146,11 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
             pipe.memory_limit = matched[like] / mean_mb
             rep.after = pipe.rebuild(rep.costs)
         label = (f"auto: {rep.after.name}" if name == "auto" else name) + (f"@{like}" if like else "")
-        predicted = simulate(fuse_adjacent(rep.after), rep.costs, enforce_memory=False).total_time
+        predicted = simulate_as_run(rep.after, rep.costs).total_time
         profiles[label] = (rep.medians_ms, rep.bytes, rep.action_overhead_ms, predicted, rep.costs)
         if pipe.candidates is not None:
             choices[label] = pipe.candidates
-        entries.append(_Entry(label, pipe.spec.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
+        entries.append(_Entry(label, pipe.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
 
     for e in entries:  # warm-up (PyTorch's shape inference on a class's first step)
         e.step()

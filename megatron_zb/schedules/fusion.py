@@ -13,8 +13,12 @@ rewrite a schedule so that its fused backwards are ``BW`` actions:
   a ``BW`` waits for what its ``B`` waited for, and nothing waits for a ``W``; memory only falls);
 * :func:`split_all` -- every ``BW`` becomes its ``B`` directly followed by its ``W``;
 * :func:`fuse_where_free` -- each ``W`` moved directly behind its ``B`` (fused, as PyTorch runs it)
-  wherever the fused form's simulated makespan does not grow: a split schedule that keeps apart only
+  wherever the predicted iteration does not grow: a split schedule that keeps apart only
   the ``W``'s that fill a bubble, and pays the split's extra cost for those alone.
+
+:func:`simulate_as_run` is the prediction both use: the fused form simulated, its ``total_time`` one
+isolated iteration -- what PyTorch's ``step`` is (every rank finishes it before the optimizer step;
+the next ``step`` does not overlap it), not the ``makespan`` of iterations allowed to overlap.
 
 The profiler of :mod:`megatron_zb.torch_pipelining.profiling` runs both forms of one order to
 measure ``T_B``, ``T_W`` and ``T_BW`` on every stage.
@@ -26,12 +30,12 @@ from dataclasses import replace
 
 from .costs import CostModel
 from .ir import Action, Op, Schedule
-from .simulator import simulate
+from .simulator import SimResult, simulate
 
-__all__ = ["fuse_adjacent", "fuse_all", "fuse_where_free", "split_all"]
+__all__ = ["REL_SLACK", "fuse_adjacent", "fuse_all", "fuse_where_free", "simulate_as_run", "split_all"]
 
-_REL = 1e-9
-"""Relative slack of a makespan comparison (float rounding of sums of costs)."""
+REL_SLACK = 1e-9
+"""Relative slack of a time or memory comparison (float rounding of sums of costs)."""
 
 
 def _with_ranks(schedule: Schedule, ranks: list[list[Action]]) -> Schedule:
@@ -67,22 +71,24 @@ def split_all(schedule: Schedule) -> Schedule:
     return _with_ranks(schedule, ranks)
 
 
-def _makespan(schedule: Schedule, costs: CostModel) -> float:
-    return simulate(fuse_adjacent(schedule), costs, enforce_memory=False, check=False).makespan
+def simulate_as_run(schedule: Schedule, costs: CostModel) -> SimResult:
+    """``schedule`` simulated as a runtime that fuses each ``B`` directly followed by its ``W`` runs it
+    (:func:`fuse_adjacent`; every ``BW`` charged ``costs.t_bw``), memory not enforced: ``total_time`` is
+    its predicted iteration [unit of the costs], ``max_peak_memory`` its peak [unit of ``mem_b``]."""
+    return simulate(fuse_adjacent(schedule), costs, enforce_memory=False, check=False)
 
 
 def fuse_where_free(schedule: Schedule, costs: CostModel, *, max_rounds: int = 4) -> Schedule:
     """``schedule`` with every ``W`` that can be fused for free moved directly behind its ``B``.
 
-    Greedy: rank by rank, each ``W`` not yet behind its ``B`` is moved there when the fused form's
-    simulated makespan (:func:`fuse_adjacent`, every ``BW`` charged ``costs.t_bw``) stays at most the
-    current one; rounds repeat until none moves (at most ``max_rounds``). Valid by construction (a ``W``
+    Greedy: rank by rank, each ``W`` not yet behind its ``B`` is moved there when the predicted
+    iteration (:func:`simulate_as_run`'s ``total_time``) stays at most the current one; rounds repeat until none moves (at most ``max_rounds``). Valid by construction (a ``W``
     waits only for its ``B``, and nothing waits for a ``W``), and memory only falls: a ``W`` frees what
     its ``B`` kept, now earlier. With ``t_bw`` at ``t_b + t_w`` (not measured) fusing saves nothing, so
     only ``W``'s that leave no gap behind move.
     """
     ranks = [list(acts) for acts in schedule.ranks]
-    best = _makespan(schedule, costs)
+    best = simulate_as_run(schedule, costs).total_time
     for _ in range(max_rounds):
         moved = False
         for r, acts in enumerate(ranks):
@@ -93,8 +99,8 @@ def fuse_where_free(schedule: Schedule, costs: CostModel, *, max_rounds: int = 4
                 trial = acts[:i] + acts[i + 1:]
                 trial.insert(j + 1, w)
                 cand = _with_ranks(schedule, ranks[:r] + [trial] + ranks[r + 1:])
-                span = _makespan(cand, costs)
-                if span <= best * (1 + _REL):
+                span = simulate_as_run(cand, costs).total_time
+                if span <= best * (1 + REL_SLACK):
                     ranks[r], acts, best, moved = trial, trial, span, True
         if not moved:
             break

@@ -6,13 +6,22 @@ zero-bubble schedule beats a fused-backward one depends on the measured costs. `
 (:func:`choose_schedule`) builds every candidate of the placement (:data:`CANDIDATES`: one
 fused-backward family, the others split) from the costs and the memory limit, predicts each one
 *as PyTorch runs it* -- each ``B`` directly followed by its own ``W`` fused into one ``BW``, as the
-export writes it (:func:`~megatron_zb.schedules.fusion.fuse_adjacent`), every ``BW`` charged
-``costs.t_bw`` (the simulator's timing kernel; ``t_b + t_w`` when ``t_bw`` is not given) -- and
+export writes it, every ``BW`` charged ``costs.t_bw`` (the simulator's timing kernel; ``t_b + t_w``
+when ``t_bw`` is not given), one isolated iteration
+(:func:`~megatron_zb.schedules.fusion.simulate_as_run`'s ``total_time``: PyTorch's ``step``) -- and
 the split families with each ``W`` moved behind its ``B`` wherever the prediction does not grow
 (:func:`~megatron_zb.schedules.fusion.fuse_where_free`: only the ``W``'s that fill a bubble pay the
 split's extra cost; memory only falls) -- and
-returns the one with the least predicted makespan among those whose simulated peak activation
+returns the one with the least predicted iteration time among those whose simulated peak activation
 memory is within the limit (ties: the lower peak, then :data:`CANDIDATES`' order).
+
+PyTorch's own count-based orders for the placement (:data:`TORCH_CANDIDATES`, imported into our IR
+by :func:`~megatron_zb.schedules.torch_import.import_torch_schedule`, named ``torch:<class>``) are
+candidates too, fused where free like the split families and kept only when they fit the limit: with
+many microbatches their order can come closer to the busiest rank's work than our greedy ``zbv``
+(which plans with split costs), and ``auto`` then runs it rather than a schedule it predicts slower.
+A class PyTorch refuses for the shape (``ScheduleDualPipeV`` below ``m = 2p``) is left out, as a
+family whose build fails is.
 
 The limit (per rank, unit of ``costs.mem_b``): the given one, else ``costs.memory_limit``, else
 the simulated peak of the placement's fused-backward candidate (``1f1b``, ``1f1b-v``,
@@ -31,13 +40,13 @@ import math
 from typing import Sequence
 
 from ..schedules.costs import CostModel
-from ..schedules.fusion import fuse_adjacent, fuse_where_free
+from ..schedules.fusion import REL_SLACK, fuse_where_free, simulate_as_run
 from ..schedules.ir import Placement, Schedule, ScheduleError
 from ..schedules.registry import build_schedule, get_spec
-from ..schedules.simulator import simulate
+from ..schedules.torch_import import import_torch_schedule
 from .export import TorchExportError
 
-__all__ = ["AUTO", "CANDIDATES", "choose_schedule", "placement_of"]
+__all__ = ["AUTO", "CANDIDATES", "TORCH_CANDIDATES", "choose_schedule", "placement_of"]
 
 AUTO = "auto"
 """The schedule name that asks :func:`~.runtime.build_pipeline` for :func:`choose_schedule`."""
@@ -49,8 +58,12 @@ CANDIDATES: dict[Placement, tuple[str, ...]] = {
 }
 """The families ``auto`` compares per placement; the first one fuses every backward."""
 
-_REL = 1e-9
-"""Relative slack of the memory comparison (float rounding of sums of ``mem_b``)."""
+TORCH_CANDIDATES: dict[Placement, tuple[str, ...]] = {
+    Placement.PLAIN: (),   # Schedule1F1B's order is our 1f1b's
+    Placement.V: ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"),
+    Placement.INTERLEAVED: ("ScheduleInterleavedZeroBubble",),
+}
+"""PyTorch's classes whose orders ``auto`` compares too, per placement (module doc)."""
 
 
 def placement_of(stage_indices: Sequence[int], num_stages: int, num_ranks: int, rank: int) -> Placement:
@@ -74,7 +87,7 @@ def placement_of(stage_indices: Sequence[int], num_stages: int, num_ranks: int, 
 def choose_schedule(placement: Placement, *, num_ranks: int, num_microbatches: int, costs: CostModel,
                     memory_limit: float | None = None, num_chunks: int = 2) -> tuple[Schedule, list[tuple]]:
     """The fastest candidate of ``placement`` within the limit (module doc), and every candidate's
-    ``(name, predicted makespan, simulated peak)`` (makespan ``inf`` for one over the limit), best first.
+    ``(name, predicted iteration time, simulated peak)`` (time ``inf`` for one over the limit), best first.
 
     ``costs`` as PyTorch's runtime spends them (:func:`~.runtime.runtime_costs`, or measured).
     """
@@ -84,23 +97,29 @@ def choose_schedule(placement: Placement, *, num_ranks: int, num_microbatches: i
              for n in names[:1]}
     limit = memory_limit if memory_limit is not None else costs.memory_limit
     if limit is None:   # the fused-backward candidate's own peak
-        limit = simulate(built[names[0]], costs, enforce_memory=False).max_peak_memory or math.inf
+        limit = simulate_as_run(built[names[0]], costs).max_peak_memory or math.inf
     for n in names[1:]:
         try:
             built[n] = build_schedule(n, num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
                                       memory_limit=limit if get_spec(n).cost_aware else None, num_chunks=num_chunks)
         except ScheduleError:   # e.g. the limit is below what the family needs
             continue
-    for n in names[1:]:   # split families: each W fused behind its B wherever that costs no time
-        if n in built:
-            built[n] = fuse_where_free(built[n], costs)
+    for cls in TORCH_CANDIDATES[placement]:
+        try:
+            order = import_torch_schedule(cls, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                                          num_chunks=num_chunks)
+        except ScheduleError:   # PyTorch refuses the shape
+            continue
+        built[order.name] = order
+    for n in list(built)[1:]:   # split orders: each W fused behind its B wherever that costs no time
+        built[n] = fuse_where_free(built[n], costs)
     rows = []
     for k, (n, s) in enumerate(built.items()):
-        res = simulate(fuse_adjacent(s), costs, enforce_memory=False)
-        fits = res.max_peak_memory <= limit * (1 + _REL)
-        rows.append((n, res.makespan if fits else math.inf, res.max_peak_memory, k))
+        res = simulate_as_run(s, costs)
+        fits = res.max_peak_memory <= limit * (1 + REL_SLACK)
+        rows.append((n, res.total_time if fits else math.inf, res.max_peak_memory, k))
     rows.sort(key=lambda t: (t[1], t[2], t[3]))
     if not math.isfinite(rows[0][1]):
-        raise TorchExportError(f"no {placement.value} candidate ({', '.join(names)}) fits the memory limit {limit:g}: "
+        raise TorchExportError(f"no {placement.value} candidate ({', '.join(built)}) fits the memory limit {limit:g}: "
                             f"raise the limit")
     return built[rows[0][0]], [r[:3] for r in rows]

@@ -196,7 +196,8 @@ class TorchPipeline:
 
     @property
     def spec(self) -> ScheduleSpec:
-        """The loaded schedule's family (for ``auto``: the chosen one)."""
+        """The loaded schedule's family (for ``auto``: the chosen one; a PyTorch order, ``torch:<class>``,
+        has none: :class:`~megatron_zb.schedules.registry` raises)."""
         return get_spec(self.schedule.name or self.schedule_name)
 
     @property
