@@ -11,8 +11,8 @@ the others). Per schedule:
   ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``; one missing from the installed torch is reported
   as absent) are built as PyTorch documents them;
 * ours are built with :func:`~megatron_zb.torch_pipelining.runtime.build_pipeline` from unit costs
-  (``auto`` on V-placed stages: it chooses between ``1f1b-v`` and ``zbv``, and is labelled with
-  its choice after the re-plan) and re-planned once with :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan`
+  (``auto`` on V-placed stages: it chooses among ``1f1b-v``, ``zbv`` and PyTorch's V orders,
+  ``torch:<class>``, and is labelled with its choice after the re-plan) and re-planned once with :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan`
   (1 warm-up, ``profile_iterations`` timed iterations), so they run from costs measured inside
   PyTorch's runtime; ``NAME@BUILTIN`` (e.g. ``zbv@ScheduleZBVZeroBubble``) re-plans ``NAME`` once more
   with the built-in's measured peak activation memory (max over ranks, measured first) as its memory
