@@ -11,7 +11,10 @@ when ``t_bw`` is not given), one isolated iteration
 (:func:`~megatron_zb.schedules.fusion.simulate_as_run`'s ``total_time``: PyTorch's ``step``) -- and
 the split families with each ``W`` moved behind its ``B`` wherever the prediction does not grow
 (:func:`~megatron_zb.schedules.fusion.fuse_where_free`: only the ``W``'s that fill a bubble pay the
-split's extra cost; memory only falls) -- and
+split's extra cost; memory only falls), then written as they run with each fused backward split
+again -- ``I`` and ``W`` as two adjacent actions -- where that is predicted faster
+(:func:`~megatron_zb.schedules.fusion.split_where_faster`: the ``I`` sends its gradient before the
+``W`` runs) -- and
 returns the one with the least predicted iteration time among those whose simulated peak activation
 memory is within the limit (ties: the lower peak, then :data:`CANDIDATES`' order).
 
@@ -40,7 +43,7 @@ import math
 from typing import Sequence
 
 from ..schedules.costs import CostModel
-from ..schedules.fusion import REL_SLACK, fuse_where_free, simulate_as_run
+from ..schedules.fusion import REL_SLACK, fuse_where_free, simulate_as_run, split_where_faster
 from ..schedules.ir import Placement, Schedule, ScheduleError
 from ..schedules.registry import build_schedule, get_spec
 from ..schedules.torch_import import import_torch_schedule
@@ -111,8 +114,8 @@ def choose_schedule(placement: Placement, *, num_ranks: int, num_microbatches: i
         except ScheduleError:   # PyTorch refuses the shape
             continue
         built[order.name] = order
-    for n in list(built)[1:]:   # split orders: each W fused behind its B wherever that costs no time
-        built[n] = fuse_where_free(built[n], costs)
+    for n in list(built)[1:]:   # split orders: each W fused behind its B wherever that costs no time,
+        built[n] = split_where_faster(fuse_where_free(built[n], costs), costs)   # then split where faster
     rows = []
     for k, (n, s) in enumerate(built.items()):
         res = simulate_as_run(s, costs)

@@ -53,7 +53,7 @@ import torch
 from torch.distributed.pipelining import schedules as _ts
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from ..schedules.fusion import fuse_adjacent
+from ..schedules.fusion import as_run
 from ..schedules.ir import Placement, Schedule, ScheduleError, validate, vocab_passes_unsupported
 from ..schedules.torch_import import TORCH_COMPUTE_OPS, TORCH_SCHEDULES, StandInStage
 
@@ -141,7 +141,8 @@ def to_torch_actions(schedule: Schedule, *, merge_iw: bool = True) -> dict[int, 
 
     ``merge_iw=False`` keeps an ``I`` directly followed by its own ``W`` as two actions (the
     profiler of :mod:`.runtime` runs so, to time ``I`` and ``W`` on every stage); the default
-    writes the pair as one ``B``.
+    writes the pair as one ``B`` -- unless the schedule's backwards are written as they run
+    (:data:`~megatron_zb.schedules.fusion.AS_WRITTEN`, ``auto``'s choices), which are written as they are.
     """
     check_torch_version()
     refusal = vocab_passes_unsupported(schedule)
@@ -155,7 +156,7 @@ def to_torch_actions(schedule: Schedule, *, merge_iw: bool = True) -> dict[int, 
     except ScheduleError as e:
         raise TorchExportError(f"{_name(schedule)} is not a valid schedule: {e}") from None
     torch_placement(schedule)  # refuses a placement PyTorch has no numbering for
-    written = fuse_adjacent(schedule) if merge_iw else schedule  # I + its W -> B
+    written = as_run(schedule) if merge_iw else schedule  # I + its W -> B, unless written as run
     return {r: [_ts._Action(a.stage, _TORCH_TYPE[a.op], a.mb) for a in acts] for r, acts in enumerate(written.ranks)}
 
 

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.costs import CostModel
-from ..schedules.fusion import fuse_adjacent, fuse_all, split_all
+from ..schedules.fusion import as_run, fuse_all, split_all
 from ..schedules.ir import Schedule
 from ..schedules.simulator import simulate
 from .choice import AUTO
@@ -312,7 +312,7 @@ def action_overhead_ms(forms: Sequence[tuple[Schedule, bool]], step_ms: Sequence
     compute actions in it (an ``I`` merged with its ``W`` is one), floored at 0."""
     per_form = []
     for (sched, merge_iw), step in zip(forms, step_ms):
-        run = fuse_adjacent(sched) if merge_iw else sched
+        run = as_run(sched) if merge_iw else sched
         actions = max(len(acts) for acts in run.ranks)
         per_form.append((step - simulate(run, costs, enforce_memory=False).total_time) / actions)
     return max(0.0, statistics.fmean(per_form)) if per_form else 0.0

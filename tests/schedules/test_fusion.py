@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_zb.schedules import CostModel, Schedule, ScheduleError, simulate
-from megatron_zb.schedules.fusion import fuse_adjacent, fuse_all, fuse_where_free, split_all
+from megatron_zb.schedules.fusion import (AS_WRITTEN, as_run, fuse_adjacent, fuse_all, fuse_where_free, simulate_as_run,
+                                          split_all, split_where_faster)
 from megatron_zb.schedules.ir import B, BW, F, W, Op, v_placement
 from megatron_zb.schedules.registry import build_schedule, get_spec
 
@@ -86,3 +87,22 @@ def test_fuse_where_free_keeps_apart_only_the_ws_that_fill_a_bubble():
     # splitting as dear as fusing (no t_bw): fusing W0 still ends rank 0 at 7 instead of 8
     assert simulate(fuse_adjacent(fuse_where_free(split, CostModel(t_f=1.0, t_b=1.0, t_w=1.0))),
                     CostModel(t_f=1.0, t_b=1.0, t_w=1.0)).makespan == pytest.approx(7.0)
+
+
+def test_split_where_faster_splits_the_backward_whose_gradient_another_rank_waits_for():
+    """T_F = T_B = T_W = 1, a fused backward 1.9 (hand), one microbatch on two ranks. Fused: F 0-1 (rank 0),
+    F 1-2 (rank 1), BW 2-3.9 (rank 1), BW 3.9-5.8 (rank 0): 5.8. Rank 1's backward split -- its B 2-3
+    sends the gradient, its W 3-4 runs after -- lets rank 0's BW run 3-4.9: 4.9, kept. Rank 0's split
+    (B 3-4, W 4-5) would end at 5.0 > 4.9: stays fused. The result is written as it runs: the export
+    and the prediction keep rank 1's adjacent B and W as two actions."""
+    costs = CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_bw=1.9, mem_b=1.0, mem_w=0.5)
+    assert simulate_as_run(FUSED, costs).total_time == pytest.approx(5.8)
+    out = split_where_faster(FUSED, costs)
+    assert out.ranks == [[F(0, 0), BW(0, 0)], [F(0, 1), B(0, 1), W(0, 1)]] and out.meta[AS_WRITTEN] is True
+    assert as_run(out) is out and simulate_as_run(out, costs).total_time == pytest.approx(4.9)
+    assert fuse_adjacent(out).ranks == FUSED.ranks  # unmarked, the same order would run fused again
+    # splitting as dear as fusing (no t_bw): rank 1 splits (5 < 6); rank 0 split would end at 5, as its BW does: kept
+    plain = CostModel(t_f=1.0, t_b=1.0, t_w=1.0)
+    assert split_where_faster(FUSED, plain).ranks[0] == FUSED.ranks[0]
+    with pytest.raises(ValueError, match="written as it runs: fuse where free before"):
+        fuse_where_free(out, costs)

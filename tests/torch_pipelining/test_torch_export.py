@@ -102,6 +102,19 @@ def test_placement_names_pytorchs_classes():
     assert set(by_name["zbv"].torch_classes) == {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 
 
+def test_a_schedule_written_as_it_runs_keeps_adjacent_i_and_w_apart():
+    """Unmarked, an I directly followed by its W is written as one fused B; marked as written as it runs
+    (what ``auto``'s split_where_faster returns), the same pair is written as PyTorch's I and W."""
+    from megatron_zb.schedules.fusion import AS_WRITTEN
+    from megatron_zb.schedules.ir import B, W
+
+    s = Schedule(1, [0, 1], [[F(0, 0), BW(0, 0)], [F(0, 1), B(0, 1), W(0, 1)]])
+    assert [str(a) for a in to_torch_actions(s)[1]] == ["1F0", "1B0"]
+    s.meta[AS_WRITTEN] = True
+    assert [str(a) for a in to_torch_actions(s)[1]] == ["1F0", "1I0", "1W0"]
+    assert [str(a) for a in to_torch_actions(s)[0]] == ["0F0", "0B0"]
+
+
 def test_cells_are_read_by_full_match(tmp_path):
     # the hazard: PyTorch's parser takes a prefix, so a malformed cell reads as another action
     assert ts._Action.from_str("1F0x") == ts._Action(1, ts.F, 0)

@@ -232,21 +232,24 @@ MEASURED_384 = CostModel(t_f=[11.05, 11.10, 10.91, 11.54], t_b=[0.02, 13.06, 13.
 @pytest.mark.parametrize("m", [2, 4, 8])
 def test_auto_is_never_predicted_slower_than_pytorchs_own_v_order(m):
     """At ``ScheduleZBVZeroBubble``'s own simulated peak as the limit, with measured costs, ``auto``'s
-    choice is predicted no slower than PyTorch's order as PyTorch runs it (imported, each I directly
-    followed by its W fused). With 8 microbatches that order, fused where free, beats our families
-    (``1f1b-v`` and ``zbv`` predicted 2-3% slower), so ``auto`` runs it; with 2, our cost-aware ``zbv``
-    is predicted at least 5% faster (10%). ``ScheduleDualPipeV`` is a candidate only where PyTorch builds it (m >= 2p)."""
-    theirs = fuse_adjacent(import_torch_schedule("ScheduleZBVZeroBubble", num_ranks=2, num_microbatches=m))
-    res = simulate(theirs, MEASURED_384, enforce_memory=False)
+    choice is predicted no slower than PyTorch's order, neither as PyTorch's class runs it (every I and
+    W two actions) nor as our export would write it unchanged (each I directly followed by its W fused).
+    With 8 microbatches that order, fused where free and split where faster, beats our families
+    (predicted 0.957 of the class against ``zbv`` 0.974 and ``1f1b-v`` 0.988), so ``auto`` runs it; with
+    2, our cost-aware ``zbv`` is predicted at least 5% faster than the class (0.933).
+    ``ScheduleDualPipeV`` is a candidate only where PyTorch builds it (m >= 2p)."""
+    order = import_torch_schedule("ScheduleZBVZeroBubble", num_ranks=2, num_microbatches=m)
+    as_class = simulate(order, MEASURED_384, enforce_memory=False).total_time
+    fused = simulate(fuse_adjacent(order), MEASURED_384, enforce_memory=False)
     s, rows = choose_schedule(Placement.V, num_ranks=2, num_microbatches=m, costs=MEASURED_384,
-                              memory_limit=res.max_peak_memory)
-    assert rows[0][1] <= res.makespan * (1 + 1e-12) and rows[0][0] == s.name
+                              memory_limit=fused.max_peak_memory)
+    assert rows[0][1] <= min(as_class, fused.total_time) * (1 + 1e-12) and rows[0][0] == s.name
     assert ("torch:ScheduleDualPipeV" in {r[0] for r in rows}) == (m >= 4)
     if m == 8:
         assert s.name == "torch:ScheduleZBVZeroBubble" and s.meta["torch_class"] == "ScheduleZBVZeroBubble"
         assert all(t > rows[0][1] for n, t, _ in rows if n in ("zbv", "1f1b-v"))
     if m == 2:
-        assert s.name == "zbv" and rows[0][1] <= 0.95 * res.makespan
+        assert s.name == "zbv" and rows[0][1] <= 0.95 * as_class
 
 
 def test_action_overhead_by_hand():
