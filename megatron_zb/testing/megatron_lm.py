@@ -2,7 +2,8 @@
 
 Test code, not the product's run path. :func:`run_megatron_lm` starts ``world_size`` processes on
 127.0.0.1 (torchrun's environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``; the rendezvous store hosted by the harness, as torchrun's agent hosts it). Each runs :mod:`megatron_zb.testing.megatron_lm_main` as its ``__main__``, which
+``MASTER_PORT``; the rendezvous store hosted by the harness, as torchrun's agent hosts it). Each runs
+:mod:`megatron_zb.testing.megatron_lm_main` as its ``__main__``, which
 
 1. applies the CPU workarounds (:mod:`megatron_zb.testing.megatron_lm_workarounds`; each names the
    Megatron-LM / megatron-core line it answers) and installs the recorders below;

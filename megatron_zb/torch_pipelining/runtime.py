@@ -197,7 +197,7 @@ class TorchPipeline:
     @property
     def spec(self) -> ScheduleSpec:
         """The loaded schedule's family (for ``auto``: the chosen one; a PyTorch order, ``torch:<class>``,
-        has none: :class:`~megatron_zb.schedules.registry` raises)."""
+        has none: :func:`~megatron_zb.schedules.registry.get_spec` raises)."""
         return get_spec(self.schedule.name or self.schedule_name)
 
     @property

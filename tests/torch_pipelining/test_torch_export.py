@@ -22,6 +22,7 @@ from torch.distributed.pipelining import schedules as ts  # noqa: E402
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping  # noqa: E402
 
 from megatron_zb.cli import main as cli_main  # noqa: E402
+from megatron_zb.schedules.fusion import AS_WRITTEN, split_all  # noqa: E402
 from megatron_zb.schedules.ir import BW, F, Placement, Schedule, make_schedule  # noqa: E402
 from megatron_zb.schedules.lowering import lower  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names  # noqa: E402
@@ -105,7 +106,6 @@ def test_placement_names_pytorchs_classes():
 def test_a_schedule_written_as_it_runs_keeps_adjacent_i_and_w_apart():
     """Unmarked, an I directly followed by its W is written as one fused B; marked as written as it runs
     (what ``auto``'s split_where_faster returns), the same pair is written as PyTorch's I and W."""
-    from megatron_zb.schedules.fusion import AS_WRITTEN
     from megatron_zb.schedules.ir import B, W
 
     s = Schedule(1, [0, 1], [[F(0, 0), BW(0, 0)], [F(0, 1), B(0, 1), W(0, 1)]])
@@ -157,10 +157,12 @@ def test_refusals():
         to_torch_actions(broken)
 
 
-def _run_and_compare(cfg: LMConfig, p: int, m: int, names: tuple[str, ...], csv_names: tuple[str, ...]):
+def _run_and_compare(cfg: LMConfig, p: int, m: int, names: tuple[str, ...], csv_names: tuple[str, ...],
+                     extra: dict[str, Schedule] | None = None):
     """Run PyTorch's ``Schedule1F1B`` and our ``names`` in PyTorch's runtime on ``p`` gloo processes;
     check every run against the unpipelined model; return the per-rank results and the labels
-    checked bitwise against ``Schedule1F1B``.
+    checked bitwise against ``Schedule1F1B``. ``extra``: more schedules, by label, loaded with
+    ``prepare_runtime``.
 
     Tolerance against the unpipelined reference: relative 1e-12 per tensor (norm of the
     difference / norm of the reference). The pipeline computes each microbatch's gradient with
@@ -170,7 +172,7 @@ def _run_and_compare(cfg: LMConfig, p: int, m: int, names: tuple[str, ...], csv_
     ``Schedule1F1B`` the check is bitwise wherever every stage finishes its weight gradients in
     microbatch order, as 1F1B does (the same sums in the same order).
     """
-    sched = {n: build_schedule(n, num_ranks=p, num_microbatches=m) for n in names}
+    sched = {n: build_schedule(n, num_ranks=p, num_microbatches=m) for n in names} | (extra or {})
     runs = [("torch", "Schedule1F1B", "torch")] + [(n, s, "csv" if n in csv_names else "actions")
                                                      for n, s in sched.items()]
     t0 = time.perf_counter()
@@ -205,10 +207,15 @@ def test_runs_in_pytorchs_runtime_on_2_processes():
     """A float64 4-layer transformer LM in PyTorch's runtime (``_run_and_compare`` has the tolerances);
     ``zb-h1`` and ``v-half`` loaded from their CSV file as torchtitan does; the V schedule's stages
     built the other way are refused. ``1f1b-v`` (V placement, fused backward) runs with PyTorch's
-    ``B`` only."""
+    ``B`` only; ``zbv`` written as it runs with every ``I`` directly followed by its ``W`` runs them as
+    PyTorch's ``I`` and ``W``, never its fused ``B``."""
+    apart = split_all(build_schedule("zbv", num_ranks=2, num_microbatches=4))  # every I directly followed by its W
+    apart.meta[AS_WRITTEN] = True  # ... and written as it runs: two actions each, not PyTorch's fused B
     res, bitwise = _run_and_compare(LMConfig(), 2, 4, ("1f1b", "zb-h1", "zb-1p", "zb-2p", "zbv", "v-half", "1f1b-v",
-                                                       "interleaved-zb"), csv_names=("zb-h1", "v-half"))
+                                                       "interleaved-zb"), csv_names=("zb-h1", "v-half"),
+                                    extra={"zbv, I and W apart": apart})
     assert {"1f1b", "zb-h1"} <= bitwise  # the same weight-gradient order as 1F1B by construction
+    assert all("B" not in r["zbv, I and W apart"]["kinds"] for r in res)
     for r, want in ((0, "[0, 3]"), (1, "[1, 2]")):
         msg = res[r]["refused"]["message"]
         assert f"rank {r} holds stages" in msg and f"places stages {want} on it" in msg and "'v' placement" in msg
