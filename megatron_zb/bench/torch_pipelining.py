@@ -12,8 +12,9 @@ the others). Per schedule:
   as absent) are built as PyTorch documents them;
 * ours are built with :func:`~megatron_zb.torch_pipelining.runtime.build_pipeline` from unit costs
   (``auto`` on V-placed stages: it chooses among ``1f1b-v``, ``zbv`` and PyTorch's V orders,
-  ``torch:<class>``, and is labelled with its choice after the re-plan) and re-planned once with :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan`
-  (1 warm-up, ``profile_iterations`` timed iterations), so they run from costs measured inside
+  ``torch:<class>``, and is labelled with its choice after the re-plan) and re-planned once with
+  :func:`~megatron_zb.torch_pipelining.profiling.profile_and_replan` (1 warm-up, ``profile_iterations``
+  timed iterations), so they run from costs measured inside
   PyTorch's runtime; ``NAME@BUILTIN`` (e.g. ``zbv@ScheduleZBVZeroBubble``) re-plans ``NAME`` once more
   with the built-in's measured peak activation memory (max over ranks, measured first) as its memory
   limit, in the profile's unit (the stages' mean measured ``M_B``): ours at the built-in's memory;
@@ -150,7 +151,8 @@ def bench_rank(bc: TorchBenchConfig) -> dict[str, Any]:
         profiles[label] = (rep.medians_ms, rep.bytes, rep.action_overhead_ms, predicted, rep.costs)
         if pipe.candidates is not None:
             choices[label] = pipe.candidates
-        entries.append(_Entry(label, pipe.placement.value, step, [q for mod in mods.values() for q in mod.parameters()]))
+        entries.append(_Entry(label, pipe.placement.value, step,
+                              [q for mod in mods.values() for q in mod.parameters()]))
 
     for e in entries:  # warm-up (PyTorch's shape inference on a class's first step)
         e.step()
@@ -219,7 +221,7 @@ def _builtins_predicted(bc: TorchBenchConfig, r0: dict[str, Any], med: dict[str,
         return []
     cells = []
     for k in names:
-        sched = import_torch_schedule(k, num_ranks=bc.pp, num_microbatches=bc.microbatches, repair=True)
+        sched = import_torch_schedule(k, num_ranks=bc.pp, num_microbatches=bc.microbatches)
         pred = simulate(sched, costs, enforce_memory=False).total_time
         cells.append(f"{k} predicted {pred:.1f} ms = {pred / med[k]:.2f} of measured")
     return ["\nPyTorch's V orders predicted by our simulator from auto's measured costs: " + "; ".join(cells)]

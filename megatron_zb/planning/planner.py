@@ -359,8 +359,7 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
             default = build_schedule(name, num_ranks=par.pp, num_microbatches=par.num_microbatches, costs=costs,
                                      num_chunks=chunks)
             d_res = simulate(default, costs)
-            d_peak = max(a + b for a, b in zip(d_res.peak_memory, param_bytes))
-            if d_res.makespan < res.makespan and fits_limit(d_peak, source.usable_bytes):
+            if d_res.makespan < res.makespan and fits_limit(max(_rank_totals(d_res, param_bytes)), source.usable_bytes):
                 sched, res, n_limit = default, d_res, None
     except ImportError as e:
         return FamilyResult(name, "skipped", f"its generator cannot be imported here ({e})", chunks)
@@ -384,6 +383,11 @@ def _limited_by_free_memory(name: str) -> bool:
     return "zb" in (name, base_family(name))
 
 
+def _rank_totals(res: SimResult, param_bytes: list[float]) -> list[float]:
+    """Per rank, the simulated peak activation bytes plus the parameter and optimizer bytes [bytes]."""
+    return [a + p for a, p in zip(res.peak_memory, param_bytes)]
+
+
 def _metrics(name: str, chunks: int, res: SimResult, params: list[float], param_bytes: list[float],
              table: StageTable, source: CostSource, n_limit: int | None, spread_ms: float | None) -> FamilyResult:
     model, par, hw = source.model, source.par, source.hw
@@ -395,7 +399,7 @@ def _metrics(name: str, chunks: int, res: SimResult, params: list[float], param_
                  max(params) * GRAD_ALLREDUCE_BYTES_PER_PARAM * 2 * (par.dp - 1) / par.dp / hw.p2p_bytes_per_ms)
         step_source = "estimate"
     iteration = res.makespan + (spread_ms or 0.0) + optimizer_ms + dp_ms
-    totals = [a + p for a, p in zip(res.peak_memory, param_bytes)]
+    totals = _rank_totals(res, param_bytes)
     peak = max(totals) / GIB
     return FamilyResult(
         name, "ok", None, chunks, iteration_time_ms=iteration, makespan_ms=res.makespan, optimizer_ms=optimizer_ms,

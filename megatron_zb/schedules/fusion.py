@@ -123,9 +123,10 @@ def fuse_where_free(schedule: Schedule, costs: CostModel, *, max_rounds: int = 4
     """``schedule`` with every ``W`` that can be fused for free moved directly behind its ``B``.
 
     Greedy: rank by rank, each ``W`` not yet behind its ``B`` is moved there when the predicted
-    iteration (:func:`simulate_as_run`'s ``total_time``) stays at most the current one; rounds repeat until none moves (at most ``max_rounds``). Valid by construction (a ``W``
-    waits only for its ``B``, and nothing waits for a ``W``), and memory only falls: a ``W`` frees what
-    its ``B`` kept, now earlier. With ``t_bw`` at ``t_b + t_w`` (not measured) fusing saves nothing, so
+    iteration (:func:`simulate_as_run`'s ``total_time``) stays at most the current one; rounds repeat
+    until none moves (at most ``max_rounds``). Valid by construction (a ``W`` waits only for its ``B``,
+    and nothing waits for a ``W``), and memory only falls: a ``W`` frees what its ``B`` kept, now
+    earlier. With ``t_bw`` at ``t_b + t_w`` (not measured) fusing saves nothing, so
     only ``W``'s that leave no gap behind move.
 
     Raises:
