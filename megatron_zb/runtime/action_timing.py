@@ -25,7 +25,10 @@ passes its model's device):
 
 Host times are kept on both devices (``host_records``): the activation tracker logs its events in
 ``time.perf_counter`` time (:meth:`~megatron_zb.runtime.memory.ActivationMemoryTracker.bytes_between`
-pairs host times), and the runtime's own loop time is a host quantity.
+pairs host times), and the runtime's own loop time is a host quantity. On CPU the two are one clock
+(host = device). On CUDA the pair also bounds how long the device waited for the host inside each
+action (:func:`device_waits`, :meth:`ActionTiming.host_waits`; verified with a mocked CUDA clock on
+CPU only, never on a GPU).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 
 from ..schedules import Action, Op
 
-__all__ = ["ActionTiming", "resolve_timings"]
+__all__ = ["ActionTiming", "device_waits", "resolve_timings"]
 
 Record = tuple[Action, float, float]  # (action, start [s], end [s])
 
@@ -135,6 +138,12 @@ class ActionTiming:
         """CUDA: the event recorded last (the end of the last compute action, else the start event)."""
         return self._events[-1][1] if self._events else self._start_event
 
+    def host_waits(self) -> list[float] | None:
+        """Per compute action (the order of ``records``), an upper bound on the seconds the device waited
+        for the host inside it (:func:`device_waits`); ``None`` on CPU, where the device is the host and
+        no wait can be observed. Reads ``records``: resolve first on CUDA."""
+        return device_waits(self._host, self.records) if self._cuda else None
+
     def durations(self, op: Op | str) -> dict[int, list[float]]:
         """Per stage, the durations (seconds) of actions of kind ``op`` (compute: from ``records``, GPU
         time on CUDA; communication: host time)."""
@@ -160,6 +169,50 @@ class ActionTiming:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+
+def device_waits(host: Sequence[Record], device: Sequence[Record]) -> list[float]:
+    """Per compute action, an upper bound ``U`` [s] on the time the device spent waiting for the host
+    inside it, from CUDA events alone (no per-kernel profiler).
+
+    ``host[i] = (a, t0, t1)``: host ``perf_counter`` seconds; the executor reads ``t1`` when the
+    action's code returned, *then* records the after-event. ``device[i] = (a, d0, d1)``: the
+    seconds at which the device completed the before- and the after-event, on the host clock through
+    the iteration's start event (``ActionTiming.records``). One stream: between ``d0`` and ``d1`` the
+    device runs the action's work in order; its device time is ``D = d1 - d0``.
+
+    Derivation:
+
+    1. Nothing completes before the host enqueues it, and the after-event is enqueued after ``t1``:
+       ``d1 >= t1``; the after-event's lag ``l1 = d1 - t1 >= 0``.
+    2. By ``t1`` every kernel of the action is enqueued; from then on the device runs queued work and
+       needs nothing more from the host to reach the after-event. So it can wait for the host inside
+       the action only before ``t1``, i.e. within ``[d0, min(d1, t1)]``:
+       ``waited <= U = min(D, max(0, t1 - d0)) = min(D, max(0, D - l1))``.
+    3. ``U`` is tight, and nothing better than ``waited >= 0`` follows from two events: one kernel of
+       length ``D`` launched at the action's start (waited 0) and one kernel of length ``l1`` launched
+       at ``t1`` (the device idle from ``d0`` to ``t1``: waited ``U``) give the same ``d0, d1, t1``. So
+       the action's own device work ``C`` (its kernels and any wait on another stream) lies in
+       ``[D - U, D]``; ``D - U = l1`` when ``t1 >= d0`` -- the tail after the host finished, during
+       which the device is certainly busy. (Hence "waited >= D - (host time - lag at the start)" is
+       wrong: that difference is this busy tail ``l1``.)
+    4. The clock: ``records`` put device times on the host clock as if the device reached the start
+       event when ``start`` was read. Had it reached it ``delta`` later (work still queued when the
+       iteration began), every device time is ``delta`` early; since every ``d1 >= t1`` (1.),
+       ``delta >= max_i(t1_i - d1_i)``, and that bound, when positive, is added to every ``d`` before
+       ``U`` is taken: the tightest correction the events allow, and ``U`` stays an upper bound (a
+       larger ``delta`` only lowers it). Exact up to the microseconds between recording the start event
+       and the executor reading ``start`` (the runtime creates the timing right before it).
+
+    A synchronisation inside the action (``.item()``, a copy from pageable memory, megatron-core's
+    level-2 timers) makes the host wait for the device, and afterwards the device waits for every
+    launch that follows: ``U`` counts both, as host time inside the action. Host and device records
+    must be of the same actions, in the same order (``ValueError`` otherwise).
+    """
+    if [a for a, _, _ in host] != [a for a, _, _ in device]:
+        raise ValueError("device_waits: host and device records are not the same actions in the same order")
+    behind = max([0.0] + [t1 - d1 for (_, _, t1), (_, _, d1) in zip(host, device)])
+    return [min(d1 - d0, max(0.0, t1 - d0 - behind)) for (_, _, t1), (_, d0, d1) in zip(host, device)]
 
 
 def resolve_timings(timings: Sequence[ActionTiming]) -> None:

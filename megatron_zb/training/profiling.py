@@ -32,6 +32,14 @@ its ``(op, stage)``, pooled over all stages per op, as quantiles
 (:class:`~megatron_zb.schedules.spread.DurationSpread`; ``plan --profile`` predicts the median
 iteration over draws from it, not the iteration of the medians).
 
+Every action is kept on both clocks: ``costs_ms`` holds the device medians (above), ``host_ms`` the
+medians of the host time from the action's start to the return of its code (on CPU the same clock:
+host = device), and on CUDA ``waited_ms`` the median of each action's upper bound on the time the
+device waited for the host inside it
+(:func:`~megatron_zb.runtime.action_timing.device_waits`), from which
+:mod:`megatron_zb.training.host_bound` flags host-bound ops (verified with a mocked CUDA clock on CPU
+only, never on a GPU).
+
 After the window:
 
 1. :func:`measure_t_comm`: a short ping-pong of one activation-sized tensor between every pair of
@@ -107,6 +115,9 @@ class ActionProfile:
     outside: list[float] = field(default_factory=list)   # per sample: seconds outside the schedule's actions
     t_weight: dict[int, float] = field(default_factory=dict)  # W's stage -> seconds of T's weight gradients it ran
     barriers: list[dict[int, float]] = field(default_factory=list)  # per iteration: mb -> the forward barrier [s]
+    host_durations: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # (op, stage) -> host s each
+    waits: dict[tuple[str, int], list[float]] = field(default_factory=dict)  # CUDA: (op, stage) -> device s waited
+    clock: str = "host"  # "host": the device times are the host's (CPU); "cuda_events": CUDA events
 
     def add(self, timing: ActionTiming, elapsed: float, memory: MemoryTracker | None = None, *,
             times: bool = True) -> None:
@@ -115,15 +126,25 @@ class ActionProfile:
         the seconds of its ``forward_backward_func`` call, ``memory`` its ``last_memory`` (the
         activation tracker, or ``None``: no bytes measured); ``times=False``: the bytes only (an
         iteration slowed down by the tracker). Durations come from ``timing.records`` (GPU time on
-        CUDA), the bytes from ``timing.host_records`` (the tracker logs host ``perf_counter`` times)."""
+        CUDA), ``host_durations`` from ``timing.host_records`` (the same on CPU), each less what a
+        vocabulary pass waited for the collectives inside it; on CUDA ``waits`` gets each action's
+        bound on the device's wait for the host (:meth:`~megatron_zb.runtime.action_timing.ActionTiming.host_waits`);
+        the bytes come from ``timing.host_records`` (the tracker logs host ``perf_counter`` times)."""
         if times:
             if timing.records:
                 self.overhead.append(runtime_seconds(timing) / len(timing.records))
             vocab = getattr(timing, "vocab", None)  # vocabulary passes: the waits and T's weight gradients inside actions
-            for action, t0, t1 in timing.records:
-                d = t1 - t0 if vocab is None else max(0.0, t1 - t0 - vocab.inside(action.op.value, action.stage,
-                                                                                  action.mb))
-                self.durations.setdefault((action.op, action.stage), []).append(d)
+            waits = timing.host_waits()
+            if waits is not None:
+                self.clock = "cuda_events"
+            for i, ((action, t0, t1), (_, h0, h1)) in enumerate(zip(timing.records, timing.host_records)):
+                inside = 0.0 if vocab is None else vocab.inside(action.op.value, action.stage, action.mb)
+                key = (action.op, action.stage)
+                d = max(0.0, t1 - t0 - inside)
+                self.durations.setdefault(key, []).append(d)
+                self.host_durations.setdefault(key, []).append(max(0.0, h1 - h0 - inside))
+                if waits is not None:
+                    self.waits.setdefault(key, []).append(waits[i])
                 self.busy += d
             if vocab is not None:
                 for (stage, _), seconds in vocab.t_weight.items():
@@ -141,10 +162,20 @@ class ActionProfile:
         """Median duration per ``(op, stage)`` in milliseconds (robust to an action the OS descheduled);
         with vocabulary passes also ``("TW", stage)``: ``T``'s weight gradients run by the stage's ``W``'s,
         per ``W`` (their sum over the number of ``W``'s: the share each ``W`` carries on average)."""
-        out = {k: 1e3 * statistics.median(v) for k, v in self.durations.items()}
+        out = _medians_ms(self.durations)
         for stage, seconds in self.t_weight.items():
             out[("TW", stage)] = 1e3 * seconds / len(self.durations[(Op.W, stage)])
         return out
+
+    def host_medians_ms(self) -> dict[tuple[str, int], float]:
+        """Median host time per ``(op, stage)`` in milliseconds (on CPU the same as :meth:`medians_ms`,
+        without its ``TW`` entries)."""
+        return _medians_ms(self.host_durations)
+
+    def wait_medians_ms(self) -> dict[tuple[str, int], float]:
+        """CUDA: median per ``(op, stage)`` of the bound on the device's wait for the host inside an
+        action, in milliseconds (:func:`~megatron_zb.runtime.action_timing.device_waits`); empty on CPU."""
+        return _medians_ms(self.waits)
 
     def mean_bytes(self) -> dict[tuple[str, int], float]:
         """Mean net change of the saved-activation bytes per ``(op, stage)`` action [bytes]."""
@@ -215,6 +246,11 @@ def _median_ms(values: Sequence[float]) -> float | None:
     return 1e3 * statistics.median(values) if values else None
 
 
+def _medians_ms(samples: dict[tuple[str, int], list[float]]) -> dict[tuple[str, int], float]:
+    """The median of each ``(op, stage)``'s seconds, in milliseconds."""
+    return {k: 1e3 * statistics.median(v) for k, v in samples.items()}
+
+
 def measure_t_comm(*, shape: Sequence[int], dtype: torch.dtype, device: torch.device, group: Any,
                    rounds: int = 10, warmup: int = 2) -> float | None:
     """Half the median round-trip time (ms) of ``shape`` between this rank and its next pipeline rank
@@ -257,7 +293,9 @@ class AgreedProfile:
     """The profile every rank uses (global rank 0's pipeline): per-stage median action times (ms), T_comm (ms),
     idle fraction per pipeline rank, mean net activation bytes per action (``bytes``: empty when
     memory was not measured), and the runtime's measured time per compute action and outside the
-    schedule's actions (ms, ``None`` when not measured; :func:`agree_on_profile`)."""
+    schedule's actions (ms, ``None`` when not measured; :func:`agree_on_profile`); per ``(op, stage)``
+    also the median host time (``host_ms``) and, on CUDA, the median bound on the device's wait for the
+    host inside an action (``waited_ms``; the device times are ``costs_ms``)."""
 
     costs_ms: dict[tuple[str, int], float]
     t_comm: float
@@ -268,6 +306,10 @@ class AgreedProfile:
     step_ms: float | None = None  # time outside the schedule's actions per iteration (min over ranks of medians)
     spread: DurationSpread | None = None  # how single F / B / W durations vary around their medians (all stages)
     t_collective: float | None = None  # vocabulary passes: one collective's time (ms; agree_on_profile)
+    host_ms: dict[tuple[str, int], float] = field(default_factory=dict)  # median host time per (op, stage) [ms]
+    waited_ms: dict[tuple[str, int], float] = field(default_factory=dict)  # CUDA: median bound on the device's
+    #                     wait for the host per (op, stage) [ms] (ActionProfile.wait_medians_ms); empty on CPU
+    clock: str = "host"  # the device times' clock: "host" (CPU: host = device) or "cuda_events"
 
     def per_stage(self, op: str, num_stages: int) -> list[float] | None:
         vals = [self.costs_ms.get((op, s)) for s in range(num_stages)]
@@ -327,14 +369,19 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
     mine = {"costs": profile.medians_ms(), "t_comm": t_comm, "idle": profile.idle_fraction,
             "iterations": profile.iterations, "bytes": profile.mean_bytes(),
             "overhead": _median_ms(profile.overhead), "outside": _median_ms(profile.outside),
-            "durations": profile.durations, "barriers": profile.barriers}
+            "durations": profile.durations, "barriers": profile.barriers, "host": profile.host_medians_ms(),
+            "waited": profile.wait_medians_ms(), "clock": profile.clock}
     gathered: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(gathered, mine, group=pp_group)
     costs: dict[tuple[str, int], float] = {}
     nbytes: dict[tuple[str, int], float] = {}
+    host: dict[tuple[str, int], float] = {}
+    waited: dict[tuple[str, int], float] = {}
     for g in gathered:
         costs.update(g["costs"])
         nbytes.update(g["bytes"])
+        host.update(g["host"])
+        waited.update(g["waited"])
     comms = [g["t_comm"] for g in gathered if g["t_comm"] is not None]
     overheads = [g["overhead"] for g in gathered]
     outside = [g["outside"] for g in gathered]
@@ -346,7 +393,8 @@ def agree_on_profile(profile: ActionProfile, t_comm: float | None, *, pp_group: 
                             action_overhead_ms=None if None in overheads else sum(overheads) / len(overheads),
                             step_ms=None if None in outside else min(outside),
                             spread=spread if spread.quantiles else None,
-                            t_collective=collective_ms([g["barriers"] for g in gathered]))]
+                            t_collective=collective_ms([g["barriers"] for g in gathered]), host_ms=host,
+                            waited_ms=waited, clock=gathered[0]["clock"])]
     dist.broadcast_object_list(agreed, src=0)
     return agreed[0]
 

@@ -1,8 +1,9 @@
 """Per-action timing (megatron_zb.runtime.action_timing): CUDA events resolved with one synchronisation,
 host times kept for the activation tracker, perf_counter on CPU, and the profiling window's single wait.
 
-CUDA cannot run on this machine: the CUDA path is driven through :class:`FakeCuda` / :class:`FakeEvent`,
-test doubles of ``torch.cuda.Event``, ``torch.cuda.current_stream`` and ``torch.cuda.synchronize``.
+CUDA cannot run on this machine: the CUDA path is driven through
+:class:`~megatron_zb.testing.fake_cuda.FakeCuda` / ``FakeEvent``, test doubles of ``torch.cuda.Event``,
+``torch.cuda.current_stream`` and ``torch.cuda.synchronize``.
 Every expected number below is worked out by hand from the scripted GPU times.
 """
 
@@ -14,76 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_zb.runtime.action_timing import ActionTiming, resolve_timings
+from megatron_zb.runtime.action_timing import ActionTiming, device_waits, resolve_timings
 from megatron_zb.runtime.memory import ActivationMemoryTracker
 from megatron_zb.schedules import Op
 from megatron_zb.schedules.ir import Action
+from megatron_zb.testing.fake_cuda import FakeCuda, run_actions
 from megatron_zb.training.profiling import ActionProfile, ProfileWindow
 
 F0, B0, W0 = Action(Op.F, 0, 0), Action(Op.B, 0, 0), Action(Op.W, 0, 0)
-
-
-class FakeEvent:
-    """Test double for ``torch.cuda.Event(enable_timing=True)``: CUDA cannot run here (CPU-only torch,
-    no GPU), so this stands in for it.
-
-    ``record(stream)`` takes the next scripted GPU time (ms) of its :class:`FakeCuda`;
-    ``synchronize()`` counts one wait and completes every event recorded so far (one stream: events
-    complete in recording order); ``elapsed_time(end)`` returns ``end``'s scripted time minus this
-    one's (ms) and, as CUDA does (``cudaErrorNotReady``), refuses unless both have completed.
-    """
-
-    def __init__(self, cuda: "FakeCuda") -> None:
-        self.cuda = cuda
-        self.gpu_ms: float | None = None
-        self.order = -1
-
-    def record(self, stream: object = None) -> None:
-        self.cuda.streams.append(stream)
-        self.gpu_ms = self.cuda.script.pop(0)
-        self.order = self.cuda.recorded
-        self.cuda.recorded += 1
-
-    def synchronize(self) -> None:
-        self.cuda.syncs += 1
-        self.cuda.completed = max(self.cuda.completed, self.order + 1)
-
-    def elapsed_time(self, end: "FakeEvent") -> float:
-        if max(self.order, end.order) >= self.cuda.completed:
-            raise RuntimeError("CUDA error: device not ready (elapsed_time before the events completed)")
-        return end.gpu_ms - self.gpu_ms
-
-
-class FakeCuda:
-    """The scripted device: GPU times (ms) handed out to events in recording order; counts of
-    synchronisations (event or device-wide) and of events recorded; the streams events were recorded on."""
-
-    def __init__(self, script: list[float]) -> None:
-        self.script = list(script)
-        self.syncs = self.recorded = self.completed = 0
-        self.streams: list[object] = []
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> "FakeCuda":
-        def event(enable_timing: bool = False) -> FakeEvent:
-            assert enable_timing, "a CUDA event without enable_timing cannot be timed"
-            return FakeEvent(self)
-
-        def synchronize(device: object = None) -> None:
-            self.syncs += 1
-            self.completed = self.recorded
-
-        monkeypatch.setattr(torch.cuda, "Event", event)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
-        monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
-        return self
-
-
-def run_actions(timing: ActionTiming, host: list[tuple[Action, float, float]], start: float) -> None:
-    """What the executor does around compute actions: ``start``, then mark / add_compute per action."""
-    timing.start = start
-    for a, t0, t1 in host:
-        mark = timing.mark()
-        timing.add_compute(a, t0, t1, 0.5 * (t1 - t0), mark)
 
 
 # one iteration: start event at GPU 100 ms; F 100.5-103, B 103-107.25, W 107.5-108.5 (ms)
@@ -244,3 +183,68 @@ def test_planner_resolves_at_the_window_end_only(monkeypatch):
     assert planner.profiled_iterations == [2, 3, 4]
     assert planner.profile.iterations == 2 and len(planner.profile.outside) == 1
     assert planner.profile.durations[(Op.F, 0)] == [pytest.approx(0.002)] * 2
+
+
+# ---------------------------------------------------------------------------- the device's wait for the host
+# One iteration, start event at GPU 100 ms and host start 50 s, so GPU g ms is host 50 + (g - 100) / 1000 s.
+# F: the host launches for 30 ms (50.000-50.030 s); the device ends F 0.5 ms after the host (GPU 100.0-130.5):
+#    D = 30.5 ms, the after-event's lag l1 = 0.5 ms, so U = D - l1 = 30.0 ms: host-bound.
+# B: the host launches for 2 ms (50.031-50.033 s); the device runs B from 131.0 to 151.0 ms: D = 20 ms, l1 = 18 ms,
+#    U = 2.0 ms: device-bound.
+# W: launched 50.0335-50.034 s while the device still runs B; it runs at 151.0-155.0 ms: D = 4 ms, t1 - d0 = -17 ms,
+#    U = 0.
+WAIT_SCRIPT = [100.0, 100.0, 130.5, 131.0, 151.0, 151.0, 155.0]
+WAIT_HOST = [(F0, 50.0, 50.030), (B0, 50.031, 50.033), (W0, 50.0335, 50.034)]
+
+
+def test_host_waits_bound_the_device_wait_for_the_host_per_action(monkeypatch):
+    FakeCuda(WAIT_SCRIPT).install(monkeypatch)
+    timing = ActionTiming(device="cuda")
+    run_actions(timing, WAIT_HOST, start=50.0)
+    timing.resolve()
+    assert timing.host_waits() == [pytest.approx(0.030, rel=1e-9), pytest.approx(0.002, rel=1e-9), 0.0]
+    assert timing.durations(Op.F) == {0: [pytest.approx(0.0305, rel=1e-9)]}  # the device's interval
+    assert [t1 - t0 for _, t0, t1 in timing.host_records] == [pytest.approx(v, rel=1e-9) for v in
+                                                              (0.030, 0.002, 0.0005)]  # the host's
+
+
+def test_device_waits_correct_for_a_device_behind_at_the_iteration_start():
+    """The device reached the start event 5 ms after the host read ``start``: every resolved device time
+    is 5 ms early. True times: F device 50.005-50.0305 s (host 50.000-50.030), B device 50.031-50.046 s
+    (host 50.031-50.041); resolved 5 ms earlier. F's resolved after-event is 4.5 ms before its host time,
+    which proves the device was at least 4.5 ms behind: every device time is moved 4.5 ms later.
+    F: D = 25.5 ms, t1 - d0 - 4.5 = 25.5 -> U = 25.5 ms (the true bound, min(D, 30 - 5), is 25.0).
+    B: D = 15 ms, t1 - d0 - 4.5 = 50.041 - 50.026 - 0.0045 = 10.5 ms (true bound 10.0; uncorrected 15.0)."""
+    host = [(F0, 50.000, 50.030), (B0, 50.031, 50.041)]
+    device = [(F0, 50.000, 50.0255), (B0, 50.026, 50.041)]
+    assert device_waits(host, device) == [pytest.approx(0.0255, rel=1e-9), pytest.approx(0.0105, rel=1e-9)]
+    with pytest.raises(ValueError, match="same actions"):
+        device_waits(host, device[::-1])
+
+
+def test_cpu_timing_observes_no_wait():
+    """On CPU the device is the host: there is no wait to observe."""
+    timing = ActionTiming()
+    run_actions(timing, [(F0, 1.0, 1.5)], start=0.5)
+    assert timing.host_waits() is None
+
+
+def test_profile_keeps_host_and_device_time_and_the_wait_per_action(monkeypatch):
+    FakeCuda(WAIT_SCRIPT).install(monkeypatch)
+    timing = ActionTiming(device="cuda")
+    run_actions(timing, WAIT_HOST, start=50.0)
+    window, profile = ProfileWindow(), ActionProfile()
+    window.add(timing, elapsed=0.06)
+    window.close(profile)
+    assert profile.clock == "cuda_events"
+    assert profile.medians_ms() == {(Op.F, 0): pytest.approx(30.5, rel=1e-9), (Op.B, 0): pytest.approx(20.0, rel=1e-9),
+                                    (Op.W, 0): pytest.approx(4.0, rel=1e-9)}
+    assert profile.host_medians_ms() == {(Op.F, 0): pytest.approx(30.0, rel=1e-9),
+                                         (Op.B, 0): pytest.approx(2.0, rel=1e-9), (Op.W, 0): pytest.approx(0.5, rel=1e-9)}
+    assert profile.wait_medians_ms() == {(Op.F, 0): pytest.approx(30.0, rel=1e-9),
+                                         (Op.B, 0): pytest.approx(2.0, rel=1e-9), (Op.W, 0): 0.0}
+    cpu = ActionProfile()
+    cpu_timing = ActionTiming()
+    run_actions(cpu_timing, [(F0, 1.0, 1.5)], start=0.5)
+    cpu.add(cpu_timing, elapsed=1.0)
+    assert (cpu.clock, cpu.wait_medians_ms(), cpu.host_medians_ms()) == ("host", {}, cpu.medians_ms())
