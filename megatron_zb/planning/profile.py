@@ -27,7 +27,13 @@ Format (JSON object, version 1)::
       "step_ms": 21.4,               # optional: measured time per iteration outside the schedule
       "action_overhead_ms": 0.35,    # optional: measured runtime time per compute action
       "duration_spread": {           # optional: how one action's duration varies around its median
-        "F": [0.78, 0.86, ..., 1.31], "B": [...], "W": [...]}
+        "F": [0.78, 0.86, ..., 1.31], "B": [...], "W": [...]},
+      "action_times": {              # optional: every compute op's host and device time per stage
+        "clock": "cuda_events",      # "host": CPU, the device time is the host time; "cuda_events"
+        "host_bound_fraction": 0.5,  # an op is host-bound when waited_ms > this x device_ms
+        "ops": [{"op": "F", "stage": 0, "host_ms": 36.0, "device_ms": 38.9, "waited_ms": 31.2,
+                 "host_bound": true, "causes": ["data loading in the main thread (--num-workers 0)", ...]},
+                ...]}
     }
 
 Units: times in milliseconds per microbatch through the stage (``--profile-out`` writes the median
@@ -51,7 +57,17 @@ median`` of the profiled actions (each action divided by the median of its op an
 over the stages) at levels ``(k + 0.5) / n``, ascending, dimensionless: the planner draws every
 action's duration from it and predicts the median iteration of those draws
 (:mod:`megatron_zb.schedules.spread`), which is longer than the iteration of the median durations.
-These three keys were added after version 1's first files; files without them are still read
+``action_times`` (optional, ``null`` or absent: not written) holds, per compute op (``F``, ``B``,
+``W``, ``BW``, the vocabulary passes ``IF``/``S``/``T``/``IB`` where they ran) and stage, the median
+host time of one action (``host_ms``: from its start to the return of its code, host ``perf_counter``)
+and the median device time (``device_ms``: CUDA events; on CPU, ``clock: "host"``, the same clock as
+``host_ms``), ms; ``waited_ms`` the median of each action's upper bound on the time the device waited
+for the host inside it (``null`` on CPU, where nothing can be observed;
+:func:`megatron_zb.runtime.action_timing.device_waits` derives the bound), ``host_bound`` whether
+``waited_ms > host_bound_fraction x device_ms``, and ``causes`` the likely causes the run saw in its
+own configuration (empty unless host-bound; :mod:`megatron_zb.training.host_bound`). The planner does
+not read it. The CUDA numbers are verified with a mocked CUDA clock on CPU only, never on a GPU.
+These four keys were added after version 1's first files; files without them are still read
 (version stays 1).
 
 ``model`` and ``parallel`` use Megatron's argument names (:mod:`.model`); the planner plans for
@@ -64,7 +80,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -75,6 +91,7 @@ from .model import ModelConfig, ParallelConfig, PlanError, check_model
 FORMAT = "megatron-zb-profile"
 VERSION = 1
 PLACEMENTS = ("plain", "interleaved", "v")
+CLOCKS = ("host", "cuda_events")  # action_times.clock: CPU (host = device) or CUDA events
 
 
 @dataclass(frozen=True)
@@ -86,6 +103,46 @@ class StageProfile:
     t_w_ms: float
     mem_b_bytes: float
     mem_w_bytes: float
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One compute op's medians on one stage and its host-bound flag (``action_times`` in the module doc)."""
+
+    op: str
+    stage: int
+    host_ms: float
+    device_ms: float
+    waited_ms: float | None
+    host_bound: bool
+    causes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ActionTimes:
+    """``action_times``: the clock of the device times, the host-bound threshold, one :class:`OpTime`
+    per op and stage (module doc)."""
+
+    clock: str
+    host_bound_fraction: float
+    ops: tuple[OpTime, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"clock": self.clock, "host_bound_fraction": self.host_bound_fraction,
+                "ops": [dict(asdict(o), causes=list(o.causes)) for o in self.ops]}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "ActionTimes | None":
+        """The parsed ``action_times`` (``None`` stays ``None``; ``ValueError`` on a malformed value)."""
+        if raw is None:
+            return None
+        if not isinstance(raw, dict) or set(raw) != {"clock", "host_bound_fraction", "ops"} \
+                or raw["clock"] not in CLOCKS or not isinstance(raw["ops"], list):
+            raise ValueError(f"action_times must be {{\"clock\": one of {CLOCKS}, \"host_bound_fraction\", "
+                             f"\"ops\": [...]}}, got {raw!r}")
+        ops = [_build(OpTime, o, f"action_times.ops[{i}]") for i, o in enumerate(raw["ops"])]
+        return cls(clock=raw["clock"], host_bound_fraction=float(raw["host_bound_fraction"]),
+                   ops=tuple(replace(o, causes=tuple(o.causes)) for o in ops))
 
 
 @dataclass(frozen=True)
@@ -105,6 +162,7 @@ class Profile:
         action_overhead_ms: measured runtime time per compute action beyond the compute, ms, or
             ``None`` (module doc for both).
         duration_spread: measured variation of the action durations, or ``None`` (module doc).
+        action_times: host and device time per op and stage, host-bound flags, or ``None`` (module doc).
     """
 
     model: ModelConfig
@@ -118,6 +176,7 @@ class Profile:
     step_ms: float | None = None
     action_overhead_ms: float | None = None
     duration_spread: DurationSpread | None = None
+    action_times: ActionTimes | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": self.model.to_flags(),
@@ -126,14 +185,15 @@ class Profile:
                 "stages": [asdict(s) for s in self.stages], "device": self.device, "step_ms": self.step_ms,
                 "action_overhead_ms": self.action_overhead_ms,
                 "duration_spread": None if self.duration_spread is None else {
-                    op.value: list(q) for op, q in self.duration_spread.quantiles.items()}}
+                    op.value: list(q) for op, q in self.duration_spread.quantiles.items()},
+                "action_times": None if self.action_times is None else self.action_times.to_dict()}
 
 
 def write_profile(path: str | Path, *, model: ModelConfig, parallel: ParallelConfig, schedule: str, placement: str,
                   stage_to_rank: Sequence[int], t_comm_ms: float, stages: Sequence[StageProfile],
                   device: str | None = None, step_ms: float | None = None,
                   action_overhead_ms: float | None = None,
-                  duration_spread: DurationSpread | None = None) -> Profile:
+                  duration_spread: DurationSpread | None = None, action_times: ActionTimes | None = None) -> Profile:
     """Check and write a profile to ``path`` (JSON); returns what was written.
 
     Raises:
@@ -147,7 +207,8 @@ def write_profile(path: str | Path, *, model: ModelConfig, parallel: ParallelCon
         raise PlanError("--profile", f"{path}: {e}") from None
     prof = Profile(model=model, parallel=parallel, schedule=schedule, placement=placement,
                    stage_to_rank=tuple(int(r) for r in stage_to_rank), t_comm_ms=float(t_comm_ms),
-                   stages=tuple(stages), device=device, duration_spread=duration_spread, **optional)
+                   stages=tuple(stages), device=device, duration_spread=duration_spread, action_times=action_times,
+                   **optional)
     _check(prof, str(path))
     Path(path).write_text(json.dumps(prof.to_dict(), indent=1) + "\n")
     return prof
@@ -180,7 +241,8 @@ def read_profile(path: str | Path) -> Profile:
                        stages=tuple(_build(StageProfile, s, f"stages[{i}]") for i, s in enumerate(data["stages"])),
                        device=data.get("device"), step_ms=_optional_float("step_ms", data.get("step_ms")),
                        action_overhead_ms=_optional_float("action_overhead_ms", data.get("action_overhead_ms")),
-                       duration_spread=_spread(data.get("duration_spread")))
+                       duration_spread=_spread(data.get("duration_spread")),
+                       action_times=ActionTimes.from_dict(data.get("action_times")))
     except KeyError as e:
         raise PlanError("--profile", f"{where}: missing key {e}") from None
     except (TypeError, ValueError) as e:
@@ -259,3 +321,10 @@ def _check(prof: Profile, where: str) -> None:
             positive = key in ("t_f_ms", "t_b_ms")
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise bad(f"stages[{i}].{key} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
+    for i, o in enumerate(prof.action_times.ops if prof.action_times is not None else ()):
+        for key in ("host_ms", "device_ms", "waited_ms"):
+            v = getattr(o, key)
+            if (v is None and key != "waited_ms") or (v is not None and not (
+                    isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)):
+                raise bad(f"action_times.ops[{i}].{key} must be a finite number >= 0"
+                          f"{' or null' if key == 'waited_ms' else ''}, got {v!r}")
