@@ -332,12 +332,14 @@ def planner_config(args: argparse.Namespace, *, schedule: str, stage_to_rank: Se
     :class:`~megatron_zb.training.replanning.SchedulePlanner` reads, of Megatron-LM's validated ``args``:
     the model's sizes, the parallel layout, the precision, the training length and the schedule section
     with the values ``pretrain_gpt_zb.py``'s validation derives (``stage_to_rank``: the schedule's
-    placement, which the layer split follows); the sections the planner does not read keep their
+    placement, which the layer split follows), and the data loader's workers and attention mask, the
+    timing log level and the layer implementation, which the host-bound diagnosis names as causes
+    (:mod:`~megatron_zb.training.host_bound`); the sections the planner does not read keep their
     defaults. ``num_microbatches``: per iteration per data-parallel rank; ``memory_limit``: in units of
     one stage's activation ``M_B`` (``None``: the schedule's default)."""
     from .planning.layout import LayerSplit, layers_per_stage
-    from .training.run_config import (ModelConfig, OptimConfig, ParallelConfig, PrecisionConfig, RunConfig,
-                                      ScheduleConfig)
+    from .training.run_config import (DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                      PrecisionConfig, RunConfig, ScheduleConfig)
 
     spec = get_spec(schedule)
     padded = getattr(args, "padded_vocab_size", None)
@@ -352,7 +354,8 @@ def planner_config(args: argparse.Namespace, *, schedule: str, stage_to_rank: Se
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, normalization=args.normalization, swiglu=args.swiglu,
         add_bias_linear=args.add_bias_linear, position_embedding_type=args.position_embedding_type,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        transformer_impl=args.transformer_impl)
     split = LayerSplit(allow_padding=getattr(args, "allow_padding_num_layers", False),
                        first_stage_layers=args.decoder_first_pipeline_num_layers,
                        last_stage_layers=args.decoder_last_pipeline_num_layers,
@@ -374,10 +377,14 @@ def planner_config(args: argparse.Namespace, *, schedule: str, stage_to_rank: Se
         pipeline_timeout_seconds=args.pipeline_timeout_seconds,
         zero_bubble_pipeline_timers_start_iter=args.zero_bubble_pipeline_timers_start_iter,
         zero_bubble_pipeline_timers_end_iter=args.zero_bubble_pipeline_timers_end_iter, profile_out=args.profile_out)
+    # what the host-bound diagnosis names as causes (training/host_bound.py) is read from these sections
+    data = DataConfig(num_workers=args.num_workers,
+                      create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader)
     return RunConfig(model=model, parallel=parallel, precision=PrecisionConfig(fp16=args.fp16, bf16=args.bf16),
                      optim=OptimConfig(lr=args.lr), schedule=sched, micro_batch_size=args.micro_batch_size,
                      global_batch_size=args.global_batch_size, num_microbatches=num_microbatches,
-                     train_iters=args.train_iters)
+                     train_iters=args.train_iters, data=data,
+                     logging=LoggingConfig(timing_log_level=args.timing_log_level))
 
 
 def _install_load_repairs() -> None:

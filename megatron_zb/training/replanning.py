@@ -10,9 +10,11 @@ plan then). With megatron-zb's runtime:
 * iterations ``[--zero-bubble-pipeline-timers-start-iter, --zero-bubble-pipeline-timers-end-iter)``
   are profiled (:mod:`megatron_zb.training.profiling`); at the end of the window a cost-aware
   schedule is re-planned from the measured costs (times and activation bytes) on global rank 0
-  and installed everywhere, and rank 0 prints the schedule report; with ``--profile-out FILE``
-  global rank 0 also writes the measured costs as a planning profile
-  (:mod:`megatron_zb.planning.profile`, what ``megatron-zb plan --profile FILE`` reads);
+  and installed everywhere, and rank 0 prints the schedule report (with every op's host and device
+  time per stage and, on CUDA, the ops the device spent mostly waiting for the host:
+  :mod:`megatron_zb.training.host_bound`); with ``--profile-out FILE`` global rank 0 also writes the
+  measured costs as a planning profile (:mod:`megatron_zb.planning.profile`, what
+  ``megatron-zb plan --profile FILE`` reads; its ``action_times`` carry the host / device times);
 * a run resumed after the window rebuilds the schedule from the costs its checkpoint stored;
 * when the number of micro batches per iteration changes (``--rampup-batch-size``,
   :meth:`SchedulePlanner.use_microbatches`), global rank 0 builds the schedule for the new ``m`` --
@@ -32,7 +34,9 @@ from megatron_zb.schedules import ScheduleError, simulate
 from megatron_zb.schedules.registry import get_spec
 from megatron_zb.schedules.costs import CostModel, VocabCosts
 from megatron_zb.schedules.ir import Placement, Schedule
+from megatron_zb.planning.profile import ActionTimes
 from megatron_zb.training.distributed import DistributedContext
+from megatron_zb.training.host_bound import action_times, action_times_lines
 from megatron_zb.training.logging_utils import format_schedule_report, print_rank_0
 from megatron_zb.training.profiling import (ActionProfile, AgreedProfile, ProfileWindow, agree_on_profile,
                                             cost_model, measure_t_comm, mem_w_ratio, vocab_line)
@@ -176,10 +180,11 @@ class SchedulePlanner:
         replanned, note = self._replan_from(costs)
         stages = self.config.schedule.num_pipeline_stages
         ranks = self.config.parallel.pipeline_model_parallel_size if self._vocab_parallel else None
+        times = action_times(agreed, self.config)  # host / device per action, the host-bound diagnosis
         print_rank_0(self._window_report(agreed, costs) + "\n" + measured_lines(agreed, stages, num_ranks=ranks)
-                     + "\n" + note)
+                     + "\n" + action_times_lines(times) + "\n" + note)
         if self.config.schedule.profile_out:
-            self._write_profile(agreed)
+            self._write_profile(agreed, times)
         dist.barrier()
         return replanned
 
@@ -243,8 +248,9 @@ class SchedulePlanner:
             title=f"schedule report after profiling iterations {first}-{last} "
                   f"(costs: mean over stages, ms; idle: 1 - busy/elapsed per pipeline rank)")
 
-    def _write_profile(self, agreed: AgreedProfile) -> None:
-        """``--profile-out``: global rank 0 writes the measured costs as a planning profile."""
+    def _write_profile(self, agreed: AgreedProfile, times: ActionTimes) -> None:
+        """``--profile-out``: global rank 0 writes the measured costs as a planning profile, with
+        ``times`` (every op's host and device time, the host-bound flags) as its ``action_times``."""
         if dist.get_rank() != 0:
             return
         from megatron_zb.planning.model import PlanError
@@ -256,15 +262,16 @@ class SchedulePlanner:
             print_rank_0(f"WARNING: --profile-out {out} not written: T_B, T_W and the activation "
                          f"bytes were not measured for every stage")
             return
-        times = [agreed.per_stage(op, stages) for op in ("F", "B", "W")]  # the compute alone (the overhead: a key)
+        medians = [agreed.per_stage(op, stages) for op in ("F", "B", "W")]  # the compute alone (the overhead: a key)
         rows = [StageProfile(t_f_ms=f, t_b_ms=b, t_w_ms=w, mem_b_bytes=mb, mem_w_bytes=mw)
-                for f, b, w, mb, mw in zip(*times, *acts)]
+                for f, b, w, mb, mw in zip(*medians, *acts)]
         try:
             write_profile(out, model=planning_model(c), parallel=planning_parallel(c),
                           schedule=c.schedule.name, placement=get_spec(c.schedule.name).placement,
                           stage_to_rank=self._stage_to_rank, t_comm_ms=agreed.t_comm, stages=rows,
                           device=self._dist.device.type, step_ms=agreed.step_ms,
-                          action_overhead_ms=agreed.action_overhead_ms, duration_spread=agreed.spread)
+                          action_overhead_ms=agreed.action_overhead_ms, duration_spread=agreed.spread,
+                          action_times=times)
         except (OSError, PlanError) as e:
             print_rank_0(f"WARNING: --profile-out {out} not written: {e}")
             return

@@ -181,6 +181,11 @@ def test_pp2_profile_then_replan_on_the_flags_route(mcore_pp2: tuple[MegatronLMR
     profile = read_profile(out)
     assert profile.schedule == "zb" and len(profile.stages) == 2 and profile.model.hidden_size == 64
     assert all(s.t_w_ms > 0 and s.mem_b_bytes > 0 for s in profile.stages)
+    # every op's host and device time, one clock on CPU: printed and written, nothing host-bound
+    assert "    measured host / device time per action (ms, median per stage; host = device on CPU" in report
+    assert profile.action_times is not None and profile.action_times.clock == "host"
+    assert [(o.op, o.stage) for o in profile.action_times.ops] == [(op, s) for op in ("F", "B", "W") for s in (0, 1)]
+    assert all(o.host_ms == o.device_ms and not o.host_bound for o in profile.action_times.ops)
     assert_bitwise_equal(run, mcore_pp2[0])
 
 

@@ -167,6 +167,22 @@ def test_profile_out_is_the_planning_profile_of_the_run(run):
     assert spread is not None and set(spread.quantiles) == {Op.F, Op.B, Op.W}
     for q in spread.quantiles.values():
         assert len(q) == 20 and list(q) == sorted(q) and q[9] <= 1.0 <= q[10], q
+    # every op's host and device time per stage: one clock on CPU (host = device), no wait observable,
+    # nothing host-bound; printed (3 decimals) and written
+    times = json.loads((run["dir"] / "profile.json").read_text())["action_times"]
+    assert (times["clock"], times["host_bound_fraction"]) == ("host", 0.5)
+    assert [(o["op"], o["stage"]) for o in times["ops"]] == [(op, s) for op in ("F", "B", "W") for s in (0, 1)]
+    for o in times["ops"]:
+        assert (o["waited_ms"], o["host_bound"], o["causes"]) == (None, False, []), o
+        assert o["host_ms"] == o["device_ms"] > 0, o  # the same records on CPU
+    for op, key in (("F", "t_f_ms"), ("B", "t_b_ms"), ("W", "t_w_ms")):
+        assert [o["device_ms"] for o in times["ops"] if o["op"] == op] == [getattr(s, key) for s in prof.stages]
+    line = re.search(r"measured host / device time per action \(ms, median per stage; host = device on CPU, where no "
+                     r"wait for the host can be observed\): F=\[([^\]]*)\]; B=\[([^\]]*)\]; W=\[([^\]]*)\]\n", log)
+    assert line is not None, log[-3000:]
+    printed = [tuple(float(v) for v in pair.split("/")) for group in line.groups() for pair in group.split(", ")]
+    assert printed == [pytest.approx((o["host_ms"], o["device_ms"]), abs=1.5e-3) for o in times["ops"]]
+    assert "is host-bound" not in log
 
 
 def test_runtime_seconds_leaves_out_compute_and_receive_waits():
