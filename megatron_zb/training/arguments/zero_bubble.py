@@ -66,7 +66,8 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-out", type=str, default=None, metavar="FILE",
                    help="After the profiling window, global rank 0 writes the measured per-stage T_F/T_B/T_W, "
                         "T_comm (ms), activation bytes M_B/M_W, the runtime's time per action, the time outside "
-                        "the schedule and the spread of single action durations, with the model and parallel "
+                        "the schedule, the spread of single action durations and every op's host and device time "
+                        "per stage with its host-bound flag (action_times), with the model and parallel "
                         "flags, to FILE (JSON), the profile `megatron-zb plan --profile FILE` reads. Needs a "
                         "schedule that splits the backward and a dense model (no MoE); fp32, bf16 and fp16 "
                         "are accepted.")
