@@ -62,7 +62,9 @@ def action_times(agreed: AgreedProfile, config: RunConfig) -> ActionTimes:
 
 def likely_causes(op: str, stage: int, config: RunConfig) -> tuple[str, ...]:
     """The causes of a host-bound ``op`` on ``stage`` that ``config`` shows, one clause each (never
-    empty: without one, the clause says that none is visible)."""
+    empty: without one, the clause says that none is visible). F reads micro batches on the first and
+    the last stage (the chunks that :attr:`~megatron_zb.training.model_setup.ModelBundle.reads_data`
+    gives an iterator)."""
     data, b, s = config.data, config.micro_batch_size, config.model.seq_length
     reads_data = op == "F" and stage in (0, config.schedule.num_pipeline_stages - 1)
     causes = []
