@@ -33,6 +33,7 @@ from megatron_zb.testing.selftest import run_plan
 from megatron_zb.testing.selftest_jobs import (AT_RISK_FAMILIES, BUDGET_S, COMMAND_LIMIT_S, STRESS_MODEL,
                                                VOCAB_FAMILIES, Command, Context, Job)
 from megatron_zb.testing.selftest_plan import Placed, Plan, Step, make_plan
+from megatron_zb.schedules.registry import get_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_selftest.sh"
@@ -161,6 +162,15 @@ def test_plan_runs_the_steps_in_order_of_what_they_settle(gpus, tmp_path):
         assert order["stress-1conn"] == order["stress-default"] and set(groups[0]).isdisjoint(groups[1])
 
 
+def test_planned_critical_paths_are_the_documented_ones(tmp_path):
+    """docs/verification.md quotes these (seconds; and what each node defers)."""
+    paths = {n: _plan(n, tmp_path).critical_s for n in NODES}
+    assert paths == {1: 220.0, 2: 540.0, 4: 530.0, 8: 450.0}
+    deferred = {n: sorted(j.key for j, _ in _plan(n, tmp_path).deferred) for n in NODES}
+    assert deferred == {1: [], 2: ["mem-pp2", "tp2-sp", "vocab-interleaved-zb-vocab-1"],
+                        4: ["vocab-interleaved-zb-vocab-1"], 8: []}
+
+
 def test_a_plan_of_named_steps_above_the_budget_is_refused(tmp_path):
     every = [j.key for j, _ in _plan(2, tmp_path).deferred] + _keys(_plan(2, tmp_path))
     res = _dry_run("--gpus", "2", "--steps", ",".join(every))
@@ -213,7 +223,7 @@ def test_stress_sends_of_the_plan_are_production_sized():
 
 def _module_help(module: str, cache: dict[str, str]) -> str:
     if module not in cache:
-        res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+        res = subprocess.run([sys.executable, "-m", module, "--help", "--"], cwd=ROOT, capture_output=True, text=True,
                              timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert res.returncode == 0, res.stderr
         cache[module] = res.stdout
@@ -241,8 +251,12 @@ def test_dry_run_prints_commands_that_exist_and_parse(gpus, tmp_path):
             assert all(0 <= int(g) < gpus for g in env["CUDA_VISIBLE_DEVICES"].split(","))
         if argv[0] == "-c":
             compile(argv[1], "<gpu_selftest -c>", "exec")
-        elif argv[:2] == ["-m", "megatron_zb.testing.pretrain_run"]:
-            own, _ = _split(argv[2:])
+            continue
+        assert argv[0] == "-m" and importlib.util.find_spec(argv[1]) is not None, command
+        own = argv[2:] if "--" not in argv else _split(argv[2:])[0]
+        helped = _module_help(argv[1], helps)
+        assert all(o in helped for o in own if o.startswith("--")), command
+        if argv[:2] == ["-m", "megatron_zb.testing.pretrain_run"]:
             pretrains[own[own.index("--label") + 1]] = _check_pretrain(argv[2:], tmp_path)
         elif argv[:2] == ["-m", "megatron_zb.testing.memory_check"]:
             memory_argvs.append(argv[2:])
@@ -252,11 +266,6 @@ def test_dry_run_prints_commands_that_exist_and_parse(gpus, tmp_path):
             flags = host_bound.variant_flags(variant, common, tmp_path / variant)
             assert _validate(flags, 1, tmp_path).args.pipeline_model_parallel_size == 1
             pretrains[f"host-bound-{variant}"] = flags
-        else:
-            assert argv[0] == "-m" and importlib.util.find_spec(argv[1]) is not None, command
-            own = argv[2:] if "--" not in argv else _split(argv[2:])[0]
-            helped = _module_help(argv[1], helps)
-            assert all(o in helped for o in own if o.startswith("--")), command
     if gpus >= 2:
         assert any("--enable-vocab-parallel" in f for f in pretrains.values())
     assert {f"host-bound-{v}" for v in host_bound.VARIANTS} <= set(pretrains)
@@ -458,6 +467,16 @@ def test_p2p_stress_runs_on_cpu_at_tiny_sizes(capsys):
     assert all(r.split("|")[3].strip() == "PASS" for r in rows.values()), out
     assert "equal 1f1b's" in rows["zb-2p"] and "equal zbv's" in rows["v-min"]
     assert out.strip().splitlines()[-1] == "p2p stress: PASS: 5 schedules (1.0 KiB per send, PP=2)"
+
+
+def test_p2p_stress_refuses_schedules_the_runtime_refuses(capsys):
+    """A vocabulary-parallel form named to the stress: exit 2 with the runtime's own refusal; the default
+    list holds no such form."""
+    assert p2p_stress.main(["--pp", "2", "--schedules", "1f1b,zbv-vocab-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("p2p stress: cannot run zbv-vocab-1: schedule 'zbv-vocab-1' holds vocabulary-parallel passes")
+    assert not any(get_spec(n).vocab_parallel for n in p2p_stress.stress_schedule_names())
+    assert set(AT_RISK_FAMILIES) <= set(p2p_stress.stress_schedule_names())
 
 
 def _hang(model: dict, schedule: object, p2p_timeout: float) -> dict:
