@@ -1,11 +1,12 @@
-"""Pipeline p2p at production activation sizes: every registered schedule, one iteration each.
+"""Pipeline p2p at production activation sizes: every schedule it can run, one iteration each.
 
 ``python -m megatron_zb.testing.p2p_stress --pp N`` runs, for every schedule of the registry
 (``megatron-zb list``) that runs without the model's vocabulary slices (:func:`stress_schedule_names`;
 the vocabulary-parallel forms ``*-vocab-*`` are refused by name, exit 2:
 :func:`~megatron_zb.runtime.get_forward_backward_func` refuses them without vocabulary
-parallelism -- ``pretrain_gpt_zb.py --enable-vocab-parallel`` runs them), one forward/backward of a megatron-core GPT with one transformer layer
-per pipeline stage on N processes (PP = N; on a GPU node one GPU per rank with
+parallelism -- ``pretrain_gpt_zb.py --enable-vocab-parallel`` runs them), or those of
+``--schedules``, one forward/backward of a megatron-core GPT with one transformer layer per
+pipeline stage on N processes (PP = N; on a GPU node one GPU per rank with
 ``MEGATRON_ZB_TEST_DEVICE=cuda`` and NCCL), through the library's highest-level entry,
 :func:`megatron_zb.runtime.get_forward_backward_func` -- so it exercises whatever send/receive
 issue order the runtime has. The hidden states are large: by default sequence 4096 x micro batch 1

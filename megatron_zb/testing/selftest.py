@@ -231,7 +231,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="scripts/gpu_selftest.sh", description=__doc__.split("\n")[0])
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every visible one, at most 8)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and its commands; run nothing")
-    ap.add_argument("--out", default=None, help="summary.txt and logs.tar.gz (default /tmp/megatron_zb_gpu_selftest-DATE)")
+    ap.add_argument("--out", default=None,
+                    help="summary.txt and logs.tar.gz (default /tmp/megatron_zb_gpu_selftest-DATE)")
     ap.add_argument("--work", default=None, help="logs and run files (default: OUT's name + '-work', beside it)")
     ap.add_argument("--steps", default=None, help="comma-separated job keys: only these, never deferred")
     ap.add_argument("--full", action="store_true", help="add the opt-in jobs; budget one hour")

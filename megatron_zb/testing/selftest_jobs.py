@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 from . import hol_probe
 from .host_bound import VARIANTS
 
-__all__ = ["AT_RISK_FAMILIES", "BUDGET_S", "COMMAND_LIMIT_S", "Command", "Context", "FULL_BUDGET_S", "Job", "KILL_GRACE_S",
+__all__ = ["AT_RISK_FAMILIES", "BUDGET_S", "COMMAND_LIMIT_S", "Command", "Context", "FULL_BUDGET_S", "Job",
+           "KILL_GRACE_S",
            "STRESS_MODEL", "VOCAB_FAMILIES", "jobs"]
 
 BUDGET_S = 540.0
@@ -197,7 +198,8 @@ def _memory(label: str, layout: list[str], impl: Callable[[Context], str], timeo
                  "--transformer-impl", impl(ctx)]
         run = pretrain_command(ctx, ids, label, flags, timeout_s - MEMORY_CHECK_S)
         check = (ctx.python, "-m", "megatron_zb.testing.memory_check", "--run", str(ctx.work / f"pretrain-{label}"),
-                 "--schedule", "zb-h1", "--", *PT_MODEL, *layout, "--transformer-impl", impl(ctx), "--vocab-size", "258")
+                 "--schedule", "zb-h1", "--", *PT_MODEL, *layout, "--transformer-impl", impl(ctx),
+                 "--vocab-size", "258")
         return [run, Command(check)]
     return build
 
