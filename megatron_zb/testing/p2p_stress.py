@@ -1,8 +1,12 @@
-"""Pipeline p2p at production activation sizes: every registered schedule, one iteration each.
+"""Pipeline p2p at production activation sizes: every schedule it can run, one iteration each.
 
 ``python -m megatron_zb.testing.p2p_stress --pp N`` runs, for every schedule of the registry
-(``megatron-zb list``), one forward/backward of a megatron-core GPT with one transformer layer
-per pipeline stage on N processes (PP = N; on a GPU node one GPU per rank with
+(``megatron-zb list``) that runs without the model's vocabulary slices (:func:`stress_schedule_names`;
+the vocabulary-parallel forms ``*-vocab-*`` are refused by name, exit 2:
+:func:`~megatron_zb.runtime.get_forward_backward_func` refuses them without vocabulary
+parallelism -- ``pretrain_gpt_zb.py --enable-vocab-parallel`` runs them), or those of
+``--schedules``, one forward/backward of a megatron-core GPT with one transformer layer per
+pipeline stage on N processes (PP = N; on a GPU node one GPU per rank with
 ``MEGATRON_ZB_TEST_DEVICE=cuda`` and NCCL), through the library's highest-level entry,
 :func:`megatron_zb.runtime.get_forward_backward_func` -- so it exercises whatever send/receive
 issue order the runtime has. The hidden states are large: by default sequence 4096 x micro batch 1
@@ -12,6 +16,8 @@ order that only worked thanks to buffering deadlocks here.
 
 Per schedule it reports PASS, FAIL or SKIPPED:
 
+* first a warm-up launch (``--warmup-timeout``) starts the process pool and the process group, so
+  that each schedule's time is its own;
 * each schedule runs in its own processes under a hard timeout (``--timeout``): a deadlock
   becomes ``FAIL ... did not finish within T s`` naming the schedule and where each rank was
   blocked, and the next schedule still runs; the runtime's own p2p timeout (``--p2p-timeout``,
@@ -45,7 +51,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["StressModel", "main", "run_schedule", "stress_rank"]
+__all__ = ["StressModel", "main", "run_schedule", "stress_refusal", "stress_rank", "stress_schedule_names",
+           "warm_up"]
 
 MIB = 2**20
 LOSS_RTOL = 1e-5
@@ -152,8 +159,45 @@ class Outcome:
     losses: list[float] | None = None
 
 
+def stress_refusal(name: str) -> str | None:
+    """Why the stress cannot run schedule ``name`` (the runtime's own refusal text), or ``None``."""
+    from ..schedules.ir import vocab_passes_unsupported
+    from ..schedules.registry import get_spec
+
+    return vocab_passes_unsupported(name=name, vocab_parallel=get_spec(name).vocab_parallel)
+
+
+def stress_schedule_names() -> list[str]:
+    """Every registered schedule the stress can run, in registration order."""
+    from ..schedules.registry import schedule_names
+
+    return [n for n in schedule_names() if stress_refusal(n) is None]
+
+
+def _ready(device_type: str) -> float:
+    """A warm-up rank: touch the device and the process group; returns the seconds since it started."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    if device_type == "cuda":
+        torch.zeros(1, device="cuda").add_(1)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def warm_up(pp: int, timeout: float, threads: int) -> str:
+    """Start the process pool (imports) and one process group before the schedules; one line."""
+    from .distributed import DEVICE_ENV, run_distributed
+
+    t0 = time.perf_counter()
+    run_distributed(_ready, world_size=pp, args=(os.environ.get(DEVICE_ENV, "cpu"),), timeout=timeout,
+                    threads=threads)
+    return f"warm-up: {pp} processes and their process group ready in {time.perf_counter() - t0:.1f} s"
+
+
 def run_schedule(name: str, *, spec: StressModel, pp: int, timeout: float, p2p_timeout: float,
-                 rank_fn: Callable[..., dict[str, Any]] = stress_rank) -> Outcome:
+                 rank_fn: Callable[..., dict[str, Any]] = stress_rank, threads: int | None = None) -> Outcome:
     """Build schedule ``name`` and run ``rank_fn`` (default :func:`stress_rank`) with it on ``pp`` fresh
     processes; never raises for a failed run."""
     from ..schedules.registry import build_schedule, get_spec
@@ -167,7 +211,7 @@ def run_schedule(name: str, *, spec: StressModel, pp: int, timeout: float, p2p_t
         return Outcome(name, placement, "SKIPPED", f"its generator cannot be imported here ({e})")
     except Exception as e:  # the generator refused this (p, m)
         return Outcome(name, placement, "FAIL", f"building the schedule failed: {type(e).__name__}: {_first(e)}")
-    threads = max(1, (os.cpu_count() or 1) // pp)
+    threads = threads or max(1, (os.cpu_count() or 1) // pp)
     try:
         ranks = run_distributed(rank_fn, world_size=pp, args=(asdict(spec), schedule, p2p_timeout),
                                 timeout=timeout, threads=threads)
@@ -236,17 +280,13 @@ def table(rows: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line (see the module docstring)."""
-    from ..schedules.registry import schedule_names
-    from .cli_args import pipeline_ranks_from_gpus
-    from .distributed import DEVICE_ENV
-
+def _parser() -> argparse.ArgumentParser:
     d = StressModel()
     ap = argparse.ArgumentParser(prog="python -m megatron_zb.testing.p2p_stress", description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, default=None,
                     help="pipeline-parallel size = processes (default: the number of visible GPUs)")
-    ap.add_argument("--schedules", default=None, help="comma-separated registry names (default: every registered one)")
+    ap.add_argument("--schedules", default=None,
+                    help="comma-separated registry names (default: every registered one the stress can run)")
     for name in ("seq", "hidden", "heads", "ffn", "vocab", "micro-batch"):
         ap.add_argument(f"--{name}", type=int, default=getattr(d, name.replace("-", "_")),
                         help=f"default {getattr(d, name.replace('-', '_'))}")
@@ -256,30 +296,61 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="hard limit per schedule, seconds (process start and model build included; default 300)")
     ap.add_argument("--p2p-timeout", type=float, default=None,
                     help="the runtime's limit for one transfer, seconds (default: half of --timeout)")
+    ap.add_argument("--warmup-timeout", type=float, default=60.0,
+                    help="hard limit of the warm-up launch before the schedules, seconds (default 60)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: CPU cores / PP)")
     ap.add_argument("--grad-rtol", type=float, default=1e-3, help="gradient-norm tolerance between schedules")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _schedules(arg: str | None) -> tuple[list[str], str | None]:
+    """The schedules to run and, for a bad ``--schedules``, the reason (then the list is empty)."""
+    from ..schedules.registry import schedule_names
+
+    if arg is None:
+        return stress_schedule_names(), None
+    names = [s for s in arg.split(",") if s]
+    unknown = [n for n in names if n not in schedule_names()]
+    if unknown:
+        return [], f"unknown schedule(s) {', '.join(unknown)}; choose from {', '.join(stress_schedule_names())}"
+    refused = [(n, stress_refusal(n)) for n in names if stress_refusal(n) is not None]
+    if refused:
+        return [], f"cannot run {', '.join(n for n, _ in refused)}: {refused[0][1]}"
+    return names, None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line (see the module docstring)."""
+    from .cli_args import pipeline_ranks_from_gpus
+    from .distributed import DEVICE_ENV
+
+    args = _parser().parse_args(argv)
     cuda = os.environ.get(DEVICE_ENV, "cpu") == "cuda"
     pp = pipeline_ranks_from_gpus(args.pp)
     if pp < 2:
         print(f"p2p stress: skipped: needs 2 GPUs (pipeline ranks), got --pp {pp}", file=sys.stderr)
         return 2
-    names = schedule_names() if args.schedules is None else [s for s in args.schedules.split(",") if s]
-    unknown = [n for n in names if n not in schedule_names()]
-    if unknown:
-        print(f"p2p stress: unknown schedule(s) {', '.join(unknown)}; choose from {', '.join(schedule_names())}",
-              file=sys.stderr)
+    names, problem = _schedules(args.schedules)
+    if problem:
+        print(f"p2p stress: {problem}", file=sys.stderr)
         return 2
     spec = StressModel(seq=args.seq, hidden=args.hidden, heads=args.heads, ffn=args.ffn, vocab=args.vocab,
                        micro_batch=args.micro_batch, microbatches=args.microbatches, dtype=args.dtype)
     p2p_timeout = args.p2p_timeout if args.p2p_timeout is not None else args.timeout / 2
+    threads = args.threads or max(1, (os.cpu_count() or 1) // pp)
     m = spec.microbatches or 2 * pp
     print(f"p2p stress on {'CUDA, ' + os.environ.get('MEGATRON_ZB_TEST_BACKEND', 'nccl') if cuda else 'CPU, gloo'}: "
           f"{spec.describe(pp, m)}; hard timeout {args.timeout:g} s per schedule, runtime p2p timeout "
-          f"{p2p_timeout:g} s", flush=True)
+          f"{p2p_timeout:g} s; {len(names)} schedules", flush=True)
+    try:
+        print("  " + warm_up(pp, args.warmup_timeout, threads), flush=True)
+    except Exception as e:
+        print(f"p2p stress: FAIL: the warm-up launch failed: {type(e).__name__}: {_first(e)}")
+        return 1
     rows = []
     for name in names:
         t0 = time.perf_counter()
-        row = run_schedule(name, spec=spec, pp=pp, timeout=args.timeout, p2p_timeout=p2p_timeout)
+        row = run_schedule(name, spec=spec, pp=pp, timeout=args.timeout, p2p_timeout=p2p_timeout, threads=threads)
         rows.append(row)
         print(f"  {name}: {row.status} in {time.perf_counter() - t0:.1f} s{': ' + row.note if row.note else ''}",
               flush=True)

@@ -8,7 +8,7 @@
    (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of its device, over the whole run)
    to ``DIR/memory_rank<R>.json``;
 2. stops the whole launch after ``--timeout`` seconds (SIGTERM to torchrun, which stops its
-   workers; a hang becomes a FAIL);
+   workers, then SIGKILL after ``--kill-grace`` seconds; a hang becomes a FAIL);
 3. checks the outcome: exit status 0; with ``--loss-log-json FILE`` among the flags, at least one
    iteration logged and every lm loss finite; with ``--profile-out FILE``, the file written (the
    profile-then-replan window ran to its end); on CUDA, a memory record from every rank. With a
@@ -38,10 +38,12 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["PRETRAIN_SCRIPT", "check_run", "flag_value", "main", "profile_coverage", "summary_line"]
+__all__ = ["PRETRAIN_SCRIPT", "Launch", "check_run", "flag_value", "launch", "main", "profile_coverage",
+           "summary_line"]
 
 PRETRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "pretrain_gpt_zb.py"
 """The repository's ``pretrain_gpt_zb.py`` (what the launch scripts run)."""
@@ -107,10 +109,13 @@ def profile_coverage(profile: dict[str, Any], log_lines: Sequence[str],
 
 
 def check_run(out: Path, flags: Sequence[str], *, nproc: int, exit_code: int | None, seconds: float,
-              timeout: float, label: str, log_lines: Sequence[str] = ()) -> dict[str, Any]:
-    """The verdict of one launch (see the module doc); also written to ``out/result.json``."""
+              timeout: float, label: str, log_lines: Sequence[str] = (), profile_required: bool = True
+              ) -> dict[str, Any]:
+    """The verdict of one launch (see the module doc); also written to ``out/result.json``.
+    ``profile_required=False``: a ``--profile-out`` file not written is a note (``res["notes"]``), not a
+    problem (at PP=1 the trainer measures but does not write it)."""
     res: dict[str, Any] = {"label": label, "nproc": nproc, "exit": exit_code, "seconds": round(seconds, 1),
-                           "flags": list(flags), "problems": []}
+                           "flags": list(flags), "problems": [], "notes": []}
     problems: list[str] = res["problems"]
     if exit_code is None:
         problems.append(f"did not finish within {timeout:g} s (killed; a hang?)")
@@ -141,8 +146,10 @@ def check_run(out: Path, flags: Sequence[str], *, nproc: int, exit_code: int | N
     if profile is not None and exit_code == 0:
         res["profile"] = profile
         if not Path(profile).is_file():
-            problems.append(f"--profile-out {profile} not written (the log says why: the profiling window did not "
-                            "end, or the trainer could not write it)")
+            why = next((ln.split("not written", 1)[1].strip(" :\n") for ln in log_lines
+                        if "--profile-out" in ln and "not written" in ln),
+                       "the log says why: the profiling window did not end, or the trainer could not write it")
+            (problems if profile_required else res["notes"]).append(f"--profile-out {profile} not written ({why})")
         else:
             end = int(flag_value(flags, "--zero-bubble-pipeline-timers-end-iter") or 3)
             try:
@@ -172,6 +179,7 @@ def summary_line(res: dict[str, Any]) -> str:
     peaks = [p for p in res["peak_bytes"] if p is not None]
     if peaks:
         parts.append("peak CUDA memory per rank " + ", ".join(f"{p / GIB:.2f}" for p in peaks) + " GiB")
+    parts += res.get("notes", [])
     return f"{head}: PASS: {'; '.join(parts)}"
 
 
@@ -183,6 +191,50 @@ def _tee(stream: Any, path: Path, lines: list[str]) -> None:
             sys.stdout.flush()
             f.write(line)
             lines.append(line)
+
+
+@dataclass
+class Launch:
+    """What one torchrun launch left: exit status (``None``: killed at the timeout), seconds, output lines."""
+
+    exit_code: int | None
+    seconds: float
+    log_lines: list[str]
+
+
+def launch(flags: Sequence[str], *, nproc: int, out: Path, timeout: float, kill_grace: float) -> Launch:
+    """Run ``pretrain_gpt_zb.py flags`` under torchrun on ``nproc`` processes (output also in
+    ``out/train.log``); stopped after ``timeout`` s (SIGTERM to torchrun, SIGKILL ``kill_grace`` s later)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in glob.glob(str(out / "memory_rank*.json")) + [str(out / "result.json")]:
+        Path(stale).unlink(missing_ok=True)
+    for flag in ("--loss-log-json", "--profile-out"):
+        path = flag_value(flags, flag)
+        if path is not None:
+            Path(path).unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "megatron_zb.testing.pretrain_run", "--rank-record", str(out), "--", *flags]
+    print("+ " + " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    log_lines: list[str] = []
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", bufsize=1)
+    reader = threading.Thread(target=_tee, args=(proc.stdout, out / "train.log", log_lines), daemon=True)
+    reader.start()
+    try:
+        code: int | None = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each worker in its own session: SIGTERM lets it stop them; only then is its
+        # own process group killed
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=kill_grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        code = None
+    reader.join(timeout=min(30.0, kill_grace + 5))
+    return Launch(code, time.monotonic() - t0, log_lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="directory for the memory records and result.json")
     ap.add_argument("--label", default=None, help="name in the verdict line (default: the schedule flags)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="hard limit of the launch, seconds")
+    ap.add_argument("--kill-grace", type=float, default=60.0,
+                    help="seconds torchrun gets to stop its workers after the timeout (default 60)")
     ap.add_argument("--rank-record", default=None, help=argparse.SUPPRESS)  # rank mode (started by torchrun)
     args = ap.parse_args(own)
     if args.rank_record is not None:
@@ -208,39 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pretrain_run: --out DIR is required", file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in glob.glob(str(out / "memory_rank*.json")) + [str(out / "result.json")]:
-        Path(stale).unlink(missing_ok=True)
-    for flag in ("--loss-log-json", "--profile-out"):
-        path = flag_value(flags, flag)
-        if path is not None:
-            Path(path).unlink(missing_ok=True)
     label = args.label or " ".join(a for a in flags if a in ("--enable-zero-bubble", "--zero-bubble-v-schedule")
                                    ) or (flag_value(flags, "--schedule") or "1f1b")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           "-m", "megatron_zb.testing.pretrain_run", "--rank-record", str(out), "--", *flags]
-    print("+ " + " ".join(cmd), flush=True)
-    t0 = time.monotonic()
-    log_lines: list[str] = []
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", bufsize=1)
-    reader = threading.Thread(target=_tee, args=(proc.stdout, out / "train.log", log_lines), daemon=True)
-    reader.start()
-    try:
-        code: int | None = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each worker in its own session: SIGTERM lets it stop them (SIGKILL after
-        # its own grace period); only then is its own process group killed
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        code = None
-    reader.join(timeout=30)
-    res = check_run(out, flags, nproc=args.nproc, exit_code=code, seconds=time.monotonic() - t0,
-                    timeout=args.timeout, label=label, log_lines=log_lines)
+    run = launch(flags, nproc=args.nproc, out=out, timeout=args.timeout, kill_grace=args.kill_grace)
+    res = check_run(out, flags, nproc=args.nproc, exit_code=run.exit_code, seconds=run.seconds,
+                    timeout=args.timeout, label=label, log_lines=run.log_lines)
     print(summary_line(res), flush=True)
     return 0 if res["status"] == "PASS" else 1
 

@@ -1,13 +1,16 @@
-"""``scripts/gpu_selftest.sh`` on a CPU machine: its dry run prints commands that exist and parse.
+"""``scripts/gpu_selftest.sh`` on a CPU machine: its plan fits 9 minutes, its commands exist and parse,
+no step is handed a schedule its runtime refuses, and its runner writes each result as it ends.
 
-No GPU here, so the script itself is only dry-run: every printed command must parse as bash,
-name a Python module or script that exists, and -- for pytest -- select at least one test; every
-``pretrain_gpt_zb.py`` flag list it would launch passes the trainer's validation (gloo instead of
-nccl: no CUDA here), and the memory step's plan flags describe the model of the run it compares.
-The modules the steps run are exercised here on CPU at tiny sizes: the benchmark
-(:mod:`megatron_zb.testing.gpu_bench`), the p2p stress (:mod:`megatron_zb.testing.p2p_stress`),
-the run checks of :mod:`megatron_zb.testing.pretrain_run` and the comparison of
-:mod:`megatron_zb.testing.memory_check`; the summary machinery runs with a stub Python.
+No GPU here, so the plan is only dry-run: for 1, 2, 4 and 8 GPUs the critical path is at most the
+budget, every printed command parses as bash and names a Python module or test file that exists,
+every ``pretrain_gpt_zb.py`` flag list passes the trainer's validation (gloo instead of nccl: no CUDA
+here), the memory jobs' plan flags describe their runs' models, and every schedule the p2p stress
+would run is accepted by the runtime itself (:func:`~megatron_zb.runtime.get_forward_backward_func`
+and each rank's checked plan). The runner runs stub jobs (a failure, a timeout, a step that reads
+the summary written so far), and the script runs with a stub interpreter. The modules the jobs run
+are exercised here on CPU at tiny sizes: the benchmark, the p2p stress, ``pretrain_run``'s checks and
+``memory_check``'s comparison (``tests/bench/test_selftest_probes.py``: the head-of-line probe and the
+host-bound diagnosis).
 """
 
 from __future__ import annotations
@@ -15,19 +18,27 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import stat
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
-from megatron_zb.testing import gpu_bench, memory_check, p2p_stress, pretrain_run
+from megatron_zb.testing import gpu_bench, host_bound, memory_check, p2p_stress, pretrain_run
+from megatron_zb.testing.selftest import run_plan
+from megatron_zb.testing.selftest_jobs import (AT_RISK_FAMILIES, BUDGET_S, COMMAND_LIMIT_S, STRESS_MODEL,
+                                               VOCAB_FAMILIES, Command, Context, Job)
+from megatron_zb.testing.selftest_plan import Placed, Plan, Step, make_plan
+from megatron_zb.schedules.registry import get_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_selftest.sh"
 TINY = p2p_stress.StressModel(seq=16, hidden=32, heads=4, ffn=64, vocab=64, dtype="bf16")
+NODES = (1, 2, 4, 8)
 
 
 def _dry_run(*args: str) -> subprocess.CompletedProcess:
@@ -37,18 +48,23 @@ def _dry_run(*args: str) -> subprocess.CompletedProcess:
 
 
 def _commands(out: str) -> list[str]:
-    return [line[2:] for line in out.splitlines() if line.startswith("+ ")]
+    return [line[4:] for line in out.splitlines() if line.startswith("  + ")]
 
 
-def _python_argv(command: str) -> tuple[dict[str, str], list[str]] | None:
-    """(environment, argv from ``python`` on) of a printed command, None if it does not run Python."""
+def _python_argv(command: str) -> tuple[dict[str, str | None], list[str]] | None:
+    """(environment changes -- None: unset --, argv from ``python`` on) of a printed command; None if
+    it does not run Python."""
     words = shlex.split(command)
-    env: dict[str, str] = {}
+    env: dict[str, str | None] = {}
     if words[0] == "env":
         words = words[1:]
-        while words and "=" in words[0]:
-            k, v = words.pop(0).split("=", 1)
-            env[k] = v
+        while words and (words[0] == "-u" or "=" in words[0]):
+            if words[0] == "-u":
+                env[words[1]] = None
+                words = words[2:]
+            else:
+                k, v = words.pop(0).split("=", 1)
+                env[k] = v
     if not words or Path(words[0]).name not in ("python", "python3", Path(sys.executable).name):
         return None
     return env, words[1:]
@@ -59,95 +75,215 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:cut], argv[cut + 1:]
 
 
-def _check_pretrain(argv: list[str], tmp_path: Path) -> list[str]:
-    """Validate a pretrain_run command's pretrain_gpt_zb.py flags as the trainer does; return them."""
+def _validate(flags: list[str], nproc: int, tmp_path: Path):
+    """The trainer's validation of ``flags`` (nccl -> gloo: no CUDA here; paths under ``tmp_path``)."""
     from megatron_zb.training.pretrain import parse_command_line
 
+    local = [re.sub(r"^/.*?-work/", f"{tmp_path}/", a) for a in flags]
+    for a in local:
+        if a.startswith(str(tmp_path)):
+            Path(a).parent.mkdir(parents=True, exist_ok=True)
+    local[local.index("--distributed-backend") + 1] = "gloo"
+    return parse_command_line(local, world_size=nproc)
+
+
+def _check_pretrain(argv: list[str], tmp_path: Path) -> list[str]:
+    """Validate a pretrain_run command's pretrain_gpt_zb.py flags as the trainer does; return them."""
     own, flags = _split(argv)
     nproc = int(own[own.index("--nproc") + 1])
     out = Path(own[own.index("--out") + 1])
     assert pretrain_run.flag_value(flags, "--loss-log-json") == str(out / "loss.json")
     assert "--mock-data" in flags and "--distributed-backend" in flags  # nothing to download
     assert "--bf16" in flags  # the production precision
-    local = [a.replace(str(out.parent), str(tmp_path)) for a in flags]  # the run creates its --out first
-    (tmp_path / out.name).mkdir(exist_ok=True)
-    local[local.index("--distributed-backend") + 1] = "gloo"  # no CUDA here (validation refuses nccl)
-    v = parse_command_line(local, world_size=nproc)
+    v = _validate(flags, nproc, tmp_path)
     assert v.args.pipeline_model_parallel_size * v.args.tensor_model_parallel_size == nproc
     if pretrain_run.flag_value(flags, "--profile-out") is not None:
         assert v.args.zero_bubble_pipeline_timers_end_iter < v.args.train_iters  # the window ends, then re-plans
     return flags
 
 
+def _plan(gpus: int, tmp_path: Path, **kw) -> Plan:
+    return make_plan(Context(gpus=gpus, work=tmp_path / "w-work", python=sys.executable, cpus=16,
+                             have_te=kw.pop("have_te", False)), **kw)
+
+
+def _keys(plan: Plan) -> list[str]:
+    return [p.job.key for s in plan.steps for p in s.placed]
+
+
 def test_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
 
-def test_dry_run_prints_commands_that_exist_and_parse(tmp_path):
-    res = _dry_run("--gpus", "8", "--out", str(tmp_path / "out"))
+# ---------------------------------------------------------------------------- the plan
+@pytest.mark.parametrize("gpus", NODES)
+def test_dry_run_plan_fits_nine_minutes(gpus, tmp_path):
+    """The printed plan: every step's timeout and parallel groups, the critical path within 540 s, and
+    with every step's kill grace still below the device's 10-minute command limit; nothing written."""
+    res = _dry_run("--gpus", str(gpus), "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out-work").exists(), "a dry run writes nothing"
+    m = re.search(r"^planned critical path: (\d+) s = ([\d +]+) \(the steps' timeouts", res.stdout, re.M)
+    assert m, res.stdout
+    steps = [float(t) for t in re.findall(r"^step \d+ of \d+ \(timeout (\d+) s", res.stdout, re.M)]
+    assert float(m.group(1)) == sum(steps) <= BUDGET_S == 540
+    plan = _plan(gpus, tmp_path)
+    assert plan.critical_s == sum(steps) and plan.worst_s < COMMAND_LIMIT_S
+    assert all(60 <= s.timeout_s <= 120 or s.placed[0].job.key in ("env", "hol") for s in plan.steps)
+    for step in plan.steps:  # parallel jobs on disjoint GPUs of the node
+        ids = [g for p in step.placed for g in p.gpus]
+        assert len(ids) == len(set(ids)) and all(0 <= g < gpus for g in ids)
+        assert all(p.job.timeout_s <= step.timeout_s for p in step.placed)
+
+
+@pytest.mark.parametrize("gpus", NODES)
+def test_plan_runs_the_steps_in_order_of_what_they_settle(gpus, tmp_path):
+    plan = _plan(gpus, tmp_path)
+    keys = _keys(plan)
+    hb = ["host-bound-before", "host-bound-workers", "host-bound-no-mask"]
+    assert keys[:2] == ["env", "hol"] and all(k in keys for k in hb)  # the probe first; host-bound everywhere
+    if gpus == 1:
+        assert keys == ["env", "hol", *hb]
+        reasons = dict((j.key, why) for j, why in plan.skipped)
+        assert "Duplicate GPU detected" in reasons["stress-1conn"] and "Duplicate GPU" in reasons["stress-default"]
+        return
+    assert {"stress-1conn", "stress-default", f"vocab-{VOCAB_FAMILIES[0]}"} <= set(keys)
+    order = {k: i for i, s in enumerate(plan.steps) for k in (p.job.key for p in s.placed)}
+    assert order["stress-1conn"] <= order["stress-default"] < order["host-bound-before"]
+    if gpus >= 4:
+        assert {"mem-pp2", "tp2-sp", "mem-tp2-sp-pp2"} <= set(keys)
+    else:  # 2 GPUs: listed with the command that runs them
+        deferred = {j.key: why for j, why in plan.deferred}
+        assert {"mem-pp2", "tp2-sp"} <= set(deferred) and "--steps mem-pp2" in deferred["mem-pp2"]
+    stress = [p for s in plan.steps for p in s.placed if p.job.key.startswith("stress")]
+    groups = [p.gpus for p in stress]
+    assert all(len(g) == (gpus // 2 if gpus >= 4 else 2) for g in groups)
+    if gpus >= 4:  # both settings at once, on disjoint GPUs
+        assert order["stress-1conn"] == order["stress-default"] and set(groups[0]).isdisjoint(groups[1])
+
+
+def test_planned_critical_paths_are_the_documented_ones(tmp_path):
+    """docs/verification.md quotes these (seconds; and what each node defers)."""
+    paths = {n: _plan(n, tmp_path).critical_s for n in NODES}
+    assert paths == {1: 220.0, 2: 540.0, 4: 530.0, 8: 450.0}
+    deferred = {n: sorted(j.key for j, _ in _plan(n, tmp_path).deferred) for n in NODES}
+    assert deferred == {1: [], 2: ["mem-pp2", "tp2-sp", "vocab-interleaved-zb-vocab-1"],
+                        4: ["vocab-interleaved-zb-vocab-1"], 8: []}
+
+
+def test_a_plan_of_named_steps_above_the_budget_is_refused(tmp_path):
+    every = [j.key for j, _ in _plan(2, tmp_path).deferred] + _keys(_plan(2, tmp_path))
+    res = _dry_run("--gpus", "2", "--steps", ",".join(every))
+    assert res.returncode == 2 and "plan refused: its critical path" in res.stderr, res.stderr
+    assert "ABOVE the budget of 540 s" in res.stdout
+    ok = _dry_run("--gpus", "2", "--steps", "mem-pp2,tp2-sp")
+    assert ok.returncode == 0 and "--tensor-model-parallel-size 2 --sequence-parallel" in ok.stdout
+    bad = _dry_run("--gpus", "2", "--steps", "nonesuch")
+    assert bad.returncode == 2 and "unknown step(s) nonesuch" in bad.stderr
+
+
+@pytest.mark.parametrize("gpus", NODES)
+def test_no_schedule_is_handed_to_a_step_that_refuses_it(gpus, tmp_path):
+    """Every schedule the p2p stress would run is accepted by the runtime (the schedule built as the
+    stress builds it, get_forward_backward_func, every rank's lowered and checked plan); the
+    vocabulary forms go to a vocabulary-parallel pretrain run, validated by the trainer."""
+    from megatron_zb.runtime import get_forward_backward_func
+    from megatron_zb.schedules.registry import build_schedule, get_spec
+
+    plan = _plan(gpus, tmp_path)
+    seen = set()
+    for placed in (p for s in plan.steps for p in s.placed):
+        argv = list(placed.commands[0].argv)
+        if "megatron_zb.testing.p2p_stress" in argv:
+            pp = int(argv[argv.index("--pp") + 1])
+            assert pp == len(placed.gpus) >= 2
+            names = argv[argv.index("--schedules") + 1].split(",")
+            assert names == list(AT_RISK_FAMILIES)  # nothing filtered silently
+            for name in names:
+                assert not get_spec(name).vocab_parallel and p2p_stress.stress_refusal(name) is None
+                sched = build_schedule(name, num_ranks=pp, num_microbatches=2 * pp)
+                fb = get_forward_backward_func(sched)
+                for rank in range(pp):
+                    fb.plan_for(pp, 2 * pp, rank)
+                seen.add(name)
+        elif "--enable-vocab-parallel" in argv:
+            _, flags = _split(argv[argv.index("megatron_zb.testing.pretrain_run") + 1:])
+            assert get_spec(pretrain_run.flag_value(flags, "--schedule")).vocab_parallel
+            _validate(flags, len(placed.gpus), tmp_path)
+    assert seen == (set(AT_RISK_FAMILIES) if gpus >= 2 else set())
+    for name in VOCAB_FAMILIES:  # the stress itself refuses them by name
+        assert p2p_stress.stress_refusal(name) and "--enable-vocab-parallel" in p2p_stress.stress_refusal(name)
+
+
+def test_stress_sends_of_the_plan_are_production_sized():
+    size = p2p_stress.StressModel(seq=STRESS_MODEL["seq"], hidden=STRESS_MODEL["hidden"], heads=STRESS_MODEL["heads"],
+                                  ffn=STRESS_MODEL["ffn"])
+    assert size.send_bytes() >= 64 * 2**20
+
+
+def _module_help(module: str, cache: dict[str, str]) -> str:
+    if module not in cache:
+        res = subprocess.run([sys.executable, "-m", module, "--help", "--"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert res.returncode == 0, res.stderr
+        cache[module] = res.stdout
+    return cache[module]
+
+
+@pytest.mark.parametrize("gpus", NODES)
+def test_dry_run_prints_commands_that_exist_and_parse(gpus, tmp_path):
+    res = _dry_run("--gpus", str(gpus), "--out", str(tmp_path / "out"))
     assert res.returncode == 0, res.stderr
-    assert not (tmp_path / "out").exists(), "a dry run writes nothing"
     commands = _commands(res.stdout)
-    assert len(commands) >= 14, res.stdout
-    assert any("MEGATRON_ZB_TEST_DEVICE=cuda" in c and "tests/runtime/test_runtime.py" in c for c in commands)
-    assert any("tests/runtime/test_te_real.py" in c for c in commands)
-    assert any("megatron_zb.testing.gpu_bench --pp 8" in c for c in commands)
-    assert any("MEGATRON_ZB_TEST_DEVICE=cuda" in c and "megatron_zb.testing.p2p_stress --pp 8" in c for c in commands)
-    assert any("tests/runtime/test_runtime.py -k tp2_pp2" in c for c in commands)
+    assert len(commands) >= 6, res.stdout
+    helps: dict[str, str] = {}
     pretrains: dict[str, list[str]] = {}
     memory_argvs: list[list[str]] = []
     for command in commands:
         assert subprocess.run(["bash", "-n", "-c", command]).returncode == 0, command
         parsed = _python_argv(command)
         if parsed is None:
-            assert shlex.split(command)[0] == "nvidia-smi", f"unexpected command {command!r}"
+            assert shlex.split(command) == ["nvidia-smi", "-L"], f"unexpected command {command!r}"
             continue
         env, argv = parsed
         assert env.get("MEGATRON_ZB_TEST_DEVICE", "cuda") == "cuda"
+        if "CUDA_VISIBLE_DEVICES" in env:
+            assert all(0 <= int(g) < gpus for g in env["CUDA_VISIBLE_DEVICES"].split(","))
         if argv[0] == "-c":
             compile(argv[1], "<gpu_selftest -c>", "exec")
-        elif argv[:2] == ["-m", "pytest"]:
-            paths = [a for a in argv[2:] if a.startswith("tests/")]
-            assert paths and all((ROOT / p).is_file() for p in paths), command
-            keep = [a for a in argv[2:] if a not in ("-q", "-rs")]
-            collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *keep], cwd=ROOT,
-                                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                                       timeout=300)
-            assert collected.returncode == 0, collected.stdout[-2000:]
-            assert "::test_" in collected.stdout, f"{command!r} selects no test"
-        elif argv[:2] == ["-m", "megatron_zb.testing.pretrain_run"]:
-            own, _ = _split(argv[2:])
+            continue
+        assert argv[0] == "-m" and importlib.util.find_spec(argv[1]) is not None, command
+        own = argv[2:] if "--" not in argv else _split(argv[2:])[0]
+        helped = _module_help(argv[1], helps)
+        assert all(o in helped for o in own if o.startswith("--")), command
+        if argv[:2] == ["-m", "megatron_zb.testing.pretrain_run"]:
             pretrains[own[own.index("--label") + 1]] = _check_pretrain(argv[2:], tmp_path)
         elif argv[:2] == ["-m", "megatron_zb.testing.memory_check"]:
             memory_argvs.append(argv[2:])
-        elif argv[0] == "-m":
-            assert importlib.util.find_spec(argv[1]) is not None, command
-            helped = subprocess.run([sys.executable, "-m", argv[1], "--help"], cwd=ROOT, capture_output=True,
-                                    text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-            assert helped.returncode == 0 and "--pp" in helped.stdout
-            assert all(o in helped.stdout for o in argv[2:] if o.startswith("--")), command
-        else:
-            assert (ROOT / argv[0]).is_file(), command
-    # step 4: zb, zb-2p and zbv at PP=2 with the profile-then-replan window writing --profile-out
-    for label, selector in (("zb", ["--enable-zero-bubble"]), ("zb-2p", ["--schedule", "zb-2p"]),
-                            ("zbv", ["--zero-bubble-v-schedule"])):
-        flags = pretrains[label]
-        assert " ".join(selector) in " ".join(flags) and pretrain_run.flag_value(flags, "--profile-out")
-        assert pretrain_run.flag_value(flags, "--pipeline-model-parallel-size") == "2"
-    # step 5: TP=2 with sequence parallelism, at PP=1 (2 GPUs) and PP=2 (4 GPUs)
-    for label in ("zb-tp2-sp", "zb-tp2-sp-pp2"):
-        assert "--sequence-parallel" in pretrains[label]
-        assert pretrain_run.flag_value(pretrains[label], "--tensor-model-parallel-size") == "2"
-    # step 6: each plan describes its memory run's model and schedule, and accepts the flags: PP=2,
-    # and TP=2 with sequence parallelism x PP=2 (local layers here, where TE is not installed)
+        elif argv[:2] == ["-m", "megatron_zb.testing.host_bound"]:
+            own, common = _split(argv[2:])
+            variant = own[own.index("--variant") + 1]
+            flags = host_bound.variant_flags(variant, common, tmp_path / variant)
+            assert _validate(flags, 1, tmp_path).args.pipeline_model_parallel_size == 1
+            pretrains[f"host-bound-{variant}"] = flags
+    if gpus >= 2:
+        assert any("--enable-vocab-parallel" in f for f in pretrains.values())
+    assert {f"host-bound-{v}" for v in host_bound.VARIANTS} <= set(pretrains)
+    assert "--no-create-attention-mask-in-dataloader" in pretrains["host-bound-no-mask"]
+    assert pretrain_run.flag_value(pretrains["host-bound-workers"], "--num-workers") == "2"
+    _check_memory_plans(memory_argvs, pretrains, tmp_path, gpus)
+
+
+def _check_memory_plans(memory_argvs: list[list[str]], pretrains: dict[str, list[str]], tmp_path: Path,
+                        gpus: int) -> None:
+    """Each memory check's plan flags describe its run's model and schedule, and megatron-zb plan accepts them."""
     from megatron_zb.cli import main as cli_main
 
     checked = {}
     for memory_argv in memory_argvs:
         own, plan_flags = _split(memory_argv)
-        run_dir = own[own.index("--run") + 1]
+        label = own[own.index("--run") + 1].rsplit("pretrain-", 1)[1]
         schedule = own[own.index("--schedule") + 1]
-        label = run_dir.rsplit("pretrain-", 1)[1]
         run_flags = pretrains[label]
         assert pretrain_run.flag_value(run_flags, "--schedule") == schedule
         assert pretrain_run.flag_value(run_flags, "--transformer-impl") == "local"  # what the plan models here
@@ -160,46 +296,36 @@ def test_dry_run_prints_commands_that_exist_and_parse(tmp_path):
         assert cli_main(["plan", *plan_flags, "--schedules", schedule, "--gpu", "H100",
                          "--json", str(tmp_path / "plan.json")]) == 0
         checked[label] = plan_flags
-    assert set(checked) == {"zb-h1-memory", "zb-h1-tp2-sp-memory"}
-    assert "--sequence-parallel" in checked["zb-h1-tp2-sp-memory"]
-    assert pretrain_run.flag_value(checked["zb-h1-tp2-sp-memory"], "--tensor-model-parallel-size") == "2"
-    assert "--transformer-impl" in checked["zb-h1-tp2-sp-memory"]  # the plan models the run's layers
-    # the summary lists every step
-    assert "== gpu_selftest summary (8 GPU(s), dry run: nothing was run)" in res.stdout
-    for name in ("p2p stress, 64 MiB sends, every schedule (PP=8)", "pretrain zb PP=2 on CUDA",
-                 "pretrain zb TP=2 SP PP=1 on CUDA", "memory vs megatron-zb plan (zb-h1 PP=2)",
-                 "memory vs megatron-zb plan (zb-h1 TP=2 SP PP=2, local)"):
-        assert f"WOULD RUN  {name}" in res.stdout
+    both = {"zb-h1-memory", "zb-h1-tp2-sp-memory"}
+    expected = {1: set(), 2: set(), 4: both, 8: both}
+    assert set(checked) == expected[gpus]
+    if "zb-h1-tp2-sp-memory" in checked:
+        assert "--sequence-parallel" in checked["zb-h1-tp2-sp-memory"]
+        assert pretrain_run.flag_value(checked["zb-h1-tp2-sp-memory"], "--tensor-model-parallel-size") == "2"
 
 
-def test_one_gpu_node_runs_what_fits_and_says_what_it_skips():
-    res = _dry_run("--gpus", "1")
-    assert res.returncode == 0, res.stderr
-    out = res.stdout
-    assert "skipped: benchmark -- a pipeline needs 2 or more GPUs" in out
-    assert "skipped: Transformer Engine parity -- needs 2 GPUs" in out
-    assert "skipped: p2p stress -- needs 2 GPUs" in out
-    assert "skipped: pretrain zb, zb-2p, zbv PP=2 on CUDA -- needs 2 GPUs: PP=1 cannot test the pipeline" in out
-    assert "skipped: TP=2 with sequence parallelism -- needs 2 GPUs" in out
-    assert "skipped: memory vs megatron-zb plan -- needs 2 GPUs" in out
-    assert "SKIPPED  p2p stress (needs 2 GPUs)" in out  # in the summary too
-    assert "every test that needs 2 or more ranks" in out
-    commands = _commands(out)
-    assert not any("gpu_bench" in c or "p2p_stress" in c for c in commands)
-    assert any("tests/runtime/test_runtime.py" in c for c in commands)
-    [pp1] = [c for c in commands if "pretrain_run" in c]
-    assert "--nproc 1 " in pp1 and "--pipeline-model-parallel-size 1" in pp1 and "--profile-out" not in pp1
-
-
-def test_two_gpu_node_runs_tp2_sp_without_a_pipeline():
-    res = _dry_run("--gpus", "2")
-    assert res.returncode == 0, res.stderr
-    assert "skipped: TP=2 with sequence parallelism x PP=2 -- needs 4 GPUs" in res.stdout
-    commands = _commands(res.stdout)
-    assert any("p2p_stress --pp 2" in c for c in commands)
-    assert any("--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 1" in c
-               for c in commands)
-    assert not any("-k tp2_pp2" in c for c in commands)
+def test_full_plan_adds_the_opt_in_jobs_with_their_own_timeouts(tmp_path):
+    """--full: the numerical suite, the profiled PP=2 runs, the TP=2 x PP=2 tests, TE parity (where TE
+    is installed) and the benchmark, after the 9-minute plan; their pytest commands select tests."""
+    plan = _plan(8, tmp_path, full=True, budget_s=3600.0, have_te=True)
+    keys = _keys(plan)
+    assert keys[:len(_keys(_plan(8, tmp_path)))] != [] and {"numeric", "pretrain-zb", "pretrain-zb-2p", "pretrain-zbv",
+                                                          "tp2-pp2-tests", "te-parity", "bench"} <= set(keys)
+    assert not plan.over_budget and plan.critical_s > BUDGET_S
+    for placed in (p for s in plan.steps for p in s.placed if p.job.full):
+        argv = list(placed.commands[0].argv)
+        if argv[1:3] == ["-m", "pytest"]:
+            keep = [a for a in argv[3:] if a not in ("-q", "-rs")]
+            assert all((ROOT / a).is_file() for a in keep if a.startswith("tests/"))
+            collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *keep], cwd=ROOT,
+                                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                                       timeout=300)
+            assert collected.returncode in (0, 5) and "::test_" in collected.stdout, collected.stdout[-2000:]
+        elif "megatron_zb.testing.pretrain_run" in argv:
+            flags = _check_pretrain(argv[argv.index("megatron_zb.testing.pretrain_run") + 1:], tmp_path)
+            assert pretrain_run.flag_value(flags, "--profile-out")
+    res = _dry_run("--gpus", "8")
+    assert res.returncode == 0 and "opt-in (--full): [numeric]" in res.stdout
 
 
 def test_without_gpu_and_without_dry_run_it_refuses():
@@ -208,9 +334,79 @@ def test_without_gpu_and_without_dry_run_it_refuses():
     assert res.returncode == 2 and "no CUDA device visible" in res.stderr
 
 
-def test_summary_lists_each_step_with_its_reason_and_is_written_to_out(tmp_path):
-    """The non-dry path with a stub Python (and no nvidia-smi): PASS / FAIL / SKIPPED with reasons,
-    the summary also in OUT/summary.txt, one log per step, exit 1 when a step failed."""
+# ---------------------------------------------------------------------------- the runner
+def _stub_job(key: str, code: str, timeout: float) -> Placed:
+    job = Job(key, f"stub {key}", 0, timeout, lambda ctx, ids: [])
+    return Placed(job, (), [Command((sys.executable, "-c", code))])
+
+
+def test_runner_writes_each_result_as_it_ends_and_names_the_failed_step(tmp_path):
+    """A passing job, a failing one and one past its timeout in step 1; step 2 reads summary.txt while
+    it runs: step 1's three lines are already there. The failures name their step and job."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    step1 = Step([_stub_job("a", "print('a is fine')", 30),
+                  _stub_job("b", "import sys; print('b broke'); sys.exit(3)", 30),
+                  _stub_job("c", "import time; print('c waits', flush=True); time.sleep(600)", 2)])
+    step2 = Step([_stub_job("d", f"print(open({str(out / 'summary.txt')!r}).read())", 30)])
+    plan = Plan(2, 540.0, [step1, step2], [], [], [])
+    assert run_plan(plan, out, work, head=["# stub"]) == 1
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0] == "# stub"
+    lines = {ln.split("[", 1)[1].split("]")[0]: ln for ln in summary if "] stub " in ln}
+    assert lines["a"].startswith("PASS     step 1 [a]") and lines["a"].endswith("a is fine")
+    assert lines["b"].startswith("FAIL     step 1 [b]") and lines["b"].endswith("exit 3: b broke")
+    assert lines["c"].startswith("FAIL     step 1 [c]")
+    assert "timed out after 2 s (killed); last output: c waits" in lines["c"]
+    assert lines["d"].startswith("PASS     step 2 [d]")
+    seen_by_d = (work / "d.log").read_text()
+    assert all(lines[k] in seen_by_d for k in "abc")  # written before step 2 started
+    assert summary[-1] == "result: 2 passed, 2 failed, 0 skipped, 0 deferred; exit 1"
+    with tarfile.open(out / "logs.tar.gz") as t:
+        assert {"work/a.log", "work/d.log"} <= set(t.getnames())
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.txt"]  # two files come back
+
+
+STOP_SCRIPT = """
+import sys
+from pathlib import Path
+from megatron_zb.testing.selftest import run_plan
+from megatron_zb.testing.selftest_jobs import Command, Job
+from megatron_zb.testing.selftest_plan import Placed, Plan, Step
+tmp = Path(sys.argv[1])
+code = "import os, time; open({pid!r}, 'w').write(str(os.getpid())); print('sleeping', flush=True); time.sleep(600)"
+job = Job("sleeper", "stub sleeper", 0, 300.0, lambda ctx, ids: [])
+step = Step([Placed(job, (), [Command((sys.executable, "-c", code.format(pid=str(tmp / "pid"))))])])
+sys.exit(run_plan(Plan(1, 540.0, [step], [], [], []), tmp / "out", tmp / "work"))
+"""
+
+
+def test_a_stopped_run_kills_its_jobs_and_says_so(tmp_path):
+    """SIGTERM to the runner (the device's command limit): the running job's processes are killed,
+    STOPPED and the result line are written, the logs packed, exit 1."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", STOP_SCRIPT, str(tmp_path)], cwd=ROOT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
+    pid_file = tmp_path / "pid"
+    for _ in range(300):
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 1
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "STOPPED  the self-test received SIGTERM; the running jobs were killed" in summary
+    assert summary.strip().splitlines()[-1].endswith("exit 1")
+    time.sleep(0.5)
+    stat_file = Path(f"/proc/{pid_file.read_text()}/stat")
+    assert not stat_file.exists() or stat_file.read_text().split(")")[1].split()[0] == "Z"  # gone (or a zombie)
+    assert (tmp_path / "out" / "logs.tar.gz").is_file()
+
+
+def test_script_with_a_stub_interpreter_lists_every_job_with_its_reason(tmp_path):
+    """The script end to end on the plan of a 2-GPU node, the jobs' interpreter a stub (and no
+    nvidia-smi on PATH): PASS / FAIL / SKIPPED / DEFERRED lines, exit 1."""
     stub = tmp_path / "python"
     stub.write_text("#!/usr/bin/env bash\n"
                     "case \"$*\" in\n"
@@ -219,22 +415,28 @@ def test_summary_lists_each_step_with_its_reason_and_is_written_to_out(tmp_path)
                     "esac\n")
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=str(stub), PATH=f"{tmp_path}:/usr/bin:/bin")
-    res = subprocess.run(["bash", str(SCRIPT), "--gpus", "2", "--skip-bench", "--out", str(out)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHON=sys.executable, PATH="/usr/bin:/bin")
+    res = subprocess.run(["bash", str(SCRIPT), "--gpus", "2", "--steps", "env,stress-1conn,host-bound-before",
+                          "--python", str(stub), "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 1, res.stdout + res.stderr
     summary = (out / "summary.txt").read_text()
-    assert summary in res.stdout
     lines = summary.splitlines()
-    assert any(ln.startswith("FAIL     p2p stress") and ln.endswith("p2p stress: FAIL: zb-2p (deadlock or hang)")
+    assert any(ln.startswith("FAIL     step 1 [env]") and "cannot start nvidia-smi" in ln for ln in lines), summary
+    assert any(ln.startswith("FAIL     step 1 [stress-1conn]") and ln.endswith("p2p stress: FAIL: zb-2p (deadlock "
+                                                                              "or hang)") for ln in lines), summary
+    assert any(ln.startswith("PASS     step 2 [host-bound-before]") and "(GPU 0; " in ln and "stub ran: " in ln
                for ln in lines), summary
-    assert any(ln.startswith("FAIL     environment") for ln in lines), summary  # no nvidia-smi on PATH
-    assert any(ln.startswith("PASS     pretrain zb PP=2 on CUDA") and "stub ran: " in ln for ln in lines), summary
-    assert "SKIPPED  benchmark (--skip-bench)" in lines
-    assert "SKIPPED  TP=2 with sequence parallelism x PP=2 (needs 4 GPUs)" in lines
-    assert (out / "pretrain_zb_PP=2_on_CUDA.log").is_file()
+    assert ">> step 1/2 start" in res.stdout and "<< step 2/2 end after" in res.stdout
+    assert (Path(f"{out}-work") / "stress-1conn.log").is_file()
+    plain = subprocess.run(["bash", str(SCRIPT), "--gpus", "1", "--python", str(stub), "--out", str(tmp_path / "o1"),
+                            "--steps", "hol,stress-1conn"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert "SKIPPED  [stress-1conn]" in (tmp_path / "o1" / "summary.txt").read_text()
 
 
+# ---------------------------------------------------------------------------- benchmark
 def test_benchmark_runs_on_cpu_at_tiny_sizes(capsys):
     assert gpu_bench.main(["--pp", "2", "--iters", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
@@ -267,6 +469,16 @@ def test_p2p_stress_runs_on_cpu_at_tiny_sizes(capsys):
     assert all(r.split("|")[3].strip() == "PASS" for r in rows.values()), out
     assert "equal 1f1b's" in rows["zb-2p"] and "equal zbv's" in rows["v-min"]
     assert out.strip().splitlines()[-1] == "p2p stress: PASS: 5 schedules (1.0 KiB per send, PP=2)"
+
+
+def test_p2p_stress_refuses_schedules_the_runtime_refuses(capsys):
+    """A vocabulary-parallel form named to the stress: exit 2 with the runtime's own refusal; the default
+    list holds no such form."""
+    assert p2p_stress.main(["--pp", "2", "--schedules", "1f1b,zbv-vocab-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("p2p stress: cannot run zbv-vocab-1: schedule 'zbv-vocab-1' holds vocabulary-parallel passes")
+    assert not any(get_spec(n).vocab_parallel for n in p2p_stress.stress_schedule_names())
+    assert set(AT_RISK_FAMILIES) <= set(p2p_stress.stress_schedule_names())
 
 
 def _hang(model: dict, schedule: object, p2p_timeout: float) -> dict:

@@ -1,4 +1,4 @@
-"""The Transformer Engine route with real TE modules on a GPU (``scripts/gpu_selftest.sh``, step 7).
+"""The Transformer Engine route with real TE modules on a GPU (``scripts/gpu_selftest.sh --full``, job ``te-parity``).
 
 Skipped without Transformer Engine, without CUDA (``MEGATRON_ZB_TEST_DEVICE=cuda``) and, for
 FP8, on a GPU without FP8 -- each with its reason. Not run yet: no GPU was lent to the sessions
