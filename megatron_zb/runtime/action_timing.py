@@ -33,7 +33,9 @@ CPU only, never on a GPU).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+import time
+from typing import Any, Hashable, Iterator, Sequence
 
 import torch
 
@@ -61,21 +63,24 @@ class ActionTiming:
             ``isend`` call (the copy into the transport), for a ``RECV_*`` the posting of the
             receives it needs plus the host's wait for its data (on CUDA the stream's wait for a
             NCCL receive is not timed).
-        vocab: with vocabulary-parallel passes, what they measured inside the actions
-            (:class:`~megatron_zb.runtime.vocab_timing.VocabTiming`: waits for collectives, ``T``'s weight
-            gradients run by a ``W``, the barrier thread's barriers; host seconds), else ``None``.
+        intervals: seconds measured with :meth:`interval` on the same clock as ``records`` (the
+            vocabulary passes: ``("TW", stage, mb)`` for ``T``'s weight gradients run by a ``W``,
+            ``("C0", mb)`` for the forward barrier); ``host_intervals`` the same in host seconds.
     """
 
     def __init__(self, *, device: torch.device | str = "cpu", start: float = 0.0) -> None:
         self.device = torch.device(device)
         self.start = start
         self.comm: list[Record] = []
-        self.vocab: Any = None
         self.cpu: list[float] = []
         self._records: list[Record] = []
         self._cuda = self.device.type == "cuda"
         self._host: list[Record] = [] if self._cuda else self._records
         self._events: list[tuple[Any, Any]] = []  # CUDA: (before, after) event of each compute action
+        self.host_intervals: dict[Hashable, float] = {}      # key -> host seconds of interval()
+        self._intervals: dict[Hashable, float] = self.host_intervals if not self._cuda else {}  # resolved
+        self._interval_events: list[tuple[Hashable, Any, Any]] = []  # CUDA: (key, start, end) to resolve
+        self._last: Any = None
         self._start_event = self._record_event() if self._cuda else None
         self.resolved = not self._cuda
 
@@ -98,6 +103,27 @@ class ActionTiming:
     def add_comm(self, a: Action, t0: float, t1: float) -> None:
         """Record communication action ``a`` (host ``perf_counter`` seconds)."""
         self.comm.append((a, t0, t1))
+
+    @contextlib.contextmanager
+    def interval(self, key: Hashable) -> Iterator[None]:
+        """Time the work done inside the ``with`` block on the actions' clock (``perf_counter`` on
+        CPU, CUDA events on the current stream on CUDA), added to :attr:`intervals` ``[key]``: what
+        the vocabulary passes measure inside and between actions (``T``'s weight gradient run by a
+        ``W``, the forward barrier), so that it is subtracted from, and compared with, times of the
+        same clock."""
+        e0 = self._record_event() if self._cuda else None
+        t0 = time.perf_counter()
+        yield
+        self.host_intervals[key] = self.host_intervals.get(key, 0.0) + time.perf_counter() - t0
+        if self._cuda:
+            self._interval_events.append((key, e0, self._record_event()))
+
+    @property
+    def intervals(self) -> dict[Hashable, float]:
+        """Seconds per key of :meth:`interval` (resolved on CUDA: read after :meth:`resolve`)."""
+        if not self.resolved:
+            raise RuntimeError("CUDA action timing read before resolve()")
+        return self._intervals
 
     # ------------------------------------------------------------------ reading the times
     @property
@@ -130,13 +156,15 @@ class ActionTiming:
         s0 = self._start_event
         self._records = [(a, self.start + s0.elapsed_time(e0) / 1e3, self.start + s0.elapsed_time(e1) / 1e3)
                          for (a, _, _), (e0, e1) in zip(self._host, self._events)]
-        self._events = []
+        for key, e0, e1 in self._interval_events:
+            self._intervals[key] = self._intervals.get(key, 0.0) + e0.elapsed_time(e1) / 1e3
+        self._events, self._interval_events = [], []
         self.resolved = True
 
     @property
     def last_event(self) -> Any:
-        """CUDA: the event recorded last (the end of the last compute action, else the start event)."""
-        return self._events[-1][1] if self._events else self._start_event
+        """CUDA: the event recorded last (an action's or an interval's end, else the start event)."""
+        return self._last
 
     def host_waits(self) -> list[float] | None:
         """Per compute action (the order of ``records``), an upper bound on the seconds the device waited
@@ -168,6 +196,7 @@ class ActionTiming:
         actions' kernels are launched on)."""
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
+        self._last = event
         return event
 
 

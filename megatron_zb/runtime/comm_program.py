@@ -15,25 +15,38 @@ holds, so they are made once per schedule, here, as data: a :class:`Program` per
   receive of that send (:func:`_release_points`). From then on the send needs nothing more of
   this rank, so waiting for it cannot deadlock, on any backend; sends with no such point are
   waited for at the end of the iteration. :attr:`Program.max_outstanding_sends` is the bound.
-* ``RUN``    -- a compute action (F, B, W, BW).
+* ``RUN``    -- a compute action (F, B, W, BW, and the vocabulary passes IF, S, T, IB).
+* ``COLL``   -- issue a vocabulary-parallel collective (``Issue.coll`` names it); ``WAIT`` with
+  ``coll`` set waits for the rank's last one of that kind (:mod:`~megatron_zb.runtime.vocab_program`
+  says where they go).
+
+Every ``POST`` / ``SEND`` / ``COLL`` also names its communicator *slot* (:func:`assign_slots`):
+the k-th transfer of a direction (and the k-th collective of a kind) travels on slot ``k mod K``
+of that direction's (kind's) communicators, the same on both ends. On one hardware queue an op
+whose predecessor on its communicator has not completed blocks everything issued after it;
+rotating the slots lets that predecessor be ``K`` transfers back. ``K`` is the smallest number
+with which every rank's program replays to its end under the NCCL model
+(:mod:`~megatron_zb.runtime.comm_certify`).
 
 Receives are posted by :class:`~megatron_zb.runtime.rank_plan.RecvPoster`'s policy: in the order
 the peer sends them, up to ``lookahead`` actions ahead, never between a compute action and its
 sends (they are on the peer's critical path) nor between a receive and the compute waiting for it.
-Every transfer travels on the communicator of its direction (sender -> receiver,
-:class:`~megatron_zb.runtime.p2p.PipeChannels`): a receive posted early never holds back a send.
+Every transfer travels on a communicator of its direction (sender -> receiver,
+:class:`~megatron_zb.runtime.channels.PipeChannels`): a receive posted early never holds back a send.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..schedules import Action, Op
 
 if TYPE_CHECKING:
     from .rank_plan import RecvPoster
+    from .vocab_program import VocabRoles
 
 
 class Step(enum.Enum):
@@ -44,17 +57,33 @@ class Step(enum.Enum):
     SEND = "send"
     RELEASE = "release"
     RUN = "run"
+    COLL = "coll"
 
 
 @dataclass(frozen=True)
 class Issue:
-    """One step of a rank's :class:`Program`: ``step`` applied to the schedule action ``action``."""
+    """One step of a rank's :class:`Program`: ``step`` applied to the schedule action ``action``.
+
+    Attributes:
+        coll: for ``COLL`` and the ``WAIT`` of a collective: the vocabulary collective's kind
+            (:mod:`~megatron_zb.runtime.vocab_program`), of microbatch ``action.mb``; else ``""``.
+        slot: for ``POST`` / ``SEND`` / ``COLL``: the communicator slot it travels on (module docstring).
+    """
 
     step: Step
     action: Action
+    coll: str = ""
+    slot: int = 0
 
     def __str__(self) -> str:
-        return f"{self.step.value} {self.action}"
+        what = f"{self.coll}(mb={self.action.mb})" if self.coll else str(self.action)
+        slot = f" [slot {self.slot}]" if self.slot else ""
+        return f"{self.step.value} {what}{slot}"
+
+
+Channel = tuple
+"""What a slot count is kept for: ``("p2p", src, dst)`` (a direction of the pipeline),
+``("coll", kind)`` (an all-reduce kind) or ``("bcast", kind)`` (a kind one rank sends to every other)."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +94,13 @@ class Program:
         issues: the steps, in the order the executor issues them.
         max_outstanding_sends: the largest number of sends started and not yet released at any
             point of ``issues`` (the p2p layer's bound; completed sends are dropped earlier).
+        slots: per channel (:func:`channel_of`) how many communicators its issues rotate over
+            (:func:`assign_slots`; a channel not named has one).
     """
 
     issues: tuple[Issue, ...]
     max_outstanding_sends: int
+    slots: Mapping[Channel, int] = field(default_factory=dict)
 
 
 def transfer_key(a: Action) -> tuple[Op, int, int]:
@@ -76,8 +108,9 @@ def transfer_key(a: Action) -> tuple[Op, int, int]:
     return (a.op.matching if a.op.is_send else a.op, a.mb, a.stage)
 
 
-def issue_order(actions: Sequence[Action], poster: "RecvPoster") -> list[Issue]:
-    """``actions`` (one rank's lowered list) as POST / WAIT / SEND / RUN steps, posting by ``poster``."""
+def issue_order(actions: Sequence[Action], poster: "RecvPoster", vocab: "VocabRoles | None" = None) -> list[Issue]:
+    """``actions`` (one rank's lowered list) as POST / WAIT / SEND / RUN steps, posting by ``poster``,
+    with the vocabulary collectives of ``vocab`` (this rank's roles) around the compute actions."""
     out: list[Issue] = []
     after_recv = False
     for i, a in enumerate(actions):
@@ -93,13 +126,43 @@ def issue_order(actions: Sequence[Action], poster: "RecvPoster") -> list[Issue]:
         elif op.is_send:
             out.append(Issue(Step.SEND, a))
         else:
+            before, after = vocab.around(a) if vocab is not None else ((), ())
+            out += [Issue(Step(step), a, coll=kind) for step, kind in before]
             out.append(Issue(Step.RUN, a))
+            out += [Issue(Step(step), a, coll=kind) for step, kind in after]
     return out
 
 
-def build_programs(orders: dict[int, list[Issue]]) -> dict[int, Program]:
+def channel_of(s: Issue, rank: int) -> Channel:
+    """The channel of ``rank``'s issue ``s`` (a ``POST`` / ``SEND`` / ``RELEASE``, or a collective's
+    ``COLL`` / ``WAIT``)."""
+    if s.coll:
+        from .vocab_program import BROADCAST_KINDS
+
+        return ("bcast" if s.coll in BROADCAST_KINDS else "coll", s.coll)
+    src, dst = (rank, s.action.peer) if s.step in (Step.SEND, Step.RELEASE) else (s.action.peer, rank)
+    return ("p2p", src, dst)
+
+
+def assign_slots(order: Sequence[Issue], rank: int, slots: Mapping[Channel, int]) -> list[Issue]:
+    """``order`` with every POST / SEND / COLL on its communicator slot: the k-th transfer of a
+    direction, and the k-th collective of a kind, on slot ``k mod slots[channel]`` (default 1;
+    receives are posted in the order the peer sends them, so both ends count alike; every rank
+    issues a kind in microbatch order)."""
+    count: dict[Channel, int] = defaultdict(int)
+    out = []
+    for s in order:
+        if s.step in (Step.POST, Step.SEND, Step.COLL):
+            channel = channel_of(s, rank)
+            s = replace(s, slot=count[channel] % slots.get(channel, 1))
+            count[channel] += 1
+        out.append(s)
+    return out
+
+
+def build_programs(orders: dict[int, list[Issue]], slots: Mapping[Channel, int] | None = None) -> dict[int, Program]:
     """Every rank's :class:`Program` from its issue order (all ranks: a release point depends
-    on the order in which the peer posts and sends)."""
+    on the order in which the peer posts and sends), on ``slots`` communicators per channel."""
     releases = _release_points(orders)
     programs = {}
     for rank, order in orders.items():
@@ -113,7 +176,8 @@ def build_programs(orders: dict[int, list[Issue]]) -> dict[int, Program]:
             for sent in releases[rank].get(k, ()):
                 issues.append(Issue(Step.RELEASE, sent))
                 held -= 1
-        programs[rank] = Program(tuple(issues), most)
+        slots = dict(slots or {})
+        programs[rank] = Program(tuple(assign_slots(issues, rank, slots)), most, slots)
     return programs
 
 
@@ -132,7 +196,7 @@ def _release_points(orders: dict[int, list[Issue]]) -> dict[int, dict[int, list[
     out: dict[int, dict[int, list[Action]]] = {}
     for rank, order in orders.items():
         out[rank] = {}
-        waits = [(k, s.action) for k, s in enumerate(order) if s.step is Step.WAIT]
+        waits = [(k, s.action) for k, s in enumerate(order) if s.step is Step.WAIT and not s.coll]
         for k, s in enumerate(order):
             if s.step is not Step.SEND:
                 continue

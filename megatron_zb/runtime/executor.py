@@ -44,7 +44,7 @@ from .action_timing import ActionTiming
 from .grad_sync import GradSync
 from .memory import ActivationMemoryTracker
 from .p2p import PipeComm
-from .comm_program import Step
+from .comm_program import Issue, Step
 from .rank_plan import RankPlan, RecvPoster, plan_rank
 from .routes import backward_window
 from .wgrad_store import WeightGradStore
@@ -167,9 +167,13 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
             watch.after_compute(a, t0, u0, mark)
             if grad_sync is not None:
                 grad_sync.after_compute(a, t0)
+        elif issue.coll:   # a vocabulary collective: issued, or waited for
+            t0, u0 = watch.now()
+            runtime.vocab.collective(issue)
+            watch.after_comm(None, t0, u0)
         else:
             t0, u0 = watch.now()
-            _communicate(step, a, it, comm, runtime)
+            _communicate(issue, it, comm, runtime)
             watch.after_comm(a if step is Step.WAIT or step is Step.SEND else None, t0, u0)
     t0, u0 = watch.now()
     comm.finish()
@@ -194,14 +198,15 @@ def _begin_iteration(plan: RankPlan, store: WeightGradStore, grad_sync: GradSync
     return grad_sync
 
 
-def _communicate(step: Step, a: Action, it: "_Iteration", comm: PipeComm, runtime: StageRuntime) -> None:
+def _communicate(issue: Issue, it: "_Iteration", comm: PipeComm, runtime: StageRuntime) -> None:
     """One p2p step of the rank's program: post or wait for a receive, send, or release a send."""
+    step, a = issue.step, issue.action
     if step is Step.POST:
-        comm.post_recv(a, runtime.tensor_shape, runtime.dtype, runtime.device)
+        comm.post_recv(a, runtime.tensor_shape, runtime.dtype, runtime.device, slot=issue.slot)
     elif step is Step.WAIT:
         it.received(a, comm.wait_recv(a))
     elif step is Step.SEND:
-        comm.send(a, it.to_send(a, (a.mb, a.stage)))
+        comm.send(a, it.to_send(a, (a.mb, a.stage)), slot=issue.slot)
         it.sent(a)
     else:
         comm.release(a)

@@ -12,11 +12,12 @@ from ..schedules.costs import CostModel
 from ..schedules.ir import Schedule, vocab_passes_unsupported
 from ..schedules.registry import build_schedule, get_spec
 from .executor import ActionTiming, LoopOverhead, RankPlan, StageRuntime, execute, plan_rank
-from .rank_plan import RECV_LOOKAHEAD
+from .rank_plan import RECV_LOOKAHEAD, check_lookahead
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
 from ..peer_wait import WaitPolicy, Watchdog
-from .p2p import PipeComm, pipe_channels
+from .channels import channels_for
+from .p2p import PipeComm
 from .routes import check_schedule, install_routes
 from .wgrad_store import WeightGradStore
 
@@ -39,8 +40,9 @@ class ZeroBubbleOptions:
             (``overlap_grad_reduce``), may take before the run fails with a
             :class:`~megatron_zb.peer_wait.PipelineTimeoutError` naming the rank, the operation and
             the peer (:mod:`megatron_zb.peer_wait`).
-        recv_lookahead: how many actions ahead receives are posted (each direction of a pair of
-            ranks has its own communicator, so posting early never holds a send back); default
+        recv_lookahead: how many actions ahead receives are posted, 0 to
+            :data:`~megatron_zb.runtime.rank_plan.MAX_RECV_LOOKAHEAD` (each direction of a pair of
+            ranks has its own communicators, so posting early never holds a send back); default
             :data:`~megatron_zb.runtime.rank_plan.RECV_LOOKAHEAD`.
         wait_policy: how p2p and the data-parallel reduces wait (:class:`~megatron_zb.peer_wait.WaitPolicy`);
             ``None`` (default): from each group's backend (NCCL: stream waits and a watchdog;
@@ -176,18 +178,21 @@ class ZeroBubbleForwardBackward:
         runtime = StageRuntime(chunks=dict(zip(stages, chunks)), data_iterators=dict(zip(stages, iters)),
                                tensor_shape=shape, dtype=config.pipeline_dtype or torch.float32,
                                device=next(chunks[0].parameters()).device)
+        # every communicator the plan uses, created and warmed up in one global order (channels.py)
+        channels = channels_for(pp_group, parallel_state.get_model_parallel_group(), timeout=self.options.timeout)
+        channels.ensure(plan.communicators, runtime.device)
         if self.options.vocab_parallel is not None:
             from .vocab_runtime import vocab_passes
 
             runtime.vocab = vocab_passes(
-                self.options.vocab_parallel, plan=plan, timeout=self.options.timeout,
+                self.options.vocab_parallel, plan=plan, channels=channels,
                 config=config, runtime=runtime, store=self.store,
                 forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
                 cp_group_size=parallel_state.get_context_parallel_group().size())
         memory = None
         if self.options.track_memory:
             memory = ActivationMemoryTracker(p for c in chunks for p in c.parameters())
-        comm = PipeComm(channels=pipe_channels(pp_group, timeout=self.options.timeout), rank=rank,
+        comm = PipeComm(channels=channels, rank=rank,
                         timeout=self.options.timeout, policy=self.options.wait_policy, memory=memory,
                         max_outstanding_sends=plan.program.max_outstanding_sends)
         if config.timers is not None:
@@ -198,7 +203,7 @@ class ZeroBubbleForwardBackward:
         # created last: on CUDA it records the iteration's start event (ActionTiming)
         timing = ActionTiming(device=runtime.device) if self.options.time_actions else None
         if timing is not None and runtime.vocab is not None:
-            timing.vocab = runtime.vocab.timing
+            runtime.vocab.timing = timing   # T's deferred weight gradients and the barriers on the actions' clock
         data, total_tokens = self._execute(
             comm=comm, grad_sync=grad_sync, sync_ctx=sync_ctx, plan=plan,
             runtime=runtime, forward_step_func=forward_step_func, config=config,
@@ -346,6 +351,7 @@ def get_forward_backward_func(schedule: str | Schedule = "zb", **options: Any) -
     refusal = (vocab_passes_unsupported(schedule) if isinstance(schedule, Schedule) else
                vocab_passes_unsupported(name=schedule, vocab_parallel=get_spec(schedule).vocab_parallel))
     opts = ZeroBubbleOptions(schedule=schedule, **options)   # (get_spec above also fails early on an unknown name)
+    check_lookahead(opts.recv_lookahead)
     _check_vocab_option(opts, refusal)
     return ZeroBubbleForwardBackward(opts)
 

@@ -2,13 +2,13 @@
 direction, waits that do not block the host on NCCL, sends released when sent, timeouts.
 
 * **Communicators.** Each direction of each pair of neighbouring pipeline ranks has its own
-  two-rank process group (:class:`PipeChannels`). On NCCL the transfers of one communicator run
-  on one stream in posting order, and a send above NCCL's internal buffer completes only once
-  the peer's receive runs; with both directions on one communicator, rank 0's ``[send F1, recv
-  B0]`` and rank 1's ``[send B0, recv F1]`` wait for each other (1F1B's steady state). Per
-  direction, a stream only ever holds sends one way and receives the other, in the same order
-  on both ends, so no order of posting can deadlock it (checked for every schedule family by
-  :mod:`megatron_zb.testing.nccl_model`). gloo uses the same communicators.
+  two-rank process groups (:class:`~megatron_zb.runtime.channels.Channels`), one per *slot*: the
+  program names the slot of every transfer (:mod:`~megatron_zb.runtime.comm_program`). On NCCL
+  the transfers of one communicator run on one stream in posting order, and a send above NCCL's
+  internal buffer completes only once the peer's receive runs; with both directions on one
+  communicator, rank 0's ``[send F1, recv B0]`` and rank 1's ``[send B0, recv F1]`` wait for each
+  other (1F1B's steady state). Every program is replayed under a model of NCCL before it runs
+  (:mod:`~megatron_zb.runtime.comm_certify`). gloo uses the same communicators.
 * **Matching** is by order, never by tag (NCCL ignores tags): the receives of a direction are
   posted in the order the peer sends them (:attr:`RankPlan.recv_order`); they are identified by
   ``(op, microbatch, producing stage)`` and posted ahead of use (:meth:`PipeComm.post_recv`).
@@ -38,75 +38,14 @@ import torch.distributed as dist
 
 from ..peer_wait import Awaited, PipelineTimeoutError, WaitPolicy, Watchdog, wait_host
 from ..schedules.ir import Action
+from .channels import Channels
 from .comm_program import transfer_key
 
-__all__ = ["PipeChannels", "PipeComm", "PipelineTimeoutError", "WaitPolicy", "pipe_channels", "ring_directions"]
+__all__ = ["PipeComm", "PipelineTimeoutError", "WaitPolicy"]
 
 
 PIPELINE_TAG = 0
 """The one tag of every pipeline transfer (matching is by posting order, as with NCCL)."""
-
-NCCL_TIMEOUT_MARGIN_S = 60.0
-"""Seconds the communicators' own timeout (NCCL's watchdog) adds to the pipeline timeout, so that
-the named :class:`PipelineTimeoutError` comes first."""
-
-
-class PipeChannels:
-    """The two-rank process groups of one pipeline group: one per direction of each pair of
-    neighbouring ranks (ring neighbours: interleaved placements send from the last rank to the
-    first). Build with :func:`pipe_channels` (collective over the default group, once)."""
-
-    def __init__(self, groups: dict[tuple[int, int], Any], global_ranks: Sequence[int], backend: str) -> None:
-        self._groups = groups                  # (src, dst) pipeline-group ranks -> process group
-        self.global_ranks = list(global_ranks)
-        self.backend = backend
-
-    def group(self, src: int, dst: int) -> Any:
-        """The process group of transfers from pipeline rank ``src`` to ``dst``."""
-        try:
-            return self._groups[(src, dst)]
-        except KeyError:
-            raise ValueError(f"pipeline ranks {src} and {dst} are not ring neighbours: no communicator "
-                             f"between them (p = {len(self.global_ranks)})") from None
-
-
-_CHANNELS: dict[tuple[Any, tuple[int, ...], float], PipeChannels] = {}
-
-
-def pipe_channels(pp_group: Any, *, timeout: float) -> PipeChannels:
-    """This rank's :class:`PipeChannels` for ``pp_group``, built on the first call (then cached).
-
-    The first call is collective over the default group: every rank gathers every pipeline
-    group's ranks and creates each direction's process group in one global order, as
-    ``torch.distributed.new_group`` requires. ``timeout`` (seconds) is the pipeline timeout; the
-    groups get it plus :data:`NCCL_TIMEOUT_MARGIN_S` as their own.
-    """
-    ranks = tuple(dist.get_process_group_ranks(pp_group))
-    if len(ranks) == 1:  # no pipeline: no transfers (every rank has the same pipeline size)
-        return PipeChannels({}, ranks, dist.get_backend(pp_group))
-    # the key holds the default group itself (kept alive, so a later process group's id cannot
-    # collide after destroy_process_group / init_process_group in the same process)
-    key = (dist.group.WORLD, ranks, float(timeout))
-    if key not in _CHANNELS:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, ranks)
-        td = datetime.timedelta(seconds=timeout + NCCL_TIMEOUT_MARGIN_S)
-        backend = dist.get_backend(pp_group)
-        for group_ranks in sorted(set(everyone)):
-            groups = {}
-            for src, dst in ring_directions(len(group_ranks)):
-                pg = dist.new_group([group_ranks[src], group_ranks[dst]], timeout=td, backend=backend,
-                                    group_desc=f"pipeline_p2p_{src}_to_{dst}")
-                groups[(src, dst)] = pg
-            if group_ranks == ranks:
-                _CHANNELS[key] = PipeChannels(groups, ranks, backend)
-    return _CHANNELS[key]
-
-
-def ring_directions(p: int) -> list[tuple[int, int]]:
-    """Every ``(src, dst)`` of neighbouring ranks on a ring of ``p`` pipeline ranks, in one order."""
-    pairs = sorted({tuple(sorted((r, (r + 1) % p))) for r in range(p) if p > 1})
-    return [d for a, b in pairs for d in ((a, b), (b, a))]
 
 
 @dataclass
@@ -121,7 +60,7 @@ class PipeComm:
     """Sends and receives of one rank (pipeline-group ranks), for one iteration.
 
     Args:
-        channels: the pipeline group's communicators (:func:`pipe_channels`).
+        channels: the pipeline's communicators (:func:`~megatron_zb.runtime.channels.channels_for`).
         rank: this rank in the pipeline group.
         timeout: seconds any single transfer may take before :class:`PipelineTimeoutError`.
         policy: how to wait (default: from the channels' backend).
@@ -130,7 +69,7 @@ class PipeComm:
             held sends is a bug and raises.
     """
 
-    def __init__(self, *, channels: PipeChannels, rank: int, timeout: float = 120.0,
+    def __init__(self, *, channels: Channels, rank: int, timeout: float = 120.0,
                  policy: WaitPolicy | None = None, memory: Any = None, max_outstanding_sends: int | None = None) -> None:
         self.channels, self.rank = channels, rank
         self.timeout = datetime.timedelta(seconds=timeout)
@@ -142,12 +81,14 @@ class PipeComm:
         if self.policy is WaitPolicy.STREAM:
             self._watchdog = Watchdog(self._watched, timeout_s=timeout, name=f"megatron-zb-p2p-watchdog-{rank}")
 
-    def post_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
-        """Post the receive of ``a`` (a ``RECV_F``/``RECV_B``) into a new buffer on ``device``."""
+    def post_recv(self, a: Action, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                  slot: int = 0) -> None:
+        """Post the receive of ``a`` (a ``RECV_F``/``RECV_B``) into a new buffer on ``device``, on
+        communicator ``slot`` of its direction."""
         self._check()
         buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-        group = self.channels.group(a.peer, self.rank)
-        work = dist.irecv(buf, src=self.channels.global_ranks[a.peer], group=group, tag=PIPELINE_TAG)
+        group = self.channels.group(("p2p", a.peer, self.rank, slot))
+        work = dist.irecv(buf, src=self.channels.peer(a.peer), group=group, tag=PIPELINE_TAG)
         self._recvs[transfer_key(a)] = _Pending(work, buf, a, time.monotonic())
         if self.memory is not None:
             self.memory.track_p2p(buf)
@@ -159,12 +100,13 @@ class PipeComm:
         self._reap()
         return p.tensor
 
-    def send(self, a: Action, tensor: torch.Tensor) -> None:
-        """Start the send of ``a`` (a ``SEND_F``/``SEND_B``); it completes asynchronously."""
+    def send(self, a: Action, tensor: torch.Tensor, slot: int = 0) -> None:
+        """Start the send of ``a`` (a ``SEND_F``/``SEND_B``) on communicator ``slot`` of its
+        direction; it completes asynchronously."""
         self._check()
         t = tensor.detach().contiguous()
-        group = self.channels.group(self.rank, a.peer)
-        work = dist.isend(t, dst=self.channels.global_ranks[a.peer], group=group, tag=PIPELINE_TAG)
+        group = self.channels.group(("p2p", self.rank, a.peer, slot))
+        work = dist.isend(t, dst=self.channels.peer(a.peer), group=group, tag=PIPELINE_TAG)
         self._sends[transfer_key(a)] = _Pending(work, t, a, time.monotonic())
         if self.memory is not None:
             self.memory.track_p2p(t)

@@ -14,7 +14,9 @@ from typing import Sequence
 
 from ..schedules import Action, Op, Schedule
 from ..schedules.lowering import check_lowered, lower
+from .comm_certify import certified_programs, warmup_sequence
 from .comm_program import Program, build_programs, issue_order
+from .vocab_program import VocabRoles, broadcast_sources
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,12 @@ class RankPlan:
         w_per_stage: per stage of this rank, how many ``W`` actions it runs (what the
             weight-gradient store is told at the start of each iteration).
         program: the order in which the executor issues this rank's work (compute, receive
-            posts and waits, sends and their releases; :mod:`~megatron_zb.runtime.comm_program`).
+            posts and waits, sends and their releases, vocabulary collectives;
+            :mod:`~megatron_zb.runtime.comm_program`).
+        communicators: every communicator the programs of all ranks use, with its members, in
+            the one order in which every rank creates and warms them up
+            (:func:`~megatron_zb.runtime.comm_certify.warmup_sequence`,
+            :meth:`~megatron_zb.runtime.channels.Channels.ensure`).
     """
 
     schedule: Schedule
@@ -54,7 +61,14 @@ class RankPlan:
     recv_slot: dict[tuple[Op, int, int], int] = field(default_factory=dict)
     w_per_stage: dict[int, int] = field(default_factory=dict)
     program: Program = Program((), 0)
+    communicators: tuple[tuple[tuple, tuple[int, ...]], ...] = ()
 
+
+MAX_RECV_LOOKAHEAD = 8
+"""The largest look-ahead the runtime takes: posting further ahead holds more receives on each
+communicator, and under one hardware queue each waits for the one before it (every registered family
+at p = 2, 4, 8 is certified up to 8 with at most 4 communicators per channel; at 1000, where every
+receive is posted at once, some need more than :data:`~megatron_zb.runtime.comm_certify.MAX_SLOTS`)."""
 
 RECV_LOOKAHEAD = 4
 """Default of how many plan actions ahead receives are posted: in a steady 1F1B phase (a receive,
@@ -70,13 +84,23 @@ def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, vali
 
     ``forward_only`` keeps only the forwards and their transfers, in the same order (evaluation).
     ``recv_lookahead``: how many actions ahead receives are posted (:class:`RecvPoster`); the
-    issue order of every rank is built with it (:mod:`~megatron_zb.runtime.comm_program`).
-    ``validate=False`` skips the checks (only for testing the runtime's own safety nets: p2p
-    timeouts and the weight-gradient store's pending-W check). Raises
-    :class:`~megatron_zb.schedules.ScheduleError` naming the first bad action.
+    issue order of every rank is built with it (:mod:`~megatron_zb.runtime.comm_program`) and
+    certified under the NCCL model (:mod:`~megatron_zb.runtime.comm_certify`).
+    ``validate=False`` skips the checks and the certificate (only for testing the runtime's own
+    safety nets: p2p timeouts and the weight-gradient store's pending-W check). Raises
+    :class:`~megatron_zb.schedules.ScheduleError` naming the first bad action, or where the ranks
+    stop when no issue order on up to :data:`~megatron_zb.runtime.comm_certify.MAX_SLOTS`
+    communicator slots replays to its end.
     """
     if not 0 <= rank < schedule.num_ranks:
         raise ValueError(f"rank {rank} is outside the schedule's {schedule.num_ranks} pipeline ranks")
+    return plan_ranks(schedule, forward_only=forward_only, validate=validate, recv_lookahead=recv_lookahead)[rank]
+
+
+def plan_ranks(schedule: Schedule, *, forward_only: bool = False, validate: bool = True,
+               recv_lookahead: int = RECV_LOOKAHEAD) -> dict[int, RankPlan]:
+    """Every rank's :func:`plan_rank` (the programs of all ranks are built and certified together)."""
+    check_lookahead(recv_lookahead)
     if any(not a.is_compute for _, _, a in schedule.actions()):
         lowered = schedule  # already lowered (e.g. loaded from JSON): run it as written
         if validate:
@@ -85,8 +109,24 @@ def plan_rank(schedule: Schedule, *, rank: int, forward_only: bool = False, vali
         lowered = lower(schedule, check=validate)
     # every rank's part: a send's release point depends on the order the peer posts and sends
     parts = [_rank_part(lowered, r, forward_only) for r in range(lowered.num_ranks)]
-    orders = {r: issue_order(part.actions, RecvPoster(part, recv_lookahead)) for r, part in enumerate(parts)}
-    return replace(parts[rank], program=build_programs(orders)[rank])
+
+    def orders() -> dict[int, list]:
+        return {r: issue_order(part.actions, RecvPoster(part, recv_lookahead),
+                               VocabRoles.of(lowered, r, forward_only=forward_only))
+                for r, part in enumerate(parts)}
+
+    sources = broadcast_sources(lowered) if lowered.vocab_barriers else {}
+    programs = (certified_programs(orders, sources=sources, name=schedule.name) if validate
+                else build_programs(orders()))
+    comms = tuple(warmup_sequence(programs, sources))
+    return {r: replace(part, program=programs[r], communicators=comms) for r, part in enumerate(parts)}
+
+
+def check_lookahead(recv_lookahead: int) -> None:
+    """Refuse (``ValueError``) a look-ahead outside ``0 .. MAX_RECV_LOOKAHEAD``."""
+    if not 0 <= recv_lookahead <= MAX_RECV_LOOKAHEAD:
+        raise ValueError(f"recv_lookahead {recv_lookahead}: the runtime posts receives 0 to {MAX_RECV_LOOKAHEAD} "
+                         f"actions ahead (default {RECV_LOOKAHEAD})")
 
 
 def _rank_part(lowered: Schedule, rank: int, forward_only: bool) -> RankPlan:

@@ -70,11 +70,12 @@ Fused ``BW`` actions (1F1B) are reported as ``T_BW`` (there is no separate T_W t
 the cost model then uses ``t_b = T_BW`` and ``t_w = 0``, which simulates the fused backward exactly.
 
 With vocabulary parallelism (``--enable-vocab-parallel``) the passes ``IF``/``S``/``T``/``IB`` are actions
-too (their stage is the rank) and are timed the same way; what an action spent waiting for the other
-ranks' collectives, and a ``W``'s share of ``T``'s deferred weight gradient, are taken out of it
-(:class:`~megatron_zb.runtime.vocab_timing.VocabTiming`); per rank their medians become the cost model's
-:class:`~megatron_zb.schedules.costs.VocabCosts`, with ``t_collective`` from the barrier thread's forward
-barriers (:func:`collective_ms`) and the deferred weight gradients added to their ``W``'s ``t_w``
+too (their stage is the rank) and are timed the same way; their collectives are steps of the rank's
+program between actions (waits included), so no action holds a wait for another rank; a ``W``'s share of
+``T``'s deferred weight gradient is taken out of it (``ActionTiming.intervals`` ``("TW", stage, mb)``, the
+actions' own clock); per rank their medians become the cost model's
+:class:`~megatron_zb.schedules.costs.VocabCosts`, with ``t_collective`` from the forward barriers
+(``("C0", mb)``, :func:`collective_ms`) and the deferred weight gradients added to their ``W``'s ``t_w``
 (:func:`cost_model`; docs/vocab_parallel.md, "The flag").
 """
 
@@ -126,30 +127,32 @@ class ActionProfile:
         the seconds of its ``forward_backward_func`` call, ``memory`` its ``last_memory`` (the
         activation tracker, or ``None``: no bytes measured); ``times=False``: the bytes only (an
         iteration slowed down by the tracker). Durations come from ``timing.records`` (GPU time on
-        CUDA), ``host_durations`` from ``timing.host_records`` (the same on CPU), each less what a
-        vocabulary pass waited for the collectives inside it; on CUDA ``waits`` gets each action's
+        CUDA), ``host_durations`` from ``timing.host_records`` (the same on CPU), a ``W`` less ``T``'s
+        weight gradients it ran (``timing.intervals``); on CUDA ``waits`` gets each action's
         bound on the device's wait for the host (:meth:`~megatron_zb.runtime.action_timing.ActionTiming.host_waits`);
         the bytes come from ``timing.host_records`` (the tracker logs host ``perf_counter`` times)."""
         if times:
             if timing.records:
                 self.overhead.append(runtime_seconds(timing) / len(timing.records))
-            vocab = getattr(timing, "vocab", None)  # vocabulary passes: the waits and T's weight gradients inside actions
+            intervals = timing.intervals  # vocabulary passes: T's weight gradients inside W's, the barriers
             waits = timing.host_waits()
             if waits is not None:
                 self.clock = "cuda_events"
             for i, ((action, t0, t1), (_, h0, h1)) in enumerate(zip(timing.records, timing.host_records)):
-                inside = 0.0 if vocab is None else vocab.inside(action.op.value, action.stage, action.mb)
+                tw = ("TW", action.stage, action.mb) if action.op is Op.W else None
                 key = (action.op, action.stage)
-                d = max(0.0, t1 - t0 - inside)
+                d = max(0.0, t1 - t0 - intervals.get(tw, 0.0))
                 self.durations.setdefault(key, []).append(d)
-                self.host_durations.setdefault(key, []).append(max(0.0, h1 - h0 - inside))
+                self.host_durations.setdefault(key, []).append(max(0.0, h1 - h0 - timing.host_intervals.get(tw, 0.0)))
                 if waits is not None:
                     self.waits.setdefault(key, []).append(waits[i])
                 self.busy += d
-            if vocab is not None:
-                for (stage, _), seconds in vocab.t_weight.items():
-                    self.t_weight[stage] = self.t_weight.get(stage, 0.0) + seconds
-                self.barriers.append(dict(vocab.barrier))
+            for key, seconds in intervals.items():
+                if key[0] == "TW":
+                    self.t_weight[key[1]] = self.t_weight.get(key[1], 0.0) + seconds
+            barriers = {key[1]: seconds for key, seconds in intervals.items() if key[0] == "C0"}
+            if barriers:
+                self.barriers.append(barriers)
             self.elapsed += elapsed
             self.iterations += 1
         if memory is not None:

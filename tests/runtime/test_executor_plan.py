@@ -94,7 +94,7 @@ def test_on_the_v_the_peer_sends_in_another_order_than_the_rank_needs():
 
 
 @pytest.mark.parametrize("name,p,m", [("1f1b", 2, 4), ("zb-h2", 4, 8), ("zbv", 4, 8), ("interleaved-1f1b", 2, 4)])
-@pytest.mark.parametrize("lookahead", [0, 1, 3, 8, 1000])
+@pytest.mark.parametrize("lookahead", [0, 1, 3, 8])
 def test_program_posts_each_receive_once_in_peer_order_before_it_is_waited_for(name, p, m, lookahead):
     from megatron_zb.runtime.comm_program import Step
 

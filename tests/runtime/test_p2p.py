@@ -18,7 +18,8 @@ import torch
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.runtime.comm_program import Step
 from megatron_zb.runtime.memory import ActivationMemoryTracker
-from megatron_zb.runtime.p2p import PipeChannels, PipeComm, PipelineTimeoutError, WaitPolicy, ring_directions
+from megatron_zb.runtime.channels import Channels
+from megatron_zb.runtime.p2p import PipeComm, PipelineTimeoutError, WaitPolicy
 from megatron_zb.runtime.rank_plan import plan_rank
 from megatron_zb.schedules import Action, Op
 from megatron_zb.schedules.registry import build_schedule
@@ -60,8 +61,9 @@ def fake_dist(monkeypatch):
 
 
 def _comm(policy: WaitPolicy, *, timeout: float = 5.0, **kw) -> PipeComm:
-    groups = {d: f"group{d}" for d in ring_directions(2)}
-    return PipeComm(channels=PipeChannels(groups, [10, 11], "fake"), rank=0, timeout=timeout, policy=policy, **kw)
+    groups = {("p2p", a, b, slot): f"group({a}, {b}) slot {slot}" for a, b in ((0, 1), (1, 0)) for slot in (0, 1)}
+    return PipeComm(channels=Channels([10, 11], [10, 11], "fake", timeout=timeout, groups=groups), rank=0,
+                    timeout=timeout, policy=policy, **kw)
 
 
 RECV_B = Action(Op.RECV_B, 0, 1, peer=1)
@@ -74,18 +76,13 @@ def test_wait_policy_follows_the_backend():
     assert WaitPolicy.for_backend("gloo") is WaitPolicy.HOST
 
 
-def test_ring_directions_give_each_direction_its_own_communicator():
-    assert ring_directions(1) == []
-    assert ring_directions(2) == [(0, 1), (1, 0)]
-    assert set(ring_directions(4)) == {(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2), (0, 3), (3, 0)}
-
-
-def test_sends_and_receives_use_the_communicator_of_their_direction(fake_dist):
+def test_sends_and_receives_use_the_communicator_of_their_direction_and_slot(fake_dist):
     log, _ = fake_dist
     comm = _comm(WaitPolicy.HOST)
     comm.post_recv(RECV_B, (2, 3), torch.float32, torch.device("cpu"))
     comm.send(SEND_F, torch.zeros(2, 3))
-    assert log == [("irecv", "group(1, 0)"), ("isend", "group(0, 1)")]
+    comm.send(Action(Op.SEND_F, 1, 0, peer=1), torch.zeros(2, 3), slot=1)
+    assert log == [("irecv", "group(1, 0) slot 0"), ("isend", "group(0, 1) slot 0"), ("isend", "group(0, 1) slot 1")]
 
 
 def test_host_policy_waits_with_the_timeout_and_names_a_late_transfer(fake_dist):
@@ -154,13 +151,13 @@ def test_never_completing_sends_stay_within_the_plan_bound(fake_dist, name, p):
     sched = build_schedule(name, num_ranks=p, num_microbatches=2 * p)
     for rank in range(p):
         plan = plan_rank(sched, rank=rank)
-        groups = {d: d for d in ring_directions(p)}
-        comm = PipeComm(channels=PipeChannels(groups, list(range(p)), "fake"), rank=rank, timeout=1.0,
-                        policy=WaitPolicy.HOST, max_outstanding_sends=plan.program.max_outstanding_sends)
+        groups = {c: c for c, _ in plan.communicators}
+        comm = PipeComm(channels=Channels(range(p), range(p), "fake", timeout=1.0, groups=groups), rank=rank,
+                        timeout=1.0, policy=WaitPolicy.HOST, max_outstanding_sends=plan.program.max_outstanding_sends)
         most = 0
         for s in plan.program.issues:
             if s.step is Step.SEND:
-                comm.send(s.action, torch.zeros(1))
+                comm.send(s.action, torch.zeros(1), slot=s.slot)
                 most = max(most, comm.held_sends)
             elif s.step is Step.RELEASE:
                 with pytest.raises(PipelineTimeoutError, match=f"send for {s.action}".replace("(", r"\(").replace(")", r"\)")):
