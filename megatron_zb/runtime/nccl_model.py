@@ -73,8 +73,9 @@ class Call(NamedTuple):
         members: the communicator's ranks (ops and ``CREATE``).
         peer: the other end of a ``SEND`` / ``RECV``.
         key: what an op carries, the same on both ends of a transfer and on every member of a
-            collective (a mismatch is reported); ``WAIT`` / ``HOST_WAIT``: the key of the op of
-            this rank waited for (the last one issued with that key).
+            collective (a mismatch is reported); ``WAIT`` / ``HOST_WAIT``: the ``ref`` of the op of
+            this rank waited for (the last one issued with it).
+        ref: how a ``WAIT`` names this op (default: ``key``; a recorded run gives each op its own).
         thread: the host thread that issues it.
         label: for reports (``RUN``: the action).
     """
@@ -84,6 +85,7 @@ class Call(NamedTuple):
     members: tuple = ()
     peer: int | None = None
     key: Hashable = None
+    ref: Hashable = None
     thread: str = "main"
     label: str = ""
 
@@ -245,10 +247,10 @@ class _Replay:
                         op = _Op(r, c, i, group=group)
                         group.append(op)
                         self.ops[r].append(op)
-                if group:
-                    self.groups[(r, i)] = group
                     if c.comm is not None:
                         self.members.setdefault(c.comm, tuple(sorted(c.members)))
+                if group:
+                    self.groups[(r, i)] = group
 
     def match(self) -> list[tuple[str, str]]:
         """Pair sends with receives and collectives with each other, by order (module docstring)."""
@@ -334,13 +336,13 @@ class _Replay:
 
     def _issue_ops(self, st: _Rank) -> None:
         group = self.groups[(st.rank, st.host)]
+        before = {op.call.comm: (st.streams.get(op.call.comm) or [None])[-1] for op in group}
         for op in group:
             op.gate = len(st.compute)   # the compute items issued before it
-            s = st.streams.setdefault(op.call.comm, [])
             st.heads.setdefault(op.call.comm, 0)
-            op.prev = s[-1] if s else None
-            s.append(op)
-            st.last[op.call.key] = op
+            op.prev = before[op.call.comm]   # the op before the group on its stream (a group starts as one)
+            st.streams.setdefault(op.call.comm, []).append(op)
+            st.last[op.call.key if op.call.ref is None else op.call.ref] = op
         if self.rules.one_queue:
             st.queue.append(group)
 
