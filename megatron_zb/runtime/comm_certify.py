@@ -19,7 +19,8 @@ runtime issues (:func:`program_calls`):
   communicator, ``WAIT`` and ``RELEASE`` as stream waits (NCCL's ``Work.wait()``), an all-reduce
   kind's ``COLL`` as a collective of every pipeline rank on the kind's slot communicator, a
   broadcast kind's ``COLL`` as a send from its source to every other rank (a receive on the
-  others: :mod:`~megatron_zb.runtime.vocab_program`), ``RUN`` as compute;
+  others: :mod:`~megatron_zb.runtime.vocab_program`); ``RUN`` is left out (compute never blocks:
+  nothing in the model waits for it);
 * the **end**: the waits :meth:`PipeComm.finish <megatron_zb.runtime.p2p.PipeComm.finish>` and
   :meth:`VocabPasses.finish <megatron_zb.runtime.vocab_runtime.VocabPasses.finish>` make for every
   send and collective not waited for earlier.
@@ -32,7 +33,7 @@ from __future__ import annotations
 from typing import Callable, Hashable, Mapping, Sequence
 
 from ..schedules import ScheduleError
-from .comm_program import Channel, Issue, Program, Step, build_programs, channel_of, transfer_key
+from .comm_program import Channel, Issue, Program, Step, build_programs, channel_of, reslot, slotted_channel, transfer_key
 from .nccl_model import ALL_RULES, Call, Entry, Kind, ReplayResult, replay
 from .vocab_program import VOCAB_KINDS
 
@@ -48,20 +49,20 @@ Comm = tuple  # ("p2p", src, dst, slot), ("coll", kind, slot) or ("bcast", kind,
 
 def warmup_sequence(programs: Mapping[int, Program], sources: Mapping[str, int]) -> list[tuple[Comm, tuple[int, ...]]]:
     """Every communicator the programs use, with its members, in the one global order of their
-    creation: slot by slot; within a slot the pipeline's directions in ``(src, dst)`` order, then
-    the vocabulary kinds in :data:`VOCAB_KINDS` order (a broadcast kind's pairs by receiver)."""
-    ranks = tuple(sorted(programs))
-    used: set[Comm] = set()
-    for rank, program in programs.items():
-        for s in program.issues:
-            if s.step in (Step.POST, Step.SEND, Step.COLL):
-                used.update(c for c, _ in _comms(s, rank, ranks, sources))
-    kind = {k: i for i, k in enumerate(VOCAB_KINDS)}
+    creation (:func:`_creation_order`): slot by slot; within a slot the pipeline's directions in
+    ``(src, dst)`` order, then the vocabulary kinds in :data:`VOCAB_KINDS` order (a broadcast kind's
+    pairs by receiver)."""
+    convert = _Converter(sources, tuple(sorted(programs)))
+    convert.calls(programs, warm=True)
+    return convert.sequence
 
-    def order(c: Comm) -> tuple:
-        return (c[-1], c[0] != "p2p", kind.get(c[1], -1), c[1:-1] if c[0] == "p2p" else c[2:-1])
 
-    return [(c, _members(c, ranks)) for c in sorted(used, key=order)]
+_KIND_ORDER = {k: i for i, k in enumerate(VOCAB_KINDS)}
+
+
+def _creation_order(c: Comm) -> tuple:
+    """The global creation order of :func:`warmup_sequence`."""
+    return (c[-1], c[0] != "p2p", _KIND_ORDER.get(c[1], -1), c[1:-1] if c[0] == "p2p" else c[2:-1])
 
 
 def program_calls(programs: Mapping[int, Program], *, sources: Mapping[str, int] | None = None,
@@ -69,38 +70,62 @@ def program_calls(programs: Mapping[int, Program], *, sources: Mapping[str, int]
     """What each rank issues for ``programs`` (module docstring), as the NCCL model's calls;
     ``sources``: the rank that sends each broadcast kind (:func:`~megatron_zb.runtime.vocab_program.broadcast_sources`);
     ``warm=False`` leaves out the warm-up (every communicator is then created at its first op)."""
-    sources = sources or {}
-    ranks = tuple(sorted(programs))
-    sequence = warmup_sequence(programs, sources) if warm else []
-    out: dict[int, list[Entry]] = {}
-    for rank, program in programs.items():
-        calls: list[Entry] = _warmup_calls(sequence, rank)
-        unwaited: dict[Hashable, None] = {}   # ops the end waits for (sends, collectives), in issue order
-        for s in program.issues:
-            for call in _calls(s, rank, ranks, sources):
-                calls.append(call)
-                if call.kind in (Kind.SEND, Kind.COLL):
-                    unwaited[call.key] = None
-                elif call.kind is Kind.WAIT:
-                    unwaited.pop(call.key, None)
-        calls += [Call(Kind.WAIT, key=k) for k in unwaited]
-        out[rank] = calls
-    return out
+    return _Converter(sources or {}, tuple(sorted(programs))).calls(programs, warm=warm)
+
+
+class _Converter:
+    """:func:`program_calls`, keeping each rank's converted issues between calls: the certificate's
+    rounds change the slots of a few channels only."""
+
+    def __init__(self, sources: Mapping[str, int], ranks: tuple[int, ...]) -> None:
+        self.sources, self.ranks = sources, ranks
+        self._done: dict[tuple[int, int], tuple[Issue, list[Call]]] = {}   # (rank, index) -> (issue, calls)
+        self.sequence: list[tuple[Comm, tuple[int, ...]]] = []   # the warm-up's, of the last calls()
+
+    def calls(self, programs: Mapping[int, Program], *, warm: bool) -> dict[int, list[Entry]]:
+        out: dict[int, list[Entry]] = {}
+        used: dict[Comm, tuple[int, ...]] = {}
+        for rank, program in programs.items():
+            calls: list[Entry] = []
+            unwaited: dict[Hashable, None] = {}   # ops the end waits for (sends, collectives), in issue order
+            for i, s in enumerate(program.issues):
+                done = self._done.get((rank, i))
+                if done is None or done[0] is not s:
+                    done = (s, _calls(s, rank, self.ranks, self.sources))
+                    self._done[(rank, i)] = done
+                for call in done[1]:
+                    calls.append(call)
+                    if call.kind is Kind.SEND or call.kind is Kind.COLL:
+                        unwaited[call.key] = None
+                        used[call.comm] = call.members
+                    elif call.kind is Kind.WAIT:
+                        unwaited.pop(call.key, None)
+            calls += [Call(Kind.WAIT, key=k) for k in unwaited]
+            out[rank] = calls
+        # every communicator a send or collective names (a receive's is its sender's)
+        self.sequence = [(c, used[c]) for c in sorted(used, key=_creation_order)]
+        if warm:
+            out = {rank: _warmup_calls(self.sequence, rank) + calls for rank, calls in out.items()}
+        return out
 
 
 def certified_programs(orders: Callable[[], dict[int, list[Issue]]], *, sources: Mapping[str, int] | None = None,
-                       name: str = "", max_slots: int = MAX_SLOTS) -> dict[int, Program]:
+                       name: str = "", max_slots: int = MAX_SLOTS
+                       ) -> tuple[dict[int, Program], list[tuple[Comm, tuple[int, ...]]]]:
     """Every rank's program on the slots with which all of them replay to their end under every
-    rule of the NCCL model (module docstring); ``orders`` builds the ranks' issue orders. Raises
+    rule of the NCCL model (module docstring), and their :func:`warmup_sequence`; ``orders`` builds
+    the ranks' issue orders. Raises
     :class:`~megatron_zb.schedules.ScheduleError` naming where the ranks stop when no rotation
     over up to ``max_slots`` communicators per channel does."""
-    base = orders()
+    base = build_programs(orders())
+    convert = _Converter(sources or {}, tuple(sorted(base)))
+    channels = {r: [slotted_channel(s, r) for s in p.issues] for r, p in base.items()}
     slots: dict[Channel, int] = {}
     while True:
-        programs = build_programs(base, slots)
-        result = replay(program_calls(programs, sources=sources), ALL_RULES)
+        programs = reslot(base, slots, channels)
+        result = replay(convert.calls(programs, warm=True), ALL_RULES)
         if result.completed and not result.mismatches:
-            return programs
+            return programs, convert.sequence
         more = {_channel(c) for c in result.held_back}
         if result.mismatches or not more or any(slots.get(ch, 1) >= max_slots for ch in more):
             raise ScheduleError(_refusal(name, result, max_slots))
@@ -141,8 +166,8 @@ def _comms(s: Issue, rank: int, ranks: Sequence[int], sources: Mapping[str, int]
 def _calls(s: Issue, rank: int, ranks: Sequence[int], sources: Mapping[str, int]) -> list[Call]:
     """The model's calls of one issue of ``rank``'s program."""
     a = s.action
-    if s.step is Step.RUN:
-        return [Call(Kind.RUN, label=str(a))]
+    if s.step is Step.RUN:   # compute never blocks: left out (the ops' gates count the waits only)
+        return []
     if s.coll:
         if s.step is Step.WAIT:   # a receiver waits for its one op (a source's waits are the end's)
             return [Call(Kind.WAIT, key=(s.coll, a.mb, rank if s.coll in sources else None))]

@@ -144,25 +144,49 @@ def channel_of(s: Issue, rank: int) -> Channel:
     return ("p2p", src, dst)
 
 
-def assign_slots(order: Sequence[Issue], rank: int, slots: Mapping[Channel, int]) -> list[Issue]:
+def assign_slots(order: Sequence[Issue], rank: int, slots: Mapping[Channel, int],
+                 channels: Sequence[Channel | None] | None = None) -> list[Issue]:
     """``order`` with every POST / SEND / COLL on its communicator slot: the k-th transfer of a
     direction, and the k-th collective of a kind, on slot ``k mod slots[channel]`` (default 1;
     receives are posted in the order the peer sends them, so both ends count alike; every rank
-    issues a kind in microbatch order)."""
+    issues a kind in microbatch order). ``channels``: each issue's :func:`slotted_channel`, if known."""
+    if channels is None:
+        channels = [slotted_channel(s, rank) for s in order]
     count: dict[Channel, int] = defaultdict(int)
     out = []
-    for s in order:
-        if s.step in (Step.POST, Step.SEND, Step.COLL):
-            channel = channel_of(s, rank)
-            s = replace(s, slot=count[channel] % slots.get(channel, 1))
+    for s, channel in zip(order, channels):
+        if channel is not None:
+            slot = count[channel] % slots.get(channel, 1)
+            if slot != s.slot:
+                s = replace(s, slot=slot)
             count[channel] += 1
         out.append(s)
     return out
 
 
+def slotted_channel(s: Issue, rank: int) -> Channel | None:
+    """The channel of a POST / SEND / COLL (the issues that take a slot), else ``None``."""
+    return channel_of(s, rank) if s.step in (Step.POST, Step.SEND, Step.COLL) else None
+
+
 def build_programs(orders: dict[int, list[Issue]], slots: Mapping[Channel, int] | None = None) -> dict[int, Program]:
     """Every rank's :class:`Program` from its issue order (all ranks: a release point depends
     on the order in which the peer posts and sends), on ``slots`` communicators per channel."""
+    return reslot(_with_releases(orders), slots or {})
+
+
+def reslot(programs: Mapping[int, Program], slots: Mapping[Channel, int],
+           channels: Mapping[int, Sequence[Channel | None]] | None = None) -> dict[int, Program]:
+    """``programs`` on ``slots`` communicators per channel (:func:`assign_slots`; ``channels``: per rank
+    each issue's :func:`slotted_channel`, when already known)."""
+    slots = dict(slots)
+    return {rank: Program(tuple(assign_slots(p.issues, rank, slots, None if channels is None else channels[rank])),
+                          p.max_outstanding_sends, slots)
+            for rank, p in programs.items()}
+
+
+def _with_releases(orders: dict[int, list[Issue]]) -> dict[int, Program]:
+    """Every rank's program on one slot per channel: its order with the releases inserted."""
     releases = _release_points(orders)
     programs = {}
     for rank, order in orders.items():
@@ -176,8 +200,7 @@ def build_programs(orders: dict[int, list[Issue]], slots: Mapping[Channel, int] 
             for sent in releases[rank].get(k, ()):
                 issues.append(Issue(Step.RELEASE, sent))
                 held -= 1
-        slots = dict(slots or {})
-        programs[rank] = Program(tuple(assign_slots(issues, rank, slots)), most, slots)
+        programs[rank] = Program(tuple(issues), most)
     return programs
 
 

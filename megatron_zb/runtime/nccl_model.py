@@ -45,7 +45,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, NamedTuple, Sequence, Union
 
-__all__ = ["Call", "Entry", "Kind", "ReplayResult", "Rules", "ALL_RULES", "replay"]
+__all__ = ["Call", "Entry", "Kind", "ReplayResult", "Rules", "ALL_RULES", "calls_of", "replay"]
 
 
 class Kind(enum.Enum):
@@ -154,25 +154,25 @@ class ReplayResult:
         return "completed" if self.completed else "; ".join(f"rank {r}: {b}" for r, b in sorted(self.blocked.items()))
 
 
-@dataclass(eq=False)
 class _Op:
-    rank: int
-    call: Call
-    index: int                      # position in the rank's issue order (of items)
-    gate: int = 0                   # compute items issued before it
-    group: list["_Op"] = field(default_factory=list)
-    prev: "_Op | None" = None       # the op before it on its stream
-    meets: list["_Op"] = field(default_factory=list)  # its other end(s), by matching
-    started: bool = False
-    _done: bool = False
+    """One op of a rank during the replay (a plain class with slots: a replay makes tens of thousands)."""
+
+    __slots__ = ("rank", "call", "index", "gate", "group", "prev", "meets", "started", "_done", "_need")
+
+    def __init__(self, rank: int, call: Call, index: int, group: list["_Op"]) -> None:
+        self.rank, self.call, self.index, self.group = rank, call, index, group
+        self.gate = 0                      # compute items issued before it
+        self.prev: _Op | None = None       # the op before it on its stream
+        self.meets: list[_Op] = []         # its other end(s), by matching
+        self.started = self._done = False
+        self._need = len(call.members) - 1 if call.kind is Kind.COLL else 1
 
     def met(self, eager_sends: bool) -> bool:
         if not self.started:
             return False
         if eager_sends and self.call.kind is Kind.SEND:
             return True
-        need = len(self.call.members) - 1 if self.call.kind is Kind.COLL else 1
-        return len(self.meets) == need and all(o.started for o in self.meets)
+        return len(self.meets) == self._need and all(o.started for o in self.meets)
 
     def done(self, eager_sends: bool) -> bool:
         if not self._done and all(o.met(eager_sends) for o in self.group):
@@ -220,8 +220,7 @@ def replay(programs: Mapping[int, Sequence[Entry]], rules: Rules = Rules(), *,
 
 def _threads(programs: Mapping[int, Sequence[Entry]]) -> str:
     for rank, entries in programs.items():
-        threads = {c.thread for e in entries for c in _group(e)
-                   if c.kind in OPS or c.kind is Kind.CREATE}
+        threads = {c.thread for e in entries for c in _group(e) if c.kind in OPS or c.kind is Kind.CREATE}
         if len(threads) > 1:
             return f"rank {rank} issues NCCL calls from host threads {', '.join(sorted(threads))}"
     return ""
@@ -240,15 +239,16 @@ class _Replay:
         self.groups: dict[tuple[int, int], list[_Op]] = {}   # (rank, entry index) -> its ops
         for r, st in ranks.items():
             self.ops[r] = []
+            ops = self.ops[r]
             for i, e in enumerate(st.entries):
                 group: list[_Op] = []
-                for c in _group(e):
+                for c in ((e,) if type(e) is Call else e):
                     if c.kind in OPS:
                         op = _Op(r, c, i, group=group)
                         group.append(op)
-                        self.ops[r].append(op)
-                    if c.comm is not None:
-                        self.members.setdefault(c.comm, tuple(sorted(c.members)))
+                        ops.append(op)
+                    if c.comm is not None and c.comm not in self.members:
+                        self.members[c.comm] = tuple(sorted(c.members))
                 if group:
                     self.groups[(r, i)] = group
 
@@ -296,9 +296,10 @@ class _Replay:
     def _host(self, st: _Rank) -> bool:
         """Issue as many of ``st``'s entries as its host can; whether anything moved."""
         moved = False
-        while st.host < len(st.entries):
-            e = st.entries[st.host]
-            calls = _group(e)
+        entries = st.entries
+        while st.host < len(entries):
+            e = entries[st.host]
+            calls = (e,) if type(e) is Call else e
             c = calls[0]
             if c.kind is Kind.CREATE:
                 if not self._created(st, c.comm):
@@ -337,12 +338,16 @@ class _Replay:
     def _issue_ops(self, st: _Rank) -> None:
         group = self.groups[(st.rank, st.host)]
         before = {op.call.comm: (st.streams.get(op.call.comm) or [None])[-1] for op in group}
+        gate = len(st.compute)   # the compute items issued before the group
         for op in group:
-            op.gate = len(st.compute)   # the compute items issued before it
-            st.heads.setdefault(op.call.comm, 0)
-            op.prev = before[op.call.comm]   # the op before the group on its stream (a group starts as one)
-            st.streams.setdefault(op.call.comm, []).append(op)
-            st.last[op.call.key if op.call.ref is None else op.call.ref] = op
+            c = op.call
+            op.gate = gate
+            if c.comm not in st.heads:
+                st.heads[c.comm] = 0
+                st.streams[c.comm] = []
+            op.prev = before[c.comm]   # the op before the group on its stream (a group starts as one)
+            st.streams[c.comm].append(op)
+            st.last[c.key if c.ref is None else c.ref] = op
         if self.rules.one_queue:
             st.queue.append(group)
 
@@ -437,7 +442,10 @@ class _Replay:
         return f"{host}; {dev}"
 
     def _why(self, op: _Op) -> str:
-        """``op`` and the ranks whose matching op has not started."""
+        """``op`` and what it waits for: the op before it on its communicator, or the ranks whose
+        matching op has not started."""
+        if not op.started and op.prev is not None and not op.prev.done(self.eager):
+            return f"{op} (behind {self._why(op.prev)} on its communicator)"
         if op.started and not op.meets and op.call.kind is not Kind.SEND:
             return f"{op} (never matched)"
         waiting = sorted({o.rank for g in op.group for o in g.meets if not o.started}
@@ -445,9 +453,12 @@ class _Replay:
         return f"{op} (not started on rank(s) {waiting})"
 
 
-def _group(e: Entry) -> tuple[Call, ...]:
+def calls_of(e: Entry) -> tuple[Call, ...]:
     """The calls of an entry (a call is a named tuple too: tell them apart by type)."""
     return (e,) if isinstance(e, Call) else e
+
+
+_group = calls_of
 
 
 def _entry(e: Entry) -> str:

@@ -116,10 +116,12 @@ def plan_ranks(schedule: Schedule, *, forward_only: bool = False, validate: bool
                 for r, part in enumerate(parts)}
 
     sources = broadcast_sources(lowered) if lowered.vocab_barriers else {}
-    programs = (certified_programs(orders, sources=sources, name=schedule.name) if validate
-                else build_programs(orders()))
-    comms = tuple(warmup_sequence(programs, sources))
-    return {r: replace(part, program=programs[r], communicators=comms) for r, part in enumerate(parts)}
+    if validate:
+        programs, comms = certified_programs(orders, sources=sources, name=schedule.name)
+    else:
+        programs = build_programs(orders())
+        comms = warmup_sequence(programs, sources)
+    return {r: replace(part, program=programs[r], communicators=tuple(comms)) for r, part in enumerate(parts)}
 
 
 def check_lookahead(recv_lookahead: int) -> None:

@@ -12,6 +12,7 @@ present.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -31,8 +32,10 @@ class MatmulWgradKernels:
         main_grad.add_(grad_output.t().matmul(total_input))
 
 
+@functools.lru_cache(maxsize=None)
 def fused_kernels() -> ModuleType | MatmulWgradKernels:
-    """apex's fused kernels when importable, otherwise the matmul fallback."""
+    """apex's fused kernels when importable, otherwise the matmul fallback (decided once per process: a
+    failing import costs milliseconds, and every W of a CUDA run asks)."""
     try:
         import fused_weight_gradient_mlp_cuda  # type: ignore[import-not-found]
         return fused_weight_gradient_mlp_cuda

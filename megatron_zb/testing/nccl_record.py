@@ -39,7 +39,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ..runtime.nccl_model import Call, Entry, Kind
 
-__all__ = ["Recorder", "recording"]
+__all__ = ["Recorder", "record_calls", "record_run", "recording"]
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list", "all_to_all_single")
@@ -183,6 +183,16 @@ def _collective(name: str, fn: Callable, rec: Recorder, a: dict, args: tuple, kw
     else:
         rec.add(Call(Kind.WAIT, key=call.ref, thread=_thread()))
     return work
+
+
+def record_calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Entry]:
+    """In a rank of :func:`~megatron_zb.testing.distributed.run_distributed`: the calls of ``fn(*args,
+    **kwargs)`` (its result dropped), e.g. :func:`~megatron_zb.testing.tiny_gpt.run_step` at TP = 2 or
+    :func:`~megatron_zb.testing.dp_overlap.run_dp_iterations` with data-parallel overlap."""
+    rec = Recorder()
+    with recording(rec):
+        fn(*args, **kwargs)
+    return rec.calls
 
 
 def record_run(cfg: Any, *, schedule: str | None, iterations: int = 2, vocab: bool = False,

@@ -358,3 +358,29 @@ def test_device_max_connections_checked_on_cuda_only(monkeypatch):
     with pytest.warns(UserWarning, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert check_device_max_connections(torch.device("cuda", 0))
     assert not check_device_max_connections(torch.device("cuda", 0))  # once per process, as megatron-core
+
+
+def test_a_failing_apex_import_is_tried_once(monkeypatch):
+    """Every W of a CUDA run asks for the fused kernels; without apex the failing import (milliseconds,
+    a search of sys.path) is tried once per process, not once per W."""
+    import builtins
+
+    from megatron_zb.runtime import wgrad_kernels
+
+    tries = []
+    real_import = builtins.__import__
+
+    def counting_import(name, *args, **kwargs):
+        if name == "fused_weight_gradient_mlp_cuda":
+            tries.append(name)
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    wgrad_kernels.fused_kernels.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", counting_import)
+    try:
+        first, second = wgrad_kernels.fused_kernels(), wgrad_kernels.fused_kernels()
+    finally:
+        wgrad_kernels.fused_kernels.cache_clear()
+    assert isinstance(first, wgrad_kernels.MatmulWgradKernels) and second is first
+    assert tries == ["fused_weight_gradient_mlp_cuda"]

@@ -1,16 +1,18 @@
-"""The executor's exact issue order replayed under NCCL's point-to-point semantics (issue 29).
+"""Every program the runtime plans, replayed under the NCCL model (issues 29 and 39).
 
-The CPU suite runs on gloo, whose sends are buffered, so a p2p order that deadlocks on NCCL at real
-activation sizes passes every CPU test. :mod:`megatron_zb.testing.nccl_model` replays each rank's
-:class:`~megatron_zb.runtime.comm_program.Program` -- what :func:`~megatron_zb.runtime.executor.execute`
-walks, step by step -- with NCCL's rules: one stream per communicator in issue order, a send
-completes only once the peer's receive has started, the host never blocks. Every registered family
-must complete at p = 2, 4, 8, in training and forward-only, at every look-ahead.
+The CPU suite runs on gloo: sends are buffered, communicators exist from the start, no hardware
+queue is shared. A GPU job has none of that, and an issue order that passes every CPU test can hang
+there. :func:`~megatron_zb.runtime.rank_plan.plan_ranks` certifies every rank's program under every
+rule of :mod:`megatron_zb.runtime.nccl_model` at once (lazy communicator creation, one hardware queue,
+unbuffered sends; :mod:`megatron_zb.runtime.comm_certify`) before the runtime runs it, rotating a
+channel's transfers over more communicators where one would wait behind its predecessor, or refuses.
 
-The negative controls show the model has teeth: the previous p2p layer put both directions of a
-pair on one communicator and posted no receive ahead of the rank's own earlier sends (look-ahead 0
-here is that order); it deadlocks every family (zbv also forward-only), exactly as the review
-predicted, and completes once sends are buffered (gloo, small tensors).
+Here: every registered family, its vocabulary forms included, at p = 2, 4, 8 and m = p, 2p, 4p, in
+training and forward-only, at every look-ahead the runtime takes, is certified (none refused), on at
+most :data:`~megatron_zb.runtime.comm_certify.MAX_SLOTS` communicators per channel -- and the negative
+controls show what each part of the certificate is for: without the rotation, without the warm-up,
+and with the previous layer's one communicator per pair of ranks, the same programs hang, where the
+issue's review said they would. (Recorded calls of real runs: ``test_nccl_recorded.py``.)
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ import functools
 
 import pytest
 
-from megatron_zb.runtime.comm_program import Issue, Step
-from megatron_zb.runtime.rank_plan import RECV_LOOKAHEAD, plan_rank
-from megatron_zb.schedules import Action, CostModel, Op, Schedule
+from megatron_zb.runtime.comm_certify import MAX_SLOTS, program_calls
+from megatron_zb.runtime.comm_program import Step, slotted_channel
+from megatron_zb.runtime.nccl_model import ALL_RULES, Call, Rules, replay
+from megatron_zb.runtime.rank_plan import MAX_RECV_LOOKAHEAD, RECV_LOOKAHEAD, plan_rank, plan_ranks
+from megatron_zb.runtime.vocab_program import broadcast_sources
+from megatron_zb.schedules import CostModel, Schedule
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
-from megatron_zb.testing.nccl_model import per_direction, per_pair, replay
 
-FAMILIES = [n for n in schedule_names() if not n.endswith("-optimal")  # exact solvers: checked at p=2 below
-            and not get_spec(n).vocab_parallel]  # vocabulary passes: the runtime does not run them yet
-LOOKAHEADS = (0, 1, 2, 4, 8, 1000)
+FAMILIES = [n for n in schedule_names() if not n.endswith("-optimal")]  # exact solvers: at p=2 below
+LOOKAHEADS = range(MAX_RECV_LOOKAHEAD + 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,106 +40,109 @@ def _schedule(name: str, p: int, m: int) -> Schedule:
     return build_schedule(name, num_ranks=p, num_microbatches=m, costs=costs)
 
 
-def _programs(name: str, p: int, *, forward_only: bool, lookahead: int, m: int | None = None) -> dict:
-    sched = _schedule(name, p, m or 2 * p)
-    return {r: plan_rank(sched, rank=r, forward_only=forward_only, recv_lookahead=lookahead).program.issues
-            for r in range(p)}
-
-
-@pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_every_family_completes_under_nccl_semantics(name, p):
-    for forward_only in (False, True):
-        for lookahead in LOOKAHEADS:
-            res = replay(_programs(name, p, forward_only=forward_only, lookahead=lookahead))
-            what = f"{name} p={p} forward_only={forward_only} lookahead={lookahead}"
-            assert res.completed, f"{what}: {res.describe()}"
-            assert not res.mismatches, f"{what}: transfers matched out of order {res.mismatches[:3]}"
+def test_every_family_is_certified_at_every_lookahead(name):
+    """162 programs per family (p x m x training / forward-only x look-ahead): each certified, on at
+    most MAX_SLOTS communicators per channel, every communicator it names in the warm-up sequence."""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            for forward_only in (False, True):
+                for lookahead in LOOKAHEADS:
+                    plans = plan_ranks(_schedule(name, p, m), forward_only=forward_only, recv_lookahead=lookahead)
+                    program = plans[0].program
+                    assert max(program.slots.values(), default=1) <= MAX_SLOTS
+                    named = {c for c, _ in plans[0].communicators}
+                    for r, plan in plans.items():
+                        assert plan.program.slots == program.slots   # every rank rotates alike
+                        assert all(s.slot < program.slots.get(slotted_channel(s, r), 1) for s in plan.program.issues)
+                    assert len(named) == len(plans[0].communicators)
 
 
 @pytest.mark.parametrize("name", ["zb-optimal", "zbv-optimal"])
-def test_exact_schedules_complete_under_nccl_semantics(name):
+def test_exact_schedules_are_certified(name):
     pytest.importorskip("ortools")
     for forward_only in (False, True):
-        res = replay(_programs(name, 2, forward_only=forward_only, lookahead=8, m=4))
-        assert res.completed, res.describe()
+        plan_ranks(build_schedule(name, num_ranks=2, num_microbatches=4), forward_only=forward_only, recv_lookahead=8)
+
+
+def test_a_lookahead_beyond_the_bound_is_refused():
+    with pytest.raises(ValueError, match=f"recv_lookahead 9: the runtime posts receives 0 to {MAX_RECV_LOOKAHEAD}"):
+        plan_rank(build_schedule("zb", num_ranks=2, num_microbatches=4), rank=0, recv_lookahead=9)
+
+
+# ---------------------------------------------------------------- what each part of the certificate is for
+def _uncertified(name: str, p: int, m: int, lookahead: int = RECV_LOOKAHEAD) -> dict:
+    """The ranks' programs as planned before certification: one communicator per channel."""
+    plans = plan_ranks(_schedule(name, p, m), recv_lookahead=lookahead, validate=False)
+    return {r: plan.program for r, plan in plans.items()}
+
+
+@pytest.mark.parametrize("name,p", [("interleaved-zb", 2), ("interleaved-zb", 4), ("interleaved-zb", 8),
+                                    ("v-half", 4)])
+def test_without_the_rotation_the_default_lookahead_hangs_on_one_hardware_queue(name, p):
+    """The review's finding: at the default look-ahead interleaved-zb (p = 2, 4, 8) and v-half (p = 4)
+    hang on one hardware queue -- for some m in {p, 2p, 4p} -- with one communicator per direction
+    (a second send of a direction queued before the receive the peer's first send needs); every
+    one completes with a stream per communicator, and certified (rotated) under every rule."""
+    hung = []
+    for m in (p, 2 * p, 4 * p):
+        calls = program_calls(_uncertified(name, p, m))
+        assert replay(calls, Rules()).completed
+        if not replay(calls, Rules(one_queue=True)).completed:
+            hung.append(m)
+        plans = plan_ranks(_schedule(name, p, m))
+        certified = program_calls({r: pl.program for r, pl in plans.items()})
+        assert replay(certified, ALL_RULES).completed
+    assert hung, f"{name} p={p}: no m hangs without the rotation"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_one_communicator_per_pair_deadlocks_every_family(name):
-    """The previous p2p layer's order (both directions on one stream, receives behind sends)."""
-    res = replay(_programs(name, 2, forward_only=False, lookahead=0), channel=per_pair)
-    assert not res.completed, name
-    assert replay(_programs(name, 2, forward_only=False, lookahead=0), channel=per_pair, eager_sends=True).completed
+def test_without_the_warm_up_the_programs_hang_on_lazy_creation(name):
+    """The review's finding: created at their first op, communicators meet in inverted orders -- at
+    look-ahead 8 rank 0 posts RECV_B(0) on the 1->0 communicator before its first send on 0->1, rank 1
+    posts RECV_F(0) on 0->1 first: each host waits in a creation for the other (every family at p = 2,
+    m = 2); a vocabulary schedule's collectives and transfers do so at the default look-ahead too.
+    Warmed up in one global order, the same (certified) programs complete."""
+    sched = _schedule(name, 2, 2)
+    sources = broadcast_sources(sched) if sched.vocab_barriers else {}
+    for lookahead in (8, RECV_LOOKAHEAD) if sched.vocab_barriers else (8,):
+        programs = {r: pl.program for r, pl in plan_ranks(sched, recv_lookahead=lookahead).items()}
+        cold = replay(program_calls(programs, sources=sources, warm=False), Rules(lazy_init=True))
+        assert not cold.completed and "host in the creation of" in cold.describe(), lookahead
+        assert replay(program_calls(programs, sources=sources), ALL_RULES).completed
 
 
-def test_the_reviewed_1f1b_deadlock_is_the_one_found():
-    """p = 2, 1F1B's steady state: rank 0 [send F1, recv B0], rank 1 [send B0, recv F1]."""
-    res = replay(_programs("1f1b", 2, forward_only=False, lookahead=0, m=4), channel=per_pair)
-    assert "RECV_B(mb=0, stage=1, peer=1)" in res.blocked[0] and "SEND_F(mb=1, stage=0, peer=1)" in res.blocked[0]
-    assert "RECV_F(mb=1, stage=0, peer=0)" in res.blocked[1] and "SEND_B(mb=0, stage=1, peer=0)" in res.blocked[1]
+@pytest.mark.parametrize("name", [n for n in FAMILIES if not get_spec(n).vocab_parallel])
+def test_one_communicator_per_pair_hangs_every_family(name):
+    """The p2p layer before issue 29 put both directions of a pair on one communicator and posted no
+    receive ahead of the rank's own earlier sends (look-ahead 0 here): every family hangs with
+    unbuffered sends and completes with buffered ones (gloo, small tensors)."""
+    calls = program_calls(_uncertified(name, 2, 4, lookahead=0), warm=False)
+    paired = {r: [_per_pair(c) for c in cs] for r, cs in calls.items()}
+    assert not replay(paired, Rules()).completed
+    assert replay(paired, Rules(eager_sends=True)).completed
 
 
-def test_zbv_forward_only_deadlocks_on_one_communicator_per_pair():
-    assert not replay(_programs("zbv", 4, forward_only=True, lookahead=0), channel=per_pair).completed
-    assert replay(_programs("zbv", 4, forward_only=True, lookahead=0)).completed
-
-
-# ---------------------------------------------------------------- the model itself, worked by hand
-def _f(mb: int, stage: int = 0) -> Action:
-    return Action(Op.F, mb, stage)
-
-
-def test_model_a_send_needs_the_receive_started_and_the_gate_passed():
-    send = Action(Op.SEND_F, 0, 0, peer=1)
-    recv = Action(Op.RECV_F, 0, 0, peer=0)
-    ok = {0: [Issue(Step.RUN, _f(0)), Issue(Step.SEND, send)],
-          1: [Issue(Step.POST, recv), Issue(Step.WAIT, recv), Issue(Step.RUN, _f(0, 1))]}
-    assert replay(ok).completed
-    # rank 1 posts its receive only after a compute action that waits for something never sent
-    never = Action(Op.RECV_B, 0, 2, peer=2)
-    stuck = {0: ok[0], 1: [Issue(Step.POST, never), Issue(Step.WAIT, never), Issue(Step.POST, recv),
-                           Issue(Step.WAIT, recv)], 2: []}
-    res = replay(stuck)
-    assert not res.completed and set(res.blocked) == {0, 1}
-    assert replay(stuck, eager_sends=True).blocked.keys() == {1}  # a buffered send completes alone
-
-
-def test_model_groups_start_and_complete_together():
-    """megatron-core's batch_isend_irecv: [send F1, recv B0] as one group on each side completes
-    on one communicator, where the same ops one by one deadlock."""
-    s_f1, r_f1 = Action(Op.SEND_F, 1, 0, peer=1), Action(Op.RECV_F, 1, 0, peer=0)
-    s_b0, r_b0 = Action(Op.SEND_B, 0, 1, peer=0), Action(Op.RECV_B, 0, 1, peer=1)
-    single = {0: [Issue(Step.SEND, s_f1), Issue(Step.POST, r_b0), Issue(Step.WAIT, r_b0)],
-              1: [Issue(Step.SEND, s_b0), Issue(Step.POST, r_f1), Issue(Step.WAIT, r_f1)]}
-    assert not replay(single, channel=per_pair).completed
-    assert replay(single, channel=per_direction).completed
-    grouped = {0: [(Issue(Step.SEND, s_f1), Issue(Step.POST, r_b0)), Issue(Step.WAIT, r_b0)],
-               1: [(Issue(Step.SEND, s_b0), Issue(Step.POST, r_f1)), Issue(Step.WAIT, r_f1)]}
-    assert replay(grouped, channel=per_pair).completed
-
-
-def test_model_reports_transfers_matched_out_of_order():
-    a0, a1 = Action(Op.SEND_F, 0, 0, peer=1), Action(Op.SEND_F, 1, 0, peer=1)
-    r0, r1 = Action(Op.RECV_F, 0, 0, peer=0), Action(Op.RECV_F, 1, 0, peer=0)
-    res = replay({0: [Issue(Step.SEND, a0), Issue(Step.SEND, a1)],
-                  1: [Issue(Step.POST, r1), Issue(Step.POST, r0), Issue(Step.WAIT, r0), Issue(Step.WAIT, r1)]})
-    assert len(res.mismatches) == 2
+def _per_pair(c: Call) -> Call:
+    """``c`` with its direction's communicator replaced by the pair's."""
+    if c.comm is None or c.comm[0] != "p2p":
+        return c
+    return c._replace(comm=("pair",) + tuple(sorted(c.comm[1:3])))
 
 
 def test_release_points_bound_the_held_sends():
     """Each send is released after a receive the peer sends only after posting its receive; the
     bound is the largest number held at once (1F1B at p = 4: rank 0 sends 4 forwards before the
     first gradient comes back -- worked by hand: F0..F3 out, B0 back)."""
-    for r, issues in _programs("1f1b", 4, forward_only=False, lookahead=RECV_LOOKAHEAD, m=8).items():
+    sched = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
+    for r, plan in plan_ranks(sched).items():
         held, most = set(), 0
-        for s in issues:
+        for s in plan.program.issues:
             if s.step is Step.SEND:
                 held.add(s.action)
                 most = max(most, len(held))
             elif s.step is Step.RELEASE:
                 assert s.action in held
                 held.remove(s.action)
-        assert most == plan_rank(build_schedule("1f1b", num_ranks=4, num_microbatches=8), rank=r).program.max_outstanding_sends
-    plan0 = plan_rank(build_schedule("1f1b", num_ranks=4, num_microbatches=8), rank=0)
-    assert plan0.program.max_outstanding_sends == 4
+        assert most == plan.program.max_outstanding_sends
+    assert plan_rank(sched, rank=0).program.max_outstanding_sends == 4
