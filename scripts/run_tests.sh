@@ -59,7 +59,7 @@ mkdir -p "$BASETEMP"
 python -c 'import sys; from importlib.metadata import version as v
 print(f"{sys.argv[1]} suite: Python", sys.version.split()[0], "torch", v("torch"), "megatron-core", v("megatron-core"))' "$first"
 [[ $py312 == run ]] || ONCE_FIRST=()
-[[ ${#ONCE_FIRST[@]} -gt 0 ]] && echo "$first suite: tests/torch_pipelining run by the py312 suite only (release-independent)"
+[[ ${#ONCE_FIRST[@]} -gt 0 ]] && echo "$first suite: tests/torch_pipelining and tests/runtime/test_nccl_semantics.py run by the py312 suite only (release-independent)"
 python -m pytest "${PYTEST_ARGS[@]}" --basetemp "$BASETEMP/$first" "${ONCE_FIRST[@]}" "$@" >"$LOGS/$first.log" 2>&1 &
 pids=($!)
 names=("$first")

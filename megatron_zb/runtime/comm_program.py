@@ -5,7 +5,7 @@ receive (ahead of use, so the transfer overlaps compute) and when it lets go of 
 Those choices decide whether the pipeline can deadlock on NCCL and how much memory the p2p layer
 holds, so they are made once per schedule, here, as data: a :class:`Program` per rank, a tuple of
 :class:`Issue` s that :func:`~megatron_zb.runtime.executor.execute` walks one by one and that
-:mod:`megatron_zb.testing.nccl_model` replays under NCCL's semantics.
+:mod:`megatron_zb.runtime.nccl_model` replays under NCCL's semantics (:mod:`~megatron_zb.runtime.comm_certify`).
 
 * ``POST``   -- post the receive of a ``RECV_*`` action (allocates its buffer).
 * ``WAIT``   -- wait for a posted receive (on NCCL: the compute stream waits, not the host).
@@ -32,7 +32,7 @@ Receives are posted by :class:`~megatron_zb.runtime.rank_plan.RecvPoster`'s poli
 the peer sends them, up to ``lookahead`` actions ahead, never between a compute action and its
 sends (they are on the peer's critical path) nor between a receive and the compute waiting for it.
 Every transfer travels on a communicator of its direction (sender -> receiver,
-:class:`~megatron_zb.runtime.channels.PipeChannels`): a receive posted early never holds back a send.
+:class:`~megatron_zb.runtime.channels.Channels`): a receive posted early never holds back a send.
 """
 
 from __future__ import annotations

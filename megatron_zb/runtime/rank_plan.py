@@ -164,7 +164,7 @@ class RecvPoster:
       transfers are matched by order, as on NCCL.
     * Before action ``i`` (:meth:`ahead`), the receives whose ``RECV`` action is among the next
       ``lookahead`` actions are posted. Each direction of each pair of ranks has its own
-      communicator (:class:`~megatron_zb.runtime.p2p.PipeChannels`), so a receive posted early
+      communicators (:class:`~megatron_zb.runtime.channels.Channels`), so a receive posted early
       never holds back one of this rank's sends (on NCCL a pair's transfers on one communicator
       run on one stream in posting order).
     * Before waiting at a ``RECV`` (:meth:`through`), that receive and the peer's earlier ones are

@@ -12,7 +12,7 @@ is read when CUDA creates its context).
   earliest K3 were done. With several queues K3 finishes long before K1 ends; with one queue K2
   waits at the head of the queue for K1, and K3 behind it (:func:`verdict`).
 * **nccl form** (2 GPUs): the pipeline's real hazard. Two ranks, one process group per direction
-  (as megatron-zb's ``PipeChannels``); each rank issues two ``isend`` of :data:`NCCL_BYTES` (64 MiB:
+  (as megatron-zb's ``Channels``); each rank issues two ``isend`` of :data:`NCCL_BYTES` (64 MiB:
   NCCL cannot buffer them, a send runs until the peer receives) and only then the two ``irecv``
   its peer's sends need. With several queues the receives start beside the running first send;
   with one queue the second send waits at the head of the queue for the first, the receives behind

@@ -103,7 +103,7 @@ def test_pp4_vocab_schedules_match_megatron_1f1b():
 
 
 def test_forward_only_gives_megatron_cores_losses(pp2_reference):
-    """Evaluation (``forward_only``): IF, the forwards and S run, the barrier thread computes the loss;
+    """Evaluation (``forward_only``): IF, the forwards and S run, the forward barrier computes the loss;
     no gradient, no W."""
     got = run_distributed(partial(run_vocab_step, TinyGPT(pp=2), schedule="zb-h1-vocab-1", forward_only=True),
                           world_size=2, timeout=90)
