@@ -59,6 +59,8 @@ class ActionTiming:
             for the activation tracker's ``bytes_between`` and the runtime's own loop time.
         cpu: CPU seconds of the executing thread (``time.thread_time``) of each record, same order
             -- unlike wall time not inflated by other processes (host time on both devices).
+        collectives: every vocabulary collective's program step (``COLL`` / ``WAIT``: issuing it, waiting
+            for it, and for the forward barrier its all-reduces and the last rank's loss), host seconds.
         comm: every communication action in host ``perf_counter`` seconds -- for a ``SEND_*`` the
             ``isend`` call (the copy into the transport), for a ``RECV_*`` the posting of the
             receives it needs plus the host's wait for its data (on CUDA the stream's wait for a
@@ -72,6 +74,7 @@ class ActionTiming:
         self.device = torch.device(device)
         self.start = start
         self.comm: list[Record] = []
+        self.collectives: list[tuple[Any, float, float]] = []
         self.cpu: list[float] = []
         self._records: list[Record] = []
         self._cuda = self.device.type == "cuda"
@@ -103,6 +106,10 @@ class ActionTiming:
     def add_comm(self, a: Action, t0: float, t1: float) -> None:
         """Record communication action ``a`` (host ``perf_counter`` seconds)."""
         self.comm.append((a, t0, t1))
+
+    def add_collective(self, step: Any, t0: float, t1: float) -> None:
+        """Record a vocabulary collective's program step (an ``Issue``; host ``perf_counter`` seconds)."""
+        self.collectives.append((step, t0, t1))
 
     @contextlib.contextmanager
     def interval(self, key: Hashable) -> Iterator[None]:

@@ -170,7 +170,7 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
         elif issue.coll:   # a vocabulary collective: issued, or waited for
             t0, u0 = watch.now()
             runtime.vocab.collective(issue)
-            watch.after_comm(None, t0, u0)
+            watch.after_collective(issue, t0, u0)
         else:
             t0, u0 = watch.now()
             _communicate(issue, it, comm, runtime)
@@ -251,6 +251,15 @@ class _Stopwatch:
         self.comm_cpu += u1 - u0
         if self.timing is not None and recorded is not None:
             self.timing.add_comm(recorded, t0, t1)
+
+    def after_collective(self, issue: Issue, t0: float, u0: float) -> None:
+        """Count a vocabulary collective's step (``COLL`` / ``WAIT``) that started at ``(t0, u0)`` as
+        communication, and record it."""
+        t1, u1 = _now()
+        self.comm_wall += t1 - t0
+        self.comm_cpu += u1 - u0
+        if self.timing is not None:
+            self.timing.add_collective(issue, t0, t1)
 
     def report(self, overhead: LoopOverhead) -> None:
         """Add this call's numbers to ``overhead``."""

@@ -232,9 +232,10 @@ class ProfileWindow:
 
 def runtime_seconds(timing: ActionTiming) -> float:
     """The runtime's own time in one iteration of one rank, seconds: from the start of the executor
-    call to the end of its last compute action, minus the compute actions and minus the receive
+    call to the end of its last compute action, minus the compute actions, minus the receive
     actions (posting plus waiting for a peer's data: the wait is what the simulator's dependencies
-    and ``T_comm`` model). What is left is the loop and its bookkeeping, the ``isend`` calls and the
+    and ``T_comm`` model) and minus the vocabulary collectives' steps (what the simulator's barriers
+    and ``t_collective`` model). What is left is the loop and its bookkeeping, the ``isend`` calls and the
     receives posted ahead -- the time between compute actions the simulator does not see. Host
     time (``timing.host_records``, ``timing.comm``): the loop runs on the host; on CUDA a compute
     action's host time is its kernel launches, which count as compute here too."""
@@ -242,7 +243,8 @@ def runtime_seconds(timing: ActionTiming) -> float:
     last = max(t1 for _, _, t1 in host)
     compute = sum(t1 - t0 for _, t0, t1 in host)
     recv = sum(t1 - t0 for a, t0, t1 in timing.comm if a.op.is_recv and t1 <= last)
-    return max(0.0, last - timing.start - compute - recv)
+    collectives = sum(t1 - t0 for _, t0, t1 in timing.collectives if t1 <= last)
+    return max(0.0, last - timing.start - compute - recv - collectives)
 
 
 def _median_ms(values: Sequence[float]) -> float | None:

@@ -199,6 +199,10 @@ def test_runtime_seconds_leaves_out_compute_and_receive_waits():
               (Action(Op.SEND_B, 0, 1, peer=0), 15.0, 15.5)]   # after the last compute action: not counted
     # 5.0 s to the end of W, minus 3.25 s compute, minus 1.0 s receiving
     assert runtime_seconds(t) == pytest.approx(0.75, rel=1e-12)
+    # a vocabulary collective's steps (the forward barrier between B and W: 0.2 s) are the barrier's,
+    # not the runtime's; one after the last compute action is not counted either
+    t.collectives = [("COLL c0(mb=0)", 14.0, 14.2), ("WAIT ib(mb=0)", 15.0, 15.1)]
+    assert runtime_seconds(t) == pytest.approx(0.55, rel=1e-12)
 
 
 def test_plan_from_the_profile_predicts_the_iteration_time_of_the_profiled_iterations(run_h1):
