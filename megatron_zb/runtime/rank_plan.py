@@ -67,7 +67,7 @@ class RankPlan:
 MAX_RECV_LOOKAHEAD = 8
 """The largest look-ahead the runtime takes: posting further ahead holds more receives on each
 communicator, and under one hardware queue each waits for the one before it (every registered family
-at p = 2, 4, 8 is certified up to 8 with at most 4 communicators per channel; at 1000, where every
+at p = 2, 4, 8 is certified up to 8 with at most 6 communicators per channel; at 1000, where every
 receive is posted at once, some need more than :data:`~megatron_zb.runtime.comm_certify.MAX_SLOTS`)."""
 
 RECV_LOOKAHEAD = 4

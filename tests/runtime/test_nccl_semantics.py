@@ -58,6 +58,18 @@ def test_every_family_is_certified_at_every_lookahead(name):
                     assert len(named) == len(plans[0].communicators)
 
 
+@pytest.mark.parametrize("name", [n for n in FAMILIES if get_spec(n).cost_aware])
+def test_cost_aware_families_are_certified_with_unit_costs(name):
+    """What a run plans before its profiling window: unit costs (another order than the costs above), at
+    the default look-ahead; at most 6 slots were needed there (zb-2p-vocab at p = 8, m = 32)."""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            sched = build_schedule(name, num_ranks=p, num_microbatches=m)
+            for forward_only in (False, True):
+                plans = plan_ranks(sched, forward_only=forward_only)
+                assert max(plans[0].program.slots.values(), default=1) <= MAX_SLOTS
+
+
 @pytest.mark.parametrize("name", ["zb-optimal", "zbv-optimal"])
 def test_exact_schedules_are_certified(name):
     pytest.importorskip("ortools")
