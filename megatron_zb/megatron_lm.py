@@ -60,6 +60,9 @@ from .schedules.registry import get_spec
 from .training.arguments.common import ArgumentError, flag
 
 if TYPE_CHECKING:
+    from .runtime.forward_backward import ZeroBubbleForwardBackward
+    from .training.cost_window import CostWindow
+    from .training.replanning import SchedulePlanner
     from .training.run_config import RunConfig
 
 __all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install", "planner_config", "uninstall",
@@ -267,9 +270,10 @@ class ReplanningForwardBackward:
         runtime: megatron-zb's ``ZeroBubbleForwardBackward`` that runs every call.
         iteration: training calls so far.
         planner: the :class:`SchedulePlanner` (``None`` before the first call).
+        window: its profiling window (:class:`~megatron_zb.training.cost_window.CostWindow`; ``None`` before).
     """
 
-    def __init__(self, runtime: Any, *, schedule: str) -> None:
+    def __init__(self, runtime: ZeroBubbleForwardBackward, *, schedule: str) -> None:
         """``schedule``: the schedule's name. The planner reads Megatron-LM's validated global
         arguments (``megatron.training.get_args()``) at the first call: Megatron-LM fills some in
         late (e.g. ``train_iters`` from ``--train-samples``), and the latest parse is not always the
@@ -277,7 +281,8 @@ class ReplanningForwardBackward:
         after ``pretrain_gpt.py`` validated its own parse)."""
         self.runtime = runtime
         self.iteration = 0
-        self.planner: Any = None
+        self.planner: SchedulePlanner | None = None
+        self.window: CostWindow | None = None
         self._schedule = schedule
 
     def __call__(self, *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int,
@@ -286,28 +291,31 @@ class ReplanningForwardBackward:
                  adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
         """megatron-core's ``forward_backward_func`` (same keywords); a training call is one iteration."""
-        planner = self._planner(num_microbatches)
+        from .runtime.measure import Measure
+
+        planner, window = self._planner(num_microbatches)
         planner.config = planner.config.replace(num_microbatches=num_microbatches)  # what --profile-out records
         planner.num_microbatches = num_microbatches
         call = functools.partial(
-            planner.forward_backward, forward_step_func=forward_step_func, data_iterator=data_iterator,
+            self.runtime.run, forward_step_func=forward_step_func, data_iterator=data_iterator,
             model=model, num_microbatches=num_microbatches, seq_length=seq_length,
             micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length, forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
             adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
             pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         if forward_only:
-            return call()
+            return call(Measure()).data
         self.iteration += 1
-        profiling = planner.begin_iteration(self.iteration)
+        measure = window.request(self.iteration)
         t0 = time.perf_counter()
-        out = call()
-        if planner.end_iteration(self.iteration, profiling=profiling, seconds=time.perf_counter() - t0):
-            planner.replan()  # collective: every rank is in this call
-        return out
+        measured = call(measure)
+        if window.record(self.iteration, measured, seconds=time.perf_counter() - t0):
+            planner.replan(window)  # collective: every rank is in this call
+        return measured.data
 
-    def _planner(self, num_microbatches: int) -> Any:
-        """The planner, built at the first call with global rank 0's unit-cost schedule (collective)."""
+    def _planner(self, num_microbatches: int) -> tuple[SchedulePlanner, CostWindow]:
+        """The planner and its profiling window, built at the first call with global rank 0's unit-cost
+        schedule (collective: the install protocol)."""
         if self.planner is None:
             from megatron.core import parallel_state
             from megatron.training import get_args
@@ -317,13 +325,14 @@ class ReplanningForwardBackward:
 
             args = get_args()
             pp = parallel_state.get_pipeline_model_parallel_world_size()
-            schedule = self.runtime.schedule_for(pp, num_microbatches)
-            config = planner_config(args, schedule=self._schedule, stage_to_rank=schedule.stage_to_rank,
+            stage_to_rank = self.runtime.options.stage_to_rank(pp)
+            config = planner_config(args, schedule=self._schedule, stage_to_rank=stage_to_rank,
                                     num_microbatches=num_microbatches, memory_limit=self.runtime.options.memory_limit)
-            self.planner = SchedulePlanner(config, schedule=schedule, runtime=self.runtime,
+            self.planner = SchedulePlanner(config, stage_to_rank=stage_to_rank, runtime=self.runtime,
                                            dist_ctx=context_from_parallel_state(backend=args.distributed_backend))
+            self.window = self.planner.cost_window()
             self.planner.report_initial()
-        return self.planner
+        return self.planner, self.window
 
 
 def planner_config(args: argparse.Namespace, *, schedule: str, stage_to_rank: Sequence[int], num_microbatches: int,

@@ -181,7 +181,7 @@ def _build(name: str, spec: DPBenchSpec, *, overlap: bool, numel: int, clock: An
                          precision=PrecisionConfig(), device=torch.device("cpu"))
     marks: dict[str, float] = {}
     config.finalize_model_grads_func = _grad_sync_finisher(marks)
-    fb = get_forward_backward_func(name, costs=costs, time_actions=True, timeout=spec.timeout)
+    fb = get_forward_backward_func(name, costs=costs, timeout=spec.timeout)
     return dict(fb=fb, chunks=chunks, s2r=s2r, marks=marks)
 
 
@@ -214,16 +214,14 @@ def bench_costs(name: str, spec: DPBenchSpec, *, t_comm: float, dp_reduce: Any =
 
 
 def _install_agreed(fb: Any, spec: DPBenchSpec, schedule: Any = None) -> Any:
-    """Install ``schedule`` in ``fb``; without one, ``fb``'s own built on global rank 0 and broadcast
-    (every rank runs the identical action lists). Returns the schedule."""
-    import torch.distributed as dist
+    """Install global rank 0's ``schedule`` (without one: ``fb``'s own, built by rank 0) in ``fb`` on
+    every rank, by the runtime's install protocol. Returns the schedule."""
+    from ..runtime import NotBuilt
 
-    if schedule is None:
-        box = [fb.schedule_for(spec.pp, spec.m) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        schedule = box[0]
-    fb.install_schedule(schedule)
-    return schedule
+    outcome = fb.install(spec.pp, spec.m, schedule=schedule)
+    if isinstance(outcome, NotBuilt):
+        raise RuntimeError(f"schedule not built for p={spec.pp}, m={spec.m}: {outcome.reason}")
+    return outcome.schedule
 
 
 # ---------------------------------------------------------------------- measurements
@@ -324,12 +322,12 @@ def _size_rounds(spec: DPBenchSpec, reduce_tf: float, *, shape: Sequence[int], t
         if rnd % 2:   # off before on in even rounds, on before off in odd ones (drift cancels in pairs)
             keys = [k for pair in zip(keys[1::2], keys[0::2]) for k in pair]
         for key in keys:
-            rec = _iteration(runs[key], spec.m, shape)
+            rec, timing = _iteration(runs[key], spec.m, shape)
             round_ms[key] = (rec["end"] - rec["start"]) * 1e3
             if rnd < spec.warmup:
                 continue
             out["records"][key].append(rec)
-            for a, a0, a1 in runs[key]["fb"].last_timing.records:
+            for a, a0, a1 in timing.records:
                 out["durations"][key].setdefault(a.op, []).append(a1 - a0)
         progress.round(m=spec.m, times_ms=round_ms,
                        what=f"reduce {reduce_tf:g} T_F, {'warm-up round' if rnd < spec.warmup else 'round'}")
@@ -338,10 +336,12 @@ def _size_rounds(spec: DPBenchSpec, reduce_tf: float, *, shape: Sequence[int], t
     return out
 
 
-def _iteration(r: dict[str, Any], m: int, shape: Sequence[int]) -> dict[str, Any]:
-    """One training iteration's forward-backward (gradient buffers zeroed first); its record."""
+def _iteration(r: dict[str, Any], m: int, shape: Sequence[int]) -> tuple[dict[str, Any], Any]:
+    """One training iteration's forward-backward (gradient buffers zeroed first); its record and its
+    actions' timing."""
     import torch.distributed as dist
 
+    from ..runtime import Measure
     from .emulated import emulated_forward_step
 
     chunks, marks = r["chunks"], r["marks"]
@@ -352,11 +352,11 @@ def _iteration(r: dict[str, Any], m: int, shape: Sequence[int]) -> dict[str, Any
     dist.barrier()
     t0 = time.perf_counter()
     fb = r["fb"]
-    fb(forward_step_func=emulated_forward_step, data_iterator=data if len(data) > 1 else data[0],
-       model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=m, seq_length=shape[0],
-       micro_batch_size=shape[1])
+    measured = fb.run(Measure(time_actions=True), forward_step_func=emulated_forward_step,
+                      data_iterator=data if len(data) > 1 else data[0], model=chunks if len(chunks) > 1 else chunks[0],
+                      num_microbatches=m, seq_length=shape[0], micro_batch_size=shape[1])
     t1 = time.perf_counter()
-    rep = fb.last_grad_sync
+    rep = measured.grad_sync
     launches = [] if rep is None else [(x.stage, x.bucket, x.time) for x in rep.launches]
-    return dict(start=t0, end=t1, compute_end=max(e for _, _, e in fb.last_timing.records),
-                synced=marks["synced"], launches=launches)
+    return dict(start=t0, end=t1, compute_end=max(e for _, _, e in measured.timing.records),
+                synced=marks["synced"], launches=launches), measured.timing

@@ -272,11 +272,11 @@ def _stage_costs(schedule_name: str, p: int, base: EmulatedCosts) -> list[Emulat
     return [c] * (p * v)
 
 
-def _sleep_errors(fb: Any, chunks: Sequence["EmulatedStage"]) -> dict[Op, list[float]]:
-    """Measured - target (seconds) of each compute action of ``fb``'s last iteration, per op."""
+def _sleep_errors(timing: Any, chunks: Sequence["EmulatedStage"]) -> dict[Op, list[float]]:
+    """Measured - target (seconds) of each compute action of one iteration's ``timing``, per op."""
     by_stage = {c.stage: c.costs for c in chunks}
     out: dict[Op, list[float]] = {}
-    for a, t0, t1 in fb.last_timing.records:
+    for a, t0, t1 in timing.records:
         c = by_stage[a.stage]
         target = {Op.F: c.t_f, Op.B: c.t_b, Op.W: c.t_w, Op.BW: c.t_b + c.t_w}[a.op]
         out.setdefault(a.op, []).append((t1 - t0) - target)
@@ -302,7 +302,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..runtime import get_forward_backward_func
+    from ..runtime import Measure, get_forward_backward_func
     from ..schedules import CostModel
     from ..testing.distributed import init_parallel_state
     from ..testing.tiny_gpt import placement_for
@@ -326,7 +326,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
         cost_model = CostModel(t_f=[c.t_f * ms for c in stage_costs], t_b=[c.t_b * ms for c in stage_costs],
                                t_w=[c.t_w * ms for c in stage_costs], t_comm=t_comm * ms,
                                mem_b=1.0 / v, mem_w=spec.get("mem_w_ratio", 0.5) / v)
-        fb = get_forward_backward_func(name, costs=cost_model, time_actions=True, timeout=spec.get("timeout", 60.0))
+        fb = get_forward_backward_func(name, costs=cost_model, timeout=spec.get("timeout", 60.0))
         chunks = build_emulated_stages(stage_to_rank=s2r, rank=rank, costs=stage_costs, shape=shape, clock=clock)
         runs[name] = dict(fb=fb, chunks=chunks, costs=cost_model, s2r=s2r)
 
@@ -337,10 +337,10 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
         data = [iter(range(m)) for _ in r["chunks"]]
         dist.barrier()
         t0 = time.perf_counter()
-        losses = r["fb"](forward_step_func=emulated_forward_step,
-                         data_iterator=data if len(data) > 1 else data[0],
-                         model=r["chunks"] if len(r["chunks"]) > 1 else r["chunks"][0],
-                         num_microbatches=m, seq_length=shape[0], micro_batch_size=shape[1])
+        measured = r["fb"].run(Measure(time_actions=True), forward_step_func=emulated_forward_step,
+                               data_iterator=data if len(data) > 1 else data[0],
+                               model=r["chunks"] if len(r["chunks"]) > 1 else r["chunks"][0],
+                               num_microbatches=m, seq_length=shape[0], micro_batch_size=shape[1])
         t1 = time.perf_counter()
         for c in r["chunks"]:
             if c.weight.grad is None or float(c.weight.grad) != m:
@@ -348,7 +348,7 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
                                    f"{None if c.weight.grad is None else float(c.weight.grad)}, expected {m}")
         if r["fb"].store.pending():
             raise RuntimeError(f"{name}: weight-gradient work left pending: {r['fb'].store.pending()}")
-        return t0, t1, losses
+        return t0, t1, measured
 
     calibrate = spec.get("calibrate", True)
     progress = RoundProgress(f"emulated p={p}", int(spec["warmup"]) + int(spec["repeats"]), enabled=rank == 0)
@@ -356,9 +356,9 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
         errs: dict[str, list[float]] = {}
         round_ms = {}
         for name in spec["schedules"]:
-            t0, t1, _ = one_iteration(name)
+            t0, t1, measured = one_iteration(name)
             round_ms[name] = 1e3 * (t1 - t0)
-            for op, e in _sleep_errors(runs[name]["fb"], runs[name]["chunks"]).items():
+            for op, e in _sleep_errors(measured.timing, runs[name]["chunks"]).items():
                 errs.setdefault(op, []).extend(e)
         progress.round(m=m, times_ms=round_ms, what="warm-up (calibration) round")
         if calibrate and it >= 1:  # the first round pays one-time costs: do not learn from it
@@ -374,17 +374,18 @@ def emulated_rank(spec: dict[str, Any]) -> dict[str, Any]:
     for _ in range(int(spec["repeats"])):
         comm_samples.append(measure_p2p_latency(shape, peer_pairs=pairs, rounds=10, warmup=2, passes=1))
         for name in spec["schedules"]:
-            t0, t1, losses = one_iteration(name)
+            t0, t1, measured = one_iteration(name)
             times[name].append((t0, t1))
-            recs = runs[name]["fb"].last_timing.records
+            losses, timing = measured.data, measured.timing
+            recs = timing.records
             records[name].append([(a.op, a.mb, a.stage, a0, a1) for a, a0, a1 in recs])
             if recs:  # from entering forward_backward to this rank's first compute action
                 startup[name].append(recs[0][1] - t0)
-            send_calls[name].extend(b - a for act, a, b in runs[name]["fb"].last_timing.comm
+            send_calls[name].extend(b - a for act, a, b in timing.comm
                                     if act.op.startswith("SEND"))
             rec = achieved.setdefault(name, {})
             for op in COMPUTE_OPS:
-                for st, ds in runs[name]["fb"].last_timing.durations(op).items():
+                for st, ds in timing.durations(op).items():
                     rec.setdefault(op, {}).setdefault(st, []).extend(ds)
             holds_loss = runs[name]["s2r"][-1] == rank
             losses_ok[name] = losses_ok.get(name, True) and len(losses) == (m if holds_loss else 0)
@@ -409,7 +410,7 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..runtime import get_forward_backward_func
+    from ..runtime import Measure, get_forward_backward_func
     from ..testing.distributed import init_parallel_state
     from ..testing.tiny_gpt import placement_for
 
@@ -422,20 +423,22 @@ def emulated_check_rank(schedules: Sequence[str], m: int, t_ms: float = 1.0,
         s2r = placement_for(name, p)
         chunks = build_emulated_stages(stage_to_rank=s2r, rank=rank,
                                        costs=_stage_costs(name, p, EmulatedCosts(t, t, t)), shape=shape)
-        fb = get_forward_backward_func(name, timeout=30.0, time_actions=True)
+        fb = get_forward_backward_func(name, timeout=30.0)
         store = fb.store
         data = [iter(range(m)) for _ in chunks]
         before = store.executed
-        losses = fb(forward_step_func=emulated_forward_step, data_iterator=data if len(data) > 1 else data[0],
-                    model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=m, seq_length=shape[0],
-                    micro_batch_size=shape[1])
+        measured = fb.run(Measure(time_actions=True), forward_step_func=emulated_forward_step,
+                          data_iterator=data if len(data) > 1 else data[0],
+                          model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=m, seq_length=shape[0],
+                          micro_batch_size=shape[1])
+        losses = measured.data
         out[name] = dict(losses=len(losses), deferred=sum(c.deferred for c in chunks),
                          w_executed=store.executed - before, pending=store.pending(),
                          weight_grads=[None if c.weight.grad is None else float(c.weight.grad) for c in chunks],
                          holds_loss=s2r[-1] == rank,
-                         comm_timed=[(a.op, a.mb, a.stage, t1 >= t0) for a, t0, t1 in fb.last_timing.comm],
+                         comm_timed=[(a.op, a.mb, a.stage, t1 >= t0) for a, t0, t1 in measured.timing.comm],
                          comm_planned=[(a.op, a.mb, a.stage, True) for a in fb.plan_for(p, m, rank).actions
                                        if not a.is_compute],
                          compute_planned=sum(a.is_compute for a in fb.plan_for(p, m, rank).actions),
-                         overhead=fb.last_overhead)
+                         overhead=measured.overhead)
     return out

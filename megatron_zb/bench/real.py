@@ -24,9 +24,14 @@ from typing import Any
 import torch
 
 from ..runtime.executor import LoopOverhead
+from ..runtime.measure import Measure, Measured
 from ..schedules.ir import Op, Placement
-from ..testing.tiny_gpt import TinyGPT, build_chunks, forward_backward, forward_step, random_microbatches
+from ..testing.tiny_gpt import (TinyGPT, build_chunks, forward_backward, forward_step, measured_forward_backward,
+                                random_microbatches)
 from .progress import RoundProgress
+
+TIMED = Measure(time_actions=True)
+"""What the timed calls measure: every action's times."""
 
 MEGATRON_1F1B = "megatron-1f1b"
 """Variant name of megatron-core's own 1F1B (not a schedule of the library)."""
@@ -130,9 +135,8 @@ def measure_stage_memory(chunks: list[Any], spec: ModelSpec) -> dict[int, tuple[
     return out
 
 
-def measured_costs(fb: Any, stages: list[int]) -> dict[int, tuple[float, float, float]]:
-    """Per stage of this rank: median (T_F, T_B, T_W) in ms from ``fb.last_timing`` records so far."""
-    t = fb.last_timing
+def measured_costs(t: Any, stages: list[int]) -> dict[int, tuple[float, float, float]]:
+    """Per stage of this rank: median (T_F, T_B, T_W) in ms of the records of the timing ``t``."""
     out = {}
     for s in stages:
         vals = []
@@ -175,28 +179,30 @@ def _measure_costs(chunks_by_kind: dict[Placement, list[Any]], spec: ModelSpec, 
     progress = RoundProgress("cost measurement", len(runs) * (iters + 1), enabled=dist.get_rank() == 0)
 
     def timed(name: str, mods: list[Any]) -> Any:
-        fb = get_forward_backward_func(name, time_actions=True)
+        """The actions' timing of ``iters`` iterations after one warm-up (records of all of them)."""
+        fb = get_forward_backward_func(name)
         recs: list[Any] = []
         for it in range(iters + 1):
             for mod in mods:
                 mod.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch)
+            timing = measured_forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch,
+                                               measure=TIMED).timing
             progress.round(m=m, times_ms={name: 1e3 * (time.perf_counter() - t0)},
                            what="warm-up iteration" if it == 0 else "iteration")
             if it > 0:
-                recs.extend(fb.last_timing.records)
-        fb.last_timing.records = recs
-        return fb
+                recs.extend(timing.records)
+        timing.records = recs
+        return timing
 
     for kind, chunks in chunks_by_kind.items():
         mods = [c.module for c in chunks]
         stages = [c.plan.stage for c in chunks]
-        fb = timed("zb-h1" if kind == Placement.PLAIN else "zbv", mods)
-        times = _stage_map(_gather(measured_costs(fb, stages)))
+        timing = timed("zb-h1" if kind == Placement.PLAIN else "zbv", mods)
+        times = _stage_map(_gather(measured_costs(timing, stages)))
         bw: dict[int, float] = {}
         if kind == Placement.PLAIN:  # the fused backward of 1F1B, to compare with T_B + T_W
-            fused = timed("1f1b", mods).last_timing.durations(Op.BW)
+            fused = timed("1f1b", mods).durations(Op.BW)
             bw = _stage_map(_gather({s: 1e3 * statistics.median(fused[s]) for s in stages if fused.get(s)}))
         mem = _stage_map(_gather(measure_stage_memory(chunks, spec)))
         out[kind] = dict(times=times, mem=mem, bw=bw, costs=_cost_model(times, mem, t_comm_ms))
@@ -204,9 +210,9 @@ def _measure_costs(chunks_by_kind: dict[Placement, list[Any]], spec: ModelSpec, 
 
 
 def _iteration(fb: Any, mods: list[Any], data: list[dict[str, torch.Tensor]], spec: ModelSpec,
-               ours: bool) -> tuple[float, float, list[Any]]:
+               ours: bool) -> tuple[float, float, Measured]:
     """One timed forward/backward over ``data`` (one micro batch each): zero grads, barrier, run;
-    (start, end) on this rank's clock."""
+    (start, end) on this rank's clock, and what the call measured (ours: every action's times)."""
     import torch.distributed as dist
 
     from ..runtime import install_routes, uninstall_routes
@@ -219,9 +225,12 @@ def _iteration(fb: Any, mods: list[Any], data: list[dict[str, torch.Tensor]], sp
         uninstall_routes()
     dist.barrier()
     t0 = time.perf_counter()
-    losses = forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch)
+    if ours:
+        measured = measured_forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch, measure=TIMED)
+    else:
+        measured = Measured(data=forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch))
     t1 = time.perf_counter()
-    return t0, t1, losses
+    return t0, t1, measured
 
 
 # ---------------------------------------------------------------------- rank bodies
@@ -266,7 +275,7 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             from ..schedules.registry import get_spec
             costs = measured[kind]["costs"] if get_spec(v).cost_aware else None
-            fbs[v] = get_forward_backward_func(v, costs=costs, time_actions=True)
+            fbs[v] = get_forward_backward_func(v, costs=costs)
 
     timings: dict[int, dict[str, list[tuple[float, float]]]] = {}
     losses: dict[int, dict[str, list[float]]] = {}
@@ -286,27 +295,27 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             if timed:
                 comm_samples.append(1e3 * measure_p2p_latency(shape, peer_pairs=pairs, rounds=10, warmup=2, passes=1))
             if rnd == cfg["warmup"]:
-                for v in achieved[m]:
-                    fbs[v].overhead = LoopOverhead()
+                overhead[m] = {v: LoopOverhead() for v in achieved[m]}   # the timed rounds' sums
             order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]  # rotate the start
             this_round = {}
             for v in order:
                 mods = [c.module for c in chunks[placement_kind(v)]]
-                t0, t1, out = _iteration(fbs[v], mods, data, spec, ours=(v != MEGATRON_1F1B))
+                t0, t1, measured = _iteration(fbs[v], mods, data, spec, ours=(v != MEGATRON_1F1B))
+                out = measured.data
                 this_round[v] = 1e3 * (t1 - t0)
                 if timed:
                     timings[m][v].append((t0, t1))
                     if v in achieved[m]:
+                        overhead[m][v].merge(measured.overhead)
                         for op in (Op.F, Op.B, Op.W, Op.BW):
-                            for st, xs in fbs[v].last_timing.durations(op).items():
+                            for st, xs in measured.timing.durations(op).items():
                                 achieved[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
-                            for st, xs in fbs[v].last_timing.cpu_durations(op).items():
+                            for st, xs in measured.timing.cpu_durations(op).items():
                                 cpu[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
                     if v not in losses[m] and out:
                         losses[m][v] = [float(d["lm loss"]) for d in out]
             progress.round(m=m, times_ms={v: this_round[v] for v in variants},
                            what="warm-up round" if not timed else "round")
-        overhead[m] = {v: fbs[v].overhead for v in achieved[m]}
 
     memory = {}
     if cfg.get("memory_schedules"):
@@ -332,15 +341,16 @@ def _memory(chunks: dict[str, list[Any]], spec: ModelSpec, measured: dict[str, A
     for name in schedules:
         kind = placement_kind(name)
         costs = measured[kind]["costs"]
-        fb = get_forward_backward_func(name, costs=costs if get_spec(name).cost_aware else None, track_memory=True)
+        fb = get_forward_backward_func(name, costs=costs if get_spec(name).cost_aware else None)
         mods = [c.module for c in chunks[kind]]
         for mod in mods:
             mod.zero_grad(set_to_none=True)
         gc.collect()
         t0 = time.perf_counter()
-        forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch)
+        measured = measured_forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch,
+                                             measure=Measure(track_memory=True))
         progress.round(m=m, times_ms={name: 1e3 * (time.perf_counter() - t0)}, what="tracked iteration")
-        out[name] = dict(peak_bytes=fb.last_peak_bytes, schedule=fb.schedule_for(dist.get_world_size(), m))
+        out[name] = dict(peak_bytes=measured.peak_bytes, schedule=fb.schedule_for(dist.get_world_size(), m))
     return out
 
 

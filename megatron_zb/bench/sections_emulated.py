@@ -45,7 +45,7 @@ def section_emulated(cfg: dict[str, Any], rows: list[Row], md: list[str], out: P
               f"rank that was not waiting for data (the runtime's sends, receive bookkeeping, loop); 'hop' = "
               f"mean observed latency of a cross-rank dependency the receiving rank was waiting for "
               f"(producer's end to consumer's start: send, transfer, wake-up, receive); 'send call' = median "
-              f"duration of the producer's `isend` call (`last_timing.comm`), the first part of a hop; "
+              f"duration of the producer's `isend` call (`Measured.timing.comm`), the first part of a hop; "
               f"'sim (+gap, hop)' = "
               f"achieved durations plus one gap per compute action, with 'hop' as T_comm; 'start-up' = rank 0's "
               f"delay from entering forward_backward to its first F.\n")

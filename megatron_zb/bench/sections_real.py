@@ -313,7 +313,7 @@ def memory_table(res: list[dict[str, Any]], costs: dict[str, CostModel], p: int,
         rows.append(Row("memory", p, m, n, "ratio_vs_1f1b", rel))
         rows.append(Row("memory", p, m, n, "simulated_ratio_vs_1f1b", rel_sim))
     md.append(f"\n{heading} (m={m}; MiB per rank)\n")
-    md.append("'measured' = `last_peak_bytes` of `track_memory=True` on each rank (bytes of tensors autograd saved, "
+    md.append("'measured' = `Measured.peak_bytes` of `Measure(track_memory=True)` on each rank (bytes of tensors autograd saved, "
               "each storage counted until it is freed, pending W closures included); 'simulated' = the simulator's "
               "per-rank peak for the same schedule with each stage's M_B / M_W in bytes as measured in the same "
               "processes (one microbatch in isolation); "

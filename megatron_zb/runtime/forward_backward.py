@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from ..schedules.costs import CostModel
-from ..schedules.ir import Schedule, vocab_passes_unsupported
+from ..schedules.ir import Schedule, ScheduleError, vocab_passes_unsupported
 from ..schedules.registry import build_schedule, get_spec
 from .executor import ActionTiming, LoopOverhead, RankPlan, StageRuntime, execute, plan_rank
+from .install import Installed, NotBuilt, install_from_rank0
+from .measure import Measure, Measured
 from .rank_plan import RECV_LOOKAHEAD, check_lookahead
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
@@ -21,18 +23,25 @@ from .p2p import PipeComm
 from .routes import check_schedule, install_routes
 from .wgrad_store import WeightGradStore
 
+if TYPE_CHECKING:
+    from .vocab_runtime import VocabParallelModel, VocabPasses
 
-@dataclass
+NOTHING = Measure()
+"""What a plain ``forward_backward_func`` call measures: nothing beyond :class:`LoopOverhead`."""
+
+
+@dataclass(frozen=True)
 class ZeroBubbleOptions:
-    """Options of :func:`get_forward_backward_func` (megatron-core style config dataclass).
+    """Options of :func:`get_forward_backward_func` (megatron-core style config dataclass), fixed for
+    the object's life (what one call measures is asked per call: :class:`~megatron_zb.runtime.measure.Measure`).
 
     Attributes:
         schedule: a schedule name of the library (``"1f1b"``, ``"zb-h1"``, ``"zb-h2"``, ``"zb"``,
             ``"zb-1p"``, ``"zb-2p"``, ``"zbv"``, ``"v-half"``, ``"v-min"``, ...), or a
             :class:`~megatron_zb.schedules.Schedule` (e.g. loaded from JSON) for fixed ``p`` and ``m``.
         costs: per-stage cost model for cost-aware schedules (times in any unit; memory in units
-            of one stage's activation). ``None``: unit costs until measured costs are set with
-            :meth:`ZeroBubbleForwardBackward.replan`.
+            of one stage's activation) until measured costs are installed
+            (:meth:`ZeroBubbleForwardBackward.install`). ``None``: unit costs.
         memory_limit: per-rank activation limit in units of one stage's ``M_B`` (``None``: the
             schedule's default, e.g. ``p`` for ``"zb"``).
         num_chunks: model chunks per rank for interleaved placements.
@@ -47,10 +56,6 @@ class ZeroBubbleOptions:
         wait_policy: how p2p and the data-parallel reduces wait (:class:`~megatron_zb.peer_wait.WaitPolicy`);
             ``None`` (default): from each group's backend (NCCL: stream waits and a watchdog;
             otherwise host waits with the timeout).
-        track_memory: measure bytes of saved activations per iteration (see ``last_peak_bytes``).
-        time_actions: record the seconds of every compute action (see ``last_timing``): host
-            ``time.perf_counter`` on CPU, CUDA events on a CUDA model (resolved later, with one
-            synchronisation: :class:`~megatron_zb.runtime.action_timing.ActionTiming`).
         validate: check the schedule before running it. Turn off only to exercise the runtime's
             own safety nets (p2p timeouts, pending-W check) with deliberately broken schedules.
         vocab_parallel: the model's vocabulary slices
@@ -66,85 +71,105 @@ class ZeroBubbleOptions:
     timeout: float = 120.0
     recv_lookahead: int = RECV_LOOKAHEAD
     wait_policy: WaitPolicy | None = None
-    track_memory: bool = False
-    time_actions: bool = False
     validate: bool = True
-    vocab_parallel: Any = None
+    vocab_parallel: VocabParallelModel | None = None
+
+    def stage_to_rank(self, num_ranks: int) -> list[int]:
+        """The placement the model chunks are built for at ``num_ranks`` pipeline ranks."""
+        if isinstance(self.schedule, Schedule):
+            return list(self.schedule.stage_to_rank)
+        return get_spec(self.schedule).placement.stage_to_rank(num_ranks, self.num_chunks)
 
 
 @dataclass
 class ZeroBubbleForwardBackward:
-    """Callable with megatron-core's ``forward_backward_func`` signature.
+    """Callable with megatron-core's ``forward_backward_func`` signature; :meth:`run` is the same call
+    with what to measure asked (:class:`~megatron_zb.runtime.measure.Measure`) and what was measured
+    returned (:class:`~megatron_zb.runtime.measure.Measured`).
 
-    Holds the schedule (rebuilt when ``num_microbatches`` or the costs change), its lowered and
-    checked per-rank plan (built on the first call for a ``(p, m)``, reused by every later
-    call), its weight-gradient ``store`` (every call's B's queue into it, its W's run it), and,
-    after each call, the measured ``last_timing`` (on a CUDA model unresolved: call its ``resolve()``
-    -- one synchronisation -- or ``resolve_timings`` over several calls before reading its
-    ``records``) and ``last_peak_bytes`` when asked for, and
-    with megatron-core DDP's ``overlap_grad_reduce`` the bucket launches in ``last_grad_sync``.
-    ``iteration`` is the caller's training iteration, for the errors that name a late reduce (the
-    trainer sets it: ``SchedulePlanner.begin_iteration``); left ``None`` (Megatron-LM's loop), the
-    errors name the count of training calls of this object instead ("training call 2").
-    ``last_overhead`` (always measured) splits the last call's executor time into compute actions,
-    p2p calls and the runtime's own overhead; ``overhead`` sums it over every call so far (reset it
-    with ``fb.overhead = LoopOverhead()``).
+    Holds the schedule installed for each ``(p, m)`` (:meth:`install`: global rank 0's, built from the
+    installed costs -- the options' until measured ones are installed), its lowered and checked
+    per-rank plan (built on the first call for a ``(p, m)``, reused by every later call) and its
+    weight-gradient ``store`` (every call's B's queue into it, its W's run it).
     """
 
     options: ZeroBubbleOptions
     store: WeightGradStore = field(default_factory=WeightGradStore)
-    last_timing: ActionTiming | None = None
-    last_peak_bytes: int | None = None
-    last_memory: ActivationMemoryTracker | None = None  # the last call's tracker (per-action bytes)
-    last_grad_sync: GradSyncReport | None = None
-    last_overhead: LoopOverhead | None = None
-    overhead: LoopOverhead = field(default_factory=LoopOverhead)
-    iteration: int | None = None
+    _costs: CostModel | None = None   # the installed costs (``options.costs`` until install(costs=...))
+    _memory_limit: float | None = None  # the installed limit (``options.memory_limit``, or the costs' own)
     _calls: int = 0  # training (not forward-only) calls so far
     _reduce_watchdog: Watchdog | None = None  # NCCL: the last call's data-parallel reduces
-    _cache: dict[tuple[int, int], Schedule] = field(default_factory=dict)
+    _installed: dict[tuple[int, int], Schedule] = field(default_factory=dict)
     _plans: dict[tuple[int, int, int, bool], RankPlan] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._costs, self._memory_limit = self.options.costs, self.options.memory_limit
+
+    @property
+    def costs(self) -> CostModel | None:
+        """The cost model the installed schedules were built from (``None``: unit costs)."""
+        return self._costs
+
+    def installed(self, num_ranks: int, num_microbatches: int) -> Schedule | None:
+        """The schedule installed for ``p`` ranks and ``m`` micro batches, if any (:meth:`install`)."""
+        return self._installed.get((num_ranks, num_microbatches))
+
     def schedule_for(self, num_ranks: int, num_microbatches: int) -> Schedule:
-        """The schedule used for ``p`` ranks and ``m`` microbatches (built once, then cached)."""
+        """The schedule installed for ``p`` and ``m``; a ``KeyError`` naming :meth:`install` when none is."""
+        sched = self.installed(num_ranks, num_microbatches)
+        if sched is None:
+            raise KeyError(f"no schedule installed for {num_ranks} pipeline ranks and {num_microbatches} micro "
+                           f"batches: a call of this forward_backward_func, or install(), installs one")
+        return sched
+
+    def build(self, num_ranks: int, num_microbatches: int, costs: CostModel | None = None) -> Schedule:
+        """Build (not install) the schedule for ``p`` and ``m`` from ``costs`` (default: the installed
+        costs); a fixed schedule (``options.schedule`` a :class:`Schedule`) must match ``p`` and ``m``."""
         fixed = self.options.schedule
         if isinstance(fixed, Schedule):
             if (fixed.num_ranks, fixed.num_microbatches) != (num_ranks, num_microbatches):
-                raise ValueError(f"the given schedule is for {fixed.num_ranks} pipeline ranks and "
-                                 f"{fixed.num_microbatches} microbatches, but this run has {num_ranks} ranks and "
-                                 f"{num_microbatches} microbatches")
+                raise ScheduleError(f"the given schedule is for {fixed.num_ranks} pipeline ranks and "
+                                    f"{fixed.num_microbatches} microbatches, but this run has {num_ranks} ranks and "
+                                    f"{num_microbatches} microbatches")
             return fixed
-        key = (num_ranks, num_microbatches)
-        if key not in self._cache:
-            self._cache[key] = build_schedule(
-                self.options.schedule, num_ranks=num_ranks, num_microbatches=num_microbatches,
-                costs=self.options.costs, memory_limit=self.options.memory_limit,
-                num_chunks=self.options.num_chunks)
-        return self._cache[key]
+        if costs is None:
+            costs, limit = self._costs, self._memory_limit
+        else:  # measured costs bring their own limit (the measured bytes'), else the installed one stays
+            limit = costs.memory_limit if costs.memory_limit is not None else self._memory_limit
+        return build_schedule(fixed, num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
+                              memory_limit=limit, num_chunks=self.options.num_chunks)
+
+    def install(self, num_ranks: int, num_microbatches: int, *, costs: CostModel | None = None,
+                schedule: Schedule | None = None) -> Installed | NotBuilt:
+        """The install protocol (:func:`~megatron_zb.runtime.install.install_from_rank0`): global rank 0
+        builds the schedule for ``p`` and ``m`` (``schedule`` given: rank 0's is that one; ``costs`` given:
+        built from them), every rank installs rank 0's after checking its placement. With ``costs``, a
+        success also makes them the installed costs and drops the schedules of other ``m`` (built again
+        from these costs when used); a :class:`NotBuilt` changes nothing. Collective."""
+        def build() -> Schedule:
+            return schedule if schedule is not None else self.build(num_ranks, num_microbatches, costs)
+
+        def adopt(sched: Schedule) -> None:
+            _check_vocab_option(self.options, vocab_passes_unsupported(sched))
+            if costs is not None:
+                self._costs = costs
+                if costs.memory_limit is not None:
+                    self._memory_limit = costs.memory_limit
+                self._installed.clear()
+                self._plans.clear()
+            self._installed[(num_ranks, num_microbatches)] = sched
+            self._drop_plans(num_ranks, num_microbatches)
+
+        return install_from_rank0(build, stage_to_rank=self.options.stage_to_rank(num_ranks), install=adopt)
 
     def plan_for(self, num_ranks: int, num_microbatches: int, rank: int, *, forward_only: bool = False) -> RankPlan:
-        """``rank``'s lowered and checked plan of :meth:`schedule_for` (built once, then cached)."""
+        """``rank``'s lowered and checked plan of the installed schedule (built once, then cached)."""
         key = (num_ranks, num_microbatches, rank, forward_only)
         if key not in self._plans:
             self._plans[key] = plan_rank(self.schedule_for(num_ranks, num_microbatches), rank=rank,
                                          forward_only=forward_only, validate=self.options.validate,
                                          recv_lookahead=self.options.recv_lookahead)
         return self._plans[key]
-
-    def install_schedule(self, schedule: Schedule) -> None:
-        """Use ``schedule`` for its ``(p, m)`` from now on (e.g. one built on another rank and
-        broadcast, so that every rank runs the identical action lists)."""
-        _check_vocab_option(self.options, vocab_passes_unsupported(schedule))
-        self._cache[(schedule.num_ranks, schedule.num_microbatches)] = schedule
-        self._drop_plans(schedule.num_ranks, schedule.num_microbatches)
-
-    def replan(self, costs: CostModel, memory_limit: float | None = None) -> None:
-        """Use measured ``costs`` (and optionally a new limit) from the next iteration on."""
-        self.options.costs = costs
-        if memory_limit is not None:
-            self.options.memory_limit = memory_limit
-        self._cache.clear()
-        self._plans.clear()
 
     def _drop_plans(self, num_ranks: int, num_microbatches: int) -> None:
         for key in [k for k in self._plans if k[:2] == (num_ranks, num_microbatches)]:
@@ -156,10 +181,28 @@ class ZeroBubbleForwardBackward:
                  collect_non_loss_data: bool = False, first_val_step: bool | None = None,
                  adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
-        """One iteration, as megatron-core's ``forward_backward_func``: plan this rank's part of the
-        schedule, execute it with gradient reduction held back, then finish the gradients; returns
-        the last stage's forward data (reduced losses) in microbatch order (a vocabulary-parallel
-        schedule also reads ``num_microbatches`` micro batches of ``options.vocab_parallel.data_iterator``)."""
+        """megatron-core's ``forward_backward_func`` (its keywords, those of :meth:`run`): one iteration,
+        nothing measured; returns the last stage's forward data."""
+        return self.run(NOTHING, forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                        decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+                        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+                        pg_collection=pg_collection, force_all_reduce=force_all_reduce).data
+
+    def run(self, measure: Measure = NOTHING, *, forward_step_func: Callable,
+            data_iterator: Iterator | list[Iterator] | None,
+            model: torch.nn.Module | list[torch.nn.Module], num_microbatches: int, seq_length: int,
+            micro_batch_size: int, decoder_seq_length: int | None = None, forward_only: bool = False,
+            collect_non_loss_data: bool = False, first_val_step: bool | None = None,
+            adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
+            pg_collection: Any = None, force_all_reduce: bool | None = False) -> Measured:
+        """One iteration, as megatron-core's ``forward_backward_func`` (the same keywords), measuring
+        what ``measure`` asks: install the schedule for ``(p, m)`` if none is (collective), plan this
+        rank's part, execute it with gradient reduction held back, then finish the gradients. Returns
+        the last stage's forward data (reduced losses, micro batch order) with the call's measurements
+        (a vocabulary-parallel schedule also reads ``num_microbatches`` micro batches of
+        ``options.vocab_parallel.data_iterator``)."""
         from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
@@ -170,6 +213,10 @@ class ZeroBubbleForwardBackward:
         config = get_model_config(chunks[0])
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         p, rank = pp_group.size(), pp_group.rank()
+        if self.installed(p, num_microbatches) is None:
+            outcome = self.install(p, num_microbatches)
+            if isinstance(outcome, NotBuilt):
+                raise ScheduleError(outcome.reason)
         sched = self.schedule_for(p, num_microbatches)
         plan = self.plan_for(p, num_microbatches, rank, forward_only=forward_only)
         stages = _check_chunks(sched, rank, chunks, forward_only)
@@ -190,22 +237,22 @@ class ZeroBubbleForwardBackward:
                 forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
                 cp_group_size=parallel_state.get_context_parallel_group().size())
         memory = None
-        if self.options.track_memory:
+        if measure.track_memory:
             memory = ActivationMemoryTracker(p for c in chunks for p in c.parameters())
         comm = PipeComm(channels=channels, rank=rank,
                         timeout=self.options.timeout, policy=self.options.wait_policy, memory=memory,
                         max_outstanding_sends=plan.program.max_outstanding_sends)
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-        grad_sync = None if forward_only else self._grad_sync(chunks, stages)
+        grad_sync = None if forward_only else self._grad_sync(chunks, stages, measure.iteration)
         sync_ctx = _no_sync_context(config, chunks, grad_sync)
         overhead = LoopOverhead()
         # created last: on CUDA it records the iteration's start event (ActionTiming)
-        timing = ActionTiming(device=runtime.device) if self.options.time_actions else None
+        timing = ActionTiming(device=runtime.device) if measure.time_actions else None
         if timing is not None and runtime.vocab is not None:
             runtime.vocab.timing = timing   # T's deferred weight gradients and the barriers on the actions' clock
-        data, total_tokens = self._execute(
-            comm=comm, grad_sync=grad_sync, sync_ctx=sync_ctx, plan=plan,
+        data, total_tokens, report = self._execute(
+            comm=comm, grad_sync=grad_sync, sync_ctx=sync_ctx, vocab=runtime.vocab, plan=plan,
             runtime=runtime, forward_step_func=forward_step_func, config=config,
             collect_non_loss_data=collect_non_loss_data,
             cp_group_size=parallel_state.get_context_parallel_group().size(), first_val_step=first_val_step,
@@ -218,8 +265,7 @@ class ZeroBubbleForwardBackward:
                               force_all_reduce=force_all_reduce)
         if config.timers is not None:
             config.timers("forward-backward").stop()
-        self._keep_measurements(timing, overhead, memory)
-        return data
+        return Measured(data=data, timing=timing, memory=memory, overhead=overhead, grad_sync=report)
 
     # ------------------------------------------------------------------ the steps of one call
     def _begin_call(self, forward_only: bool) -> None:
@@ -229,22 +275,24 @@ class ZeroBubbleForwardBackward:
             if self._reduce_watchdog is not None:
                 self._reduce_watchdog.check()  # the last call's reduces, if one was late
 
-    def _grad_sync(self, chunks: list[torch.nn.Module], stages: list[int]) -> GradSync | None:
+    def _grad_sync(self, chunks: list[torch.nn.Module], stages: list[int], iteration: int | None) -> GradSync | None:
         """With megatron-core DDP's ``overlap_grad_reduce``: the :class:`GradSync` that launches each
-        bucket's reduce once its last W ran (``None`` otherwise)."""
+        bucket's reduce once its last W ran (``None`` otherwise); its errors name ``iteration``, or
+        the count of training calls when the caller named none."""
         if not overlapping_ddp_chunks(chunks):
             return None
-        return GradSync(dict(zip(stages, chunks)), iteration=self._calls if self.iteration is None else self.iteration,
-                        iteration_name="training call" if self.iteration is None else "iteration")
+        return GradSync(dict(zip(stages, chunks)), iteration=self._calls if iteration is None else iteration,
+                        iteration_name="training call" if iteration is None else "iteration")
 
     def _execute(self, *, comm: PipeComm, grad_sync: GradSync | None, sync_ctx: contextlib.AbstractContextManager,
-                 **execute_args: Any) -> tuple[list[Any], torch.Tensor]:
+                 vocab: VocabPasses | None, **execute_args: Any) -> tuple[list[Any], torch.Tensor, GradSyncReport | None]:
         """:func:`execute` under ``sync_ctx``, then the deadline of the reduces launched from W; on any
-        failure abort the p2p, drop the queued W's and the launched reduces, and re-raise."""
+        failure abort the p2p (and ``vocab``'s passes), drop the queued W's and the launched reduces,
+        and re-raise. Returns the data, the token count and the bucket launches."""
         try:
             with sync_ctx:  # no gradient reduction while W may still add to the gradients
-                result = execute(comm=comm, store=self.store, grad_sync=grad_sync, **execute_args)
-            self.last_grad_sync = grad_sync.end() if grad_sync is not None else None
+                data, total_tokens = execute(comm=comm, store=self.store, grad_sync=grad_sync, **execute_args)
+            report = grad_sync.end() if grad_sync is not None else None
             if grad_sync is not None:  # the deadline of the reduces launched from W (before finalize waits)
                 if self._reduce_watchdog is not None:
                     self._reduce_watchdog.stop()
@@ -252,22 +300,13 @@ class ZeroBubbleForwardBackward:
                                                                 policy=self.options.wait_policy)
         except BaseException:
             comm.abort()
-            if execute_args["runtime"].vocab is not None:
-                execute_args["runtime"].vocab.close()
+            if vocab is not None:
+                vocab.close()
             self.store.clear()
             if grad_sync is not None:
                 grad_sync.end_failed()
             raise
-        return result
-
-    def _keep_measurements(self, timing: ActionTiming | None, overhead: LoopOverhead,
-                           memory: ActivationMemoryTracker | None) -> None:
-        """Publish the call's measurements (``last_timing``, ``last_overhead``, ``overhead``, memory)."""
-        self.last_timing = timing
-        self.last_overhead = overhead
-        self.overhead.merge(overhead)
-        self.last_peak_bytes = memory.peak_bytes if memory is not None else None
-        self.last_memory = memory
+        return data, total_tokens, report
 
 
 def _check_chunks(schedule: Schedule, rank: int, chunks: list[torch.nn.Module], forward_only: bool) -> list[int]:

@@ -236,7 +236,8 @@ def _forward_backward_func(spec: GroupSpec, arm: str, vocab: Any) -> Any:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         return get_forward_backward_func()
-    from ..runtime import get_forward_backward_func as zb_func
+    from ..runtime import NotBuilt, get_forward_backward_func as zb_func
+    from ..schedules.ir import ScheduleError
 
     if vocab is not None:
         from .compat_vocab import vocab_schedule
@@ -247,6 +248,9 @@ def _forward_backward_func(spec: GroupSpec, arm: str, vocab: Any) -> Any:
     from megatron.core import parallel_state
 
     group = parallel_state.get_pipeline_model_parallel_group()
+    outcome = fb.install(group.size(), spec.model.num_microbatches)  # rank 0's schedule on every rank (collective)
+    if isinstance(outcome, NotBuilt):
+        raise ScheduleError(outcome.reason)   # a refusal, as every rank agrees
     fb.plan_for(group.size(), spec.model.num_microbatches, group.rank())  # validate the schedule up front
     return fb
 

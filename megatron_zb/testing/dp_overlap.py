@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .tiny_gpt import TinyGPT, build_chunks, forward_backward, full_tensor, placement_for, random_microbatches
+from .tiny_gpt import (TinyGPT, build_chunks, forward_backward, full_tensor, measured_forward_backward, placement_for,
+                       random_microbatches)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def run_dp_iterations(cfg: TinyGPT, case: DPCase, *, schedule: str | None, **opt
     from megatron.core import parallel_state
 
     from ..model import named_global_parameters
-    from ..runtime import get_forward_backward_func
+    from ..runtime import Measure, get_forward_backward_func
     from ..training.run_config import PrecisionConfig
     from ..training.wiring import wrap_chunks
     from .distributed import device_from_env, init_parallel_state
@@ -102,9 +103,14 @@ def run_dp_iterations(cfg: TinyGPT, case: DPCase, *, schedule: str | None, **opt
         opt.zero_grad()
         data = random_microbatches(cfg.num_microbatches, vocab=cfg.vocab, micro_batch=cfg.micro_batch, seq=cfg.seq,
                                    seed=7 + 1000 * dp_rank + 31 * it)
-        losses = forward_backward(fb, modules, data, seq=cfg.seq, micro_batch=cfg.micro_batch)
+        if schedule is None:
+            losses, report = forward_backward(fb, modules, data, seq=cfg.seq, micro_batch=cfg.micro_batch), None
+        else:
+            measured = measured_forward_backward(fb, modules, data, seq=cfg.seq, micro_batch=cfg.micro_batch,
+                                                 measure=Measure())
+            losses, report = measured.data, measured.grad_sync
         out["losses"].append([d["lm loss"] for d in losses])
-        out["reports"].append(getattr(fb, "last_grad_sync", None))
+        out["reports"].append(report)
         if it == case.iterations - 1:
             out["grads"] = {n: full_tensor(p.main_grad, p) for c in chunks for n, p in named_global_parameters(c)}
         opt.step()

@@ -92,9 +92,9 @@ def count_host_syncs(schedule: str | None, *, wait_policy: str = "stream", pp: i
     (``schedule=None``: megatron-core's own 1F1B, for comparison; its compute actions are not counted)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
-    from ..runtime import get_forward_backward_func
+    from ..runtime import Measure, get_forward_backward_func
     from ..runtime.p2p import WaitPolicy
-    from .tiny_gpt import TinyGPT, build, forward_backward
+    from .tiny_gpt import TinyGPT, build, forward_backward, measured_forward_backward
 
     cfg = TinyGPT(pp=pp)
     _, modules = build(cfg, schedule)
@@ -107,6 +107,10 @@ def count_host_syncs(schedule: str | None, *, wait_policy: str = "stream", pp: i
         m.zero_grad()
     counts: Counter = Counter()
     with counting(counts):
-        forward_backward(fb, modules, cfg.microbatches(), seq=cfg.seq, micro_batch=cfg.micro_batch)
-    actions = fb.last_overhead.compute_actions if schedule is not None else 0
+        if schedule is None:
+            forward_backward(fb, modules, cfg.microbatches(), seq=cfg.seq, micro_batch=cfg.micro_batch)
+            actions = 0
+        else:
+            actions = measured_forward_backward(fb, modules, cfg.microbatches(), seq=cfg.seq, micro_batch=cfg.micro_batch,
+                                                measure=Measure()).overhead.compute_actions
     return {"counts": dict(counts), "compute_actions": actions}

@@ -177,6 +177,17 @@ def forward_backward(fb: Any, modules: list[Any], data: list[dict[str, torch.Ten
               forward_only=forward_only)
 
 
+def measured_forward_backward(fb: Any, modules: list[Any], data: list[dict[str, torch.Tensor]], *, seq: int,
+                              micro_batch: int, measure: Any, forward_only: bool = False) -> Any:
+    """:func:`forward_backward` through megatron-zb's ``fb.run``, measuring what ``measure`` asks
+    (:class:`~megatron_zb.runtime.measure.Measure`); returns the call's
+    :class:`~megatron_zb.runtime.measure.Measured`."""
+    iters = [iter(data) for _ in modules]
+    return fb.run(measure, forward_step_func=forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
+                  model=modules, num_microbatches=len(data), seq_length=seq, micro_batch_size=micro_batch,
+                  forward_only=forward_only)
+
+
 def full_tensor(t: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
     """Gather a tensor-parallel shard back to the full tensor (a copy at TP=1), on CPU."""
     import torch.distributed as dist
@@ -277,18 +288,22 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
     Also returns ``w_deferred`` (store entries run by W's) and :func:`te_queues`'s counts.
     """
     from ..model import named_global_parameters
-    from ..runtime import get_forward_backward_func
+    from ..runtime import Measure, get_forward_backward_func
 
     chunks, modules = build(cfg, schedule)
+    data = cfg.microbatches()
+    peak_bytes = None
     if schedule is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
         fb = megatron_func()
+        store, before = None, 0   # megatron-core's func: no weight-gradient store
+        losses = forward_backward(fb, modules, data, seq=cfg.seq, micro_batch=cfg.micro_batch, forward_only=forward_only)
     else:
-        fb = get_forward_backward_func(schedule, track_memory=track_memory, **{**cfg.schedule_options, **options})
-    data = cfg.microbatches()
-    store = getattr(fb, "store", None)  # megatron-zb's weight-gradient store (megatron-core's func: none)
-    before = 0 if store is None else store.executed
-    losses = forward_backward(fb, modules, data, seq=cfg.seq, micro_batch=cfg.micro_batch, forward_only=forward_only)
+        fb = get_forward_backward_func(schedule, **{**cfg.schedule_options, **options})
+        store, before = fb.store, fb.store.executed
+        measured = measured_forward_backward(fb, modules, data, seq=cfg.seq, micro_batch=cfg.micro_batch,
+                                             measure=Measure(track_memory=track_memory), forward_only=forward_only)
+        losses, peak_bytes = measured.data, measured.peak_bytes
     grads: dict[str, torch.Tensor] = {}
     if not forward_only:
         use_main = cfg.ddp or cfg.gradient_accumulation_fusion
@@ -298,7 +313,7 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
                 grads[n] = full_tensor(g, p)
     w_deferred = 0 if store is None else store.executed - before
     out = {"losses": [d["lm loss"].cpu() for d in losses], "grads": grads, "w_deferred": w_deferred,
-           "peak_bytes": getattr(fb, "last_peak_bytes", None), "params": {}, **te_queues(modules)}
+           "peak_bytes": peak_bytes, "params": {}, **te_queues(modules)}
     if optimizer_step:  # the product's optimizer wiring: megatron-core's Adam, lr 0.01, clipping at 1.0
         from ..training.run_config import OptimConfig, ParallelConfig, PrecisionConfig
         from ..training.wiring import megatron_optimizer

@@ -14,10 +14,11 @@ from megatron_zb.training.training_log import gather_losses
 __all__ = ["evaluate"]
 
 
-def evaluate(config: RunConfig, *, forward_backward: Callable[..., list[Any]], modules: Sequence[Any],
+def evaluate(config: RunConfig, *, pipeline: Any, modules: Sequence[Any],
              iterators: Sequence[Any], stage_to_rank: Sequence[int], dist_ctx: DistributedContext,
              after_step: Callable[[], None] | None = None) -> float:
-    """The lm loss over ``config.data.eval_iters`` global batches (masked sum / tokens, all DP ranks).
+    """The lm loss over ``config.data.eval_iters`` global batches (masked sum / tokens, all DP ranks),
+    forward-only calls of ``pipeline`` (:data:`~megatron_zb.training.replanning.Pipeline`).
 
     ``after_step`` runs after each batch (``--empty-unused-memory-level``'s cache emptying).
 
@@ -29,8 +30,8 @@ def evaluate(config: RunConfig, *, forward_backward: Callable[..., list[Any]], m
     total = torch.zeros(2, dtype=torch.float64, device="cpu")  # host bookkeeping, as sum_lm_loss
     with torch.no_grad():
         for _ in range(config.data.eval_iters):
-            out = run_batch(forward_backward, model=modules, iterators=iterators, config=config,
-                            device=dist_ctx.device, forward_only=True)
+            out = run_batch(pipeline, model=modules, iterators=iterators, config=config,
+                            device=dist_ctx.device, forward_only=True).data
             sum_lm_loss(out or [], into=total)
             if after_step is not None:
                 after_step()

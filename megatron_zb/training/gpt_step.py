@@ -8,10 +8,11 @@ batch's micro batches of this data-parallel rank, for training and for evaluatio
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
+from megatron_zb.runtime.measure import Measure, Measured
 from megatron_zb.training.data import get_batch
 from megatron_zb.training.run_config import RunConfig
 
@@ -48,22 +49,23 @@ def forward_step(data_iterator: Iterator[Any] | None, model: Any, *, device: Any
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def run_batch(forward_backward: Callable[..., list[Any]], *, model: Sequence[Any], iterators: Sequence[Any],
+def run_batch(pipeline: Any, measure: Measure = Measure(), *, model: Sequence[Any], iterators: Sequence[Any],
               config: RunConfig, device: torch.device, forward_only: bool,
-              num_microbatches: int | None = None) -> list[Any]:
-    """One ``forward_backward_func`` call over ``num_microbatches`` micro batches (default
-    ``config.num_microbatches``, ``--global-batch-size``'s; a training iteration of a batch ramp-up has fewer).
+              num_microbatches: int | None = None) -> Measured:
+    """One ``forward_backward_func`` call of ``pipeline`` (:data:`~megatron_zb.training.replanning.Pipeline`)
+    over ``num_microbatches`` micro batches (default ``config.num_microbatches``, ``--global-batch-size``'s;
+    a training iteration of a batch ramp-up has fewer), measuring what ``measure`` asks.
 
-    ``iterators`` holds one iterator (or ``None``) per model chunk; returns the loss reports of
-    the last stage's micro batches (empty elsewhere).
+    ``iterators`` holds one iterator (or ``None``) per model chunk; the result's ``data`` holds the loss
+    reports of the last stage's micro batches (empty elsewhere).
     """
     m = num_microbatches if num_microbatches is not None else config.num_microbatches
     seq = config.model.seq_length
-    return forward_backward(forward_step_func=partial(forward_step, device=device),
-                            data_iterator=list(iterators) if len(iterators) > 1 else iterators[0],
-                            model=list(model), num_microbatches=m, seq_length=seq,
-                            micro_batch_size=config.micro_batch_size, decoder_seq_length=seq,
-                            forward_only=forward_only)
+    return pipeline.run(measure, forward_step_func=partial(forward_step, device=device),
+                        data_iterator=list(iterators) if len(iterators) > 1 else iterators[0],
+                        model=list(model), num_microbatches=m, seq_length=seq,
+                        micro_batch_size=config.micro_batch_size, decoder_seq_length=seq,
+                        forward_only=forward_only)
 
 
 def device_batches(data_iterator: Iterator[Any], *, device: Any) -> Iterator[dict[str, torch.Tensor]]:

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_zb.runtime.action_timing import ActionTiming, resolve_timings
+from megatron_zb.runtime.forward_backward import ZeroBubbleForwardBackward
+from megatron_zb.runtime.measure import Measure, Measured
 from megatron_zb.schedules import CostModel, Schedule, SimResult, simulate
 from megatron_zb.training.logging_utils import cpu_oversubscription, print_rank_0
 from megatron_zb.training.checkpoint_check import first_line
@@ -125,8 +127,8 @@ class MeasuredTimeline:
         written: the files global rank 0 wrote.
     """
 
-    def __init__(self, config: ProfilingConfig, *, runtime: Any, device: torch.device, pp_group: Any,
-                 train_iters: int) -> None:
+    def __init__(self, config: ProfilingConfig, *, runtime: ZeroBubbleForwardBackward | None, device: torch.device,
+                 pp_group: Any, train_iters: int) -> None:
         self.runtime, self.pp_group, self.kept, self.written, self.due = runtime, pp_group, [], [], False
         self.out_dir = config.trace_dir
         window = window_iterations(config, device=device)
@@ -140,17 +142,15 @@ class MeasuredTimeline:
         elif 0 in dist.get_process_group_ranks(pp_group):  # global rank 0's pipeline
             self.iterations = range(window.start, min(window.stop, train_iters + 1))
 
-    def before_iteration(self, it: int) -> None:
-        """Iteration ``it`` begins (after the planner set its own timing): time its actions in the window."""
-        if it in self.iterations:
-            self.runtime.options.time_actions = True
+    def request(self, it: int) -> Measure:
+        """What iteration ``it`` measures for the timeline: its actions' times inside the window."""
+        return Measure(time_actions=it in self.iterations)
 
-    def after_forward_backward(self, it: int, *, num_microbatches: int) -> None:
-        """Keep iteration ``it``'s timing (``num_microbatches``: its micro batches); the window's last sets :attr:`due`."""
+    def record(self, it: int, measured: Measured, *, schedule: Schedule) -> None:
+        """Keep iteration ``it``'s timing (``schedule``: the one it ran); the window's last sets :attr:`due`."""
         if it not in self.iterations:
             return
-        p = dist.get_world_size(self.pp_group)
-        self.kept.append((it, self.runtime.schedule_for(p, num_microbatches), self.runtime.last_timing))
+        self.kept.append((it, schedule, measured.timing))
         self.due = it == self.iterations[-1]
 
     def write(self) -> None:
@@ -175,7 +175,7 @@ class MeasuredTimeline:
         shared = cpu_oversubscription()
         note = f" ({shared[0]} processes share {shared[1]} cores: much of the idle time is time-slicing)" if shared else ""
         try:
-            measured_costs = getattr(self.runtime.options, "costs", None)
+            measured_costs = self.runtime.costs
             t_comm = float(measured_costs.t_comm) if measured_costs is not None else 0.0
             costs = _median_costs(per_rank, schedule.num_stages, t_comm)
             predicted = simulate(schedule, costs, enforce_memory=False)

@@ -2,9 +2,9 @@
 
 During the profiled iterations ``[--zero-bubble-pipeline-timers-start-iter,
 --zero-bubble-pipeline-timers-end-iter)`` the runtime records the time of every compute action
-(``time_actions=True``; :class:`~megatron_zb.runtime.action_timing.ActionTiming`): ``perf_counter``
+(``Measure(time_actions=True)``; :class:`~megatron_zb.runtime.action_timing.ActionTiming`): ``perf_counter``
 seconds on CPU; on CUDA, CUDA events around each action, not synchronised per action --
-:class:`ProfileWindow` keeps the window's iterations and resolves them all with one
+:class:`~megatron_zb.training.cost_window.CostWindow` keeps the window's iterations and resolves them all with one
 synchronisation when the window ends, so the durations are GPU time (verified on CPU with a mocked
 event only, not run on a GPU). :class:`ActionProfile` collects them per stage (the
 profile's costs are the **medians** per ``(op, stage)``: one action the OS descheduled, or the
@@ -89,13 +89,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.action_timing import ActionTiming, resolve_timings
+from ..runtime.action_timing import ActionTiming
 from ..schedules.costs import CostModel, VocabCosts
 from ..schedules.ir import Op
 from ..planning.memory import mem_w_ratio
 from ..schedules.spread import DurationSpread
 
-__all__ = ["ActionProfile", "AgreedProfile", "ProfileWindow", "agree_on_profile", "collective_ms", "cost_model", "mem_w_ratio",
+__all__ = ["ActionProfile", "AgreedProfile", "agree_on_profile", "collective_ms", "cost_model", "mem_w_ratio",
            "measure_t_comm", "vocab_line"]
 
 MemoryTracker = Any  # megatron_zb.runtime.memory.ActivationMemoryTracker (imported lazily with the runtime)
@@ -122,9 +122,9 @@ class ActionProfile:
 
     def add(self, timing: ActionTiming, elapsed: float, memory: MemoryTracker | None = None, *,
             times: bool = True) -> None:
-        """Add one iteration: ``timing`` is the runtime's ``last_timing``, resolved (on CUDA
-        :class:`ProfileWindow` resolves the window's timings with one synchronisation), ``elapsed``
-        the seconds of its ``forward_backward_func`` call, ``memory`` its ``last_memory`` (the
+        """Add one iteration: ``timing`` is the call's :attr:`~megatron_zb.runtime.measure.Measured.timing`,
+        resolved (on CUDA :class:`~megatron_zb.training.cost_window.CostWindow` resolves the window's timings
+        with one synchronisation), ``elapsed`` the seconds of the call, ``memory`` its ``Measured.memory`` (the
         activation tracker, or ``None``: no bytes measured); ``times=False``: the bytes only (an
         iteration slowed down by the tracker). Durations come from ``timing.records`` (GPU time on
         CUDA), ``host_durations`` from ``timing.host_records`` (the same on CPU), a ``W`` less ``T``'s
@@ -193,41 +193,6 @@ class ActionProfile:
     def idle_fraction(self) -> float:
         """``1 - busy / elapsed`` over the profiled iterations (0 when nothing was profiled)."""
         return max(0.0, 1.0 - self.busy / self.elapsed) if self.elapsed > 0 else 0.0
-
-
-@dataclass
-class ProfileWindow:
-    """The profiling window's iterations, kept as measured until the window ends.
-
-    On CUDA an iteration's :class:`~megatron_zb.runtime.action_timing.ActionTiming` holds events the
-    device has not necessarily reached yet; resolving each iteration would stall the host once per
-    iteration. The window keeps them and :meth:`close` resolves them all with one synchronisation
-    (:func:`~megatron_zb.runtime.action_timing.resolve_timings`), then adds them to the profile.
-    On CPU the same code runs (resolving is free there).
-    """
-
-    iterations: list[tuple[ActionTiming, float, MemoryTracker | None, bool]] = field(default_factory=list)
-    next_starts: list[tuple[int, float]] = field(default_factory=list)  # (iteration index, perf_counter [s])
-
-    def add(self, timing: ActionTiming, elapsed: float, memory: MemoryTracker | None = None, *,
-            times: bool = True) -> None:
-        """Keep one iteration (the arguments of :meth:`ActionProfile.add`, which gets them at :meth:`close`)."""
-        self.iterations.append((timing, elapsed, memory, times))
-
-    def add_next_start(self, began: float) -> None:
-        """The iteration after the last one added began at host ``time.perf_counter()`` time ``began``
-        [s] (less the profiler's own time): :meth:`close` adds ``began`` minus the end of that
-        iteration's last compute action as a time outside the schedule (:meth:`ActionProfile.add_outside`)."""
-        self.next_starts.append((len(self.iterations) - 1, began))
-
-    def close(self, profile: ActionProfile) -> None:
-        """Resolve every kept timing (one synchronisation on CUDA), add them to ``profile``, empty the window."""
-        resolve_timings([timing for timing, _, _, _ in self.iterations])
-        for timing, elapsed, memory, times in self.iterations:
-            profile.add(timing, elapsed, memory, times=times)
-        for i, began in self.next_starts:
-            profile.add_outside(began - max(t1 for _, _, t1 in self.iterations[i][0].records))
-        self.iterations, self.next_starts = [], []
 
 
 def runtime_seconds(timing: ActionTiming) -> float:

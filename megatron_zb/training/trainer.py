@@ -50,6 +50,7 @@ from megatron_zb.training.evaluation import evaluate
 from megatron_zb.training.gpt_step import device_batches, run_batch, sum_lm_loss
 from megatron_zb.training.housekeeping import LoopHooks
 from megatron_zb.training.logging_utils import print_rank_0, tensorboard_writer
+from megatron_zb.training.cost_window import CostWindow
 from megatron_zb.training.measured_timeline import MeasuredTimeline
 from megatron_zb.training.model_setup import ModelBundle, build_model
 from megatron_zb.training.optimizer_setup import OptimizerBundle, build_optimizer
@@ -116,8 +117,9 @@ class Trainer:
             self.timing = TimingLog(level=logging.timing_log_level, option=logging.timing_log_option,
                                     barrier=logging.barrier_with_L1_time)
             self.timing.install([c.module.config for c in self.model.chunks] + optimizer_configs(self.optim.inner))
-            self.planner = SchedulePlanner(self.config, schedule=schedule, dist_ctx=self.dist,
-                                           vocab=self.model.vocab_parallel)
+            self.planner = SchedulePlanner(self.config, schedule=schedule, stage_to_rank=schedule.stage_to_rank,
+                                           dist_ctx=self.dist, vocab=self.model.vocab_parallel)
+            self.window: CostWindow = self.planner.cost_window()
             self.timeline = MeasuredTimeline(self.config.profiling, runtime=self.planner.runtime,
                                              device=self.dist.device, pp_group=self.dist.pp_group,
                                              train_iters=self.config.train_iters)
@@ -173,7 +175,7 @@ class Trainer:
                      + (f" (growing to {config.num_microbatches}: --rampup-batch-size)"
                         if self.batch.num_microbatches != config.num_microbatches else "")
                      + (f"; profiling iterations {start}-{end - 1}, then re-planning"
-                        if self.planner.profiles_after(self.state.iteration) else ""))
+                        if self.window.profiles_after(self.state.iteration) else ""))
         self.hooks.start(self.state.iteration)
         while self.state.iteration < config.train_iters:
             it = self.state.iteration + 1
@@ -184,7 +186,7 @@ class Trainer:
             self.log.records.append(record)
             if replan_due:
                 with self.log.excluding_time():
-                    costs = self.planner.replan()
+                    costs = self.planner.replan(self.window)
                     if costs is not None:
                         self.state.schedule_costs = costs
             if self.timeline.due:  # the --profile window's last iteration: its timeline and PNG
@@ -197,8 +199,7 @@ class Trainer:
     def _train_step(self, it: int) -> tuple[IterationRecord, bool]:
         """Iteration ``it``: its record, and whether the profiling window ended with it (re-plan due)."""
         opt = self.optim
-        profiling = self.planner.begin_iteration(it)
-        self.timeline.before_iteration(it)
+        measure = self.window.request(it) | self.timeline.request(it)   # what this iteration measures
         if opt.post_validation:
             opt.optimizer.begin_iteration()  # validates the previous step (reports to _on_validation_report)
         for m in self.model.all_modules:
@@ -206,13 +207,13 @@ class Trainer:
         opt.optimizer.zero_grad()
         t0 = time.perf_counter()
         gbs = self.batch.global_batch_size
-        out = run_batch(self.planner.forward_backward, model=self.model.modules, iterators=self.data.train,
-                        config=self.config, device=self.dist.device, forward_only=False,
-                        num_microbatches=self.batch.num_microbatches)
+        measured = run_batch(self.planner.pipeline, measure, model=self.model.modules, iterators=self.data.train,
+                             config=self.config, device=self.dist.device, forward_only=False,
+                             num_microbatches=self.batch.num_microbatches)
         fb_seconds = time.perf_counter() - t0
         self.hooks.after_forward_backward()
-        replan_due = self.planner.end_iteration(it, profiling=profiling, seconds=fb_seconds)
-        self.timeline.after_forward_backward(it, num_microbatches=self.batch.num_microbatches)
+        replan_due = self.window.record(it, measured, seconds=fb_seconds)
+        self.timeline.record(it, measured, schedule=self.planner.current())
         if opt.post_validation:
             self._iteration_of_step[opt.optimizer.iteration] = (it, gbs)
         t1 = time.perf_counter()
@@ -226,8 +227,8 @@ class Trainer:
         if update_successful:
             opt.scheduler.step(increment=gbs)  # samples, as Megatron-LM's scheduler counts
         loss = None
-        if out:
-            total = sum_lm_loss(out)
+        if measured.data:
+            total = sum_lm_loss(measured.data)
             loss = (float(total[0]), float(total[1]))
         record = IterationRecord(iteration=it, loss=loss, skipped=not update_successful,
                                  grad_norm=None if grad_norm is None else float(grad_norm),
@@ -385,7 +386,7 @@ class Trainer:
             self.optim.optimizer.validate()  # evaluate the validated parameters
         self.planner.ensure_installed(self.config.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
         with self.timing.paused():  # evaluation is not timed, as Megatron-LM
-            loss = evaluate(self.config, forward_backward=self.planner.forward_backward, modules=self.model.modules,
+            loss = evaluate(self.config, pipeline=self.planner.pipeline, modules=self.model.modules,
                             iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                             after_step=self.hooks.after_eval_step)
         self._use_vocab_data(self.data.vocab_train)

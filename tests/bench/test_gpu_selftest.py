@@ -203,6 +203,7 @@ def test_no_schedule_is_handed_to_a_step_that_refuses_it(gpus, tmp_path):
                 assert not get_spec(name).vocab_parallel and p2p_stress.stress_refusal(name) is None
                 sched = build_schedule(name, num_ranks=pp, num_microbatches=2 * pp)
                 fb = get_forward_backward_func(sched)
+                fb.install(pp, 2 * pp)
                 for rank in range(pp):
                     fb.plan_for(pp, 2 * pp, rank)
                 seen.add(name)

@@ -226,32 +226,40 @@ class _PlannerConfig:
 
 
 class _RecordingPlanner:
-    """Stands in for :class:`~megatron_zb.training.replanning.SchedulePlanner`: records the hooks."""
+    """Stands in for :class:`~megatron_zb.training.replanning.SchedulePlanner` and its runtime and
+    :class:`~megatron_zb.training.cost_window.CostWindow` (a planner needs process groups and a model):
+    records the calls the wrapper makes."""
 
     def __init__(self, window: tuple[int, int]) -> None:
         self.window, self.calls, self.replans = window, [], 0
         self.config = _PlannerConfig()
 
-    def forward_backward(self, **kwargs: Any) -> list[Any]:
-        self.calls.append(("run", kwargs["forward_only"]))
-        return [kwargs["forward_only"]]
+    def run(self, measure: Any, **kwargs: Any) -> Any:
+        from megatron_zb.runtime.measure import Measured
 
-    def begin_iteration(self, iteration: int) -> bool:
-        self.calls.append(("begin", iteration))
-        return self.window[0] <= iteration < self.window[1]
+        self.calls.append(("run", kwargs["forward_only"], measure.time_actions))
+        return Measured(data=[kwargs["forward_only"]])
 
-    def end_iteration(self, iteration: int, *, profiling: bool, seconds: float) -> bool:
-        assert seconds >= 0
-        self.calls.append(("end", iteration))
-        return profiling and iteration == self.window[1] - 1
+    def request(self, iteration: int) -> Any:
+        from megatron_zb.runtime.measure import Measure
 
-    def replan(self) -> None:
+        self.calls.append(("request", iteration))
+        return Measure(time_actions=self.window[0] <= iteration < self.window[1], iteration=iteration)
+
+    def record(self, iteration: int, measured: Any, *, seconds: float) -> bool:
+        assert seconds >= 0 and measured.data == [False]
+        self.calls.append(("record", iteration))
+        return iteration == self.window[1] - 1
+
+    def replan(self, window: Any) -> None:
+        assert window is self
         self.replans += 1
 
 
 def test_replanning_wrapper_counts_training_calls_only() -> None:
-    """Evaluation calls (``forward_only=True``) neither advance the iteration nor touch the window;
-    the window's last training call re-plans once; the keywords are megatron-core's."""
+    """Evaluation calls (``forward_only=True``) neither advance the iteration nor touch the window (and
+    measure nothing); the window's training calls measure their actions' times; its last one re-plans
+    once; the keywords are megatron-core's."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from megatron_zb.megatron_lm import ReplanningForwardBackward
@@ -264,16 +272,18 @@ def test_replanning_wrapper_counts_training_calls_only() -> None:
 
     assert keywords(wrapper.__call__) == keywords(runtime.__call__)  # names, keyword-only, defaults
     assert {k[0] for k in keywords(wrapper.__call__)} == {k[0] for k in keywords(forward_backward_no_pipelining)}
-    planner = wrapper.planner = _RecordingPlanner(window=(2, 4))
+    planner = _RecordingPlanner(window=(2, 4))
+    wrapper.planner = wrapper.window = wrapper.runtime = planner
     call = dict(forward_step_func=None, data_iterator=None, model=None, num_microbatches=4, seq_length=32,
                 micro_batch_size=2)
     for forward_only in (True, False, True, False, False, True, True, False):
         assert wrapper(**call, forward_only=forward_only) == [forward_only]
     assert wrapper.iteration == 4 and planner.replans == 1 and planner.config.num_microbatches == 4
     trained = [c for c in planner.calls if c[0] != "run"]
-    assert trained == [(e, i) for i in range(1, 5) for e in ("begin", "end")]
-    assert [c for c in planner.calls if c[0] == "run"] == [("run", f) for f in
-                                                          (True, False, True, False, False, True, True, False)]
+    assert trained == [(e, i) for i in range(1, 5) for e in ("request", "record")]
+    assert [c for c in planner.calls if c[0] == "run"] == [
+        ("run", True, False), ("run", False, False), ("run", True, False), ("run", False, True),
+        ("run", False, True), ("run", True, False), ("run", True, False), ("run", False, False)]
 
 
 def loop_flags(*argv: str) -> argparse.Namespace:

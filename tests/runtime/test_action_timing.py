@@ -20,7 +20,7 @@ from megatron_zb.runtime.memory import ActivationMemoryTracker
 from megatron_zb.schedules import Op
 from megatron_zb.schedules.ir import Action
 from megatron_zb.testing.fake_cuda import FakeCuda, run_actions
-from megatron_zb.training.profiling import ActionProfile, ProfileWindow
+from megatron_zb.training.profiling import ActionProfile
 
 F0, B0, W0 = Action(Op.F, 0, 0), Action(Op.B, 0, 0), Action(Op.W, 0, 0)
 
@@ -116,23 +116,29 @@ def three_iterations() -> tuple[list[float], list[list[tuple[Action, float, floa
 
 
 def test_window_resolves_all_iterations_with_one_synchronisation(monkeypatch):
+    """CostWindow over iterations 1-3 on a scripted CUDA clock and a scripted host clock: the first
+    measures the bytes only; nothing is resolved before the window ends, all at once then; the time
+    from iteration 2's last compute action to iteration 3's start is the one outside sample."""
+    from megatron_zb.runtime.measure import Measured
+    from megatron_zb.training import cost_window
+
     script, host = three_iterations()
     cuda = FakeCuda(script).install(monkeypatch)
-    window, profile = ProfileWindow(), ActionProfile()
+    now = [0.0]
+    monkeypatch.setattr(cost_window, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    window = cost_window.CostWindow(_config(start=1, end=4), active=True)
     for i in range(3):
+        now[0] = 1.0 * i + 0.9 if i else 0.0          # iteration i+1 begins on the host at i + 0.9 s
+        window.request(i + 1)
         timing = ActionTiming(device="cuda")
         run_actions(timing, host[i], start=1.0 * i)
-        window.add(timing, elapsed=0.5, times=i > 0)  # the first: bytes only
-        if i > 0:
-            window.add_next_start(1.0 * i + 0.9)      # iteration i+1 began on the host at i + 0.9 s
-    assert cuda.syncs == 0 and profile.iterations == 0
-    window.close(profile)
-    assert cuda.syncs == 1
-    assert profile.iterations == 2
+        due = window.record(i + 1, Measured(data=[], timing=timing), seconds=0.5)
+        assert cuda.syncs == (1 if i == 2 else 0) and due == (i == 2)
+    profile = window.profile
+    assert profile.iterations == 2   # the first: bytes only
     assert profile.durations == {(Op.F, 0): [pytest.approx(0.002)] * 2, (Op.B, 0): [pytest.approx(0.003)] * 2}
-    # the outside times: began minus the resolved end of the last B (start + 6 ms): 0.9 - 0.006 twice
-    assert profile.outside == [pytest.approx(0.894), pytest.approx(0.894)]
-    assert window.iterations == [] and window.next_starts == []
+    # the outside time: iteration 3 began at 2.9 s, iteration 2's last B ended at its start + 6 ms (1.006 s)
+    assert profile.outside == [pytest.approx(2.9 - 1.006)]
 
 
 def test_resolve_timings_waits_once_for_all(monkeypatch):
@@ -147,42 +153,45 @@ def test_resolve_timings_waits_once_for_all(monkeypatch):
     assert [t.durations(Op.B) for t in timings] == [{0: [pytest.approx(0.003)]}] * 3
 
 
-def test_planner_resolves_at_the_window_end_only(monkeypatch):
-    """SchedulePlanner over a window of three iterations (2-4): no synchronisation before the
-    window's last iteration ends, one then; the bytes-only first iteration gives no times."""
-    import megatron.core.pipeline_parallel as mcore_pp
-
-    from megatron_zb.training.replanning import SchedulePlanner
-
-    monkeypatch.setattr(mcore_pp, "get_forward_backward_func", lambda: None)  # needs no process group then
-    script, host = three_iterations()
-    cuda = FakeCuda(script).install(monkeypatch)
+def _config(*, start: int, end: int):
+    """A one-stage run whose re-plan window is iterations ``start`` to ``end - 1``."""
     from megatron_zb.training import run_config as rc
 
-    config = rc.RunConfig(
+    return rc.RunConfig(
         model=rc.ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=1, seq_length=8, padded_vocab_size=8,
                              ffn_hidden_size=32, kv_channels=8, max_position_embeddings=8),
         parallel=rc.ParallelConfig(), precision=rc.PrecisionConfig(), optim=rc.OptimConfig(lr=1e-3),
         schedule=rc.ScheduleConfig(name="1f1b", placement="plain", split_backward=False, cost_aware=False,
-                                   num_model_chunks=1, layers_per_stage=(1,), use_megatron_core_schedule=True,
-                                   zero_bubble_pipeline_timers_start_iter=2, zero_bubble_pipeline_timers_end_iter=5),
+                                   num_model_chunks=1, layers_per_stage=(1,),
+                                   zero_bubble_pipeline_timers_start_iter=start, zero_bubble_pipeline_timers_end_iter=end),
         micro_batch_size=1, global_batch_size=1, num_microbatches=1, train_iters=10)
-    planner = SchedulePlanner(config, schedule=SimpleNamespace(stage_to_rank=[0], num_microbatches=1), dist_ctx=None)
-    runtime = SimpleNamespace(options=SimpleNamespace(time_actions=False, track_memory=False),
-                              last_timing=None, last_memory=None)
-    planner.runtime = runtime             # a runtime whose iterations are scripted
-    due = []
+
+
+def test_cost_window_resolves_at_the_window_end_only(monkeypatch):
+    """The re-plan's CostWindow over a window of three iterations (2-4): every iteration asks the runtime
+    for its actions' times, the first also for the bytes (only); no synchronisation before the window's
+    last iteration ends, one then; the bytes-only first iteration gives no times."""
+    from megatron_zb.runtime.measure import Measured
+    from megatron_zb.training.cost_window import CostWindow
+
+    script, host = three_iterations()
+    cuda = FakeCuda(script).install(monkeypatch)
+    window = CostWindow(_config(start=2, end=5), active=True)
+    assert not window.request(1).time_actions   # before the window
+    due, requests = [], []
     for it in (2, 3, 4):
-        assert planner.begin_iteration(it) and runtime.options.time_actions
+        measure = window.request(it)
+        requests.append((measure.time_actions, measure.track_memory, measure.iteration))
         timing = ActionTiming(device="cuda")
         run_actions(timing, host[it - 2], start=time.perf_counter())
-        runtime.last_timing = timing
-        due.append(planner.end_iteration(it, profiling=True, seconds=0.5))
+        due.append(window.record(it, Measured(data=[], timing=timing), seconds=0.5))
         assert cuda.syncs == (1 if it == 4 else 0)
+    assert requests == [(True, True, 2), (True, False, 3), (True, False, 4)]
     assert due == [False, False, True]
-    assert planner.profiled_iterations == [2, 3, 4]
-    assert planner.profile.iterations == 2 and len(planner.profile.outside) == 1
-    assert planner.profile.durations[(Op.F, 0)] == [pytest.approx(0.002)] * 2
+    assert window.profiled_iterations == [2, 3, 4]
+    assert window.profile.iterations == 2 and len(window.profile.outside) == 1
+    assert window.profile.durations[(Op.F, 0)] == [pytest.approx(0.002)] * 2
+    assert not window.request(5).time_actions   # after it
 
 
 # ---------------------------------------------------------------------------- the device's wait for the host
@@ -233,9 +242,9 @@ def test_profile_keeps_host_and_device_time_and_the_wait_per_action(monkeypatch)
     FakeCuda(WAIT_SCRIPT).install(monkeypatch)
     timing = ActionTiming(device="cuda")
     run_actions(timing, WAIT_HOST, start=50.0)
-    window, profile = ProfileWindow(), ActionProfile()
-    window.add(timing, elapsed=0.06)
-    window.close(profile)
+    profile = ActionProfile()
+    resolve_timings([timing])
+    profile.add(timing, elapsed=0.06)
     assert profile.clock == "cuda_events"
     assert profile.medians_ms() == {(Op.F, 0): pytest.approx(30.5, rel=1e-9), (Op.B, 0): pytest.approx(20.0, rel=1e-9),
                                     (Op.W, 0): pytest.approx(4.0, rel=1e-9)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_zb.runtime import get_forward_backward_func
@@ -49,22 +51,47 @@ def test_out_of_order_forwards_are_found_per_stage():
 
 
 def test_forward_backward_builds_each_plan_once_and_rebuilds_after_replan():
+    """One process (no process group): the install protocol builds locally."""
     fb = get_forward_backward_func("zb", costs=CostModel(t_f=1.0, t_b=1.0, t_w=1.0))
+    with pytest.raises(KeyError, match="no schedule installed for 4 pipeline ranks and 8"):
+        fb.plan_for(4, 8, 2)
+    fb.install(4, 8)
+    fb.install(4, 16)
     plan = fb.plan_for(4, 8, 2)
     assert fb.plan_for(4, 8, 2) is plan                       # cached
     assert fb.plan_for(4, 8, 2, forward_only=True) is not plan
     assert fb.plan_for(4, 8, 2).schedule.num_microbatches == 8
-    fb.replan(CostModel(t_f=1.0, t_b=2.0, t_w=1.0))
+    measured = CostModel(t_f=1.0, t_b=2.0, t_w=1.0)
+    fb.install(4, 8, costs=measured)
     assert fb.plan_for(4, 8, 2) is not plan                   # new costs: new schedule, new plan
+    assert fb.costs is measured and fb.installed(4, 16) is None   # other m's: built again from these costs
     installed = build_schedule("zb-h1", num_ranks=4, num_microbatches=8)
-    fb.install_schedule(installed)
+    fb.install(4, 8, schedule=installed)
     assert list(fb.plan_for(4, 8, 2).actions) == lower(installed).ranks[2]
+    with pytest.raises(dataclasses.FrozenInstanceError):   # the options are the caller's, fixed: no caller
+        fb.options.costs = measured                         # switches measurements or costs by mutating them
+
+
+def test_install_refuses_another_placement_and_reports_what_cannot_be_built():
+    """The install protocol checks the placement the model was built for, and a schedule that cannot be
+    built comes back as NotBuilt, naming why, with nothing installed."""
+    from megatron_zb.runtime import NotBuilt
+
+    fb = get_forward_backward_func("zb-h1")
+    with pytest.raises(RuntimeError, match=r"places stages as \[0, 1, 1, 0\], this rank's model was built for \[0, 1\]"):
+        fb.install(2, 4, schedule=build_schedule("zbv", num_ranks=2, num_microbatches=4))
+    assert fb.installed(2, 4) is None
+    fixed = get_forward_backward_func(build_schedule("zb-h1", num_ranks=2, num_microbatches=4))
+    outcome = fixed.install(2, 8)
+    assert isinstance(outcome, NotBuilt) and "for 2 pipeline ranks and 4 microbatches" in outcome.reason
+    assert fixed.installed(2, 8) is None
 
 
 def test_bad_schedule_fails_on_the_first_call_naming_the_action():
     sched = build_schedule("zb-h1", num_ranks=2, num_microbatches=4)
     sched.ranks[1] = [a for a in sched.ranks[1] if not (a.op == "W" and a.mb == 2)]
     fb = get_forward_backward_func(sched)
+    fb.install(2, 4)   # what the first call does first
     with pytest.raises(ScheduleError, match="W"):
         fb.plan_for(2, 4, 0)
 

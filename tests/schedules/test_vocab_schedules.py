@@ -208,7 +208,7 @@ def test_duration_spread_refuses_vocabulary_passes():
 
 
 def test_executing_consumers_refuse_vocabulary_passes_by_name():
-    """The runtime (its factory and install_schedule), pretrain_gpt_zb.py's --schedule and the PyTorch
+    """The runtime (its factory and install), pretrain_gpt_zb.py's --schedule and the PyTorch
     export refuse a schedule with IF/S/T/IB passes, naming it, instead of running the passes as backwards."""
     from megatron_zb.runtime import get_forward_backward_func
     from megatron_zb.schedules.registry import build_schedule
@@ -222,7 +222,7 @@ def test_executing_consumers_refuse_vocabulary_passes_by_name():
     with pytest.raises(ValueError, match="holds vocabulary-parallel passes"):
         get_forward_backward_func(sched)
     with pytest.raises(ValueError, match="holds vocabulary-parallel passes"):
-        get_forward_backward_func("1f1b").install_schedule(sched)
+        get_forward_backward_func("1f1b").install(2, 4, schedule=sched)
     with pytest.raises(TorchExportError, match="holds vocabulary-parallel passes"):
         to_torch_actions(sched)
     argv = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "

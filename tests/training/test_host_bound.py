@@ -84,6 +84,8 @@ def _planner_rank(out: str) -> str:
     from megatron_zb.schedules import Op
     from megatron_zb.schedules.registry import build_schedule
     from megatron_zb.testing.fake_cuda import FakeCuda, run_actions
+    from megatron_zb.runtime.install import Installed
+    from megatron_zb.runtime.measure import Measured
     from megatron_zb.training.replanning import SchedulePlanner
 
     rank = dist.get_rank()
@@ -96,19 +98,20 @@ def _planner_rank(out: str) -> str:
     FakeCuda(script).install(_SetAttr())
     memory = ActivationMemoryTracker()  # 300 bytes kept by each F, 100 freed by each B (host times: mid-action)
     memory.events = sorted(((t0 + t1) / 2, 300 if a.op is Op.F else -100) for a, t0, t1 in host if a.op is not Op.W)
-    runtime = SimpleNamespace(options=SimpleNamespace(time_actions=False, track_memory=False, costs=None),
-                              last_timing=None, last_memory=memory, install_schedule=lambda s: None,
-                              schedule_for=lambda p, m: sched)
+    # a runtime double whose one iteration is scripted above (a CUDA clock cannot run here)
+    runtime = SimpleNamespace(install=lambda p, m, **kw: Installed(sched, 0.0), schedule_for=lambda p, m: sched,
+                              costs=None)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        planner = SchedulePlanner(config(profile_out=out), schedule=sched, runtime=runtime,
+        planner = SchedulePlanner(config(profile_out=out), schedule=sched, stage_to_rank=sched.stage_to_rank,
+                                  runtime=runtime,
                                   dist_ctx=SimpleNamespace(device=torch.device("cpu"), pp_group=dist.group.WORLD))
-        assert planner.begin_iteration(2)
+        window = planner.cost_window()
+        assert window.request(2).time_actions
         timing = ActionTiming(device="cuda")
         run_actions(timing, host, start=START)
-        runtime.last_timing = timing
-        assert planner.end_iteration(2, profiling=True, seconds=0.1)
-        planner.replan()
+        assert window.record(2, Measured(data=[], timing=timing, memory=memory), seconds=0.1)
+        planner.replan(window)
     return printed.getvalue()
 
 
