@@ -63,3 +63,59 @@ def test_example_runs_on_a_real_pipeline_bitwise_equal_to_megatron(gpipe):
     assert got["grads"].keys() == ref["grads"].keys() and ref["grads"]
     for name, g in ref["grads"].items():
         assert torch.equal(got["grads"][name], g), name
+
+
+def test_no_test_imports_a_private_name():
+    """The page's claim "No test imports a private function": every ``from megatron_zb... import``
+    in tests/ names public names only (no leading underscore)."""
+    import ast
+
+    tests = Path(__file__).resolve().parent
+    private = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_zb"):
+                private += [f"{path.relative_to(tests)}:{node.lineno} {node.module}.{a.name}"
+                            for a in node.names if a.name.startswith("_")]
+    assert private == []
+
+
+FLOORS = ("schedules", "model", "runtime", "training")
+"""The page's layers, lowest first: a module of one never imports one of a higher floor (``model/`` builds
+the chunks the runtime runs; ``planning/`` and the modules beside the floors are not ordered here)."""
+
+
+def _imported_packages(path: Path, module: str) -> set[str]:
+    """The ``megatron_zb`` sub-packages ``path`` (module ``module``) imports, at load time or inside functions."""
+    import ast
+
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:   # relative: resolve against the module's package
+                package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = package[:len(package) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            names = [name]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        out |= {n.split(".")[1] for n in names if n.startswith("megatron_zb.") and n.count(".") >= 1}
+    return out
+
+
+def test_no_floor_imports_a_higher_one():
+    """schedules/ < model/ < runtime/ < training/: no import goes up (before issue 40 ``model/`` imported
+    ``runtime/`` for the weight-gradient rule, now ``model/grad_accumulation.py``)."""
+    package = Path(__file__).resolve().parents[1] / "megatron_zb"
+    upward = []
+    for low, floor in enumerate(FLOORS):
+        for path in sorted((package / floor).rglob("*.py")):
+            parts = path.relative_to(package).with_suffix("").parts
+            module = ".".join(("megatron_zb",) + (parts[:-1] if parts[-1] == "__init__" else parts))
+            higher = _imported_packages(path, module) & set(FLOORS[low + 1:])
+            upward += [f"{path.relative_to(package)} -> {h}/" for h in sorted(higher)]
+    assert upward == []

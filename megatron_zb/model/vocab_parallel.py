@@ -177,7 +177,7 @@ class WeightGrad:
         return self._compute()
 
     def __call__(self) -> None:
-        from megatron_zb.runtime.linear_route import add_weight_grad
+        from megatron_zb.model.grad_accumulation import add_weight_grad
 
         grad = self.compute()
         self._compute = None

@@ -49,7 +49,7 @@ from .rank_plan import RankPlan, RecvPoster, plan_rank
 from .routes import backward_window
 from .wgrad_store import WeightGradStore
 
-__all__ = ["ActionTiming", "LoopOverhead", "RankPlan", "RecvPoster", "StageRuntime", "execute", "plan_rank"]
+__all__ = ["ActionTiming", "LoopOverhead", "IterationState", "RankPlan", "RecvPoster", "StageRuntime", "execute", "plan_rank"]
 
 @dataclass
 class LoopOverhead:
@@ -155,7 +155,7 @@ def execute(*, plan: RankPlan, runtime: StageRuntime, store: WeightGradStore, fo
     ``overhead`` (filled in place) receives where this call's time went (:class:`LoopOverhead`).
     """
     watch = _Stopwatch(timing)    # first: the call's wall and CPU time include the set-up
-    it = _Iteration(plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func,
+    it = IterationState(plan=plan, runtime=runtime, store=store, forward_step_func=forward_step_func,
                     config=config, collect_non_loss_data=collect_non_loss_data, cp_group_size=cp_group_size,
                     first_val_step=first_val_step, memory=memory)
     grad_sync = _begin_iteration(plan, store, grad_sync)
@@ -198,7 +198,7 @@ def _begin_iteration(plan: RankPlan, store: WeightGradStore, grad_sync: GradSync
     return grad_sync
 
 
-def _communicate(issue: Issue, it: "_Iteration", comm: PipeComm, runtime: StageRuntime) -> None:
+def _communicate(issue: Issue, it: "IterationState", comm: PipeComm, runtime: StageRuntime) -> None:
     """One p2p step of the rank's program: post or wait for a receive, send, or release a send."""
     step, a = issue.step, issue.action
     if step is Step.POST:
@@ -275,7 +275,7 @@ def _now(clock: Callable[[], float] = time.perf_counter, cpu: Callable[[], float
     return clock(), cpu()
 
 
-class _Iteration:
+class IterationState:
     """One iteration's tensors between the actions of one rank, and the compute handlers.
 
     Keyed by ``(mb, stage)``:

@@ -11,10 +11,10 @@ import torch
 from ..schedules.costs import CostModel
 from ..schedules.ir import Schedule, ScheduleError, vocab_passes_unsupported
 from ..schedules.registry import build_schedule, get_spec
-from .executor import ActionTiming, LoopOverhead, RankPlan, StageRuntime, execute, plan_rank
+from .executor import ActionTiming, LoopOverhead, StageRuntime, execute
 from .install import Installed, NotBuilt, install_from_rank0
 from .measure import Measure, Measured
-from .rank_plan import RECV_LOOKAHEAD, check_lookahead
+from .rank_plan import RECV_LOOKAHEAD, RankPlan, check_lookahead, plan_rank
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
 from ..peer_wait import WaitPolicy, Watchdog

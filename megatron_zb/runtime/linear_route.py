@@ -77,6 +77,7 @@ def check_device_max_connections(device: torch.device) -> bool:
 def _accumulate_wgrad(weight: torch.Tensor, main_grad: torch.Tensor | None, fusion: bool,
                       grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
     """Add ``grad_output^T @ total_input`` to the weight's gradient, as megatron-core would."""
+    from ..model.grad_accumulation import add_weight_grad
     from .wgrad_kernels import wgrad_gemm_accum
 
     if fusion:
@@ -86,18 +87,6 @@ def _accumulate_wgrad(weight: torch.Tensor, main_grad: torch.Tensor | None, fusi
             weight.grad_added_to_main_grad = True
         return
     add_weight_grad(weight, grad_output.t().matmul(total_input))
-
-
-def add_weight_grad(weight: torch.Tensor, grad_weight: torch.Tensor) -> None:
-    """Add a computed weight gradient where megatron-core keeps it: ``weight.main_grad`` (what
-    megatron-core DDP's grad hook adds into), else ``weight.grad``. The one copy of the rule (the
-    linear route's W and the vocabulary-parallel slices' W)."""
-    if getattr(weight, "main_grad", None) is not None:
-        weight.main_grad.add_(grad_weight)
-    elif weight.grad is None:
-        weight.grad = grad_weight
-    else:
-        weight.grad += grad_weight
 
 
 class _DummyWgrads:

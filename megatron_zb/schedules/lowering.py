@@ -14,7 +14,7 @@ Vocabulary passes (``IF``, ``S``, ``T``, ``IB``) are kept as they are: their col
 the whole pipeline group, not point to point, and are not lowered here.
 Each transfer is identified by ``(direction, mb, stage)``; the runtime matches a send with its
 receive by order (as NCCL does), posting each peer's receives in the order that peer sends them
-(:class:`megatron_zb.runtime.executor.RankPlan`).
+(:class:`megatron_zb.runtime.rank_plan.RankPlan`).
 """
 
 from __future__ import annotations

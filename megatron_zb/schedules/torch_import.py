@@ -229,7 +229,7 @@ def import_torch_schedule(cls_name: str, *, num_ranks: int, num_microbatches: in
                                    name=f"torch:{cls_name}")
     sched.meta.update(torch_class=cls_name, placement=info.placement)
     if repair and cls_name == "Schedule1F1B":
-        note = _repair_1f1b_last_rank(sched)
+        note = repair_1f1b_last_rank(sched)
         if note:
             sched.meta["repaired"] = note
     try:
@@ -268,7 +268,7 @@ def _convert_one(a: Any, rank: int, slot: int) -> Action:
     return Action(TORCH_COMPUTE_OPS[kind], int(a.microbatch_index), int(a.stage_index))
 
 
-def _repair_1f1b_last_rank(sched: Schedule) -> str:
+def repair_1f1b_last_rank(sched: Schedule) -> str:
     """Undo Schedule1F1B's off-by-one on its last rank, in place; return what was done ('' if nothing).
 
     Acts only on the exact signature: the last rank's forwards are ``1..m`` in order and its

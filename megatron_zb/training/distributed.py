@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from megatron_zb.training.run_config import ParallelConfig
 
-__all__ = ["DistributedContext", "context_from_parallel_state", "init_distributed", "local_rank", "shutdown_distributed"]
+__all__ = ["DistributedContext", "context_from_parallel_state", "init_distributed", "local_rank", "shutdown_distributed",
+           "single_process_store"]
 
 
 def local_rank() -> int:
@@ -61,7 +62,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int) -> DistributedConte
     started = False
     if not dist.is_initialized():
         dist.init_process_group(backend=parallel.distributed_backend, world_size=parallel.world_size,
-                                rank=int(os.environ.get("RANK", "0")), store=_single_process_store(parallel),
+                                rank=int(os.environ.get("RANK", "0")), store=single_process_store(parallel),
                                 timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
         started = True
     parallel_state.initialize_model_parallel(
@@ -92,7 +93,7 @@ def context_from_parallel_state(*, backend: str, started_pg: bool = False) -> Di
         started_pg=started_pg)
 
 
-def _single_process_store(parallel: ParallelConfig) -> dist.Store | None:
+def single_process_store(parallel: ParallelConfig) -> dist.Store | None:
     """An in-memory store for a one-process run started without a launcher (no ``MASTER_PORT``): no port
     to pick, so none another process can take first; ``None`` (``env://`` rendezvous) otherwise."""
     if parallel.world_size != 1 or "MASTER_PORT" in os.environ:

@@ -211,7 +211,7 @@ def _token_counter_device(device: str) -> str:
     """The executor's token counter is created on the runtime's device (megatron-core: on the GPU)."""
     from megatron.core.enums import ModelType
 
-    from megatron_zb.runtime.executor import StageRuntime, _Iteration
+    from megatron_zb.runtime.executor import StageRuntime, IterationState
     from megatron_zb.runtime.wgrad_store import WeightGradStore
 
     chunk = torch.nn.Linear(1, 1)
@@ -219,7 +219,7 @@ def _token_counter_device(device: str) -> str:
     plan = plan_rank(build_schedule("1f1b", num_ranks=1, num_microbatches=1), rank=0)
     rt = StageRuntime(chunks={0: chunk}, data_iterators={0: None}, tensor_shape=(1,), dtype=torch.float32,
                       device=torch.device(device))
-    it = _Iteration(plan=plan, runtime=rt, store=WeightGradStore(), forward_step_func=None, config=None,
+    it = IterationState(plan=plan, runtime=rt, store=WeightGradStore(), forward_step_func=None, config=None,
                     collect_non_loss_data=False, cp_group_size=1, first_val_step=None, memory=None)
     return it.total_tokens.device.type
 

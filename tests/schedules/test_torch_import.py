@@ -16,7 +16,7 @@ from megatron_zb.schedules import CostModel, simulate, validate  # noqa: E402
 from megatron_zb.schedules.ir import interleaved_placement, plain_placement, v_placement  # noqa: E402
 from megatron_zb.schedules.registry import build_schedule  # noqa: E402
 from megatron_zb.schedules.torch_import import (TORCH_SCHEDULES, TorchImportError,  # noqa: E402
-                                                _repair_1f1b_last_rank, build_torch_order,
+                                                repair_1f1b_last_rank, build_torch_order,
                                                 convert_pipeline_order, import_torch_schedule,
                                                 torch_schedule_names)
 
@@ -77,7 +77,7 @@ def test_1f1b_defect_signature_and_repair(p, m):
 def test_repair_leaves_a_valid_schedule_alone():
     ours = build_schedule("1f1b", num_ranks=4, num_microbatches=8)
     before = [list(r) for r in ours.ranks]
-    assert _repair_1f1b_last_rank(ours) == ""
+    assert repair_1f1b_last_rank(ours) == ""
     assert ours.ranks == before
 
 

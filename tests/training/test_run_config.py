@@ -240,10 +240,10 @@ def test_a_one_process_run_without_a_launcher_picks_no_port(monkeypatch: pytest.
     a launcher's MASTER_PORT, or more than one process: env:// rendezvous as torchrun sets it up."""
     import torch.distributed as dist
 
-    from megatron_zb.training.distributed import _single_process_store
+    from megatron_zb.training.distributed import single_process_store
 
     one = _parsed(BASE[:-2], 1).parallel
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    assert isinstance(_single_process_store(one), dist.HashStore)
+    assert isinstance(single_process_store(one), dist.HashStore)
     monkeypatch.setenv("MASTER_PORT", "29500")
-    assert _single_process_store(one) is None
+    assert single_process_store(one) is None
