@@ -300,17 +300,17 @@ def timing_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             this_round = {}
             for v in order:
                 mods = [c.module for c in chunks[placement_kind(v)]]
-                t0, t1, measured = _iteration(fbs[v], mods, data, spec, ours=(v != MEGATRON_1F1B))
-                out = measured.data
+                t0, t1, call = _iteration(fbs[v], mods, data, spec, ours=(v != MEGATRON_1F1B))
+                out = call.data
                 this_round[v] = 1e3 * (t1 - t0)
                 if timed:
                     timings[m][v].append((t0, t1))
                     if v in achieved[m]:
-                        overhead[m][v].merge(measured.overhead)
+                        overhead[m][v].merge(call.overhead)
                         for op in (Op.F, Op.B, Op.W, Op.BW):
-                            for st, xs in measured.timing.durations(op).items():
+                            for st, xs in call.timing.durations(op).items():
                                 achieved[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
-                            for st, xs in measured.timing.cpu_durations(op).items():
+                            for st, xs in call.timing.cpu_durations(op).items():
                                 cpu[m][v].setdefault(op, {}).setdefault(st, []).extend(xs)
                     if v not in losses[m] and out:
                         losses[m][v] = [float(d["lm loss"]) for d in out]
@@ -347,10 +347,10 @@ def _memory(chunks: dict[str, list[Any]], spec: ModelSpec, measured: dict[str, A
             mod.zero_grad(set_to_none=True)
         gc.collect()
         t0 = time.perf_counter()
-        measured = measured_forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch,
-                                             measure=Measure(track_memory=True))
+        tracked = measured_forward_backward(fb, mods, data, seq=spec.seq, micro_batch=spec.micro_batch,
+                                            measure=Measure(track_memory=True))
         progress.round(m=m, times_ms={name: 1e3 * (time.perf_counter() - t0)}, what="tracked iteration")
-        out[name] = dict(peak_bytes=measured.peak_bytes, schedule=fb.schedule_for(dist.get_world_size(), m))
+        out[name] = dict(peak_bytes=tracked.peak_bytes, schedule=fb.schedule_for(dist.get_world_size(), m))
     return out
 
 

@@ -295,8 +295,9 @@ def run_step(cfg: TinyGPT, *, schedule: "str | Schedule | None", forward_only: b
     peak_bytes = None
     if schedule is None:
         from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
-        fb = megatron_func()
-        store, before = None, 0   # megatron-core's func: no weight-gradient store
+        fb = megatron_func()   # megatron-zb's under patch_megatron: its store then counts the W's run
+        store = getattr(fb, "store", None)
+        before = 0 if store is None else store.executed
         losses = forward_backward(fb, modules, data, seq=cfg.seq, micro_batch=cfg.micro_batch, forward_only=forward_only)
     else:
         fb = get_forward_backward_func(schedule, **{**cfg.schedule_options, **options})
