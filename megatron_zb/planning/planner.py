@@ -71,10 +71,6 @@ from .model import PlanError, PlanLayout, PlanModel
 from .profile import Profile
 from .vocab import base_family, vocab_pass_costs, vocab_variant
 
-EXCLUDED_BY_DEFAULT = {
-    "zb-optimal": "exact CP-SAT solver: minutes beyond small p and m",
-    "zbv-optimal": "exact CP-SAT solver: minutes beyond small p and m",
-}
 SEARCH_LIMIT = 2048  # stages * microbatches above which multi-chunk search generators take minutes
 OPTIMIZER_BYTES_PER_PARAM = {"bf16": 46.0, "fp16": 46.0, "fp32": 36.0}
 """HBM traffic of one optimizer step per parameter, by precision (module doc)."""
@@ -315,8 +311,8 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
     placement = Placement(spec.placement)
     chunks = (_interleaved_chunks(model, par) if placement is Placement.INTERLEAVED
               else placement.chunks_per_rank(1))
-    if not explicit and name in EXCLUDED_BY_DEFAULT:
-        return FamilyResult(name, "skipped", f"{EXCLUDED_BY_DEFAULT[name]}; request it with --schedules", chunks)
+    if not explicit and spec.excluded_from_plan is not None:
+        return FamilyResult(name, "skipped", f"{spec.excluded_from_plan}; request it with --schedules", chunks)
     if spec.vocab_parallel and not vocab:
         return FamilyResult(name, "skipped", "vocabulary-parallel schedule: plan it with --enable-vocab-parallel",
                             chunks)
