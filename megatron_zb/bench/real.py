@@ -411,8 +411,8 @@ def post_validation_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         opt = megatron_optimizer(OptimConfig(lr=1e-4, clip_grad=cfg["clip_grad"]), precision=precision,
                                  parallel=parallel, modules=[ddp])
         if name == "post-validation":
-            opt = wrap_post_validation(PostValidationConfig(warmup_iters=0, fallback_clean_iters=1,
-                                                            timeout_seconds=120.0), opt, announce=False)
+            opt = wrap_post_validation(PostValidationConfig(warmup_iters=0, clean_iters_required=1,
+                                                            timeout=120.0), opt, announce=False)
         fb = get_forward_backward_func(cfg["schedule"], costs=cfg.get("costs"))
         variants[name] = dict(ddp=ddp, opt=opt, fb=fb)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_zb.planning.hardware import DEFAULT_HBM_EFFICIENCY, DEFAULT_MFU, HardwareError, gpu_names, resolve_hardware
-from megatron_zb.planning.model import (TRANSFORMER_IMPLS, ModelConfig, ParallelConfig, PlanError, make_model,
+from megatron_zb.planning.model import (TRANSFORMER_IMPLS, PlanError, PlanLayout, PlanModel, make_model,
                                         make_parallel)
 
 PROG = "megatron-zb"
@@ -49,7 +49,7 @@ _MODEL_SWITCHES = {
     "disable_bias_linear": "no biases on linear layers", "use_flash_attn": "flash attention (no s x s scores kept)",
     "fp16": "fp16 mixed precision", "bf16": "bf16 mixed precision (neither: fp32, Megatron's default)",
 }
-_SPLIT_FLAGS = {  # pretrain_gpt_zb.py's uneven-split flags (ParallelConfig field names)
+_SPLIT_FLAGS = {  # pretrain_gpt_zb.py's uneven-split flags (PlanLayout field names)
     "decoder_first_pipeline_num_layers": "layers of the first stage (plain/interleaved: first rank; V: first stage)",
     "decoder_last_pipeline_num_layers": "layers of the last stage (plain/interleaved: last rank; V: last stage)",
     "account_for_embedding_in_pipeline_split": "count the embedding as a layer of the first stage",
@@ -168,7 +168,7 @@ def _given_model_flags(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
-def _from_profile(args: argparse.Namespace, prof: Any) -> tuple[ModelConfig, ParallelConfig]:
+def _from_profile(args: argparse.Namespace, prof: Any) -> tuple[PlanModel, PlanLayout]:
     """Model and layout of a profile; model flags, PP and TP given must agree with it (the costs
     were measured for them); the microbatches, DP and optimizer may differ."""
     model, par0 = prof.model, prof.parallel
@@ -197,7 +197,7 @@ def _from_profile(args: argparse.Namespace, prof: Any) -> tuple[ModelConfig, Par
     return model, par
 
 
-def _inputs(args: argparse.Namespace) -> tuple[ModelConfig, ParallelConfig, Any]:
+def _inputs(args: argparse.Namespace) -> tuple[PlanModel, PlanLayout, Any]:
     if args.profile is not None:
         from megatron_zb.planning.profile import read_profile
         prof = read_profile(args.profile)

@@ -109,8 +109,10 @@ class PostValidationOptimizer:
     ``sharded_state_dict``, ``load_state_dict``, ``zero_grad``, ``get_loss_scale``, ...) validate first.
     """
 
-    def __init__(self, optimizer: Any, *, exact: bool, warmup_iters: int = 10, clean_iters_required: int = 10,
-                 timeout: float = 600.0, sync_on_local_clip: bool = True, pp_group: Any = None) -> None:
+    def __init__(self, optimizer: Any, *, exact: bool, warmup_iters: int = PostValidationConfig.warmup_iters,
+                 clean_iters_required: int = PostValidationConfig.clean_iters_required,
+                 timeout: float = PostValidationConfig.timeout,
+                 sync_on_local_clip: bool = PostValidationConfig.sync_on_local_clip, pp_group: Any = None) -> None:
         self.__dict__["_optimizer"] = optimizer  # first: __getattr__ forwards to it
         self.pv_config = PostValidationConfig(exact=exact, warmup_iters=warmup_iters,
                                               clean_iters_required=clean_iters_required, timeout=timeout,

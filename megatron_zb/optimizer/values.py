@@ -7,7 +7,7 @@ produces and consumes them. See ``docs/post_validation.md``.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from megatron_zb.optimizer.policy import check_iteration_counts
 from megatron_zb.peer_wait import PipelineTimeoutError
@@ -24,7 +24,10 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class PostValidationConfig:
-    """Settings of :class:`PostValidationOptimizer` (all keyword-only).
+    """Settings of :class:`PostValidationOptimizer` (all keyword-only), and the post-validation
+    section of the run configuration (:class:`megatron_zb.training.run_config.OptimConfig`
+    ``.post_validation``, built by :meth:`from_args`): the one definition. Every default is what
+    ``pretrain_gpt_zb.py``'s flag gives (``sync_on_local_clip`` has no flag).
 
     Attributes:
         exact: rollback mode. True (``--enable-exactly-numeric-match``): before each eager step
@@ -41,19 +44,28 @@ class PostValidationConfig:
             published heuristic: 10); 0 never falls back
             (``pretrain_gpt_zb.py --post-validation-fallback-clean-iters``).
         timeout: seconds any wait of the wrapper may block (the asynchronous reductions and the
-            stage-local agreement reduction). On expiry :class:`PostValidationTimeout` is raised;
-            the process group is then unusable, as after any collective timeout.
+            stage-local agreement reduction): ``--pipeline-timeout-seconds`` (default 300 s), the
+            deadline of every collective the zero-bubble path adds, which fires before the process
+            groups' own ``--distributed-timeout-minutes``. On expiry :class:`PostValidationTimeout`
+            is raised; the process group is then unusable, as after any collective timeout.
         sync_on_local_clip: when this stage's own part of the squared grad norm already proves
             that clipping will fire (the global norm is at least the local one), wait for the
             global norm inside ``step()`` and step correctly instead of stepping eagerly and
             rolling back.
     """
 
-    exact: bool
+    exact: bool = False
     warmup_iters: int = 10
     clean_iters_required: int = 10
-    timeout: float = 600.0
+    timeout: float = 300.0
     sync_on_local_clip: bool = True
+
+    @classmethod
+    def from_args(cls, args: Any) -> "PostValidationConfig":
+        """From ``args`` of ``pretrain_gpt_zb.py`` or Megatron-LM (the same flag names)."""
+        return cls(exact=args.enable_exactly_numeric_match, warmup_iters=args.post_validation_warmup_iters,
+                   clean_iters_required=args.post_validation_fallback_clean_iters,
+                   timeout=args.pipeline_timeout_seconds)
 
     def __post_init__(self) -> None:
         if not isinstance(self.exact, bool):

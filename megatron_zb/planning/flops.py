@@ -32,7 +32,7 @@ the element-wise kernels are counted from Megatron's local GPT layer (fused bias
 fused bias-dropout-add, fused scale-mask-softmax, dropout keeping a 1-byte mask), the loss from
 megatron-core's ``VocabParallelCrossEntropy`` (fp32: 38 bytes per logit forward, 14 backward with 16-bit
 logits; 32 and 8 for an fp32 model, which has no casts). Element sizes follow the model's precision
-(:attr:`~.model.ModelConfig.element_bytes`: 2 for bf16/fp16, 4 for fp32).
+(:attr:`~.model.PlanModel.element_bytes`: 2 for bf16/fp16, 4 for fp32).
 Not modelled: kernel launch gaps, overlap of communication with computation, the embedding
 gradient all-reduce of tied embeddings and the optimizer (counted per iteration by the planner).
 """
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from ..schedules.ir import Op
 from .hardware import Hardware
 from .layout import StageShape
-from .model import ModelConfig, ParallelConfig
+from .model import PlanLayout, PlanModel
 
 CE_FORWARD_BYTES = 32  # per logit: max 4, subtract 8, exp 8, sum 4, divide 8 (+ .float() e+4 if 16-bit)
 CE_BACKWARD_BYTES = 8  # per logit: scale 8 (+ cast back to 16 bit 4+e if 16-bit)
@@ -123,7 +123,7 @@ class _Dims:
     e: int  # bytes per element (precision)
 
     @staticmethod
-    def of(model: ModelConfig, par: ParallelConfig) -> "_Dims":
+    def of(model: PlanModel, par: PlanLayout) -> "_Dims":
         t, T = par.tp, float(model.seq_length * model.micro_batch_size)
         return _Dims(T=T, h=float(model.hidden_size), q=model.query_size / t, kv=model.kv_size / t,
                      f=model.ffn_hidden_size / t, gl=2 if model.swiglu else 1,
@@ -131,7 +131,7 @@ class _Dims:
                      r=t if par.sequence_parallel else 1, ar=2.0 * (t - 1) / t, e=model.element_bytes)
 
 
-def _layer_forward(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
+def _layer_forward(k: _Kernels, m: PlanModel, d: _Dims) -> None:
     e, A = d.e, d.T * d.h / d.r
     drop = 1 if m.hidden_dropout > 0 else 0
     k.ew(2 * e * A)  # input norm
@@ -162,7 +162,7 @@ def _layer_forward(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
     k.tp(e * d.T * d.h, ring_factor=d.ar)
 
 
-def _layer_backward_b(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
+def _layer_backward_b(k: _Kernels, m: PlanModel, d: _Dims) -> None:
     e, A = d.e, d.T * d.h / d.r
     drop = 1 if m.hidden_dropout > 0 else 0
     bias = 1 if m.add_bias_linear else 0
@@ -195,14 +195,14 @@ def _layer_backward_b(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
     k.ew(6 * e * A)
 
 
-def _layer_backward_w(k: _Kernels, m: ModelConfig, d: _Dims) -> None:
+def _layer_backward_w(k: _Kernels, m: PlanModel, d: _Dims) -> None:
     for n_in, n_out in ((d.h, d.q + 2 * d.kv), (d.q, d.h), (d.h, d.f * d.gl), (d.f, d.h)):
         k.mm(2 * d.T * n_in * n_out, d.e * d.T * (n_in + n_out) + FP32_ACCUMULATE * n_in * n_out)
     if d.r > 1:  # sequence parallel: the inputs of QKV and FC1 are all-gathered again
         k.tp(2 * d.e * d.T * d.h, ring_factor=d.ar / 2)
 
 
-def _embedding(k: _Kernels, op: Op, m: ModelConfig, d: _Dims, vocab_parallel: bool = False) -> None:
+def _embedding(k: _Kernels, op: Op, m: PlanModel, d: _Dims, vocab_parallel: bool = False) -> None:
     """The first stage's embedding; ``vocab_parallel``: the word embedding's gather and gradient are
     the passes ``IF``/``IB`` (:mod:`.vocab`), the stage keeps the position embedding and dropout."""
     e, A = d.e, d.T * d.h / d.r
@@ -219,7 +219,7 @@ def _embedding(k: _Kernels, op: Op, m: ModelConfig, d: _Dims, vocab_parallel: bo
         k.ew((0 if vocab_parallel else e * d.T * d.h + FP32_ACCUMULATE * d.T * d.h) + (e * A if learned else 0))
 
 
-def _loss(k: _Kernels, op: Op, m: ModelConfig, d: _Dims, vocab_per_gpu: float, vocab_parallel: bool = False) -> None:
+def _loss(k: _Kernels, op: Op, m: PlanModel, d: _Dims, vocab_per_gpu: float, vocab_parallel: bool = False) -> None:
     """The last stage's final norm, output layer and cross entropy; ``vocab_parallel``: the output layer
     and the cross entropy are the passes ``S``/``T`` (:mod:`.vocab`), the stage keeps the final norm."""
     e, A, N = d.e, d.T * d.h / d.r, d.T * vocab_per_gpu
@@ -259,7 +259,7 @@ class StageCost:
     w: PassCost
 
 
-def layer_cost(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> dict[Op, PassCost]:
+def layer_cost(model: PlanModel, par: PlanLayout, hw: Hardware) -> dict[Op, PassCost]:
     """``F``, ``B`` and ``W`` of one transformer layer on one GPU."""
     d = _Dims.of(model, par)
     out = {}
@@ -270,7 +270,7 @@ def layer_cost(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> dict[Op
     return out
 
 
-def stage_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware,
+def stage_costs(model: PlanModel, par: PlanLayout, hw: Hardware,
                 shapes: list[StageShape], *, vocab_parallel: bool = False) -> list[StageCost]:
     """:class:`StageCost` of every stage in ``shapes``; ``vocab_parallel``: without the word embedding's
     gather and gradient and the output layer with its loss (their passes are :mod:`.vocab`'s)."""
@@ -291,7 +291,7 @@ def stage_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware,
     return out
 
 
-def p2p_time_ms(model: ModelConfig, par: ParallelConfig, hw: Hardware) -> float:
+def p2p_time_ms(model: PlanModel, par: PlanLayout, hw: Hardware) -> float:
     """``T_comm``: one activation (or its gradient) between two stages, latency + bytes / bandwidth.
 
     Each GPU of a TP group sends its own copy of the ``s x b x h`` activation (a ``1/t`` shard with

@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layout import StageShape
-from .model import ModelConfig, ParallelConfig
+from .model import PlanLayout, PlanModel
 
 GIB = float(2 ** 30)
 FP32 = 4
@@ -66,7 +66,7 @@ class ActivationBytes:
     mem_w: float
 
 
-def _sizes(model: ModelConfig, par: ParallelConfig) -> tuple[float, float, float, float, float, float, int]:
+def _sizes(model: PlanModel, par: PlanLayout) -> tuple[float, float, float, float, float, float, int]:
     t = par.tp
     T = float(model.seq_length * model.micro_batch_size)
     A = T * model.hidden_size / (t if par.sequence_parallel else 1)
@@ -83,7 +83,7 @@ def mem_w_ratio(*, hidden_size: int, num_attention_heads: int, seq_length: int) 
     return (32.0 * h) / (34.0 * h + 5.0 * a * s)
 
 
-def layer_activations(model: ModelConfig, par: ParallelConfig) -> ActivationBytes:
+def layer_activations(model: PlanModel, par: PlanLayout) -> ActivationBytes:
     """``M_B`` and ``M_W`` of one transformer layer on one GPU, bytes (table in the module doc)."""
     e = model.element_bytes
     T, A, q, kv, f, S, gl = _sizes(model, par)
@@ -100,7 +100,7 @@ def layer_activations(model: ModelConfig, par: ParallelConfig) -> ActivationByte
     return ActivationBytes(mem_b, mem_w)
 
 
-def stage_activations(model: ModelConfig, par: ParallelConfig, shape: StageShape, *,
+def stage_activations(model: PlanModel, par: PlanLayout, shape: StageShape, *,
                       vocab_parallel: bool = False) -> ActivationBytes:
     """``M_B`` and ``M_W`` of a whole stage (its layers, plus embedding / loss), bytes. ``M_W`` may
     exceed ``M_B`` (sequence parallelism at a large TP, module doc): ``B`` then allocates.
@@ -122,7 +122,7 @@ def stage_activations(model: ModelConfig, par: ParallelConfig, shape: StageShape
     return ActivationBytes(mem_b, mem_w)
 
 
-def layer_parameters(model: ModelConfig, par: ParallelConfig) -> float:
+def layer_parameters(model: PlanModel, par: PlanLayout) -> float:
     """Parameters of one transformer layer held by one GPU."""
     _, _, q, kv, f, _, gl = _sizes(model, par)
     h = float(model.hidden_size)
@@ -132,7 +132,7 @@ def layer_parameters(model: ModelConfig, par: ParallelConfig) -> float:
             + h * f * gl + bias * f * gl + f * h + bias * h + 2 * norm)
 
 
-def stage_parameters(model: ModelConfig, par: ParallelConfig, shape: StageShape, *,
+def stage_parameters(model: PlanModel, par: PlanLayout, shape: StageShape, *,
                      vocab_parallel: bool = False) -> float:
     """Parameters of one stage on one GPU (the last stage holds the output layer, or with tied
     embeddings Megatron's copy of the word embeddings: the same size). ``vocab_parallel``: without the
@@ -147,7 +147,7 @@ def stage_parameters(model: ModelConfig, par: ParallelConfig, shape: StageShape,
     return n
 
 
-def bytes_per_parameter(model: ModelConfig, par: ParallelConfig) -> float:
+def bytes_per_parameter(model: PlanModel, par: PlanLayout) -> float:
     """Weights, gradients and Adam state per parameter (module doc): mixed precision 18, or
     ``6 + 12/dp`` with the distributed optimizer; fp32 16, or ``8 + 8/dp``."""
     if model.precision == "fp32":

@@ -37,8 +37,11 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """A GPT model as Megatron's flags describe it (resolved: no ``None`` left).
+class PlanModel:
+    """A GPT model as Megatron's flags describe it (resolved: no ``None`` left): the model that
+    ``megatron-zb plan`` (and ``--profile-out``'s profile) plans for. Not the training run's
+    :class:`megatron_zb.training.run_config.ModelConfig`, from which
+    :func:`megatron_zb.training.replanning.planning_model` derives one.
 
     Attributes:
         num_layers: transformer layers.
@@ -116,8 +119,10 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """The parallel layout and batch of one iteration.
+class PlanLayout:
+    """The parallel layout and batch of one iteration that ``megatron-zb plan`` plans for. Not the
+    training run's :class:`megatron_zb.training.run_config.ParallelConfig`, from which
+    :func:`megatron_zb.training.replanning.planning_parallel` derives one.
 
     Attributes:
         pp: pipeline-parallel size (ranks of one pipeline).
@@ -164,7 +169,7 @@ class ParallelConfig:
         return {_PARALLEL_FLAGS.get(f.name, f.name): getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_flags(cls, flags: dict[str, Any]) -> "ParallelConfig":
+    def from_flags(cls, flags: dict[str, Any]) -> "PlanLayout":
         """Inverse of :meth:`to_flags`; unknown keys raise ``ValueError``."""
         names = {_PARALLEL_FLAGS.get(f.name, f.name): f.name for f in fields(cls)}
         unknown = sorted(set(flags) - set(names))
@@ -180,7 +185,7 @@ _PARALLEL_FLAGS = {"pp": "pipeline_model_parallel_size", "tp": "tensor_model_par
 def make_model(*, num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
                micro_batch_size: int, vocab_size: int, ffn_hidden_size: int | None = None,
                num_query_groups: int | None = None, group_query_attention: bool = False,
-               kv_channels: int | None = None, swiglu: bool = False, **rest: Any) -> ModelConfig:
+               kv_channels: int | None = None, swiglu: bool = False, **rest: Any) -> PlanModel:
     """Resolve Megatron's defaults and check the model flags.
 
     Raises:
@@ -199,7 +204,7 @@ def make_model(*, num_layers: int, hidden_size: int, num_attention_heads: int, s
     if ffn_hidden_size is None:
         ffn_hidden_size = default_ffn_hidden_size(hidden_size, swiglu=swiglu)
     rest.setdefault("max_position_embeddings", seq_length)
-    model = ModelConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+    model = PlanModel(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
                         seq_length=seq_length, micro_batch_size=micro_batch_size, vocab_size=vocab_size,
                         ffn_hidden_size=ffn_hidden_size, num_query_groups=groups, kv_channels=kv_channels,
                         swiglu=swiglu, **rest)
@@ -207,7 +212,7 @@ def make_model(*, num_layers: int, hidden_size: int, num_attention_heads: int, s
     return model
 
 
-def check_model(m: ModelConfig) -> None:
+def check_model(m: PlanModel) -> None:
     """Reject values no Megatron model can have (:class:`PlanError` naming the flag)."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "vocab_size", "ffn_hidden_size", "num_query_groups", "kv_channels",
@@ -233,8 +238,8 @@ def check_model(m: ModelConfig) -> None:
             raise PlanError(flag, f"must be in [0, 1), got {p:g}")
 
 
-def make_parallel(model: ModelConfig, *, pp: int, tp: int = 1, dp: int = 1, num_microbatches: int | None = None,
-                  global_batch_size: int | None = None, **rest: Any) -> ParallelConfig:
+def make_parallel(model: PlanModel, *, pp: int, tp: int = 1, dp: int = 1, num_microbatches: int | None = None,
+                  global_batch_size: int | None = None, **rest: Any) -> PlanLayout:
     """Resolve the microbatch count and check the layout against ``model``.
 
     ``num_microbatches`` or ``global_batch_size`` (= ``m * micro_batch_size * dp``) is required;
@@ -255,7 +260,7 @@ def make_parallel(model: ModelConfig, *, pp: int, tp: int = 1, dp: int = 1, num_
     if model.num_attention_heads % tp or model.num_query_groups % tp:
         raise PlanError("--tensor-model-parallel-size", f"TP {tp} must divide the {model.num_attention_heads} "
                                                         f"attention heads and {model.num_query_groups} query groups")
-    par = ParallelConfig(pp=pp, tp=tp, dp=dp, num_microbatches=m, **rest)
+    par = PlanLayout(pp=pp, tp=tp, dp=dp, num_microbatches=m, **rest)
     if par.sequence_parallel and tp == 1:
         raise PlanError("--sequence-parallel", "needs --tensor-model-parallel-size > 1")
     if par.num_virtual_stages is not None and par.num_virtual_stages < 2:
@@ -274,7 +279,7 @@ def make_parallel(model: ModelConfig, *, pp: int, tp: int = 1, dp: int = 1, num_
     return par
 
 
-def _microbatches(model: ModelConfig, dp: int, m: int | None, gbs: int | None) -> int:
+def _microbatches(model: PlanModel, dp: int, m: int | None, gbs: int | None) -> int:
     if m is None and gbs is None:
         raise PlanError("--num-microbatches", "give --num-microbatches or --global-batch-size "
                                               "(with --data-parallel-size)")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .model import ModelConfig
+    from .model import PlanModel
 
 __all__ = ["CAUSAL_FRACTION", "FlopsShape", "LayerFlops", "forward_flops_per_token", "num_floating_point_operations",
            "planned_flops_shape", "tflops_per_gpu"]
@@ -115,7 +115,7 @@ def num_floating_point_operations(shape: FlopsShape, batch_size: int) -> float:
     return 3 * batch_size * shape.seq_length * per_token
 
 
-def planned_flops_shape(model: "ModelConfig", tp: int) -> FlopsShape:
+def planned_flops_shape(model: "PlanModel", tp: int) -> FlopsShape:
     """The :class:`FlopsShape` of a planned model (dense: the planner models no MoE) at TP ``tp``
     (the output layer's rows are padded per TP size)."""
     return FlopsShape(num_layers=model.num_layers, hidden_size=model.hidden_size, seq_length=model.seq_length,

@@ -67,14 +67,10 @@ from .hardware import Hardware
 from .layout import StageShape, layers_per_stage, stage_shapes
 from .memory import GIB, bytes_per_parameter, stage_activations, stage_parameters
 from .model_flops import planned_flops_shape, tflops_per_gpu
-from .model import ModelConfig, ParallelConfig, PlanError
+from .model import PlanError, PlanLayout, PlanModel
 from .profile import Profile
 from .vocab import base_family, vocab_pass_costs, vocab_variant
 
-EXCLUDED_BY_DEFAULT = {
-    "zb-optimal": "exact CP-SAT solver: minutes beyond small p and m",
-    "zbv-optimal": "exact CP-SAT solver: minutes beyond small p and m",
-}
 SEARCH_LIMIT = 2048  # stages * microbatches above which multi-chunk search generators take minutes
 OPTIMIZER_BYTES_PER_PARAM = {"bf16": 46.0, "fp16": 46.0, "fp32": 36.0}
 """HBM traffic of one optimizer step per parameter, by precision (module doc)."""
@@ -107,7 +103,7 @@ class StageTable:
     source: str
 
 
-def _same_step(measured: ParallelConfig, planned: ParallelConfig) -> bool:
+def _same_step(measured: PlanLayout, planned: PlanLayout) -> bool:
     """Whether a profile's measured step time applies: same DP size and optimizer (the reduces and the
     optimizer's share of the parameters are the measured ones)."""
     return (measured.dp, measured.use_distributed_optimizer) == (planned.dp, planned.use_distributed_optimizer)
@@ -117,7 +113,7 @@ class CostSource:
     """Stage tables for any placement: estimates, or a profile (measured for its own placement,
     estimates scaled by measured/estimated totals for the others)."""
 
-    def __init__(self, model: ModelConfig, par: ParallelConfig, hw: Hardware, profile: Profile | None = None,
+    def __init__(self, model: PlanModel, par: PlanLayout, hw: Hardware, profile: Profile | None = None,
                  memory_fraction: float = DEFAULT_MEMORY_FRACTION):
         self.model, self.par, self.hw, self.profile = model, par, hw, profile
         self.usable_bytes = memory_fraction * hw.memory_gib * GIB
@@ -244,8 +240,8 @@ class Plan:
         vocab_parallel: whether the vocabulary-parallel families were planned.
     """
 
-    model: ModelConfig
-    parallel: ParallelConfig
+    model: PlanModel
+    parallel: PlanLayout
     hardware: Hardware
     t_comm_ms: float
     stages: StageTable
@@ -268,7 +264,7 @@ def family_names(requested: Sequence[str] | None) -> list[str]:
     return [n for n in names if n in requested]
 
 
-def _interleaved_chunks(model: ModelConfig, par: ParallelConfig) -> int:
+def _interleaved_chunks(model: PlanModel, par: PlanLayout) -> int:
     """``--num-virtual-stages-per-pipeline-rank``, else the smallest v >= 2 the layers split into."""
     if par.num_virtual_stages is not None:
         return par.num_virtual_stages
@@ -281,7 +277,7 @@ def _interleaved_chunks(model: ModelConfig, par: ParallelConfig) -> int:
     return 2  # none splits: the family is reported as not applicable with v = 2's reason
 
 
-def plan(*, model: ModelConfig, parallel: ParallelConfig, hardware: Hardware, schedules: Sequence[str] | None = None,
+def plan(*, model: PlanModel, parallel: PlanLayout, hardware: Hardware, schedules: Sequence[str] | None = None,
          profile: Profile | None = None, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
          progress: Callable[[str, int, int], None] | None = None, enable_vocab_parallel: bool = False) -> Plan:
     """Predict every schedule family (see the module doc); ``enable_vocab_parallel`` plans the
@@ -315,8 +311,8 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
     placement = Placement(spec.placement)
     chunks = (_interleaved_chunks(model, par) if placement is Placement.INTERLEAVED
               else placement.chunks_per_rank(1))
-    if not explicit and name in EXCLUDED_BY_DEFAULT:
-        return FamilyResult(name, "skipped", f"{EXCLUDED_BY_DEFAULT[name]}; request it with --schedules", chunks)
+    if not explicit and spec.excluded_from_plan is not None:
+        return FamilyResult(name, "skipped", f"{spec.excluded_from_plan}; request it with --schedules", chunks)
     if spec.vocab_parallel and not vocab:
         return FamilyResult(name, "skipped", "vocabulary-parallel schedule: plan it with --enable-vocab-parallel",
                             chunks)

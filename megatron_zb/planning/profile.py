@@ -5,7 +5,7 @@ Format (JSON object, version 1)::
     {
       "format": "megatron-zb-profile",
       "version": 1,
-      "model":    {...every field of ModelConfig: "num_layers": 22, "hidden_size": 2304, ...},
+      "model":    {...every field of PlanModel: "num_layers": 22, "hidden_size": 2304, ...},
       "parallel": {"pipeline_model_parallel_size": 8, "tensor_model_parallel_size": 1,
                    "data_parallel_size": 1, "num_microbatches": 24, "sequence_parallel": false,
                    "use_distributed_optimizer": false, "allow_padding_num_layers": true,
@@ -86,7 +86,7 @@ from typing import Any, Sequence
 
 from megatron_zb.schedules import Op, Placement, ScheduleError
 from megatron_zb.schedules.spread import DurationSpread
-from .model import ModelConfig, ParallelConfig, PlanError, check_model
+from .model import PlanError, PlanLayout, PlanModel, check_model
 
 FORMAT = "megatron-zb-profile"
 VERSION = 1
@@ -165,8 +165,8 @@ class Profile:
         action_times: host and device time per op and stage, host-bound flags, or ``None`` (module doc).
     """
 
-    model: ModelConfig
-    parallel: ParallelConfig
+    model: PlanModel
+    parallel: PlanLayout
     schedule: str
     placement: str
     stage_to_rank: tuple[int, ...]
@@ -189,7 +189,7 @@ class Profile:
                 "action_times": None if self.action_times is None else self.action_times.to_dict()}
 
 
-def write_profile(path: str | Path, *, model: ModelConfig, parallel: ParallelConfig, schedule: str, placement: str,
+def write_profile(path: str | Path, *, model: PlanModel, parallel: PlanLayout, schedule: str, placement: str,
                   stage_to_rank: Sequence[int], t_comm_ms: float, stages: Sequence[StageProfile],
                   device: str | None = None, step_ms: float | None = None,
                   action_overhead_ms: float | None = None,
@@ -234,7 +234,7 @@ def read_profile(path: str | Path) -> Profile:
         raise PlanError("--profile",
                         f"{where}: version {data.get('version')!r} is not supported (this reads {VERSION})")
     try:
-        prof = Profile(model=_build(ModelConfig, data["model"], "model"),
+        prof = Profile(model=_build(PlanModel, data["model"], "model"),
                        parallel=_parallel(data["parallel"]), schedule=str(data["schedule"]),
                        placement=str(data["placement"]), stage_to_rank=tuple(data["stage_to_rank"]),
                        t_comm_ms=float(data["t_comm_ms"]),
@@ -286,10 +286,10 @@ def _spread(raw: Any) -> DurationSpread | None:
         raise ValueError(str(e)) from None
 
 
-def _parallel(raw: Any) -> ParallelConfig:
+def _parallel(raw: Any) -> PlanLayout:
     if not isinstance(raw, dict):
         raise ValueError("parallel must be an object")
-    return ParallelConfig.from_flags(raw)
+    return PlanLayout.from_flags(raw)
 
 
 def _check(prof: Profile, where: str) -> None:

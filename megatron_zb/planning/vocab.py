@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from ..schedules.costs import VocabCosts
 from .flops import CE_BACKWARD_BYTES, CE_FORWARD_BYTES, FP32_ACCUMULATE, PassCost, _Kernels
 from .hardware import Hardware
-from .model import ModelConfig, ParallelConfig
+from .model import PlanLayout, PlanModel
 
 __all__ = ["VocabPassCosts", "base_family", "output_layer_in_layers", "vocab_pass_costs", "vocab_padded_size",
            "vocab_variant"]
@@ -81,7 +81,7 @@ def output_layer_in_layers(*, vocab_size: int, hidden_size: int, seq_length: int
     return vocab_size / (12.0 * hidden_size + 2.0 * seq_length)
 
 
-def vocab_padded_size(model: ModelConfig, par: ParallelConfig) -> int:
+def vocab_padded_size(model: PlanModel, par: PlanLayout) -> int:
     """``V_pad``: the vocabulary padded to a multiple of ``--make-vocab-size-divisible-by x TP x PP``."""
     return model.padded_vocab_size(par.tp * par.pp)
 
@@ -119,7 +119,7 @@ class VocabPassCosts:
                           t_collective=self.t_collective_ms, mem_s=self.mem_s)
 
 
-def vocab_pass_costs(model: ModelConfig, par: ParallelConfig, hw: Hardware, *, variant: int) -> VocabPassCosts:
+def vocab_pass_costs(model: PlanModel, par: PlanLayout, hw: Hardware, *, variant: int) -> VocabPassCosts:
     """Costs of one rank's ``IF``, ``S``, ``T``, ``IB`` (module doc) for the paper's ``variant`` (1 or 2):
     the slices over the model-parallel group, ``TP x PP`` ranks (``pretrain_gpt_zb.py`` builds them so;
     with ``TP = 1`` the pipeline ranks), each collective over that group."""

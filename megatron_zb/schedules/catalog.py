@@ -48,6 +48,15 @@ class ScheduleSpec:
             JSON form take them; the runtime runs them given the model's vocabulary slices
             (docs/vocab_parallel.md; ``pretrain_gpt_zb.py --enable-vocab-parallel``); the export to
             PyTorch does not yet; the consumers refuse such a schedule otherwise by this flag.
+        excluded_from_plan: why ``megatron-zb plan`` leaves the schedule out unless ``--schedules``
+            names it (said in the plan's report, e.g. an exact solver's minutes); ``None``: planned
+            by default (:mod:`megatron_zb.planning.planner`).
+        torch_auto_candidate: one of the families that ``auto`` of the PyTorch-pipelining export
+            compares for its placement (:func:`megatron_zb.torch_pipelining.choice.candidates`:
+            the fused-backward ones first, then registration order).
+        v_mem_setup: the ``--zero-bubble-v-schedule-mem-setup`` value that selects this V-placement
+            schedule with ``--zero-bubble-v-schedule`` (``pretrain_gpt_zb.py``, Megatron-LM's route);
+            ``None``: no value does (:data:`megatron_zb.training.arguments.V_MEM_SETUP_TO_SCHEDULE`).
     """
 
     name: str
@@ -57,6 +66,9 @@ class ScheduleSpec:
     cost_aware: bool
     build: Callable[..., Schedule]
     vocab_parallel: bool = False
+    excluded_from_plan: str | None = None
+    torch_auto_candidate: bool = False
+    v_mem_setup: str | None = None
 
     def chunks_per_rank(self, num_chunks: int) -> int:
         """Model chunks per rank; ``num_chunks`` matters only for the interleaved placement."""
@@ -68,18 +80,28 @@ SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
 def register(name: str, description: str, *, placement: Placement, split_backward: bool,
-             cost_aware: bool, vocab_parallel: bool = False) -> Callable[[Builder], Builder]:
+             cost_aware: bool, vocab_parallel: bool = False, excluded_from_plan: str | None = None,
+             torch_auto_candidate: bool = False, v_mem_setup: str | None = None) -> Callable[[Builder], Builder]:
     """Decorator: register the decorated builder as schedule ``name`` (returns it unchanged);
     the keyword arguments are :class:`ScheduleSpec`'s fields.
 
     Raises:
-        ScheduleError: ``name`` is registered already.
+        ScheduleError: ``name`` is registered already; ``v_mem_setup`` on a placement other than
+            the V, or a value another schedule has.
     """
     def add(build: Builder) -> Builder:
         if name in SCHEDULES:
             raise ScheduleError(f"schedule {name!r} is registered twice "
                                 f"({SCHEDULES[name].build.__module__} and {build.__module__})")
-        SCHEDULES[name] = ScheduleSpec(name, description, Placement(placement), split_backward, cost_aware, build,
-                                       vocab_parallel)
+        if v_mem_setup is not None:
+            if Placement(placement) is not Placement.V:
+                raise ScheduleError(f"schedule {name!r}: v_mem_setup needs the V placement, not {placement}")
+            taken = [s.name for s in SCHEDULES.values() if s.v_mem_setup == v_mem_setup]
+            if taken:
+                raise ScheduleError(f"schedule {name!r}: v_mem_setup {v_mem_setup!r} is {taken[0]!r}'s already")
+        SCHEDULES[name] = ScheduleSpec(name=name, description=description, placement=Placement(placement),
+                                       split_backward=split_backward, cost_aware=cost_aware, build=build,
+                                       vocab_parallel=vocab_parallel, excluded_from_plan=excluded_from_plan,
+                                       torch_auto_candidate=torch_auto_candidate, v_mem_setup=v_mem_setup)
         return build
     return add

@@ -66,7 +66,7 @@ def _optimizer(modules: list[Any], case: DPCase) -> Any:
                                modules=modules)
     if not case.post_validation:
         return inner
-    return wrap_post_validation(PostValidationConfig(exact=True, warmup_iters=0, fallback_clean_iters=0), inner,
+    return wrap_post_validation(PostValidationConfig(exact=True, warmup_iters=0, clean_iters_required=0), inner,
                                 announce=False)
 
 

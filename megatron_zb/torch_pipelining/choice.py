@@ -3,9 +3,9 @@
 PyTorch's split backward costs more than its fused one (an ``I`` and a ``W`` are two autograd
 passes; docs/torch_pipelining.md measures ``T_I + T_W`` 25% over ``T_B`` on CPU), so whether a
 zero-bubble schedule beats a fused-backward one depends on the measured costs. ``auto``
-(:func:`choose_schedule`) builds every candidate of the placement (:data:`CANDIDATES`: one
-fused-backward family, the others split) from the costs and the memory limit, predicts each one
-*as PyTorch runs it* -- each ``B`` directly followed by its own ``W`` fused into one ``BW``, as the
+(:func:`choose_schedule`) builds every candidate of the placement (:func:`candidates`: the families
+registered with ``torch_auto_candidate``, one fused-backward family first, the others split) from
+the costs and the memory limit, predicts each one *as PyTorch runs it* -- each ``B`` directly followed by its own ``W`` fused into one ``BW``, as the
 export writes it, every ``BW`` charged ``costs.t_bw`` (the simulator's timing kernel; ``t_b + t_w``
 when ``t_bw`` is not given), one isolated iteration
 (:func:`~megatron_zb.schedules.fusion.simulate_as_run`'s ``total_time``: PyTorch's ``step``) -- and
@@ -16,7 +16,7 @@ again -- ``I`` and ``W`` as two adjacent actions -- where that is predicted fast
 (:func:`~megatron_zb.schedules.fusion.split_where_faster`: the ``I`` sends its gradient before the
 ``W`` runs) -- and
 returns the one with the least predicted iteration time among those whose simulated peak activation
-memory is within the limit (ties: the lower peak, then :data:`CANDIDATES`' order).
+memory is within the limit (ties: the lower peak, then :func:`candidates`' order).
 
 PyTorch's own count-based orders for the placement (:data:`TORCH_CANDIDATES`, imported into our IR
 by :func:`~megatron_zb.schedules.torch_import.import_torch_schedule`, named ``torch:<class>``) are
@@ -45,21 +45,14 @@ from typing import Sequence
 from ..schedules.costs import CostModel
 from ..schedules.fusion import REL_SLACK, fuse_where_free, simulate_as_run, split_where_faster
 from ..schedules.ir import Placement, Schedule, ScheduleError
-from ..schedules.registry import build_schedule, get_spec
+from ..schedules.registry import SCHEDULES, build_schedule, get_spec
 from ..schedules.torch_import import import_torch_schedule
 from .export import TorchExportError
 
-__all__ = ["AUTO", "CANDIDATES", "TORCH_CANDIDATES", "choose_schedule", "placement_of"]
+__all__ = ["AUTO", "TORCH_CANDIDATES", "candidates", "choose_schedule", "placement_of"]
 
 AUTO = "auto"
 """The schedule name that asks :func:`~.runtime.build_pipeline` for :func:`choose_schedule`."""
-
-CANDIDATES: dict[Placement, tuple[str, ...]] = {
-    Placement.PLAIN: ("1f1b", "zb-h1", "zb-1p"),
-    Placement.V: ("1f1b-v", "zbv"),
-    Placement.INTERLEAVED: ("interleaved-1f1b", "interleaved-zb"),
-}
-"""The families ``auto`` compares per placement; the first one fuses every backward."""
 
 TORCH_CANDIDATES: dict[Placement, tuple[str, ...]] = {
     Placement.PLAIN: (),   # Schedule1F1B's order is our 1f1b's
@@ -67,6 +60,22 @@ TORCH_CANDIDATES: dict[Placement, tuple[str, ...]] = {
     Placement.INTERLEAVED: ("ScheduleInterleavedZeroBubble",),
 }
 """PyTorch's classes whose orders ``auto`` compares too, per placement (module doc)."""
+
+
+def candidates(placement: Placement) -> tuple[str, ...]:
+    """The families ``auto`` compares for ``placement``: the schedules registered with
+    ``torch_auto_candidate`` (:class:`~megatron_zb.schedules.catalog.ScheduleSpec`), the
+    fused-backward ones first (the first one's peak is the default limit), then in registration order.
+
+    Raises:
+        TorchExportError: no fused-backward candidate is registered for ``placement``.
+    """
+    specs = [s for s in SCHEDULES.values() if s.torch_auto_candidate and s.placement is placement]
+    names = tuple(s.name for s in sorted(specs, key=lambda s: s.split_backward))   # stable: registration order
+    if not names or get_spec(names[0]).split_backward:
+        raise TorchExportError(f"auto: no fused-backward schedule of the {placement.value} placement is registered "
+                               f"with torch_auto_candidate=True")
+    return names
 
 
 def placement_of(stage_indices: Sequence[int], num_stages: int, num_ranks: int, rank: int) -> Placement:
@@ -94,7 +103,7 @@ def choose_schedule(placement: Placement, *, num_ranks: int, num_microbatches: i
 
     ``costs`` as PyTorch's runtime spends them (:func:`~.runtime.runtime_costs`, or measured).
     """
-    names = CANDIDATES[placement]
+    names = candidates(placement)
     built = {n: build_schedule(n, num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
                                memory_limit=memory_limit if get_spec(n).cost_aware else None, num_chunks=num_chunks)
              for n in names[:1]}

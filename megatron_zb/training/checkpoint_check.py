@@ -91,15 +91,16 @@ def load_directory(root: str, ckpt_step: int | None = None) -> str | None:
     return None if iteration is None else checkpoint_dir(root, iteration)
 
 
-def _holds_legacy_model(file: str) -> bool | None:
+def _holds_legacy_model(file: str) -> bool | str:
     """Whether the torch-format state ``file`` holds a legacy model (``model`` / ``model0`` with a
-    ``language_model`` entry); ``None`` when it cannot be read. Memory-mapped: tensors are not read."""
+    ``language_model`` entry); when it cannot be read (or was pickled with classes not installed
+    here), why not (:func:`first_line` of the error): undecided. Memory-mapped: tensors are not read."""
     import torch
 
     try:
         state = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # noqa: BLE001 -- unreadable (or pickled with classes not installed here): undecided
-        return None
+    except Exception as e:  # noqa: BLE001 -- any unpickling error: the refusal names it (torch_format)
+        return first_line(e)
     models = [v for k, v in state.items() if re.fullmatch(r"model\d*", str(k))] if isinstance(state, dict) else []
     return any(isinstance(m, dict) and "language_model" in m for m in models)
 
@@ -121,13 +122,13 @@ def torch_format(path: str, *, load: str = "--load") -> str | None:
     legacy = _holds_legacy_model(file)
     to_dist = (f"Megatron-LM with --load DIR --ckpt-format torch --ckpt-convert-format torch_dist "
                f"--ckpt-convert-save OUT, then {load} OUT/torch_dist")
-    if legacy:
+    if legacy is True:
         return (f"checkpoint {path} is a legacy-model checkpoint (Megatron-LM's --use-legacy-models: {file} holds "
                 f"'language_model' weights): megatron-zb builds megatron-core's GPT and reads its torch_dist "
                 f"checkpoints only; convert it with Megatron-LM's tools/checkpoint/convert.py --model-type GPT "
                 f"--loader legacy --saver core --load-dir {root} --save-dir DIR, then to torch_dist ({to_dist}), "
                 f"or train without {load}")
-    what = "a megatron-core model's" if legacy is False else f"{file} cannot be read here to tell whose"
+    what = "a megatron-core model's" if legacy is False else f"{file} cannot be read here to tell whose: {legacy}"
     return (f"checkpoint {path} is in Megatron-LM's torch format (--ckpt-format torch, {ranks[0]}/model_optim_rng.pt "
             f"per model-parallel rank; {what}): megatron-zb reads torch_dist checkpoints only; convert it ({to_dist} "
             f"with DIR = {root}; a legacy model's first with tools/checkpoint/convert.py --loader legacy --saver "

@@ -52,7 +52,7 @@ def write_profile_out(config: RunConfig, agreed: AgreedProfile, times: ActionTim
 
 
 def planning_model(config: RunConfig) -> Any:
-    """The planner's :class:`~megatron_zb.planning.model.ModelConfig` of the run's model: the one
+    """The planner's :class:`~megatron_zb.planning.model.PlanModel` of the run's model: the one
     derivation of the planner's model from a :class:`RunConfig` (``planning/`` imports no torch, so
     it cannot take the ``RunConfig`` itself; ``megatron-zb plan`` builds the same from its flags)."""
     from megatron_zb.planning.model import make_model
@@ -71,7 +71,7 @@ def planning_model(config: RunConfig) -> Any:
 
 
 def planning_parallel(config: RunConfig) -> Any:
-    """The planner's :class:`~megatron_zb.planning.model.ParallelConfig` of the run's layout (with
+    """The planner's :class:`~megatron_zb.planning.model.PlanLayout` of the run's layout (with
     :func:`planning_model`, the one derivation)."""
     from megatron_zb.planning.model import make_parallel
     par, sched = config.parallel, config.schedule

@@ -120,11 +120,9 @@ def wrap_post_validation(settings: PostValidationConfig, inner: Any, *, announce
     from megatron_zb.optimizer import PostValidationOptimizer
     from megatron_zb.training.logging_utils import print_rank_0
 
-    optimizer = PostValidationOptimizer(inner, exact=settings.exact, warmup_iters=settings.warmup_iters,
-                                        clean_iters_required=settings.fallback_clean_iters,
-                                        timeout=settings.timeout_seconds)
+    optimizer = PostValidationOptimizer.from_config(inner, settings)
     if announce:
-        clean = settings.fallback_clean_iters
+        clean = settings.clean_iters_required
         mode = "exact" if settings.exact else "in-place"
         print_rank_0(f"> optimizer post-validation ({mode} rollback): synchronous steps in the first "
                      f"{settings.warmup_iters} iteration(s) (--post-validation-warmup-iters) and "

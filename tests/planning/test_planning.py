@@ -364,7 +364,9 @@ def test_default_families_progress_and_search_limit(capsys, tmp_path, monkeypatc
     assert {"1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb", "zb-1p", "zb-2p"} <= planned
     for name in ("zbv", "v-half", "v-min", "interleaved-zb"):
         assert f"--schedules {name}" in left[name]
-    assert "CP-SAT" in left["zb-optimal"]
+    from megatron_zb.schedules.registry import get_spec
+    for name in ("zb-optimal", "zbv-optimal"):   # the registry entry's reason (ScheduleSpec.excluded_from_plan)
+        assert "CP-SAT" in left[name] and left[name].startswith(get_spec(name).excluded_from_plan)
     progress = [line for line in err.splitlines() if line.startswith("megatron-zb plan: [")]
     assert len(progress) == len(schedule_names())
     rc, _, err = run(capsys, *base, "--schedules", "zbv", "--json", out_json)

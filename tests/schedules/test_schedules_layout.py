@@ -117,6 +117,33 @@ def test_a_new_module_registers_a_schedule_by_decorator():
         SCHEDULES.pop("test-gpipe", None)
 
 
+def test_family_attributes_are_set_at_registration():
+    """The family-specific lists of the planner, the PyTorch export's ``auto`` and the V flag are
+    attributes of the registry entries, set at each family's ``register`` call."""
+    specs = [get_spec(n) for n in schedule_names()]
+    assert {s.name: s.excluded_from_plan for s in specs if s.excluded_from_plan} == {
+        "zb-optimal": "exact CP-SAT solver: minutes beyond small p and m",
+        "zbv-optimal": "exact CP-SAT solver: minutes beyond small p and m"}
+    assert [s.name for s in specs if s.torch_auto_candidate] == ["1f1b", "interleaved-1f1b", "zb-h1", "zb-1p", "zbv",
+                                                                 "1f1b-v", "interleaved-zb"]
+    assert {s.v_mem_setup: s.name for s in specs if s.v_mem_setup} == {"zb": "zbv", "half": "v-half", "min": "v-min"}
+
+
+def test_register_refuses_a_v_mem_setup_off_the_v_or_taken():
+    build = get_spec("zbv").build
+    for placement, setup, msg in ((Placement.PLAIN, "new", "needs the V placement"),
+                                  (Placement.V, "half", "is 'v-half''s already")):
+        try:
+            register("test-v", "x", placement=placement, split_backward=True, cost_aware=True,
+                     v_mem_setup=setup)(build)
+        except ScheduleError as e:
+            assert msg in str(e)
+        else:
+            raise AssertionError(f"v_mem_setup={setup!r} on {placement} must be refused")
+        finally:
+            SCHEDULES.pop("test-v", None)
+
+
 # ---------------------------------------------------------------------------- no torch
 NO_TORCH = textwrap.dedent("""
     import importlib.abc, sys

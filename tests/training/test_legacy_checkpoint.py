@@ -100,12 +100,21 @@ def test_megatron_core_torch_format_checkpoint_is_refused_with_its_conversion(tm
 
 def test_unreadable_torch_format_file_is_still_named_and_torch_dist_passes(tmp_path):
     """A ``model_optim_rng.pt`` this process cannot unpickle: the torch format is still named, both
-    conversions given. A directory without ``mp_rank_*`` entries (torch_dist) is not this check's."""
+    conversions given, and the line names the file and the load's error (not dropped). A directory
+    without ``mp_rank_*`` entries (torch_dist) is not this check's."""
     path = tmp_path / "iter_0000001" / "mp_rank_00"
     path.mkdir(parents=True)
     (path / "model_optim_rng.pt").write_bytes(b"not a torch file")
+    try:
+        torch.load(str(path / "model_optim_rng.pt"), map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # noqa: BLE001 -- the error the line must name, whatever torch raises
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+    else:
+        raise AssertionError("torch read a file that is not a torch file")
     text = torch_format(str(tmp_path / "iter_0000001"))
-    assert text is not None and "cannot be read here to tell whose" in text and "--loader legacy --saver core" in text
+    assert text is not None and "--loader legacy --saver core" in text
+    assert f"{path / 'model_optim_rng.pt'} cannot be read here to tell whose: {error})" in text
+    assert "\n" not in text
     (tmp_path / "iter_0000002").mkdir()
     (tmp_path / "iter_0000002" / ".metadata").write_bytes(b"")
     assert torch_format(str(tmp_path / "iter_0000002")) is None

@@ -43,8 +43,8 @@ def test_flags_land_in_their_sections():
     assert c.precision.grad_reduce_in_fp32  # Megatron-LM: bf16 accumulates and reduces gradients in fp32
     assert (c.precision.hysteresis, c.precision.min_loss_scale) == (3, 2.0)
     assert (c.optim.clip_grad, c.optim.weight_decay, c.optim.lr_warmup_iters, c.optim.lr_decay_iters) == (0.5, 0.1, 1, 3)
-    assert c.optim.post_validation == rc.PostValidationConfig(exact=True, warmup_iters=3, fallback_clean_iters=10,
-                                                              timeout_seconds=45.0)
+    assert c.optim.post_validation == rc.PostValidationConfig(exact=True, warmup_iters=3, clean_iters_required=10,
+                                                              timeout=45.0)
     assert (c.schedule.name, c.schedule.placement, c.schedule.split_backward) == ("zb", "plain", True)
     assert c.schedule.layers_per_stage == (2, 2) and c.schedule.num_pipeline_stages == 2
     assert (c.micro_batch_size, c.global_batch_size, c.num_microbatches, c.train_iters, c.seed) == (2, 8, 2, 3, 7)
@@ -94,6 +94,16 @@ def test_optim_and_model_defaults_are_the_command_lines():
                             kv_channels=8, max_position_embeddings=16)
     assert direct == dataclasses.replace(m, transformer_impl_reason=direct.transformer_impl_reason,
                                          wgrad_kernel=direct.wgrad_kernel)
+
+
+def test_post_validation_is_the_optimizers_config_with_the_command_lines_defaults():
+    """One PostValidationConfig (the optimizer's, re-exported as the run configuration's section);
+    built directly it has what --enable-optimizer-post-validation alone gives: among them the timeout,
+    --pipeline-timeout-seconds' default 300 s."""
+    from megatron_zb.optimizer import PostValidationConfig
+    assert rc.PostValidationConfig is PostValidationConfig
+    parsed = _config("--enable-zero-bubble", "--enable-optimizer-post-validation").optim.post_validation
+    assert parsed == rc.PostValidationConfig() and parsed.timeout == 300.0
 
 
 def test_every_field_has_a_docstring():

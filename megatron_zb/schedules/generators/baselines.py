@@ -136,14 +136,14 @@ def interleaved_warmup_extra(num_ranks: int, num_microbatches: int, num_chunks: 
 
 # ---------------------------------------------------------------------------- registration
 @register("1f1b", "Megatron's 1F1B, fused backward: peak p*M_B, bubble (p-1)(T_F+T_B+T_W)",
-          placement=Placement.PLAIN, split_backward=False, cost_aware=False)
+          placement=Placement.PLAIN, split_backward=False, cost_aware=False, torch_auto_candidate=True)
 def _build_1f1b(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
                 num_chunks: int) -> Schedule:
     return one_f_one_b(num_ranks=num_ranks, num_microbatches=num_microbatches)
 
 
 @register("interleaved-1f1b", "Megatron's interleaved 1F1B with v chunks per rank (--chunks)",
-          placement=Placement.INTERLEAVED, split_backward=False, cost_aware=False)
+          placement=Placement.INTERLEAVED, split_backward=False, cost_aware=False, torch_auto_candidate=True)
 def _build_interleaved_1f1b(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
                             num_chunks: int) -> Schedule:
     return interleaved_1f1b(num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks)

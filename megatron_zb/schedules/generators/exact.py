@@ -451,15 +451,19 @@ def zbv_optimal(*, num_ranks: int, num_microbatches: int, costs: CostModel, memo
     return res.schedule
 
 
+_SLOW = "exact CP-SAT solver: minutes beyond small p and m"
+"""Why ``megatron-zb plan`` leaves both exact schedules out unless ``--schedules`` names them."""
+
+
 @register("zb-optimal", "exact minimum-makespan schedule (CP-SAT), plain placement, small p and m",
-          placement=Placement.PLAIN, split_backward=True, cost_aware=True)
+          placement=Placement.PLAIN, split_backward=True, cost_aware=True, excluded_from_plan=_SLOW)
 def _build_zb_optimal(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
                       num_chunks: int) -> Schedule:
     return zb_optimal(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs, memory_limit=memory_limit)
 
 
 @register("zbv-optimal", "exact minimum-makespan schedule (CP-SAT), V placement, small p and m",
-          placement=Placement.V, split_backward=True, cost_aware=True)
+          placement=Placement.V, split_backward=True, cost_aware=True, excluded_from_plan=_SLOW)
 def _build_zbv_optimal(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
                        num_chunks: int) -> Schedule:
     check_v_chunks(num_chunks)

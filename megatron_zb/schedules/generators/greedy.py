@@ -421,11 +421,11 @@ def _greedy_builder(limit_in_p: float) -> Callable[..., Schedule]:
     return build
 
 
-_SPECS = (
-    ("zb", "greedy zero-bubble scheduler under --memory-limit (default p*M_B, as 1F1B)"),
-    ("zb-1p", "greedy zero-bubble scheduler with memory limit p*M_B (ZB-1p)"),
-    ("zb-2p", "greedy zero-bubble scheduler with memory limit 2p*M_B (ZB-2p)"),
+_SPECS = (  # name, description, one of the PyTorch export's ``auto`` candidates
+    ("zb", "greedy zero-bubble scheduler under --memory-limit (default p*M_B, as 1F1B)", False),
+    ("zb-1p", "greedy zero-bubble scheduler with memory limit p*M_B (ZB-1p)", True),
+    ("zb-2p", "greedy zero-bubble scheduler with memory limit 2p*M_B (ZB-2p)", False),
 )
-for _name, _description in _SPECS:
+for _name, _description, _auto in _SPECS:
     register(_name, _description, placement=Placement.PLAIN, split_backward=True,
-             cost_aware=True)(_greedy_builder(DEFAULT_LIMIT_IN_P[_name]))
+             cost_aware=True, torch_auto_candidate=_auto)(_greedy_builder(DEFAULT_LIMIT_IN_P[_name]))

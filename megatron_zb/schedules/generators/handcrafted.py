@@ -106,7 +106,7 @@ def zbv_handcrafted_order(num_ranks: int, num_microbatches: int) -> list[list[Ac
 
 # ---------------------------------------------------------------------------- registration
 @register("zb-h1", "handcrafted ZB-H1: 1F1B's peak memory, bubble (p-1)(T_F+T_B-T_W)",
-          placement=Placement.PLAIN, split_backward=True, cost_aware=False)
+          placement=Placement.PLAIN, split_backward=True, cost_aware=False, torch_auto_candidate=True)
 def _build_zb_h1(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
                  num_chunks: int) -> Schedule:
     return zb_h1(num_ranks=num_ranks, num_microbatches=num_microbatches)

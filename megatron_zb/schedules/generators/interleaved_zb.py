@@ -132,7 +132,7 @@ def interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, m
 
 
 @register("interleaved-zb", "interleaved placement (--chunks) with B/W split, W filling bubbles",
-          placement=Placement.INTERLEAVED, split_backward=True, cost_aware=True)
+          placement=Placement.INTERLEAVED, split_backward=True, cost_aware=True, torch_auto_candidate=True)
 def _build_interleaved_zb(*, num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: float | None,
                           num_chunks: int) -> Schedule:
     return interleaved_zb(num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,

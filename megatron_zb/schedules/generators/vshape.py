@@ -308,12 +308,13 @@ def _v_builder(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
     return build
 
 
-_SPECS = (
-    ("zbv", "ZB-V: V placement, near-zero bubble at 1F1B's peak memory (p full stages)", zbv),
-    ("v-half", "V-Half: V placement, about 1/2 of 1F1B's activation memory", v_half),
-    ("v-min", "V-Min: V placement, about 1/3 of 1F1B's activation memory", v_min),
+_SPECS = (  # name, description, generator, --zero-bubble-v-schedule-mem-setup value, a PyTorch ``auto`` candidate
+    ("zbv", "ZB-V: V placement, near-zero bubble at 1F1B's peak memory (p full stages)", zbv, "zb", True),
+    ("v-half", "V-Half: V placement, about 1/2 of 1F1B's activation memory", v_half, "half", False),
+    ("v-min", "V-Min: V placement, about 1/3 of 1F1B's activation memory", v_min, "min", False),
 )
-for _name, _description, _fn in _SPECS:
-    register(_name, _description, placement=Placement.V, split_backward=True, cost_aware=True)(_v_builder(_fn))
+for _name, _description, _fn, _mem_setup, _auto in _SPECS:
+    register(_name, _description, placement=Placement.V, split_backward=True, cost_aware=True, v_mem_setup=_mem_setup,
+             torch_auto_candidate=_auto)(_v_builder(_fn))
 register("1f1b-v", "1F1B on the V placement, fused backward (no B/W split): less bubble than 1F1B at its peak memory",
-         placement=Placement.V, split_backward=False, cost_aware=True)(_v_builder(v_fused))
+         placement=Placement.V, split_backward=False, cost_aware=True, torch_auto_candidate=True)(_v_builder(v_fused))

@@ -30,8 +30,19 @@ __all__ = [
     "virtual_chunks_flag",
 ]
 
-V_MEM_SETUP_TO_SCHEDULE: dict[str, str] = {"zb": "zbv", "half": "v-half", "min": "v-min"}
-"""``--zero-bubble-v-schedule-mem-setup`` value -> schedule library name."""
+
+def _v_mem_setups() -> dict[str, str]:
+    setups: dict[str, str] = {}
+    for name in schedule_names():
+        setup = get_spec(name).v_mem_setup
+        if setup is not None:
+            setups[setup] = name
+    return setups
+
+
+V_MEM_SETUP_TO_SCHEDULE: dict[str, str] = _v_mem_setups()
+"""``--zero-bubble-v-schedule-mem-setup`` value -> schedule library name, in registration order: derived
+from the registry (:attr:`~megatron_zb.schedules.catalog.ScheduleSpec.v_mem_setup`) at import."""
 
 POST_VALIDATION_WARMUP_ITERS = 10
 """Default of ``--post-validation-warmup-iters`` [iterations]."""

@@ -1,5 +1,6 @@
 """The precision, optimizer, post-validation and learning-rate schedule sections of the run
-configuration."""
+configuration. The post-validation section is the optimizer's own
+:class:`~megatron_zb.optimizer.values.PostValidationConfig` (one definition, re-exported here)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from megatron_zb.optimizer.values import PostValidationConfig
 
 from .fields import read_section
 
@@ -53,29 +56,6 @@ class PrecisionConfig:
     def from_args(cls, args: Any) -> "PrecisionConfig":
         """The precision section of validated ``args``."""
         return read_section(cls, args)
-
-
-@dataclass(frozen=True)
-class PostValidationConfig:
-    """Optimizer post-validation (``--enable-optimizer-post-validation``); counts in iterations."""
-
-    exact: bool = False
-    """``--enable-exactly-numeric-match``: roll back by restoring a copy (else in place)."""
-    warmup_iters: int = 10
-    """``--post-validation-warmup-iters``: synchronous steps first."""
-    fallback_clean_iters: int = 10
-    """``--post-validation-fallback-clean-iters``: synchronous after a rollback until this many clean steps."""
-    timeout_seconds: float = 300.0
-    """How long a rank waits for the others' statistics (``--pipeline-timeout-seconds``, the deadline of
-    every collective the zero-bubble path adds: it fires before the process groups' own
-    ``--distributed-timeout-minutes``) [s]."""
-
-    @classmethod
-    def from_args(cls, args: Any) -> "PostValidationConfig":
-        """From ``args`` of ``pretrain_gpt_zb.py`` or Megatron-LM (the same flag names)."""
-        return cls(exact=args.enable_exactly_numeric_match, warmup_iters=args.post_validation_warmup_iters,
-                   fallback_clean_iters=args.post_validation_fallback_clean_iters,
-                   timeout_seconds=args.pipeline_timeout_seconds)
 
 
 @dataclass(frozen=True)
