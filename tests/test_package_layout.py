@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 import megatron_zb
-from megatron_zb.testing.import_graph import find_cycle
+from harness.import_graph import find_cycle
 
 PKG_DIR = Path(megatron_zb.__file__).parent
 MAX_MODULE_LINES = 550

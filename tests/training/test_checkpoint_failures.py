@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from megatron_zb.testing.pretrain_harness import DROPOUT, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
+from harness.pretrain_harness import DROPOUT, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

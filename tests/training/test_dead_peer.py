@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zb.testing.pretrain_harness import SMALL, without  # the end-to-end harness's tiny model
+from harness.pretrain_harness import SMALL, without  # the end-to-end harness's tiny model
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -168,7 +168,7 @@ def test_pretrain_script_exits_at_once_on_a_late_peer_without_tearing_the_groups
     import subprocess
     import sys
 
-    from megatron_zb.testing.pretrain_harness import SCRIPT
+    from harness.pretrain_harness import SCRIPT
 
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", _SCRIPT_WITH_A_LATE_PEER, str(SCRIPT)], capture_output=True,
@@ -187,7 +187,7 @@ def _stream_policy_rank(hook: str, stderr_dir: str) -> dict:
 
     from megatron_zb.peer_wait import WaitPolicy
     from megatron_zb.runtime.grad_sync import TEST_HOOK_STOP_BEFORE_DP_REDUCE
-    from megatron_zb.testing.dp_overlap import DPCase, run_dp_iterations
+    from harness.dp_overlap import DPCase, run_dp_iterations
     from megatron_zb.testing.tiny_gpt import TinyGPT
 
     os.environ[TEST_HOOK_STOP_BEFORE_DP_REDUCE] = hook
