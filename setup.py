@@ -33,7 +33,7 @@ setup(
     extras_require={
         # transformers: the HuggingFaceTokenizer tests (tests/training/test_tokenizers.py);
         # pyyaml, pydantic, six (and regex, a default dependency): imported at top level by Megatron-LM's
-        # training package, which tests/megatron_lm/test_megatron_lm_loop.py runs (megatron_zb/testing/megatron_lm.py)
+        # training package, which tests/megatron_lm/test_megatron_lm_loop.py runs (tests/harness/megatron_lm.py)
         # and tests/training/test_tokenizers_vs_megatron_lm.py imports; not needed otherwise
         "test": ["pytest>=8", "hypothesis>=6", "transformers", "pyyaml", "pydantic", "six"],
         # GPU only: fused wgrad_gemm_accum kernels and TE layers. Neither runs on a CPU machine;

@@ -36,7 +36,7 @@ RELEASES: dict[str, str] = {"0.16": "0.16.1", "0.19": "0.19.0 to 0.19.2"}
 
 MEGATRON_LM_TAGS: dict[str, str] = {"0.16": "core_v0.16.1", "0.19": "core_v0.19.0"}
 """Per release line: the NVIDIA Megatron-LM release (git tag) whose training loop goes with it --
-the ``pretrain_gpt.py`` the CPU harness runs (``megatron_zb/testing/megatron_lm_workarounds.py``)
+the ``pretrain_gpt.py`` the CPU harness runs (``tests/harness/megatron_lm_workarounds.py``)
 and the flag list of ``megatron_zb/training/arguments/megatron_flags.py``. core_v0.19.0's
 ``package_info`` says 0.19.1; it runs with the megatron-core 0.19.2 wheel (docs/megatron_lm.md)."""
 

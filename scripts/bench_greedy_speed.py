@@ -1,51 +1,21 @@
 #!/usr/bin/env python
-"""Time the greedy zero-bubble scheduler: p in {8, 32, 64} x m in {2p, 8p}, ZB-1p and ZB-2p limits.
+"""Time the greedy zero-bubble scheduler: the ``greedy-speed`` benchmark.
 
-Prints a markdown table (median wall-clock seconds of --repeats calls, and the bubble rate of
-the result) with the command and machine at the top. A benchmark, not a test: no thresholds.
+The body is :mod:`megatron_zb.bench.greedy_speed` (``python -m megatron_zb.bench greedy-speed`` runs the
+same from an installed package); this script runs it from the checkout with the same command line and
+output.
 
     python scripts/bench_greedy_speed.py [--repeats 3] [--pp 8 32 64]
 """
 
-from __future__ import annotations
-
-import argparse
-import os
-import platform
-import statistics
 import sys
-import time
+from pathlib import Path
 
-from megatron_zb.schedules import CostModel, simulate
-from megatron_zb.schedules.generators.greedy import zb_greedy
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3, help="calls per cell; the median is reported")
-    ap.add_argument("--pp", type=int, nargs="+", default=[8, 32, 64], help="pipeline sizes")
-    args = ap.parse_args(argv)
-    print(f"command: python scripts/bench_greedy_speed.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"date {time.strftime('%Y-%m-%d')}")
-    # the 6.2B model's profiled costs (paper Table 9, m=24 row), memory in units of one stage's M_B
-    costs = CostModel(t_f=29.718, t_b=29.444, t_w=19.927, t_comm=0.527, mem_b=1.0, mem_w=0.432)
-    print(f"load average at start: {os.getloadavg()[0]:.2f}")
-    print("\n| p | m | limit | wall s (median) | CPU s (median) | bubble rate |\n|---|---|---|---|---|---|")
-    for p in args.pp:
-        for m in (2 * p, 8 * p):
-            for k in (1, 2):
-                times, cpu = [], []
-                for _ in range(args.repeats):
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    sched = zb_greedy(num_ranks=p, num_microbatches=m, costs=costs, memory_limit=k * p)
-                    times.append(time.perf_counter() - t0)
-                    cpu.append(time.process_time() - c0)
-                r = simulate(sched, costs)
-                print(f"| {p} | {m} | {k}p | {statistics.median(times):.3f} | {statistics.median(cpu):.3f} "
-                      f"| {r.bubble_rate:.4f} |", flush=True)
-                print(f"  p={p} m={m} {k}p done", file=sys.stderr, flush=True)
-
+from megatron_zb.bench.greedy_speed import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,9 @@
 """Benchmarks a user can rerun: real PP=2 CPU timings, an emulated cluster, activation memory.
 
-``scripts/benchmark.py`` drives them; every benchmark of the project runs by name through one entry
-point, ``python -m megatron_zb.bench NAME`` (:mod:`megatron_zb.bench.__main__`); ``docs/benchmarks.md``
+The ``cpu`` benchmark (:mod:`megatron_zb.bench.cpu`) drives them; every benchmark of the project is a
+module here (or :mod:`megatron_zb.testing.gpu_bench`) and runs by name through one entry point,
+``python -m megatron_zb.bench NAME`` (:mod:`megatron_zb.bench.__main__`), from an installed package too;
+``scripts/benchmark.py`` and ``scripts/bench_*.py`` only call these modules. ``docs/benchmarks.md``
 records the results.
 """
 

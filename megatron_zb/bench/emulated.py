@@ -20,7 +20,7 @@ Optionally the stage also holds activation memory like a real one: ``mem_b_bytes
 backward by ``F`` (freed with the graph after ``B``/``BW``) of which ``mem_w_bytes`` stay alive in
 the W closure until ``W`` -- which the runtime's activation tracker counts.
 
-:func:`emulated_rank` is the per-process benchmark body used by ``scripts/benchmark.py``
+:func:`emulated_rank` is the per-process benchmark body used by the ``cpu`` benchmark (:mod:`megatron_zb.bench.cpu`)
 (run it with :func:`megatron_zb.testing.run_distributed`).
 """
 

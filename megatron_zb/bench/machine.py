@@ -1,7 +1,7 @@
 """The machine a benchmark runs on: its description, load average and the CPU other processes use.
 
 The numbers of a CPU benchmark on a shared machine mean little without the load next to them;
-``scripts/benchmark.py`` records both with :class:`LoadSampler` and :func:`machine`.
+the ``cpu`` benchmark (:mod:`megatron_zb.bench.cpu`) records both with :class:`LoadSampler` and :func:`machine`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark bodies on the real tiny megatron-core GPT (CPU, gloo), one function per process.
 
-Run them with :func:`megatron_zb.testing.run_distributed`; ``scripts/benchmark.py`` does.
+Run them with :func:`megatron_zb.testing.run_distributed`; the ``cpu`` benchmark (:mod:`megatron_zb.bench.cpu`) does.
 
 * :func:`timing_rank` -- PP=2 iteration times of megatron-core's own 1F1B
   (``forward_backward_pipelining_without_interleaving``) against megatron-zb's runtime running

@@ -1,4 +1,4 @@
-"""The ``emulated`` section of ``scripts/benchmark.py``: sleep-for-compute stages, real runtime and p2p.
+"""The ``emulated`` section of the ``cpu`` benchmark (:mod:`megatron_zb.bench.cpu`): sleep-for-compute stages, real runtime and p2p.
 
 :func:`section_emulated` runs :func:`megatron_zb.bench.emulated.emulated_rank` at each PP and
 cost scale and appends its table to the results (markdown lines and CSV rows).

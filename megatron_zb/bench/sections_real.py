@@ -1,4 +1,4 @@
-"""The real-compute sections of ``scripts/benchmark.py``: ``real``, ``memory`` and ``postval``.
+"""The real-compute sections of the ``cpu`` benchmark (:mod:`megatron_zb.bench.cpu`): ``real``, ``memory`` and ``postval``.
 
 Each ``section_*`` runs its rank body of :mod:`megatron_zb.bench.real` under
 :func:`megatron_zb.testing.run_distributed` and appends its tables to the results (markdown

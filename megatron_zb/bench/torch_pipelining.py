@@ -1,7 +1,8 @@
 """Benchmark section: megatron-zb's profiled schedules beside PyTorch's built-in schedules, all run
 by PyTorch's own pipeline runtime (``torch.distributed.pipelining``, PyTorch 2.13, CPU, gloo).
 
-One run (``scripts/bench_torch_pipelining.py``), ``pp`` processes of one thread each. The model is
+One run (:func:`main`: ``python -m megatron_zb.bench torch-pipelining``, or
+``scripts/bench_torch_pipelining.py``), ``pp`` processes of one thread each. The model is
 :class:`~megatron_zb.testing.torch_pipelining.TinyLM` in float32 (``nn.TransformerEncoderLayer``
 blocks, no dropout), the same weights for every schedule, split as each schedule places its stages
 (one stage per rank for ``Schedule1F1B``/``zb-1p``/``zb-2p``; two per rank, ``loop`` or ``v``, for
@@ -47,16 +48,18 @@ unit-cost memory model: the re-plan keeps ``mem_b`` in the given units).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from ..testing.torch_pipelining import LMConfig, batch, loss_fn, stage_module
 
-__all__ = ["TorchBenchConfig", "bench_rank", "report"]
+__all__ = ["TorchBenchConfig", "bench_rank", "main", "report"]
 
 BUILTINS = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
             "ScheduleDualPipeV")
@@ -290,3 +293,43 @@ def report(bc: TorchBenchConfig, results: list[dict[str, Any]]) -> str:
             lines.append(f"{name} / ScheduleZBVZeroBubble peak activation memory: "
                          f"{peak[name] / peak['ScheduleZBVZeroBubble']:.3f}")
     return "\n".join(lines)
+
+
+DESCRIPTION = "Benchmark: megatron-zb's profiled schedules beside PyTorch's built-ins, all run by PyTorch's own"
+"""The command line's description (the first line of what ``scripts/bench_torch_pipelining.py`` said)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The benchmark on ``argv`` (default ``sys.argv[1:]``): one run of :func:`bench_rank` in ``--pp``
+    processes, then :func:`report`, the machine and its load. Results: docs/torch_pipelining.md."""
+    from .machine import LoadSampler, machine
+    from ..testing.distributed import run_distributed
+
+    ap = argparse.ArgumentParser(description=DESCRIPTION)
+    ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes, one thread each)")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=7, help="paired rounds (every schedule once per round)")
+    ap.add_argument("--layers", type=int, default=8, help="transformer layers (divisible by 2 x pp)")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per sample")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--builtins", default=",".join(BUILTINS),
+                    help="PyTorch's schedule classes to run, comma-separated (default: all five)")
+    ap.add_argument("--ours", default=",".join(OURS),
+                    help="megatron-zb families (or auto) to run, comma-separated; NAME@BUILTIN: NAME re-planned with "
+                         "that built-in's measured peak activation memory as its limit")
+    a = ap.parse_args(argv)
+    pick = {k: tuple(n for n in getattr(a, k).split(",") if n) for k in ("builtins", "ours")}
+    bc = TorchBenchConfig(pp=a.pp, microbatches=a.microbatches, rounds=a.rounds, **pick)
+    bc = replace(bc, model=replace(bc.model, layers=a.layers, seq=a.seq, hidden=a.hidden, ffn=4 * a.hidden))
+    print(machine())
+    sampler = LoadSampler()
+    t0 = time.perf_counter()
+    res = run_distributed(partial(bench_rank, bc), world_size=bc.pp, timeout=3600, threads=1,
+                          preload=("torch", "torch.distributed", "megatron_zb"))
+    print(report(bc, res))
+    print(f"\n{sampler.stop()}\nwall time {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,12 +38,9 @@ are megatron-core's synchronous collectives: their bound is the process group's 
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -52,13 +49,23 @@ from ..peer_wait import Awaited, WaitPolicy, Watchdog, Watched, wait_host
 from ..schedules import Action, Op
 from .wgrad_store import WeightGradStore
 
-__all__ = ["BucketLaunch", "GradSync", "GradSyncError", "GradSyncReport", "TEST_HOOK_STOP_BEFORE_DP_REDUCE",
-           "overlapping_ddp_chunks"]
+__all__ = ["BeforeReduceHook", "BucketLaunch", "GradSync", "GradSyncError", "GradSyncReport", "overlapping_ddp_chunks",
+           "set_before_reduce_hook"]
 
-TEST_HOOK_STOP_BEFORE_DP_REDUCE = "MEGATRON_ZB_TEST_HOOK_STOP_BEFORE_DP_REDUCE"
-"""Test hook only (``tests/training/test_dead_peer.py``): ``RANK:ITERATION`` freezes global rank ``RANK``
-(``SIGSTOP`` to itself) just before it would launch its first data-parallel reduce of ``ITERATION``
-(:attr:`GradSync.iteration`). Unset (always, outside tests): nothing."""
+BeforeReduceHook = Callable[[int], None]
+"""A fault-injection hook: called with :attr:`GradSync.iteration` (see :func:`set_before_reduce_hook`)."""
+
+_before_reduce_hook: BeforeReduceHook | None = None
+
+
+def set_before_reduce_hook(hook: BeforeReduceHook | None) -> None:
+    """Install ``hook`` in this process, for fault injection (tests only; ``None``, the default, removes
+    it): every :class:`GradSync` calls ``hook(iteration)`` once per iteration, just before it reports the
+    iteration's first parameters ready -- the point where its first data-parallel reduce can launch.
+    ``tests/training/test_dead_peer.py`` installs one that freezes one rank there (``SIGSTOP``), as a
+    frozen node would. The product never installs one."""
+    global _before_reduce_hook
+    _before_reduce_hook = hook
 
 
 class GradSyncError(RuntimeError):
@@ -172,13 +179,13 @@ class GradSync:
         self._last_w = -1
         self._computes = 0
         self._in_flight: list[Watched] = []   # the launched reduces' works, oldest first
-        self._freeze_at_first_launch = False  # the test hook (TEST_HOOK_STOP_BEFORE_DP_REDUCE)
+        self._before_first_report = False  # the fault-injection hook is still to be called (set_before_reduce_hook)
 
     # ------------------------------------------------------------------ per iteration
     def begin(self, *, actions: tuple[Action, ...], store: WeightGradStore) -> None:
         """Start an iteration over ``actions`` (the rank's plan); hook into ``store``."""
         self._in_flight = []
-        self._freeze_at_first_launch = _test_hook_matches(self.iteration)
+        self._before_first_report = _before_reduce_hook is not None
         self._last_backward = {}
         self._last_w, n = -1, 0
         for a in actions:
@@ -234,9 +241,11 @@ class GradSync:
         self._ready([p for p in params if self._stage_of.get(id(p)) in self._backward_done])
 
     def _ready(self, params: list[torch.Tensor]) -> None:
-        if params and self._freeze_at_first_launch:
-            self._freeze_at_first_launch = False
-            _freeze(self.iteration)
+        if params and self._before_first_report:
+            self._before_first_report = False
+            hook = _before_reduce_hook
+            if hook is not None:
+                hook(self.iteration)
         for p in params:
             entry = self._group_of.get(id(p))
             if entry is None:
@@ -297,20 +306,3 @@ def _reduce_group(group: Any, force_all_reduce: bool) -> tuple[Any, str, tuple[i
     kind = "reduce-scatter" if distopt and not force_all_reduce else "all-reduce"
     me = dist.get_rank()
     return pg, kind, tuple(r for r in dist.get_process_group_ranks(pg) if r != me)
-
-
-def _test_hook_matches(iteration: int) -> bool:
-    """Whether :data:`TEST_HOOK_STOP_BEFORE_DP_REDUCE` asks this rank to freeze in ``iteration``."""
-    hook = os.environ.get(TEST_HOOK_STOP_BEFORE_DP_REDUCE)
-    if not hook:
-        return False
-    rank, at = (int(x) for x in hook.split(":"))
-    return rank == dist.get_rank() and at == iteration
-
-
-def _freeze(iteration: int) -> None:
-    """The test hook: say so (with the wall-clock time, ``time.time()`` seconds), then stop this whole
-    process (``SIGSTOP``: every thread, as a frozen node)."""
-    print(f"TEST HOOK {TEST_HOOK_STOP_BEFORE_DP_REDUCE}: rank {dist.get_rank()} freezes at {time.time():.3f} "
-          f"before its first data-parallel reduce of iteration {iteration}", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)

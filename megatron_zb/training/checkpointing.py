@@ -50,10 +50,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import sys
-import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -72,7 +70,6 @@ __all__ = [
     "materialize_adam_state",
     "CheckpointError",
     "LoadedCheckpoint",
-    "TEST_HOOK_PAUSE_BEFORE_TRACKER",
     "TRACKER_FILENAME",
     "check_optimizer_format",
     "checkpoint_dir",
@@ -82,6 +79,7 @@ __all__ = [
     "repaired_distributed_adam_load",
     "restore_rng_state",
     "save_checkpoint",
+    "set_before_tracker_hook",
 ]
 
 CHECKPOINT_VERSION = 3.0
@@ -91,9 +89,17 @@ SHAPE_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_si
 must agree between the saved and the loading model; stored under the checkpoint's ``args``."""
 
 
-TEST_HOOK_PAUSE_BEFORE_TRACKER = "MEGATRON_ZB_TEST_HOOK_PAUSE_BEFORE_TRACKER"
-"""Test hook only: ``ITERATION:SECONDS`` makes the save of that iteration pause after its files
-are written and before the tracker (see :func:`_test_hook_pause_before_tracker`)."""
+_before_tracker_hook: Callable[[int], None] | None = None
+
+
+def set_before_tracker_hook(hook: Callable[[int], None] | None) -> None:
+    """Install ``hook`` in this process, for fault injection (tests only; ``None``, the default, removes
+    it): :func:`save_checkpoint` calls ``hook(iteration)`` on every rank once the checkpoint's files are
+    written, before rank 0 writes the tracker -- so that a test can kill the job while a checkpoint is
+    being written (``tests/training/test_checkpoint_failures.py`` pauses there, through its launcher
+    ``tests/training/pause_before_tracker.py``). The product never installs one."""
+    global _before_tracker_hook
+    _before_tracker_hook = hook
 
 
 # ---------------------------------------------------------------------------- RNG
@@ -398,7 +404,8 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
     sd["zero_bubble"] = _zero_bubble_entry(state, config.schedule)
     dist_checkpointing.save(sd, path)
     dist.barrier()
-    _test_hook_pause_before_tracker(state.iteration)
+    if _before_tracker_hook is not None:
+        _before_tracker_hook(state.iteration)
     if dist.get_rank() == 0:  # last: a save killed before this line leaves the tracker at the previous one
         tmp = os.path.join(root, TRACKER_FILENAME + ".tmp")
         with open(tmp, "w") as f:
@@ -406,23 +413,6 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
         os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
     dist.barrier()
     return path
-
-
-def _test_hook_pause_before_tracker(iteration: int) -> None:
-    """Test hook only (``tests/training/test_checkpoint_failures.py``): with :data:`TEST_HOOK_PAUSE_BEFORE_TRACKER`
-    set to ``ITERATION:SECONDS``, the save of ``ITERATION`` prints a line on rank 0 and sleeps that
-    many seconds [s] on every rank between its files and the tracker, so that a test can kill the
-    job while the checkpoint is being written. Unset (always, outside tests): nothing."""
-    hook = os.environ.get(TEST_HOOK_PAUSE_BEFORE_TRACKER)
-    if not hook:
-        return
-    at, seconds = hook.split(":")
-    if int(at) != iteration:
-        return
-    if dist.get_rank() == 0:
-        print(f"TEST HOOK {TEST_HOOK_PAUSE_BEFORE_TRACKER}: iteration {iteration}'s files are written; "
-              f"pausing {seconds} s before the tracker", file=sys.stderr, flush=True)
-    time.sleep(float(seconds))
 
 
 @dataclass(frozen=True)

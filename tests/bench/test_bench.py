@@ -282,7 +282,7 @@ def test_one_entry_point_runs_every_benchmark_by_name(capsys):
         assert main([name, "--help"]) == 0, name
         assert sys.argv == argv  # restored
         usage = capsys.readouterr().out
-        own = bench.target.removeprefix("module:").rsplit(".", 1)[-1].removesuffix(".py")
+        own = bench.module.rsplit(".", 1)[-1]
         assert usage.startswith("usage:") and own in usage, (name, usage[:200])
     assert main(["no-such-benchmark"]) == 2
     assert "unknown benchmark 'no-such-benchmark'" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def test_variants_pair_each_base_with_its_registered_vocab_schedule():
 
 
 def test_bench_vocab_tiny_prints_both_sides(capsys):
-    assert BENCHMARKS["vocab"].target == "module:megatron_zb.bench.vocab"  # its --help: tests/bench/test_bench.py
+    assert BENCHMARKS["vocab"].module == "megatron_zb.bench.vocab"  # its --help: tests/bench/test_bench.py
     assert vocab_main(TINY) == 0
     out = capsys.readouterr().out
     header = next(ln for ln in out.splitlines() if ln.startswith("| variant |"))

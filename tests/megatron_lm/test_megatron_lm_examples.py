@@ -2,7 +2,7 @@
 
 The LLaMA-3 8B and Mixtral 8x7B launch scripts of Megatron-LM core_v0.16.1 (``examples/llama``,
 ``examples/mixtral``), flag for flag, scaled to CPU with the stated changes only
-(:mod:`megatron_zb.testing.megatron_lm_examples`: sizes, mock data, the CPU-only drops and the
+(:mod:`harness.megatron_lm_examples`: sizes, mock data, the CPU-only drops and the
 harness's ``CPU_FLAGS``) plus ``--pipeline-model-parallel-size 2``. Each runs once with megatron-core's
 own 1F1B and once through the flags route with ``--enable-zero-bubble`` (profiled in iterations 2-3,
 re-planned for 4); both must train and be bitwise equal: each iteration's lm loss and grad norm,
@@ -21,8 +21,8 @@ import pytest
 from test_megatron_lm_loop import FLAGS_PLUGIN, MCORE_1F1B, REPLAN_FUNC
 from test_megatron_lm_loop import pytestmark  # noqa: F401  (the loop tests' skips: no Megatron-LM, missing imports)
 
-from megatron_zb.testing.megatron_lm import bitwise_differences, run_megatron_lm
-from megatron_zb.testing.megatron_lm_examples import LLAMA3_8B, MIXTRAL_8X7B, PATH_FLAGS, ExampleScript
+from harness.megatron_lm import bitwise_differences, run_megatron_lm
+from harness.megatron_lm_examples import LLAMA3_8B, MIXTRAL_8X7B, PATH_FLAGS, ExampleScript
 
 ITERS = 4
 

@@ -1,4 +1,4 @@
-"""The Megatron-LM CPU harness itself (megatron_zb/testing/megatron_lm*.py), without running Megatron-LM:
+"""The Megatron-LM CPU harness itself (tests/harness/megatron_lm*.py), without running Megatron-LM:
 finding the folder, parsing its log lines, comparing runs bit for bit, the entry script's top level,
 and that every Megatron-LM / megatron-core line a workaround answers still says what it did."""
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megatron_zb.megatron_compat import megatron_lm_tag
-from megatron_zb.testing import megatron_lm as mlm
-from megatron_zb.testing.megatron_lm import (IterationLog, MegatronLMRun, bitwise_differences, find_megatron_lm,
+from harness import megatron_lm as mlm
+from harness.megatron_lm import (IterationLog, MegatronLMRun, bitwise_differences, find_megatron_lm,
                                              parse_iteration_lines, run_megatron_lm)
-from megatron_zb.testing.megatron_lm_workarounds import RELEASES, check_sites
-from megatron_zb.testing.megatron_lm_zygote import MAIN_SCRIPT
+from harness.megatron_lm_workarounds import RELEASES, check_sites
+from harness.megatron_lm_zygote import MAIN_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG = """\

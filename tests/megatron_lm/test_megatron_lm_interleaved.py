@@ -4,7 +4,7 @@ megatron-core's interleaved 1F1B (Megatron-LM's ``--num-layers-per-virtual-pipel
 virtual stages Megatron-LM turns ``overlap_p2p_comm`` on) against megatron-zb's ``interleaved-1f1b``
 and ``interleaved-zb`` through the flags route, bit for bit: every iteration's lm loss and grad
 norm, every rank's parameters. Tiny GPT, PP=2 with 2 virtual stages per rank (4 model chunks of one
-layer), 4 micro batches, 4 iterations; runs through :func:`megatron_zb.testing.megatron_lm.run_megatron_lm`.
+layer), 4 micro batches, 4 iterations; runs through :func:`harness.megatron_lm.run_megatron_lm`.
 
 Dropout is off (``--hidden-dropout 0 --attention-dropout 0``) in this file, for this reason:
 ``interleaved-zb`` is profiled and re-planned (iterations 3-4 run the re-planned schedule), and the
@@ -26,7 +26,7 @@ import re
 
 import pytest
 
-from megatron_zb.testing.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, TINY_GPT_FLAGS, MegatronLMRun,
+from harness.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, TINY_GPT_FLAGS, MegatronLMRun,
                                              bitwise_differences, run_megatron_lm)
 import test_megatron_lm_loop
 from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, REPLAN_FUNC, TIMEOUT_S, ZB_FUNC, loop_flags, assert_trains

@@ -1,7 +1,7 @@
 """megatron-zb inside NVIDIA Megatron-LM's own training loop (``pretrain_gpt.py`` of core_v0.16.1 with
 megatron-core 0.16.1, or of core_v0.19.0 with megatron-core 0.19.x), on CPU.
 
-Every run goes through :func:`megatron_zb.testing.megatron_lm.run_megatron_lm`: Megatron-LM's files,
+Every run goes through :func:`harness.megatron_lm.run_megatron_lm`: Megatron-LM's files,
 unmodified, from ``$MEGATRON_LM_DIR`` or ``../shared/megatron-lm-<tag>``; gloo on 127.0.0.1;
 4 iterations; mock data; default dropout. Per configuration, megatron-core's own 1F1B runs once
 (a module-scoped fixture) and every megatron-zb variant is compared with it bitwise: each
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megatron_zb.megatron_compat import megatron_lm_loop, megatron_lm_tag
-from megatron_zb.testing.megatron_lm import (CPU_FLAGS, LLAMA_FLAGS, MOCK_DATA_FLAGS, SKIP_REASON, TINY_GPT_FLAGS,
+from harness.megatron_lm import (CPU_FLAGS, LLAMA_FLAGS, MOCK_DATA_FLAGS, SKIP_REASON, TINY_GPT_FLAGS,
                                              MegatronLMError, MegatronLMRun, bitwise_differences, find_megatron_lm,
                                              run_megatron_lm)
 
@@ -44,7 +44,7 @@ REPLAN_FUNC = "megatron_zb.megatron_lm.ReplanningForwardBackward"
 ZB_PLUGIN = "import megatron_zb\nmegatron_zb.patch_megatron('zb')\n"
 """The one-call route exactly as patches/README.md documents it."""
 ZB_NO_DEALLOC_PLUGIN = ZB_PLUGIN + (
-    "from megatron_zb.testing.megatron_lm_workarounds import override_transformer_config\n"
+    "from harness.megatron_lm_workarounds import override_transformer_config\n"
     "override_transformer_config(deallocate_pipeline_outputs=False)\n")
 """The same with Megatron-LM's ``deallocate_pipeline_outputs=True`` forced off (the stage outputs kept)."""
 FLAGS_PLUGIN = "import megatron_zb.megatron_lm\nmegatron_zb.megatron_lm.install()\n"

@@ -37,7 +37,7 @@ from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, MCORE_1F1B, PP2, REPLAN_F
 
 from megatron_zb.megatron_compat import megatron_lm_tag
 from megatron_zb.megatron_lm_optimizer import REFUSED
-from megatron_zb.testing.megatron_lm import MegatronLMRun
+from harness.megatron_lm import MegatronLMRun
 
 pytestmark = test_megatron_lm_loop.pytestmark  # skipped without Megatron-LM's files or what they import
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zb.testing.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, TINY_GPT_FLAGS, MegatronLMRun,
+from harness.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, TINY_GPT_FLAGS, MegatronLMRun,
                                              bitwise_differences, run_megatron_lm)
 import test_megatron_lm_loop
 from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, MCORE_1F1B, REPLAN_FUNC, TIMEOUT_S, assert_trains

@@ -17,7 +17,7 @@ wrapper on core_v0.16.1 is
 Same model in both runs: Megatron-LM draws each rank's weights in construction order, so the V
 (other layers on each rank) would start elsewhere; both runs therefore use
 ``--use-cpu-initialization`` and the test plugin
-:func:`~megatron_zb.testing.layer_seeding.seed_layers_by_global_number` (each layer's weights from a
+:func:`~harness.layer_seeding.seed_layers_by_global_number` (each layer's weights from a
 seed of its global number; the embedding is drawn first on rank 0 in both). Dropout is off
 (``--hidden-dropout 0 --attention-dropout 0``): its masks come from each rank's RNG stream in
 execution order, which the V changes (rank 0 runs layers 0 and 3), so with dropout the runs would
@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from megatron_zb.megatron_compat import megatron_lm_loop
-from megatron_zb.testing.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, SKIP_REASON, TINY_GPT_FLAGS, MegatronLMRun,
+from harness.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, SKIP_REASON, TINY_GPT_FLAGS, MegatronLMRun,
                                              find_megatron_lm, run_megatron_lm)
 
 ITERS = 4
@@ -63,7 +63,7 @@ PROVIDER_EDIT = ("partial(model_provider, gpt_builder),",
 SCRIPT_EDIT = (INSTALL_EDIT, PROVIDER_EDIT) if megatron_lm_loop().v_model_builder is None else (INSTALL_EDIT,)
 """The documented change of the user's ``pretrain_gpt.py`` for V schedules, per release (the
 provider wrapper where Megatron-LM builds the model through the script's provider)."""
-SEED_PLUGIN = ("from megatron_zb.testing.layer_seeding import seed_layers_by_global_number\n"
+SEED_PLUGIN = ("from harness.layer_seeding import seed_layers_by_global_number\n"
                "seed_layers_by_global_number()\n")
 PP2_NO_DROPOUT = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *TINY_GPT_FLAGS, "--pipeline-model-parallel-size", "2",
                   "--global-batch-size", "8", "--train-iters", str(ITERS), "--use-cpu-initialization",
@@ -268,7 +268,7 @@ def test_script_edit_replaces_exactly_once() -> None:
     whose text is missing or ambiguous rather than running an unedited script."""
     import json
 
-    from megatron_zb.testing.megatron_lm_main import edit_script
+    from harness.megatron_lm_main import edit_script
 
     text = "a\nif __name__ == \"__main__\":\n    pretrain(x)\n"
     assert edit_script(text, json.dumps([["pretrain(x)", "pretrain(f(x))"]])) == text.replace("(x)", "(f(x))")

@@ -2,7 +2,7 @@
 
 Distributed tests train a tiny GPT (4 layers, hidden 32, 2 heads, seq 16, vocab 64, micro batch 2,
 4 microbatches) wired as ``pretrain_gpt_zb.py`` wires it (megatron-core's DDP and
-``get_megatron_optimizer`` through ``training/wiring.py``; the ranks: ``megatron_zb/testing/pv_harness.py``)
+``get_megatron_optimizer`` through ``training/wiring.py``; the ranks: ``tests/harness/pv_harness.py``)
 with megatron-core's 1F1B schedule (``forward_backward_pipelining_without_interleaving``) three
 times in the same ranks: with
 megatron's synchronous ``optimizer.step()`` (the reference), and wrapped in
@@ -33,7 +33,7 @@ from megatron_zb.optimizer import (
 from megatron_zb.optimizer.rollback import ExactSnapshot, InPlaceRecord, group_hyperparams
 from megatron_zb.testing import init_parallel_state, run_distributed
 
-from megatron_zb.testing.pv_harness import (MICRO_BATCH, MICROBATCHES, SEED, SEQ, build, forward_step, inject_inf,
+from harness.pv_harness import (MICRO_BATCH, MICROBATCHES, SEED, SEQ, build, forward_step, inject_inf,
                                             microbatches, relative_difference, run_modes)
 
 

@@ -1,4 +1,4 @@
-"""The device lint (megatron_zb.testing.device_lint) on the package, and the rule on small sources.
+"""The device lint (harness.device_lint) on the package, and the rule on small sources.
 
 ``test_package_allocations_name_their_device`` is the guard of docs/runtime.md "Devices": every
 torch allocation under runtime/, optimizer/ and training/ names its device, or is in the
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zb.testing.device_lint import ALLOWED, LINTED_PACKAGES, REPO_ROOT, lint_file, lint_packages
+from harness.device_lint import ALLOWED, LINTED_PACKAGES, REPO_ROOT, lint_file, lint_packages
 
 def test_package_allocations_name_their_device():
     result = lint_packages()

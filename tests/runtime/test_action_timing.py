@@ -2,7 +2,7 @@
 host times kept for the activation tracker, perf_counter on CPU, and the profiling window's single wait.
 
 CUDA cannot run on this machine: the CUDA path is driven through
-:class:`~megatron_zb.testing.fake_cuda.FakeCuda` / ``FakeEvent``, test doubles of ``torch.cuda.Event``,
+:class:`~harness.fake_cuda.FakeCuda` / ``FakeEvent``, test doubles of ``torch.cuda.Event``,
 ``torch.cuda.current_stream`` and ``torch.cuda.synchronize``.
 Every expected number below is worked out by hand from the scripted GPU times.
 """
@@ -19,7 +19,7 @@ from megatron_zb.runtime.action_timing import ActionTiming, device_waits, resolv
 from megatron_zb.runtime.memory import ActivationMemoryTracker
 from megatron_zb.schedules import Op
 from megatron_zb.schedules.ir import Action
-from megatron_zb.testing.fake_cuda import FakeCuda, run_actions
+from harness.fake_cuda import FakeCuda, run_actions
 from megatron_zb.training.profiling import ActionProfile
 
 F0, B0, W0 = Action(Op.F, 0, 0), Action(Op.B, 0, 0), Action(Op.W, 0, 0)

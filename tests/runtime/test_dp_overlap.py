@@ -25,7 +25,7 @@ from megatron_zb.schedules.dp_reduce import DPReduceModel
 from megatron_zb.schedules.registry import build_schedule
 from megatron_zb.testing import run_distributed
 from megatron_zb.testing.distributed import cpu_run_env
-from megatron_zb.testing.dp_overlap import DPCase, assert_equal_runs, merge, run_dp_iterations
+from harness.dp_overlap import DPCase, assert_equal_runs, merge, run_dp_iterations
 from megatron_zb.testing.tiny_gpt import TinyGPT
 
 CFG = TinyGPT(pp=2, dp=2)

@@ -1,6 +1,6 @@
 """Peak memory of an iteration, megatron-zb against megatron-core's own 1F1B (issue 22).
 
-:class:`~megatron_zb.testing.live_memory.LiveTensorBytes` counts every tensor an iteration creates
+:class:`~harness.live_memory.LiveTensorBytes` counts every tensor an iteration creates
 (activations, stage outputs, gradients, p2p buffers) on CPU, under megatron-core's schedule and
 under megatron-zb's alike. Tiny GPT (hidden 64, seq 32, micro batch 2: one stage tensor is
 32 * 2 * 64 * 4 = 16384 bytes), m = 2p, Megatron-LM's ``deallocate_pipeline_outputs``.
@@ -15,7 +15,7 @@ import torch
 
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.testing import run_distributed
-from megatron_zb.testing.live_memory import LiveTensorBytes, peak_iteration_bytes
+from harness.live_memory import LiveTensorBytes, peak_iteration_bytes
 from megatron_zb.testing.tiny_gpt import TinyGPT
 
 STAGE_TENSOR_BYTES = 32 * 2 * 64 * 4

@@ -3,7 +3,7 @@
 The certificate (``test_nccl_semantics.py``) covers the programs the runtime plans; these tests cover
 what the runtime then does: every ``torch.distributed`` call of real training iterations on gloo
 processes -- the warm-up, the p2p, the vocabulary collectives, megatron-core's own calls -- recorded by
-:mod:`megatron_zb.testing.nccl_record` with the communicators NCCL would use, and replayed under every
+:mod:`harness.nccl_record` with the communicators NCCL would use, and replayed under every
 rule at once (lazy creation, one hardware queue, unbuffered sends; two host threads refused).
 
 The control: megatron-core's own 1F1B and interleaved schedules (with and without
@@ -20,7 +20,7 @@ import pytest
 
 from megatron_zb.runtime.nccl_model import ALL_RULES, Kind, Rules, calls_of, replay
 from megatron_zb.testing.distributed import run_distributed
-from megatron_zb.testing.nccl_record import record_calls, record_run
+from harness.nccl_record import record_calls, record_run
 from megatron_zb.testing.tiny_gpt import TinyGPT
 
 
@@ -58,7 +58,7 @@ def test_tensor_and_data_parallel_collectives_replay_clean(schedule):
     W; at PP=2 x DP=2 with --overlap-grad-reduce and the distributed optimizer the bucket reduces launched
     from W (megatron-core's own 1F1B: from its hooks), the parameter all-gathers and the optimizer's
     reductions (grad norm, clipping) -- three iterations, recorded with the pipeline's calls."""
-    from megatron_zb.testing.dp_overlap import DPCase, run_dp_iterations
+    from harness.dp_overlap import DPCase, run_dp_iterations
     from megatron_zb.testing.tiny_gpt import run_step
 
     tp = run_distributed(partial(record_calls, run_step, TinyGPT(pp=2, tp=2), schedule=schedule), world_size=4,

@@ -24,7 +24,7 @@ from megatron_zb.runtime.rank_plan import plan_rank
 from megatron_zb.schedules import Action, Op
 from megatron_zb.schedules.registry import build_schedule
 from megatron_zb.testing import run_distributed
-from megatron_zb.testing.hot_path import count_host_syncs
+from harness.hot_path import count_host_syncs
 
 
 class FakeWork:

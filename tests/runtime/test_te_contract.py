@@ -175,7 +175,7 @@ def test_dp_overlapped_reduce_sees_te_weights_ready_after_their_last_w(distribut
     after their last W; three iterations with Adam equal megatron-core's 1F1B without delaying."""
     from dataclasses import replace
 
-    from megatron_zb.testing.dp_overlap import DPCase, assert_equal_runs, merge, run_dp_iterations
+    from harness.dp_overlap import DPCase, assert_equal_runs, merge, run_dp_iterations
 
     cfg = TinyGPT(**dict(TINY, dp=2), layer_spec=SPEC)
     case = DPCase(overlap_grad_reduce=True, overlap_param_gather=distributed_optimizer,

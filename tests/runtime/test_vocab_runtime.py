@@ -23,7 +23,7 @@ import torch
 import megatron_zb  # noqa: F401  (CPU shim)
 from megatron_zb.testing import run_distributed
 from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
-from megatron_zb.testing.vocab_gpt import run_in_turn, run_vocab_step, run_vocab_steps
+from harness.vocab_gpt import run_in_turn, run_vocab_step, run_vocab_steps
 
 # megatron-core's import-time notices (the argument tests import it into this process).
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -258,7 +258,7 @@ docs/megatron_lm.md's V section); every case uses the same flags, so all compare
 def megatron_core_run(tmp_path_factory):
     """``--use-megatron-core-schedule`` on ``TRAIN`` plus the tying flags, in ``world`` ranks: run once per
     (world, tying) in this module, shared by the cases that compare with it."""
-    from megatron_zb.testing.trainer_run import in_process
+    from harness.trainer_run import in_process
 
     runs: dict[tuple[int, tuple[str, ...]], dict] = {}
 
@@ -290,7 +290,7 @@ def test_pretrain_enable_vocab_parallel_matches_megatron_core_1f1b(tmp_path, meg
     on the same model: the logged loss and grad norm of every iteration and every validation / test loss
     within a relative 1e-5 (measured worst: 5e-8, 1.5e-6 and 5e-8; not bitwise, see the module docstring).
     ``own``: flags of the vocabulary-parallel run only (the interleaved placement's chunks)."""
-    from megatron_zb.testing.trainer_run import in_process
+    from harness.trainer_run import in_process
 
     ref = megatron_core_run(world, tying)
     got = in_process(tmp_path, "vocab", world, TRAIN + tying + own + ["--schedule", schedule, "--enable-vocab-parallel"])
@@ -342,7 +342,7 @@ def test_pretrain_enable_vocab_parallel_with_tensor_parallelism(tmp_path, sp):
     and with ``--sequence-parallel``, against ``--use-megatron-core-schedule`` with TP=2 (and the same
     ``--sequence-parallel``) on the same model (101 ids padded to 128 both ways: by 32 x TP x PP and by 32 x TP):
     the logged loss and grad norm of 3 iterations and the validation loss within a relative 1e-5."""
-    from megatron_zb.testing.trainer_run import in_process
+    from harness.trainer_run import in_process
 
     argv = [*TRAIN, "--make-vocab-size-divisible-by", "32", "--tensor-model-parallel-size", "2",
             "--train-iters", "3", "--eval-interval", "3", "--global-batch-size", "4", *sp]
@@ -379,7 +379,7 @@ def test_pretrain_enable_vocab_parallel_in_half_precision(tmp_path, half):
     then the parts are summed in half precision (C1, as megatron-core's tensor-parallel all-reduce does), another
     rounding of the gradient reaching the transformer layers (measured worst, grad norm: 4.7e-4 bf16, 1.4e-4 fp16;
     iteration 2's loss: 4.6e-5 bf16, 4.0e-6 fp16)."""
-    from megatron_zb.testing.trainer_run import in_process
+    from harness.trainer_run import in_process
 
     dtype, grad_dtype, own = HALF[half]
     argv = [*TRAIN, half, *own, "--train-iters", "2", "--eval-iters", "0"]

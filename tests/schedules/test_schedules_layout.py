@@ -14,7 +14,7 @@ from megatron_zb.schedules import CostModel, Placement, Schedule, ScheduleError,
 from megatron_zb.schedules.catalog import SCHEDULES, register
 from megatron_zb.schedules.ir import BW, F, make_schedule, plain_placement
 from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
-from megatron_zb.testing.import_graph import find_cycle
+from harness.import_graph import find_cycle
 
 PKG_DIR = Path(schedules_pkg.__file__).parent
 PKG = schedules_pkg.__name__

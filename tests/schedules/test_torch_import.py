@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -216,12 +213,9 @@ def test_errors():
 
 
 def _load_bench():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_schedules.py"
-    spec = importlib.util.spec_from_file_location("bench_schedules", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(mod)
-    return mod
+    import megatron_zb.bench.schedules as bench  # python -m megatron_zb.bench schedules
+
+    return bench
 
 
 def test_bench_reports_invalid_rows_instead_of_crashing():

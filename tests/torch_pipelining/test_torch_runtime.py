@@ -28,7 +28,7 @@ from megatron_zb.schedules.ir import B, F, Placement, Schedule, W  # noqa: E402
 from megatron_zb.schedules.fusion import fuse_adjacent  # noqa: E402
 from megatron_zb.schedules.simulator import simulate  # noqa: E402
 from megatron_zb.schedules.torch_import import import_torch_schedule  # noqa: E402
-from megatron_zb.testing.torch_runtime import api_rank, fsdp_rank  # noqa: E402
+from harness.torch_runtime import api_rank, fsdp_rank  # noqa: E402
 from megatron_zb.torch_pipelining.choice import choose_schedule, placement_of  # noqa: E402
 from megatron_zb.torch_pipelining.export import TorchExportError, torch_lowering  # noqa: E402
 from megatron_zb.torch_pipelining.profiling import action_overhead_ms  # noqa: E402

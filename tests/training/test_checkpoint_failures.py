@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from megatron_zb.testing.pretrain_harness import DROPOUT, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
+from harness.pretrain_harness import DROPOUT, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -178,10 +178,17 @@ def test_other_train_iters_names_megatrons_flags_and_honours_them(tmp_path, save
 
 
 # ---------------------------------------------------------------------------- killed jobs
-def _launch(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
-    """``pretrain_gpt_zb.py`` under torchrun, in a session of its own; its output lines collect in the list."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), *argv]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})),
+PAUSE_LAUNCHER = Path(__file__).with_name("pause_before_tracker.py")
+"""Runs ``pretrain_gpt_zb.py`` with a pause between a checkpoint's files and its tracker (its docstring)."""
+
+
+def _launch(argv: list[str], cwd: Path,
+            pause_before_tracker: str | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """``pretrain_gpt_zb.py`` under torchrun, in a session of its own; its output lines collect in the list.
+    ``pause_before_tracker`` (``ITERATION:SECONDS``): run it through :data:`PAUSE_LAUNCHER`."""
+    entry = [str(SCRIPT)] if pause_before_tracker is None else [str(PAUSE_LAUNCHER), pause_before_tracker]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *entry, *argv]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
@@ -199,13 +206,11 @@ def _wait_for(proc: subprocess.Popen, lines: list[str], pattern: str, timeout: f
 
 def test_job_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, saved):
     """SIGKILL to the whole job while iteration 8's checkpoint is being written (its files written,
-    the tracker not yet: the test hook pauses there): the tracker still names 4, and the resumed run's
+    the tracker not yet: the fault-injection hook of :data:`PAUSE_LAUNCHER` pauses there): the tracker still names 4, and the resumed run's
     iterations 5-8 are the uninterrupted run's bit for bit; it then saves iteration 8 over the partial one."""
-    from megatron_zb.training.checkpointing import TEST_HOOK_PAUSE_BEFORE_TRACKER
-
     full = saved[0]
     root = tmp_path / "ckpt"
-    proc, lines = _launch(ARGV + ["--save", str(root)], tmp_path, env={TEST_HOOK_PAUSE_BEFORE_TRACKER: "8:120"})
+    proc, lines = _launch(ARGV + ["--save", str(root)], tmp_path, pause_before_tracker="8:120")
     _wait_for(proc, lines, r"TEST HOOK .*iteration 8's files are written")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)

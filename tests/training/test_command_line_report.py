@@ -308,7 +308,7 @@ def test_parsed_values_equal_megatron_lm_s_own_parser():
     dests above equal (theirs found by the flag: core_v0.19.0 stores ``--tokenizer-special-tokens`` in
     ``special_tokens``), except those whose flag that release no longer has (:data:`GONE_FROM`)."""
     from megatron_zb.megatron_compat import megatron_lm_tag
-    from megatron_zb.testing.megatron_lm import SKIP_REASON, find_megatron_lm
+    from harness.megatron_lm import SKIP_REASON, find_megatron_lm
     from megatron_zb.training.arguments.megatron_flags import megatron_lm_flags
 
     megatron_lm = find_megatron_lm()

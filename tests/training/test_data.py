@@ -333,7 +333,7 @@ def test_loss_curve_without_the_dataloader_mask_and_mmap_is_bitwise_the_same(cor
     data): without the dataloader's attention mask the first stage's attention builds megatron-core's
     causal mask itself -- every iteration's lm loss and grad norm bitwise equal (with --no-mmap-bin-files
     too, which reads the same tokens)."""
-    from megatron_zb.testing.pretrain_harness import in_process
+    from harness.pretrain_harness import in_process
 
     argv = shlex.split(f"--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
                        f"--global-batch-size 8 --train-iters 4 --lr 2e-3 --num-workers 0 --eval-iters 0 "

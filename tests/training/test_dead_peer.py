@@ -5,7 +5,8 @@ timeout, instead of waiting for the process group's own timeout (``--distributed
 * End to end, gloo's policy: ``pretrain_gpt_zb.py``'s ``main`` at PP=2 x DP=2 (4 ranks of
   ``run_distributed``, the launcher here: what torchrun would start, without the process start-up;
   its grace after a failed rank is 2 s), ``--overlap-grad-reduce``, ``--pipeline-timeout-seconds 3``.
-  The test hook freezes global rank 1 (``SIGSTOP``: every thread of the process, as a frozen node)
+  The fault-injection hook (:func:`_freeze_hook`, installed with
+  ``grad_sync.set_before_reduce_hook`` in each rank) freezes global rank 1 (``SIGSTOP``: every thread of the process, as a frozen node)
   just before it launches its first data-parallel reduce of iteration 2 (the first whose reduces are
   launched from W), so its data-parallel peer, rank 0, waits in stage 0's reduce.
 * End to end, NCCL's policy run on gloo: the same freeze in the tiny GPT of the DP-overlap tests with
@@ -20,12 +21,15 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from megatron_zb.testing.pretrain_harness import SMALL, without  # the end-to-end harness's tiny model
+from harness.pretrain_harness import SMALL, without  # the end-to-end harness's tiny model
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -36,20 +40,38 @@ ARGV = without(SMALL, "--pipeline-timeout-seconds") + [
 """4 ranks: pipeline groups [0, 2] and [1, 3], data-parallel groups [0, 1] (stage 0) and [2, 3] (stage 1)."""
 
 
+def _freeze_hook(hook: str) -> Callable[[int], None]:
+    """The fault injection, for ``grad_sync.set_before_reduce_hook``: ``hook`` = ``RANK:ITERATION`` freezes
+    global rank ``RANK`` (``SIGSTOP`` to itself: every thread, as a frozen node) just before it reports
+    the first parameters of ``ITERATION`` ready (where its first data-parallel reduce launches), after
+    saying so on stderr with the wall-clock time (``time.time()`` seconds)."""
+    import torch.distributed as dist
+
+    rank, at = (int(x) for x in hook.split(":"))
+
+    def freeze(iteration: int) -> None:
+        if dist.get_rank() != rank or iteration != at:
+            return
+        print(f"TEST HOOK before_reduce: rank {rank} freezes at {time.time():.3f} before its first data-parallel "
+              f"reduce of iteration {iteration}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    return freeze
+
+
 def _main_rank(argv: list[str], hook: str, stderr_dir: str) -> int:
-    """One rank of ``pretrain_gpt_zb.py``'s ``main`` with the freeze hook set; its stderr goes to a file."""
-    import sys
+    """One rank of ``pretrain_gpt_zb.py``'s ``main`` with the freeze hook installed; its stderr goes to a file."""
     import warnings
 
     import torch.distributed as dist
 
-    from megatron_zb.runtime.grad_sync import TEST_HOOK_STOP_BEFORE_DP_REDUCE
+    from megatron_zb.runtime.grad_sync import set_before_reduce_hook
     from megatron_zb.training.pretrain import main
 
     warnings.simplefilter("ignore")
     rank = dist.get_rank()
     os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(rank), LOCAL_RANK=str(rank))
-    os.environ[TEST_HOOK_STOP_BEFORE_DP_REDUCE] = hook
+    set_before_reduce_hook(_freeze_hook(hook))
     err = open(Path(stderr_dir, f"rank{rank}.err"), "w")
     os.dup2(err.fileno(), 2)
     sys.stderr = err
@@ -168,7 +190,7 @@ def test_pretrain_script_exits_at_once_on_a_late_peer_without_tearing_the_groups
     import subprocess
     import sys
 
-    from megatron_zb.testing.pretrain_harness import SCRIPT
+    from harness.pretrain_harness import SCRIPT
 
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", _SCRIPT_WITH_A_LATE_PEER, str(SCRIPT)], capture_output=True,
@@ -185,12 +207,12 @@ def _stream_policy_rank(hook: str, stderr_dir: str) -> dict:
     a host synchronisation behind a stuck NCCL reduce would)."""
     import torch.distributed as dist
 
+    from harness.dp_overlap import DPCase, run_dp_iterations
     from megatron_zb.peer_wait import WaitPolicy
-    from megatron_zb.runtime.grad_sync import TEST_HOOK_STOP_BEFORE_DP_REDUCE
-    from megatron_zb.testing.dp_overlap import DPCase, run_dp_iterations
+    from megatron_zb.runtime.grad_sync import set_before_reduce_hook
     from megatron_zb.testing.tiny_gpt import TinyGPT
 
-    os.environ[TEST_HOOK_STOP_BEFORE_DP_REDUCE] = hook
+    set_before_reduce_hook(_freeze_hook(hook))
     err = open(Path(stderr_dir, f"rank{dist.get_rank()}.err"), "w")
     os.dup2(err.fileno(), 2)
     cfg = TinyGPT(pp=2, dp=2, num_layers=4, hidden=32, seq=16, num_microbatches=4)

@@ -1,7 +1,7 @@
 """Host and device time per action, and the host-bound diagnosis (megatron_zb.training.host_bound), in the
 schedule report and in ``--profile-out``'s JSON.
 
-CUDA cannot run here: the device clock is scripted (:mod:`megatron_zb.testing.fake_cuda`). The planner
+CUDA cannot run here: the device clock is scripted (:mod:`harness.fake_cuda`). The planner
 test runs :class:`~megatron_zb.training.replanning.SchedulePlanner`'s own window and ``replan()`` on two
 gloo processes (PP=2, ZB-H1, 2 micro batches), each with a runtime double whose iteration is scripted
 on its own fake CUDA clock; the profile is agreed over both, rank 0 prints the report and writes the
@@ -83,7 +83,7 @@ def _planner_rank(out: str) -> str:
     from megatron_zb.runtime.memory import ActivationMemoryTracker
     from megatron_zb.schedules import Op
     from megatron_zb.schedules.registry import build_schedule
-    from megatron_zb.testing.fake_cuda import FakeCuda, run_actions
+    from harness.fake_cuda import FakeCuda, run_actions
     from megatron_zb.runtime.install import Installed
     from megatron_zb.runtime.measure import Measured
     from megatron_zb.training.replanning import SchedulePlanner

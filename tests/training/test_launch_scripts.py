@@ -1,6 +1,6 @@
 """Public launch scripts run with pretrain_gpt_zb.py: NVIDIA's LLaMA-3 8B, Mixtral 8x7B and GPT-3 175B
 examples and the zero-bubble fork's pretrain_zero_bubble.sh, scaled to CPU
-(:mod:`megatron_zb.testing.megatron_lm_examples`: sizes, iteration counts and paths changed, CPU-only
+(:mod:`harness.megatron_lm_examples`: sizes, iteration counts and paths changed, CPU-only
 flags dropped with their reason, every other flag verbatim).
 
 Each script trains with ``--use-megatron-core-schedule`` (the reference), ``--enable-zero-bubble``
@@ -23,10 +23,10 @@ import math
 
 import pytest
 
-from megatron_zb.testing.megatron_lm_examples import (GPT3_175B, LLAMA3_8B, LLAMA3_8B_FP8, MIXTRAL_8X7B, ZB_FORK,
+from harness.megatron_lm_examples import (GPT3_175B, LLAMA3_8B, LLAMA3_8B_FP8, MIXTRAL_8X7B, ZB_FORK,
                                                       ZB_FORK_ZERO_BUBBLE)
 from megatron_zb.megatron_compat import rampup_calculator
-from megatron_zb.testing.trainer_run import in_process
+from harness.trainer_run import in_process
 
 SCRIPTS = {"llama3_8b": (LLAMA3_8B, True), "mixtral_8x7b": (MIXTRAL_8X7B, None), "gpt3_175b": (GPT3_175B, False),
            "zb_fork": (ZB_FORK, False)}

@@ -220,7 +220,7 @@ def test_llama_example_cpu_loss_curves_equal_megatron_core(tmp_path):
     schedule; lm loss and grad norm of each iteration equal megatron-core 1F1B's (V: 1e-6 relative).
     The script runs under torchrun once (``--enable-zero-bubble``); megatron-core's 1F1B, ``zb-2p``
     and ``zbv`` run the trainer in-process on the exact command line the script passes."""
-    from megatron_zb.testing.pretrain_harness import in_process
+    from harness.pretrain_harness import in_process
 
     curves = {"zb": _example_run("zb", tmp_path)}
     for name in ("mcore", "zb-2p", "zbv"):

@@ -31,7 +31,7 @@ import torch
 from megatron_zb.testing import run_distributed
 from megatron_zb.training.arguments import ArgumentError, parse_args, validate_args
 
-from megatron_zb.testing.pretrain_harness import in_process, losses, train  # the end-to-end tests' harness
+from harness.pretrain_harness import in_process, losses, train  # the end-to-end tests' harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -199,7 +199,7 @@ def test_moe_with_biases_at_ep1_asks_for_disable_bias_linear():
 
 
 def test_grouped_gemm_on_cpu_exits_2_with_one_line(tmp_path):
-    from megatron_zb.testing.pretrain_harness import SCRIPT
+    from harness.pretrain_harness import SCRIPT
 
     proc = subprocess.run([sys.executable, str(SCRIPT), *shlex.split(BASE), "--moe-grouped-gemm"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)

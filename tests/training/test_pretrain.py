@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from megatron_zb.testing.pretrain_harness import (DROPOUT, SCRIPT, SMALL, assert_curve, in_process, losses, torchrun,
+from harness.pretrain_harness import (DROPOUT, SCRIPT, SMALL, assert_curve, in_process, losses, torchrun,
                                                  train)
 
 # megatron-core's import-time notices (the bad-input tests import it into this process).
@@ -390,7 +390,7 @@ def test_mock_loss_mask_does_not_depend_on_the_first_sample_read():
 
 
 # ---------------------------------------------------------------------------- in-process runs
-# (megatron_zb.testing.pretrain_harness: SMALL and in_process)
+# (harness.pretrain_harness: SMALL and in_process)
 
 
 def test_replanned_schedule_is_the_greedy_schedule_of_the_logged_costs(tmp_path):

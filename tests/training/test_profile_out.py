@@ -56,7 +56,7 @@ from megatron_zb.bench.machine import OtherProcessesCpu
 from megatron_zb.cli import main as cli_main
 from megatron_zb.planning.profile import read_profile
 from megatron_zb.schedules import Op
-from megatron_zb.testing.pretrain_harness import torchrun
+from harness.pretrain_harness import torchrun
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -36,7 +36,7 @@ _LINE = re.compile(r"\] iteration\s+(\d+)/.*elapsed time per iteration \(ms\): (
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from megatron_zb.testing.trainer_run import in_process
+    from harness.trainer_run import in_process
 
     root = tmp_path_factory.mktemp("timing")
     return {name: in_process(root, name, 2, shlex.split(BASE + " " + extra)) for name, extra in RUNS.items()}

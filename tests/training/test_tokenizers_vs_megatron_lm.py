@@ -2,7 +2,7 @@
 (with megatron-core 0.19: against core_v0.19.0's, which has only megatron-core's path -- the ``new``
 one below, which pads the vocabulary there -- and no offline GPT-2: that case is skipped).
 
-One subprocess (:func:`megatron_zb.testing.megatron_lm_tokenizers.megatron_lm_tokenizer_results`,
+One subprocess (:func:`harness.megatron_lm_tokenizers.megatron_lm_tokenizer_results`,
 ~15-25 s on the shared 2-core machine, mostly importing Megatron-LM's training package) builds
 Megatron-LM's two tokenizer paths for every configuration below: ``legacy`` (``megatron.training.tokenizer``,
 which every Megatron-LM run builds and pads the vocabulary from) and ``new`` (megatron-core's
@@ -29,7 +29,7 @@ import pytest
 
 from test_tokenizers import BASE, TIK_FLAGS, train_sentencepiece, write_gpt2_files, write_tiktoken_vocab
 
-from megatron_zb.testing.megatron_lm import SKIP_REASON, find_megatron_lm
+from harness.megatron_lm import SKIP_REASON, find_megatron_lm
 from megatron_zb.training import data
 from megatron_zb.training.arguments import parse_args, validate_args
 
@@ -82,7 +82,7 @@ def configs(files: dict[str, str]) -> dict[str, tuple[str, dict]]:
 
 @pytest.fixture(scope="module")
 def reference(files) -> dict:
-    from megatron_zb.testing.megatron_lm_tokenizers import megatron_lm_tokenizer_results
+    from harness.megatron_lm_tokenizers import megatron_lm_tokenizer_results
     return megatron_lm_tokenizer_results(find_megatron_lm(), {k: v[1] for k, v in configs(files).items()}, TEXTS)
 
 

@@ -26,7 +26,7 @@ import shutil
 
 import pytest
 
-from megatron_zb.testing.pretrain_harness import SMALL, without, in_process, losses, train  # the end-to-end harness
+from harness.pretrain_harness import SMALL, without, in_process, losses, train  # the end-to-end harness
 
 from megatron_zb.megatron_compat import rampup_calculator
 

@@ -3,7 +3,7 @@
 The vocabulary slices (``VocabParallelSlices``, each rank's ``[V_pad/2, h]`` rows) are saved by
 megatron-core's dist-checkpointing as shards of the whole ``[V_pad, h]`` matrix under megatron-core
 ``GPTModel``'s key (``embedding.word_embeddings.weight``; untied also ``output_layer.weight``), with
-their Adam state. The trainer runs in-process on real gloo ranks (``megatron_zb.testing.trainer_run``),
+their Adam state. The trainer runs in-process on real gloo ranks (``harness.trainer_run``),
 PP=2 x DP=2, tied embeddings (Megatron-LM's default), ``--schedule zb-h1-vocab-1``, Adam, clipping,
 LR warm-up and decay, no dropout (as tests/runtime/test_vocab_runtime.py's pretrain runs).
 """
@@ -69,7 +69,7 @@ def test_vocab_parallel_checkpoints_and_distributed_optimizer(tmp_path):
     Measured (one 2-core machine shared with other jobs, load average 8-18): the four runs 16, 6, 11
     and 4 s, the first with the process start-up; 21-48 s for the test.
     """
-    from megatron_zb.testing.trainer_run import in_process
+    from harness.trainer_run import in_process
 
     ckpt, plain_ckpt = tmp_path / "ckpt", tmp_path / "plain_ckpt"
     save = ["--save-interval", str(K)]

@@ -1,4 +1,4 @@
-"""The ``__main__`` of each rank that :func:`megatron_zb.testing.megatron_lm.run_megatron_lm` starts.
+"""The ``__main__`` of each rank that :func:`harness.megatron_lm.run_megatron_lm` starts.
 
 Run as a script (``python .../megatron_lm_main.py <pretrain_gpt.py arguments>``): it applies the CPU
 workarounds, installs the recorders, runs the plugin step, then executes Megatron-LM's unmodified
@@ -93,7 +93,7 @@ def _save_params(model: list[Any], path: str) -> None:
 
 def run_plugin_step(spec: str) -> None:
     """Run the plugin step: ``module:function`` is imported and called; anything else is Python code."""
-    from megatron_zb.testing.megatron_lm import PLUGIN_CALLABLE
+    from harness.megatron_lm import PLUGIN_CALLABLE
 
     if not spec.strip():
         return
@@ -119,7 +119,7 @@ def edit_script(text: str, edits: str) -> str:
 
 def main() -> None:
     """Workarounds, recorders, plugin step, then Megatron-LM's ``pretrain_gpt.py`` as this ``__main__``."""
-    from megatron_zb.testing.megatron_lm_workarounds import apply_workarounds
+    from harness.megatron_lm_workarounds import apply_workarounds
 
     folder = Path(os.environ["MEGATRON_LM_DIR"])
     apply_workarounds(folder)

@@ -3,9 +3,9 @@
 Test code, not the product's run path. :func:`run_megatron_lm` starts ``world_size`` processes on
 127.0.0.1 (torchrun's environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``; the rendezvous store hosted by the harness, as torchrun's agent hosts it). Each runs
-:mod:`megatron_zb.testing.megatron_lm_main` as its ``__main__``, which
+:mod:`harness.megatron_lm_main` as its ``__main__``, which
 
-1. applies the CPU workarounds (:mod:`megatron_zb.testing.megatron_lm_workarounds`; each names the
+1. applies the CPU workarounds (:mod:`harness.megatron_lm_workarounds`; each names the
    Megatron-LM / megatron-core line it answers) and installs the recorders below;
 2. runs the optional *plugin step* -- the lines a user would add to ``pretrain_gpt.py``, e.g.
    ``"import megatron_zb; megatron_zb.patch_megatron('zb')"`` (a code string) or
@@ -49,6 +49,8 @@ MEGATRON_LM_ENV = "MEGATRON_LM_DIR"
 """Environment variable naming a Megatron-LM checkout holding ``pretrain_gpt.py``, of the release that
 goes with the installed megatron-core (core_v0.16.1 for 0.16.1, core_v0.19.0 for 0.19.x)."""
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+TESTS_DIR = PROJECT_ROOT / "tests"
+"""Where :mod:`harness` is importable from (the ranks' ``PYTHONPATH`` holds it after the project root)."""
 SKIP_REASON = (f"Megatron-LM not found: set {MEGATRON_LM_ENV} to a checkout holding pretrain_gpt.py of the release "
                f"that goes with the installed megatron-core (core_v0.16.1 for 0.16.1, core_v0.19.0 for 0.19.x), "
                f"or provide ../shared/megatron-lm-<that tag> beside the project root")
@@ -325,7 +327,8 @@ def _launch(argv: list[str], world_size: int, env: dict[str, str], out: str, tim
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "OMP_NUM_THREADS": str(threads),
             "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)}
+            "PYTHONPATH": os.pathsep.join(p for p in (str(PROJECT_ROOT), str(TESTS_DIR),
+                                                         os.environ.get("PYTHONPATH")) if p)}
     procs: list[Any] = []
     paths = [Path(out) / f"rank{r}.log" for r in range(world_size)]
     zygote = _zygote(env[MEGATRON_LM_ENV], base)
@@ -361,8 +364,8 @@ _ZYGOTES: dict[tuple[str, ...], Any] = {}
 
 def _zygote(folder: str, env: dict[str, str]) -> Any:
     """The warm-start process for ``folder`` and this environment's interpreter settings
-    (:mod:`megatron_zb.testing.megatron_lm_zygote`), started on first use, ended at exit."""
-    from .megatron_lm_zygote import Zygote
+    (:mod:`harness.megatron_lm_zygote`), started on first use, ended at exit."""
+    from harness.megatron_lm_zygote import Zygote
 
     key = (folder, *(env.get(k, "") for k in _ZYGOTE_ENV))
     zygote = _ZYGOTES.get(key)

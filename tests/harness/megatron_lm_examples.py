@@ -9,9 +9,9 @@ of changes, nothing else:
 * **sizes** (layers, hidden size, heads, sequence, vocabulary, batch, samples/iterations, experts
   and the parallel sizes) scaled to a 2-core machine (:attr:`ExampleScript.sizes`);
 * **data**: a script's real-data flags (tokenizer model, data path) replaced by the harness's mock
-  data (:data:`~megatron_zb.testing.megatron_lm.MOCK_DATA_FLAGS`'s dataset and tokenizer);
+  data (:data:`~harness.megatron_lm.MOCK_DATA_FLAGS`'s dataset and tokenizer);
 * **CPU-only**: the flags a CPU build of torch cannot run, each dropped with the reason
-  (:attr:`ExampleScript.dropped`), and the harness's :data:`~megatron_zb.testing.megatron_lm.CPU_FLAGS`
+  (:attr:`ExampleScript.dropped`), and the harness's :data:`~harness.megatron_lm.CPU_FLAGS`
   added; paths (``--save``, ``--load``, ``--tensorboard-dir``, ``--data-cache-path``) under the
   run's own folder.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .megatron_lm import CPU_FLAGS
+from harness.megatron_lm import CPU_FLAGS
 
 __all__ = ["ExampleScript", "GPT3_175B", "LLAMA3_8B", "LLAMA3_8B_FP8", "MIXTRAL_8X7B", "PATH_FLAGS", "ZB_FORK",
            "ZB_FORK_ZERO_BUBBLE"]

@@ -25,7 +25,7 @@ Aliases are followed (``import torch as th``, ``from torch import zeros as z``).
 cannot prove: that the *value* passed as ``device=`` is the right device at run time (only that
 the author chose one), nor anything about code outside :data:`LINTED_PACKAGES`.
 
-Run by hand: ``python -m megatron_zb.testing.device_lint`` (exit status 1 on findings).
+Run by hand: ``python tests/harness/device_lint.py`` (exit status 1 on findings).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class _RecordingWork:
 @contextlib.contextmanager
 def counting(counts: Counter) -> Iterator[None]:
     """Count host-synchronising calls (module docstring) into ``counts`` inside this block."""
-    from ..runtime import p2p
+    from megatron_zb.runtime import p2p
 
     saved = {name: getattr(torch.Tensor, name) for name in ("item", "cpu", "tolist")}
     sync, real_dist = torch.cuda.synchronize, p2p.dist
@@ -92,9 +92,9 @@ def count_host_syncs(schedule: str | None, *, wait_policy: str = "stream", pp: i
     (``schedule=None``: megatron-core's own 1F1B, for comparison; its compute actions are not counted)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
-    from ..runtime import Measure, get_forward_backward_func
-    from ..runtime.p2p import WaitPolicy
-    from .tiny_gpt import TinyGPT, build, forward_backward, measured_forward_backward
+    from megatron_zb.runtime import Measure, get_forward_backward_func
+    from megatron_zb.runtime.p2p import WaitPolicy
+    from megatron_zb.testing.tiny_gpt import TinyGPT, build, forward_backward, measured_forward_backward
 
     cfg = TinyGPT(pp=pp)
     _, modules = build(cfg, schedule)

@@ -1,9 +1,9 @@
-"""Warm starts for the ranks of :func:`megatron_zb.testing.megatron_lm.run_megatron_lm` (test code).
+"""Warm starts for the ranks of :func:`harness.megatron_lm.run_megatron_lm` (test code).
 
 Importing torch, megatron-core and Megatron-LM's training package costs every rank 5-10 s of CPU on
 the 2-core machine -- most of a 4-iteration run. A *zygote* does it once: ``python -m
-megatron_zb.testing.megatron_lm_zygote FOLDER`` applies the CPU workarounds for the Megatron-LM
-``FOLDER`` (:func:`~megatron_zb.testing.megatron_lm_workarounds.apply_workarounds`, which imports
+harness.megatron_lm_zygote FOLDER`` applies the CPU workarounds for the Megatron-LM
+``FOLDER`` (:func:`~harness.megatron_lm_workarounds.apply_workarounds`, which imports
 megatron-core and Megatron-LM's training modules), imports what ``pretrain_gpt.py`` imports, prints
 ``ready`` and then forks one child per request line on stdin (JSON: ``argv``, ``env``, ``cwd``,
 ``log``). Each child
@@ -11,7 +11,7 @@ megatron-core and Megatron-LM's training modules), imports what ``pretrain_gpt.p
 1. leads a session of its own (the launcher kills it with ``os.killpg(pid, SIGKILL)``);
 2. takes the request's environment as its whole ``os.environ``, its ``cwd``, and ``log`` as its
    stdout and stderr;
-3. runs :mod:`megatron_zb.testing.megatron_lm_main` as ``__main__`` with ``argv`` (``runpy``: the
+3. runs :mod:`harness.megatron_lm_main` as ``__main__`` with ``argv`` (``runpy``: the
    ``__main__`` module is that file, so dist-checkpointing's spawned results process re-imports it,
    as when the rank is started as a script);
 4. writes its exit status to ``log + ".rc"`` just before the process ends (``os._exit``, which the
@@ -83,7 +83,7 @@ def _child(request: dict[str, Any]) -> None:
 
 def serve(folder: str) -> None:
     """Import everything a rank needs, print ``ready``, then fork a child per request line."""
-    from megatron_zb.testing.megatron_lm_workarounds import apply_workarounds
+    from harness.megatron_lm_workarounds import apply_workarounds
 
     apply_workarounds(folder)
     for name in ("gpt_builders", "model_provider"):  # pretrain_gpt.py's own imports from its folder
@@ -144,7 +144,7 @@ class Zygote:
     def __init__(self, folder: str, env: dict[str, str], timeout: float = 300.0) -> None:
         self.stderr_path = os.path.join(tempfile.mkdtemp(prefix="mlm_zygote_"), "stderr.log")
         with open(self.stderr_path, "wb") as err:  # a file, not a pipe nobody reads
-            self.proc = subprocess.Popen([sys.executable, "-u", "-m", "megatron_zb.testing.megatron_lm_zygote", folder],
+            self.proc = subprocess.Popen([sys.executable, "-u", "-m", "harness.megatron_lm_zygote", folder],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
                                          text=True, start_new_session=True)
         line = self._read_line(timeout)

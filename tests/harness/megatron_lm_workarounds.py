@@ -1,6 +1,6 @@
 """What NVIDIA Megatron-LM's own training loop (core_v0.16.1, core_v0.19.0) needs to run on a CPU-only torch.
 
-Test code (the harness of :mod:`megatron_zb.testing.megatron_lm`), not the product's run path.
+Test code (the harness of :mod:`harness.megatron_lm`), not the product's run path.
 :func:`apply_workarounds` is called inside each rank process *before* Megatron-LM's
 ``pretrain_gpt.py`` runs; it changes nothing in Megatron-LM's files (they are never copied or
 edited), only module attributes seen from outside, the way a user's launcher would.
@@ -342,7 +342,7 @@ def _skip_jit_warmup() -> None:
     """training.py:792 ``set_jit_fusion_options()`` (imported by name at training.py:138;
     initialize.py:439; core_v0.19.0: training.py:1117, with ``tp_size=``) warms up the bias-GeLU / bias-dropout-add fusions on ``device="cuda"`` tensors,
     then torch.compiles them on CPU (about 17 s). The run's own first iteration compiles whatever
-    fusion its flags enable (none with :data:`~megatron_zb.testing.megatron_lm.CPU_FLAGS`): skipped."""
+    fusion its flags enable (none with :data:`~harness.megatron_lm.CPU_FLAGS`): skipped."""
     training = sys.modules["megatron.training.training"]
     training.set_jit_fusion_options = lambda *args, **kwargs: None
 

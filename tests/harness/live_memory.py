@@ -64,8 +64,8 @@ def peak_iteration_bytes(cfg: Any, schedule: str | None, **options: Any) -> int:
     ``schedule`` or, for ``None``, megatron-core's own schedule [bytes]."""
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
-    from ..runtime import get_forward_backward_func
-    from .tiny_gpt import build, forward_backward
+    from megatron_zb.runtime import get_forward_backward_func
+    from megatron_zb.testing.tiny_gpt import build, forward_backward
 
     _, modules = build(cfg, schedule)
     fb = megatron_func() if schedule is None else get_forward_backward_func(schedule, **{**cfg.schedule_options, **options})

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .tiny_gpt import TinyGPT, build, forward_step, full_tensor
+from megatron_zb.testing.tiny_gpt import TinyGPT, build, forward_step, full_tensor
 
 __all__ = ["run_in_turn", "run_vocab_step", "run_vocab_steps"]
 
@@ -35,11 +35,11 @@ def run_vocab_step(cfg: TinyGPT, *, schedule: str, forward_only: bool = False, t
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..model import named_global_parameters
-    from ..model.vocab_chunks import strip_vocab_layers
-    from ..model.vocab_parallel import VocabParallelSlices
-    from ..runtime import get_forward_backward_func
-    from ..runtime.vocab_runtime import VocabParallelModel
+    from megatron_zb.model import named_global_parameters
+    from megatron_zb.model.vocab_chunks import strip_vocab_layers
+    from megatron_zb.model.vocab_parallel import VocabParallelSlices
+    from megatron_zb.runtime import get_forward_backward_func
+    from megatron_zb.runtime.vocab_runtime import VocabParallelModel
 
     import dataclasses
 
@@ -120,8 +120,8 @@ def _slices_ddp(slices: Any, config: Any) -> Any:
 
     from megatron.core.distributed import DistributedDataParallel
 
-    from ..training.run_config import ParallelConfig, PrecisionConfig
-    from ..training.wiring import ddp_config
+    from megatron_zb.training.run_config import ParallelConfig, PrecisionConfig
+    from megatron_zb.training.wiring import ddp_config
 
     cfg = dataclasses.replace(ddp_config(ParallelConfig(), PrecisionConfig()), overlap_grad_reduce=False)
     return DistributedDataParallel(config=config, ddp_config=cfg, module=slices, disable_bucketing=True)

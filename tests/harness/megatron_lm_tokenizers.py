@@ -18,7 +18,7 @@ tokenizer paths give:
 For each: ``ids`` of every text (``tokenize``), ``text`` back (``detokenize``), ``eod``, ``pad``
 (``None`` when the property raises), ``vocab_size``; ``padded_vocab_size`` for the path that pads.
 Megatron-LM's ``megatron.training`` package is imported after the CPU harness's workarounds
-(:func:`~megatron_zb.testing.megatron_lm_workarounds.apply_workarounds`: no triton here).
+(:func:`~harness.megatron_lm_workarounds.apply_workarounds`: no triton here).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _describe(tok: Any, texts: Sequence[str]) -> dict[str, Any]:
 
 def _run(request: dict[str, Any]) -> dict[str, Any]:
     from megatron_zb.megatron_compat import megatron_lm_tag
-    from megatron_zb.testing.megatron_lm_workarounds import apply_workarounds
+    from harness.megatron_lm_workarounds import apply_workarounds
 
     apply_workarounds(os.environ["MEGATRON_LM_DIR"])
     release = _RELEASES[megatron_lm_tag()]
@@ -107,7 +107,7 @@ def megatron_lm_tokenizer_results(megatron_lm_dir: str | Path, configs: dict[str
     """Run :func:`_run` in a fresh interpreter (``configs``: name -> Megatron-LM tokenizer flags by dest)."""
     project = Path(__file__).resolve().parents[2]
     env = dict(os.environ, MEGATRON_LM_DIR=str(megatron_lm_dir),
-               PYTHONPATH=os.pathsep.join([str(megatron_lm_dir), str(project)]))
+               PYTHONPATH=os.pathsep.join([str(megatron_lm_dir), str(project), str(project / "tests")]))
     request = json.dumps({"configs": configs, "texts": list(texts)})
     proc = subprocess.run([sys.executable, "-W", "ignore", "-m", __name__], input=request, capture_output=True,
                           text=True, env=env, timeout=timeout, cwd=project)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from .distributed import cpu_run_env
+from megatron_zb.testing.distributed import cpu_run_env
 
 __all__ = ["DROPOUT", "RUN_TIMEOUT", "SCRIPT", "SMALL", "assert_curve", "in_process", "losses", "torchrun", "train",
            "without"]
@@ -37,8 +37,8 @@ SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def in_process(tmp_path: Path, name: str, world: int, argv: list[str]) -> dict:
-    """The trainer on ``argv`` in ``world`` ranks (:func:`megatron_zb.testing.trainer_run.in_process`)."""
-    from megatron_zb.testing.trainer_run import in_process as run
+    """The trainer on ``argv`` in ``world`` ranks (:func:`harness.trainer_run.in_process`)."""
+    from harness.trainer_run import in_process as run
 
     return run(tmp_path, name, world, argv, timeout=RUN_TIMEOUT)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .tiny_gpt import (TinyGPT, build_chunks, forward_backward, full_tensor, measured_forward_backward, placement_for,
-                       random_microbatches)
+from megatron_zb.testing.tiny_gpt import (TinyGPT, build_chunks, forward_backward, full_tensor, measured_forward_backward,
+                                       placement_for, random_microbatches)
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class DPCase:
 
 def _parallel(case: DPCase) -> Any:
     """The case as the product's :class:`~megatron_zb.training.run_config.ParallelConfig`."""
-    from ..training.run_config import ParallelConfig
+    from megatron_zb.training.run_config import ParallelConfig
 
     return ParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce, overlap_param_gather=case.overlap_param_gather,
                           use_distributed_optimizer=case.use_distributed_optimizer, ddp_bucket_size=case.bucket_size,
@@ -59,8 +59,8 @@ def _parallel(case: DPCase) -> Any:
 def _optimizer(modules: list[Any], case: DPCase) -> Any:
     """The product's optimizer wiring: megatron-core's Adam (lr 0.01, clipping at 1.0), optionally
     post-validated (exact rollback, no warm-up, no fallback)."""
-    from ..training.run_config import OptimConfig, PostValidationConfig, PrecisionConfig
-    from ..training.wiring import megatron_optimizer, wrap_post_validation
+    from megatron_zb.training.run_config import OptimConfig, PostValidationConfig, PrecisionConfig
+    from megatron_zb.training.wiring import megatron_optimizer, wrap_post_validation
 
     inner = megatron_optimizer(OptimConfig(lr=0.01), precision=PrecisionConfig(), parallel=_parallel(case),
                                modules=modules)
@@ -75,11 +75,11 @@ def run_dp_iterations(cfg: TinyGPT, case: DPCase, *, schedule: str | None, **opt
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..model import named_global_parameters
-    from ..runtime import Measure, get_forward_backward_func
-    from ..training.run_config import PrecisionConfig
-    from ..training.wiring import wrap_chunks
-    from .distributed import device_from_env, init_parallel_state
+    from megatron_zb.model import named_global_parameters
+    from megatron_zb.runtime import Measure, get_forward_backward_func
+    from megatron_zb.training.run_config import PrecisionConfig
+    from megatron_zb.training.wiring import wrap_chunks
+    from megatron_zb.testing.distributed import device_from_env, init_parallel_state
 
     init_parallel_state(pipeline_model_parallel_size=cfg.pp, seed=cfg.seed)
     chunks = build_chunks(replace(cfg, ddp=True), placement_for(schedule, cfg.pp))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .torch_pipelining import LMConfig, batch, loss_fn, stage_module
+from megatron_zb.testing.torch_pipelining import LMConfig, batch, loss_fn, stage_module
 
 __all__ = ["api_rank", "auto_rank", "fsdp_rank"]
 

@@ -19,7 +19,7 @@ communicator NCCL would use for it:
 
 Each call also carries the host thread that made it (the model refuses NCCL calls from two). The
 ``Work`` objects are wrapped by a recording proxy (the real gloo works underneath: the run is real).
-Not recorded: host syncs (``.item()`` and the like; :mod:`~megatron_zb.testing.hot_path` counts those),
+Not recorded: host syncs (``.item()`` and the like; :mod:`~harness.hot_path` counts those),
 and ``_coalescing_manager`` groups of collectives (megatron-core's data-parallel buckets), each
 collective of which is recorded on its own.
 """
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ..runtime.nccl_model import Call, Entry, Kind
+from megatron_zb.runtime.nccl_model import Call, Entry, Kind
 
 __all__ = ["Recorder", "record_calls", "record_run", "recording"]
 
@@ -188,7 +188,7 @@ def _collective(name: str, fn: Callable, rec: Recorder, a: dict, args: tuple, kw
 def record_calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Entry]:
     """In a rank of :func:`~megatron_zb.testing.distributed.run_distributed`: the calls of ``fn(*args,
     **kwargs)`` (its result dropped), e.g. :func:`~megatron_zb.testing.tiny_gpt.run_step` at TP = 2 or
-    :func:`~megatron_zb.testing.dp_overlap.run_dp_iterations` with data-parallel overlap."""
+    :func:`~harness.dp_overlap.run_dp_iterations` with data-parallel overlap."""
     rec = Recorder()
     with recording(rec):
         fn(*args, **kwargs)
@@ -200,11 +200,11 @@ def record_run(cfg: Any, *, schedule: str | None, iterations: int = 2, vocab: bo
     """In a rank of :func:`~megatron_zb.testing.distributed.run_distributed`: ``iterations`` training
     iterations of the tiny GPT ``cfg`` (:class:`~megatron_zb.testing.tiny_gpt.TinyGPT`), everything from
     the parallel state's set-up on recorded. ``schedule``: megatron-zb's (``vocab``: its vocabulary form, run
-    by :func:`~megatron_zb.testing.vocab_gpt.run_vocab_step`), or ``None``: megatron-core's own 1F1B, or with
+    by :func:`~harness.vocab_gpt.run_vocab_step`), or ``None``: megatron-core's own 1F1B, or with
     ``interleaved`` its interleaved 1F1B over 2 model chunks per rank (``overlap_p2p_comm`` as megatron-core's
     config field; ``batch_p2p_comm`` is its negation, as Megatron-LM sets it)."""
-    from .tiny_gpt import build, forward_backward
-    from .vocab_gpt import run_vocab_step
+    from megatron_zb.testing.tiny_gpt import build, forward_backward
+    from harness.vocab_gpt import run_vocab_step
 
     rec = Recorder()
     with recording(rec):
@@ -216,7 +216,7 @@ def record_run(cfg: Any, *, schedule: str | None, iterations: int = 2, vocab: bo
             from megatron.core.pipeline_parallel import get_forward_backward_func
             fb = get_forward_backward_func()
         else:
-            from ..runtime import get_forward_backward_func as zb_func
+            from megatron_zb.runtime import get_forward_backward_func as zb_func
             fb = zb_func(schedule, **cfg.schedule_options)
         for _ in range(iterations):
             forward_backward(fb, modules, cfg.microbatches(), seq=cfg.seq, micro_batch=cfg.micro_batch)
@@ -225,9 +225,9 @@ def record_run(cfg: Any, *, schedule: str | None, iterations: int = 2, vocab: bo
 
 def _megatron_interleaved(cfg: Any, overlap_p2p_comm: bool) -> list[Any]:
     """This rank's 2 chunks for megatron-core's interleaved schedule (virtual pipeline size 2)."""
-    from ..schedules.ir import Placement
-    from .distributed import init_parallel_state
-    from .tiny_gpt import build_chunks
+    from megatron_zb.schedules.ir import Placement
+    from megatron_zb.testing.distributed import init_parallel_state
+    from megatron_zb.testing.tiny_gpt import build_chunks
 
     init_parallel_state(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp, seed=cfg.seed,
                         virtual_pipeline_model_parallel_size=2)
