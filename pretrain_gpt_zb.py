@@ -13,7 +13,7 @@ family) or ``--schedule NAME`` (any schedule of the library). Launch with torchr
 ``python pretrain_gpt_zb.py --help`` lists every flag; ``docs/training.md`` describes the run.
 A bad flag prints one line naming it and exits with status 2 before any process group starts.
 A peer that died or froze in a collective of the zero-bubble path ends the rank with the named
-``PipelineTimeoutError`` (``megatron_zb/peer_wait.py``) and exit status 1, without tearing the process
+``PipelineTimeoutError`` (``megatron_zb/runtime/peer_wait.py``) and exit status 1, without tearing the process
 groups down: the late collective is still pending in the backend, and destroying its group would wait
 for it (as NCCL's own watchdog, this exits without clean-up).
 """
@@ -44,7 +44,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":  # required: megatron-core's checkpoint writer starts processes
-    from megatron_zb.peer_wait import PEER_TIMEOUT_EXIT_STATUS, PipelineTimeoutError  # no torch import
+    from megatron_zb.runtime.peer_wait import PEER_TIMEOUT_EXIT_STATUS, PipelineTimeoutError  # no torch import
 
     try:
         sys.exit(main())

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 from typing import Any
 
 from megatron_zb import platform as _platform  # noqa: F401  -- installs the CPU shim when CUDA is absent
-from megatron_zb.patching import patch_megatron, unpatch_megatron
+from megatron_zb.megatron_lm.patching import patch_megatron, unpatch_megatron
 
 __all__ = ["get_forward_backward_func", "patch_megatron", "unpatch_megatron", "__version__"]
 

@@ -40,7 +40,7 @@ the lines it relies on in each released wheel):
 and megatron-core 0.16.1's wrappers (``megatron/core/extensions/transformer_engine.py``):
 ``TEColumnParallelLinear``, ``TERowParallelLinear``, ``TELayerNormColumnParallelLinear`` -- their
 constructor keywords (plus those a later release adds, taken from
-``megatron_compat_te.TE_WRAPPER_KEYWORDS``: 0.19's ``name``, accepted and unused), ``fuse_wgrad_accumulation=config.gradient_accumulation_fusion``,
+``megatron_compat.te.TE_WRAPPER_KEYWORDS``: 0.19's ``name``, accepted and unused), ``fuse_wgrad_accumulation=config.gradient_accumulation_fusion``,
 ``delay_wgrad_compute=config.delay_wgrad_compute``, ``return_bias = skip_bias_add and bias``,
 ``is_first_microbatch`` (True for the module's first forward), ``forward`` returning
 ``(output, bias or None)``, and ``backward_dw()`` that calls TE's only when
@@ -492,9 +492,9 @@ class _MegatronTEWrapper:
 
 def _check_release_keywords(cls: type, extra: dict[str, Any]) -> None:
     """Refuse, as Python would, a keyword the installed megatron-core's wrappers do not take:
-    the wrappers' keywords beyond 0.16.1's are :func:`megatron_compat_te.te_wrapper_keywords`
+    the wrappers' keywords beyond 0.16.1's are :func:`megatron_compat.te.te_wrapper_keywords`
     (the double does not use them: TE's ``name`` serves its debug tools)."""
-    from megatron_zb.megatron_compat_te import te_wrapper_keywords
+    from megatron_zb.megatron_compat.te import te_wrapper_keywords
 
     unknown = sorted(set(extra) - set(te_wrapper_keywords()))
     if unknown:

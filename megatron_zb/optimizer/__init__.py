@@ -3,7 +3,7 @@
 Modules: ``post_validation`` (the wrapper), ``values`` (its public settings, results, counters
 and errors), ``policy`` (warm-up and clean-streak fallback), ``grad_stats`` (local grad
 statistics and their asynchronous reductions), ``parts`` (what is done to megatron-core's
-optimizers; private megatron-core internals via :mod:`megatron_zb.megatron_compat_optimizer`),
+optimizers; private megatron-core internals via :mod:`megatron_zb.megatron_compat.optimizer`),
 ``rollback`` (exact snapshots and the in-place Adam/AdamW inversion).
 """
 

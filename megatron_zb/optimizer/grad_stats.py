@@ -18,8 +18,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_zb import megatron_compat_optimizer
-from megatron_zb.peer_wait import Awaited, wait_host
+from megatron_zb.megatron_compat import optimizer as megatron_compat_optimizer
+from megatron_zb.runtime.peer_wait import Awaited, wait_host
 from megatron_zb.optimizer.values import PostValidationTimeout
 
 __all__ = [
@@ -54,7 +54,7 @@ def local_sq_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 def local_zero_count(params: Sequence[torch.Tensor], groups: dict[str, Any]) -> torch.Tensor:
     """This rank's count of zero gradient elements (1 element; fp32 on megatron-core 0.16.1, int64
     on 0.19) as megatron-core's ``count_zeros_fp32`` accumulates it before its all-reduce;
-    ``groups``: :func:`megatron_compat_optimizer.zero_count_groups`."""
+    ``groups``: :func:`megatron_compat.optimizer.zero_count_groups`."""
     total = torch.zeros(1, dtype=megatron_compat_optimizer.zero_count_dtype(), device=stats_device())
     for param in params:
         if getattr(param, "grad", None) is not None and megatron_compat_optimizer.param_counts_for_zeros(param, groups):
@@ -99,7 +99,7 @@ def stage_agreement_group(stats_group: Any, pp_group: Any, timeout: float) -> An
 
 def wait_for(work: Any, *, timeout: float, iteration: int, what: str, group: Any) -> None:
     """Wait for an asynchronous collective on ``group`` at most ``timeout`` seconds, by the deadline rule of
-    :mod:`megatron_zb.peer_wait` (a timed host wait: the result is read on the host right after, so
+    :mod:`megatron_zb.runtime.peer_wait` (a timed host wait: the result is read on the host right after, so
     the wait is where the host would block anyway); on expiry raise :class:`PostValidationTimeout`
     naming this rank, ``what`` was awaited, the step ``iteration`` (the wrapper's 0-based count)
     and the other ranks of ``group``."""

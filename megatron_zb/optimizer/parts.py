@@ -6,7 +6,7 @@
 pieces of megatron-core's ``step()`` that post-validation runs separately: the local half of
 ``prepare_grads``, the loss-scaler update, clipping with the global norm, the refresh of model
 params after a restore, and the return conventions of each optimizer type. Private
-megatron-core internals are reached only through :mod:`megatron_zb.megatron_compat_optimizer` (and :mod:`megatron_zb.megatron_compat`).
+megatron-core internals are reached only through :mod:`megatron_zb.megatron_compat.optimizer` (and :mod:`megatron_zb.megatron_compat`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Iterator, Literal
 
 import torch
 
-from megatron_zb import megatron_compat_optimizer
+from megatron_zb.megatron_compat import optimizer as megatron_compat_optimizer
 from megatron_zb.optimizer.grad_stats import local_zero_count, same_group, stats_device
 from megatron_zb.optimizer.rollback import ExactSnapshot, InPlaceRecord, check_adam_invertible, group_hyperparams
 from megatron_zb.optimizer.values import PostValidationError, StepResult

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from megatron_zb.optimizer.policy import check_iteration_counts
-from megatron_zb.peer_wait import PipelineTimeoutError
+from megatron_zb.runtime.peer_wait import PipelineTimeoutError
 
 __all__ = [
     "PostValidationConfig",
@@ -139,4 +139,4 @@ class PostValidationError(RuntimeError):
 
 class PostValidationTimeout(PostValidationError, PipelineTimeoutError, TimeoutError):
     """A wait of :class:`PostValidationOptimizer` passed its ``timeout``: the one named error of a late
-    peer (:class:`~megatron_zb.peer_wait.PipelineTimeoutError`, :mod:`megatron_zb.peer_wait`)."""
+    peer (:class:`~megatron_zb.runtime.peer_wait.PipelineTimeoutError`, :mod:`megatron_zb.runtime.peer_wait`)."""

@@ -5,7 +5,7 @@ megatron-core is already imported, otherwise the moment ``megatron.core`` is fir
 import hook, which asks torch whether CUDA is available only then), so tools that never touch
 megatron-core -- the schedule CLI, the simulator, the planner -- import neither megatron-core nor
 torch. Without CUDA the hook also drops, before megatron-core loads, the notices its import makes
-torch log (``megatron_compat_platform.IMPORT_NOTICES``). When CUDA is available nothing is patched.
+torch log (``megatron_compat.platform.IMPORT_NOTICES``). When CUDA is available nothing is patched.
 See ``docs/cpu_support.md``.
 """
 
@@ -28,11 +28,11 @@ def _cuda_absent() -> bool:
 
 
 def _drop_import_notices() -> None:
-    """Drop the log records of :data:`megatron_zb.megatron_compat_platform.IMPORT_NOTICES` (what importing
+    """Drop the log records of :data:`megatron_zb.megatron_compat.platform.IMPORT_NOTICES` (what importing
     megatron-core makes torch say on a machine without a GPU); called before megatron-core loads."""
     import logging
 
-    from megatron_zb.megatron_compat_platform import IMPORT_NOTICES
+    from megatron_zb.megatron_compat.platform import IMPORT_NOTICES
 
     for logger, start in IMPORT_NOTICES:
         logging.getLogger(logger).addFilter(lambda r, start=start: not r.getMessage().startswith(start))

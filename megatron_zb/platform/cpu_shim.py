@@ -14,10 +14,10 @@ The patches, narrowest first (``docs/cpu_support.md`` has the why and what is ve
   ``ShardedTensor.init_data("cuda")`` allocates on CPU; the Transformer Engine names MoE's
   ``moe_utils`` references without defining them (``te_general_gemm``) are set to ``None``, as
   they would be without TE on a GPU machine (the router's GEMM then runs in torch).
-* module-scoped ``torch``: inside the modules of ``megatron_compat_platform.CUDA_FACTORY_MODULES`` the name
+* module-scoped ``torch``: inside the modules of ``megatron_compat.platform.CUDA_FACTORY_MODULES`` the name
   ``torch`` is a thin stand-in whose tensor factories (``torch.zeros(..., device="cuda")``
   and friends) allocate on CPU; every other attribute is the real ``torch``.
-* module-scoped ``torch.cuda`` streams: inside the modules of ``megatron_compat_platform.CUDA_STREAM_MODULES``
+* module-scoped ``torch.cuda`` streams: inside the modules of ``megatron_compat.platform.CUDA_STREAM_MODULES``
   (MoE's alltoall token dispatcher; on megatron-core 0.19 also DDP's ``param_and_grad_buffer``) ``torch.cuda.Stream()`` and ``torch.cuda.current_stream()`` return one
   synchronous CPU stream whose ``wait_stream``, ``record_event`` and event ``synchronize`` do
   nothing, and ``torch.cuda.stream(s)`` is a no-op context (CPU work is synchronous); the same
@@ -31,7 +31,7 @@ The patches, narrowest first (``docs/cpu_support.md`` has the why and what is ve
 * ``torch.cuda`` functions that cannot work without CUDA: ``current_device`` returns
   ``torch.device("cpu")``; ``synchronize`` is a no-op (CPU work is synchronous);
   ``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` act on the default CPU generator.
-* megatron-core's point-to-point launchers (:data:`~megatron_zb.megatron_compat_platform.P2P_LAUNCHERS`) send
+* megatron-core's point-to-point launchers (:data:`~megatron_zb.megatron_compat.platform.P2P_LAUNCHERS`) send
   a view of each tensor of their own (``tensor.detach()``: same storage, another tensor object), so
   ``deallocate_output_tensor``'s ``out.data = torch.empty(1)`` issued before the send completes (the
   interleaved schedule with ``overlap_p2p_comm``) no longer frees the memory gloo is still sending.
@@ -43,7 +43,7 @@ are the same generator, and ``CudaRNGStatesTracker.fork()`` swaps the CPU genera
 Runs stay deterministic for a given seed; they do not reproduce a GPU run's random numbers.
 
 Every megatron-core module, class and private name patched here is named in
-:mod:`megatron_zb.megatron_compat_platform`, the platform-shim part of :mod:`megatron_zb.megatron_compat`
+:mod:`megatron_zb.megatron_compat.platform`, the platform-shim part of :mod:`megatron_zb.megatron_compat`
 (reviewed at each megatron-core upgrade).
 """
 
@@ -58,7 +58,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..megatron_compat_platform import (MOE_HOST_COPY, MOE_TE_NAMES, P2P_LAUNCHERS, RNG_MODULE, RNG_STATE_HELPERS,
+from ..megatron_compat.platform import (MOE_HOST_COPY, MOE_TE_NAMES, P2P_LAUNCHERS, RNG_MODULE, RNG_STATE_HELPERS,
                                TENSOR_CUDA_CALLERS, TYPE_NAME_CALLERS, sharded_tensor_class, shim_modules,
                                torch_norm_class)
 

@@ -34,7 +34,7 @@ __all__ = ["Channels", "NCCL_TIMEOUT_MARGIN_S", "channels_for"]
 
 NCCL_TIMEOUT_MARGIN_S = 60.0
 """Seconds the communicators' own timeout (NCCL's watchdog) adds to the pipeline timeout, so that
-the named :class:`~megatron_zb.peer_wait.PipelineTimeoutError` comes first."""
+the named :class:`~megatron_zb.runtime.peer_wait.PipelineTimeoutError` comes first."""
 
 Comm = tuple
 

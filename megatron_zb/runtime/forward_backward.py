@@ -17,7 +17,7 @@ from .measure import Measure, Measured
 from .rank_plan import RECV_LOOKAHEAD, RankPlan, check_lookahead, plan_rank
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
 from .memory import ActivationMemoryTracker
-from ..peer_wait import WaitPolicy, Watchdog
+from .peer_wait import WaitPolicy, Watchdog
 from .channels import channels_for
 from .p2p import PipeComm
 from .routes import check_schedule, install_routes
@@ -47,13 +47,13 @@ class ZeroBubbleOptions:
         num_chunks: model chunks per rank for interleaved placements.
         timeout: seconds any single p2p transfer, and any data-parallel reduce launched from W
             (``overlap_grad_reduce``), may take before the run fails with a
-            :class:`~megatron_zb.peer_wait.PipelineTimeoutError` naming the rank, the operation and
-            the peer (:mod:`megatron_zb.peer_wait`).
+            :class:`~megatron_zb.runtime.peer_wait.PipelineTimeoutError` naming the rank, the operation and
+            the peer (:mod:`megatron_zb.runtime.peer_wait`).
         recv_lookahead: how many actions ahead receives are posted, 0 to
             :data:`~megatron_zb.runtime.rank_plan.MAX_RECV_LOOKAHEAD` (each direction of a pair of
             ranks has its own communicators, so posting early never holds a send back); default
             :data:`~megatron_zb.runtime.rank_plan.RECV_LOOKAHEAD`.
-        wait_policy: how p2p and the data-parallel reduces wait (:class:`~megatron_zb.peer_wait.WaitPolicy`);
+        wait_policy: how p2p and the data-parallel reduces wait (:class:`~megatron_zb.runtime.peer_wait.WaitPolicy`);
             ``None`` (default): from each group's backend (NCCL: stream waits and a watchdog;
             otherwise host waits with the timeout).
         validate: check the schedule before running it. Turn off only to exercise the runtime's

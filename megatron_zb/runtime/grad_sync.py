@@ -26,11 +26,11 @@ benchmarks (:class:`GradSyncReport`).
 
 **Dead peers.** Each launched reduce is kept with what it waits for (which reduce, stage, bucket,
 iteration, the peer ranks of its group); :meth:`GradSync.wait_launched` applies the deadline rule
-of :mod:`megatron_zb.peer_wait` to them before megatron-core's ``finish_grad_sync`` waits: on gloo
+of :mod:`megatron_zb.runtime.peer_wait` to them before megatron-core's ``finish_grad_sync`` waits: on gloo
 a timed host wait at the point where megatron-core's wait would block the host anyway, on NCCL no
 host wait at all (a watchdog thread over ``is_completed()``; megatron-core's untimed ``wait()`` only
 orders the stream). A dead or frozen data-parallel peer then ends the run with a
-:class:`~megatron_zb.peer_wait.PipelineTimeoutError` naming all of that. The first iteration's
+:class:`~megatron_zb.runtime.peer_wait.PipelineTimeoutError` naming all of that. The first iteration's
 reduces (launched by megatron-core's ``finish_grad_sync`` itself) and the reduces without overlap
 are megatron-core's synchronous collectives: their bound is the process group's own timeout
 (``--distributed-timeout-minutes``).
@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..peer_wait import Awaited, WaitPolicy, Watchdog, Watched, wait_host
+from .peer_wait import Awaited, WaitPolicy, Watchdog, Watched, wait_host
 from ..schedules import Action, Op
 from .wgrad_store import WeightGradStore
 
@@ -280,8 +280,8 @@ class GradSync:
         megatron-core's ``finish_grad_sync`` waits for them.
 
         ``policy`` (default: from the reduce group's backend): ``HOST`` waits for each on the host, at
-        most ``timeout_s`` seconds, and raises :class:`~megatron_zb.peer_wait.PipelineTimeoutError`;
-        ``STREAM`` returns a :class:`~megatron_zb.peer_wait.Watchdog` over them that stops once all
+        most ``timeout_s`` seconds, and raises :class:`~megatron_zb.runtime.peer_wait.PipelineTimeoutError`;
+        ``STREAM`` returns a :class:`~megatron_zb.runtime.peer_wait.Watchdog` over them that stops once all
         completed (check it at the next iteration). Returns ``None`` when nothing was launched or
         the waits are done."""
         works, self._in_flight = self._in_flight, []

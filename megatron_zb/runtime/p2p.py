@@ -12,11 +12,11 @@ direction, waits that do not block the host on NCCL, sends released when sent, t
 * **Matching** is by order, never by tag (NCCL ignores tags): the receives of a direction are
   posted in the order the peer sends them (:attr:`RankPlan.recv_order`); they are identified by
   ``(op, microbatch, producing stage)`` and posted ahead of use (:meth:`PipeComm.post_recv`).
-* **Waits** follow the one deadline rule of :mod:`megatron_zb.peer_wait` (:class:`WaitPolicy`):
+* **Waits** follow the one deadline rule of :mod:`megatron_zb.runtime.peer_wait` (:class:`WaitPolicy`):
   on gloo the host waits with the pipeline timeout and a late transfer raises
   :class:`PipelineTimeoutError` naming the rank, action and peer. On NCCL ``Work.wait()`` is
   called without a timeout, which only makes the compute stream wait (with a timeout PyTorch's
-  NCCL ``wait`` polls on the host); a :class:`~megatron_zb.peer_wait.Watchdog` thread checks the
+  NCCL ``wait`` polls on the host); a :class:`~megatron_zb.runtime.peer_wait.Watchdog` thread checks the
   outstanding transfers every few seconds, and the next p2p call raises the same named error (or,
   with the main thread blocked behind the transfer, the watchdog ends the process with it); the
   communicators' own NCCL timeout (the pipeline timeout plus a margin) is the last resort.
@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..peer_wait import Awaited, PipelineTimeoutError, WaitPolicy, Watchdog, wait_host
+from .peer_wait import Awaited, PipelineTimeoutError, WaitPolicy, Watchdog, wait_host
 from ..schedules.ir import Action
 from .channels import Channels
 from .comm_program import transfer_key

@@ -41,7 +41,7 @@ DDP built with ``delay_wgrad_compute``.
 
 :func:`enable_delayed_wgrad` switches delaying on in a megatron-core ``TransformerConfig``
 before the model is built (megatron-core 0.16.1 otherwise asserts it is used only with MoE
-overlap; see :func:`megatron_zb.megatron_compat_te.set_delay_wgrad_compute`).
+overlap; see :func:`megatron_zb.megatron_compat.te.set_delay_wgrad_compute`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..megatron_compat_te import (TE_OP_FUSER_CLASSES, set_delay_wgrad_compute, te_delayed_weight_params,
+from ..megatron_compat.te import (TE_OP_FUSER_CLASSES, set_delay_wgrad_compute, te_delayed_weight_params,
                               te_drop_queued_wgrad, te_queued_wgrad)
 from ..schedules.ir import Schedule
 from ..schedules.order import w_order_matches_b
@@ -155,7 +155,7 @@ class _TEModule:
     What autograd hands each parameter in a backward is seen by a pre-hook on the parameter's
     gradient accumulator (:meth:`_arriving`):
 
-    * a weight ``backward_dw()`` computes (:func:`~megatron_zb.megatron_compat_te.te_delayed_weight_params`):
+    * a weight ``backward_dw()`` computes (:func:`~megatron_zb.megatron_compat.te.te_delayed_weight_params`):
       under delaying, TE's backward never hands it the weight gradient -- ``None``, a dummy
       (fused accumulation under megatron-core DDP) or, for ``GroupedLinear`` on TE >= 2.8
       without fused accumulation, the packed buffer the delayed GEMM fills later, uninitialised
@@ -316,7 +316,7 @@ class _DeferredDW:
 @dataclass(frozen=True)
 class _ChunkModules:
     """The TE modules of one chunk: delayed ones (route bookkeeping), names of undelayed ones,
-    names of op-fuser modules (:data:`~megatron_zb.megatron_compat_te.TE_OP_FUSER_CLASSES`), and
+    names of op-fuser modules (:data:`~megatron_zb.megatron_compat.te.TE_OP_FUSER_CLASSES`), and
     whether the chunk's megatron-core DDP was built with ``delay_wgrad_compute``."""
 
     delayed: tuple[_TEModule, ...]

@@ -338,7 +338,7 @@ def te_queues(modules: list[Any]) -> dict[str, int]:
     """The Transformer Engine modules with delayed weight gradients in ``modules`` (real TE or the
     CPU test double alike) and the entries still queued in them: ``te_delayed_modules``,
     ``te_queued_left`` (0 after a complete step: every queued W ran)."""
-    from ..megatron_compat_te import te_queued_wgrad
+    from ..megatron_compat.te import te_queued_wgrad
     from ..runtime.te_route import chunk_te_modules
 
     delayed = [te.module for mod in modules for te in chunk_te_modules(mod).delayed]

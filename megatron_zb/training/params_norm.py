@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_zb import megatron_compat_optimizer
+from megatron_zb.megatron_compat import optimizer as megatron_compat_optimizer
 
 __all__ = ["params_l2_norm"]
 

@@ -10,7 +10,7 @@ Which Megatron-LM release goes with the installed megatron-core is
 between the two is one row each of :data:`RELEASES`. Each workaround names the Megatron-LM /
 megatron-core file and line it answers at core_v0.16.1 (commit 55ac708) with megatron-core 0.16.1
 in its docstring; the row's ``sites`` list the lines of each release (core_v0.19.0: commit 5be9626,
-megatron-core 0.19.2). Review them at each upgrade, like ``megatron_zb/megatron_compat.py``. The
+megatron-core 0.19.2). Review them at each upgrade, like ``megatron_zb/megatron_compat/__init__.py``. The
 measured facts behind them are in ``../shared/notes/megatron-lm-loop-on-cpu.md``. megatron-core's
 *own* CUDA assumptions are not here: they belong to the product's CPU shim
 (``megatron_zb/platform/cpu_shim.py``; e.g. ``rerun_state_machine._reduce_any``'s ``device="cuda"``
@@ -370,6 +370,6 @@ def override_transformer_config(**fields: Any) -> None:
             setattr(config, name, value)
         return config
 
-    for module in list(sys.modules.values()):
-        if module is not None and getattr(module, "core_transformer_config_from_args", None) is real:
-            module.core_transformer_config_from_args = core_transformer_config_from_args
+    from megatron_zb.megatron_lm.rebind import Rebinds
+
+    Rebinds().everywhere(real, core_transformer_config_from_args)   # this process only: never restored

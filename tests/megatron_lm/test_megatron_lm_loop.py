@@ -38,7 +38,7 @@ ITERS = 4
 TIMEOUT_S = 240.0
 MCORE_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
 ZB_FUNC = "megatron_zb.runtime.forward_backward.ZeroBubbleForwardBackward"
-REPLAN_FUNC = "megatron_zb.megatron_lm.ReplanningForwardBackward"
+REPLAN_FUNC = "megatron_zb.megatron_lm.route.ReplanningForwardBackward"
 """The flags route's wrapper of :data:`ZB_FUNC` for cost-aware schedules (profiles, then re-plans)."""
 
 ZB_PLUGIN = "import megatron_zb\nmegatron_zb.patch_megatron('zb')\n"

@@ -36,7 +36,7 @@ import test_megatron_lm_loop
 from test_megatron_lm_loop import FLAGS_PLUGIN, ITERS, MCORE_1F1B, PP2, REPLAN_FUNC, loop_flags, run_loop, assert_bitwise_equal
 
 from megatron_zb.megatron_compat import megatron_lm_tag
-from megatron_zb.megatron_lm_optimizer import REFUSED
+from megatron_zb.megatron_lm.optimizer import REFUSED
 from harness.megatron_lm import MegatronLMRun
 
 pytestmark = test_megatron_lm_loop.pytestmark  # skipped without Megatron-LM's files or what they import
@@ -131,7 +131,7 @@ def test_post_validation_in_place_matches_megatron_core(mcore_fp16: MegatronLMRu
 # ---------------------------------------------------------------------- configure(): no Megatron-LM run
 def _pv_flags(*argv: str, **megatron_lm: object) -> object:
     """The zero-bubble flags parsed as on Megatron-LM's parser, with the optimizer flags of
-    Megatron-LM that :func:`~megatron_zb.megatron_lm_optimizer.check_flags` reads (defaults: adam,
+    Megatron-LM that :func:`~megatron_zb.megatron_lm.optimizer.check_flags` reads (defaults: adam,
     no offload / FSDP / expert parallelism) overridden by ``megatron_lm``."""
     args = loop_flags(*argv)
     for dest, value in {"optimizer": "adam", "expert_model_parallel_size": 1, **megatron_lm}.items():

@@ -42,7 +42,7 @@ from harness.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, SKIP_REASON, TINY_G
 ITERS = 4
 TIMEOUT_S = 240.0
 MCORE_1F1B = "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"
-V_FUNC = "megatron_zb.megatron_lm_v.VForwardBackward"
+V_FUNC = "megatron_zb.megatron_lm.v.VForwardBackward"
 RTOL = 1e-6
 """Relative tolerance of each iteration's lm loss and grad norm (V vs 1F1B; measured at most 1.3e-7).
 The forward arithmetic is the same (iteration 1's loss is asserted bitwise), but the V sums the tied

@@ -98,10 +98,10 @@ def _source_keywords(cls_name: str) -> set[str]:
                                  te_double.TELayerNormColumnParallelLinear], ids=lambda c: c.__name__)
 def test_double_wrappers_take_the_installed_megatron_core_keywords(cls):
     """The double's wrappers accept every keyword of the installed megatron-core's wrappers (its
-    own keyword-only parameters plus ``megatron_compat_te.te_wrapper_keywords()``) and no other."""
+    own keyword-only parameters plus ``megatron_compat.te.te_wrapper_keywords()``) and no other."""
     import inspect
 
-    from megatron_zb.megatron_compat_te import te_wrapper_keywords
+    from megatron_zb.megatron_compat.te import te_wrapper_keywords
 
     params = inspect.signature(cls.__init__).parameters.values()
     own = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}

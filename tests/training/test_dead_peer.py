@@ -1,5 +1,5 @@
 """Dead and frozen peers (issue 23): a collective the zero-bubble path adds ends the run with a
-:class:`~megatron_zb.peer_wait.PipelineTimeoutError` naming the operation and the peer, within its
+:class:`~megatron_zb.runtime.peer_wait.PipelineTimeoutError` naming the operation and the peer, within its
 timeout, instead of waiting for the process group's own timeout (``--distributed-timeout-minutes``).
 
 * End to end, gloo's policy: ``pretrain_gpt_zb.py``'s ``main`` at PP=2 x DP=2 (4 ranks of
@@ -79,7 +79,7 @@ def _main_rank(argv: list[str], hook: str, stderr_dir: str) -> int:
 
 
 def test_frozen_data_parallel_peer_ends_the_run_naming_the_reduce_and_the_peer(tmp_path):
-    from megatron_zb.peer_wait import PipelineTimeoutError
+    from megatron_zb.runtime.peer_wait import PipelineTimeoutError
     from megatron_zb.testing import run_distributed
 
     with pytest.raises(PipelineTimeoutError) as info:
@@ -109,7 +109,7 @@ def _late_collectives() -> dict:
     import torch.distributed as dist
 
     from megatron_zb.optimizer.grad_stats import wait_for
-    from megatron_zb.peer_wait import Awaited, wait_host
+    from megatron_zb.runtime.peer_wait import Awaited, wait_host
 
     rank, out = dist.get_rank(), {}
     for waiter, name in ((0, "host"), (1, "post-validation")):
@@ -155,7 +155,7 @@ class _ClosedWork:
 
 
 def test_a_killed_peer_is_named_at_once_as_a_failure_not_a_timeout():
-    from megatron_zb.peer_wait import Awaited, PipelineTimeoutError, wait_host
+    from megatron_zb.runtime.peer_wait import Awaited, PipelineTimeoutError, wait_host
 
     awaited = Awaited("rank 2", "data-parallel reduce-scatter of stage 1, bucket 0 (iteration 5)", (0, 3))
     with pytest.raises(PipelineTimeoutError) as info:
@@ -168,7 +168,7 @@ def test_a_killed_peer_is_named_at_once_as_a_failure_not_a_timeout():
 
 _SCRIPT_WITH_A_LATE_PEER = r"""
 import runpy, sys, threading, types
-from megatron_zb.peer_wait import PipelineTimeoutError
+from megatron_zb.runtime.peer_wait import PipelineTimeoutError
 
 def main(argv):
     # what a gloo group with a pending collective does at teardown: wait for it (here: for ever)
@@ -208,7 +208,7 @@ def _stream_policy_rank(hook: str, stderr_dir: str) -> dict:
     import torch.distributed as dist
 
     from harness.dp_overlap import DPCase, run_dp_iterations
-    from megatron_zb.peer_wait import WaitPolicy
+    from megatron_zb.runtime.peer_wait import WaitPolicy
     from megatron_zb.runtime.grad_sync import set_before_reduce_hook
     from megatron_zb.testing.tiny_gpt import TinyGPT
 
@@ -224,7 +224,7 @@ def test_stream_policy_watchdog_names_the_late_reduce_and_ends_the_blocked_rank(
     """NCCL's policy end to end (on gloo): iteration 1 runs with no host wait of ours; in iteration 2
     (no trainer: the runtime names its count of training calls) rank 1 freezes before its first
     reduce, and rank 0, blocked in megatron-core's wait, is ended by the watchdog with the named message."""
-    from megatron_zb.peer_wait import EXIT_GRACE_S
+    from megatron_zb.runtime.peer_wait import EXIT_GRACE_S
     from megatron_zb.testing import run_distributed
     from megatron_zb.testing.distributed import DistributedTimeout
 

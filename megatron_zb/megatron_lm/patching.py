@@ -20,10 +20,12 @@ the memory limit in units of one stage's activation memory) and behaves as befor
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
-_PATCHED: list[tuple[object, str, Callable]] = []
+from .rebind import Rebinds
+
+_PATCHED = Rebinds()
+"""Where :func:`patch_megatron` replaced megatron-core's ``get_forward_backward_func``."""
 _FROM_ENV: dict[tuple[str, str], Any] = {}
 
 
@@ -32,8 +34,8 @@ def forward_backward_from_env() -> Any:
     ``MEGATRON_ZB_MEMORY_LIMIT``); one instance per configuration, so the schedule is built once."""
     import os
 
-    from .runtime.forward_backward import get_forward_backward_func
-    from .runtime.routes import install_routes
+    from ..runtime.forward_backward import get_forward_backward_func
+    from ..runtime.routes import install_routes
 
     name = os.environ.get("MEGATRON_ZB_SCHEDULE", "")
     if not name:
@@ -60,9 +62,9 @@ def patch_megatron(schedule: str = "zb", *, wrapper: Callable[[Any], Callable] |
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
 
-    from .megatron_compat import check_schedule_selection
-    from .runtime.forward_backward import get_forward_backward_func
-    from .runtime.routes import install_routes
+    from ..megatron_compat import check_schedule_selection
+    from ..runtime.forward_backward import get_forward_backward_func
+    from ..runtime.routes import install_routes
 
     unpatch_megatron()
     install_routes()
@@ -82,14 +84,9 @@ def patch_megatron(schedule: str = "zb", *, wrapper: Callable[[Any], Callable] |
             return ours
         return original(pp_size=pp_size, vp_size=vp_size, **kwargs)
 
-    for mod in list(sys.modules.values()):
-        if mod is not None and getattr(mod, "get_forward_backward_func", None) is original:
-            _PATCHED.append((mod, "get_forward_backward_func", original))
-            setattr(mod, "get_forward_backward_func", patched_get_forward_backward_func)
+    _PATCHED.everywhere(original, patched_get_forward_backward_func)
 
 
 def unpatch_megatron() -> None:
     """Undo :func:`patch_megatron` (the layer routes stay installed; they are inert outside B)."""
-    while _PATCHED:
-        mod, name, original = _PATCHED.pop()
-        setattr(mod, name, original)
+    _PATCHED.restore()

@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .schedules.ir import V_CHUNKS_PER_RANK, v_stages
-from .training.arguments.common import ArgumentError
+from ..schedules.ir import V_CHUNKS_PER_RANK, v_stages
+from ..training.arguments.common import ArgumentError
+from .rebind import Rebinds
 
 __all__ = ["V_CHUNKS", "VForwardBackward", "VModelProvider", "activate", "check_provider", "check_v", "deactivate",
            "v_model_provider"]
@@ -57,10 +58,31 @@ __all__ = ["V_CHUNKS", "VForwardBackward", "VModelProvider", "activate", "check_
 V_CHUNKS = V_CHUNKS_PER_RANK
 """Model chunks per pipeline rank in a V (:data:`~megatron_zb.schedules.ir.V_CHUNKS_PER_RANK`)."""
 
-_PROVIDERS: list["VModelProvider"] = []
-_ACTIVE: dict[str, str] = {}  # "schedule", "flag" while a V schedule is installed
-_PATCHED: list[tuple[Any, str, Callable]] = []
-_BUILT: dict[int, Any] = {}  # this rank's chunks built for the V by the builder route, by vp_stage
+@dataclass
+class VRoute:
+    """The V route's state in this process (one instance, :data:`_ROUTE`).
+
+    Attributes:
+        schedule: the V schedule while the route is active (:func:`activate`), else ``None``.
+        flag: the flag that chose it (``--schedule`` or ``--zero-bubble-v-schedule``).
+        providers: every :class:`VModelProvider` made so far (the provider route).
+        built: this rank's chunks built for the V by the builder route, by ``vp_stage``.
+        rebinds: what :func:`activate` replaced in Megatron-LM (:func:`deactivate` restores it).
+    """
+
+    schedule: str | None = None
+    flag: str | None = None
+    providers: list["VModelProvider"] = field(default_factory=list)
+    built: dict[int, Any] = field(default_factory=dict)
+    rebinds: Rebinds = field(default_factory=Rebinds)
+
+    @property
+    def active(self) -> bool:
+        """Whether a V schedule is installed."""
+        return self.schedule is not None
+
+
+_ROUTE = VRoute()
 
 
 def v_model_provider(model_provider: Callable[..., Any]) -> "VModelProvider":
@@ -121,7 +143,7 @@ def check_v(args: argparse.Namespace, schedule: str, flag: str) -> None:
                             f"the flag")
     if per_stage is None and chunks is None:
         args.num_virtual_stages_per_pipeline_rank = V_CHUNKS
-        if getattr(args, "rank", 0) == 0 and not _ACTIVE:  # Megatron-LM parses more than once: say it once
+        if getattr(args, "rank", 0) == 0 and not _ROUTE.active:  # Megatron-LM parses more than once: say it once
             print(f"megatron-zb: setting --num-virtual-stages-per-pipeline-rank {V_CHUNKS}: {flag} {schedule} places "
                   f"{V_CHUNKS} model chunks per pipeline rank (the V), built by megatron_zb.megatron_lm."
                   f"v_model_provider", flush=True)
@@ -134,7 +156,7 @@ def activate(schedule: str, flag: str) -> None:
     deactivate()
     from megatron.training import utils
 
-    _ACTIVE.update(schedule=schedule, flag=flag)
+    _ROUTE.schedule, _ROUTE.flag = schedule, flag
     original = utils.is_first_or_last_pipeline_stage
 
     def is_first_or_last_pipeline_stage(vp_stage: int | None) -> bool:
@@ -144,27 +166,17 @@ def activate(schedule: str, flag: str) -> None:
         return _v_stage(vp_stage) in (0, V_CHUNKS * _pp()[0] - 1)
 
     # pretrain_gpt.py imported the name before this runs: rebind it wherever it is held, as patch_megatron does
-    _rebind(original, is_first_or_last_pipeline_stage)
+    _ROUTE.rebinds.everywhere(original, is_first_or_last_pipeline_stage)
     from megatron.training import training
 
-    from .megatron_compat import megatron_lm_loop
+    from ..megatron_compat import megatron_lm_loop
 
-    _PATCHED.append((training, "Float16Module", training.Float16Module))
-    training.Float16Module = _v_float16_module  # get_model's one use: Float16Module(config, model_module)
+    _ROUTE.rebinds.set(training, "Float16Module", _v_float16_module)  # get_model's one use: Float16Module(config, model_module)
     loop = megatron_lm_loop()
     if loop.v_model_builder is not None:
         _wrap_builder(loop.v_model_builder)
     if loop.tp_batch_by_pipeline_end is not None:
         _keep_whole_batch_on_rank_0(loop.tp_batch_by_pipeline_end)
-
-
-def _rebind(original: Callable, replacement: Callable) -> None:
-    """Bind ``replacement`` wherever a module holds ``original`` under its name (scripts imported the
-    name before :func:`activate` runs), recorded for :func:`deactivate`."""
-    for module in list(sys.modules.values()):
-        if module is not None and getattr(module, original.__name__, None) is original:
-            _PATCHED.append((module, original.__name__, original))
-            setattr(module, original.__name__, replacement)
 
 
 def _wrap_builder(path: str) -> None:
@@ -187,12 +199,12 @@ def _wrap_builder(path: str) -> None:
                       post_process: bool | None = None, vp_stage: int | None = None) -> Any:
         """Megatron-LM's ``build_model``; with a V, chunk ``vp_stage`` of the V (Megatron-LM's
         ``pre_process`` / ``post_process`` are for its interleaved placement and are replaced)."""
-        if not _ACTIVE:
+        if not _ROUTE.active:
             return build_model(self, pg_collection, pre_process, post_process, vp_stage)
         model_config = self._model_config
 
         def build(plan: Any, num_ranks: int, untied: bool) -> Any:
-            from .model import chunk_config
+            from ..model import chunk_config
 
             chunk = copy.copy(model_config)  # the builder reads these two; object's setter: no proxying
             object.__setattr__(chunk, "transformer", chunk_config(model_config.transformer, plan, num_ranks))
@@ -200,28 +212,26 @@ def _wrap_builder(path: str) -> None:
                 object.__setattr__(chunk, "share_embeddings_and_output_weights", False)
             return build_model(type(self)(chunk), pg_collection, plan.pre_process, plan.post_process, None)
 
-        return _build_v_chunk(_BUILT, vp_stage, pg_collection,
+        return _build_v_chunk(_ROUTE.built, vp_stage, pg_collection,
                               tied=model_config.share_embeddings_and_output_weights, build=build)
 
     def build_v_distributed_models(self: Any, *args: Any, **kwargs: Any) -> Any:
         """Megatron-LM's ``build_distributed_models``; with a V, megatron-core's ``Float16Module``
         (the default wrapper) replaced by the V-aware one."""
-        if _ACTIVE:
+        if _ROUTE.active:
             bound = distributed_signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
             wrapper = bound.arguments["mixed_precision_wrapper"]
             if wrapper is not None and wrapper is not Float16Module:
-                raise RuntimeError(f"the V schedule {_ACTIVE['schedule']!r} casts by V stage with megatron-core's "
+                raise RuntimeError(f"the V schedule {_ROUTE.schedule!r} casts by V stage with megatron-core's "
                                    f"Float16Module; {path}.build_distributed_models was given {wrapper!r}")
             if wrapper is Float16Module:
                 bound.arguments["mixed_precision_wrapper"] = _v_float16_module
             args, kwargs = bound.args[1:], bound.kwargs
         return build_distributed_models(self, *args, **kwargs)
 
-    _PATCHED.append((builder, "build_model", build_model))
-    _PATCHED.append((builder, "build_distributed_models", build_distributed_models))
-    builder.build_model = build_v_model
-    builder.build_distributed_models = build_v_distributed_models
+    _ROUTE.rebinds.set(builder, "build_model", build_v_model)
+    _ROUTE.rebinds.set(builder, "build_distributed_models", build_v_distributed_models)
 
 
 def _keep_whole_batch_on_rank_0(path: str) -> None:
@@ -237,14 +247,14 @@ def _keep_whole_batch_on_rank_0(path: str) -> None:
         return original(*args, **kwargs)
 
     keep_whole_batch_on_rank_0.__name__ = original.__name__
-    _rebind(original, keep_whole_batch_on_rank_0)
+    _ROUTE.rebinds.everywhere(original, keep_whole_batch_on_rank_0)
 
 
 def _v_float16_module(config: Any, module: Any) -> Any:
     """megatron-core's ``Float16Module`` for chunk ``module.vp_stage`` of the V (``get_model`` sets
     it before wrapping): half-precision inputs on stage 0, fp32 outputs on the loss stage.
     megatron-core's own decides by pipeline rank and virtual stage, which does not match the V."""
-    from .megatron_compat import chunk_float16_module
+    from ..megatron_compat import chunk_float16_module
 
     stage = _v_stage(module.vp_stage)
     return chunk_float16_module(config, module, first=stage == 0, last=stage == V_CHUNKS * _pp()[0] - 1)
@@ -254,16 +264,14 @@ def check_provider() -> None:
     """With a V route active: refuse (:class:`ArgumentError`) a script that created no
     :func:`v_model_provider`. Call it once ``pretrain()``'s arguments exist (Megatron-LM's
     ``inprocess_restart`` parses the flags before them)."""
-    if _ACTIVE and not _PROVIDERS:
-        raise _how_to_wrap(_ACTIVE["flag"], _ACTIVE["schedule"])
+    if _ROUTE.active and not _ROUTE.providers:
+        raise _how_to_wrap(_ROUTE.flag, _ROUTE.schedule)
 
 
 def deactivate() -> None:
     """Undo :func:`activate` (the providers already created stay)."""
-    while _PATCHED:
-        module, name, fn = _PATCHED.pop()
-        setattr(module, name, fn)
-    _ACTIVE.clear()
+    _ROUTE.rebinds.restore()
+    _ROUTE.schedule = _ROUTE.flag = None
 
 
 def _pp(pg_collection: Any = None) -> tuple[int, int]:
@@ -295,14 +303,14 @@ class VModelProvider:
     def __init__(self, model_provider: Callable[..., Any]) -> None:
         self.model_provider = model_provider
         self.chunks: dict[int, Any] = {}
-        _PROVIDERS.append(self)
+        _ROUTE.providers.append(self)
 
     def __call__(self, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                  config: Any = None, pg_collection: Any = None) -> Any:
         """Without a V schedule: the user's provider with Megatron-LM's arguments. With one:
         chunk ``vp_stage`` of the V (Megatron-LM's ``pre_process`` / ``post_process`` are for its
         interleaved placement and are replaced by the V stage's)."""
-        if not _ACTIVE:
+        if not _ROUTE.active:
             return self.model_provider(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                                        config=config, pg_collection=pg_collection)
         from megatron.training import get_args
@@ -312,7 +320,7 @@ class VModelProvider:
         base = config if config is not None else core_transformer_config_from_args(args)
 
         def build(plan: Any, num_ranks: int, untied: bool) -> Any:
-            from .model import chunk_config
+            from ..model import chunk_config
 
             try:  # the user's provider reads Megatron-LM's argument
                 if untied:
@@ -342,8 +350,8 @@ def _build_v_chunk(chunks: dict[int, Any], vp_stage: int | None, pg_collection: 
     Megatron-LM's ``get_model`` sets it."""
     from megatron.training import get_args
 
-    from .model import plan_chunks, tie_output_layer
-    from .schedules.ir import v_placement
+    from ..model import plan_chunks, tie_output_layer
+    from ..schedules.ir import v_placement
 
     args = get_args()
     if vp_stage is None or args.virtual_pipeline_model_parallel_size != V_CHUNKS:
@@ -380,7 +388,7 @@ class VForwardBackward:
         from megatron.core import parallel_state
 
         if not self._checked:
-            if not any(len(chunks) == V_CHUNKS for chunks in (_BUILT, *(p.chunks for p in _PROVIDERS))):
+            if not any(len(chunks) == V_CHUNKS for chunks in (_ROUTE.built, *(p.chunks for p in _ROUTE.providers))):
                 raise RuntimeError(_not_built_for_the_v())
             self._checked = True
         out = self.inner(**kwargs)
@@ -401,9 +409,9 @@ class VForwardBackward:
 
 def _not_built_for_the_v() -> str:
     """Why this rank's chunks are not the V's, and what to change (the release's route)."""
-    from .megatron_compat import megatron_lm_loop
+    from ..megatron_compat import megatron_lm_loop
 
-    flag, schedule = _ACTIVE.get("flag", "--schedule"), _ACTIVE.get("schedule", "V")
+    flag, schedule = _ROUTE.flag or "--schedule", _ROUTE.schedule or "V"
     builder = megatron_lm_loop().v_model_builder
     if builder is None:
         return str(_how_to_wrap(flag, schedule))

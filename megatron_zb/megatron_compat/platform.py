@@ -8,7 +8,7 @@ it); re-read these names at each megatron-core upgrade, with the table of that m
 
 from __future__ import annotations
 
-from .megatron_compat import release
+from . import release
 
 
 _CUDA_FACTORY_MODULES_016: tuple[str, ...] = (

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from .megatron_compat import megatron_core_version, release
+from . import megatron_core_version, release
 
 if TYPE_CHECKING:
     import torch

@@ -29,8 +29,8 @@ profile. Megatron-LM's checkpoints do not carry the measured costs: a run resume
 counts its iterations from 1 again, so it profiles and re-plans again.
 
 ``--enable-optimizer-post-validation`` wraps the optimizer Megatron-LM builds and validates each
-step when Megatron-LM's ``train_step`` returns (:mod:`megatron_zb.megatron_lm_optimizer`). V schedules
-(``--zero-bubble-v-schedule``, ``--schedule zbv|v-half|v-min``): :mod:`megatron_zb.megatron_lm_v`
+step when Megatron-LM's ``train_step`` returns (:mod:`megatron_zb.megatron_lm.optimizer`). V schedules
+(``--zero-bubble-v-schedule``, ``--schedule zbv|v-half|v-min``): :mod:`megatron_zb.megatron_lm.v`
 builds the V's two chunks per rank -- inside Megatron-LM core_v0.16.1's loop through the script's model
 provider passed through :func:`v_model_provider`, inside core_v0.19.0's through the model builder
 Megatron-LM calls (no further change of the script; ``megatron_compat.MEGATRON_LM_LOOP``).
@@ -53,17 +53,18 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from . import megatron_lm_v
-from .megatron_lm_v import v_model_provider
-from .schedules.ir import vocab_passes_unsupported
-from .schedules.registry import get_spec
-from .training.arguments.common import ArgumentError, flag
+from . import v as v_route
+from .rebind import Rebinds
+from .v import v_model_provider
+from ..schedules.ir import vocab_passes_unsupported
+from ..schedules.registry import get_spec
+from ..training.arguments.common import ArgumentError, flag
 
 if TYPE_CHECKING:
-    from .runtime.forward_backward import ZeroBubbleForwardBackward
-    from .training.cost_window import CostWindow
-    from .training.replanning import SchedulePlanner
-    from .training.run_config import RunConfig
+    from ..runtime.forward_backward import ZeroBubbleForwardBackward
+    from ..training.cost_window import CostWindow
+    from ..training.replanning import SchedulePlanner
+    from ..training.run_config import RunConfig
 
 __all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install", "planner_config", "uninstall",
            "v_model_provider"]
@@ -76,7 +77,8 @@ NOT_YET: dict[str, str] = {
 }
 """Zero-bubble flags (``args`` attribute -> why and what to do) refused inside Megatron-LM's loop."""
 
-_INSTALLED: list[tuple[Any, str, Callable]] = []
+_REBINDS = Rebinds()
+"""What :func:`install` replaced in Megatron-LM (restored by :func:`uninstall`)."""
 
 
 def install() -> None:
@@ -84,9 +86,9 @@ def install() -> None:
     Idempotent; :func:`uninstall` restores Megatron-LM's ``parse_args`` and ``validate_args``."""
     from megatron.training import arguments
 
-    from .megatron_compat import megatron_lm_loop
+    from ..megatron_compat import megatron_lm_loop
 
-    if _INSTALLED:
+    if _REBINDS:
         return
     loop = megatron_lm_loop()
     original = arguments.parse_args
@@ -103,7 +105,7 @@ def install() -> None:
             options = configure(args)
             v_flag = options.pop("v_flag", None) if options is not None else None
             if v_flag is not None:
-                megatron_lm_v.activate(options["schedule"], v_flag)
+                v_route.activate(options["schedule"], v_flag)
         except ArgumentError as e:
             print(f"megatron-zb: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
@@ -114,15 +116,13 @@ def install() -> None:
             patch_megatron(name, wrapper=functools.partial(_wrap, schedule=name, v=v_flag is not None),
                            **options)
             if args.enable_optimizer_post_validation:
-                from .megatron_lm_optimizer import install as install_post_validation
+                from .optimizer import install as install_post_validation
 
                 install_post_validation(args)
         return args
 
     for name in loop.parse_args_holders:
-        module = importlib.import_module(name)
-        _INSTALLED.append((module, "parse_args", module.parse_args))
-        module.parse_args = parse_args
+        _REBINDS.set(importlib.import_module(name), "parse_args", parse_args)
     if loop.validate_args_holder is not None:
         _install_provider_check(importlib.import_module(loop.validate_args_holder))
     _install_load_repairs()
@@ -130,7 +130,7 @@ def install() -> None:
 
 def _install_provider_check(holder: Any) -> None:
     """``holder.validate_args`` (Megatron-LM's, called inside ``pretrain()``) after megatron-zb's check
-    that the script wrapped its model provider for a V (:func:`megatron_lm_v.check_provider`)."""
+    that the script wrapped its model provider for a V (:func:`~megatron_zb.megatron_lm.v.check_provider`)."""
     validate = holder.validate_args
 
     def validate_args(*args: Any, **kwargs: Any) -> Any:
@@ -138,40 +138,37 @@ def _install_provider_check(holder: Any) -> None:
         model provider is wrapped (initialize_megatron validates only inside pretrain(), whose arguments
         exist by then, unlike at inprocess_restart's early parse)."""
         try:
-            megatron_lm_v.check_provider()
+            v_route.check_provider()
         except ArgumentError as e:
             print(f"megatron-zb: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         return validate(*args, **kwargs)
 
-    _INSTALLED.append((holder, "validate_args", validate))
-    holder.validate_args = validate_args
+    _REBINDS.set(holder, "validate_args", validate_args)
 
 
 def uninstall() -> None:
     """Restore Megatron-LM's ``parse_args`` and megatron-core's ``get_forward_backward_func`` (and the
     names post-validation rebinds)."""
-    from .megatron_lm_optimizer import uninstall as uninstall_post_validation
+    from .optimizer import uninstall as uninstall_post_validation
     from .patching import unpatch_megatron
 
     uninstall_post_validation()
-    while _INSTALLED:
-        module, name, fn = _INSTALLED.pop()
-        setattr(module, name, fn)
+    _REBINDS.restore()
     unpatch_megatron()
-    megatron_lm_v.deactivate()
+    v_route.deactivate()
 
 
 def _wrap(runtime: Any, *, schedule: str, v: bool) -> Callable:
     """megatron-zb's ``forward_backward_func`` as Megatron-LM gets it: re-planned for a cost-aware
     schedule, its losses handed to the last pipeline rank for a V."""
     fb = ReplanningForwardBackward(runtime, schedule=schedule) if get_spec(schedule).cost_aware else runtime
-    return megatron_lm_v.VForwardBackward(fb) if v else fb
+    return v_route.VForwardBackward(fb) if v else fb
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """The zero-bubble group of ``pretrain_gpt_zb.py`` on Megatron-LM's parser."""
-    from .training.arguments.zero_bubble import add_zero_bubble_args
+    from ..training.arguments.zero_bubble import add_zero_bubble_args
 
     add_zero_bubble_args(parser)
 
@@ -180,11 +177,11 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
     """Check the zero-bubble flags of Megatron-LM's parsed ``args``; return :func:`patch_megatron`'s
     arguments (``schedule`` and options; for a V also ``v_flag``, the flag that chose it), or ``None``
     when no zero-bubble schedule was asked for. A V schedule sets Megatron-LM's
-    ``--num-virtual-stages-per-pipeline-rank`` (:func:`~megatron_zb.megatron_lm_v.check_v`).
+    ``--num-virtual-stages-per-pipeline-rank`` (:func:`~megatron_zb.megatron_lm.v.check_v`).
     Raises :class:`ArgumentError` naming the flag."""
-    from .megatron_lm_optimizer import check_flags as check_post_validation
-    from .schedules.ir import Placement
-    from .training.arguments.zero_bubble import select_schedule
+    from .optimizer import check_flags as check_post_validation
+    from ..schedules.ir import Placement
+    from ..training.arguments.zero_bubble import select_schedule
 
     for dest, why in NOT_YET.items():
         if getattr(args, dest, None):
@@ -207,7 +204,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
     _check_profiling(args, name)
     check_post_validation(args, spec)
     if spec.placement is Placement.V:
-        megatron_lm_v.check_v(args, name, selected_by)
+        v_route.check_v(args, name, selected_by)
     chunks = _virtual_chunks(args)
     if spec.placement is not Placement.V and (spec.placement is Placement.INTERLEAVED) != (chunks > 1):
         raise ArgumentError("--schedule", f"{name!r} has the {spec.placement.value} placement but Megatron-LM "
@@ -231,7 +228,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
 def _check_profiling(args: argparse.Namespace, schedule: str | None) -> None:
     """The profiling window and ``--profile-out`` (``pretrain_gpt_zb.py``'s checks); only a cost-aware
     ``schedule`` is profiled here (:class:`ReplanningForwardBackward`), so ``--profile-out`` needs one."""
-    from .training.arguments.zero_bubble import check_profile_out, check_profiling_window
+    from ..training.arguments.zero_bubble import check_profile_out, check_profiling_window
 
     check_profiling_window(args)
     if args.profile_out is None:
@@ -291,7 +288,7 @@ class ReplanningForwardBackward:
                  adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator: Any = None,
                  pg_collection: Any = None, force_all_reduce: bool | None = False) -> list[Any]:
         """megatron-core's ``forward_backward_func`` (same keywords); a training call is one iteration."""
-        from .runtime.measure import Measure
+        from ..runtime.measure import Measure
 
         planner, window = self._planner(num_microbatches)
         planner.config = planner.config.replace(num_microbatches=num_microbatches)  # what --profile-out records
@@ -320,8 +317,8 @@ class ReplanningForwardBackward:
             from megatron.core import parallel_state
             from megatron.training import get_args
 
-            from .training.distributed import context_from_parallel_state
-            from .training.replanning import SchedulePlanner
+            from ..training.distributed import context_from_parallel_state
+            from ..training.replanning import SchedulePlanner
 
             args = get_args()
             pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -346,8 +343,8 @@ def planner_config(args: argparse.Namespace, *, schedule: str, stage_to_rank: Se
     (:mod:`~megatron_zb.training.host_bound`); the sections the planner does not read keep their
     defaults. ``num_microbatches``: per iteration per data-parallel rank; ``memory_limit``: in units of
     one stage's activation ``M_B`` (``None``: the schedule's default)."""
-    from .planning.layout import LayerSplit, layers_per_stage
-    from .training.run_config import (DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig,
+    from ..planning.layout import LayerSplit, layers_per_stage
+    from ..training.run_config import (DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig,
                                       PrecisionConfig, RunConfig, ScheduleConfig)
 
     spec = get_spec(schedule)
@@ -404,7 +401,7 @@ def _install_load_repairs() -> None:
     (``assert len(steps) == 1``, then a wrong Adam step), whichever schedule saved or resumes."""
     from megatron.training import checkpointing, training
 
-    from .training.checkpointing import repaired_distributed_adam_load
+    from ..training.checkpointing import repaired_distributed_adam_load
 
     original = checkpointing.load_checkpoint
 
@@ -415,5 +412,4 @@ def _install_load_repairs() -> None:
 
     for module in (checkpointing, training):
         if getattr(module, "load_checkpoint", None) is original:
-            _INSTALLED.append((module, "load_checkpoint", original))
-            module.load_checkpoint = load_checkpoint
+            _REBINDS.set(module, "load_checkpoint", load_checkpoint)

@@ -6,9 +6,9 @@ patches). Each such use lives here, under the part of megatron-zb that needs it,
 is reviewed at each megatron-core upgrade. Anything here may break on upgrade; nothing outside this
 module and its parts reaches into megatron-core's private names, and only :func:`release` here asks
 which megatron-core release is installed. The parts, one per job, read the release from here:
-:mod:`megatron_zb.megatron_compat_optimizer` (what post-validation mirrors of megatron-core's
-optimizer ``step()``), :mod:`megatron_zb.megatron_compat_platform` (what the CPU shim replaces) and
-:mod:`megatron_zb.megatron_compat_te` (what the Transformer Engine route reads inside TE modules).
+:mod:`megatron_zb.megatron_compat.optimizer` (what post-validation mirrors of megatron-core's
+optimizer ``step()``), :mod:`megatron_zb.megatron_compat.platform` (what the CPU shim replaces) and
+:mod:`megatron_zb.megatron_compat.te` (what the Transformer Engine route reads inside TE modules).
 This module: the releases and the Megatron-LM loop's hooks, the table of private names, and the
 runtime's, model's and training loop's uses of them.
 
@@ -170,7 +170,7 @@ PRIVATE_API: dict[str, dict[str, Private | None]] = {
                         "(input_tensor, output_tensor, output_tensor_grad, model_type, config)"),
         "0.19": Private(f"{_SCHED}:backward_step",
                         "(input_tensor, output_tensor, output_tensor_grad, config)")},
-    # -- patching: megatron-core's schedule selector, which patch_megatron replaces (megatron_zb/patching.py)
+    # -- patching: megatron-core's schedule selector, which patch_megatron replaces (megatron_zb/megatron_lm/patching.py)
     "get_forward_backward_func": {
         "0.16": Private(f"{_SCHED}:get_forward_backward_func",
                         "(pp_size: Optional[int] = None, vp_size: Optional[int] = None)"),

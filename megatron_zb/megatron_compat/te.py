@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .megatron_compat import release
+from . import release
 
 
 def te_queued_wgrad(module: Any) -> int:

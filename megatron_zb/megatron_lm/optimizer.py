@@ -43,7 +43,8 @@ import argparse
 import functools
 from typing import Any, Callable
 
-from .training.arguments.common import ArgumentError
+from ..training.arguments.common import ArgumentError
+from .rebind import Rebinds
 
 __all__ = ["REFUSED", "check_flags", "install", "post_validated_train_step", "uninstall"]
 
@@ -60,7 +61,8 @@ REFUSED: dict[str, str] = {
 }
 """Megatron-LM flags (``args`` attribute -> why and what to do) refused with ``--enable-optimizer-post-validation``."""
 
-_INSTALLED: list[tuple[Any, str, Callable]] = []
+_REBINDS = Rebinds()
+"""What :func:`install` replaced in ``megatron.training.training`` (restored by :func:`uninstall`)."""
 
 
 def check_flags(args: argparse.Namespace, spec: Any) -> None:
@@ -68,8 +70,8 @@ def check_flags(args: argparse.Namespace, spec: Any) -> None:
     (:func:`~megatron_zb.training.arguments.zero_bubble.check_post_validation`; ``spec``: the
     zero-bubble schedule's, None for megatron-core's own), then what Megatron-LM's loop adds.
     Raises :class:`ArgumentError` naming the flag."""
-    from .training.arguments.common import flag
-    from .training.arguments.zero_bubble import check_post_validation
+    from ..training.arguments.common import flag
+    from ..training.arguments.zero_bubble import check_post_validation
 
     check_post_validation(args, spec)
     if not args.enable_optimizer_post_validation:
@@ -97,28 +99,25 @@ def install(args: argparse.Namespace) -> None:
     the optimizer is built). Idempotent; :func:`uninstall` restores both names."""
     from megatron.training import training
 
-    if _INSTALLED:
+    if _REBINDS:
         return
     build = training.get_megatron_optimizer
 
     @functools.wraps(build)
     def get_megatron_optimizer(*a: Any, **kw: Any) -> Any:
-        from .training.run_config import PostValidationConfig
-        from .training.wiring import wrap_post_validation
+        from ..training.run_config import PostValidationConfig
+        from ..training.wiring import wrap_post_validation
 
         return wrap_post_validation(PostValidationConfig.from_args(args), build(*a, **kw))
 
     for name, value in (("get_megatron_optimizer", get_megatron_optimizer),
                         ("train_step", post_validated_train_step(training.train_step))):
-        _INSTALLED.append((training, name, getattr(training, name)))
-        setattr(training, name, value)
+        _REBINDS.set(training, name, value)
 
 
 def uninstall() -> None:
     """Restore the names :func:`install` rebound."""
-    while _INSTALLED:
-        module, name, value = _INSTALLED.pop()
-        setattr(module, name, value)
+    _REBINDS.restore()
 
 
 def post_validated_train_step(original: Callable) -> Callable:
