@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,8 +91,7 @@ class Trainer:
         exit_duration: with ``--exit-duration-in-mins``, its clock (:mod:`.preemption`); checked
             after every iteration.
         hooks: garbage collection, CUDA cache and ``--profile`` window around iterations (:mod:`.housekeeping`).
-        nan_check: ``--check-for-nan-in-loss-and-grad`` (:mod:`.nan_check`): a NaN/Inf in a loss or a gradient
-            stops every rank with :class:`~.nan_check.NonFiniteError` before its update stands.
+        nan_check: ``--check-for-nan-in-loss-and-grad`` (:mod:`.nan_check`; a NaN/Inf stops every rank).
         timing: Megatron-LM's timers of ``--timing-log-level`` (:mod:`.timing_log`).
         timeline: megatron-zb's measured timeline of the ``--profile`` window (:mod:`.measured_timeline`).
         t_start: ``time.perf_counter()`` when the run started [s].
@@ -246,8 +245,7 @@ class Trainer:
 
     def _record(self, it: int, measured: Any, step: tuple[Any, Any, Any], *, gbs: int,
                 timers: dict[str, float] | None = None) -> IterationRecord:
-        """Iteration ``it``'s record: its losses (``measured``), the optimizer's ``(update_successful,
-        grad_norm, num_zeros)``, its global batch size ``gbs`` [samples], ``timers`` [s]."""
+        """Iteration ``it``'s record: losses of ``measured``, ``step``'s result, ``gbs`` [samples], ``timers`` [s]."""
         update_successful, grad_norm, num_zeros = step
         opt, loss = self.optim, None
         if measured.data:
@@ -258,7 +256,7 @@ class Trainer:
                                lr=opt.learning_rate(), loss_scale=opt.loss_scale(), timers=timers or {},
                                num_zeros=None if num_zeros is None else float(num_zeros), global_batch_size=gbs)
 
-    def _stop_nonfinite(self, finding: NonFiniteFinding, record: IterationRecord | None = None) -> None:
+    def _stop_nonfinite(self, finding: NonFiniteFinding, record: IterationRecord | None = None) -> NoReturn:
         """Every rank: log the rest of the interval (``record``: the iteration whose step was not taken,
         skipped; a nan iteration if its loss is), write ``--loss-log-json``, raise :class:`NonFiniteError`."""
         if record is not None:

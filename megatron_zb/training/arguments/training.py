@@ -17,11 +17,11 @@ __all__ = ["CHECK_FOR_NAN_HELP", "DYNAMIC_LOSS_SCALE_NAN_CHECK_WARNING", "add_le
 CHECK_FOR_NAN_HELP = (
     "Check every micro batch's loss (on the rank that computes it) and every gradient bucket's norm (before "
     "its data-parallel reduce, after the last W that adds into it) for NaN/Inf, as Megatron-LM (default on; "
-    "off for fp16 with dynamic loss scaling, where an overflow is the loss scaler's signal). A non-finite "
-    "value stops every rank after its iteration with one error line naming the iteration and the rank "
-    "(exit status 1); no update is applied from it. With --enable-optimizer-post-validation the same: a "
-    "step already taken eagerly is rolled back, counted as a skipped (and, with a non-finite loss, a nan) "
-    "iteration, and the run stops when it is validated.")
+    "off for fp16 with dynamic loss scaling, where an overflow is the loss scaler's signal). A NaN/Inf stops "
+    "every rank at its iteration, whose update is not applied: the iteration is logged as skipped (and as a nan "
+    "iteration when its loss is not finite), then one error line names the iteration and the rank, exit status "
+    "1. With --enable-optimizer-post-validation the same: an eager step is skipped where the NaN/Inf was seen, "
+    "rolled back on the other stages when it is validated, and the run stops there.")
 """``--check-for-nan-in-loss-and-grad``'s help (the rule; docs/training.md, "NaN and Inf")."""
 DYNAMIC_LOSS_SCALE_NAN_CHECK_WARNING = ("WARNING: Setting args.check_for_nan_in_loss_and_grad to False since "
                                         "dynamic loss scaling is being used")
