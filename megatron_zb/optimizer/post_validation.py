@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_zb.optimizer.grad_stats import GradStatsInFlight, local_sq_norm, stage_agreement_group
+from megatron_zb.optimizer.grad_stats import GradStatsInFlight, local_sq_norm, stage_agreement_group, stats_device
 from megatron_zb.optimizer.parts import Hyperparams, OptimizerParts
 from megatron_zb.optimizer.policy import StepPolicy
 from megatron_zb.optimizer.rollback import ExactSnapshot, InPlaceRecord, snapshot_nbytes
@@ -107,12 +107,20 @@ class PostValidationOptimizer:
     Everything else of the wrapped optimizer is reachable through this object; methods that read
     or replace params, grads, optimizer state or the loss scale (``state_dict``,
     ``sharded_state_dict``, ``load_state_dict``, ``zero_grad``, ``get_loss_scale``, ...) validate first.
+
+    ``check_nonfinite`` (``pretrain_gpt_zb.py``'s ``--check-for-nan-in-loss-and-grad``): an eager step is
+    also an inf/nan step -- skipped where it is seen, rolled back elsewhere, ``found_inf`` in its report --
+    when its gradient norm is not finite (any precision; without it fp32 and bf16 apply such a step, as
+    megatron-core's own step does) or when a rank called :meth:`note_nonfinite` before it (its loss or its
+    gradients failed the caller's check); the flag rides on the found-inf all-reduce. Synchronous steps
+    are megatron-core's own: the caller checks before them (:attr:`next_step_eager`).
     """
 
     def __init__(self, optimizer: Any, *, exact: bool, warmup_iters: int = PostValidationConfig.warmup_iters,
                  clean_iters_required: int = PostValidationConfig.clean_iters_required,
                  timeout: float = PostValidationConfig.timeout,
-                 sync_on_local_clip: bool = PostValidationConfig.sync_on_local_clip, pp_group: Any = None) -> None:
+                 sync_on_local_clip: bool = PostValidationConfig.sync_on_local_clip, pp_group: Any = None,
+                 check_nonfinite: bool = False) -> None:
         self.__dict__["_optimizer"] = optimizer  # first: __getattr__ forwards to it
         self.pv_config = PostValidationConfig(exact=exact, warmup_iters=warmup_iters,
                                               clean_iters_required=clean_iters_required, timeout=timeout,
@@ -132,11 +140,15 @@ class PostValidationOptimizer:
         self._interval = PostValidationCounters()
         self._hooks: list[Callable[[ValidationReport], None]] = []
         self.last_report: ValidationReport | None = None
+        self._check_nonfinite = check_nonfinite  # see the class docstring
+        self._noted_nonfinite = False  # note_nonfinite() before the next eager step
 
     @classmethod
-    def from_config(cls, optimizer: Any, config: PostValidationConfig, *, pp_group: Any = None) -> "PostValidationOptimizer":
-        """Build from a :class:`PostValidationConfig`."""
-        return cls(optimizer, pp_group=pp_group, **{f.name: getattr(config, f.name) for f in fields(config)})
+    def from_config(cls, optimizer: Any, config: PostValidationConfig, *, pp_group: Any = None,
+                    check_nonfinite: bool = False) -> "PostValidationOptimizer":
+        """Build from a :class:`PostValidationConfig` (``check_nonfinite``: see the class docstring)."""
+        return cls(optimizer, pp_group=pp_group, check_nonfinite=check_nonfinite,
+                   **{f.name: getattr(config, f.name) for f in fields(config)})
 
     # ------------------------------------------------------------------ forwarding
     def __getattr__(self, name: str) -> Any:
@@ -180,6 +192,18 @@ class PostValidationOptimizer:
     def iteration(self) -> int:
         """Number of ``step()`` calls so far."""
         return self._iteration
+
+    @property
+    def next_step_eager(self) -> bool:
+        """Whether the next ``step()`` will be eager (post-validated); ask after validating the previous one."""
+        return self._pending is None and self._policy.eager_allowed(self._iteration)
+
+    def note_nonfinite(self, found: bool = True) -> None:
+        """With ``check_nonfinite``: this rank found a NaN/Inf in the coming eager step's loss or gradients,
+        so that step is skipped here and rolled back on every rank that took it (``found``: whether it did)."""
+        if found and not self._check_nonfinite:
+            raise PostValidationError("note_nonfinite() needs check_nonfinite=True")
+        self._noted_nonfinite = found
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Validate any pending step (it may need the grads), then the wrapped ``zero_grad``."""
@@ -271,6 +295,10 @@ class PostValidationOptimizer:
                 "(the forward must not use parameters that may still be rolled back)")
         iteration = self._iteration
         eager = self._policy.eager_allowed(iteration)
+        noted, self._noted_nonfinite = self._noted_nonfinite, False
+        if noted and not eager:
+            raise PostValidationError(f"a NaN/Inf was noted for step {iteration}, which is synchronous: check "
+                                      "next_step_eager and stop (or skip) before a synchronous step instead")
         self._iteration += 1
         if not eager:
             result = StepResult(*self._optimizer.step())
@@ -279,18 +307,23 @@ class PostValidationOptimizer:
             self._count(sync_steps=1)
             self._observe(clipped=clipped, found_inf=found_inf)
             return result
-        return self._eager_step(iteration)
+        return self._eager_step(iteration, noted=noted)
 
-    def _eager_step(self, iteration: int) -> StepResult:
+    def _eager_step(self, iteration: int, *, noted: bool = False) -> StepResult:
         parts = self._parts
         # 1. megatron's prepare_grads, minus its blocking found_inf all-reduce and the scaler update.
         found = parts.prepare_grads_locally()
+        if self._check_nonfinite:  # one more flag on the same all-reduce: a NaN/Inf noted by the caller
+            flag = torch.full((1,), 1.0 if noted else 0.0, dtype=torch.float, device=stats_device())
+            found = flag if found is None else torch.cat([found, flag])
         # 2. local grad statistics, exactly as megatron computes them before its all-reduces;
         # 3. the pipeline-wide reductions, asynchronous: the same collectives on the same group.
         stats = GradStatsInFlight.launch(found=found,
                                          norm_sq=local_sq_norm(parts.grads_for_norm()) if parts.needs_norm else None,
                                          zeros=parts.local_zero_count() if parts.needs_zeros else None,
                                          group=parts.stats_group)
+        if self._check_nonfinite and not _finite(stats.local_norm_sq):
+            stats.local_found_inf = True  # this rank's gradients: a NaN/Inf is one everywhere
         # 4. agree with the ranks of this stage (they share collectives in the update, e.g. the
         #    distributed optimizer's param all-gather) on the local decision.
         local_inf, stage_norm_sq = stats.agree_in_stage(self._agree_group, timeout=self.pv_config.timeout,
@@ -343,6 +376,9 @@ class PostValidationOptimizer:
         stats.wait(timeout=self.pv_config.timeout, iteration=it)
         # Loss scaler: each part with a scaler updates with its own flag, as in prepare_grads.
         found_inf = self._parts.update_loss_scalers(stats.found)
+        if self._check_nonfinite:  # the caller's flag (last) and the global norm, in any precision
+            noted = bool(stats.found[-1].item() > 0)  # type: ignore[index]
+            found_inf |= noted or not _finite(stats.global_grad_norm())
         if pend.local_inf and not found_inf:
             raise PostValidationError(f"iteration {it}: a local inf/nan was not found globally; the found-inf "
                                       "reduction and the local check disagree")
@@ -408,3 +444,8 @@ class PostValidationOptimizer:
     def __repr__(self) -> str:
         return (f"PostValidationOptimizer({type(self._optimizer).__name__}, {self.pv_config}, "
                 f"iteration={self._iteration}, pending={self.pending})")
+
+
+def _finite(value: float | None) -> bool:
+    """``value`` is finite, or absent (``None``: not computed)."""
+    return value is None or math.isfinite(value)

@@ -93,7 +93,8 @@ class ValidationReport:
         provisional: what ``step()`` returned (``(True, None, None)`` after an eager update,
             ``(False, None, None)`` when this stage already saw an inf/nan).
         clipped: clipping scaled the gradients (the step was redone with clipped grads).
-        found_inf: an inf/nan was found on some rank (the step is skipped).
+        found_inf: an inf/nan was found on some rank (the step is skipped): by a loss scaler, or with
+            ``check_nonfinite`` a non-finite grad norm or a rank's ``note_nonfinite``.
         rolled_back: this rank undid an update it had applied eagerly.
     """
 

@@ -19,6 +19,9 @@ Readiness goes to megatron-core's own ``register_grad_ready`` of the parameter's
 (with that group's ``is_last_microbatch`` raised for the call only), so megatron-core decides
 when to launch: not at all in the first iteration (it records the per-parameter counts and
 launches in ``finish_grad_sync``), from the second on as soon as the bucket group is complete.
+Every launch is megatron-core's ``start_grad_sync``, so its NaN/Inf check of the bucket
+(``DistributedDataParallelConfig.check_for_nan_in_grad``, ``--check-for-nan-in-loss-and-grad``) sees
+the gradients after the last W that adds into them: a deferred W cannot hide a NaN from it.
 Every stage is handled on its own (plain, interleaved and V placements: a V rank's two chunks
 finish at different times). Each launch is recorded (:class:`BucketLaunch`) with its time and
 how many compute actions of the iteration had finished, for the overlap evidence in tests and

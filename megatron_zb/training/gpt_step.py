@@ -14,26 +14,35 @@ import torch
 
 from megatron_zb.runtime.measure import Measure, Measured
 from megatron_zb.training.data import get_batch
+from megatron_zb.training.nan_check import check_loss
 from megatron_zb.training.run_config import RunConfig
 
 __all__ = ["device_batches", "forward_step", "loss_func", "run_batch", "sum_lm_loss"]
 
 
-def loss_func(loss_mask: torch.Tensor | None, output_tensor: torch.Tensor
+def loss_func(loss_mask: torch.Tensor | None, output_tensor: torch.Tensor, *, check_for_nan: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron's GPT loss: masked sum of the per-token losses, the token count, and for reporting
-    ``[masked sum, tokens]`` (megatron-core divides by the tokens and the micro batches)."""
+    ``[masked sum, tokens]`` (megatron-core divides by the tokens and the micro batches).
+
+    ``check_for_nan`` (``--check-for-nan-in-loss-and-grad``): the loss is checked for NaN and Inf here, on
+    the rank that computes it, before any reduction, as Megatron-LM's ``loss_func`` does
+    (:func:`~megatron_zb.training.nan_check.check_loss`)."""
     losses = output_tensor.view(-1).float()
     mask = loss_mask.reshape(-1).float()  # type: ignore[union-attr]
     loss = torch.sum(losses * mask)
+    if check_for_nan:
+        check_loss(loss)
     tokens = mask.sum()
     report = torch.stack([loss.detach(), tokens.detach()])
     return loss, tokens.detach().to(torch.int), {"lm loss": report}
 
 
-def forward_step(data_iterator: Iterator[Any] | None, model: Any, *, device: Any = None) -> tuple[Any, Any]:
-    """megatron-core forward step: the chunk's micro batch (``None`` on middle stages), output, loss.
-    With ``--timing-log-level 2`` the batch is timed as Megatron-LM's ``batch-generator``."""
+def forward_step(data_iterator: Iterator[Any] | None, model: Any, *, device: Any = None,
+                 check_for_nan: bool = False) -> tuple[Any, Any]:
+    """megatron-core forward step: the chunk's micro batch (``None`` on middle stages), output, loss
+    (``check_for_nan``: :func:`loss_func`'s). With ``--timing-log-level 2`` the batch is timed as
+    Megatron-LM's ``batch-generator``."""
     from megatron.core.utils import get_model_config
 
     timers = get_model_config(model).timers
@@ -46,7 +55,7 @@ def forward_step(data_iterator: Iterator[Any] | None, model: Any, *, device: Any
         return model(None, None, None), partial(loss_func, None)
     # No mask with --no-create-attention-mask-in-dataloader: megatron-core's causal attention makes its own.
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], check_for_nan=check_for_nan)
 
 
 def run_batch(pipeline: Any, measure: Measure = Measure(), *, model: Sequence[Any], iterators: Sequence[Any],
@@ -61,7 +70,8 @@ def run_batch(pipeline: Any, measure: Measure = Measure(), *, model: Sequence[An
     """
     m = num_microbatches if num_microbatches is not None else config.num_microbatches
     seq = config.model.seq_length
-    return pipeline.run(measure, forward_step_func=partial(forward_step, device=device),
+    step = partial(forward_step, device=device, check_for_nan=config.precision.checks_nan)
+    return pipeline.run(measure, forward_step_func=step,
                         data_iterator=list(iterators) if len(iterators) > 1 else iterators[0],
                         model=list(model), num_microbatches=m, seq_length=seq,
                         micro_batch_size=config.micro_batch_size, decoder_seq_length=seq,

@@ -60,7 +60,7 @@ def build_optimizer(config: RunConfig, *, model: ModelBundle,
                                modules=model.all_modules)
     optimizer = inner
     if optim.post_validation is not None:
-        optimizer = wrap_post_validation(optim.post_validation, inner)
+        optimizer = wrap_post_validation(optim.post_validation, inner, check_nonfinite=config.precision.checks_nan)
         optimizer.register_validation_hook(on_validation_report)
     for chunk in model.chunks:
         chunk.module.config.grad_scale_func = optimizer.scale_loss

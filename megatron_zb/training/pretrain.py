@@ -12,7 +12,9 @@
 2. :class:`~megatron_zb.training.trainer.Trainer` sets the run up and trains (see its module); a
    checkpoint ``--load`` cannot load (:class:`~megatron_zb.training.checkpoint_check.CheckpointError`)
    prints one ``pretrain_gpt_zb.py: error: ...`` line (global rank 0) and exits with status 1
-   before anything is written.
+   before anything is written; so does a NaN/Inf in a loss or a gradient with
+   ``--check-for-nan-in-loss-and-grad`` (:class:`~megatron_zb.training.nan_check.NonFiniteError`, raised
+   on every rank at the same point: the line names the iteration and the rank that found it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron_zb.training.arguments import ArgumentError, ValidatedArgs, build_p
 from megatron_zb.training.arguments.developer import DEVELOPER_CHECK, add_developer_args
 from megatron_zb.training.checkpoint_check import CheckpointError
 from megatron_zb.training.distributed import local_rank
+from megatron_zb.training.nan_check import NonFiniteError
 from megatron_zb.training.trainer import Trainer
 
 __all__ = ["PROG", "main", "parse_and_validate", "parse_command_line"]
@@ -82,5 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1  # the Trainer printed the one line (rank 0) before it shut the process groups down
     try:
         return trainer.run()
+    except NonFiniteError as e:  # every rank, together: global rank 0 says it once
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         trainer.close()

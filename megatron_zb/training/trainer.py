@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,7 @@ from megatron_zb.training.logging_utils import print_rank_0, tensorboard_writer
 from megatron_zb.training.cost_window import CostWindow
 from megatron_zb.training.measured_timeline import MeasuredTimeline
 from megatron_zb.training.model_setup import ModelBundle, build_model
+from megatron_zb.training.nan_check import LossAndGradCheck, NonFiniteError, NonFiniteFinding
 from megatron_zb.training.optimizer_setup import OptimizerBundle, build_optimizer
 from megatron_zb.training.params_norm import params_l2_norm
 from megatron_zb.training.preemption import ExitDuration, ExitSignalHandler
@@ -90,6 +91,7 @@ class Trainer:
         exit_duration: with ``--exit-duration-in-mins``, its clock (:mod:`.preemption`); checked
             after every iteration.
         hooks: garbage collection, CUDA cache and ``--profile`` window around iterations (:mod:`.housekeeping`).
+        nan_check: ``--check-for-nan-in-loss-and-grad`` (:mod:`.nan_check`; a NaN/Inf stops every rank).
         timing: Megatron-LM's timers of ``--timing-log-level`` (:mod:`.timing_log`).
         timeline: megatron-zb's measured timeline of the ``--profile`` window (:mod:`.measured_timeline`).
         t_start: ``time.perf_counter()`` when the run started [s].
@@ -108,6 +110,10 @@ class Trainer:
         minutes = ckpt.exit_duration_in_mins
         self.exit_duration = ExitDuration(minutes, started=self.t_start) if minutes else None
         self.hooks = LoopHooks(self.config, rank=dist.get_rank(), device=self.dist.device)
+        parallel = self.config.parallel  # post-validation's found-inf reduction spans every rank unless:
+        replicas = parallel.data_parallel_size > 1 and not parallel.use_distributed_optimizer
+        self.nan_check = LossAndGradCheck(self.config.precision.checks_nan, device=self.dist.device,
+                                          vote=self.config.optim.post_validation is not None and replicas)
         try:
             schedule = schedule if schedule is not None else initial_schedule(args)
             self.model: ModelBundle = build_model(self.config, stage_to_rank=schedule.stage_to_rank, dist=self.dist)
@@ -136,6 +142,7 @@ class Trainer:
             if isinstance(e, CheckpointError):  # raised on every rank alike: rank 0 says it once
                 print_rank_0(f"pretrain_gpt_zb.py: error: {e}", file=sys.stderr)
                 dist.barrier()  # the other ranks exit after rank 0 printed (a launcher stops the rest then)
+            self.nan_check.close()
             shutdown_distributed(self.dist)
             if self.exit_signal is not None:
                 self.exit_signal.release()
@@ -156,6 +163,7 @@ class Trainer:
         """Close the TensorBoard writer; destroy the process groups this run started."""
         self.hooks.close()
         self.log.close()
+        self.nan_check.close()
         shutdown_distributed(self.dist)
         if self.exit_signal is not None:
             self.exit_signal.release()
@@ -202,6 +210,8 @@ class Trainer:
         measure = self.window.request(it) | self.timeline.request(it)   # what this iteration measures
         if opt.post_validation:
             opt.optimizer.begin_iteration()  # validates the previous step (reports to _on_validation_report)
+            self._stop_if_rolled_back()
+        self.nan_check.begin(it)
         for m in self.model.all_modules:
             m.zero_grad_buffer()
         opt.optimizer.zero_grad()
@@ -214,6 +224,10 @@ class Trainer:
         self.hooks.after_forward_backward()
         replan_due = self.window.record(it, measured, seconds=fb_seconds)
         self.timeline.record(it, measured, schedule=self.planner.current())
+        if opt.post_validation and opt.optimizer.next_step_eager:  # the check's finding rides on its reduction
+            opt.optimizer.note_nonfinite(self.nan_check.local is not None)
+        elif (finding := self.nan_check.agree()) is not None:  # no step from it: every rank stops
+            self._stop_nonfinite(finding, self._record(it, measured, (False, None, None), gbs=gbs))
         if opt.post_validation:
             self._iteration_of_step[opt.optimizer.iteration] = (it, gbs)
         t1 = time.perf_counter()
@@ -226,16 +240,37 @@ class Trainer:
             self._iteration_of_step.pop(opt.optimizer.iteration - 1, None)  # final already (synchronous step)
         if update_successful:
             opt.scheduler.step(increment=gbs)  # samples, as Megatron-LM's scheduler counts
-        loss = None
+        step = (update_successful, grad_norm, num_zeros)
+        return self._record(it, measured, step, gbs=gbs, timers=timers), replan_due
+
+    def _record(self, it: int, measured: Any, step: tuple[Any, Any, Any], *, gbs: int,
+                timers: dict[str, float] | None = None) -> IterationRecord:
+        """Iteration ``it``'s record: losses of ``measured``, ``step``'s result, ``gbs`` [samples], ``timers`` [s]."""
+        update_successful, grad_norm, num_zeros = step
+        opt, loss = self.optim, None
         if measured.data:
             total = sum_lm_loss(measured.data)
             loss = (float(total[0]), float(total[1]))
-        record = IterationRecord(iteration=it, loss=loss, skipped=not update_successful,
-                                 grad_norm=None if grad_norm is None else float(grad_norm),
-                                 lr=opt.learning_rate(), loss_scale=opt.loss_scale(), timers=timers,
-                                 num_zeros=None if num_zeros is None else float(num_zeros),
-                                 global_batch_size=gbs)
-        return record, replan_due
+        return IterationRecord(iteration=it, loss=loss, skipped=not update_successful,
+                               grad_norm=None if grad_norm is None else float(grad_norm),
+                               lr=opt.learning_rate(), loss_scale=opt.loss_scale(), timers=timers or {},
+                               num_zeros=None if num_zeros is None else float(num_zeros), global_batch_size=gbs)
+
+    def _stop_nonfinite(self, finding: NonFiniteFinding, record: IterationRecord | None = None) -> NoReturn:
+        """Every rank: log the rest of the interval (``record``: the iteration whose step was not taken,
+        skipped; a nan iteration if its loss is), write ``--loss-log-json``, raise :class:`NonFiniteError`."""
+        if record is not None:
+            self.log.records.append(record)
+            self.state.advance(global_batch_size=self.batch.global_batch_size)  # consumed, as Megatron-LM's
+        if self.log.records:
+            self._log_interval()
+        self.log.write_json()
+        raise NonFiniteError(finding)
+
+    def _stop_if_rolled_back(self) -> None:
+        """After a post-validation (every rank alike): stop if the NaN/Inf check had a step rolled back."""
+        if (finding := self.nan_check.stop_after_validation()) is not None:
+            self._stop_nonfinite(finding)
 
     def _after_iteration(self, it: int) -> bool:
         """Megatron's interval actions after iteration ``it``; returns True when the run exits here."""
@@ -334,6 +369,7 @@ class Trainer:
     def _finalize_optimizer(self) -> None:
         if self.optim.post_validation:
             self.optim.optimizer.finalize()  # reports through _on_validation_report
+            self._stop_if_rolled_back()
 
     def _on_validation_report(self, report: Any) -> None:
         """A post-validation report of an earlier step: fix the LR schedule and that iteration's record."""
@@ -341,6 +377,8 @@ class Trainer:
         if entry is None:
             return
         it, gbs = entry  # the iteration and its global batch [samples]
+        if report.found_inf:
+            self.nan_check.mark_rolled_back(it)  # a NaN/Inf step: the check stops the run (when on)
         if report.changed:  # the step was redone or undone: the scheduler follows the validated outcome
             self.optim.scheduler.step(increment=gbs if report.result.update_successful else -gbs)
         record = self.log.find(it)
@@ -384,11 +422,15 @@ class Trainer:
         self._use_vocab_data(vocab)
         if self.optim.post_validation:
             self.optim.optimizer.validate()  # evaluate the validated parameters
+            self._stop_if_rolled_back()
+        self.nan_check.begin(self.state.iteration)  # Megatron-LM's loss function checks evaluation's losses too
         self.planner.ensure_installed(self.config.num_microbatches)  # as Megatron-LM: --global-batch-size's micro batches
         with self.timing.paused():  # evaluation is not timed, as Megatron-LM
             loss = evaluate(self.config, pipeline=self.planner.pipeline, modules=self.model.modules,
                             iterators=iterators, stage_to_rank=self.model.stage_to_rank, dist_ctx=self.dist,
                             after_step=self.hooks.after_eval_step)
+        if (finding := self.nan_check.agree()) is not None:
+            self._stop_nonfinite(finding)
         self._use_vocab_data(self.data.vocab_train)
         if valid:
             self.state.consumed_valid_samples += self.config.data.eval_iters * self.config.global_batch_size

@@ -63,7 +63,8 @@ def ddp_config(parallel: ParallelConfig, precision: PrecisionConfig) -> Any:
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=precision.grad_reduce_in_fp32, overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather, use_distributed_optimizer=parallel.use_distributed_optimizer,
-        bucket_size=parallel.ddp_bucket_size, average_in_collective=parallel.ddp_average_in_collective)
+        bucket_size=parallel.ddp_bucket_size, average_in_collective=parallel.ddp_average_in_collective,
+        check_for_nan_in_grad=precision.checks_nan)  # as Megatron-LM: --check-for-nan-in-loss-and-grad
 
 
 def wrap_chunks(gpt_models: Sequence[torch.nn.Module], *, first_last: Sequence[tuple[bool, bool]],
@@ -78,6 +79,10 @@ def wrap_chunks(gpt_models: Sequence[torch.nn.Module], *, first_last: Sequence[t
     from megatron_zb.megatron_compat import chunk_float16_module
 
     cfg = ddp_config(parallel, precision)
+    if cfg.check_for_nan_in_grad:  # its check reports through megatron-core's rerun state machine
+        from megatron_zb.training.nan_check import rerun_state_machine
+
+        rerun_state_machine()
     modules = []
     for i, (gpt, (first, last)) in enumerate(zip(gpt_models, first_last, strict=True)):
         module: Any = gpt
@@ -114,13 +119,15 @@ def megatron_optimizer(optim: OptimConfig, *, precision: PrecisionConfig, parall
     return get_megatron_optimizer(cfg, list(modules), use_gloo_process_groups=parallel.distributed_backend != "gloo")
 
 
-def wrap_post_validation(settings: PostValidationConfig, inner: Any, *, announce: bool = True) -> Any:
+def wrap_post_validation(settings: PostValidationConfig, inner: Any, *, announce: bool = True,
+                         check_nonfinite: bool = False) -> Any:
     """``inner`` wrapped in :class:`~megatron_zb.optimizer.PostValidationOptimizer`; with ``announce``
-    rank 0 prints the settings. Collective."""
+    rank 0 prints the settings; ``check_nonfinite``: the wrapper's ``check_nonfinite``
+    (``--check-for-nan-in-loss-and-grad``: :attr:`PrecisionConfig.checks_nan`). Collective."""
     from megatron_zb.optimizer import PostValidationOptimizer
     from megatron_zb.training.logging_utils import print_rank_0
 
-    optimizer = PostValidationOptimizer.from_config(inner, settings)
+    optimizer = PostValidationOptimizer.from_config(inner, settings, check_nonfinite=check_nonfinite)
     if announce:
         clean = settings.clean_iters_required
         mode = "exact" if settings.exact else "in-place"

@@ -84,6 +84,8 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``validation_notices``              the start-up log lines (also ``ValidatedArgs.notices``)
 ``sequence_parallel``               off at TP 1 (logged, as Megatron-LM); the flag itself is
                                     ``sequence_parallel_requested``
+``check_for_nan_in_loss_and_grad``  off for fp16 with dynamic loss scaling (logged, as Megatron-LM);
+                                    the flag itself is ``check_for_nan_in_loss_and_grad_requested``
 ``overlap_p2p_comm``                -> ``ModelParallelConfig.overlap_p2p_comm``: several model chunks
                                     per rank and no ``--no-overlap-p2p-communication`` (Megatron-LM's
                                     rule); the flag itself is ``overlap_p2p_comm_requested``

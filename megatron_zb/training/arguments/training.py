@@ -7,12 +7,25 @@ import argparse
 
 import torch
 
-from .common import ArgumentError, flag
+from .common import ArgumentError, flag, notice
 
-__all__ = ["add_learning_rate_args", "add_mixed_precision_args", "add_training_args", "check_learning_rate",
-           "check_lr_schedule", "check_precision", "check_rampup_batch_size", "check_rampup_schedule",
-           "check_training_length",
-           "fill_training_values"]
+__all__ = ["CHECK_FOR_NAN_HELP", "DYNAMIC_LOSS_SCALE_NAN_CHECK_WARNING", "add_learning_rate_args",
+           "add_mixed_precision_args", "add_training_args", "check_learning_rate", "check_lr_schedule",
+           "check_precision", "check_rampup_batch_size", "check_rampup_schedule", "check_training_length",
+           "fill_training_values", "resolve_nan_check"]
+
+CHECK_FOR_NAN_HELP = (
+    "Check every micro batch's loss (on the rank that computes it) and every gradient bucket's norm (before "
+    "its data-parallel reduce, after the last W that adds into it) for NaN/Inf, as Megatron-LM (default on; "
+    "off for fp16 with dynamic loss scaling, where an overflow is the loss scaler's signal). A NaN/Inf stops "
+    "every rank at its iteration, whose update is not applied: the iteration is logged as skipped (and as a nan "
+    "iteration when its loss is not finite), then one error line names the iteration and the rank, exit status "
+    "1. With --enable-optimizer-post-validation the same: an eager step is skipped where the NaN/Inf was seen, "
+    "rolled back on the other stages when it is validated, and the run stops there.")
+"""``--check-for-nan-in-loss-and-grad``'s help (the rule; docs/training.md, "NaN and Inf")."""
+DYNAMIC_LOSS_SCALE_NAN_CHECK_WARNING = ("WARNING: Setting args.check_for_nan_in_loss_and_grad to False since "
+                                        "dynamic loss scaling is being used")
+"""Megatron-LM's start-up warning (its ``validate_args``) when fp16's dynamic loss scaling turns the check off."""
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +57,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon (default 1e-8).")
     g.add_argument("--seed", type=int, default=1234,
                    help="Random seed for initialisation, dropout and data shuffling (default 1234).")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
+                   default=True, help=CHECK_FOR_NAN_HELP)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="Do not check the loss and the gradients for NaN/Inf (Megatron-LM's flag): a diverging run "
+                        "trains on (megatron-core's optimizer step; fp16 skips overflowing steps through its loss "
+                        "scaler; --enable-optimizer-post-validation rolls back a step whose gradients overflowed "
+                        "only where megatron-core's step would skip it).")
 
 
 def add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +229,18 @@ def check_learning_rate(args: argparse.Namespace) -> None:
 def check_precision(args: argparse.Namespace) -> None:
     if args.fp16 and args.bf16:
         raise ArgumentError("--bf16", "--fp16 and --bf16 are mutually exclusive; keep one of them")
+
+
+def resolve_nan_check(args: argparse.Namespace) -> None:
+    """``--check-for-nan-in-loss-and-grad`` is turned off for fp16 with dynamic loss scaling, where NaN/Inf in
+    the gradients are the loss scaler's signal, with Megatron-LM's warning (its ``validate_args``); the flag
+    itself is kept as ``check_for_nan_in_loss_and_grad_requested``."""
+    if not hasattr(args, "check_for_nan_in_loss_and_grad_requested"):
+        args.check_for_nan_in_loss_and_grad_requested = args.check_for_nan_in_loss_and_grad
+    dynamic = args.fp16 and not args.loss_scale
+    args.check_for_nan_in_loss_and_grad = args.check_for_nan_in_loss_and_grad_requested and not dynamic
+    if args.check_for_nan_in_loss_and_grad_requested and dynamic:
+        notice(args, DYNAMIC_LOSS_SCALE_NAN_CHECK_WARNING)
 
 
 def fill_training_values(args: argparse.Namespace) -> None:

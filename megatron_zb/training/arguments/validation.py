@@ -32,7 +32,7 @@ from .parallel import (check_batch_sizes, check_context_parallel, check_data_par
                        check_world_size, resolve_backend, resolve_p2p_overlap)
 from .recompute import check_recompute
 from .training import (check_learning_rate, check_lr_schedule, check_precision, check_rampup_batch_size,
-                       check_rampup_schedule, check_training_length, fill_training_values)
+                       check_rampup_schedule, check_training_length, fill_training_values, resolve_nan_check)
 from .zero_bubble import (check_layers, check_schedule_builds, check_vocab_parallel, check_zero_bubble_options,
                           resolve_schedule)
 
@@ -89,6 +89,7 @@ CHECKS: tuple[Check, ...] = (
     Check("fp8", lambda a, r: check_fp8(a), needs=("transformer_impl", "sequence_parallel")),
     Check("data_parallel_overlap", lambda a, r: check_data_parallel_overlap(a)),
     Check("precision", lambda a, r: check_precision(a)),
+    Check("nan_check", lambda a, r: resolve_nan_check(a), needs=("precision",)),
     Check("position_embeddings", lambda a, r: check_position_embeddings(a), needs=("ranges",)),
     Check("batch_sizes", lambda a, r: check_batch_sizes(a), needs=("ranges", "world_size")),
     Check("schedule", lambda a, r: resolve_schedule(a), needs=("ranges",)),

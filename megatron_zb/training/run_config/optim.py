@@ -38,6 +38,17 @@ class PrecisionConfig:
     """``--accumulate-allreduce-grads-in-fp32`` (implied by ``--bf16``, see :attr:`grad_reduce_in_fp32`)."""
     grad_reduce_in_bf16: bool = False
     """``--grad-reduce-in-bf16``: with bf16, gradients accumulated and reduced in bf16."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """``--check-for-nan-in-loss-and-grad`` / ``--no-check-for-nan-in-loss-and-grad`` (Megatron-LM's dest): check
+    every micro batch's loss and every gradient bucket's norm for NaN/Inf and stop the run on one
+    (:mod:`megatron_zb.training.nan_check`); validation turns it off for fp16 with dynamic loss scaling, and
+    :attr:`checks_nan` applies that rule to sections built directly."""
+
+    @property
+    def checks_nan(self) -> bool:
+        """Whether the NaN/Inf check runs: :attr:`check_for_nan_in_loss_and_grad`, except with fp16's dynamic
+        loss scaling (no ``--loss-scale``), where an overflow is the loss scaler's signal (Megatron-LM's rule)."""
+        return self.check_for_nan_in_loss_and_grad and not (self.fp16 and not self.loss_scale)
 
     @property
     def params_dtype(self) -> torch.dtype:
