@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from megatron_zb.testing.pretrain_harness import RUN_TIMEOUT, SCRIPT, SMALL, without
+from harness.pretrain_harness import RUN_TIMEOUT, SCRIPT, SMALL, without
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
