@@ -128,6 +128,17 @@ def common_state_in_file() -> bool:
     return COMMON_STATE_IN_FILE[release()]
 
 
+RERUN_ITERATION_OFFSET: dict[str, int] = {"0.16": 0, "0.19": 1}
+"""Per release: what megatron-core's rerun state machine adds to its ``current_iteration`` when its
+messages name the iteration (0.16 prints it as is; 0.19 keeps it 0-based and prints ``+ 1``)."""
+
+
+def rerun_current_iteration(iteration: int) -> int:
+    """The rerun state machine's ``current_iteration`` under which its messages name the 1-based
+    training ``iteration`` (:data:`RERUN_ITERATION_OFFSET`)."""
+    return iteration - RERUN_ITERATION_OFFSET[release()]
+
+
 RAMPUP_CALCULATOR: dict[str, str | None] = {
     "0.16": "megatron.core.num_microbatches_calculator:RampupBatchsizeNumMicroBatchesCalculator", "0.19": None}
 """Per release: megatron-core's batch-size ramp-up calculator (``--rampup-batch-size``); 0.19 has

@@ -156,7 +156,9 @@ class LossAndGradCheck:
         self.local = None
         self._iteration = iteration
         if self._machine is not None:
-            self._machine.current_iteration = iteration
+            from megatron_zb.megatron_compat import rerun_current_iteration
+
+            self._machine.current_iteration = rerun_current_iteration(iteration)
 
     def agree(self) -> NonFiniteFinding | None:
         """Whether any rank found a NaN/Inf since :meth:`begin`: the lowest such rank's finding on every

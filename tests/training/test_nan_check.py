@@ -71,6 +71,7 @@ def _main_rank(argv: list[str], out_dir: str, plant: tuple[int, int] | None) -> 
 def _plant_nan_in_w(iteration: int) -> None:
     """Every weight-gradient entry queued for a W in ``iteration`` writes NaN into the first element of the
     gradient it has just accumulated (``main_grad``): a NaN computed in a deferred W."""
+    from megatron_zb.megatron_compat import rerun_current_iteration
     from megatron_zb.runtime.wgrad_store import WeightGradStore
     from megatron_zb.training.nan_check import rerun_state_machine
 
@@ -79,7 +80,7 @@ def _plant_nan_in_w(iteration: int) -> None:
     def planting_put(self: Any, fn: Any, *, params: tuple[Any, ...]) -> None:
         def w() -> None:
             fn()
-            if rerun_state_machine().current_iteration == iteration:
+            if rerun_state_machine().current_iteration == rerun_current_iteration(iteration):  # 0.19: 0-based
                 for p in params:
                     p.main_grad.view(-1)[0] = float("nan")
 
