@@ -27,7 +27,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 LOGS=test-logs
 mkdir -p "$LOGS"
 BASETEMP="${TMPDIR:-/tmp}/megatron-zb-tests-$$"
-PYTEST_ARGS=(-q -p no:cacheprovider --durations=15)
+PYTEST_ARGS=(-q -p no:cacheprovider --durations=40)
 ONCE_FIRST=()   # left out of the first suite when both run: run by the 3.12 suite
 ONCE=()         # left out of the 3.12 suite: run by the first
 if [[ $# -eq 0 ]]; then

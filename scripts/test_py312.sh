@@ -44,4 +44,4 @@ assert sys.version_info[:2] >= (3, 12), f"{sys.executable} is Python {sys.versio
 print(f"Python {sys.version.split()[0]}, torch {version('torch')}, megatron-core {version('megatron-core')}")
 EOF
 if [[ $# -eq 0 ]]; then set -- tests; fi
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider --durations=15 "$@"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider --durations=40 "$@"

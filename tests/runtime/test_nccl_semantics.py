@@ -8,7 +8,8 @@ unbuffered sends; :mod:`megatron_zb.runtime.comm_certify`) before the runtime ru
 channel's transfers over more communicators where one would wait behind its predecessor, or refuses.
 
 Here: every registered family, its vocabulary forms included, at p = 2, 4, 8 and m = p, 2p, 4p, in
-training at every look-ahead the runtime takes and forward-only at 0, the default and the largest, is
+training at every look-ahead the runtime takes (at p = 8 a rotating sample: :func:`training_lookaheads`) and
+forward-only at 0, the default and the largest, is
 certified (none refused), on at
 most :data:`~megatron_zb.runtime.comm_certify.MAX_SLOTS` communicators per channel -- and the negative
 controls show what each part of the certificate is for: without the rotation, without the warm-up,
@@ -35,6 +36,17 @@ LOOKAHEADS = range(MAX_RECV_LOOKAHEAD + 1)
 FORWARD_ONLY_LOOKAHEADS = (0, RECV_LOOKAHEAD, MAX_RECV_LOOKAHEAD)
 
 
+def training_lookaheads(name: str, p: int) -> tuple[int, ...]:
+    """The training look-aheads certified at ``p``: all of 0..8 at p = 2 and 4; at p = 8 (three quarters
+    of the cost) 0, the default, 8 and one more that rotates with the family's place in the registry, so
+    that the families together still cover every look-ahead at p = 8 (fixed, not random: CI runs the same
+    set every time). The full sweep at p = 8 was measured once (docs/runtime.md)."""
+    if p < 8:
+        return tuple(LOOKAHEADS)
+    extra = FAMILIES.index(name) % len(LOOKAHEADS)
+    return tuple(sorted({0, RECV_LOOKAHEAD, MAX_RECV_LOOKAHEAD, extra}))
+
+
 @functools.lru_cache(maxsize=None)
 def _schedule(name: str, p: int, m: int) -> Schedule:
     """Unequal costs for the cost-aware families (T_F : T_B : T_W = 1 : 1.2 : 0.7), built once."""
@@ -44,13 +56,13 @@ def _schedule(name: str, p: int, m: int) -> Schedule:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_is_certified_at_every_lookahead(name):
-    """108 programs per family (p x m x look-ahead: training at every look-ahead 0..8, forward-only --
-    only F transfers -- at 0, the default and 8): each certified, on at most MAX_SLOTS communicators per
-    channel, every communicator it names in the warm-up sequence."""
+    """Up to 90 programs per family (p x m x look-ahead: training at :func:`training_lookaheads`,
+    forward-only -- only F transfers -- at 0, the default and 8): each certified, on at most MAX_SLOTS
+    communicators per channel, every communicator it names in the warm-up sequence."""
     for p in (2, 4, 8):
         for m in (p, 2 * p, 4 * p):
             for forward_only in (False, True):
-                for lookahead in (FORWARD_ONLY_LOOKAHEADS if forward_only else LOOKAHEADS):
+                for lookahead in (FORWARD_ONLY_LOOKAHEADS if forward_only else training_lookaheads(name, p)):
                     plans = plan_ranks(_schedule(name, p, m), forward_only=forward_only, recv_lookahead=lookahead)
                     program = plans[0].program
                     assert max(program.slots.values(), default=1) <= MAX_SLOTS
@@ -59,6 +71,12 @@ def test_every_family_is_certified_at_every_lookahead(name):
                         assert plan.program.slots == program.slots   # every rank rotates alike
                         assert all(s.slot < program.slots.get(slotted_channel(s, r), 1) for s in plan.program.issues)
                     assert len(named) == len(plans[0].communicators)
+
+
+def test_the_training_lookaheads_cover_every_lookahead_at_p8():
+    """The rotation leaves no look-ahead uncertified at p = 8 (32 families, 9 look-aheads)."""
+    assert set().union(*(training_lookaheads(n, 8) for n in FAMILIES)) == set(LOOKAHEADS)
+    assert training_lookaheads(FAMILIES[0], 4) == tuple(range(9))
 
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if get_spec(n).cost_aware])
