@@ -152,14 +152,17 @@ def _blend_sources(args: argparse.Namespace) -> list[tuple[str, tuple[list[str],
 def check_data_files(args: argparse.Namespace) -> dict[str, IndexFile]:
     """Every dataset prefix's ``.idx`` read once and checked with its ``.bin``
     (:func:`~megatron_zb.training.data_files.read_checked_index`: header, sizes, document indices, the
-    ``.bin``'s size -- never its contents); one problem per damaged prefix, naming its flag. Returns the
+    ``.bin``'s size -- never its contents); one problem per damaged prefix, naming the first flag that
+    gives it. Returns the
     checked indices by prefix (mock data: none). Needs :func:`check_data`."""
     indices: dict[str, IndexFile] = {}
     errors: list[ArgumentError] = []
+    seen: set[str] = set()
     for flag_name, (prefixes, _), _ in _blend_sources(args):
         for prefix in prefixes:
-            if prefix in indices:
+            if prefix in seen:
                 continue
+            seen.add(prefix)
             try:
                 indices[prefix] = read_checked_index(prefix)
             except DataFileError as e:
