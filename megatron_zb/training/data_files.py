@@ -33,6 +33,8 @@ DTYPE_ITEMSIZE: dict[int, int] = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2
 """megatron-core's ``DType`` codes -> token size [bytes] (uint8, int8, int16, int32, int64, float64,
 float32, uint16)."""
 REWRITE = "rewrite it with tools/preprocess_data.py"
+BLOCK = 1 << 22
+"""Sequences checked at a time (a few 32 MiB arrays)."""
 
 
 class DataFileError(ValueError):
@@ -116,31 +118,35 @@ def _check_documents(idx: str, documents: numpy.ndarray, num_seq: int) -> None:
     if documents.shape[0] == 0:
         raise DataFileError(f"{idx} has no document indices (megatron-core's index always starts them with 0) "
                             f"-- {REWRITE}")
-    steps = numpy.diff(documents)
-    if documents[0] != 0 or documents[-1] != num_seq or (steps.size and steps.min() < 0):
+    if documents[0] != 0 or documents[-1] != num_seq or not numpy.all(documents[1:] >= documents[:-1]):
         raise DataFileError(f"{idx} has broken document indices: they must start at 0, never decrease and end at "
                             f"the sequence count {num_seq}; they start at {int(documents[0])} and end at "
                             f"{int(documents[-1])} -- {REWRITE}")
 
 
 def _check_pointers(prefix: str, lengths: numpy.ndarray, pointers: numpy.ndarray, itemsize: int) -> None:
-    """Sequence pointers are the lengths laid end to end, and the ``.bin`` ends where the last one does."""
+    """Sequence pointers are the lengths laid end to end, and the ``.bin`` ends where the last one does
+    (read in blocks of :data:`BLOCK` sequences: bounded memory on every rank, whatever the corpus)."""
     idx, bin_path = prefix + ".idx", prefix + ".bin"
-    if lengths.size and lengths.min() < 0:
-        raise DataFileError(f"{idx} has a negative sequence length ({int(lengths.min())} tokens) -- {REWRITE}")
-    nbytes = lengths.astype(numpy.int64) * itemsize
-    ends = numpy.cumsum(nbytes)
-    if lengths.size and (pointers[0] != 0 or not numpy.array_equal(pointers[1:], ends[:-1])):
-        bad = int(numpy.flatnonzero(pointers != ends - nbytes)[0])
-        raise DataFileError(f"{idx} has broken sequence pointers: sequence {bad} starts at byte {int(pointers[bad])}, "
-                            f"its predecessors' lengths put it at {int(ends[bad] - nbytes[bad])} -- {REWRITE}")
-    need = int(ends[-1]) if lengths.size else 0
+    start = 0  # [bytes] where the block's first sequence must start
+    for lo in range(0, lengths.shape[0], BLOCK):
+        block = lengths[lo:lo + BLOCK].astype(numpy.int64)
+        if block.min() < 0:
+            raise DataFileError(f"{idx} has a negative sequence length ({int(block.min())} tokens) -- {REWRITE}")
+        starts = start + numpy.concatenate(([0], numpy.cumsum(block[:-1] * itemsize)))
+        wrong = numpy.flatnonzero(pointers[lo:lo + BLOCK] != starts)
+        if wrong.size:
+            bad = int(wrong[0])
+            raise DataFileError(f"{idx} has broken sequence pointers: sequence {lo + bad} starts at byte "
+                                f"{int(pointers[lo + bad])}, its predecessors' lengths put it at {int(starts[bad])} "
+                                f"-- {REWRITE}")
+        start = int(starts[-1] + block[-1] * itemsize)
     have = os.path.getsize(bin_path)
-    if have == need:
+    if have == start:
         return
-    counts = (f"{idx} counts {lengths.size} sequences of {need // itemsize} tokens ({itemsize}-byte), which "
-              f"end at byte {need}; {bin_path} has {have} bytes")
-    if have < need:
+    counts = (f"{idx} counts {lengths.shape[0]} sequences of {start // itemsize} tokens ({itemsize}-byte), which "
+              f"end at byte {start}; {bin_path} has {have} bytes")
+    if have < start:
         raise DataFileError(f"{bin_path} is truncated, or is not {idx}'s data: {counts} -- rewrite both with "
                             f"tools/preprocess_data.py")
     raise DataFileError(f"{bin_path} and {idx} are not one pair (two corpora?): {counts} -- rewrite both with "

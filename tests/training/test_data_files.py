@@ -117,6 +117,16 @@ def test_damaged_files_are_one_line_each_before_any_process_group(kind, tmp_path
     assert "tools/preprocess_data.py" in err
 
 
+def test_document_indices_that_do_not_end_at_the_sequence_count(tmp_path):
+    prefix = write_corpus(tmp_path / "corpus", 400)
+    data = bytearray(Path(prefix + ".idx").read_bytes())
+    data[-8:] = (399).to_bytes(8, "little")  # the last document index: 399, not the 400 sequences
+    Path(prefix + ".idx").write_bytes(bytes(data))
+    e = refusal(f"--data-path {prefix} --split 90,5,5")
+    assert str(e).startswith(f"--data-path: {prefix}.idx has broken document indices")
+    assert "sequence count 400; they start at 0 and end at 399" in str(e)
+
+
 def test_every_damaged_prefix_is_named_with_its_flag(corpus400, tmp_path):
     bad, phrases = _damage("truncated .idx", tmp_path)
     e = refusal(f"--train-data-path {corpus400} --valid-data-path {bad} --test-data-path {bad}")
