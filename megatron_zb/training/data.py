@@ -55,6 +55,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_zb.megatron_compat import fix_gpt_dataset_mask_cache
+from megatron_zb.training.data_splits import split_num_samples
 from megatron_zb.training.run_config import DataConfig, RunConfig
 from megatron_zb.training.tokenizers import (ByteLevelTokenizer, GPT2BPETokenizer, HuggingFaceLocalTokenizer,
                                              NullTokenizer, TokenizerError, build_tokenizer, tokenizer_from_args)
@@ -90,22 +91,13 @@ fix_gpt_dataset_mask_cache()
 
 # ---------------------------------------------------------------------------- datasets
 def train_valid_test_num_samples(config: RunConfig) -> tuple[int, int, int]:
-    """Samples to draw per split (Megatron's sizing; unit: sequences of ``seq_length`` tokens).
-
-    Training: ``--train-samples`` when given, else ``train_iters * global_batch_size``; with
-    ``--rampup-batch-size`` at least what the iterations read (they overshoot ``--train-samples`` by up
-    to one batch when it ends inside the ramp, as Megatron-LM counts them)."""
-    gbs, eval_iters = config.global_batch_size, config.data.eval_iters
-    evaluations = config.train_iters // config.data.eval_interval + 1
-    train = config.train_samples if config.train_samples else config.train_iters * gbs
-    if config.rampup_batch_size is not None:
-        from megatron_zb.training.batch_ramp import samples_of_iterations
-
-        train = max(train, samples_of_iterations(config.train_iters, global_batch_size=gbs,
-                                                 micro_batch_size=config.micro_batch_size,
-                                                 data_parallel_size=config.parallel.data_parallel_size,
-                                                 rampup_batch_size=config.rampup_batch_size))
-    return train, evaluations * eval_iters * gbs, eval_iters * gbs
+    """Samples to draw per split (unit: sequences of ``seq_length`` tokens): the one rule,
+    :func:`~megatron_zb.training.data_splits.split_num_samples`, on ``config``'s values."""
+    return split_num_samples(train_iters=config.train_iters, train_samples=config.train_samples,
+                             global_batch_size=config.global_batch_size, micro_batch_size=config.micro_batch_size,
+                             data_parallel_size=config.parallel.data_parallel_size,
+                             eval_interval=config.data.eval_interval, eval_iters=config.data.eval_iters,
+                             rampup_batch_size=config.rampup_batch_size)
 
 
 def resolve_data_cache_dir(data: DataConfig) -> str | None:

@@ -8,8 +8,11 @@ import stat
 import subprocess
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
+
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_zb.schedules.ir import ScheduleError
 from megatron_zb.schedules.registry import get_spec, schedule_names
@@ -27,10 +30,15 @@ def resolve(extra: str = "", *, world_size: int = 1, base: str = BASE):
 
 
 def make_prefix(tmp_path: Path, name: str, *, idx: bool = True) -> str:
+    """A real 1000-document corpus of 40 tokens each (megatron-core's writer; every split of the default
+    ``--split`` gets a sample's worth); without ``idx`` its ``.idx`` is removed."""
     prefix = tmp_path / name
-    prefix.with_suffix(".bin").write_bytes(b"")
-    if idx:
-        prefix.with_suffix(".idx").write_bytes(b"")
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=numpy.int32)
+    for _ in range(1000):
+        builder.add_document(numpy.arange(40, dtype=numpy.int32), [40])
+    builder.finalize(str(prefix) + ".idx")
+    if not idx:
+        os.remove(str(prefix) + ".idx")
     return str(prefix)
 
 

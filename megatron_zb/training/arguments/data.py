@@ -8,12 +8,15 @@ import math
 import os
 from typing import Sequence
 
+from megatron_zb.training.data_files import DataFileError, IndexFile, read_checked_index
+from megatron_zb.training.data_splits import (SPLIT_NAMES, SplitShortage, split_num_samples, split_sequence_ranges,
+                                              unbuildable_split)
 from megatron_zb.training.tokenizers import (TOKENIZER_TYPES, TokenizerError, add_tokenizer_args,
                                              ignored_tokenizer_flags, tokenizer_from_args)
 
 from .common import ArgumentError, notice
 
-__all__ = ["TOKENIZER_TYPES", "add_data_args", "check_data", "check_split", "parse_data_blend",
+__all__ = ["TOKENIZER_TYPES", "add_data_args", "check_data", "check_data_files", "check_data_splits", "check_split", "parse_data_blend",
            "resolve_tokenizer_vocab"]
 
 
@@ -136,6 +139,79 @@ def _checked_blend(values: Sequence[str], flag: str) -> tuple[list[str], list[fl
                                       f"prefix without extension, as written by tools/preprocess_data.py "
                                       f"--output-prefix")
     return prefixes, weights
+
+
+def _blend_sources(args: argparse.Namespace) -> list[tuple[str, tuple[list[str], list[float] | None], int | None]]:
+    """``(flag, blend, split index)`` of each data source :func:`check_data` set: ``--data-path`` (split index
+    ``None``: ``--split`` divides it), else each per-split path given (its split's index)."""
+    if args.data_blend is not None:
+        return [("--data-path", args.data_blend, None)]
+    return [(f, b, i) for i, (f, b) in enumerate(zip(PER_SPLIT_FLAGS, args.data_blend_per_split or ())) if b]
+
+
+def check_data_files(args: argparse.Namespace) -> dict[str, IndexFile]:
+    """Every dataset prefix's ``.idx`` read once and checked with its ``.bin``
+    (:func:`~megatron_zb.training.data_files.read_checked_index`: header, sizes, document indices, the
+    ``.bin``'s size -- never its contents); one problem per damaged prefix, naming the first flag that
+    gives it. Returns the
+    checked indices by prefix (mock data: none). Needs :func:`check_data`."""
+    indices: dict[str, IndexFile] = {}
+    errors: list[ArgumentError] = []
+    seen: set[str] = set()
+    for flag_name, (prefixes, _), _ in _blend_sources(args):
+        for prefix in prefixes:
+            if prefix in seen:
+                continue
+            seen.add(prefix)
+            try:
+                indices[prefix] = read_checked_index(prefix)
+            except DataFileError as e:
+                errors.append(ArgumentError(flag_name, str(e)))
+    if errors:
+        raise ArgumentError.combine(errors)
+    return indices
+
+
+def check_data_splits(args: argparse.Namespace, indices: dict[str, IndexFile]) -> None:
+    """Refuse a split megatron-core cannot build from a prefix (the rule:
+    :mod:`~megatron_zb.training.data_splits`): one that it builds -- a positive ``--split`` weight, or a
+    per-split path -- whose sequences hold zero tokens (``GPTDataset`` loops forever, whatever the samples
+    asked, 0 included), or, in a blend weighted by size, fewer than ``--seq-length + 1`` tokens
+    (``BlendedDataset`` asserts). Too few tokens for the samples asked is fine (megatron-core runs more
+    epochs). Needs :func:`check_data_files` and the filled training values."""
+    samples = split_num_samples(train_iters=args.train_iters, train_samples=args.train_samples,
+                                global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                                data_parallel_size=args.data_parallel_size, eval_interval=args.eval_interval,
+                                eval_iters=args.eval_iters, rampup_batch_size=args.rampup_batch_size)
+    errors: list[ArgumentError] = []
+    for flag_name, (prefixes, weights), only in _blend_sources(args):
+        by_size = weights is None and len(prefixes) > 1
+        for prefix in prefixes:
+            index = indices[prefix]
+            ranges = split_sequence_ranges(None if only is not None else args.split, index.num_sequences)
+            for i, sequences in enumerate(ranges):
+                if sequences is None or (only is not None and i != only):
+                    continue
+                short = unbuildable_split(index.sequence_lengths, sequences, by_size=by_size,
+                                          seq_length=args.seq_length)
+                if short is not None:
+                    errors.append(_split_error(args, flag_name, prefix, i, short, samples[i]))
+    if errors:
+        raise ArgumentError.combine(errors)
+
+
+def _split_error(args: argparse.Namespace, flag_name: str, prefix: str, split: int, short: SplitShortage,
+                 samples: int) -> ArgumentError:
+    """The one line for a split megatron-core cannot build (:func:`check_data_splits`)."""
+    name = SPLIT_NAMES[split]
+    why = f"it must serve {samples} {name} samples: {short.reason}"
+    if flag_name != "--data-path":
+        return ArgumentError(flag_name, f"{prefix} has {short.total_sequences} sequences ({short.tokens} tokens) and "
+                                        f"{why}; pass a prefix with more data, or drop {flag_name}")
+    return ArgumentError("--split", f"{args.split} gives the {name} split of --data-path {prefix} {short.sequences} "
+                                    f"of its {short.total_sequences} sequences ({short.tokens} tokens), and {why}; "
+                                    f"give the {name} split a larger share (e.g. --split 90,5,5), or weight 0 for no "
+                                    f"{name} data (--eval-iters 0 does not help)")
 
 
 def resolve_tokenizer_vocab(args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ from megatron_zb.schedules.ir import Schedule
 
 from .checkpointing_logging import check_checkpointing, check_exit_duration, check_load_flags, check_load_format
 from .common import NOTICES, ArgumentError, flag
-from .data import check_data, resolve_tokenizer_vocab
+from .data import check_data, check_data_files, check_data_splits, resolve_tokenizer_vocab
 from .housekeeping import check_memory_flags, check_profiling
 from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
 from .fp8 import check_fp8
@@ -111,6 +111,9 @@ CHECKS: tuple[Check, ...] = (
     Check("training_values", lambda a, r: fill_training_values(a),
           needs=("ranges", "batch_sizes", "training_length", "rampup_batch_size")),
     Check("lr_schedule", lambda a, r: check_lr_schedule(a), needs=("training_values",)),
+    Check("data_files", lambda a, r: check_data_files(a), needs=("data",)),
+    Check("data_splits", lambda a, r: check_data_splits(a, r["data_files"]),
+          needs=("data_files", "training_values", "ranges")),
     Check("load_flags", lambda a, r: check_load_flags(a)),
     Check("load_format", lambda a, r: check_load_format(a)),
     Check("exit_duration", lambda a, r: check_exit_duration(a)),
