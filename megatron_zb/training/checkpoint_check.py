@@ -142,7 +142,7 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def damage(path: str) -> str | None:
+def damage(path: str, *, read_common: bool = True) -> str | None:
     """Why the checkpoint directory ``path`` cannot be read (``"FILE ...: problem"``); ``None`` when whole.
 
     Checks that the directory and :data:`REQUIRED_FILES` exist, that ``.metadata`` and the common
@@ -150,7 +150,8 @@ def damage(path: str) -> str | None:
     torch_dist checkpoint, or an older checkpoint's ``common.pt``:
     :func:`~megatron_zb.megatron_compat.common_state_in_file`), and that every shard file
     ``.metadata`` names exists and holds at
-    least the bytes (offset + length) of every item stored in it. Bytes changed in place
+    least the bytes (offset + length) of every item stored in it (``read_common=False``: ``common.pt``
+    is not read, only found). Bytes changed in place
     (same length) are not detected here: the manifest's checksums find them
     (:mod:`.checkpoint_manifest`, verified first by :func:`checkpoint_to_load`).
     """
@@ -171,7 +172,8 @@ def damage(path: str) -> str | None:
     common = os.path.join(path, "common.pt")
     if os.path.isfile(common):
         try:
-            torch.load(common, map_location="cpu", weights_only=False)
+            if read_common:
+                torch.load(common, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001
             return f"{common} cannot be read ({first_line(e)})"
     elif common_state_in_file():
@@ -291,8 +293,9 @@ def checkpoint_to_load(root: str, checkpoint: Any,
     ``checkpoint``: the run's :class:`~megatron_zb.training.run_config.CheckpointConfig` (its ``ckpt_step``).
     ``verify``: called with the directory on every rank, returns this rank's problem with it (its share
     of the manifest's checksums, :func:`~.checkpoint_manifest.verify_share`); then collective: every rank
-    raises the lowest failing rank's :class:`CheckpointError`. Checked before :func:`damage`, whose
-    checks (complete files) need no process group."""
+    raises the lowest failing rank's :class:`CheckpointError`. Checked after :func:`damage`'s ``stat``
+    checks (no process group; they name a missing or short file more exactly) and before it reads the
+    common state (a changed byte there is named as a checksum mismatch)."""
     step = checkpoint.ckpt_step
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
@@ -307,10 +310,11 @@ def checkpoint_to_load(root: str, checkpoint: Any,
     def refusal(problem: str) -> str:
         return f"cannot load checkpoint {path} ({named_by}): {problem}; {earlier_checkpoint_hint(root, iteration)}"
 
-    if verify is not None and os.path.isdir(path):
-        problem = verify(path)
-        raise_on_every_rank(None if problem is None else refusal(problem))
-    problem = damage(path)
+    problem = damage(path, read_common=verify is None)
+    if problem is None and verify is not None:
+        found = verify(path)
+        raise_on_every_rank(None if found is None else refusal(found))
+        problem = damage(path)  # the common state readable (checkpoints without a manifest)
     if problem is not None:
         raise CheckpointError(refusal(problem))
     return iteration, path
