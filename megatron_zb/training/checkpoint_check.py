@@ -6,8 +6,9 @@ tensor's global shape and, for every stored item, the file, offset and length th
 the shard files ``__<rank>_<n>.distcp``. :func:`damage` checks that every file the index names
 is there and long enough -- the failures a full disk, a lost node or an interrupted copy leave
 behind -- so that a load fails with one line naming the file instead of an ``EOFError`` inside
-torch on every rank. :func:`earlier_checkpoint_hint` names the latest complete checkpoint before a
-damaged one and the ``--ckpt-step`` that loads it.
+torch on every rank. :func:`earlier_checkpoint_hint` names the latest intact checkpoint before a
+damaged one and the ``--ckpt-step`` that loads it (intact: complete, and the sizes its manifest lists,
+:mod:`.checkpoint_manifest`; the checksums are verified by the load).
 
 :func:`shape_mismatches` compares this rank's sharded model tensors with the index (a checkpoint
 of another model shape); :func:`scheduler_mismatches` compares the LR scheduler with the saved one
@@ -28,11 +29,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["CheckpointError", "REQUIRED_FILES", "SCHEDULER_FIELDS", "TRACKER_FILENAME", "check_scheduler",
            "checkpoint_dir", "checkpoint_iterations", "checkpoint_to_load", "damage", "earlier_checkpoint_hint",
-           "first_line", "load_directory", "raise_on_every_rank", "read_tracker", "scheduler_mismatches",
+           "first_line", "intact_problem", "latest_intact", "load_directory", "raise_on_every_rank", "read_tracker", "scheduler_mismatches",
            "shape_mismatches", "torch_format"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -141,7 +142,7 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
-def damage(path: str) -> str | None:
+def damage(path: str, *, read_common: bool = True) -> str | None:
     """Why the checkpoint directory ``path`` cannot be read (``"FILE ...: problem"``); ``None`` when whole.
 
     Checks that the directory and :data:`REQUIRED_FILES` exist, that ``.metadata`` and the common
@@ -149,9 +150,10 @@ def damage(path: str) -> str | None:
     torch_dist checkpoint, or an older checkpoint's ``common.pt``:
     :func:`~megatron_zb.megatron_compat.common_state_in_file`), and that every shard file
     ``.metadata`` names exists and holds at
-    least the bytes (offset + length) of every item stored in it. Bytes changed in place
-    (same length) are not detected here; the load itself then fails (see
-    :func:`megatron_zb.training.checkpointing.load_checkpoint`).
+    least the bytes (offset + length) of every item stored in it (``read_common=False``: ``common.pt``
+    is not read, only found). Bytes changed in place
+    (same length) are not detected here: the manifest's checksums find them
+    (:mod:`.checkpoint_manifest`, verified first by :func:`checkpoint_to_load`).
     """
     import torch
     from torch.distributed.checkpoint import FileSystemReader
@@ -170,7 +172,8 @@ def damage(path: str) -> str | None:
     common = os.path.join(path, "common.pt")
     if os.path.isfile(common):
         try:
-            torch.load(common, map_location="cpu", weights_only=False)
+            if read_common:
+                torch.load(common, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001
             return f"{common} cannot be read ({first_line(e)})"
     elif common_state_in_file():
@@ -198,17 +201,35 @@ def checkpoint_iterations(root: str) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
 
 
+def intact_problem(path: str) -> str | None:
+    """Why the checkpoint directory ``path`` is not intact; ``None`` when it is: its files are complete
+    (:func:`damage`) and have the sizes its manifest lists (a ``stat`` per file; the checksums are
+    verified when it is loaded, :mod:`.checkpoint_manifest`)."""
+    from megatron_zb.training.checkpoint_manifest import manifest_size_problem
+
+    return damage(path) or manifest_size_problem(path)
+
+
+def latest_intact(root: str, before: int | None = None) -> int | None:
+    """The latest intact checkpoint's iteration under ``root`` (:func:`intact_problem`), before
+    ``before`` when given; ``None`` when there is none."""
+    for it in reversed([i for i in checkpoint_iterations(root) if before is None or i < before]):
+        if intact_problem(checkpoint_dir(root, it)) is None:
+            return it
+    return None
+
+
 def earlier_checkpoint_hint(root: str, iteration: int) -> str:
     """The fix for a checkpoint of ``iteration`` under ``root`` that cannot be loaded.
 
-    Names the latest complete checkpoint (:func:`damage` finds nothing) before ``iteration`` and
+    Names the latest intact checkpoint (:func:`intact_problem`) before ``iteration`` and
     the ``--ckpt-step`` that loads it, or says there is none.
     """
-    for it in reversed([i for i in checkpoint_iterations(root) if i < iteration]):
-        if damage(checkpoint_dir(root, it)) is None:
-            return (f"the previous complete checkpoint is iteration {it} ({checkpoint_dir(root, it)}): "
-                    f"add --ckpt-step {it} to load it")
-    return f"no complete checkpoint before iteration {iteration} under {root}: repair it or train without --load"
+    it = latest_intact(root, before=iteration)
+    if it is not None:
+        return (f"the previous intact checkpoint is iteration {it} ({checkpoint_dir(root, it)}): "
+                f"add --ckpt-step {it} to load it")
+    return f"no intact checkpoint before iteration {iteration} under {root}: repair it or train without --load"
 
 
 def shape_mismatches(sharded_state_dict: dict[str, Any], path: str) -> list[str]:
@@ -265,10 +286,16 @@ def check_scheduler(common: dict[str, Any], scheduler: Any, *, optim: Any, path:
     return diffs
 
 
-def checkpoint_to_load(root: str, checkpoint: Any) -> tuple[int, str] | None:
+def checkpoint_to_load(root: str, checkpoint: Any,
+                       verify: Callable[[str], str | None] | None = None) -> tuple[int, str] | None:
     """(iteration, directory) ``--load`` / ``--ckpt-step`` name, checked whole; ``None``: no tracker, no ``--ckpt-step``.
 
-    ``checkpoint``: the run's :class:`~megatron_zb.training.run_config.CheckpointConfig` (its ``ckpt_step``)."""
+    ``checkpoint``: the run's :class:`~megatron_zb.training.run_config.CheckpointConfig` (its ``ckpt_step``).
+    ``verify``: called with the directory on every rank, returns this rank's problem with it (its share
+    of the manifest's checksums, :func:`~.checkpoint_manifest.verify_share`); then collective: every rank
+    raises the lowest failing rank's :class:`CheckpointError`. Checked after :func:`damage`'s ``stat``
+    checks (no process group; they name a missing or short file more exactly) and before it reads the
+    common state (a changed byte there is named as a checksum mismatch)."""
     step = checkpoint.ckpt_step
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
@@ -277,12 +304,19 @@ def checkpoint_to_load(root: str, checkpoint: Any) -> tuple[int, str] | None:
     wrong_format = torch_format(load_directory(root, step) or path)
     if wrong_format is not None:
         raise CheckpointError(wrong_format)
-    problem = damage(path)
+    named_by = f"--ckpt-step {step}" if step is not None else \
+        f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}"
+
+    def refusal(problem: str) -> str:
+        return f"cannot load checkpoint {path} ({named_by}): {problem}; {earlier_checkpoint_hint(root, iteration)}"
+
+    problem = damage(path, read_common=verify is None)
+    if problem is None and verify is not None:
+        found = verify(path)
+        raise_on_every_rank(None if found is None else refusal(found))
+        problem = damage(path)  # the common state readable (checkpoints without a manifest)
     if problem is not None:
-        named_by = f"--ckpt-step {step}" if step is not None else \
-            f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}"
-        raise CheckpointError(f"cannot load checkpoint {path} ({named_by}): {problem}; "
-                              f"{earlier_checkpoint_hint(root, iteration)}")
+        raise CheckpointError(refusal(problem))
     return iteration, path
 
 

@@ -37,29 +37,36 @@ optimizer with torch's Adam (no apex / Transformer Engine) needs two repairs on 
 :func:`repaired_distributed_adam_load` applies them around a load done by other code (Megatron-LM's
 ``load_checkpoint``, :mod:`megatron_zb.megatron_lm`).
 
-The tracker is written last, after every rank's files: a job killed during a save leaves it at
-the previous complete checkpoint. Before reading anything, :func:`load_checkpoint` checks the
-checkpoint's files, model tensors and LR schedule (:mod:`.checkpoint_check`) and refuses what
-it cannot load with one :class:`CheckpointError`, the same on every rank, naming the previous
-complete checkpoint and its ``--ckpt-step`` where that is the fix (docs/training.md,
-"Checkpoints and failures").
+A save first checks that the checkpoint fits on ``--save``'s file system (:mod:`.save_space`), then
+writes the files, then ``manifest.json`` (every file's size and CRC-32, :mod:`.checkpoint_manifest`);
+the tracker is written last: a job killed during a save leaves it at the previous complete
+checkpoint, and a save that does not fit or fails stops every rank with one :class:`CheckpointError`
+naming the latest intact checkpoint. Before reading anything, :func:`load_checkpoint` verifies the
+checkpoint's files against its manifest (unless ``--no-ckpt-verify``) and checks its files, model
+tensors and LR schedule (:mod:`.checkpoint_check`) and refuses what it cannot load with one
+:class:`CheckpointError`, the same on every rank, naming the previous intact checkpoint and its
+``--ckpt-step`` where that is the fix (docs/training.md, "Checkpoints and failures").
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_zb.training.adam_repair import (adam_step, give_each_param_its_step, load_optimizer_state,
+                                              materialize_adam_state, repaired_distributed_adam_load)
 from megatron_zb.training.checkpoint_check import (TRACKER_FILENAME, CheckpointError, check_scheduler, checkpoint_dir,
                                                     checkpoint_to_load, earlier_checkpoint_hint, first_line,
-                                                    raise_on_every_rank, read_tracker, shape_mismatches)
+                                                    latest_intact, raise_on_every_rank, read_tracker, shape_mismatches)
+from megatron_zb.training.checkpoint_manifest import MANIFEST_FILENAME, read_manifest, verify_share, write_manifest
+from megatron_zb.training.logging_utils import print_rank_0
+from megatron_zb.training.save_space import save_error_text, space_problem, writer_errors_said_once
 from megatron_zb.training.run_config import RunConfig, ScheduleConfig
 from megatron_zb.training.state import TrainState
 
@@ -169,163 +176,6 @@ def _sharded_state_dict(chunks: Sequence[Any], optimizer: Any, *, is_loading: bo
     return sd
 
 
-def _adam_step_dtype() -> torch.dtype:
-    """The dtype torch's Adam gives its per-parameter ``step`` tensor (float64 only when that is the default)."""
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def adam_step(value: float, *, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-    """Adam's ``step`` tensor holding ``value``, where torch's Adam puts it (``torch/optim/adam.py``).
-
-    A fused or capturable group keeps ``step`` on the parameter's device (fp32 when fused); any
-    other group keeps it on the CPU on purpose (no kernel launch per step) -- the same rule
-    ``Optimizer.load_state_dict`` applies when it places a loaded ``step``.
-    """
-    if group.get("fused") or group.get("capturable"):
-        dtype = torch.float32 if group.get("fused") else _adam_step_dtype()
-        return torch.tensor(value, dtype=dtype, device=param.device)
-    return torch.tensor(value, dtype=_adam_step_dtype(), device="cpu")
-
-
-def materialize_adam_state(optimizer: Any) -> None:
-    """Give each parameter that has no Adam state yet the state torch's Adam creates at its first step.
-
-    Before the first *successful* step (e.g. fp16 iterations skipped for overflow) torch's Adam
-    has no state: a save would hold no ``exp_avg`` and loading it fails (megatron-core asks for
-    the state it initialises). ``step`` 0 and zero moments are exactly what Adam's first step
-    would create, so training continues bit for bit as without the save.
-
-    A post-validation wrapper validates its pending step first: rolling back an eager first
-    step removes the state that step created.
-    """
-    from megatron_zb.optimizer import PostValidationOptimizer
-
-    if isinstance(optimizer, PostValidationOptimizer):
-        optimizer.validate()
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        opt = getattr(part, "optimizer", None)
-        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if len(opt.state[p]) == 0:
-                    st = opt.state[p]
-                    st["step"] = adam_step(0.0, param=p, group=group)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if group.get("amsgrad"):
-                        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def _restore_zero_steps(optimizer_sd: Any) -> None:
-    """Put back Adam's ``step`` 0 that megatron-core 0.16.1 drops when saving.
-
-    megatron-core saves the shared per-parameter step as ``common_step`` only ``if step:`` -- not
-    when it is 0 (a checkpoint saved before any successful step, see
-    :func:`materialize_adam_state`); torch's ``load_state_dict`` then fails on the missing key.
-    """
-    for part in optimizer_sd if isinstance(optimizer_sd, list) else [optimizer_sd]:
-        inner = part.get("optimizer") if isinstance(part, dict) else None
-        state = inner.get("state") if isinstance(inner, dict) else None
-        if not isinstance(state, dict) or "common_step" in state:
-            continue
-        for param_state in state.values():
-            if isinstance(param_state, dict) and "exp_avg" in param_state and "step" not in param_state:
-                # load_state_dict moves it to the parameter's device where the group needs it
-                param_state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
-
-
-def _saved_adam_steps(optimizer: Any, optimizer_sd: Any) -> list[float | None]:
-    """Per part of a distributed ``optimizer``, the Adam step its checkpoint holds (``None``: none saved).
-
-    megatron-core's ``DistributedOptimizer.state_dict()`` keeps the step once per parameter
-    group, as ``param_groups[i]["step"]`` (torch Adam: always; apex/TE FusedAdam: once it stepped);
-    the groups of one part agree.
-    """
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    sds = [optimizer_sd] if len(parts) == 1 else [v for _, v in sorted(optimizer_sd.items())]
-    steps: list[float | None] = []
-    for sd in sds:
-        found = {g["step"] for g in sd["optimizer"]["param_groups"] if g.get("step") is not None}
-        if len(found) > 1:
-            raise CheckpointError(f"the distributed optimizer's checkpoint holds different Adam steps in one part: "
-                                  f"{sorted(found)}")
-        steps.append(float(found.pop()) if found else None)
-    return steps
-
-
-def give_each_param_its_step(optimizer: Any, steps: Sequence[float | None]) -> None:
-    """Set every parameter's Adam ``step`` to its part's saved step, as a tensor of its own.
-
-    megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` (torch Adam, no apex/TE)
-    gives *one* step tensor to every parameter, and then ``load_parameter_state_from_dp_reshardable``
-    copies into it the step the optimizer had *before* the load (the ``dp_reshardable`` format
-    keeps ``step`` as a local, non-persistent object). torch's Adam increments ``state["step"]``
-    in place once per parameter, so a shared tensor grows by the number of parameters per
-    iteration; either makes the bias correction wrong from the first resumed step on.
-    """
-    for part, step in zip(getattr(optimizer, "chained_optimizers", [optimizer]), steps):
-        opt = part.optimizer
-        if step is None or not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-            continue  # apex/TE FusedAdam: the step lives in the param groups
-        for group in opt.param_groups:
-            for p in group["params"]:
-                param_state = opt.state.get(p)
-                if param_state is not None and "step" in param_state:
-                    param_state["step"] = adam_step(step, param=p, group=group)
-
-
-def _load_optimizer_state(optimizer: Any, optimizer_sd: Any, *, distributed: bool) -> None:
-    """``optimizer.load_state_dict(optimizer_sd)`` with the repairs megatron-core 0.16.1 needs with torch's Adam."""
-    _restore_zero_steps(optimizer_sd)
-    steps = _saved_adam_steps(optimizer, optimizer_sd) if distributed else None
-    with torch.no_grad():  # the distributed optimizer copies into its (leaf) main-param shards in place
-        optimizer.load_state_dict(optimizer_sd)
-    if steps is not None:
-        give_each_param_its_step(optimizer, steps)
-
-
-def _is_distributed_torch_adam(optimizer: Any) -> bool:
-    """Whether some part of ``optimizer`` is megatron-core's ``DistributedOptimizer`` over torch's Adam / AdamW."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    adam = (torch.optim.Adam, torch.optim.AdamW)
-    return any(isinstance(part, DistributedOptimizer) and isinstance(part.optimizer, adam)
-               for part in getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _loaded_group_steps(optimizer: Any) -> list[float | None]:
-    """Per part of a distributed ``optimizer`` just loaded, the saved Adam step: megatron-core's
-    ``DistributedOptimizer.load_state_dict`` hands each saved parameter group, its ``step`` included,
-    to the torch optimizer's ``load_state_dict`` (``None``: nothing loaded into that part)."""
-    steps: list[float | None] = []
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        found = {g["step"] for g in part.optimizer.param_groups if g.get("step") is not None}
-        if len(found) > 1:
-            raise CheckpointError(f"the loaded distributed optimizer holds different Adam steps in one part: "
-                                  f"{sorted(found)}")
-        steps.append(float(found.pop()) if found else None)
-    return steps
-
-
-@contextlib.contextmanager
-def repaired_distributed_adam_load(optimizer: Any) -> Iterator[None]:
-    """Around a load of ``optimizer`` that other code performs (Megatron-LM's ``load_checkpoint``):
-    megatron-core 0.16.1's distributed optimizer with torch's Adam (no apex / Transformer Engine)
-    gets the repairs :func:`load_checkpoint` applies to its own loads. Before: Adam's state as its
-    first step creates it (:func:`materialize_adam_state`; else ``sharded_state_dict(is_loading=True)``
-    fails at ``assert len(steps) == 1``); during: no autograd (the load copies into the leaf
-    main-parameter shards in place, which autograd refuses for fp32 parameters); after: every
-    parameter gets the saved step as a tensor of its own (:func:`give_each_param_its_step`).
-    Anything else (no optimizer, not distributed, apex/TE FusedAdam) is left as it is."""
-    if optimizer is None or not _is_distributed_torch_adam(optimizer):
-        yield
-        return
-    materialize_adam_state(optimizer)
-    with torch.no_grad():
-        yield
-    give_each_param_its_step(optimizer, _loaded_group_steps(optimizer))
-
 
 def check_optimizer_format(common: dict[str, Any], *, distributed: bool, layout: Sequence[int], path: str,
                            vocab_parallel: bool = False) -> None:
@@ -371,20 +221,17 @@ def _train_state(common: dict[str, Any], *, iteration: int, schedule: ScheduleCo
                       schedule_costs=zb.get("costs") if same else None)
 
 
-def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], optimizer: Any, scheduler: Any,
-                    config: RunConfig, vocab: Any = None) -> str:
-    """Save a checkpoint of ``state.iteration`` under ``root``; collective over all ranks. Returns its directory.
+def _latest_intact_phrase(root: str) -> str:
+    """The checkpoint a run can resume from after a failed save under ``root`` (the tracker is not advanced)."""
+    it = latest_intact(root)
+    if it is None:
+        return f"no intact checkpoint under {root} yet"
+    return f"the latest intact checkpoint is iteration {it} ({checkpoint_dir(root, it)}), which --load {root} resumes"
 
-    ``chunks`` are this rank's unwrapped ``GPTModel`` chunks in stage order; ``vocab``: its
-    :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` (``--enable-vocab-parallel``); ``config``: the run's
-    (its model's shape, the distributed optimizer, the schedule the profiled costs belong to).
-    """
-    from megatron.core import dist_checkpointing
 
-    path = checkpoint_dir(root, state.iteration)
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
+def _save_state_dict(state: TrainState, chunks: Sequence[Any], optimizer: Any, scheduler: Any, config: RunConfig,
+                     vocab: Any) -> dict[str, Any]:
+    """What :func:`save_checkpoint` writes (its docstring and the module's)."""
     if optimizer is not None:
         materialize_adam_state(optimizer)
     distributed = config.parallel.use_distributed_optimizer
@@ -402,8 +249,57 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
     if scheduler is not None:
         sd["opt_param_scheduler"] = scheduler.state_dict()
     sd["zero_bubble"] = _zero_bubble_entry(state, config.schedule)
-    dist_checkpointing.save(sd, path)
-    dist.barrier()
+    return sd
+
+
+def _write(sd: dict[str, Any], root: str, path: str) -> None:
+    """megatron-core's ``dist_checkpointing.save`` of ``sd`` into ``path``, then its manifest; collective.
+    A failed write (an ``OSError`` of a writer, which megatron-core reports on every rank) raises one
+    :class:`CheckpointError` on every rank naming it and the latest intact checkpoint."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            error = first_line(e)
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, error)  # also the barrier before every rank writes into path
+    error = messages[0]
+    if error is None:
+        try:
+            with writer_errors_said_once():
+                dist_checkpointing.save(sd, path)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- every rank has one: one line below
+            error = save_error_text(e)
+    if error is None:
+        error = write_manifest(path, int(sd["iteration"]))  # before the tracker: a named checkpoint has one
+    raise_on_every_rank(None if error is None else
+                        f"cannot save checkpoint {path}: {error}; the tracker is not advanced: "
+                        f"{_latest_intact_phrase(root)}")
+
+
+def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], optimizer: Any, scheduler: Any,
+                    config: RunConfig, vocab: Any = None) -> str:
+    """Save a checkpoint of ``state.iteration`` under ``root``; collective over all ranks. Returns its directory.
+
+    ``chunks`` are this rank's unwrapped ``GPTModel`` chunks in stage order; ``vocab``: its
+    :class:`~megatron_zb.model.vocab_parallel.VocabParallelSlices` (``--enable-vocab-parallel``); ``config``: the run's
+    (its model's shape, the distributed optimizer, the schedule the profiled costs belong to).
+
+    In order: the free space (:func:`~.save_space.space_problem`: a checkpoint that does not fit is not
+    started), the files (megatron-core), the manifest (:func:`~.checkpoint_manifest.write_manifest`), the
+    tracker. Raises :class:`CheckpointError` on every rank, the tracker not advanced, when the checkpoint
+    does not fit or its write fails; the message names the latest intact checkpoint.
+    """
+    path = checkpoint_dir(root, state.iteration)
+    sd = _save_state_dict(state, chunks, optimizer, scheduler, config, vocab)
+    problem = space_problem(root, path, sd)
+    raise_on_every_rank(None if problem is None else
+                        f"cannot save checkpoint {path}: {problem}; {_latest_intact_phrase(root)}")
+    _write(sd, root, path)
     if _before_tracker_hook is not None:
         _before_tracker_hook(state.iteration)
     if dist.get_rank() == 0:  # last: a save killed before this line leaves the tracker at the previous one
@@ -413,6 +309,16 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
         os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
     dist.barrier()
     return path
+
+
+def _verify(path: str) -> str | None:
+    """This rank's share of verifying the checkpoint ``path`` against its manifest (``--ckpt-verify``, the
+    default); a checkpoint without one loads with one ``WARNING:`` line."""
+    if read_manifest(path) == (None, None):
+        print_rank_0(f"WARNING: checkpoint {path} has no {MANIFEST_FILENAME} (saved before megatron-zb wrote "
+                     f"manifests, or by Megatron-LM's own loop): its files are loaded unverified")
+        return None
+    return verify_share(path, dist.get_rank(), dist.get_world_size())
 
 
 @dataclass(frozen=True)
@@ -445,13 +351,15 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     when ``root`` holds no tracker file and no ``--ckpt-step`` is given. Raises
     :class:`CheckpointError` on every rank, before anything is loaded where it can be told
     beforehand, when the checkpoint is damaged (:func:`~.checkpoint_check.damage`; the message
-    names the previous complete checkpoint and its ``--ckpt-step``), holds another model (the
+    names the previous intact checkpoint and its ``--ckpt-step``), holds another model (the
     flags or the first mismatching tensor), another LR schedule without Megatron's flags for it,
-    or an optimizer state this run cannot load (:func:`check_optimizer_format`).
+    or an optimizer state this run cannot load (:func:`check_optimizer_format`). Unless ``--no-ckpt-verify``,
+    its files are first verified against its manifest (sizes and CRC-32, shared over the ranks:
+    :mod:`.checkpoint_manifest`), which names the first file whose bytes changed.
     """
     from megatron.core import dist_checkpointing
 
-    found = checkpoint_to_load(root, config.checkpoint)
+    found = checkpoint_to_load(root, config.checkpoint, verify=_verify if config.checkpoint.ckpt_verify else None)
     if found is None:
         return None
     iteration, path = found
@@ -493,7 +401,7 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
                  f"{earlier_checkpoint_hint(os.path.dirname(path), iteration)}")
     raise_on_every_rank(error)
     if optimizer is not None:
-        _load_optimizer_state(optimizer, loaded["optimizer"], distributed=distributed)
+        load_optimizer_state(optimizer, loaded["optimizer"], distributed=distributed)
     if scheduler is not None and "opt_param_scheduler" in loaded:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if rng:

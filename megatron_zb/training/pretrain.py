@@ -14,7 +14,9 @@
    prints one ``pretrain_gpt_zb.py: error: ...`` line (global rank 0) and exits with status 1
    before anything is written; so does a NaN/Inf in a loss or a gradient with
    ``--check-for-nan-in-loss-and-grad`` (:class:`~megatron_zb.training.nan_check.NonFiniteError`, raised
-   on every rank at the same point: the line names the iteration and the rank that found it).
+   on every rank at the same point: the line names the iteration and the rank that found it), and a
+   checkpoint that does not fit on ``--save``'s file system or whose write fails (the line names the
+   latest intact checkpoint; the tracker is not advanced).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1  # the Trainer printed the one line (rank 0) before it shut the process groups down
     try:
         return trainer.run()
-    except NonFiniteError as e:  # every rank, together: global rank 0 says it once
+    except (NonFiniteError, CheckpointError) as e:  # every rank, together (a save): global rank 0 says it once
         if os.environ.get("RANK", "0") == "0":
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 
 from megatron_zb.schedules.ir import Schedule
 
-from .checkpointing_logging import check_checkpointing, check_exit_duration, check_load_flags, check_load_format
+from .checkpointing_logging import (check_checkpointing, check_exit_duration, check_load_flags, check_load_format,
+                                    check_save_directory)
 from .common import NOTICES, ArgumentError, flag
 from .data import check_data, check_data_files, check_data_splits, resolve_tokenizer_vocab
 from .housekeeping import check_memory_flags, check_profiling
@@ -116,6 +117,7 @@ CHECKS: tuple[Check, ...] = (
           needs=("data_files", "training_values", "ranges")),
     Check("load_flags", lambda a, r: check_load_flags(a)),
     Check("load_format", lambda a, r: check_load_format(a)),
+    Check("save_directory", lambda a, r: check_save_directory(a)),
     Check("exit_duration", lambda a, r: check_exit_duration(a)),
     Check("memory_logging", lambda a, r: check_memory_logging(a)),
     Check("timing_log", lambda a, r: check_timing_log(a)),
