@@ -36,6 +36,9 @@ _QUIET = (
 def main() -> int:
     for category, message in _QUIET:
         warnings.filterwarnings("ignore", message=message, category=category)
+    from megatron_zb.platform.reaper import install as install_reaper  # no torch import
+
+    install_reaper()  # before any child process: a killed rank (or torchrun) leaves none behind
     if os.environ.get("RANK", "0") == "0" and not any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(f"{os.path.basename(__file__)}: loading torch and megatron-core ...", flush=True)
     from megatron_zb.training.pretrain import main as run  # imports torch, megatron-core, the CPU shim
