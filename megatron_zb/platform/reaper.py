@@ -18,8 +18,9 @@ OOM killer, a node agent), with megatron-core 0.16.1 / 0.19 and Python's ``multi
 * the **ranks themselves**: torchrun starts each worker in a session of its own
   (``start_new_session``) and ends it with ``killpg`` -- which a ``SIGKILL``ed torchrun never does.
 
-A torchrun worker leads its own process group, and every process above stays in it (none calls
-``setsid`` / ``setpgid``). So :func:`install` starts, per rank, one small process (this file run as a
+A torchrun worker leads its own session (and process group), and every process above stays in its
+group (none calls ``setsid`` / ``setpgid``), which holds nothing else: a process of another session
+cannot join it. So :func:`install` starts, per rank, one small process (this file run as a
 script: standard library only, ``python -I -S``) that polls every :data:`POLL_S` seconds whether the
 rank is still its parent and, under torchrun (``TORCHELASTIC_RUN_ID`` set), whether torchrun is still
 the rank's parent. When either is gone it ``SIGKILL``s every other member of the group -- the rank if
@@ -34,10 +35,11 @@ not reach the manager (spawned through ``_posixsubprocess.fork_exec``, which run
 it fires when the forking *thread* ends, not the process.
 
 Not covered (:func:`install` returns ``False`` and does nothing): other platforms than Linux (the
-group members are read from ``/proc``), and a rank that does not lead its process group -- a single
-``python pretrain_gpt_zb.py`` run from a shell shares the shell job's group with e.g. ``| tee``; its
-shell's job control signals the whole group, and a ``kill -9`` of that process alone leaves
-megatron-core's manager behind (``kill -9 -- -PGID`` ends them all). A process of the job that leaves
+group members are read from ``/proc``), and a rank that does not lead its session -- a single
+``python pretrain_gpt_zb.py`` run from a shell is in the shell's session, and leads at most the
+shell job's process group, which it shares with e.g. ``| tee`` (not ours to kill); the shell's job
+control signals the whole group, and a ``kill -9`` of that process alone leaves megatron-core's
+manager behind (``kill -9 -- -PGID`` ends them all). A process of the job that leaves
 the group (``setsid``) is not reaped either; none of megatron-core's or torch's does.
 """
 
@@ -64,12 +66,12 @@ def install() -> bool:
     """Start this process's reaper (once per process); return whether one runs.
 
     Call it at start-up, before any child process starts; Linux only, and only in a process that leads
-    its process group (a torchrun worker); otherwise it does nothing and returns ``False``.
+    its session (a torchrun worker, ``setsid``); otherwise it does nothing and returns ``False``.
     """
     global _reaper
     if _reaper is not None:
         return True
-    if not sys.platform.startswith("linux") or os.getpgrp() != os.getpid():
+    if not sys.platform.startswith("linux") or os.getsid(0) != os.getpid():
         return False
     launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else 0
     _reaper = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()),
@@ -141,7 +143,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, signal.SIG_IGN)
     while _alive(rank, launcher):
         time.sleep(POLL_S)
-    reap(rank)  # the rank led its group: the group's id is its pid
+    reap(rank)  # the rank led its session, and so its group: the group's id is its pid
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The reaper of ``megatron_zb/platform/reaper.py``, without training: a process-group leader that
+"""The reaper of ``megatron_zb/platform/reaper.py``, without training: a session leader (as a torchrun worker) that
 starts what megatron-core's checkpoint save starts -- a forked writer and a spawned
 ``multiprocessing`` manager (with its resource tracker) -- is killed alone (``SIGKILL``, as the OOM
 killer would); within a few seconds nothing it started is left. The whole-job kill under torchrun is
@@ -37,13 +37,13 @@ if __name__ == "__main__":
 """
 
 
-def test_a_killed_group_leader_leaves_nothing_behind(tmp_path):
+def test_a_killed_session_leader_leaves_nothing_behind(tmp_path):
     job, marker = job_environment()
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
     env = dict(os.environ, PYTHONPATH=str(ROOT), **marker)
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)  # a group leader, as torchrun starts its workers
+                            start_new_session=True)  # a session leader, as torchrun starts its workers
     try:
         assert proc.stdout.readline().strip() == "reaper True"
         assert proc.stdout.readline().strip() == "ready"
@@ -61,8 +61,9 @@ def test_a_killed_group_leader_leaves_nothing_behind(tmp_path):
 
 
 def test_not_installed_outside_a_group_leader():
-    """A process in its parent's process group (``python pretrain_gpt_zb.py`` from a shell): no reaper."""
+    """A process in its parent's session (``python pretrain_gpt_zb.py`` from a shell, maybe ``| tee``): no
+    reaper, even where it leads a process group (a shell's job)."""
     code = "from megatron_zb.platform.reaper import install, is_running; print(install(), is_running())"
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)), text=True,
-                         capture_output=True, timeout=60)
+                         capture_output=True, timeout=60, process_group=0)
     assert out.stdout.split() == ["False", "False"], out
