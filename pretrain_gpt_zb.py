@@ -13,9 +13,12 @@ family) or ``--schedule NAME`` (any schedule of the library). Launch with torchr
 ``python pretrain_gpt_zb.py --help`` lists every flag; ``docs/training.md`` describes the run.
 A bad flag prints one line naming it and exits with status 2 before any process group starts.
 A peer that died or froze in a collective of the zero-bubble path ends the rank with the named
-``PipelineTimeoutError`` (``megatron_zb/runtime/peer_wait.py``) and exit status 1, without tearing the process
+``PipelineTimeoutError`` (``megatron_zb/runtime/peer_wait.py``), its traceback and one last line
+``pretrain_gpt_zb.py: error: rank R waited for rank F (frozen or slow): ...`` (torchrun's "root cause"
+names R, the rank that noticed) and exit status 1, without tearing the process
 groups down: the late collective is still pending in the backend, and destroying its group would wait
-for it (as NCCL's own watchdog, this exits without clean-up).
+for it (as NCCL's own watchdog, this exits without clean-up). Each rank started by torchrun also starts
+a reaper (``megatron_zb/platform/reaper.py``): a killed rank or torchrun leaves no process behind.
 """
 
 import os
@@ -36,6 +39,9 @@ _QUIET = (
 def main() -> int:
     for category, message in _QUIET:
         warnings.filterwarnings("ignore", message=message, category=category)
+    from megatron_zb.platform.reaper import install as install_reaper  # no torch import
+
+    install_reaper()  # before any child process: a killed rank (or torchrun) leaves none behind
     if os.environ.get("RANK", "0") == "0" and not any(a in ("-h", "--help") for a in sys.argv[1:]):
         print(f"{os.path.basename(__file__)}: loading torch and megatron-core ...", flush=True)
     from megatron_zb.training.pretrain import main as run  # imports torch, megatron-core, the CPU shim
@@ -48,8 +54,9 @@ if __name__ == "__main__":  # required: megatron-core's checkpoint writer starts
 
     try:
         sys.exit(main())
-    except PipelineTimeoutError:  # module docstring: no process-group teardown
+    except PipelineTimeoutError as e:  # module docstring: no process-group teardown
         traceback.print_exc()
+        print(f"{os.path.basename(__file__)}: error: {e.blame or e}", file=sys.stderr)  # whom to look at
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(PEER_TIMEOUT_EXIT_STATUS)

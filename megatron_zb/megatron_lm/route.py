@@ -82,12 +82,16 @@ _REBINDS = Rebinds()
 
 
 def install() -> None:
-    """Add the zero-bubble flags to Megatron-LM's parser and route the schedule (module docstring).
-    Idempotent; :func:`uninstall` restores Megatron-LM's ``parse_args`` and ``validate_args``."""
+    """Add the zero-bubble flags to Megatron-LM's parser and route the schedule (module docstring), and
+    start the rank's reaper (:mod:`megatron_zb.platform.reaper`: a killed torchrun worker leaves no
+    process behind). Idempotent; :func:`uninstall` restores Megatron-LM's ``parse_args`` and ``validate_args``
+    (the reaper stays: it only acts once the process is gone)."""
     from megatron.training import arguments
 
     from ..megatron_compat import megatron_lm_loop
+    from ..platform.reaper import install as install_reaper
 
+    install_reaper()
     if _REBINDS:
         return
     loop = megatron_lm_loop()

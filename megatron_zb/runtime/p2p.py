@@ -162,7 +162,8 @@ class PipeComm:
 
     def awaited(self, p: _Pending, what: str) -> Awaited:
         """What waiting for transfer ``p`` (a ``"receive"`` / ``"send"``) waits for, for the named error."""
-        return Awaited(f"pipeline rank {self.rank}", f"{what} for {p.action}", (p.action.peer,))
+        return Awaited(f"pipeline rank {self.rank}", f"{what} for {p.action}", (p.action.peer,),
+                       global_ranks=(self.channels.peer(self.rank), (self.channels.peer(p.action.peer),)))
 
     def timeout_error(self, p: _Pending, what: str, detail: str = "") -> RuntimeError:
         """The named error for transfer ``p`` that did not complete within the timeout."""

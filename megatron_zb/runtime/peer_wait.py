@@ -62,7 +62,13 @@ HINT = "a peer process died, is frozen or never reached this collective"
 
 class PipelineTimeoutError(RuntimeError):
     """A collective of the zero-bubble path did not complete in time (a peer died or froze, or the
-    ranks disagree on what to run). The message names the waiting rank, the operation and the peers."""
+    ranks disagree on what to run). The message names the waiting rank, the operation and the peers;
+    :attr:`blame` (set by :class:`Awaited`), the one line that says whom to look at."""
+
+    blame: str | None = None
+    """``rank R waited for rank F (frozen or slow): OPERATION did not complete within T s; look at rank F,
+    ...`` in global ranks (``... (dead or gone): OPERATION failed; ...`` when the backend gave up at once):
+    torchrun's "root cause" is the rank that noticed, i.e. R, not the frozen F."""
 
 
 class WaitPolicy(enum.Enum):
@@ -90,22 +96,43 @@ class Awaited:
         operation: the collective, with where it belongs (``"data-parallel all-reduce of stage 0,
             bucket 1 (iteration 7)"``, ``"receive for RECV_B(mb=0, stage=1, peer=1)"``).
         peers: the ranks it waits on (global ranks; the pipeline layer uses pipeline-group ranks).
+        global_ranks: where ``who`` and ``peers`` are not global ranks (the pipeline layer's): the waiting
+            rank's and the peers' global ranks, for :meth:`blame`.
     """
 
     who: str
     operation: str
     peers: tuple[int, ...]
+    global_ranks: tuple[int, tuple[int, ...]] | None = None
 
     def error(self, timeout_s: float, detail: str = "", *,
               error_type: type[RuntimeError] = PipelineTimeoutError) -> RuntimeError:
         """The named error of this wait after ``timeout_s`` seconds (``detail``: the backend's own words)."""
-        return error_type(f"{self.who}: {self.operation} with {_peers(self.peers)} did not complete within "
-                          f"{timeout_s:g} s: {HINT}{detail}")
+        err = error_type(f"{self.who}: {self.operation} with {_peers(self.peers)} did not complete within "
+                         f"{timeout_s:g} s: {HINT}{detail}")
+        err.blame = self.blame(f"did not complete within {timeout_s:g} s",  # type: ignore[attr-defined]
+                               "frozen or slow")
+        return err
 
     def failure(self, detail: str, *, error_type: type[RuntimeError] = PipelineTimeoutError) -> RuntimeError:
         """The named error of this wait when the backend gave up before the deadline (gloo: a peer's
         connection closed, i.e. the peer process died)."""
-        return error_type(f"{self.who}: {self.operation} with {_peers(self.peers)} failed: {HINT}{detail}")
+        err = error_type(f"{self.who}: {self.operation} with {_peers(self.peers)} failed: {HINT}{detail}")
+        err.blame = self.blame("failed", "dead or gone")  # type: ignore[attr-defined]
+        return err
+
+    def blame(self, outcome: str, state: str) -> str:
+        """``rank R waited for rank F (STATE): OPERATION OUTCOME; look at rank F, ...`` in global ranks
+        (:attr:`PipelineTimeoutError.blame`); several peers: ``rank F or rank G``."""
+        if self.global_ranks is None:
+            who, peers = self.who, " or ".join(f"rank {p}" for p in self.peers)
+        else:
+            me, ranks = self.global_ranks
+            kind = self.who.rsplit(" ", 1)[0]  # "pipeline rank"
+            who = f"rank {me} ({self.who})"
+            peers = " or ".join(f"rank {g} ({kind} {p})" for g, p in zip(ranks, self.peers))
+        return (f"{who} waited for {peers} ({state}): {self.operation} {outcome}; look at {peers}, not at the rank "
+                f"torchrun names as the root cause (the one that waited)")
 
 
 def wait_host(work: Any, awaited: Awaited, timeout_s: float, *,
@@ -187,7 +214,8 @@ class Watchdog:
             print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
             if self._exit and not self._raised.wait(max(EXIT_GRACE_S, self.period)) and not self._stop.is_set():
                 print(f"{type(err).__name__}: the main thread is blocked behind this collective; ending the "
-                      f"process (exit status {PEER_TIMEOUT_EXIT_STATUS})", file=sys.stderr, flush=True)
+                      f"process (exit status {PEER_TIMEOUT_EXIT_STATUS})", file=sys.stderr)
+                print(f"error: {getattr(err, 'blame', None) or err}", file=sys.stderr, flush=True)
                 sys.stdout.flush()
                 os._exit(PEER_TIMEOUT_EXIT_STATUS)
             return

@@ -6,7 +6,7 @@ import datetime
 import os
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -14,8 +14,41 @@ import torch.distributed as dist
 
 from megatron_zb.training.run_config import ParallelConfig
 
-__all__ = ["DistributedContext", "context_from_parallel_state", "init_distributed", "local_rank", "shutdown_distributed",
-           "single_process_store"]
+__all__ = ["DistributedContext", "LAUNCH_VARIABLES", "context_from_parallel_state", "init_distributed",
+           "launch_environment_problem", "local_rank", "shutdown_distributed", "single_process_store"]
+
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What a launcher (torchrun, or SLURM with them exported) sets for every process: all four, or none."""
+
+
+def launch_environment_problem(environ: Mapping[str, str]) -> str | None:
+    """What is wrong with the launch environment ``environ``, in one line; ``None`` when
+    :func:`init_distributed` can start from it: a launcher's (:data:`LAUNCH_VARIABLES` all set), or one
+    process -- none of them, ``WORLD_SIZE=1`` / ``RANK=0`` alone, or ``MASTER_ADDR`` and ``MASTER_PORT``.
+    Anything else would end in ``torch.distributed``'s ``env://`` error, or make every process rank 0."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        if name in environ and not environ[name].strip().isdigit():
+            return f"{name}={environ[name]!r} in the environment is not an integer >= 0"
+    world, rank = int(environ.get("WORLD_SIZE", "1")), int(environ.get("RANK", "0"))
+    if world < 1 or rank >= world:
+        return (f"RANK={rank}, WORLD_SIZE={world} in the environment (WORLD_SIZE unset counts 1): a rank must be "
+                f"below the number of processes; launch with torchrun, or unset both to run one process")
+    if world == 1 and "MASTER_PORT" not in environ:
+        return None  # single_process_store: an in-memory store
+    needed = ("MASTER_ADDR", "MASTER_PORT") + (("RANK",) if world > 1 else ())
+    if all(name in environ for name in needed):
+        return None
+    present = [name for name in LAUNCH_VARIABLES if name in environ]
+    missing = [name for name in LAUNCH_VARIABLES if name not in environ]
+    return (f"partial launch environment: {_listed(present, environ)} set but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not (a launcher sets all of {', '.join(LAUNCH_VARIABLES)}): "
+            f"launch with torchrun (torchrun --nproc_per_node N pretrain_gpt_zb.py ...), or unset "
+            f"{', '.join(present)} to run one process")
+
+
+def _listed(names: list[str], environ: Mapping[str, str]) -> str:
+    values = [f"{name}={environ[name]}" for name in names]
+    return values[0] + " is" if len(values) == 1 else ", ".join(values) + " are"
 
 
 def local_rank() -> int:

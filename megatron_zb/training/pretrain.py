@@ -8,7 +8,11 @@
    exists; a bad flag prints one ``pretrain_gpt_zb.py: error: --flag: ...`` line (on local rank 0)
    and exits with status 2 -- several bad flags, one report: a header line and one line per flag,
    the unknown flags first; global rank 0 then prints validation's start-up lines (adjusted flags,
-   ``WARNING: ...`` as Megatron-LM);
+   ``WARNING: ...`` as Megatron-LM). Between the two, a partial launch environment (``WORLD_SIZE``
+   without ``RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT``, or the reverse:
+   :func:`~megatron_zb.training.distributed.launch_environment_problem`; a ``WORLD_SIZE`` that is no
+   integer, before the command line) prints one ``pretrain_gpt_zb.py: error: partial launch environment:
+   ...`` line on every process, naming what is set, what is missing and the fix, and exits with status 2;
 2. :class:`~megatron_zb.training.trainer.Trainer` sets the run up and trains (see its module); a
    checkpoint ``--load`` cannot load (:class:`~megatron_zb.training.checkpoint_check.CheckpointError`)
    prints one ``pretrain_gpt_zb.py: error: ...`` line (global rank 0) and exits with status 1
@@ -27,10 +31,12 @@ import sys
 import time
 from typing import Sequence
 
+import torch.distributed as dist
+
 from megatron_zb.training.arguments import ArgumentError, ValidatedArgs, build_parser, validate_args_and_schedule
 from megatron_zb.training.arguments.developer import DEVELOPER_CHECK, add_developer_args
 from megatron_zb.training.checkpoint_check import CheckpointError
-from megatron_zb.training.distributed import local_rank
+from megatron_zb.training.distributed import launch_environment_problem, local_rank
 from megatron_zb.training.nan_check import NonFiniteError
 from megatron_zb.training.trainer import Trainer
 
@@ -45,6 +51,12 @@ def _usage_error(message: str) -> int:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(5)  # let local rank 0 print before the launcher tears the job down
+    return 2
+
+
+def _environment_error(problem: str) -> int:
+    """Print the launch environment's one error line (every process: which is local rank 0 is not known)."""
+    print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
     return 2
 
 
@@ -73,11 +85,16 @@ def parse_and_validate(argv: Sequence[str] | None, world_size: int) -> argparse.
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pretrain_gpt_zb.py``; returns the exit status."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    problem = None if dist.is_initialized() else launch_environment_problem(os.environ)
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if problem is not None and not world_size.strip().isdigit():
+        return _environment_error(problem)
     try:
-        validated = parse_command_line(argv, world_size=world_size)
+        validated = parse_command_line(argv, world_size=int(world_size))
     except ArgumentError as e:
         return _usage_error(str(e))
+    if problem is not None:
+        return _environment_error(problem)
     if os.environ.get("RANK", "0") == "0":
         for line in validated.notices:
             print(line, flush=True)

@@ -90,9 +90,14 @@ def test_host_policy_waits_with_the_timeout_and_names_a_late_transfer(fake_dist)
     comm = _comm(WaitPolicy.HOST, timeout=7.0)
     comm.post_recv(RECV_B, (2,), torch.float32, torch.device("cpu"))
     with pytest.raises(PipelineTimeoutError, match=r"pipeline rank 0: receive for RECV_B\(mb=0, stage=1, peer=1\) "
-                                                    r"with peer rank 1 did not complete within 7 s"):
+                                                    r"with peer rank 1 did not complete within 7 s") as info:
         comm.wait_recv(RECV_B)
     assert ("wait", datetime.timedelta(seconds=7.0)) in log
+    # whom to look at, in global ranks (the pipeline group's ranks are 10 and 11 here)
+    blame = info.value.blame
+    assert blame.startswith("rank 10 (pipeline rank 0) waited for rank 11 (pipeline rank 1) (frozen or slow): receive "
+                            "for RECV_B(mb=0, stage=1, peer=1) did not complete within 7 s; look at rank 11 (pipeline "
+                            "rank 1), not at the rank torchrun names"), blame
 
 
 def test_stream_policy_never_waits_on_the_host(fake_dist):

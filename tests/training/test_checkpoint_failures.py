@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from harness.leftovers import job_environment, wait_until_none_left  # processes a killed job left
 from harness.pretrain_harness import DROPOUT, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -182,13 +183,15 @@ PAUSE_LAUNCHER = Path(__file__).with_name("pause_before_tracker.py")
 """Runs ``pretrain_gpt_zb.py`` with a pause between a checkpoint's files and its tracker (its docstring)."""
 
 
-def _launch(argv: list[str], cwd: Path,
-            pause_before_tracker: str | None = None) -> tuple[subprocess.Popen, list[str]]:
+def _launch(argv: list[str], cwd: Path, pause_before_tracker: str | None = None,
+            env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
     """``pretrain_gpt_zb.py`` under torchrun, in a session of its own; its output lines collect in the list.
-    ``pause_before_tracker`` (``ITERATION:SECONDS``): run it through :data:`PAUSE_LAUNCHER`."""
+    ``pause_before_tracker`` (``ITERATION:SECONDS``): run it through :data:`PAUSE_LAUNCHER`; ``env``: added
+    to the job's environment."""
     entry = [str(SCRIPT)] if pause_before_tracker is None else [str(PAUSE_LAUNCHER), pause_before_tracker]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *entry, *argv]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
@@ -204,16 +207,36 @@ def _wait_for(proc: subprocess.Popen, lines: list[str], pattern: str, timeout: f
         time.sleep(0.05)
 
 
+LEFTOVER_S = 30.0
+"""Seconds after a kill by which no process of the job may be left."""
+
+
+def _assert_none_left(job: str) -> None:
+    """Within :data:`LEFTOVER_S`, no process of ``job`` is left; else kill the survivors and fail naming them."""
+    left, waited = wait_until_none_left(job, LEFTOVER_S)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"{len(left)} process(es) of the killed job still ran {waited:.0f} s after the kill:\n" + \
+        "\n".join(f"  {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+
+
 def test_job_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, saved):
-    """SIGKILL to the whole job while iteration 8's checkpoint is being written (its files written,
-    the tracker not yet: the fault-injection hook of :data:`PAUSE_LAUNCHER` pauses there): the tracker still names 4, and the resumed run's
+    """SIGKILL to torchrun's process group while iteration 8's checkpoint is being written (its files written,
+    the tracker not yet: the fault-injection hook of :data:`PAUSE_LAUNCHER` pauses there): within 30 s no process
+    of the job is left (the ranks, in sessions of their own, megatron-core's managers and writers, the resource
+    trackers: ``megatron_zb/platform/reaper.py``); the tracker still names 4, and the resumed run's
     iterations 5-8 are the uninterrupted run's bit for bit; it then saves iteration 8 over the partial one."""
     full = saved[0]
     root = tmp_path / "ckpt"
-    proc, lines = _launch(ARGV + ["--save", str(root)], tmp_path, pause_before_tracker="8:120")
+    job, marker = job_environment()
+    proc, lines = _launch(ARGV + ["--save", str(root)], tmp_path, pause_before_tracker="8:120", env=marker)
     _wait_for(proc, lines, r"TEST HOOK .*iteration 8's files are written")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
+    _assert_none_left(job)
     assert (root / TRACKER).read_text().strip() == "4"
     assert (root / "iter_0000008" / ".metadata").exists()  # the interrupted checkpoint's files are there
     resumed = in_process(tmp_path, "resumed", 2, ARGV + ["--load", str(root), "--save", str(root)])

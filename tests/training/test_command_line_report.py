@@ -351,6 +351,8 @@ def test_pretrain_prints_the_notices_on_rank_0_before_the_run(monkeypatch, capsy
             pass
 
     monkeypatch.setattr(pretrain, "Trainer", NoTrainer)
+    for name, value in (("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)  # a launcher's environment: RANK 1 below is a real rank
     monkeypatch.setenv("RANK", "0")
     assert pretrain.main(shlex.split(BASE + " --sequence-parallel --use-legacy-models")) == 0
     out = started[0]
@@ -369,3 +371,45 @@ def test_docs_flag_table_is_current():
     doc = flag_table.DOC.read_text()
     assert flag_table.with_table(doc, flag_table.table()) == doc, "run python scripts/flag_table.py"
     assert "681 flags" in doc
+
+
+LAUNCH = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.parametrize("env, present, missing", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is", "RANK, MASTER_ADDR, MASTER_PORT are"),
+    ({"WORLD_SIZE": "4", "RANK": "1", "MASTER_ADDR": "node0"}, "WORLD_SIZE=4, RANK=1, MASTER_ADDR=node0 are",
+     "MASTER_PORT is"),
+])
+def test_partial_launch_environment_is_one_line_exit_2_before_any_process_group(monkeypatch, capsys, env, present,
+                                                                                 missing):
+    """``WORLD_SIZE`` without a launcher's other variables: one line naming what is set, what is missing and
+    the fix, exit 2, no process group (else torch.distributed's ``env://`` error, or every process rank 0)."""
+    import torch.distributed as dist
+
+    for name in LAUNCH:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert pretrain.main(shlex.split(BASE)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"pretrain_gpt_zb.py: error: partial launch environment: {present} set but {missing} not "
+                          f"(a launcher sets all of WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT): launch with torchrun "
+                          f"(torchrun --nproc_per_node N pretrain_gpt_zb.py ...), or unset "), err
+    assert err.rstrip().endswith(" to run one process"), err
+    assert not dist.is_initialized()
+
+
+def test_launch_environments_that_start():
+    """None (one process), ``WORLD_SIZE=1`` alone, a launcher's four, a rendezvous address for one process;
+    not an integer, or a rank past the world, is named too."""
+    from megatron_zb.training.distributed import launch_environment_problem
+
+    four = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    for env in ({}, {"WORLD_SIZE": "1"}, {"RANK": "0"}, four, {"MASTER_ADDR": "h", "MASTER_PORT": "29500"}):
+        assert launch_environment_problem(env) is None, env
+    assert launch_environment_problem({"WORLD_SIZE": "two"}) == \
+        "WORLD_SIZE='two' in the environment is not an integer >= 0"
+    assert launch_environment_problem(dict(four, RANK="2")).startswith(
+        "RANK=2, WORLD_SIZE=2 in the environment (WORLD_SIZE unset counts 1): a rank must be below")

@@ -89,6 +89,10 @@ def test_frozen_data_parallel_peer_ends_the_run_naming_the_reduce_and_the_peer(t
     assert re.search(r"^rank 0: data-parallel all-reduce of stage 0, bucket \d+ \(iteration 2\) with peer rank 1 "
                      rf"did not complete within {TIMEOUT_S:g} s: a peer process died, is frozen", message), message
     assert "raised in rank 0" in "".join(info.value.__notes__)
+    # the one line pretrain_gpt_zb.py prints last: whom to look at (torchrun's "root cause" is rank 0)
+    assert re.search(r"^rank 0 waited for rank 1 \(frozen or slow\): data-parallel all-reduce of stage 0, bucket \d+ "
+                     rf"\(iteration 2\) did not complete within {TIMEOUT_S:g} s; look at rank 1, not at the rank "
+                     r"torchrun names as the root cause", info.value.blame), info.value.blame
     frozen = (tmp_path / "rank1.err").read_text()
     m = re.search(r"TEST HOOK \S+: rank 1 freezes at ([\d.]+) before its first data-parallel reduce of iteration 2",
                   frozen)
@@ -164,17 +168,19 @@ def test_a_killed_peer_is_named_at_once_as_a_failure_not_a_timeout():
         "rank 2: data-parallel reduce-scatter of stage 1, bucket 0 (iteration 5) with peer ranks 0, 3 failed: a peer "
         "process died, is frozen or never reached this collective (RuntimeError: [gloo/transport/tcp/pair.cc:553] "
         "Connection closed by peer [127.0.0.1]:9654.)")
+    assert info.value.blame.startswith(
+        "rank 2 waited for rank 0 or rank 3 (dead or gone): data-parallel reduce-scatter of stage 1, bucket 0 "
+        "(iteration 5) failed; look at rank 0 or rank 3"), info.value.blame
 
 
 _SCRIPT_WITH_A_LATE_PEER = r"""
 import runpy, sys, threading, types
-from megatron_zb.runtime.peer_wait import PipelineTimeoutError
+from megatron_zb.runtime.peer_wait import Awaited
 
 def main(argv):
     # what a gloo group with a pending collective does at teardown: wait for it (here: for ever)
     threading.Thread(target=threading.Event().wait).start()
-    raise PipelineTimeoutError("rank 0: data-parallel all-reduce of stage 0, bucket 0 (iteration 3) with peer rank 1 "
-                               "did not complete within 3 s")
+    raise Awaited("rank 0", "data-parallel all-reduce of stage 0, bucket 0 (iteration 3)", (1,)).error(3.0)
 
 for name in ("megatron_zb.training", "megatron_zb.training.pretrain"):  # a stand-in for the trainer
     sys.modules[name] = types.ModuleType(name)
@@ -198,6 +204,10 @@ def test_pretrain_script_exits_at_once_on_a_late_peer_without_tearing_the_groups
     assert proc.returncode == 1, proc
     assert "PipelineTimeoutError: rank 0: data-parallel all-reduce of stage 0, bucket 0 (iteration 3) with peer " \
            "rank 1 did not complete within 3 s" in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "pretrain_gpt_zb.py: error: rank 0 waited for rank 1 (frozen or slow): data-parallel all-reduce of stage 0, "
+        "bucket 0 (iteration 3) did not complete within 3 s; look at rank 1, not at the rank torchrun names as the "
+        "root cause (the one that waited)"), proc.stderr
     assert time.monotonic() - t0 < 30
 
 
@@ -244,3 +254,5 @@ def test_stream_policy_watchdog_names_the_late_reduce_and_ends_the_blocked_rank(
     assert re.search(r"PipelineTimeoutError: rank 0: data-parallel all-reduce of stage 0, bucket \d+ \(training call 2\) "
                      rf"with peer rank 1 did not complete within {TIMEOUT_S:g} s", err), err[-3000:]
     assert "ending the process (exit status 1)" in err, err[-3000:]  # printed just before os._exit(1)
+    assert re.search(r"\nerror: rank 0 waited for rank 1 \(frozen or slow\): data-parallel all-reduce of stage 0, "
+                     r"bucket \d+ \(training call 2\) did not complete", err), err[-3000:]
