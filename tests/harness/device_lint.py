@@ -71,11 +71,11 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # A value of a state dict *being loaded*: torch's Optimizer.load_state_dict moves `step` to the
     # parameter's device itself when the group is fused or capturable, and keeps it on the CPU
     # otherwise -- as torch's Adam creates it.
-    ("megatron_zb/training/checkpointing.py", "_restore_zero_steps", "torch.tensor"):
+    ("megatron_zb/training/adam_repair.py", "_restore_zero_steps", "torch.tensor"):
         "optimizer state-dict value; load_state_dict places it",
     # torch's Adam hosts `step` on the CPU on purpose unless the group is fused or capturable
     # (torch/optim/adam.py, _init_group); adam_step puts it on the parameter's device then.
-    ("megatron_zb/training/checkpointing.py", "adam_step", "torch.tensor"): "torch Adam's CPU-hosted step",
+    ("megatron_zb/training/adam_repair.py", "adam_step", "torch.tensor"): "torch Adam's CPU-hosted step",
 }
 
 

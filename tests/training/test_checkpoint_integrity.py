@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from megatron_zb.megatron_compat import common_state_in_file, release
 from harness.pretrain_harness import DROPOUT, assert_curve, in_process, losses, train  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -65,12 +66,16 @@ def _main(argv: list[str]) -> list[dict[str, Any]]:
 
 OVERWRITING = "Overwriting old incomplete / corrupted checkpoint..."
 """megatron-core's own log line when a save's directory is not empty (here: the test's trap in it)."""
+MCORE_ASYNC_DEPRECATION = "MCore's async save is deprecated"
+"""megatron-core 0.19's own warning at a process's first save (its ``execute_sync`` path, which a synchronous
+save takes too): not an error line of ours."""
 
 
 def _one_error_line(ranks: list[dict[str, Any]], rc: int = 1) -> str:
     """Assert exit ``rc`` on every rank, one error line (rank 0), no traceback; return the line."""
     assert [r["rc"] for r in ranks] == [rc] * len(ranks), ranks
-    errors = [ln for r in ranks for ln in r["err"].splitlines() if ln.strip() and ln != OVERWRITING]
+    errors = [ln for r in ranks for ln in r["err"].splitlines() if ln.strip() and ln != OVERWRITING
+              and not ln.startswith(MCORE_ASYNC_DEPRECATION)]
     everything = "".join(r["out"] + r["err"] for r in ranks)
     assert len(errors) == 1 and errors[0].startswith("pretrain_gpt_zb.py: error: "), "\n".join(errors)
     assert "Traceback" not in everything, everything[-3000:]
@@ -108,7 +113,8 @@ def test_every_checkpoint_has_a_manifest_of_all_its_files(saved):
         path = saved[1] / it
         files = json.loads((path / MANIFEST).read_text())["files"]
         on_disk = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST)
-        assert sorted(files) == on_disk and ".metadata" in files and "common.pt" in files, (files, on_disk)
+        assert sorted(files) == on_disk and ".metadata" in files, (files, on_disk)
+        assert ("common.pt" in files) == common_state_in_file(), files  # 0.19: inside the torch_dist files
         for name, entry in files.items():
             size, crc = file_checksum(str(path / name))
             assert (entry["bytes"], entry["crc32"]) == (size, f"{crc:08x}"), name
@@ -116,7 +122,8 @@ def test_every_checkpoint_has_a_manifest_of_all_its_files(saved):
 
 DAMAGE = {
     "a model tensor in a shard": lambda p: _item(p, "decoder.layers"),
-    "the common state": lambda p: (p / "common.pt", (p / "common.pt").stat().st_size // 2),
+    "the common state": lambda p: ((p / "common.pt", (p / "common.pt").stat().st_size // 2) if common_state_in_file()
+                                   else _item(p, "common_state")),
     "an optimizer tensor": lambda p: _item(p, "optimizer.state.exp_avg"),
 }
 
@@ -262,8 +269,11 @@ def test_save_failing_mid_write_is_one_line_and_keeps_the_tracker(tmp_path, save
     (root / "iter_0000005" / "__1_0.distcp").mkdir(parents=True)
     line = _one_error_line(_main(ARGV + ["--load", str(root), "--ckpt-step", "4", "--save", str(root),
                                          "--exit-interval", "5"]))
-    assert f"cannot save checkpoint {root / 'iter_0000005'}: rank 1: RuntimeError: Worker failure: [Errno 21] Is a " \
-           f"directory: '{root / 'iter_0000005' / '__1_0.distcp'}'" in line, line
+    # megatron-core 0.16 passes the OSError's text on; 0.19 only its class (filesystem_async.py: "An error is
+    # caught while starting worker {i}, error: {e}" with the exception of the worker's result)
+    said = (f"[Errno 21] Is a directory: '{root / 'iter_0000005' / '__1_0.distcp'}'" if release() == "0.16"
+            else "An error is caught while starting worker 0, error: <class 'IsADirectoryError'>")
+    assert f"cannot save checkpoint {root / 'iter_0000005'}: rank 1: RuntimeError: Worker failure: {said}" in line, line
     assert f"the tracker is not advanced: the latest intact checkpoint is iteration 8 ({root / 'iter_0000008'})" \
            in line, line
     assert (root / TRACKER).read_text().strip() == "8" and not (root / "iter_0000005" / MANIFEST).exists()
