@@ -25,6 +25,7 @@ import difflib
 from typing import Sequence
 
 from .common import ArgumentError, Problem
+from .fork_flags import FORK_FLAGS, fork_flag_answer
 from .megatron_flags import megatron_lm_flags
 
 __all__ = ["MegatronZBArgumentParser", "UnsupportedFlagError", "unknown_flag_error"]
@@ -42,6 +43,10 @@ WHY_NOT: dict[str, str] = {
                              "schedule splits the backward, and Megatron-LM's flag would also move megatron-core "
                              "DDP's gradient hook into TE's backward_dw (DistributedDataParallelConfig."
                              "delay_wgrad_compute), where it would drop the gradients megatron-zb settles",
+    "--use-tp-pp-dp-mapping": "megatron-zb builds megatron-core's default rank order (tp-cp-ep-dp-pp), the only "
+                              "one its pipeline runtime is tested on; without the flag ranks are placed as in "
+                              "Megatron-LM by default (the zero-bubble fork's pretrain_offload.sh passes it to keep "
+                              "pipeline neighbours on one node)",
 }
 """Megatron-LM flags refused for a reason of their own (flag -> why), not as "not supported yet"."""
 
@@ -50,6 +55,8 @@ def unknown_flag_error(flag: str, supported: Sequence[str],
     """The error for ``flag`` (``--name``, no value), which is not among ``supported``. ``megatron_lm``:
     (version, flags) of the Megatron-LM release it is named against; default: the one that goes with
     the installed megatron-core (``megatron_flags.megatron_lm_flags()``)."""
+    if flag in FORK_FLAGS:
+        return UnsupportedFlagError(flag, fork_flag_answer(flag))
     if flag in WHY_NOT:
         return UnsupportedFlagError(flag, f"{flag} is refused: {WHY_NOT[flag]}; remove it")
     version, flags = megatron_lm if megatron_lm is not None else megatron_lm_flags()

@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .flags import WHY_NOT, unknown_flag_error
+from .fork_flags import FORK_FLAGS
 from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_VERSION
 
 __all__ = ["ACCEPTED", "FlagSupport", "flag_support", "flag_table_markdown", "parser_flags"]
@@ -95,5 +96,7 @@ def flag_table_markdown(parser: argparse.ArgumentParser) -> str:
                   + (", or how to do without: " + ", ".join(f"`{n}`" for n in fixes) if fixes else "") + "): "
               + ", ".join(f"`{n}`" for n in not_yet) + ".",
               "", "megatron-zb's own flags (not Megatron-LM's): "
-              + ", ".join(f"`{n}`" for n in sorted(supported - MEGATRON_LM_FLAGS)) + "."]
+              + ", ".join(f"`{n}`" for n in sorted(supported - MEGATRON_LM_FLAGS - set(FORK_FLAGS))) + ".",
+              "", "Flags of the zero-bubble fork and of VocabularyParallelism: each answered by name (\"Moving from "
+              "the zero-bubble fork\" below)."]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ from .common import NOTICES, ArgumentError, flag
 from .data import check_data, resolve_tokenizer_vocab
 from .housekeeping import check_memory_flags, check_profiling
 from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
+from .fork_flags import check_fork_flags
 from .fp8 import check_fp8
 from .kernels import resolve_kernels
 from .logging_flags import check_logging, check_memory_logging, check_timing_log
@@ -119,6 +120,7 @@ CHECKS: tuple[Check, ...] = (
     Check("profiling", lambda a, r: check_profiling(a), needs=("ranges", "training_values")),
     Check("memory_flags", lambda a, r: check_memory_flags(a)),
     Check("backend", lambda a, r: resolve_backend(a)),
+    Check("fork_flags", lambda a, r: check_fork_flags(a)),
 )
 """Every check in order; the names are what ``needs`` refer to (extra checks may name them too)."""
 
