@@ -84,7 +84,7 @@ def test_megatron_defaults_and_choices():
                                                             "NullTokenizer", "GPTSentencePieceTokenizer",
                                                             "Llama2Tokenizer", "TikTokenizer"}
     assert set(by_flag["--distributed-backend"].choices) == {"auto", "gloo", "nccl"}
-    with pytest.raises(SystemExit):
+    with pytest.raises(ArgumentError, match="^--schedule: invalid choice 'no-such-schedule'; choose from 1f1b, "):
         parse_args(shlex.split(BASE + " --schedule no-such-schedule"))
 
 
