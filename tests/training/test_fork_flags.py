@@ -155,3 +155,13 @@ def test_vocab_parallel_takes_the_family_s_vocabulary_form(extra, schedule, line
 ])
 def test_vocab_form_refusals_name_the_schedule_to_use(extra, line):
     assert str(report(extra)) == line
+
+
+def test_the_docs_answer_every_fork_flag():
+    """docs/training.md "Moving from the zero-bubble fork" names each flag of the table."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    section = doc.split("## Moving from the zero-bubble fork", 1)[1].split("\n## ", 1)[0]
+    missing = [name for name in FORK_FLAGS if f"`{name}`" not in section]
+    assert not missing, missing
