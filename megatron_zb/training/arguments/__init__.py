@@ -43,7 +43,9 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``data_parallel_size``              ``world_size / (TP * PP)``
 ``num_microbatches``                micro batches per iteration per DP rank,
                                     ``global_batch_size / (micro_batch_size * DP)``
-``schedule``                        resolved schedule name (``1f1b`` when no zero-bubble flag);
+``schedule``                        resolved schedule name (``1f1b`` when no zero-bubble flag; with
+                                    ``--enable-vocab-parallel`` and no ``--schedule``, the family's
+                                    ``-vocab-2`` form, ``-vocab-1`` with ``--disable-backward-fusion``);
                                     the ``--schedule`` flag itself is ``schedule_requested``
 ``schedule_selected_by``            the flag that chose the schedule (for error messages)
 ``schedule_placement``              ``"plain"``, ``"interleaved"`` or ``"v"``
@@ -67,6 +69,8 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``lr_decay_iters``                  with ``--train-iters``: default ``train_iters`` [iterations]
 ``lr_decay_samples``                with ``--train-samples``: default ``train_samples`` [samples]
 ``distributed_backend``             ``"nccl"`` or ``"gloo"`` (``auto`` resolved)
+``expert_tensor_parallel_size``     ``--tensor-model-parallel-size`` (the only value accepted, as
+                                    Megatron-LM's default)
 ``post_validation_warmup_iters``    with ``--enable-optimizer-post-validation``: the flag's value,
                                     default 10 [iterations]; ``None`` without post-validation
 ``post_validation_fallback_clean_iters``  the same for ``--post-validation-fallback-clean-iters``
