@@ -171,10 +171,29 @@ def _wrap(runtime: Any, *, schedule: str, v: bool) -> Callable:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """The zero-bubble group of ``pretrain_gpt_zb.py`` on Megatron-LM's parser."""
+    """The zero-bubble group of ``pretrain_gpt_zb.py`` on Megatron-LM's parser, and the flags of the
+    zero-bubble fork and VocabularyParallelism (the refused ones hidden, so that :func:`configure`
+    answers them by name instead of Megatron-LM's parser stopping at them)."""
+    from ..training.arguments.fork_flags import add_fork_args
     from ..training.arguments.zero_bubble import add_zero_bubble_args
 
     add_zero_bubble_args(parser)
+    add_fork_args(parser, refused=True)
+
+
+_SAID: set[str] = set()
+"""The start-up lines already printed by this process (Megatron-LM parses more than once)."""
+
+
+def _say_notices(args: argparse.Namespace) -> None:
+    """Print the start-up lines the shared checks added (``validation_notices``) once, on rank 0."""
+    from ..training.arguments.common import NOTICES
+
+    for line in getattr(args, NOTICES, None) or ():
+        if line not in _SAID and getattr(args, "rank", 0) == 0:
+            print(f"megatron-zb: {line}", flush=True)
+        _SAID.add(line)
+    setattr(args, NOTICES, [])
 
 
 def configure(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -183,10 +202,20 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
     when no zero-bubble schedule was asked for. A V schedule sets Megatron-LM's
     ``--num-virtual-stages-per-pipeline-rank`` (:func:`~megatron_zb.megatron_lm.v.check_v`).
     Raises :class:`ArgumentError` naming the flag."""
+    try:
+        return _configure(args)
+    finally:
+        _say_notices(args)
+
+
+def _configure(args: argparse.Namespace) -> dict[str, Any] | None:
+    """:func:`configure` but for printing the start-up lines."""
     from .optimizer import check_flags as check_post_validation
     from ..schedules.ir import Placement
+    from ..training.arguments.fork_flags import check_fork_flags
     from ..training.arguments.zero_bubble import select_schedule
 
+    check_fork_flags(args)
     for dest, why in NOT_YET.items():
         if getattr(args, dest, None):
             raise ArgumentError(flag(dest), f"not supported inside Megatron-LM's loop: {why}")
@@ -214,7 +243,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
         raise ArgumentError("--schedule", f"{name!r} has the {spec.placement.value} placement but Megatron-LM "
                                           f"builds {chunks} model chunk(s) per rank; match --num-layers-per-virtual-"
                                           f"pipeline-stage to the schedule")
-    if pending is None and args.enable_zero_bubble:
+    if pending is None and selected_by == "--enable-zero-bubble":
         pending = args.pipeline_model_parallel_size  # ZB-1p: 1F1B's activation memory, as the fork does
     if pending is not None and pending < 1:
         raise ArgumentError("--zero-bubble-max-pending-backward", f"must be >= 1 micro batch, got {pending}")

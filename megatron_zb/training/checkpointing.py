@@ -399,7 +399,7 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
         sd["rng_state"] = _rng_sharded_object(None)
     error = None
     try:
-        loaded = dist_checkpointing.load(sd, path)
+        loaded = dist_checkpointing.load(sd, path, strict=config.checkpoint.dist_ckpt_strictness)
         for i, module in enumerate(chunks):
             module.load_state_dict(loaded[_model_key(i, len(chunks))], strict=True)
         if vocab is not None:

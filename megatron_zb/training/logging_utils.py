@@ -13,6 +13,8 @@ The per-iteration line (:func:`format_iteration_line`) is Megatron's, field for 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import re
 import sys
 from typing import Any, Mapping, Sequence
@@ -34,6 +36,16 @@ TIMESTAMP_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
 # ---------------------------------------------------------------------------- ranks and printing
+def set_logging_level(level: int | None) -> None:
+    """Megatron-LM's ``setup_logging``: the root logger's level from ``--logging-level`` (``level``),
+    else from ``$MEGATRON_LOGGING_LEVEL``; unchanged when neither is given."""
+    env = os.getenv("MEGATRON_LOGGING_LEVEL")
+    if level is None and env is not None:
+        level = int(env)
+    if level is not None:
+        logging.getLogger().setLevel(level)
+
+
 def _rank_and_size() -> tuple[int, int]:
     try:
         import torch.distributed as dist

@@ -49,7 +49,7 @@ from megatron_zb.training.distributed import DistributedContext, init_distribute
 from megatron_zb.training.evaluation import evaluate
 from megatron_zb.training.gpt_step import device_batches, run_batch, sum_lm_loss
 from megatron_zb.training.housekeeping import LoopHooks
-from megatron_zb.training.logging_utils import print_rank_0, tensorboard_writer
+from megatron_zb.training.logging_utils import print_rank_0, set_logging_level, tensorboard_writer
 from megatron_zb.training.cost_window import CostWindow
 from megatron_zb.training.measured_timeline import MeasuredTimeline
 from megatron_zb.training.model_setup import ModelBundle, build_model
@@ -101,6 +101,11 @@ class Trainer:
         """Set the run up (collective). ``schedule``: the unit-cost schedule validation built
         (:attr:`~megatron_zb.training.arguments.ValidatedArgs.schedule`); ``None`` builds it again."""
         self.config: RunConfig = run_config(args)
+        set_logging_level(self.config.logging.logging_level)
+        if self.config.model.enable_experimental:
+            from megatron.core.config import set_experimental_flag
+
+            set_experimental_flag(True)
         ckpt = self.config.checkpoint
         self.t_start = time.perf_counter()
         # post-validation: optimizer step index -> (iteration, its global batch size)

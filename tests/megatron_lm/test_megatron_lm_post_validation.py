@@ -144,8 +144,6 @@ def _pv_flags(*argv: str, **megatron_lm: object) -> object:
      "--enable-optimizer-post-validation: needs a zero-bubble schedule, but the schedule is megatron-core's own"),
     (("--schedule", "1f1b", "--enable-optimizer-post-validation"), {},
      "--enable-optimizer-post-validation: needs a zero-bubble schedule, but the schedule is '1f1b'"),
-    (("--enable-zero-bubble", "--enable-exactly-numeric-match"), {},
-     "--enable-exactly-numeric-match: only applies with --enable-optimizer-post-validation"),
     (("--enable-zero-bubble", "--post-validation-warmup-iters", "2"), {},
      "--post-validation-warmup-iters: only applies with --enable-optimizer-post-validation"),
     (("--enable-zero-bubble", "--enable-optimizer-post-validation"), {"optimizer": "sgd"},

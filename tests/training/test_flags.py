@@ -76,3 +76,22 @@ def test_pretrain_script_exits_2_with_one_line_before_any_process_group(tmp_path
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("pretrain_gpt_zb.py: error:")]
     assert len(errors) == 1 and message in errors[0]
     assert "initializing torch distributed" not in proc.stdout + proc.stderr
+
+
+def test_invalid_choices_join_the_report_with_the_other_problems():
+    """A value outside a flag's choices does not stop argparse first: it is one line of the one report
+    (pretrain_gpt_zb.py prints it and exits 2, test_pretrain_script_exits_2_...), with the unknown flags
+    and the failing checks (the flag left at its default for the checks)."""
+    from megatron_zb.training import pretrain
+
+    extra = ("--moe-token-dispatcher-type flex --cpu-offload --timing-log-level 3 --num-layers 3 "
+             "--pipeline-model-parallel-size 2")
+    with pytest.raises(ArgumentError) as e:
+        pretrain.parse_command_line(shlex.split(BASE + " " + extra), world_size=2)
+    assert [p.flag for p in e.value.problems] == ["--cpu-offload", "--moe-token-dispatcher-type",
+                                                  "--timing-log-level", "--num-layers"]
+    text = str(e.value)
+    assert text.startswith("4 problems with the command line (each names the flag and the fix):\n")
+    assert "\n  --moe-token-dispatcher-type: invalid choice 'flex'; choose from allgather, alltoall\n" in text
+    assert "\n  --timing-log-level: invalid choice 3; choose from 0, 1, 2\n" in text
+    assert "\n  --num-layers: 3 layers cannot be split evenly over 2 pipeline stages" in text

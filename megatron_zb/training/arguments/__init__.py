@@ -23,7 +23,8 @@ tokenizer), :mod:`.checkpointing_logging`, :mod:`.housekeeping` (profiling, garb
 CUDA cache), :mod:`.zero_bubble` (schedule, memory limit, profiling,
 post-validation) and :mod:`.developer` (``pretrain_gpt_zb.py``'s extra flags). :mod:`.validation`
 orders the checks (with what each needs) and holds the numeric ranges of all flags;
-:mod:`.flags` turns unknown flags into problems; :mod:`.support` classes every Megatron-LM flag
+:mod:`.flags` turns unknown flags into problems; :mod:`.fork_flags` answers the flags of the zero-bubble
+fork and of VocabularyParallelism; :mod:`.support` classes every Megatron-LM flag
 (implemented / accepted / refused) for the table of docs/training.md (``scripts/flag_table.py``).
 
 Adding a flag: ``g.add_argument`` in its group's ``add_*_args`` (Megatron's name, default and
@@ -42,7 +43,9 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``data_parallel_size``              ``world_size / (TP * PP)``
 ``num_microbatches``                micro batches per iteration per DP rank,
                                     ``global_batch_size / (micro_batch_size * DP)``
-``schedule``                        resolved schedule name (``1f1b`` when no zero-bubble flag);
+``schedule``                        resolved schedule name (``1f1b`` when no zero-bubble flag; with
+                                    ``--enable-vocab-parallel`` and no ``--schedule``, the family's
+                                    ``-vocab-2`` form, ``-vocab-1`` with ``--disable-backward-fusion``);
                                     the ``--schedule`` flag itself is ``schedule_requested``
 ``schedule_selected_by``            the flag that chose the schedule (for error messages)
 ``schedule_placement``              ``"plain"``, ``"interleaved"`` or ``"v"``
@@ -66,6 +69,8 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``lr_decay_iters``                  with ``--train-iters``: default ``train_iters`` [iterations]
 ``lr_decay_samples``                with ``--train-samples``: default ``train_samples`` [samples]
 ``distributed_backend``             ``"nccl"`` or ``"gloo"`` (``auto`` resolved)
+``expert_tensor_parallel_size``     ``--tensor-model-parallel-size`` (the only value accepted, as
+                                    Megatron-LM's default)
 ``post_validation_warmup_iters``    with ``--enable-optimizer-post-validation``: the flag's value,
                                     default 10 [iterations]; ``None`` without post-validation
 ``post_validation_fallback_clean_iters``  the same for ``--post-validation-fallback-clean-iters``
@@ -122,6 +127,7 @@ from megatron_zb.model.gpt_chunks import split_layers
 from .checkpointing_logging import add_checkpointing_args, add_validation_and_logging_args
 from .common import ArgumentError, Problem
 from .flags import MegatronZBArgumentParser
+from .fork_flags import add_fork_args
 from .housekeeping import add_housekeeping_args
 from .data import TOKENIZER_TYPES, add_data_args, parse_data_blend
 from .implementation import add_implementation_args
@@ -160,8 +166,9 @@ _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_network_args, add_implementation_args, add_kernel_args, add_training_args, add_learning_rate_args,
     add_mixed_precision_args, add_fp8_args, add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
     add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_housekeeping_args,
-    add_zero_bubble_args)
-"""The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags)."""
+    add_zero_bubble_args, add_fork_args)
+"""The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags, then the accepted flags
+of the zero-bubble fork and VocabularyParallelism)."""
 
 
 def build_parser(*, extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:

@@ -16,6 +16,11 @@ CKPT_FORMATS: tuple[str, ...] = ("torch", "torch_dist", "torch_dcp", "fsdp_dtens
 """Megatron-LM core_v0.16.1's ``--ckpt-format`` choices (``CheckpointConfig.ckpt_format``)."""
 
 
+DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                        "ignore_all")
+"""``--dist-ckpt-strictness`` choices: Megatron-LM core_v0.16.1's but ``return_unexpected`` / ``return_all``."""
+
+
 def _signal(name: str) -> signal.Signals:
     """``SIGTERM`` -> ``signal.SIGTERM`` (Megatron-LM's ``--exit-signal`` values)."""
     try:
@@ -35,6 +40,13 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
                    help="Directory to load a checkpoint from (the iteration its latest_checkpointed_iteration.txt "
                         "names). A damaged checkpoint, or one of another model or learning-rate schedule, is "
                         "refused in one line before anything is written.")
+    g.add_argument("--dist-ckpt-strictness", choices=DIST_CKPT_STRICTNESS, default="assume_ok_unexpected",
+                   help="What loading a checkpoint does with keys missing from it or unexpected in it "
+                        "(megatron-core's StrictHandling; Megatron-LM's return_* modes, which return the keys "
+                        "instead of acting on them, are not offered).")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="Accepted: megatron-zb always detects the format of --load (torch_dist is read; Megatron-LM's "
+                        "torch format is refused naming the conversion).")
     g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
                    help="Checkpoint format (Megatron-LM's choices, default torch_dist): megatron-zb writes and "
                         "reads torch_dist only; the others are refused.")
@@ -155,3 +167,11 @@ def check_load_format(args: argparse.Namespace) -> None:
     problem = None if path is None else torch_format(path)
     if problem is not None:
         raise ArgumentError("--load", problem)
+
+
+def check_auto_detect_ckpt_format(args: argparse.Namespace) -> None:
+    """``--auto-detect-ckpt-format``: a start-up WARNING (the format of ``--load`` is always detected)."""
+    if args.auto_detect_ckpt_format:
+        notice(args, "WARNING: --auto-detect-ckpt-format has no effect: megatron-zb always detects the format of "
+                     "--load; it reads torch_dist checkpoints and refuses Megatron-LM's torch format by name, with "
+                     "the conversion to run")

@@ -14,8 +14,10 @@ any process group starts) naming the first unknown flag:
   closest supported flag by ``difflib`` similarity, when one is similar enough).
 
 Every unknown flag of a command line is reported, in the order given, in one error (one
-:class:`~.common.Problem` each); :meth:`MegatronZBArgumentParser.parse_known_flags` returns them
-instead of raising, so that validation can add its own problems to the same report.
+:class:`~.common.Problem` each), and so is every value outside a flag's choices ("--flag: invalid
+choice 'x'; choose from a, b", the flag then left at its default so that validation goes on);
+:meth:`MegatronZBArgumentParser.parse_known_flags` returns them instead of raising, so that
+validation can add its own problems to the same report.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import difflib
 from typing import Sequence
 
 from .common import ArgumentError, Problem
+from .fork_flags import FORK_FLAGS, fork_flag_answer
 from .megatron_flags import megatron_lm_flags
 
 __all__ = ["MegatronZBArgumentParser", "UnsupportedFlagError", "unknown_flag_error"]
@@ -42,6 +45,10 @@ WHY_NOT: dict[str, str] = {
                              "schedule splits the backward, and Megatron-LM's flag would also move megatron-core "
                              "DDP's gradient hook into TE's backward_dw (DistributedDataParallelConfig."
                              "delay_wgrad_compute), where it would drop the gradients megatron-zb settles",
+    "--use-tp-pp-dp-mapping": "megatron-zb builds megatron-core's default rank order (tp-cp-ep-dp-pp), the only "
+                              "one its pipeline runtime is tested on; without the flag ranks are placed as in "
+                              "Megatron-LM by default (the zero-bubble fork's pretrain_offload.sh passes it to keep "
+                              "pipeline neighbours on one node)",
 }
 """Megatron-LM flags refused for a reason of their own (flag -> why), not as "not supported yet"."""
 
@@ -50,6 +57,8 @@ def unknown_flag_error(flag: str, supported: Sequence[str],
     """The error for ``flag`` (``--name``, no value), which is not among ``supported``. ``megatron_lm``:
     (version, flags) of the Megatron-LM release it is named against; default: the one that goes with
     the installed megatron-core (``megatron_flags.megatron_lm_flags()``)."""
+    if flag in FORK_FLAGS:
+        return UnsupportedFlagError(flag, fork_flag_answer(flag))
     if flag in WHY_NOT:
         return UnsupportedFlagError(flag, f"{flag} is refused: {WHY_NOT[flag]}; remove it")
     version, flags = megatron_lm if megatron_lm is not None else megatron_lm_flags()
@@ -66,19 +75,34 @@ class MegatronZBArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose unknown flags raise :class:`UnsupportedFlagError` (all of them
     in one :class:`~.common.ArgumentError`)."""
 
+    _bad_choices: list[tuple[argparse.Action, object]] | None = None
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        """argparse's check of ``value`` against ``action.choices``; inside :meth:`parse_known_flags`
+        a value outside them is collected for the report instead of stopping the parse."""
+        if self._bad_choices is not None and action.choices is not None and value not in action.choices:
+            self._bad_choices.append((action, value))
+            return
+        super()._check_value(action, value)
+
     def parse_known_flags(self, args: Sequence[str] | None = None,
                           namespace: argparse.Namespace | None = None
                           ) -> tuple[argparse.Namespace, ArgumentError | None]:
         """Parse ``args``; return the namespace of the known flags and the error naming every unknown
-        flag (``None`` when there is none). Bad values of known flags are argparse's errors, as ever."""
-        parsed, extras = self.parse_known_args(args, namespace)
-        if not extras:
-            return parsed, None
+        flag and every value outside its flag's choices (``None`` when there is none; such a flag is
+        left at its default). Other bad values of known flags are argparse's errors, as ever."""
+        self._bad_choices = []
+        try:
+            parsed, extras = self.parse_known_args(args, namespace)
+            bad, self._bad_choices = self._bad_choices, None
+        finally:
+            self._bad_choices = None
         flags = list(dict.fromkeys(e.split("=", 1)[0] for e in extras if e.startswith("--")))
-        if not flags:
+        if extras and not flags:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         supported = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
-        return parsed, ArgumentError.combine([unknown_flag_error(f, supported) for f in flags])
+        errors = [unknown_flag_error(f, supported) for f in flags] + [_invalid_choice(parsed, a, v) for a, v in bad]
+        return parsed, ArgumentError.combine(errors) if errors else None
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
@@ -86,3 +110,11 @@ class MegatronZBArgumentParser(argparse.ArgumentParser):
         if unknown is not None:
             raise unknown
         return parsed
+
+
+def _invalid_choice(parsed: argparse.Namespace, action: argparse.Action, value: object) -> ArgumentError:
+    """The problem of ``value`` outside ``action.choices``; the flag goes back to its default in ``parsed``."""
+    setattr(parsed, action.dest, action.default)
+    name = max(action.option_strings, key=len)
+    choices = ", ".join(str(c) for c in action.choices)  # type: ignore[union-attr]
+    return ArgumentError(name, f"invalid choice {value!r}; choose from {choices}")

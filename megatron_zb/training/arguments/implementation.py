@@ -36,6 +36,8 @@ APEX_WGRAD_MODULE = "fused_weight_gradient_mlp_cuda"
 
 def add_implementation_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("transformer implementation")
+    g.add_argument("--enable-experimental", action="store_true",
+                   help="Enable megatron-core's experimental features (megatron.core.config's flag), as Megatron-LM.")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
                    help="Layer implementation: megatron-core's local spec or its Transformer Engine spec "
                         "(TE >= 2.3; weight gradients delayed to W under split-backward schedules). Default: "

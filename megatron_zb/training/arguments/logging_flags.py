@@ -28,6 +28,12 @@ def add_logging_extra_args(parser: argparse.ArgumentParser) -> None:
                    help="Add the number of zero gradient elements of the step to the iteration line (num zeros) "
                         "and TensorBoard (num-zeros): megatron-core's OptimizerConfig.log_num_zeros_in_grad; with "
                         "optimizer post-validation, the validated count.")
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="The level of Python's root logger (logging.DEBUG = 10, INFO = 20, ...), as Megatron-LM; "
+                        "default: $MEGATRON_LOGGING_LEVEL, else unchanged.")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Accepted: megatron-zb always writes the validation perplexity to TensorBoard "
+                        "('lm loss validation ppl').")
     g.add_argument("--log-memory-to-tensorboard", action="store_true",
                    help="Write the CUDA caching allocator's statistics to TensorBoard (mem-reserved-bytes, "
                         "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count), as Megatron-LM; "

@@ -68,6 +68,9 @@ def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
                         "stability. Needs apex or Transformer Engine.")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="Standard deviation of the zero-mean normal weight initialisation (default 0.02).")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="Initialise the weights on the CPU (megatron-core's use_cpu_initialization). Always on in "
+                        "megatron-zb: the same weights for every placement of the layers; the flag changes nothing.")
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
                    help="Compute the attention softmax in fp32 (with fp16/bf16).")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",

@@ -64,6 +64,12 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                    default="aux_loss", help="Load-balancing strategy of the router (default aux_loss).")
     g.add_argument("--moe-token-dispatcher-type", type=str, choices=TOKEN_DISPATCHERS, default="allgather",
                    help="How tokens reach their experts: allgather (default) or alltoall.")
+    g.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                   help="Data type of the router's scores and of the weighted sum of the experts' outputs "
+                        "(megatron-core's TransformerConfig.moe_router_dtype); default: the model's.")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="Tensor-parallel size of the experts; megatron-zb splits them like the dense layers: "
+                        "--tensor-model-parallel-size only (Megatron-LM's default).")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Expert-parallel size: the experts of a layer are split over this many data-parallel "
                         "ranks of a pipeline stage (must divide the data-parallel size and --num-experts; "
@@ -164,3 +170,14 @@ def _layer_pattern(freq: int | list[int], num_layers: int) -> list[int]:
     if not any(freq):
         raise ArgumentError("--moe-layer-freq", "the pattern has no MoE layer; drop --num-experts for a dense model")
     return list(freq)
+
+
+def check_expert_tensor_parallel(args: argparse.Namespace) -> None:
+    """``--expert-tensor-parallel-size``: the experts are split over the tensor-parallel ranks like the
+    dense layers, so only ``--tensor-model-parallel-size`` itself; defaults to it (as Megatron-LM)."""
+    tp, etp = args.tensor_model_parallel_size, args.expert_tensor_parallel_size
+    if etp is not None and etp != tp:
+        raise ArgumentError("--expert-tensor-parallel-size",
+                            f"{etp} is not supported: megatron-zb splits the experts over the tensor-parallel "
+                            f"ranks like the dense layers; give --tensor-model-parallel-size's {tp} or drop the flag")
+    args.expert_tensor_parallel_size = tp

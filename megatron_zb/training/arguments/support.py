@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .flags import WHY_NOT, unknown_flag_error
+from .fork_flags import FORK_FLAGS
 from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_VERSION
 
 __all__ = ["ACCEPTED", "FlagSupport", "flag_support", "flag_table_markdown", "parser_flags"]
@@ -37,6 +38,16 @@ ACCEPTED: dict[str, str] = {
     "--context-parallel-size": "1 only (no context parallelism); a larger value is refused with the reason",
     "--ckpt-format": "torch_dist only (Megatron-LM's default, what megatron-zb writes and reads); the other "
                      "formats are refused with the reason",
+    "--use-cpu-initialization": "always on in megatron-zb (every placement of the layers gets the same weights, "
+                                "initialised on the CPU), so the flag changes nothing",
+    "--expert-tensor-parallel-size": "`--tensor-model-parallel-size`'s value only (Megatron-LM's default: experts "
+                                     "split like the dense layers); another value is refused with the reason",
+    "--dist-ckpt-strictness": "megatron-core's StrictHandling at load, as Megatron-LM, but for `return_unexpected` / "
+                              "`return_all` (they return the keys instead of acting on them; refused)",
+    "--auto-detect-ckpt-format": "no effect: the format of `--load` is always detected (torch_dist read, Megatron-LM's "
+                                 "torch format refused naming the conversion); a start-up WARNING says so",
+    "--log-validation-ppl-to-tensorboard": "always on in megatron-zb (`lm loss validation ppl` is written with "
+                                           "every validation loss), so the flag changes nothing",
     "--no-position-embedding": "no-op with `--position-embedding-type rope` (no learned position table); refused "
                                "otherwise, as Megatron-LM (deprecated there)",
 }
@@ -95,5 +106,7 @@ def flag_table_markdown(parser: argparse.ArgumentParser) -> str:
                   + (", or how to do without: " + ", ".join(f"`{n}`" for n in fixes) if fixes else "") + "): "
               + ", ".join(f"`{n}`" for n in not_yet) + ".",
               "", "megatron-zb's own flags (not Megatron-LM's): "
-              + ", ".join(f"`{n}`" for n in sorted(supported - MEGATRON_LM_FLAGS)) + "."]
+              + ", ".join(f"`{n}`" for n in sorted(supported - MEGATRON_LM_FLAGS - set(FORK_FLAGS))) + ".",
+              "", "Flags of the zero-bubble fork and of VocabularyParallelism: each answered by name (\"Moving from "
+              "the zero-bubble fork\" below)."]
     return "\n".join(lines) + "\n"

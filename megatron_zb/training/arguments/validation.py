@@ -17,18 +17,19 @@ from typing import Any, Callable, Sequence
 
 from megatron_zb.schedules.ir import Schedule
 
-from .checkpointing_logging import (check_checkpointing, check_exit_duration, check_load_flags, check_load_format,
-                                    check_save_directory)
+from .checkpointing_logging import (check_auto_detect_ckpt_format, check_checkpointing, check_exit_duration,
+                                    check_load_flags, check_load_format, check_save_directory)
 from .common import NOTICES, ArgumentError, flag
 from .data import check_data, check_data_files, check_data_splits, resolve_tokenizer_vocab
 from .housekeeping import check_memory_flags, check_profiling
 from .implementation import resolve_gradient_accumulation_fusion, resolve_transformer_impl
+from .fork_flags import check_fork_flags
 from .fp8 import check_fp8
 from .kernels import resolve_kernels
 from .logging_flags import check_logging, check_memory_logging, check_timing_log
 from .model import (check_architecture, check_attention_heads, check_model_kind, check_position_embeddings,
                     check_zero_centered_gamma, fill_model_sizes)
-from .moe import check_moe
+from .moe import check_expert_tensor_parallel, check_moe
 from .parallel import (check_batch_sizes, check_context_parallel, check_data_parallel_overlap, check_sequence_parallel,
                        check_world_size, resolve_backend, resolve_p2p_overlap)
 from .recompute import check_recompute
@@ -124,6 +125,9 @@ CHECKS: tuple[Check, ...] = (
     Check("profiling", lambda a, r: check_profiling(a), needs=("ranges", "training_values")),
     Check("memory_flags", lambda a, r: check_memory_flags(a)),
     Check("backend", lambda a, r: resolve_backend(a)),
+    Check("fork_flags", lambda a, r: check_fork_flags(a)),
+    Check("expert_tensor_parallel", lambda a, r: check_expert_tensor_parallel(a), needs=("ranges",)),
+    Check("auto_detect_ckpt_format", lambda a, r: check_auto_detect_ckpt_format(a)),
 )
 """Every check in order; the names are what ``needs`` refer to (extra checks may name them too)."""
 

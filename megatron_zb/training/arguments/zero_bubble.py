@@ -10,9 +10,10 @@ from megatron_zb.planning.layout import LayerSplit, layers_per_stage
 from megatron_zb.schedules.ir import Placement, Schedule, ScheduleError, vocab_passes_unsupported
 from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spec, schedule_names, vocab_schedule_names
 
-from .common import ArgumentError, flag
+from .common import ArgumentError, flag, notice
 
 __all__ = [
+    "EXACT_MATCH_WITHOUT_POST_VALIDATION",
     "POST_VALIDATION_FALLBACK_CLEAN_ITERS",
     "POST_VALIDATION_WARMUP_ITERS",
     "V_MEM_SETUP_TO_SCHEDULE",
@@ -123,18 +124,22 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
 
 def select_schedule(args: argparse.Namespace) -> tuple[str | None, str]:
     """The schedule the zero-bubble flags ask for and the flag that chose it: ``--zero-bubble-v-schedule``
-    (memory setup from ``--zero-bubble-v-schedule-mem-setup``), ``--schedule``, ``--enable-zero-bubble``;
-    ``(None, "--schedule")`` when none does. Raises :class:`ArgumentError` for contradicting flags."""
+    (memory setup from ``--zero-bubble-v-schedule-mem-setup``; with ``--enable-zero-bubble`` too, as the
+    zero-bubble fork reads the pair, logged), ``--schedule``, ``--enable-zero-bubble``; ``(None,
+    "--schedule")`` when none does. Raises :class:`ArgumentError` for contradicting flags."""
     if args.zero_bubble_v_schedule_mem_setup is not None and not args.zero_bubble_v_schedule:
         raise ArgumentError("--zero-bubble-v-schedule-mem-setup",
                             "only applies to V schedules; add --zero-bubble-v-schedule or drop this flag")
     if args.zero_bubble_v_schedule:
-        for dest, other in (("enable_zero_bubble", "--enable-zero-bubble"), ("schedule_requested", "--schedule")):
-            if getattr(args, dest):
-                raise ArgumentError("--zero-bubble-v-schedule",
-                                    f"cannot be combined with {other}; keep --zero-bubble-v-schedule (with "
-                                    f"--zero-bubble-v-schedule-mem-setup) or {other}, not both")
-        return V_MEM_SETUP_TO_SCHEDULE[args.zero_bubble_v_schedule_mem_setup or "zb"], "--zero-bubble-v-schedule"
+        if args.schedule_requested is not None:
+            raise ArgumentError("--zero-bubble-v-schedule",
+                                "cannot be combined with --schedule; keep --zero-bubble-v-schedule (with "
+                                "--zero-bubble-v-schedule-mem-setup) or --schedule, not both")
+        name = V_MEM_SETUP_TO_SCHEDULE[args.zero_bubble_v_schedule_mem_setup or "zb"]
+        if args.enable_zero_bubble:
+            notice(args, f"--enable-zero-bubble --zero-bubble-v-schedule: the V schedule {name!r} (the zero-bubble "
+                         f"fork's reading of the pair; --zero-bubble-v-schedule alone means the same)")
+        return name, "--zero-bubble-v-schedule"
     if args.schedule_requested is not None:
         return args.schedule_requested, "--schedule"
     if args.enable_zero_bubble:
@@ -142,11 +147,40 @@ def select_schedule(args: argparse.Namespace) -> tuple[str | None, str]:
     return None, "--schedule"
 
 
+def _vocab_form(args: argparse.Namespace, name: str, selected_by: str | None) -> str:
+    """``--enable-vocab-parallel`` without ``--schedule``: the vocabulary-parallel form of the family
+    the other flags chose (``name``, chosen by the flag ``selected_by``; 1F1B and ``None`` without
+    one), logged: Vocab-2 (one barrier, as
+    VocabularyParallelism by default), Vocab-1 with ``--disable-backward-fusion``. ``name`` otherwise."""
+    two_barriers = bool(getattr(args, "disable_backward_fusion", False))
+    if two_barriers and not args.enable_vocab_parallel:
+        raise ArgumentError("--disable-backward-fusion", "only applies with --enable-vocab-parallel; add it or drop "
+                                                         "this flag")
+    if not args.enable_vocab_parallel:
+        return name
+    form = "1" if two_barriers else "2"
+    if selected_by == "--schedule":
+        if two_barriers and not name.endswith("-vocab-1"):
+            raise ArgumentError("--disable-backward-fusion", f"asks for a Vocab-1 schedule (two barriers), but "
+                                                             f"--schedule is {name!r}; drop one of the two")
+        return name
+    vocab = f"{name}-vocab-{form}"
+    if vocab not in schedule_names():
+        raise ArgumentError("--enable-vocab-parallel", f"schedule {name!r} has no vocabulary-parallel form; "
+                                                       f"choose --schedule {_vocab_names()}")
+    by = selected_by or "no schedule flag (1F1B)"
+    notice(args, f"--enable-vocab-parallel with {by}: schedule {vocab!r}, the family's Vocab-{form} form ("
+                 + ("two all-reduce barriers, --disable-backward-fusion" if two_barriers else
+                    "one all-reduce barrier, as VocabularyParallelism by default; --disable-backward-fusion: "
+                    "Vocab-1") + ")")
+    return vocab
+
+
 def resolve_schedule(args: argparse.Namespace) -> ScheduleSpec:
     """Set ``args.schedule`` (and the placement-derived sizes); return the schedule's spec."""
     pp = args.pipeline_model_parallel_size
-    name, selected_by = select_schedule(args)
-    name = name or "1f1b"
+    chosen, selected_by = select_schedule(args)
+    name = _vocab_form(args, chosen or "1f1b", selected_by if chosen else None)
     try:
         spec = get_spec(name)
     except ScheduleError as e:
@@ -303,21 +337,30 @@ def check_zero_bubble_options(args: argparse.Namespace, spec: ScheduleSpec) -> N
 def check_post_validation(args: argparse.Namespace, spec: ScheduleSpec | None) -> None:
     """``--enable-optimizer-post-validation`` needs a schedule that splits the backward (``spec``:
     the schedule's; None: megatron-core's own schedule runs); ``--enable-exactly-numeric-match``
-    and the tuning flags only with it (then defaulted). Also the rule of ``megatron_zb.megatron_lm``."""
+    without it is accepted with a WARNING (:data:`EXACT_MATCH_WITHOUT_POST_VALIDATION`), the tuning
+    flags only with it (then defaulted). Also the rule of ``megatron_zb.megatron_lm``."""
     if args.enable_optimizer_post_validation and (spec is None or not spec.split_backward):
         what = "megatron-core's own" if spec is None else repr(spec.name)
         raise ArgumentError("--enable-optimizer-post-validation",
                             f"needs a zero-bubble schedule, but the schedule is {what}; add "
                             f"--enable-zero-bubble (or --zero-bubble-v-schedule) or drop the flag")
     if args.enable_exactly_numeric_match and not args.enable_optimizer_post_validation:
-        raise ArgumentError("--enable-exactly-numeric-match",
-                            "only applies with --enable-optimizer-post-validation; add that flag or drop this one")
+        notice(args, EXACT_MATCH_WITHOUT_POST_VALIDATION)
     if args.enable_optimizer_post_validation and not args.enable_exactly_numeric_match and not _torch_adam():
         raise ArgumentError("--enable-optimizer-post-validation",
                             "the in-place rollback inverts torch.optim Adam steps only, and megatron-core builds "
                             "Transformer Engine's or apex's FusedAdam here (installed); add "
                             "--enable-exactly-numeric-match (exact rollback)")
     _check_post_validation_tuning(args)
+
+
+EXACT_MATCH_WITHOUT_POST_VALIDATION = (
+    "WARNING: --enable-exactly-numeric-match without --enable-optimizer-post-validation has no effect: the "
+    "zero-bubble fork's numeric-match mode makes its schedules reproduce its 1F1B baseline, while megatron-zb's "
+    "schedules run megatron-core's own forward and backward steps and are bitwise equal to megatron-core's "
+    "schedule wherever the arithmetic is the same (docs/compatibility.md); with dropout on, the masks follow "
+    "the execution order, so compare with --attention-dropout 0 --hidden-dropout 0 (as the fork's scripts do)")
+"""The start-up line of ``--enable-exactly-numeric-match`` alone (with post-validation it is the exact rollback)."""
 
 
 def _torch_adam() -> bool:
@@ -385,8 +428,10 @@ def check_vocab_parallel(args: argparse.Namespace) -> None:
     if not args.enable_vocab_parallel:
         return
     if not get_spec(args.schedule).vocab_parallel:
+        forms = [f"{args.schedule}-vocab-{n}" for n in (2, 1) if f"{args.schedule}-vocab-{n}" in schedule_names()]
+        which = " or ".join(forms) if forms else _vocab_names()
         raise ArgumentError("--enable-vocab-parallel", f"needs a schedule that places the vocabulary passes: "
-                                                       f"--schedule {_vocab_names()} ({args.schedule!r} places none)")
+                                                       f"--schedule {which} ({args.schedule!r} places none)")
     cp = args.context_parallel_size
     bad = [what for what, on in (
         ("--context-parallel-size > 1", cp > 1),

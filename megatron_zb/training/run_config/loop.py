@@ -22,6 +22,8 @@ class CheckpointConfig:
     """``--save``: the directory checkpoints are written to; ``None``: none written."""
     load: str | None = None
     """``--load``: the directory a checkpoint is loaded from at start-up; ``None``: start from scratch."""
+    dist_ckpt_strictness: str = "assume_ok_unexpected"
+    """``--dist-ckpt-strictness``: megatron-core's ``StrictHandling`` of missing / unexpected keys at load."""
     save_interval: int | None = None
     """``--save-interval``: with ``--save``, a checkpoint after every this many iterations
     (``None`` or 0: only at the end and on an early exit) [iterations]."""
@@ -67,6 +69,9 @@ class LoggingConfig:
     log_interval: int = 100
     """``--log-interval``: an iteration line (and Megatron-LM's timers) after every this many
     iterations [iterations]."""
+    logging_level: int | None = None
+    """``--logging-level``: the root logger's level (``logging.INFO`` = 20); ``None``: ``$MEGATRON_LOGGING_LEVEL``,
+    else unchanged (:func:`~megatron_zb.training.logging_utils.set_logging_level`)."""
     tensorboard_dir: str | None = None
     """``--tensorboard-dir``: where TensorBoard scalars are written; ``None``: nowhere."""
     log_throughput: bool = False

@@ -48,6 +48,8 @@ class MoEConfig:
     """``--moe-token-dispatcher-type``."""
     moe_grouped_gemm: bool = False
     """``--moe-grouped-gemm``."""
+    moe_router_dtype: str | None = None
+    """``--moe-router-dtype``: ``"fp32"`` / ``"fp64"`` routing and weighted sum; ``None``: the model's dtype."""
 
     def transformer_config_kwargs(self, *, expert_model_parallel_size: int) -> dict[str, Any]:
         """The MoE fields of ``TransformerConfig``."""
@@ -56,7 +58,8 @@ class MoEConfig:
                     moe_router_load_balancing_type=self.moe_router_load_balancing_type,
                     moe_token_dispatcher_type=self.moe_token_dispatcher_type,
                     expert_model_parallel_size=expert_model_parallel_size,
-                    moe_layer_freq=list(self.moe_layer_pattern), moe_grouped_gemm=self.moe_grouped_gemm)
+                    moe_layer_freq=list(self.moe_layer_pattern), moe_grouped_gemm=self.moe_grouped_gemm,
+                    moe_router_dtype=self.moe_router_dtype)
 
     @classmethod
     def from_args(cls, args: Any) -> "MoEConfig | None":
@@ -134,6 +137,9 @@ class ModelConfig:
     """``--no-gradient-accumulation-fusion`` cleared, as resolved (apex's or megatron-zb's kernels)."""
     wgrad_kernel: str = "autograd"
     """Which kernel accumulates weight gradients (start-up log)."""
+    enable_experimental: bool = False
+    """``--enable-experimental``: megatron-core's experimental features on (``megatron.core.config``),
+    set before the model is built."""
     attention_backend: AttnBackend = field(default=AttnBackend.auto, metadata=TC)
     """``--attention-backend``: megatron-core's ``AttnBackend``."""
     masked_softmax_fusion: bool = field(default=False, metadata=TC)
