@@ -20,8 +20,8 @@ import pytest
 
 from megatron_zb.testing.distributed import cpu_run_env
 
-__all__ = ["DROPOUT", "RUN_TIMEOUT", "SCRIPT", "SMALL", "assert_curve", "in_process", "losses", "torchrun", "train",
-           "without"]
+__all__ = ["DROPOUT", "RUN_TIMEOUT", "SCRIPT", "SMALL", "assert_curve", "in_process", "losses", "main_in_ranks",
+           "main_rank", "torchrun", "train", "without"]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "pretrain_gpt_zb.py"
 """The entry point under test."""
@@ -34,6 +34,33 @@ SMALL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--hidden-dropout", "0", "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--lr", "2e-3", "--mock-data", "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1",
          "--distributed-backend", "gloo", "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
+
+
+def main_rank(argv: list[str]) -> dict[str, Any]:
+    """One rank of ``pretrain_gpt_zb.py``'s ``main`` (the process group is run_distributed's): its exit
+    status, stdout and stderr."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch.distributed as dist
+
+    from megatron_zb.training.pretrain import main
+
+    warnings.simplefilter("ignore")  # megatron-core's import-time notices (pretrain_gpt_zb.py silences them)
+    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return {"rc": rc, "out": out.getvalue(), "err": err.getvalue()}
+
+
+def main_in_ranks(argv: list[str], world_size: int = 2) -> list[dict[str, Any]]:
+    """``pretrain_gpt_zb.py``'s ``main`` on ``argv`` in ``world_size`` ranks of run_distributed (what torchrun
+    would start, without the process start-up): each rank's :func:`main_rank`."""
+    from megatron_zb.testing import run_distributed
+
+    return run_distributed(main_rank, world_size=world_size, args=(argv,), timeout=RUN_TIMEOUT)
 
 
 def in_process(tmp_path: Path, name: str, world: int, argv: list[str]) -> dict:

@@ -21,12 +21,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from harness.leftovers import job_environment, wait_until_none_left  # processes a killed job left
-from harness.pretrain_harness import DROPOUT, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
+from harness.pretrain_harness import main_in_ranks, DROPOUT, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -54,36 +53,11 @@ def _files(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
 
-def _main_rank(argv: list[str]) -> dict[str, Any]:
-    """One rank of ``pretrain_gpt_zb.py``'s ``main`` (the process group is run_distributed's): its exit
-    status, stdout and stderr."""
-    import contextlib
-    import io
-    import warnings
-
-    import torch.distributed as dist
-
-    from megatron_zb.training.pretrain import main
-
-    warnings.simplefilter("ignore")  # megatron-core's import-time notices (pretrain_gpt_zb.py silences them)
-    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()))
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(argv)
-    return {"rc": rc, "out": out.getvalue(), "err": err.getvalue()}
-
-
-def _main(argv: list[str]) -> list[dict[str, Any]]:
-    from megatron_zb.testing import run_distributed
-
-    return run_distributed(_main_rank, world_size=2, args=(argv,), timeout=240)
-
-
 def _refused(argv: list[str], root: Path) -> str:
     """Run ``argv`` (loading from ``root``, saving there too); assert exit 1 on every rank, one error
     line from rank 0, no traceback, nothing written under ``root``; return the line."""
     before = _files(root)
-    ranks = _main(argv + ["--save", str(root)])
+    ranks = main_in_ranks(argv + ["--save", str(root)])
     assert [r["rc"] for r in ranks] == [1, 1], ranks
     errors = [ln for r in ranks for ln in r["err"].splitlines() if ln.strip()]
     everything = "".join(r["out"] + r["err"] for r in ranks)

@@ -10,8 +10,6 @@ refused save.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -22,7 +20,7 @@ from typing import Any
 import pytest
 
 from megatron_zb.megatron_compat import common_state_in_file, release
-from harness.pretrain_harness import DROPOUT, assert_curve, in_process, losses, train  # the end-to-end harness
+from harness.pretrain_harness import main_in_ranks, DROPOUT, assert_curve, in_process, losses, train  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -39,29 +37,6 @@ def saved(tmp_path_factory) -> tuple[dict, Path]:
     run = in_process(tmp, "full", 2, ARGV + ["--save", str(tmp / "ckpt")])
     assert sorted(losses(run)) == list(range(1, 9))
     return run, tmp / "ckpt"
-
-
-def _main_rank(argv: list[str]) -> dict[str, Any]:
-    """One rank of ``pretrain_gpt_zb.py``'s ``main`` (the process group is run_distributed's): its exit
-    status, stdout and stderr."""
-    import warnings
-
-    import torch.distributed as dist
-
-    from megatron_zb.training.pretrain import main
-
-    warnings.simplefilter("ignore")
-    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()))
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(argv)
-    return {"rc": rc, "out": out.getvalue(), "err": err.getvalue()}
-
-
-def _main(argv: list[str]) -> list[dict[str, Any]]:
-    from megatron_zb.testing import run_distributed
-
-    return run_distributed(_main_rank, world_size=2, args=(argv,), timeout=240)
 
 
 OVERWRITING = "Overwriting old incomplete / corrupted checkpoint..."
@@ -135,7 +110,7 @@ def test_a_flipped_byte_is_refused_naming_file_iteration_and_previous_checkpoint
     root = _copy(saved, tmp_path / "ckpt")
     file, offset = DAMAGE[where](root / "iter_0000008")
     _flip(file, offset)
-    line = _one_error_line(_main(ARGV + ["--load", str(root)]))
+    line = _one_error_line(main_in_ranks(ARGV + ["--load", str(root)]))
     assert f"cannot load checkpoint {root / 'iter_0000008'} ({root / TRACKER} names iteration 8): {file} does not " \
            f"match its checksum in {MANIFEST}" in line, line
     assert f"the previous intact checkpoint is iteration 4 ({root / 'iter_0000004'}): add --ckpt-step 4" in line, line
@@ -160,7 +135,7 @@ def test_no_ckpt_verify_loads_a_flipped_checkpoint_silently(tmp_path, saved):
     """``--no-ckpt-verify``: the old behaviour -- a changed byte of a weight loads without complaint."""
     root = _copy(saved, tmp_path / "ckpt")
     _flip(*_item(root / "iter_0000008", "decoder.layers"))
-    ranks = _main(ARGV + ["--load", str(root), "--no-ckpt-verify"])
+    ranks = main_in_ranks(ARGV + ["--load", str(root), "--no-ckpt-verify"])
     assert [r["rc"] for r in ranks] == [0, 0], ranks
     assert "successfully loaded checkpoint" in ranks[0]["out"] and "WARNING: checkpoint" not in ranks[0]["out"]
     assert not any(r["err"].strip() for r in ranks), ranks
@@ -169,7 +144,7 @@ def test_no_ckpt_verify_loads_a_flipped_checkpoint_silently(tmp_path, saved):
 def test_checkpoint_without_manifest_loads_with_one_warning(tmp_path, saved):
     root = _copy(saved, tmp_path / "ckpt")
     (root / "iter_0000008" / MANIFEST).unlink()
-    ranks = _main(ARGV + ["--load", str(root)])
+    ranks = main_in_ranks(ARGV + ["--load", str(root)])
     assert [r["rc"] for r in ranks] == [0, 0], ranks
     warnings = [ln for r in ranks for ln in r["out"].splitlines() if MANIFEST in ln]
     assert warnings == [f"WARNING: checkpoint {root / 'iter_0000008'} has no {MANIFEST} (saved before megatron-zb "
@@ -251,9 +226,9 @@ def test_save_that_does_not_fit_stops_before_writing_and_resume_is_bitwise(tmp_p
     shutil.copytree(ckpt / "iter_0000004", small_fs / "iter_0000004")
     (small_fs / TRACKER).write_text("4")
     before = sorted(str(p) for p in small_fs.rglob("*"))
-    line = _one_error_line(_main(ARGV + ["--load", str(small_fs), "--save", str(small_fs), "--exit-interval", "5"]))
+    line = _one_error_line(main_in_ranks(ARGV + ["--load", str(small_fs), "--save", str(small_fs), "--exit-interval", "5"]))
     assert f"cannot save checkpoint {small_fs / 'iter_0000005'}: it needs about " in line, line
-    assert f"bytes free" in line and "nothing was written" in line, line
+    assert "bytes free" in line and "nothing was written" in line, line
     assert f"the latest intact checkpoint is iteration 4 ({small_fs / 'iter_0000004'}), which --load {small_fs} " \
            f"resumes" in line, line
     assert sorted(str(p) for p in small_fs.rglob("*")) == before and (small_fs / TRACKER).read_text() == "4"
@@ -267,7 +242,7 @@ def test_save_failing_mid_write_is_one_line_and_keeps_the_tracker(tmp_path, save
     the latest intact checkpoint; the tracker still names 8."""
     root = _copy(saved, tmp_path / "ckpt")
     (root / "iter_0000005" / "__1_0.distcp").mkdir(parents=True)
-    line = _one_error_line(_main(ARGV + ["--load", str(root), "--ckpt-step", "4", "--save", str(root),
+    line = _one_error_line(main_in_ranks(ARGV + ["--load", str(root), "--ckpt-step", "4", "--save", str(root),
                                          "--exit-interval", "5"]))
     # megatron-core 0.16 passes the OSError's text on; 0.19 only its class (filesystem_async.py: "An error is
     # caught while starting worker {i}, error: {e}" with the exception of the worker's result)
