@@ -101,10 +101,12 @@ def _how_to_wrap(flag: str, schedule: str) -> ArgumentError:
 
 
 _REFUSED_WITH_A_V: tuple[tuple[str, str, str], ...] = (
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", "the V decides the layer placement; drop it"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout",
+     "the V decides the layer placement; drop it"),
     ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers",
      "the V splits the layers evenly; drop it"),
-    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", "the V splits the layers evenly; drop it"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers",
+     "the V splits the layers evenly; drop it"),
     ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
      "the V splits the layers evenly; drop it"),
     ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
