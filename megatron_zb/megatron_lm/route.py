@@ -41,7 +41,9 @@ distributed optimizer with torch's Adam cannot resume without it), with or witho
 schedule; checkpoints saved with zero bubble load without it and back (they hold the same state).
 
 What this route cannot honour yet is refused up front (:data:`NOT_YET`): ``--allow-padding-num-layers``
-and ``--enable-vocab-parallel`` (``pretrain_gpt_zb.py`` has them).
+and ``--enable-vocab-parallel`` (``pretrain_gpt_zb.py`` has them); so is what is not verified in this loop
+with a zero-bubble schedule (:func:`refused_with_a_schedule`: ``--use-megatron-fsdp``, ``--mtp-num-layers``;
+with a V also :func:`~megatron_zb.megatron_lm.v.refused_with_a_v`, MoE among them), all in one report.
 """
 
 from __future__ import annotations
