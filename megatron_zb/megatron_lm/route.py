@@ -41,7 +41,9 @@ distributed optimizer with torch's Adam cannot resume without it), with or witho
 schedule; checkpoints saved with zero bubble load without it and back (they hold the same state).
 
 What this route cannot honour yet is refused up front (:data:`NOT_YET`): ``--allow-padding-num-layers``
-and ``--enable-vocab-parallel`` (``pretrain_gpt_zb.py`` has them).
+and ``--enable-vocab-parallel`` (``pretrain_gpt_zb.py`` has them); so is what is not verified in this loop
+with a zero-bubble schedule (:func:`refused_with_a_schedule`: ``--use-megatron-fsdp``, ``--mtp-num-layers``;
+with a V also :func:`~megatron_zb.megatron_lm.v.refused_with_a_v`, MoE among them), all in one report.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ if TYPE_CHECKING:
     from ..training.replanning import SchedulePlanner
     from ..training.run_config import RunConfig
 
-__all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install", "planner_config", "uninstall",
-           "v_model_provider"]
+__all__ = ["MTP_NOT_VERIFIED", "NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install",
+           "planner_config", "refused_with_a_schedule", "uninstall", "v_model_provider"]
 
 NOT_YET: dict[str, str] = {
     "allow_padding_num_layers": "Megatron-LM splits the layers itself; use its --decoder-first-pipeline-num-layers "
@@ -76,6 +78,29 @@ NOT_YET: dict[str, str] = {
                              "run vocabulary parallelism with pretrain_gpt_zb.py, or drop the flag",
 }
 """Zero-bubble flags (``args`` attribute -> why and what to do) refused inside Megatron-LM's loop."""
+
+MTP_NOT_VERIFIED = ("multi-token prediction's layers are not split into B and W nor placed by the schedule, and "
+                    "the run is not bitwise equal to megatron-core's schedule (grad norm apart from iteration 1); "
+                    "drop it, or run megatron-core's schedule (no zero-bubble flag)")
+"""Why ``--mtp-num-layers`` is refused with a zero-bubble schedule inside Megatron-LM's loop."""
+
+
+def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[ArgumentError]:
+    """Megatron-LM flags refused with any zero-bubble ``schedule`` inside Megatron-LM's loop, one
+    :class:`ArgumentError` each: ``--use-megatron-fsdp`` (for the reason ``pretrain_gpt_zb.py``
+    refuses it: :data:`~megatron_zb.training.arguments.flags.WHY_NOT`) and ``--mtp-num-layers``
+    (:data:`MTP_NOT_VERIFIED`)."""
+    from ..training.arguments.flags import WHY_NOT
+
+    refused = []
+    if getattr(args, "use_megatron_fsdp", False):
+        refused.append(ArgumentError("--use-megatron-fsdp", f"refused with the zero-bubble schedule {schedule!r}: "
+                                                            f"{WHY_NOT['--use-megatron-fsdp']}; drop it or the "
+                                                            f"zero-bubble flags"))
+    if getattr(args, "mtp_num_layers", None):
+        refused.append(ArgumentError("--mtp-num-layers", f"not supported with the zero-bubble schedule {schedule!r} "
+                                                         f"inside Megatron-LM's loop: {MTP_NOT_VERIFIED}"))
+    return refused
 
 _REBINDS = Rebinds()
 """What :func:`install` replaced in Megatron-LM (restored by :func:`uninstall`)."""
@@ -209,16 +234,29 @@ def configure(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _configure(args: argparse.Namespace) -> dict[str, Any] | None:
-    """:func:`configure` but for printing the start-up lines."""
+    """:func:`configure` but for printing the start-up lines: every flag refused by name
+    (:data:`NOT_YET`, :func:`refused_with_a_schedule`, what a V cannot have) is reported in one
+    :class:`ArgumentError`, with the first other problem after them."""
+    refused: list[ArgumentError] = []
+    try:
+        options = _configure_checks(args, refused)
+    except ArgumentError as e:
+        refused.append(e)
+    if refused:
+        raise ArgumentError.combine(refused)
+    return options
+
+
+def _configure_checks(args: argparse.Namespace, refused: list[ArgumentError]) -> dict[str, Any] | None:
+    """:func:`_configure`'s checks; the refused flags are added to ``refused``, the other problems raised."""
     from .optimizer import check_flags as check_post_validation
     from ..schedules.ir import Placement
     from ..training.arguments.fork_flags import check_fork_flags
     from ..training.arguments.zero_bubble import select_schedule
 
     check_fork_flags(args)
-    for dest, why in NOT_YET.items():
-        if getattr(args, dest, None):
-            raise ArgumentError(flag(dest), f"not supported inside Megatron-LM's loop: {why}")
+    refused.extend(ArgumentError(flag(dest), f"not supported inside Megatron-LM's loop: {why}")
+                   for dest, why in NOT_YET.items() if getattr(args, dest, None))
     if args.schedule_requested is not None and args.enable_zero_bubble:
         raise ArgumentError("--schedule", "give --schedule or --enable-zero-bubble, not both")
     name, selected_by = select_schedule(args)
@@ -234,6 +272,9 @@ def _configure(args: argparse.Namespace) -> dict[str, Any] | None:
     refusal = vocab_passes_unsupported(name=name, vocab_parallel=spec.vocab_parallel)
     if refusal is not None:  # Megatron-LM's model provider builds the whole vocabulary layers
         raise ArgumentError(selected_by, refusal)
+    refused.extend(refused_with_a_schedule(args, name))
+    if spec.placement is Placement.V:
+        refused.extend(v_route.refused_with_a_v(args, name))
     _check_profiling(args, name)
     check_post_validation(args, spec)
     if spec.placement is Placement.V:

@@ -19,8 +19,9 @@ by one rule, :func:`_build_v_chunk`.
 With a V schedule chosen (``--zero-bubble-v-schedule [--zero-bubble-v-schedule-mem-setup
 half|min]`` or ``--schedule zbv|v-half|v-min``):
 
-* :func:`check_v` (called by :func:`megatron_zb.megatron_lm.configure`, before Megatron-LM
-  validates its arguments) refuses what this route cannot build (one line, exit 2) and sets
+* :func:`refused_with_a_v` and :func:`check_v` (called by :func:`megatron_zb.megatron_lm.configure`,
+  before Megatron-LM validates its arguments) refuse what this route cannot build (one line each,
+  reported with the route's other refusals, exit 2; MoE among them) and :func:`check_v` sets
   Megatron-LM's ``--num-virtual-stages-per-pipeline-rank 2``, printed once on rank 0 as
   Megatron-LM prints its own adjustments;
 * :func:`activate` (same point) answers Megatron-LM's ``is_first_or_last_pipeline_stage(vp_stage)``
@@ -53,7 +54,7 @@ from ..training.arguments.common import ArgumentError
 from .rebind import Rebinds
 
 __all__ = ["V_CHUNKS", "VForwardBackward", "VModelProvider", "activate", "check_provider", "check_v", "deactivate",
-           "v_model_provider"]
+           "refused_with_a_v", "v_model_provider"]
 
 V_CHUNKS = V_CHUNKS_PER_RANK
 """Model chunks per pipeline rank in a V (:data:`~megatron_zb.schedules.ir.V_CHUNKS_PER_RANK`)."""
@@ -99,27 +100,42 @@ def _how_to_wrap(flag: str, schedule: str) -> ArgumentError:
                                f"gpt_builder) (docs/megatron_lm.md)")
 
 
+_REFUSED_WITH_A_V: tuple[tuple[str, str, str], ...] = (
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout",
+     "the V decides the layer placement; drop it"),
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers",
+     "the V splits the layers evenly; drop it"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers",
+     "the V splits the layers evenly; drop it"),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
+     "the V splits the layers evenly; drop it"),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
+     "the V splits the layers evenly; drop it"),
+    ("num_experts", "--num-experts", "the V's placement is not built through Megatron-LM's MoE layer spec on this "
+                                     "route (megatron-core's get_gpt_decoder_block_spec takes only its own "
+                                     "PipelineParallelLayerLayout); run the V with MoE in pretrain_gpt_zb.py, or "
+                                     "choose a schedule of another placement (e.g. --enable-zero-bubble)"),
+    ("use_legacy_models", "--use-legacy-models", "the V builds megatron-core GPT chunks; drop it"),
+    ("yaml_cfg", "--yaml-cfg", "the V chunk configs are made from Megatron-LM's flags; drop it"),
+)
+"""Megatron-LM flags a V cannot have inside Megatron-LM's loop: (``args`` attribute, flag, why and what
+to do). ``--mtp-num-layers`` is refused with every zero-bubble schedule
+(:func:`megatron_zb.megatron_lm.route.refused_with_a_schedule`)."""
+
+
+def refused_with_a_v(args: argparse.Namespace, schedule: str) -> list[ArgumentError]:
+    """One :class:`ArgumentError` per flag of :data:`_REFUSED_WITH_A_V` that ``args`` sets, for the V
+    ``schedule`` (:func:`megatron_zb.megatron_lm.configure` reports them with the route's other refusals)."""
+    return [ArgumentError(name, f"not supported with the V schedule {schedule!r} inside Megatron-LM's loop: {why}")
+            for dest, name, why in _REFUSED_WITH_A_V if getattr(args, dest, None)]
+
+
 def check_v(args: argparse.Namespace, schedule: str, flag: str) -> None:
-    """Refuse what a V cannot have inside Megatron-LM's loop (:class:`ArgumentError` naming the flag),
-    then set ``args.num_virtual_stages_per_pipeline_rank = 2`` (Megatron-LM derives its virtual
-    pipeline size from it when it validates ``args``). ``flag`` chose the V ``schedule``."""
+    """Check what else a V needs inside Megatron-LM's loop (:class:`ArgumentError` naming the flag;
+    the flags it cannot have at all: :func:`refused_with_a_v`), then set
+    ``args.num_virtual_stages_per_pipeline_rank = 2`` (Megatron-LM derives its virtual pipeline size
+    from it when it validates ``args``). ``flag`` chose the V ``schedule``."""
     pp, num_layers = args.pipeline_model_parallel_size, args.num_layers
-    refused = (
-        ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", "the V decides the layer placement"),
-        ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", "the V splits the layers evenly"),
-        ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", "the V splits the layers evenly"),
-        ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
-         "the V splits the layers evenly"),
-        ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
-         "the V splits the layers evenly"),
-        ("mtp_num_layers", "--mtp-num-layers", "multi-token prediction sits on Megatron-LM's last pipeline rank"),
-        ("use_legacy_models", "--use-legacy-models", "the V builds megatron-core GPT chunks"),
-        ("yaml_cfg", "--yaml-cfg", "the V chunk configs are made from Megatron-LM's flags"),
-    )
-    for dest, name, why in refused:
-        if getattr(args, dest, None):
-            raise ArgumentError(name, f"not supported with the V schedule {schedule!r} inside Megatron-LM's loop: "
-                                      f"{why}; drop it, or use pretrain_gpt_zb.py")
     if args.tensor_model_parallel_size > 1:
         raise ArgumentError("--tensor-model-parallel-size", f"must be 1 with the V schedule {schedule!r} inside "
                                                             f"Megatron-LM's loop: its get_batch_on_this_tp_rank sends "

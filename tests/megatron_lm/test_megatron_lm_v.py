@@ -224,8 +224,12 @@ def test_configure_sets_two_chunks_per_rank_for_a_v(argv: tuple[str, ...], sched
 
 
 @pytest.mark.parametrize("argv,megatron_lm,message", [
-    ((), dict(mtp_num_layers=1), "--mtp-num-layers: not supported with the V schedule 'zbv' inside Megatron-LM's "
-                                 "loop"),
+    ((), dict(mtp_num_layers=1), "--mtp-num-layers: not supported with the zero-bubble schedule 'zbv' inside "
+                                 "Megatron-LM's loop: multi-token prediction's layers are not split into B and W"),
+    ((), dict(num_experts=4), "--num-experts: not supported with the V schedule 'zbv' inside Megatron-LM's loop: the "
+                              "V's placement is not built through Megatron-LM's MoE layer spec on this route"),
+    ((), dict(use_megatron_fsdp=True), "--use-megatron-fsdp: refused with the zero-bubble schedule 'zbv': "
+                                       "megatron-core's Megatron FSDP reduce-scatters"),
     ((), dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size: must be 1 with the V schedule 'zbv'"),
     ((), dict(num_layers=6), "--num-layers: 6 layers do not split evenly into the V's 4 stages"),
     ((), dict(num_virtual_stages_per_pipeline_rank=3), "--num-virtual-stages-per-pipeline-rank: 'zbv' places 2 "

@@ -42,6 +42,16 @@ def test_delay_wgrad_compute_is_refused_with_its_reason():
     assert str(err).endswith("; remove it") and "\n" not in str(err)
 
 
+def test_megatron_fsdp_is_refused_with_its_reason():
+    """The reason Megatron-LM's loop gives too (megatron_zb.megatron_lm.refused_with_a_schedule)."""
+    err = error_for("--use-megatron-fsdp")
+    assert err.flag == "--use-megatron-fsdp"
+    assert str(err).startswith("--use-megatron-fsdp is refused: megatron-core's Megatron FSDP reduce-scatters the "
+                               "gradients from a hook that fires when the fused backward ends, before a deferred W "
+                               "has added its weight gradients")
+    assert str(err).endswith("; remove it") and "\n" not in str(err)
+
+
 @pytest.mark.parametrize("typo,closest", [("--hiden-size", "--hidden-size"), ("--num-layer", "--num-layers"),
                                           ("--enable-zerobubble", "--enable-zero-bubble"),
                                           ("--num-expert", "--num-experts")])

@@ -41,6 +41,9 @@ class UnsupportedFlagError(ArgumentError):
 
 
 WHY_NOT: dict[str, str] = {
+    "--use-megatron-fsdp": "megatron-core's Megatron FSDP reduce-scatters the gradients from a hook that fires when "
+                           "the fused backward ends, before a deferred W has added its weight gradients (megatron-"
+                           "core's DDP, with or without --use-distributed-optimizer, runs every schedule)",
     "--delay-wgrad-compute": "megatron-zb defers Transformer Engine's weight gradients itself whenever the "
                              "schedule splits the backward, and Megatron-LM's flag would also move megatron-core "
                              "DDP's gradient hook into TE's backward_dw (DistributedDataParallelConfig."
