@@ -20,7 +20,7 @@ import pytest
 
 from megatron_zb.testing.distributed import cpu_run_env
 
-__all__ = ["DROPOUT", "RUN_TIMEOUT", "SCRIPT", "SMALL", "assert_curve", "in_process", "losses", "main_in_ranks",
+__all__ = ["CHECKPOINT_ARGV", "DROPOUT", "RUN_TIMEOUT", "SCRIPT", "SMALL", "assert_curve", "assert_resumes_at", "in_process", "losses", "main_in_ranks",
            "main_rank", "torchrun", "train", "without"]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "pretrain_gpt_zb.py"
@@ -125,3 +125,17 @@ def without(argv: list[str], *flags: str) -> list[str]:
 DROPOUT = without(SMALL, "--hidden-dropout", "--attention-dropout") + [
     "--train-iters", "8", "--lr-warmup-iters", "2", "--save-interval", "4"]
 """SMALL with Megatron's default dropout (0.1 hidden and attention), 8 iterations, a checkpoint at 4 and 8."""
+CHECKPOINT_ARGV = DROPOUT + ["--pipeline-model-parallel-size", "2", "--enable-zero-bubble"]
+"""DROPOUT at PP=2 with greedy zero bubble: the run whose checkpoints the checkpoint tests damage and resume
+(``tests/training/conftest.py``'s ``saved``)."""
+
+
+def assert_resumes_at(tmp_path: Path, root: Path, full: dict, *, step: int, argv: list[str]) -> None:
+    """``argv`` with ``--load root --ckpt-step step`` resumes at ``step`` and its later iterations are ``full``'s
+    (the uninterrupted run's) bit for bit: loss, learning rate and grad norm."""
+    resumed = in_process(tmp_path, "resumed", 2, argv + ["--load", str(root), "--ckpt-step", str(step)])
+    assert f"at iteration {step}" in resumed["log"]
+    assert sorted(losses(resumed)) == list(range(step + 1, max(losses(full)) + 1))
+    assert_curve(losses(resumed), losses(full), what=f"--ckpt-step {step}", exact=True)
+    for a, b in zip(train(resumed), train(full)[step:]):
+        assert (a["learning rate"], a["grad norm"]) == (b["learning rate"], b["grad norm"])

@@ -2,8 +2,8 @@
 ``--train-iters``, a job killed during a save, a preempted job (``--exit-signal-handler``).
 
 One run (:func:`saved`: PP=2, greedy zero bubble, Megatron's default dropout 0.1, 8 iterations,
-checkpoints at 4 and 8) is made once for the module; each test copies its checkpoint folder and
-damages the copy, or resumes it and compares the curve with that run's, bit for bit. The damaged
+checkpoints at 4 and 8) is made once for this module and test_checkpoint_integrity.py
+(tests/training/conftest.py); each test copies its checkpoint folder and damages the copy, or resumes it and compares the curve with that run's, bit for bit. The damaged
 ones run ``pretrain_gpt_zb.py``'s ``main`` in 2 ranks of ``run_distributed`` (what torchrun would
 start, without the process start-up); the kill and preemption tests run the script under torchrun
 in a session of its own and signal that session, as a cluster does.
@@ -25,22 +25,13 @@ from pathlib import Path
 import pytest
 
 from harness.leftovers import job_environment, wait_until_none_left  # processes a killed job left
-from harness.pretrain_harness import main_in_ranks, DROPOUT, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
+from harness.pretrain_harness import CHECKPOINT_ARGV, assert_resumes_at, main_in_ranks, SCRIPT, without, assert_curve, in_process, losses, train  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-ARGV = DROPOUT + ["--pipeline-model-parallel-size", "2", "--enable-zero-bubble"]
+ARGV = CHECKPOINT_ARGV
 """SMALL of test_pretrain with dropout 0.1, 8 iterations, --save-interval 4; PP=2, greedy zero bubble."""
 TRACKER = "latest_checkpointed_iteration.txt"
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[dict, Path]:
-    """The uninterrupted run (its values) and its checkpoint folder (iterations 4 and 8, tracker 8)."""
-    tmp = tmp_path_factory.mktemp("saved")
-    run = in_process(tmp, "full", 2, ARGV + ["--save", str(tmp / "ckpt")])
-    assert sorted(losses(run)) == list(range(1, 9))
-    return run, tmp / "ckpt"
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -77,12 +68,7 @@ def test_truncated_shard_is_named_and_ckpt_step_loads_the_previous_checkpoint(tm
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     line = _refused(ARGV + ["--load", str(root)], root)
     assert f"{shard} is truncated" in line and "--ckpt-step 4" in line and str(root / "iter_0000004") in line, line
-    resumed = in_process(tmp_path, "resumed", 2, ARGV + ["--load", str(root), "--ckpt-step", "4"])
-    assert "at iteration 4" in resumed["log"]
-    assert sorted(losses(resumed)) == list(range(5, 9))
-    assert_curve(losses(resumed), losses(full), what="--ckpt-step 4", exact=True)
-    for a, b in zip(train(resumed), train(full)[4:]):
-        assert (a["learning rate"], a["grad norm"]) == (b["learning rate"], b["grad norm"])
+    assert_resumes_at(tmp_path, root, full, step=4, argv=ARGV)
 
 
 def test_missing_shard_is_named(tmp_path, saved):

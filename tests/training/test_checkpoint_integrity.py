@@ -2,9 +2,9 @@
 ``--save`` that cannot hold checkpoints refused up front, a save that does not fit or fails mid-write.
 
 One run (:func:`saved`: PP=2, greedy zero bubble, dropout 0.1, 8 iterations, checkpoints at 4 and 8)
-is made once for the module; each test copies its checkpoint folder and damages the copy. The
-refused loads stop before any training (a few seconds each); one resume from the checkpoint the
-refusals name (``--ckpt-step 4``) is compared bit for bit with the uninterrupted run, and one after a
+is made once for this module and test_checkpoint_failures.py (tests/training/conftest.py); each test
+copies its checkpoint folder and damages the copy. The refused loads stop before any training (a few
+seconds each); one resume from the checkpoint the refusals name (``--ckpt-step 4``) is compared bit for bit with the uninterrupted run, and one after a
 refused save.
 """
 
@@ -20,23 +20,14 @@ from typing import Any
 import pytest
 
 from megatron_zb.megatron_compat import common_state_in_file, release
-from harness.pretrain_harness import main_in_ranks, DROPOUT, assert_curve, in_process, losses, train  # the end-to-end harness
+from harness.pretrain_harness import CHECKPOINT_ARGV, assert_resumes_at, main_in_ranks, assert_curve, in_process, losses  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-ARGV = DROPOUT + ["--pipeline-model-parallel-size", "2", "--enable-zero-bubble"]
+ARGV = CHECKPOINT_ARGV
 """8 iterations, --save-interval 4, dropout 0.1; PP=2, greedy zero bubble (test_checkpoint_failures' run)."""
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[dict, Path]:
-    """The uninterrupted run (its values) and its checkpoint folder (iterations 4 and 8, tracker 8)."""
-    tmp = tmp_path_factory.mktemp("saved")
-    run = in_process(tmp, "full", 2, ARGV + ["--save", str(tmp / "ckpt")])
-    assert sorted(losses(run)) == list(range(1, 9))
-    return run, tmp / "ckpt"
 
 
 OVERWRITING = "Overwriting old incomplete / corrupted checkpoint..."
@@ -123,12 +114,7 @@ def test_ckpt_step_named_by_the_refusal_resumes_bitwise(tmp_path, saved):
     root = _copy(saved, tmp_path / "ckpt")
     for where in DAMAGE:
         _flip(*DAMAGE[where](root / "iter_0000008"))
-    resumed = in_process(tmp_path, "resumed", 2, ARGV + ["--load", str(root), "--ckpt-step", "4"])
-    assert "at iteration 4" in resumed["log"]
-    assert sorted(losses(resumed)) == list(range(5, 9))
-    assert_curve(losses(resumed), losses(full), what="--ckpt-step 4", exact=True)
-    for a, b in zip(train(resumed), train(full)[4:]):
-        assert (a["learning rate"], a["grad norm"]) == (b["learning rate"], b["grad norm"])
+    assert_resumes_at(tmp_path, root, full, step=4, argv=ARGV)
 
 
 def test_no_ckpt_verify_loads_a_flipped_checkpoint_silently(tmp_path, saved):
