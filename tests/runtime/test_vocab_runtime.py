@@ -406,9 +406,13 @@ def test_enable_vocab_parallel_refusals_name_every_flag():
 
     with pytest.raises(ArgumentError, match="add --enable-vocab-parallel"):
         parse_command_line(TRAIN + ["--schedule", "1f1b-vocab-1"], world_size=2)
-    with pytest.raises(ArgumentError, match=r"--enable-vocab-parallel: needs a schedule that places the vocabulary"
-                                            r".*zb-2p-vocab-1, .*v-min-vocab-2"):
+    with pytest.raises(ArgumentError) as e:  # a family with vocabulary forms: its two forms are named
         parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", "zb-h1"], world_size=2)
+    assert "--enable-vocab-parallel: needs a schedule that places the vocabulary passes: --schedule zb-h1-vocab-2 " \
+           "or zb-h1-vocab-1 ('zb-h1' places none)" in str(e.value)
+    with pytest.raises(ArgumentError, match=r"--enable-vocab-parallel: needs a schedule that places the vocabulary"
+                                            r".*zb-2p-vocab-1, .*v-min-vocab-2"):  # zb-h2 has none: every name
+        parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", "zb-h2"], world_size=2)
     for name in ("zb-2p-vocab-1", "v-half-vocab-2"):      # the searched families' forms are accepted
         parse_command_line(TRAIN + ["--enable-vocab-parallel", "--schedule", name], world_size=2)
     with pytest.raises(ArgumentError) as e:
