@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from functools import partial
 from pathlib import Path
@@ -236,6 +237,29 @@ def test_llama_example_cpu_loss_curves_equal_megatron_core(tmp_path):
                     assert a[key] == pytest.approx(b[key], rel=1e-6), (name, a["iteration"], key)
                 else:
                     assert a[key] == b[key], (name, a["iteration"], key, a[key], b[key])
+
+
+MTP_KEYS = ("lm loss", "grad norm", "mtp_1 loss", "mtp_2 loss")
+
+
+@pytest.mark.parametrize("tie", [[], ["--untie-embeddings-and-output-weights"]], ids=["tied", "untied"])
+def test_mtp_pp2_curves_equal_megatron_core(tmp_path, tie):
+    """``--mtp-num-layers 2`` at PP=2 (the MTP block on the last stage; the output layer used three
+    times per micro batch, with tied embeddings also the MTP's embedding lookup): every iteration's lm
+    loss, grad norm and MTP losses of zb, zb-2p and zb-h1 equal megatron-core 1F1B's bit for bit, and the
+    iteration line logs ``mtp_1 loss`` / ``mtp_2 loss`` as Megatron-LM's does."""
+    from harness.pretrain_harness import SMALL, in_process
+
+    argv = SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "3", "--mtp-num-layers", "2",
+                    "--mtp-loss-scaling-factor", "0.3", *tie]
+    ref = in_process(tmp_path, "mcore", 2, argv + ["--use-megatron-core-schedule"])
+    assert re.search(r"\| lm loss: \S+ \| mtp_1 loss: \S+ \| mtp_2 loss: \S+ \|", ref["log"]), ref["log"][-2000:]
+    want = [[r[k] for k in MTP_KEYS] for r in ref["values"]["train"]]
+    assert len(want) == 3 and all(v is not None for row in want for v in row), want
+    for name, flags in (("zb", ["--enable-zero-bubble"]), ("zb-2p", ["--schedule", "zb-2p"]),
+                        ("zb-h1", ["--schedule", "zb-h1"])):
+        got = [[r[k] for k in MTP_KEYS] for r in in_process(tmp_path, name, 2, argv + flags)["values"]["train"]]
+        assert got == want, f"{name}: {got} != megatron-core's {want}"
 
 
 # ---------------------------------------------------------------------------- bad input

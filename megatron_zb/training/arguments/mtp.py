@@ -1,0 +1,58 @@
+"""Multi-token prediction flags (Megatron-LM's ``--mtp-num-layers``, ``--mtp-loss-scaling-factor``):
+names, defaults and meanings as Megatron-LM's; the placements and options they are verified with.
+
+The MTP layers are built on the chunk holding the output layer (the last pipeline stage), as
+megatron-core places them without a custom layout (:mod:`megatron_zb.model.mtp`); their linear
+layers defer W like every other (the runtime's ``linear`` route, which sums the output layer's
+weight gradients of one microbatch -- it is used once per prediction depth -- before adding them,
+as autograd does); with tied embeddings the MTP stage's output layer computes its weight gradient
+in B (:func:`megatron_zb.model.mtp.keep_tied_wgrad_in_b`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import ArgumentError
+
+__all__ = ["add_mtp_args", "check_mtp"]
+
+VERIFIED_PLACEMENTS: tuple[str, ...] = ("plain",)
+"""Schedule placements whose MTP runs are verified bitwise against megatron-core's schedule."""
+
+
+def add_mtp_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="Number of multi-token prediction layers (DeepSeek-V3's MTP), built on the last pipeline "
+                        "stage; each predicts one more token ahead. Default: none.")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="Scaling factor of the MTP loss: the MTP layers' mean loss times this factor is added to "
+                        "the training loss (default 0.1).")
+
+
+def check_mtp(args: argparse.Namespace) -> None:
+    """``--mtp-num-layers``: >= 1; on the verified placements and the local implementation (needs
+    ``schedule_placement``, ``transformer_impl``)."""
+    n = args.mtp_num_layers
+    if n is None:
+        return
+    if n < 1:
+        raise ArgumentError("--mtp-num-layers", f"must be >= 1 (or omitted for no MTP), got {n}")
+    if args.mtp_loss_scaling_factor < 0:
+        raise ArgumentError("--mtp-loss-scaling-factor", f"must be >= 0, got {args.mtp_loss_scaling_factor}")
+    if args.schedule_placement not in VERIFIED_PLACEMENTS:
+        raise ArgumentError("--mtp-num-layers", _PLACEMENT_WHY.get(args.schedule_placement, "not verified")
+                            + f"; use a plain-placement schedule (1f1b, zb-h1, zb-h2, zb, zb-1p, zb-2p) instead of "
+                              f"{args.schedule!r}, or drop --mtp-num-layers")
+    if args.transformer_impl == "transformer_engine":
+        raise ArgumentError("--mtp-num-layers", "not verified with Transformer Engine's layers yet; use "
+                                                "--transformer-impl local, or drop --mtp-num-layers")
+
+
+_PLACEMENT_WHY: dict[str, str] = {
+    "interleaved": "not verified yet with the interleaved placement (MTP in the last virtual chunk)",
+    "v": "not supported with the V placement: the V's last stage is on rank 0 beside the first, where "
+         "megatron-core's MTP embedding copy would all-reduce with itself over the embedding group",
+}
+"""Why each placement outside :data:`VERIFIED_PLACEMENTS` is refused (one phrase)."""
