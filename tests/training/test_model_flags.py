@@ -36,9 +36,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.fil
 
 
 def llama(*, pp: int = 2, recompute: dict[str, Any] | None = None, split: dict[str, Any] | None = None,
-          per_token: bool = False, tied: bool = True, num_layers: int = 6, **kw: Any) -> TinyGPT:
-    """A tiny LLaMA-style model (RMSNorm, SwiGLU, RoPE, GQA, no biases, QK-norm), DDP + finalize_model_grads."""
-    config = {**LLAMA["config_options"], **(recompute or {}), "calculate_per_token_loss": per_token}
+          per_token: bool = False, tied: bool = True, num_layers: int = 6, mtp: int | None = None, **kw: Any) -> TinyGPT:
+    """A tiny LLaMA-style model (RMSNorm, SwiGLU, RoPE, GQA, no biases, QK-norm), DDP + finalize_model_grads;
+    ``mtp``: multi-token prediction layers."""
+    config = {**LLAMA["config_options"], **(recompute or {}), "calculate_per_token_loss": per_token,
+              **({"mtp_num_layers": mtp} if mtp else {})}
     model = {**LLAMA["model_options"], "share_embeddings_and_output_weights": tied}
     return TinyGPT(pp=pp, ddp=True, num_layers=num_layers, hidden=32, heads=4, seq=16, vocab=64,
                    config_options=config, model_options=model, spec_options=LLAMA["spec_options"], split=split or {},
@@ -104,6 +106,16 @@ def test_llama_architecture_tied_selective_recompute_per_token_pp2():
                            "llama pp2 no recompute", schedules=("zb",))
     assert plain["zb"] == plain["zb-2p"] == base["zb"]
     assert v["zbv"] == base["zb"]
+
+
+def test_mtp_layers_defer_w_and_equal_1f1b():
+    """One MTP layer (untied): every gradient and loss of zb equals megatron-core 1F1B's bit for bit, and
+    the MTP layer's five linears (projection, QKV, attention output, two MLP) each defer one W per micro
+    batch; the output layer's second use (the MTP head) is summed into its first use's W entry."""
+    cfg = llama(num_layers=4, tied=False, mtp=1)
+    counts = check_schedules(cfg, "mtp pp2", schedules=("zb",))
+    base = run(llama(num_layers=4, tied=False), "zb")
+    assert counts["zb"] - base["w_deferred"] == 5 * cfg.num_microbatches
 
 
 @pytest.mark.parametrize("method", ["uniform", "block"])
