@@ -108,14 +108,18 @@ def test_llama_architecture_tied_selective_recompute_per_token_pp2():
     assert v["zbv"] == base["zb"]
 
 
-def test_mtp_layers_defer_w_and_equal_1f1b():
-    """One MTP layer (untied): every gradient and loss of zb equals megatron-core 1F1B's bit for bit, and
-    the MTP layer's five linears (projection, QKV, attention output, two MLP) each defer one W per micro
-    batch; the output layer's second use (the MTP head) is summed into its first use's W entry."""
-    cfg = llama(num_layers=4, tied=False, mtp=1)
-    counts = check_schedules(cfg, "mtp pp2", schedules=("zb",))
-    base = run(llama(num_layers=4, tied=False), "zb")
-    assert counts["zb"] - base["w_deferred"] == 5 * cfg.num_microbatches
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mtp_layers_defer_w_and_equal_1f1b(tied):
+    """One MTP layer: every gradient and loss of zb and interleaved-zb (the MTP block in the last virtual
+    chunk) equals megatron-core 1F1B's bit for bit, and the MTP layer's five linears (projection, QKV,
+    attention output, two MLP) each defer one W per micro batch. Untied, the output layer's second use
+    (the MTP head) is summed into its first use's W entry; tied, the MTP stage's output layer computes its
+    weight gradient in B (the word embedding's lookup gradient arrives there: one W entry fewer)."""
+    cfg = llama(num_layers=4, tied=tied, mtp=1)
+    counts = check_schedules(cfg, f"mtp pp2 tied={tied}", schedules=("zb", "interleaved-zb"))
+    base = run(llama(num_layers=4, tied=tied), "zb")
+    extra = 4 if tied else 5
+    assert counts["zb"] - base["w_deferred"] == counts["interleaved-zb"] - base["w_deferred"] == extra * cfg.num_microbatches
 
 
 @pytest.mark.parametrize("method", ["uniform", "block"])
@@ -291,8 +295,10 @@ MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads
     (["--recompute-granularity", "full"], "--recompute-method"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], "--recompute-modules"),
     (["--recompute-method", "uniform"], "--recompute-method"),
+    (["--zero-bubble-v-schedule", "--mtp-num-layers", "1"], "--mtp-num-layers"),
+    (["--mtp-num-layers", "0"], "--mtp-num-layers"),
 ], ids=["gqa", "rotary-above-1", "rotary-0", "split-sum", "v-split-sum", "split-and-account", "full-no-method",
-        "bad-module", "method-without-granularity"])
+        "bad-module", "method-without-granularity", "mtp-v", "mtp-0"])
 def test_bad_model_flags_exit_2_with_one_line(extra, flag, monkeypatch, capsys):
     import torch.distributed as dist
 

@@ -1,8 +1,9 @@
 """Multi-token prediction flags (Megatron-LM's ``--mtp-num-layers``, ``--mtp-loss-scaling-factor``):
 names, defaults and meanings as Megatron-LM's; the placements and options they are verified with.
 
-The MTP layers are built on the chunk holding the output layer (the last pipeline stage), as
-megatron-core places them without a custom layout (:mod:`megatron_zb.model.mtp`); their linear
+The MTP layers are built on the chunk holding the output layer (the last pipeline stage; with an
+interleaved schedule the last virtual chunk of the last rank), as megatron-core places them without a
+custom layout (:mod:`megatron_zb.model.mtp`); their linear
 layers defer W like every other (the runtime's ``linear`` route, which sums the output layer's
 weight gradients of one microbatch -- it is used once per prediction depth -- before adding them,
 as autograd does); with tied embeddings the MTP stage's output layer computes its weight gradient
@@ -17,8 +18,9 @@ from .common import ArgumentError
 
 __all__ = ["add_mtp_args", "check_mtp"]
 
-VERIFIED_PLACEMENTS: tuple[str, ...] = ("plain",)
-"""Schedule placements whose MTP runs are verified bitwise against megatron-core's schedule."""
+VERIFIED_PLACEMENTS: tuple[str, ...] = ("plain", "interleaved")
+"""Schedule placements whose MTP runs are verified bitwise against megatron-core's schedule (the
+interleaved one: every gradient and loss, the MTP block in the last virtual chunk)."""
 
 
 def add_mtp_args(parser: argparse.ArgumentParser) -> None:
@@ -42,17 +44,15 @@ def check_mtp(args: argparse.Namespace) -> None:
     if args.mtp_loss_scaling_factor < 0:
         raise ArgumentError("--mtp-loss-scaling-factor", f"must be >= 0, got {args.mtp_loss_scaling_factor}")
     if args.schedule_placement not in VERIFIED_PLACEMENTS:
-        raise ArgumentError("--mtp-num-layers", _PLACEMENT_WHY.get(args.schedule_placement, "not verified")
-                            + f"; use a plain-placement schedule (1f1b, zb-h1, zb-h2, zb, zb-1p, zb-2p) instead of "
-                              f"{args.schedule!r}, or drop --mtp-num-layers")
+        raise ArgumentError("--mtp-num-layers", f"not supported with the V placement ({args.schedule!r}): "
+                                                f"{V_WHY}; use a plain or interleaved schedule (zb, zb-2p, "
+                                                f"interleaved-zb, ...), or drop --mtp-num-layers")
     if args.transformer_impl == "transformer_engine":
         raise ArgumentError("--mtp-num-layers", "not verified with Transformer Engine's layers yet; use "
                                                 "--transformer-impl local, or drop --mtp-num-layers")
 
 
-_PLACEMENT_WHY: dict[str, str] = {
-    "interleaved": "not verified yet with the interleaved placement (MTP in the last virtual chunk)",
-    "v": "not supported with the V placement: the V's last stage is on rank 0 beside the first, where "
-         "megatron-core's MTP embedding copy would all-reduce with itself over the embedding group",
-}
-"""Why each placement outside :data:`VERIFIED_PLACEMENTS` is refused (one phrase)."""
+V_WHY = ("the V's last stage, which holds the MTP layers, is on rank 0 beside the first, and megatron-core keeps "
+         "the MTP stage's copy of the word embedding in sync with the first stage's over the embedding group "
+         "(the first and the last pipeline rank; on the V rank 0 with itself)")
+"""Why the V placement is refused with ``--mtp-num-layers``."""
