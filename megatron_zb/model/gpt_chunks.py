@@ -49,7 +49,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_zb.megatron_compat import initialize_affine_weight_cpu, quiet_model_notices
-from megatron_zb.model.mtp import keep_tied_wgrad_in_b, mtp_block_spec
+from megatron_zb.model.mtp import check_mtp_placement, keep_tied_wgrad_in_b, mtp_block_spec
 from megatron_zb.planning.layout import pipeline_split, split_layers  # layer-split rules live with the planner (no torch)
 
 __all__ = [
@@ -293,6 +293,7 @@ def build_gpt_chunks(
         if bad:
             raise ValueError(f"stages {bad} do not exist in a {len(plans)}-stage placement")
         wanted = [plans[s] for s in sorted(set(stages))]
+    check_mtp_placement(plans, config.mtp_num_layers)
     tied = bool(gpt_kwargs.get("share_embeddings_and_output_weights", False))
     # V-like placements hold the first and the last stage on one rank: one parameter serves both.
     tied_on_one_rank = tied and len(plans) > 1 and plans[0].rank == plans[-1].rank

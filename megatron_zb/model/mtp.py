@@ -18,14 +18,14 @@ draws both from stage 0's seeds.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "keep_tied_wgrad_in_b", "mtp_block_spec"]
+__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "check_mtp_placement", "keep_tied_wgrad_in_b", "mtp_block_spec"]
 
 WGRAD_IN_B = "zb_wgrad_in_b"
 """A weight with this attribute set has its weight gradient computed in B by megatron-core's own
@@ -55,6 +55,21 @@ class SeededMTPLayer(_mtp_layer_class()):  # type: ignore[misc]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_seed(init_seed, "mtp_layer", layer_number - 1))
             super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+
+def check_mtp_placement(plans: Sequence[Any], mtp_num_layers: int | None) -> None:
+    """Refuse MTP on a placement megatron-core cannot keep its embedding copy in sync on: the MTP
+    stage (the last) must be alone on the last rank, the first stage on rank 0 -- the embedding group
+    of the first and last pipeline rank -- or everything one stage. ``plans``: the placement's
+    :class:`~megatron_zb.model.gpt_chunks.ChunkPlan` s in stage order."""
+    if not mtp_num_layers or len(plans) == 1:
+        return
+    last = max(p.rank for p in plans)
+    if plans[0].rank != 0 or plans[-1].rank != last or plans[0].rank == plans[-1].rank:
+        raise NotImplementedError(
+            "multi-token prediction needs the last stage on the last pipeline rank and the first on rank 0 "
+            "(megatron-core syncs the MTP stage's word-embedding copy over their embedding group); this "
+            f"placement has them on ranks {plans[0].rank} and {plans[-1].rank} (a V): use a plain or interleaved one")
 
 
 def mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec, *, seed: int) -> Any:
