@@ -49,7 +49,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_zb.megatron_compat import initialize_affine_weight_cpu, quiet_model_notices
-from megatron_zb.model.mtp import check_mtp_placement, keep_tied_wgrad_in_b, mtp_block_spec
+from megatron_zb.model.mtp import check_mtp_placement, tie_mtp_stage, mtp_block_spec
 from megatron_zb.planning.layout import pipeline_split, split_layers  # layer-split rules live with the planner (no torch)
 
 __all__ = [
@@ -333,7 +333,7 @@ def build_gpt_chunks(
             module = GPTModel(**common, **gpt_kwargs)
         if cfg.perform_initialization:
             _init_embedding_and_output(module, seed)
-        keep_tied_wgrad_in_b(module)
+        tie_mtp_stage(module)
         chunks.append(GPTChunk(plan=plan, module=module))
     return chunks
 

@@ -25,12 +25,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "check_mtp_placement", "keep_tied_wgrad_in_b", "mtp_block_spec"]
+__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "check_mtp_placement", "tie_mtp_stage", "mtp_block_spec"]
 
 WGRAD_IN_B = "zb_wgrad_in_b"
 """A weight with this attribute set has its weight gradient computed in B by megatron-core's own
 linear backward (the runtime's linear route reads it): a weight a non-linear layer of the same chunk
-also uses, whose gradients autograd must sum before DDP's hook adds them once (:func:`keep_tied_wgrad_in_b`)."""
+also uses, whose gradients autograd must sum before DDP's hook adds them once (:func:`tie_mtp_stage`)."""
 
 
 def _seed(seed: int, *key: int | str) -> int:
@@ -97,14 +97,20 @@ def _seeded(spec: ModuleSpec, seed: int) -> ModuleSpec:
     return out
 
 
-def keep_tied_wgrad_in_b(module: Any) -> None:
-    """On a chunk with MTP layers and tied embeddings, mark the word embedding -- used by the MTP
-    layers' lookup (gradient in B, through autograd) and by the output layer (a linear, once per
-    prediction depth) -- so that the output layer's weight gradient is computed in B too
-    (:data:`WGRAD_IN_B`, read by the runtime's linear route): autograd then sums every use before DDP's
-    hook adds them once, as megatron-core does. Deferring it instead would drop the lookup's gradient
-    (DDP's hook skips a ``.grad`` once a deferred linear marked the weight ``grad_added_to_main_grad``)
-    or, with ``zero_out_wgrad``, add it separately (not bitwise). No-op elsewhere."""
+def tie_mtp_stage(module: Any) -> None:
+    """On a chunk with MTP layers and tied embeddings (the word embedding serves the MTP layers' lookup
+    and the output layer): mark the word embedding so that the output layer's weight gradient is
+    computed in B (:data:`WGRAD_IN_B`, read by the runtime's linear route) -- its lookup's gradient
+    arrives in B, through autograd, and autograd must sum every use before DDP's hook adds them once,
+    as megatron-core does; deferring it instead would drop the lookup's gradient (DDP's hook skips a
+    ``.grad`` once a deferred linear marked the weight ``grad_added_to_main_grad``) or, with
+    ``zero_out_wgrad``, add it separately (not bitwise). On a stage that is not the first, also drop the
+    output layer's own weight, which megatron-core allocates there but never uses (the forward passes the
+    embedding's): its own ``sharded_state_dict`` asserts it is absent, so no checkpoint could be saved
+    (megatron-core 0.16.1 and 0.19). No-op elsewhere."""
     if not getattr(module, "mtp_process", False) or not module.share_embeddings_and_output_weights:
         return
     setattr(module.shared_embedding_or_output_weight(), WGRAD_IN_B, True)
+    if module.post_process and not module.pre_process and module.output_layer.weight is not None:
+        del module.output_layer.weight
+        module.output_layer.weight = None

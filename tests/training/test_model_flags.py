@@ -278,6 +278,19 @@ def test_mtp_pp2_curves_equal_megatron_core(tmp_path, tie):
         assert got == want, f"{name}: {got} != megatron-core's {want}"
 
 
+def test_mtp_checkpoint_resumes_bitwise(tmp_path):
+    """``--mtp-num-layers 1`` with zb at PP=2, RoPE (tied: the MTP stage's word-embedding copy is saved as a
+    replica of stage 0's; learned absolute positions are refused with ``--save``: megatron-core saves the MTP
+    stage's own position table under stage 0's key): saved at iteration 2, resumed, iterations 3-4 equal the
+    uninterrupted run's bit for bit."""
+    from harness.pretrain_harness import SMALL, assert_resumes_at, in_process
+
+    argv = SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--mtp-num-layers", "1",
+                    "--enable-zero-bubble", "--position-embedding-type", "rope"]
+    full = in_process(tmp_path, "full", 2, argv + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"])
+    assert_resumes_at(tmp_path, tmp_path / "ckpt", full, step=2, argv=argv)
+
+
 # ---------------------------------------------------------------------------- bad input
 MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
               "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
@@ -297,8 +310,9 @@ MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads
     (["--recompute-method", "uniform"], "--recompute-method"),
     (["--zero-bubble-v-schedule", "--mtp-num-layers", "1"], "--mtp-num-layers"),
     (["--mtp-num-layers", "0"], "--mtp-num-layers"),
+    (["--mtp-num-layers", "1", "--save", "ckpt"], "--mtp-num-layers"),
 ], ids=["gqa", "rotary-above-1", "rotary-0", "split-sum", "v-split-sum", "split-and-account", "full-no-method",
-        "bad-module", "method-without-granularity", "mtp-v", "mtp-0"])
+        "bad-module", "method-without-granularity", "mtp-v", "mtp-0", "mtp-learned-positions-save"])
 def test_bad_model_flags_exit_2_with_one_line(extra, flag, monkeypatch, capsys):
     import torch.distributed as dist
 

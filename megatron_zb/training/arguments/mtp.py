@@ -7,7 +7,7 @@ custom layout (:mod:`megatron_zb.model.mtp`); their linear
 layers defer W like every other (the runtime's ``linear`` route, which sums the output layer's
 weight gradients of one microbatch -- it is used once per prediction depth -- before adding them,
 as autograd does); with tied embeddings the MTP stage's output layer computes its weight gradient
-in B (:func:`megatron_zb.model.mtp.keep_tied_wgrad_in_b`).
+in B (:func:`megatron_zb.model.mtp.tie_mtp_stage`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def add_mtp_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_mtp(args: argparse.Namespace) -> None:
-    """``--mtp-num-layers``: >= 1; on the verified placements and the local implementation (needs
-    ``schedule_placement``, ``transformer_impl``)."""
+    """``--mtp-num-layers``: >= 1; on the verified placements and the local implementation; no ``--save``
+    with learned absolute positions at PP > 1 (needs ``schedule_placement``, ``transformer_impl``)."""
     n = args.mtp_num_layers
     if n is None:
         return
@@ -47,6 +47,12 @@ def check_mtp(args: argparse.Namespace) -> None:
         raise ArgumentError("--mtp-num-layers", f"not supported with the V placement ({args.schedule!r}): "
                                                 f"{V_WHY}; use a plain or interleaved schedule (zb, zb-2p, "
                                                 f"interleaved-zb, ...), or drop --mtp-num-layers")
+    if args.save and args.position_embedding_type == "learned_absolute" and args.pipeline_model_parallel_size > 1:
+        raise ArgumentError("--mtp-num-layers", "with learned absolute position embeddings at PP > 1 no checkpoint can "
+                                                "be saved: megatron-core keeps a second, unsynchronised copy of the "
+                                                "position table on the MTP stage and saves it under stage 0's key "
+                                                "(its own sharded state dict; Megatron-LM fails the same way); use "
+                                                "--position-embedding-type rope (as DeepSeek-V3) or drop --save")
     if args.transformer_impl == "transformer_engine":
         raise ArgumentError("--mtp-num-layers", "not verified with Transformer Engine's layers yet; use "
                                                 "--transformer-impl local, or drop --mtp-num-layers")
