@@ -464,8 +464,11 @@ def global_param_name(name: str, plan: ChunkPlan) -> str:
     """Map a chunk's parameter/state name to the whole model's (layer index made global).
 
     ``decoder.layers.{i}.…`` becomes ``decoder.layers.{plan.layer_offset + i}.…``; other names
-    (embedding, final norm, output layer) are the same in every placement.
+    (embedding, final norm, output layer) are the same in every placement, but for the MTP stage's own
+    copy of the embedding (not the first stage): ``mtp_stage.embedding.…``.
     """
+    if plan.num_mtp_layers and not plan.pre_process and name.startswith("embedding."):
+        return f"mtp_stage.{name}"
     m = _LAYER_NAME.match(name)
     if m is None:
         return name
