@@ -32,6 +32,7 @@ when that is > 1; nothing else on the model path reads it -- it need not match `
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import re
@@ -49,7 +50,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_zb.megatron_compat import initialize_affine_weight_cpu, quiet_model_notices
-from megatron_zb.model.mtp import check_mtp_placement, tie_mtp_stage, mtp_block_spec
+from megatron_zb.model.mtp import check_mtp_placement, mtp_block_spec, no_virtual_stages, tie_mtp_stage
 from megatron_zb.planning.layout import pipeline_split, split_layers  # layer-split rules live with the planner (no torch)
 
 __all__ = [
@@ -330,7 +331,8 @@ def build_gpt_chunks(
             else:
                 module = GPTModel(**common, **kwargs)
         else:
-            module = GPTModel(**common, **gpt_kwargs)
+            with no_virtual_stages() if plan.num_mtp_layers else contextlib.nullcontext():
+                module = GPTModel(**common, **gpt_kwargs)
         if cfg.perform_initialization:
             _init_embedding_and_output(module, seed)
         tie_mtp_stage(module)

@@ -17,15 +17,16 @@ draws both from stage 0's seeds.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "check_mtp_placement", "tie_mtp_stage", "mtp_block_spec"]
+__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "check_mtp_placement", "no_virtual_stages", "tie_mtp_stage", "mtp_block_spec"]
 
 WGRAD_IN_B = "zb_wgrad_in_b"
 """A weight with this attribute set has its weight gradient computed in B by megatron-core's own
@@ -70,6 +71,22 @@ def check_mtp_placement(plans: Sequence[Any], mtp_num_layers: int | None) -> Non
             "multi-token prediction needs the last stage on the last pipeline rank and the first on rank 0 "
             "(megatron-core syncs the MTP stage's word-embedding copy over their embedding group); this "
             f"placement has them on ranks {plans[0].rank} and {plans[-1].rank} (a V): use a plain or interleaved one")
+
+
+@contextlib.contextmanager
+def no_virtual_stages() -> Iterator[None]:
+    """Build an MTP chunk as the one-stage chunk it is (``vp_stage=None``, like every chunk): megatron-core
+    0.19's ``GPTModel`` asks ``mtp_on_this_rank`` with virtual stages whenever ``parallel_state`` has a
+    virtual pipeline size (megatron-core's interleaved schedule sets one), and asserts a ``vp_stage``;
+    without one it reads the chunk's layout (:attr:`~megatron_zb.model.gpt_chunks.ChunkPlan.layout`)."""
+    from megatron.core import parallel_state
+
+    saved = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+    try:
+        yield
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(saved)
 
 
 def mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec, *, seed: int) -> Any:
