@@ -32,6 +32,7 @@ when that is > 1; nothing else on the model path reads it -- it need not match `
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import re
@@ -49,6 +50,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_zb.megatron_compat import initialize_affine_weight_cpu, quiet_model_notices
+from megatron_zb.model.mtp import check_mtp_placement, mtp_block_spec, no_virtual_stages, tie_mtp_stage
 from megatron_zb.planning.layout import pipeline_split, split_layers  # layer-split rules live with the planner (no torch)
 
 __all__ = [
@@ -85,6 +87,8 @@ class ChunkPlan:
         num_stages: stages in the placement.
         layer_offset: global 0-based index of the stage's first transformer layer.
         num_layers: transformer layers in the stage (may be 0).
+        num_mtp_layers: multi-token prediction layers in the stage (``--mtp-num-layers``; all of
+            them on the last stage, as megatron-core places them without a custom layout).
     """
 
     stage: int
@@ -92,6 +96,7 @@ class ChunkPlan:
     num_stages: int
     layer_offset: int
     num_layers: int
+    num_mtp_layers: int = 0
 
     @property
     def pre_process(self) -> bool:
@@ -109,14 +114,22 @@ class ChunkPlan:
         return range(self.layer_offset, self.layer_offset + self.num_layers)
 
     # -- the part of megatron's PipelineParallelLayerLayout interface the model path uses --
+    @property
+    def layout(self) -> "_ChunkLayout":
+        """``layout[pp_rank][vp_stage]``: this chunk's layer types, whichever rank or virtual stage is
+        asked (megatron-core 0.19's ``mtp_on_this_rank`` counts the ``LayerType.mtp`` entries)."""
+        return _ChunkLayout((LayerType.decoder,) * self.num_layers + (LayerType.mtp,) * self.num_mtp_layers)
+
     def get_layer_offset(self, layer_type: LayerType = LayerType.decoder, vp_stage: int | None = None,
                          pp_rank: int | None = None) -> int:
-        """Global offset of this chunk's first layer of ``layer_type`` (decoder layers only)."""
+        """Global offset of this chunk's first layer of ``layer_type`` (MTP layers: 0, all on one stage)."""
         return self.layer_offset if layer_type == LayerType.decoder else 0
 
     def get_num_layers_to_build(self, layer_type: LayerType = LayerType.decoder, vp_stage: int | None = None,
                                 pp_rank: int | None = None) -> int:
-        """Number of ``layer_type`` layers in this chunk (decoder layers only)."""
+        """Number of ``layer_type`` layers in this chunk (decoder or MTP layers)."""
+        if layer_type == LayerType.mtp:
+            return self.num_mtp_layers
         return self.num_layers if layer_type == LayerType.decoder else 0
 
     def get_layer_id_list(self, layer_type: LayerType = LayerType.decoder, vp_stage: int | None = None,
@@ -125,9 +138,20 @@ class ChunkPlan:
         return list(self.layer_ids) if layer_type == LayerType.decoder else []
 
 
+@dataclass(frozen=True, slots=True)
+class _ChunkLayout:
+    """:attr:`ChunkPlan.layout`: one chunk's layer types, as every (rank, virtual stage) entry."""
+
+    types: tuple[LayerType, ...]
+
+    def __getitem__(self, pp_rank: int) -> list[list[LayerType]]:
+        return [list(self.types)]
+
+
 def plan_chunks(*, num_layers: int, stage_to_rank: Sequence[int], layers_per_stage: Sequence[int] | None = None,
-                allow_padding: bool = False) -> list[ChunkPlan]:
-    """The :class:`ChunkPlan` of every stage of ``stage_to_rank``, in stage order.
+                allow_padding: bool = False, mtp_num_layers: int | None = None) -> list[ChunkPlan]:
+    """The :class:`ChunkPlan` of every stage of ``stage_to_rank``, in stage order; the last stage
+    holds the ``mtp_num_layers`` multi-token prediction layers (if any).
 
     ``layers_per_stage`` defaults to :func:`split_layers` ``(num_layers, len(stage_to_rank),
     allow_padding=allow_padding)``; an explicit list must sum to ``num_layers``.
@@ -148,7 +172,9 @@ def plan_chunks(*, num_layers: int, stage_to_rank: Sequence[int], layers_per_sta
             raise ValueError(f"layers_per_stage {counts} must be >= 0 and sum to num_layers={num_layers}")
     plans, offset = [], 0
     for stage, (rank, n) in enumerate(zip(s2r, counts)):
-        plans.append(ChunkPlan(stage=stage, rank=rank, num_stages=len(s2r), layer_offset=offset, num_layers=n))
+        mtp = (mtp_num_layers or 0) if stage == len(s2r) - 1 else 0
+        plans.append(ChunkPlan(stage=stage, rank=rank, num_stages=len(s2r), layer_offset=offset, num_layers=n,
+                               num_mtp_layers=mtp))
         offset += n
     return plans
 
@@ -252,7 +278,8 @@ def build_gpt_chunks(
     if config.recompute_granularity == "selective" and "layernorm" in (config.recompute_modules or ()):
         _fix_checkpoint_without_output()
     plans = plan_chunks(num_layers=config.num_layers, stage_to_rank=stage_to_rank,
-                        layers_per_stage=layers_per_stage, allow_padding=allow_padding)
+                        layers_per_stage=layers_per_stage, allow_padding=allow_padding,
+                        mtp_num_layers=config.mtp_num_layers)
     num_ranks = max(p.rank for p in plans) + 1
     if stages is None:
         if rank is None:
@@ -267,6 +294,7 @@ def build_gpt_chunks(
         if bad:
             raise ValueError(f"stages {bad} do not exist in a {len(plans)}-stage placement")
         wanted = [plans[s] for s in sorted(set(stages))]
+    check_mtp_placement(plans, config.mtp_num_layers)
     tied = bool(gpt_kwargs.get("share_embeddings_and_output_weights", False))
     # V-like placements hold the first and the last stage on one rank: one parameter serves both.
     tied_on_one_rank = tied and len(plans) > 1 and plans[0].rank == plans[-1].rank
@@ -290,6 +318,8 @@ def build_gpt_chunks(
         common = dict(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size,
                       max_sequence_length=max_sequence_length, pre_process=plan.pre_process,
                       post_process=plan.post_process)
+        if plan.num_mtp_layers:
+            common["mtp_block_spec"] = mtp_block_spec(cfg, layer_spec if layer_spec is not None else spec, seed=seed)
         if tied_on_one_rank and (plan.pre_process or plan.post_process):
             kwargs = {**gpt_kwargs, "share_embeddings_and_output_weights": False}
             if plan.post_process:
@@ -301,9 +331,11 @@ def build_gpt_chunks(
             else:
                 module = GPTModel(**common, **kwargs)
         else:
-            module = GPTModel(**common, **gpt_kwargs)
+            with no_virtual_stages() if plan.num_mtp_layers else contextlib.nullcontext():
+                module = GPTModel(**common, **gpt_kwargs)
         if cfg.perform_initialization:
             _init_embedding_and_output(module, seed)
+        tie_mtp_stage(module)
         chunks.append(GPTChunk(plan=plan, module=module))
     return chunks
 
@@ -378,7 +410,6 @@ def _check_config(config: TransformerConfig) -> None:
         "pipeline_model_parallel_layout": config.pipeline_model_parallel_layout,
         "num_layers_in_first_pipeline_stage": config.num_layers_in_first_pipeline_stage,
         "num_layers_in_last_pipeline_stage": config.num_layers_in_last_pipeline_stage,
-        "mtp_num_layers": config.mtp_num_layers,
     }
     set_fields = [k for k, v in owned.items() if v is not None]
     set_fields += [k for k in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
@@ -413,7 +444,7 @@ def _init_embedding_and_output(module: GPTModel, seed: int) -> None:
                                          params_dtype=cfg.params_dtype, rank=get_pg_rank(part.tp_group),
                                          world_size=get_pg_size(part.tp_group))
 
-    if module.pre_process:
+    if module.pre_process or getattr(module, "mtp_process", False):  # the MTP stage's copy: stage 0's values
         word = module.embedding.word_embeddings
         init_vocab_parallel(word.weight, word, cfg.embedding_init_method, "word_embeddings")
         position = getattr(module.embedding, "position_embeddings", None)
@@ -435,8 +466,11 @@ def global_param_name(name: str, plan: ChunkPlan) -> str:
     """Map a chunk's parameter/state name to the whole model's (layer index made global).
 
     ``decoder.layers.{i}.…`` becomes ``decoder.layers.{plan.layer_offset + i}.…``; other names
-    (embedding, final norm, output layer) are the same in every placement.
+    (embedding, final norm, output layer) are the same in every placement, but for the MTP stage's own
+    copy of the embedding (not the first stage): ``mtp_stage.embedding.…``.
     """
+    if plan.num_mtp_layers and not plan.pre_process and name.startswith("embedding."):
+        return f"mtp_stage.{name}"
     m = _LAYER_NAME.match(name)
     if m is None:
         return name

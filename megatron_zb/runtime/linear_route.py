@@ -34,7 +34,10 @@ it; :func:`check_device_max_connections`):
   kind, :data:`GATHER_BUFFERS`).
 
 Outside a B window, and for megatron-core's own deferral (``grad_output_buffer``, the embedding
-wgrad deferral), the backward is megatron-core's (its overlap unchanged).
+wgrad deferral), the backward is megatron-core's (its overlap unchanged); so it is for a weight marked
+:data:`~megatron_zb.model.mtp.WGRAD_IN_B`. A weight used twice in one B (the output layer, once per multi-token prediction
+depth) gets one W entry summing its gradients in arrival order before the one addition, as autograd
+sums them before DDP's hook adds them (:meth:`_WeightGradEntry.fold`): bitwise megatron-core's.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any
 
 import torch
 
+from ..model.mtp import WGRAD_IN_B
 from .wgrad_store import current_store
 
 GATHER_BUFFERS: tuple[str, str] = ("mpu", "zb-wgrad-prefetch")
@@ -166,6 +170,7 @@ class _WeightGradEntry:
         self._prepare = prepare
         self._total_input: torch.Tensor | None = None if sequence_parallel else input
         self._handle: Any = None
+        self._folded: list[_WeightGradEntry] = []
 
     def prefetch(self) -> None:
         """Sequence parallelism: launch the input's all-gather over the TP group (async); else nothing."""
@@ -180,14 +185,40 @@ class _WeightGradEntry:
         self._handle = torch.distributed.all_gather_into_tensor(self._total_input, self._input.contiguous(),
                                                                 group=self._tp_group, async_op=True)
 
-    def __call__(self) -> None:
+    def folds(self, param: torch.Tensor, fusion: bool) -> bool:
+        """Whether a later use of ``param`` in the same B is summed into this entry (:meth:`fold`):
+        without fused accumulation, where megatron-core's autograd sums a weight's gradients of one
+        backward before DDP's hook adds them to ``main_grad`` once."""
+        return self._param is param and not fusion and not self._fusion
+
+    def fold(self, later: "_WeightGradEntry") -> None:
+        """Sum ``later``'s gradient (the same weight, a later use in the same B) into this entry's,
+        in arrival order, as autograd's input buffer does: one addition into the weight's gradient."""
+        self._folded.append(later)
+
+    def _inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prepared ``(grad_output, total_input)`` of the GEMM (waits for the input's gather)."""
         self.prefetch()
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
         g, x = self._prepare(self._grad_output, self._total_input)
-        _accumulate_wgrad(self._param, self._main_grad, self._fusion, g, x)
         self._grad_output = self._input = self._total_input = None  # run once; free what it held
+        return g, x
+
+    def __call__(self) -> None:
+        g, x = self._inputs()
+        if not self._folded:
+            _accumulate_wgrad(self._param, self._main_grad, self._fusion, g, x)
+            return
+        from ..model.grad_accumulation import add_weight_grad
+
+        total = g.t().matmul(x)
+        for later in self._folded:
+            g, x = later._inputs()
+            total = total + g.t().matmul(x)
+        self._folded = []
+        add_weight_grad(self._param, total)
 
 
 def build_zb_linear_function(base: Any) -> Any:
@@ -213,7 +244,7 @@ def build_zb_linear_function(base: Any) -> Any:
         @custom_bwd
         def backward(ctx, grad_output):  # noqa: D401 - autograd signature
             store = current_store()
-            if store is None or ctx.grad_output_buffer is not None:
+            if store is None or ctx.grad_output_buffer is not None or getattr(ctx.zb_weight, WGRAD_IN_B, False):
                 if not ctx.gradient_accumulation_fusion and hasattr(ctx.zb_weight, "grad_added_to_main_grad"):
                     ctx.zb_weight.grad_added_to_main_grad = False  # a B of this iteration may have set it
                 return base.backward(ctx, grad_output)
@@ -245,10 +276,16 @@ def build_zb_linear_function(base: Any) -> Any:
             else:
                 grad_bias = None
 
-            # 2. the weight gradient, later: queued for this (chunk, microbatch)'s W
-            store.put(_WeightGradEntry(param=param, main_grad=main_grad, fusion=fusion, grad_output=grad_output,
-                                       input=input, tp_group=tp_group, sequence_parallel=ctx.sequence_parallel,
-                                       prepare=prepare_input_tensors_for_wgrad_compute), params=(param,))
+            # 2. the weight gradient, later: queued for this (chunk, microbatch)'s W -- summed into
+            #    the entry of an earlier use of the same weight in this B, as autograd would sum them
+            entry = _WeightGradEntry(param=param, main_grad=main_grad, fusion=fusion, grad_output=grad_output,
+                                     input=input, tp_group=tp_group, sequence_parallel=ctx.sequence_parallel,
+                                     prepare=prepare_input_tensors_for_wgrad_compute)
+            earlier = store.find_open(lambda fn: isinstance(fn, _WeightGradEntry) and fn.folds(param, fusion))
+            if earlier is not None:
+                earlier.fold(entry)
+            else:
+                store.put(entry, params=(param,))
             if handle is not None:
                 handle.wait()
             grad_input = sub_grad_input if ctx.sequence_parallel else grad_input

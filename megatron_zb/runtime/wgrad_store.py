@@ -122,6 +122,14 @@ class WeightGradStore:
             for p in params:
                 known[id(p)] = p
 
+    def find_open(self, match: Callable[[Callable[[], None]], bool]) -> Callable[[], None] | None:
+        """The first entry queued in the open B window for which ``match(fn)`` holds, or ``None`` (also
+        outside a window): how a route finds the work it queued earlier in the same B (a weight used
+        twice by one microbatch, whose gradients autograd would sum before adding them)."""
+        if self._active is None:
+            return None
+        return next((fn for fn, _ in self._queues[self._active] if match(fn)), None)
+
     def queue_for(self, stage: int, microbatch: int, fn: Callable[[], None], *, params: tuple[torch.Tensor, ...]
                   ) -> None:
         """Queue ``fn`` for the W of ``(stage, microbatch)`` from outside a B window, before or after

@@ -217,6 +217,10 @@ FEATURES: list[Feature] = [
                    Placement.V: dict(first_stage_layers=3)}),
     Feature("moe", "megatron-core MoE: 4 SequentialMLP experts, top-2, aux loss 1e-2, allgather dispatcher, "
                    "layer 1 dense; expert weights deferred to W by the linear route", num_layers=4, tiny_gpt=_MOE),
+    Feature("mtp", "multi-token prediction (DeepSeek-V3's MTP): one MTP layer on the last stage (the last virtual "
+                   "chunk), untied embeddings; its linears deferred to W, the output layer's two uses in one W "
+                   "entry; the V placement refused (its last stage is on rank 0: no embedding group for the MTP "
+                   "stage's embedding copy)", tiny_gpt=dict(config_options=dict(mtp_num_layers=1))),
     Feature("vocab-parallel", "vocabulary parallelism: each family's vocabulary form (<family>-vocab-1, two "
                               "barriers) with the word embedding and the output layer sliced over the pipeline "
                               "ranks, against megatron-core's schedule on the unsliced model; a family without a "

@@ -162,9 +162,14 @@ def _sharded_state_dict(chunks: Sequence[Any], optimizer: Any, *, is_loading: bo
                         use_distributed_optimizer: bool, vocab: Any = None) -> dict[str, Any]:
     """Model chunks' (unwrapped ``GPTModel`` s), the vocabulary slices' (``vocab``, under ``vocab``) and
     the optimizer's sharded state dicts."""
+    from megatron.core import parallel_state
+
     sd: dict[str, Any] = {}
     for i, module in enumerate(chunks):
-        sd[_model_key(i, len(chunks))] = module.sharded_state_dict()
+        # Megatron-LM's metadata carries the data x context-parallel group; megatron-core's GPTModel reads it
+        # directly for the MTP stage's word-embedding copy (a replica of stage 0's)
+        metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+        sd[_model_key(i, len(chunks))] = module.sharded_state_dict(metadata=metadata)
     if vocab is not None:
         sd["vocab"] = vocab.sharded_state_dict()
     if optimizer is not None:

@@ -53,6 +53,7 @@ from megatron_zb.training.logging_utils import print_rank_0, set_logging_level, 
 from megatron_zb.training.cost_window import CostWindow
 from megatron_zb.training.measured_timeline import MeasuredTimeline
 from megatron_zb.training.model_setup import ModelBundle, build_model
+from megatron_zb.training.mtp_log import take_mtp_losses
 from megatron_zb.training.nan_check import LossAndGradCheck, NonFiniteError, NonFiniteFinding
 from megatron_zb.training.optimizer_setup import OptimizerBundle, build_optimizer
 from megatron_zb.training.params_norm import params_l2_norm
@@ -256,7 +257,8 @@ class Trainer:
         if measured.data:
             total = sum_lm_loss(measured.data)
             loss = (float(total[0]), float(total[1]))
-        return IterationRecord(iteration=it, loss=loss, skipped=not update_successful,
+        mtp = take_mtp_losses(self.batch.num_microbatches) if self.config.model.mtp_num_layers else None
+        return IterationRecord(iteration=it, loss=loss, skipped=not update_successful, mtp_losses=mtp,
                                grad_norm=None if grad_norm is None else float(grad_norm),
                                lr=opt.learning_rate(), loss_scale=opt.loss_scale(), timers=timers or {},
                                num_zeros=None if num_zeros is None else float(num_zeros), global_batch_size=gbs)

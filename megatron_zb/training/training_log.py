@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.flops import tflops_per_gpu
 from megatron_zb.training.run_config import RunConfig
+from megatron_zb.training.mtp_log import mtp_loss_names
 from megatron_zb.training.logging_utils import WandbWriter, format_iteration_line, is_last_rank, print_rank_last
 
 __all__ = ["IterationRecord", "TrainingLog", "cuda_memory_scalars", "gather_losses"]
@@ -45,6 +46,8 @@ class IterationRecord:
             count over the model-parallel group; validated with post-validation), else ``None``.
         global_batch_size: the iteration's samples, all data-parallel ranks (grows with
             ``--rampup-batch-size``; ``None``: ``--global-batch-size``).
+        mtp_losses: with ``--mtp-num-layers``, on ranks holding the MTP layers, the loss of each MTP
+            depth (:func:`~megatron_zb.training.mtp_log.take_mtp_losses`), else ``None``.
     """
 
     iteration: int
@@ -56,6 +59,7 @@ class IterationRecord:
     timers: dict[str, float] = field(default_factory=dict)
     num_zeros: float | None = None
     global_batch_size: int | None = None
+    mtp_losses: tuple[float, ...] | None = None
 
 
 def cuda_memory_scalars(stats: dict[str, Any]) -> dict[str, float]:
@@ -84,6 +88,16 @@ def gather_losses(values: Sequence[tuple[float, float] | None], *, stage_to_rank
         dist.broadcast(buf, src=dist.get_global_rank(dist_ctx.pp_group, holder_pp), group=dist_ctx.pp_group)
     vals = buf.cpu().tolist()
     return [(vals[2 * i], vals[2 * i + 1]) for i in range(count)]
+
+
+def mtp_interval(records: Sequence[IterationRecord]) -> dict[str, float]:
+    """The interval's MTP losses as Megatron-LM's line has them: each depth's sum over the interval's
+    iterations divided by the iterations not skipped (empty without MTP layers on this rank)."""
+    held = [r.mtp_losses for r in records if r.mtp_losses]
+    advanced = max(1, sum(1 for r in records if not r.skipped))
+    if not held:
+        return {}
+    return {name: sum(v[i] for v in held) / advanced for i, name in enumerate(mtp_loss_names(len(held[0])))}
 
 
 class TrainingLog:
@@ -153,7 +167,8 @@ class TrainingLog:
             self.history.append({"iteration": r.iteration, "lm loss": value, "skipped": r.skipped,
                                  "learning rate": r.lr, "grad norm": r.grad_norm, "loss scale": r.loss_scale,
                                  "global batch size": self._batch_size(r),
-                                 **({"num zeros": r.num_zeros} if r.num_zeros is not None else {})})
+                                 **({"num zeros": r.num_zeros} if r.num_zeros is not None else {}),
+                                 **dict(zip(mtp_loss_names(len(r.mtp_losses or ())), r.mtp_losses or ()))})
         if params_norm is not None and self.history:
             self.history[-1]["params norm"] = params_norm
         kept = [v for r, v in zip(records, per_iter) if not r.skipped]
@@ -173,7 +188,7 @@ class TrainingLog:
                 elapsed_ms=1e3 * elapsed, throughput=batch / elapsed if elapsed > 0 else None,
                 tflops_per_gpu=tflops,
                 learning_rate=last.lr, global_batch_size=self._batch_size(last),
-                losses={"lm loss": sum(kept) / len(kept)} if kept else {},
+                losses={**({"lm loss": sum(kept) / len(kept)} if kept else {}), **mtp_interval(records)},
                 loss_scale=last.loss_scale, grad_norm=last.grad_norm, num_zeros_in_grad=last.num_zeros,
                 params_norm=params_norm, skipped_iterations=skipped, nan_iterations=nan_iters, rollbacks=rollbacks))
             self.tensorboard_interval(last, kept, elapsed, tflops, params_norm=params_norm)

@@ -4,7 +4,7 @@ Runs the same runner code as ``scripts/compat_matrix.py`` (real megatron-core GP
 optimizers, gloo processes) over the *full* product of families and features, and asserts each
 cell's status from :data:`EXPECTED`, written here by hand -- not computed by the runner. The
 first eleven features run one launch per feature and placement group (about 2.5 minutes on 2
-idle cores); issue 13's six model features (:data:`MODEL_FEATURES`) share one launch per
+idle cores); issue 13's six model features and issue 41's mtp (:data:`MODEL_FEATURES`) share one launch per
 placement group (about 25 s of CPU time per rank). Also: recomputation and MoE queue the
 expected number of deferred weight-gradient computations; megatron-core's own execution order
 (instrumented forward and backward steps) equals ``1f1b``'s and ``interleaved-1f1b``'s, at PP=2
@@ -46,18 +46,18 @@ v-half           B    B    B    B   B      B       B           B            B   
 v-min            B    B    B    B   B      B       B           B            B        T          B
 """
 EXPECTED_MODEL_TABLE = """
-family           llama recompute-full recompute-selective tied uneven-split moe
-1f1b             B     B              B                   B    B            B
-zb-h1            B     B              B                   B    B            B
-zb-h2            B     B              B                   B    B            B
-zb               B     B              B                   B    B            B
-zb-1p            B     B              B                   B    B            B
-zb-2p            B     B              B                   B    B            B
-interleaved-1f1b B     B              B                   B    B            B
-interleaved-zb   B     B              B                   B    B            B
-zbv              B     B              B                   T    B            B
-v-half           B     B              B                   T    B            B
-v-min            B     B              B                   T    B            B
+family           llama recompute-full recompute-selective tied uneven-split moe mtp
+1f1b             B     B              B                   B    B            B   B
+zb-h1            B     B              B                   B    B            B   B
+zb-h2            B     B              B                   B    B            B   B
+zb               B     B              B                   B    B            B   B
+zb-1p            B     B              B                   B    B            B   B
+zb-2p            B     B              B                   B    B            B   B
+interleaved-1f1b B     B              B                   B    B            B   B
+interleaved-zb   B     B              B                   B    B            B   B
+zbv              B     B              B                   T    B            B   R
+v-half           B     B              B                   T    B            B   R
+v-min            B     B              B                   T    B            B   R
 """
 """Issue 13's model features (one table per line width)."""
 EXPECTED_VOCAB_TABLE = """
@@ -94,9 +94,9 @@ def test_expectation_table_covers_the_matrix():
     assert set(EXPECTED) == {(fam, f.name) for fam in ALL_FAMILIES for f in FEATURES}
 
 
-MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe"]
+MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe", "mtp"]
 """Issue 13's model features: run together (``plan_launches(together=True)``: one launch per placement
-group for all six, plus the fp32 column their ``same_w_as`` check needs) -- every cell, with 4 process
+group for all seven (issue 41 added mtp), plus the fp32 column their ``same_w_as`` check needs) -- every cell, with 4 process
 start-ups instead of 28; about 25 s of CPU time per rank)."""
 
 

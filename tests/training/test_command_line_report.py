@@ -23,7 +23,7 @@ from megatron_zb.training.arguments.megatron_flags import MEGATRON_LM_FLAGS
 REPO = Path(__file__).resolve().parents[2]
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
         "--train-iters 2 --lr 1e-4 --mock-data")
-FIVE = "--use-torch-fsdp2 --log-straggler --enable-cuda-graph --mtp-num-layers 1 --moe-enable-deepep"
+FIVE = "--use-torch-fsdp2 --log-straggler --enable-cuda-graph --mtp-standalone --moe-enable-deepep"
 """Five Megatron-LM flags that megatron-zb does not support (yet)."""
 
 
@@ -58,7 +58,7 @@ def test_five_unsupported_flags_give_five_reasons_in_one_run_exit_2_under_10_s(t
     assert len(header) == 1 and "5 problems with the command line" in lines[header[0]]
     reasons = lines[header[0] + 1:header[0] + 6]
     for reason, flag in zip(reasons, ("--use-torch-fsdp2", "--log-straggler", "--enable-cuda-graph",
-                                      "--mtp-num-layers", "--moe-enable-deepep")):
+                                      "--mtp-standalone", "--moe-enable-deepep")):
         assert reason.startswith(f"  {flag} is a Megatron-LM flag megatron-zb does not support yet")
     assert "initializing torch distributed" not in proc.stdout + proc.stderr
     assert cpu_s < 10.0, f"{cpu_s:.1f} s of CPU time ({elapsed:.1f} s wall)"

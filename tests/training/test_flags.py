@@ -25,7 +25,7 @@ def error_for(extra: str) -> ArgumentError:
 
 @pytest.mark.parametrize("extra,flag", [("--use-torch-fsdp2", "--use-torch-fsdp2"),
                                         ("--log-straggler", "--log-straggler"),
-                                        ("--mtp-num-layers=1", "--mtp-num-layers")])
+                                        ("--mtp-standalone", "--mtp-standalone")])
 def test_megatron_lm_flag_not_supported_yet(extra, flag):
     err = error_for(extra)
     assert err.flag == flag

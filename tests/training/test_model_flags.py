@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from functools import partial
 from pathlib import Path
@@ -35,9 +36,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.fil
 
 
 def llama(*, pp: int = 2, recompute: dict[str, Any] | None = None, split: dict[str, Any] | None = None,
-          per_token: bool = False, tied: bool = True, num_layers: int = 6, **kw: Any) -> TinyGPT:
-    """A tiny LLaMA-style model (RMSNorm, SwiGLU, RoPE, GQA, no biases, QK-norm), DDP + finalize_model_grads."""
-    config = {**LLAMA["config_options"], **(recompute or {}), "calculate_per_token_loss": per_token}
+          per_token: bool = False, tied: bool = True, num_layers: int = 6, mtp: int | None = None, **kw: Any) -> TinyGPT:
+    """A tiny LLaMA-style model (RMSNorm, SwiGLU, RoPE, GQA, no biases, QK-norm), DDP + finalize_model_grads;
+    ``mtp``: multi-token prediction layers."""
+    config = {**LLAMA["config_options"], **(recompute or {}), "calculate_per_token_loss": per_token,
+              **({"mtp_num_layers": mtp} if mtp else {})}
     model = {**LLAMA["model_options"], "share_embeddings_and_output_weights": tied}
     return TinyGPT(pp=pp, ddp=True, num_layers=num_layers, hidden=32, heads=4, seq=16, vocab=64,
                    config_options=config, model_options=model, spec_options=LLAMA["spec_options"], split=split or {},
@@ -103,6 +106,20 @@ def test_llama_architecture_tied_selective_recompute_per_token_pp2():
                            "llama pp2 no recompute", schedules=("zb",))
     assert plain["zb"] == plain["zb-2p"] == base["zb"]
     assert v["zbv"] == base["zb"]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mtp_layers_defer_w_and_equal_1f1b(tied):
+    """One MTP layer: every gradient and loss of zb and interleaved-zb (the MTP block in the last virtual
+    chunk) equals megatron-core 1F1B's bit for bit, and the MTP layer's five linears (projection, QKV,
+    attention output, two MLP) each defer one W per micro batch. Untied, the output layer's second use
+    (the MTP head) is summed into its first use's W entry; tied, the MTP stage's output layer computes its
+    weight gradient in B (the word embedding's lookup gradient arrives there: one W entry fewer)."""
+    cfg = llama(num_layers=4, tied=tied, mtp=1)
+    counts = check_schedules(cfg, f"mtp pp2 tied={tied}", schedules=("zb", "interleaved-zb"))
+    base = run(llama(num_layers=4, tied=tied), "zb")
+    extra = 4 if tied else 5
+    assert counts["zb"] - base["w_deferred"] == counts["interleaved-zb"] - base["w_deferred"] == extra * cfg.num_microbatches
 
 
 @pytest.mark.parametrize("method", ["uniform", "block"])
@@ -238,6 +255,42 @@ def test_llama_example_cpu_loss_curves_equal_megatron_core(tmp_path):
                     assert a[key] == b[key], (name, a["iteration"], key, a[key], b[key])
 
 
+MTP_KEYS = ("lm loss", "grad norm", "mtp_1 loss", "mtp_2 loss")
+
+
+@pytest.mark.parametrize("tie", [[], ["--untie-embeddings-and-output-weights"]], ids=["tied", "untied"])
+def test_mtp_pp2_curves_equal_megatron_core(tmp_path, tie):
+    """``--mtp-num-layers 2`` at PP=2 (the MTP block on the last stage; the output layer used three
+    times per micro batch, with tied embeddings also the MTP's embedding lookup): every iteration's lm
+    loss, grad norm and MTP losses of zb, zb-2p and zb-h1 equal megatron-core 1F1B's bit for bit, and the
+    iteration line logs ``mtp_1 loss`` / ``mtp_2 loss`` as Megatron-LM's does."""
+    from harness.pretrain_harness import SMALL, in_process
+
+    argv = SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "3", "--mtp-num-layers", "2",
+                    "--mtp-loss-scaling-factor", "0.3", *tie]
+    ref = in_process(tmp_path, "mcore", 2, argv + ["--use-megatron-core-schedule"])
+    assert re.search(r"\| lm loss: \S+ \| mtp_1 loss: \S+ \| mtp_2 loss: \S+ \|", ref["log"]), ref["log"][-2000:]
+    want = [[r[k] for k in MTP_KEYS] for r in ref["values"]["train"]]
+    assert len(want) == 3 and all(v is not None for row in want for v in row), want
+    for name, flags in (("zb", ["--enable-zero-bubble"]), ("zb-2p", ["--schedule", "zb-2p"]),
+                        ("zb-h1", ["--schedule", "zb-h1"])):
+        got = [[r[k] for k in MTP_KEYS] for r in in_process(tmp_path, name, 2, argv + flags)["values"]["train"]]
+        assert got == want, f"{name}: {got} != megatron-core's {want}"
+
+
+def test_mtp_checkpoint_resumes_bitwise(tmp_path):
+    """``--mtp-num-layers 1`` with zb at PP=2, RoPE (tied: the MTP stage's word-embedding copy is saved as a
+    replica of stage 0's; learned absolute positions are refused with ``--save``: megatron-core saves the MTP
+    stage's own position table under stage 0's key): saved at iteration 2, resumed, iterations 3-4 equal the
+    uninterrupted run's bit for bit."""
+    from harness.pretrain_harness import SMALL, assert_resumes_at, in_process
+
+    argv = SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--mtp-num-layers", "1",
+                    "--enable-zero-bubble", "--position-embedding-type", "rope"]
+    full = in_process(tmp_path, "full", 2, argv + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"])
+    assert_resumes_at(tmp_path, tmp_path / "ckpt", full, step=2, argv=argv)
+
+
 # ---------------------------------------------------------------------------- bad input
 MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
               "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
@@ -255,8 +308,11 @@ MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads
     (["--recompute-granularity", "full"], "--recompute-method"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"], "--recompute-modules"),
     (["--recompute-method", "uniform"], "--recompute-method"),
+    (["--zero-bubble-v-schedule", "--mtp-num-layers", "1"], "--mtp-num-layers"),
+    (["--mtp-num-layers", "0"], "--mtp-num-layers"),
+    (["--mtp-num-layers", "1", "--save", "ckpt"], "--mtp-num-layers"),
 ], ids=["gqa", "rotary-above-1", "rotary-0", "split-sum", "v-split-sum", "split-and-account", "full-no-method",
-        "bad-module", "method-without-granularity"])
+        "bad-module", "method-without-granularity", "mtp-v", "mtp-0", "mtp-learned-positions-save"])
 def test_bad_model_flags_exit_2_with_one_line(extra, flag, monkeypatch, capsys):
     import torch.distributed as dist
 

@@ -30,6 +30,7 @@ from .logging_flags import check_logging, check_memory_logging, check_timing_log
 from .model import (check_architecture, check_attention_heads, check_model_kind, check_position_embeddings,
                     check_zero_centered_gamma, fill_model_sizes)
 from .moe import check_expert_tensor_parallel, check_moe
+from .mtp import check_mtp
 from .parallel import (check_batch_sizes, check_context_parallel, check_data_parallel_overlap, check_sequence_parallel,
                        check_world_size, resolve_backend, resolve_p2p_overlap)
 from .recompute import check_recompute
@@ -108,6 +109,7 @@ CHECKS: tuple[Check, ...] = (
     Check("tokenizer_vocab", lambda a, r: resolve_tokenizer_vocab(a), needs=("ranges",)),
     Check("model_sizes", lambda a, r: fill_model_sizes(a), needs=("ranges",)),
     Check("moe", lambda a, r: check_moe(a), needs=("world_size", "model_sizes", "sequence_parallel", "schedule")),
+    Check("mtp", lambda a, r: check_mtp(a), needs=("schedule", "transformer_impl")),
     Check("logging", lambda a, r: check_logging(a)),
     Check("checkpointing", lambda a, r: check_checkpointing(a)),
     Check("training_values", lambda a, r: fill_training_values(a),

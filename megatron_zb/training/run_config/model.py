@@ -173,6 +173,10 @@ class ModelConfig:
     """``--fp8-param-gather``: parameters kept (and all-gathered) in FP8."""
     tp_comm_overlap: bool = field(default=False, metadata=TC)
     """``--tp-comm-overlap``: Transformer Engine's userbuffer overlap of tensor-parallel communication."""
+    mtp_num_layers: int | None = field(default=None, metadata=TC)
+    """``--mtp-num-layers``: multi-token prediction layers, on the last pipeline stage (``None``: no MTP)."""
+    mtp_loss_scaling_factor: float = field(default=0.1, metadata=TC)
+    """``--mtp-loss-scaling-factor``: the MTP layers' mean loss is added to the loss times this."""
     recompute: RecomputeConfig = RecomputeConfig()
     """Activation recomputation."""
     moe: MoEConfig | None = None

@@ -1,0 +1,133 @@
+"""Multi-token prediction (MTP, ``--mtp-num-layers``) in the chunks of any placement.
+
+megatron-core builds the MTP block (``MultiTokenPredictionBlock``) on the chunk that holds the
+output layer when ``GPTModel`` is given an ``mtp_block_spec``; :func:`mtp_block_spec` is
+Megatron-LM's (``gpt_builders.py``: ``get_gpt_mtp_block_spec`` of the decoder's last layer spec),
+with each MTP layer built as :class:`SeededMTPLayer` so that its weights are the same in every
+placement (the rule of :mod:`megatron_zb.model.gpt_chunks`: one derived seed per named part).
+The chunk's :class:`~megatron_zb.model.gpt_chunks.ChunkPlan` answers megatron-core's layout
+questions for ``LayerType.mtp`` (how many MTP layers the chunk builds, their offset 0).
+
+The MTP chunk keeps its own copy of the word embedding (and learned position embedding) when it
+is not the first stage, as megatron-core does; megatron-core keeps the word embedding in sync with
+stage 0's through the embedding group (``setup_embeddings_and_output_layer`` at construction,
+``finalize_model_grads`` after each backward). :func:`~megatron_zb.model.gpt_chunks.build_gpt_chunks`
+draws both from stage 0's seeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator, Sequence
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "check_mtp_placement", "no_virtual_stages", "tie_mtp_stage", "mtp_block_spec"]
+
+WGRAD_IN_B = "zb_wgrad_in_b"
+"""A weight with this attribute set has its weight gradient computed in B by megatron-core's own
+linear backward (the runtime's linear route reads it): a weight a non-linear layer of the same chunk
+also uses, whose gradients autograd must sum before DDP's hook adds them once (:func:`tie_mtp_stage`)."""
+
+
+def _seed(seed: int, *key: int | str) -> int:
+    from megatron_zb.model.gpt_chunks import derive_seed  # gpt_chunks imports this module
+
+    return derive_seed(seed, *key)
+
+
+def _mtp_layer_class() -> type:
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    return MultiTokenPredictionLayer
+
+
+class SeededMTPLayer(_mtp_layer_class()):  # type: ignore[misc]
+    """megatron-core's ``MultiTokenPredictionLayer`` whose parameters (projection, norms and its
+    transformer layer) are drawn from ``derive_seed(init_seed, "mtp_layer", k)``, ``k`` the 0-based
+    MTP depth: the same weights whatever rank or stage builds it. The CPU RNG is restored afterwards."""
+
+    def __init__(self, config: TransformerConfig, submodules: Any, layer_number: int = 1, *args: Any,
+                 init_seed: int, **kwargs: Any) -> None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed(init_seed, "mtp_layer", layer_number - 1))
+            super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+
+def check_mtp_placement(plans: Sequence[Any], mtp_num_layers: int | None) -> None:
+    """Refuse MTP on a placement megatron-core cannot keep its embedding copy in sync on: the MTP
+    stage (the last) must be alone on the last rank, the first stage on rank 0 -- the embedding group
+    of the first and last pipeline rank -- or everything one stage. ``plans``: the placement's
+    :class:`~megatron_zb.model.gpt_chunks.ChunkPlan` s in stage order."""
+    if not mtp_num_layers or len(plans) == 1:
+        return
+    last = max(p.rank for p in plans)
+    if plans[0].rank != 0 or plans[-1].rank != last or plans[0].rank == plans[-1].rank:
+        raise NotImplementedError(
+            "multi-token prediction needs the last stage on the last pipeline rank and the first on rank 0 "
+            "(megatron-core syncs the MTP stage's word-embedding copy over their embedding group); this "
+            f"placement has them on ranks {plans[0].rank} and {plans[-1].rank} (a V): use a plain or interleaved one")
+
+
+@contextlib.contextmanager
+def no_virtual_stages() -> Iterator[None]:
+    """Build an MTP chunk as the one-stage chunk it is (``vp_stage=None``, like every chunk): megatron-core
+    0.19's ``GPTModel`` asks ``mtp_on_this_rank`` with virtual stages whenever ``parallel_state`` has a
+    virtual pipeline size (megatron-core's interleaved schedule sets one), and asserts a ``vp_stage``;
+    without one it reads the chunk's layout (:attr:`~megatron_zb.model.gpt_chunks.ChunkPlan.layout`)."""
+    from megatron.core import parallel_state
+
+    saved = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+    try:
+        yield
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(saved)
+
+
+def mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec, *, seed: int) -> Any:
+    """The MTP block spec of the chunk whose config is ``config`` (``None`` when it builds no MTP
+    layer): megatron-core's ``get_gpt_mtp_block_spec`` of the decoder's layer spec ``layer_spec``
+    (local implementation), each layer a :class:`SeededMTPLayer` drawn from ``seed``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    base = copy.copy(layer_spec)
+    if isinstance(base.module, type) and issubclass(base.module, TransformerLayer):
+        base.module = TransformerLayer  # megatron-core asks for exactly TransformerLayer; the MTP layer seeds it
+        base.params = {k: v for k, v in base.params.items() if k != "init_seed"}
+    block = get_gpt_mtp_block_spec(config, base, use_transformer_engine=False)
+    if block is None:
+        return None
+    block = copy.copy(block)
+    block.layer_specs = [_seeded(spec, seed) for spec in block.layer_specs]
+    return block
+
+
+def _seeded(spec: ModuleSpec, seed: int) -> ModuleSpec:
+    out = copy.copy(spec)
+    out.module = SeededMTPLayer
+    out.params = {**out.params, "init_seed": seed}
+    return out
+
+
+def tie_mtp_stage(module: Any) -> None:
+    """On a chunk with MTP layers and tied embeddings (the word embedding serves the MTP layers' lookup
+    and the output layer): mark the word embedding so that the output layer's weight gradient is
+    computed in B (:data:`WGRAD_IN_B`, read by the runtime's linear route) -- its lookup's gradient
+    arrives in B, through autograd, and autograd must sum every use before DDP's hook adds them once,
+    as megatron-core does; deferring it instead would drop the lookup's gradient (DDP's hook skips a
+    ``.grad`` once a deferred linear marked the weight ``grad_added_to_main_grad``) or, with
+    ``zero_out_wgrad``, add it separately (not bitwise). On a stage that is not the first, also drop the
+    output layer's own weight, which megatron-core allocates there but never uses (the forward passes the
+    embedding's): its own ``sharded_state_dict`` asserts it is absent, so no checkpoint could be saved
+    (megatron-core 0.16.1 and 0.19). No-op elsewhere."""
+    if not getattr(module, "mtp_process", False) or not module.share_embeddings_and_output_weights:
+        return
+    setattr(module.shared_embedding_or_output_weight(), WGRAD_IN_B, True)
+    if module.post_process and not module.pre_process and module.output_layer.weight is not None:
+        del module.output_layer.weight
+        module.output_layer.weight = None
