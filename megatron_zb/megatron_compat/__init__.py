@@ -422,6 +422,27 @@ def initialize_affine_weight_cpu(weight: "torch.Tensor", output_size: int, input
         params_dtype=params_dtype, rank=rank, world_size=world_size, skip_set_tensor_parallel_attributes=True)
 
 
+MLA_TE_FLAG: dict[str, str | None] = {"0.16": "megatron.core.transformer.multi_latent_attention:HAVE_TE", "0.19": None}
+"""Per release: the module global of megatron-core's multi-latent attention that says Transformer Engine is
+there. 0.16.1 sets it when ``megatron.core.extensions.transformer_engine`` imports -- which it does without
+TE too, with a ``MagicMock`` for ``te``, so ``TELinear`` is a mock and ``MLASelfAttention.__init__``'s
+``isinstance(self.linear_proj, TELinear)`` raises ``TypeError``; 0.19 imports that module's real ``HAVE_TE``
+(``None``: nothing to fix)."""
+
+
+def fix_mla_without_te() -> None:
+    """Without Transformer Engine, make megatron-core's multi-latent attention know it (:data:`MLA_TE_FLAG`:
+    0.16.1 only), so that ``MLASelfAttention`` builds on the local spec. Idempotent; nothing with TE."""
+    where = MLA_TE_FLAG[release()]
+    if where is None:
+        return
+    from megatron.core.extensions import transformer_engine
+
+    if not transformer_engine.HAVE_TE:
+        module, _, name = where.partition(":")
+        setattr(importlib.import_module(module), name, False)
+
+
 MODEL_NOTICES: dict[str, tuple[tuple[str, str], ...]] = {
     "0.16": (),
     "0.19": (("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),),
