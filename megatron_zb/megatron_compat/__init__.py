@@ -8,7 +8,8 @@ module and its parts reaches into megatron-core's private names, and only :func:
 which megatron-core release is installed. The parts, one per job, read the release from here:
 :mod:`megatron_zb.megatron_compat.optimizer` (what post-validation mirrors of megatron-core's
 optimizer ``step()``), :mod:`megatron_zb.megatron_compat.platform` (what the CPU shim replaces) and
-:mod:`megatron_zb.megatron_compat.te` (what the Transformer Engine route reads inside TE modules).
+:mod:`megatron_zb.megatron_compat.te` (what the Transformer Engine route reads inside TE modules),
+:mod:`megatron_zb.megatron_compat.mla` (what multi-latent attention needs on the local spec).
 This module: the releases and the Megatron-LM loop's hooks, the table of private names, and the
 runtime's, model's and training loop's uses of them.
 
@@ -420,27 +421,6 @@ def initialize_affine_weight_cpu(weight: "torch.Tensor", output_size: int, input
     private("_initialize_affine_weight_cpu")(
         weight, output_size, input_size, per_partition_size, partition_dim, init_method,
         params_dtype=params_dtype, rank=rank, world_size=world_size, skip_set_tensor_parallel_attributes=True)
-
-
-MLA_TE_FLAG: dict[str, str | None] = {"0.16": "megatron.core.transformer.multi_latent_attention:HAVE_TE", "0.19": None}
-"""Per release: the module global of megatron-core's multi-latent attention that says Transformer Engine is
-there. 0.16.1 sets it when ``megatron.core.extensions.transformer_engine`` imports -- which it does without
-TE too, with a ``MagicMock`` for ``te``, so ``TELinear`` is a mock and ``MLASelfAttention.__init__``'s
-``isinstance(self.linear_proj, TELinear)`` raises ``TypeError``; 0.19 imports that module's real ``HAVE_TE``
-(``None``: nothing to fix)."""
-
-
-def fix_mla_without_te() -> None:
-    """Without Transformer Engine, make megatron-core's multi-latent attention know it (:data:`MLA_TE_FLAG`:
-    0.16.1 only), so that ``MLASelfAttention`` builds on the local spec. Idempotent; nothing with TE."""
-    where = MLA_TE_FLAG[release()]
-    if where is None:
-        return
-    from megatron.core.extensions import transformer_engine
-
-    if not transformer_engine.HAVE_TE:
-        module, _, name = where.partition(":")
-        setattr(importlib.import_module(module), name, False)
 
 
 MODEL_NOTICES: dict[str, tuple[tuple[str, str], ...]] = {

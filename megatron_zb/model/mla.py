@@ -9,7 +9,7 @@ megatron-core's ``DotProductAttention`` taking them -- the same unfused softmax(
 softmax scale (it always passes one) and a context of ``heads * v_channels`` -- and
 :func:`mla_local_spec` puts it into a local layer spec. Every other module of the spec is megatron-core's.
 (megatron-core 0.16.1 also needs to be told that Transformer Engine is absent:
-:func:`megatron_zb.megatron_compat.fix_mla_without_te`.)
+:func:`megatron_zb.megatron_compat.mla.fix_mla_without_te`.)
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def mla_local_spec(spec: ModuleSpec) -> ModuleSpec:
     """A copy of the local layer spec ``spec`` (``get_gpt_layer_local_spec(multi_latent_attention=True)``,
     or a MoE spec built from it) whose self-attention's core attention is :class:`MLADotProductAttention`;
     also lets megatron-core 0.16.1's ``MLASelfAttention`` build without Transformer Engine
-    (:func:`megatron_zb.megatron_compat.fix_mla_without_te`)."""
-    from megatron_zb.megatron_compat import fix_mla_without_te
+    (:func:`megatron_zb.megatron_compat.mla.fix_mla_without_te`)."""
+    from megatron_zb.megatron_compat.mla import fix_mla_without_te
 
     fix_mla_without_te()
     attention = copy.copy(spec.submodules.self_attention)
