@@ -259,13 +259,13 @@ MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads
     (["--multi-latent-attention", "--rotary-interleaved"], "--rotary-interleaved"),
     (["--multi-latent-attention", "--qk-pos-emb-head-dim", "5"], "--qk-pos-emb-head-dim"),
     (["--multi-latent-attention", "--kv-lora-rank", "0"], "--kv-lora-rank"),
-    (["--multi-latent-attention", "--log-throughput"], "--log-throughput"),
+    (["--multi-latent-attention", "--profile-out", "p.json", "--enable-zero-bubble"], "--profile-out"),
     (["--multi-latent-attention", "--transformer-impl", "transformer_engine"], "--transformer-impl"),
     (["--q-lora-rank", "16"], "--q-lora-rank"),
     (["--rope-type", "yarn"], "--rope-type"),
 ], ids=["gqa", "rotary-above-1", "rotary-0", "split-sum", "v-split-sum", "split-and-account", "full-no-method",
         "bad-module", "method-without-granularity", "mla-gqa", "mla-rotary-interleaved", "mla-odd-rope-dim",
-        "mla-rank-0", "mla-log-throughput", "mla-te", "mla-flag-without-mla", "yarn-without-mla"])
+        "mla-rank-0", "mla-profile-out", "mla-te", "mla-flag-without-mla", "yarn-without-mla"])
 def test_bad_model_flags_exit_2_with_one_line(extra, flag, monkeypatch, capsys):
     import torch.distributed as dist
 

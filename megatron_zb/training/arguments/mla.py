@@ -16,8 +16,8 @@ Refused with the flag named: Megatron-LM's and megatron-core's own refusals (gro
 ``--rotary-interleaved``, ``--rope-type yarn`` without MLA), an odd ``--qk-pos-emb-head-dim`` (rotary
 embeddings rotate pairs of channels), an MLA flag set without ``--multi-latent-attention`` (it would
 have no effect), and what megatron-zb has not verified with MLA: Transformer Engine's layer spec
-(:func:`.implementation.resolve_transformer_impl`), ``--log-throughput`` and ``--profile-out`` (their
-FLOPs and planner model are standard attention's). ``--cache-mla-latents`` (inference with FlashMLA)
+(:func:`.implementation.resolve_transformer_impl`) and ``--profile-out`` (the planner models standard
+attention). ``--log-throughput`` counts MLA's FLOPs as Megatron-LM (:mod:`megatron_zb.planning.model_flops`). ``--cache-mla-latents`` (inference with FlashMLA)
 is not in the parser.
 """
 
@@ -83,8 +83,6 @@ def check_mla(args: argparse.Namespace) -> None:
                                                                   "(Megatron-LM); drop it"),
             ("rotary_interleaved", args.rotary_interleaved, "does not work with multi-latent attention "
                                                             "(megatron-core); drop it"),
-            ("log_throughput", getattr(args, "log_throughput", False),
-             "counts standard attention's FLOPs: not supported with --multi-latent-attention yet; drop it"),
             ("profile_out", getattr(args, "profile_out", None),
              "writes standard attention's planner model: not supported with --multi-latent-attention yet; drop it")):
         if on:
