@@ -27,7 +27,7 @@ import torch
 from megatron_zb.model import pipeline_split
 from megatron_zb.schedules.registry import get_spec
 from megatron_zb.testing import run_distributed
-from megatron_zb.testing.compat_features import LLAMA
+from megatron_zb.testing.compat_features import LLAMA, MLA
 from megatron_zb.testing.distributed import cpu_run_env
 from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
 
@@ -122,6 +122,21 @@ def test_untied_learned_absolute_interleaved_account_for_embedding_and_loss():
                   config_options=dict(init_method_std=0.01, attention_softmax_in_fp32=True),
                   split=dict(account_for_embedding=True, account_for_loss=True))
     check_schedules(cfg, "untied account-for", schedules=("zb", "interleaved-zb", "zbv"))
+
+
+def test_mla_up_projection_recompute_defers_every_w_once():
+    """Multi-latent attention with ``--recompute-modules mla_up_proj core_attn`` (megatron-core re-runs the q/kv
+    up projections and RoPE inside B): ``zb`` bitwise and ``zbv`` within 1e-6 of megatron-core's 1F1B, and as
+    many W entries as MLA without recomputation (each projection's W queued once)."""
+    def mla(**config: Any) -> TinyGPT:
+        return TinyGPT(pp=2, ddp=True, num_layers=4, hidden=32, heads=4, seq=16, vocab=64,
+                       config_options={**MLA["config_options"], **config}, model_options=MLA["model_options"],
+                       spec_options=MLA["spec_options"])
+
+    recompute = dict(recompute_granularity="selective", recompute_modules=["mla_up_proj", "core_attn"])
+    counts = check_schedules(mla(**recompute), "mla up-projection recompute", schedules=("zb", "zbv"))
+    base = run(mla(), "zb")
+    assert counts["zb"] == counts["zbv"] == base["w_deferred"] > 0
 
 
 def test_interleaved_tied_uneven():
