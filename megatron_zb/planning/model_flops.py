@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .model import PlanModel
 
-__all__ = ["CAUSAL_FRACTION", "FlopsShape", "LayerFlops", "MLAShape", "forward_flops_per_token", "num_floating_point_operations",
+__all__ = ["CAUSAL_FRACTION", "FlopsShape", "LayerFlops", "MLAShape", "forward_flops_per_token",
+           "num_floating_point_operations",
            "planned_flops_shape", "tflops_per_gpu"]
 
 CAUSAL_FRACTION = 0.5

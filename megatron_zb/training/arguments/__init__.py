@@ -17,7 +17,8 @@ command keeps working with ``--enable-zero-bubble`` added. Entry points:
 One module per flag group, each holding the group's flags (``add_*_args``), its checks and its
 derived values: :mod:`.model` (network size), :mod:`.training` (batch, iterations, optimizer,
 learning rate, mixed precision), :mod:`.implementation` (``--transformer-impl``, gradient-accumulation
-fusion), :mod:`.kernels` (attention backend, fusions), :mod:`.recompute` (activation recomputation, uneven pipeline split), :mod:`.mla` (multi-latent attention), :mod:`.parallel`
+fusion), :mod:`.kernels` (attention backend, fusions), :mod:`.recompute` (activation recomputation, uneven pipeline split),
+:mod:`.mla` (multi-latent attention), :mod:`.parallel`
 (distributed), :mod:`.data` (data and
 tokenizer), :mod:`.checkpointing_logging`, :mod:`.housekeeping` (profiling, garbage collection, the
 CUDA cache), :mod:`.zero_bubble` (schedule, memory limit, profiling,

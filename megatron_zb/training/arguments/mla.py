@@ -17,8 +17,8 @@ Refused with the flag named: Megatron-LM's and megatron-core's own refusals (gro
 embeddings rotate pairs of channels), an MLA flag set without ``--multi-latent-attention`` (it would
 have no effect), and what megatron-zb has not verified with MLA: Transformer Engine's layer spec
 (:func:`.implementation.resolve_transformer_impl`) and ``--profile-out`` (the planner models standard
-attention). ``--log-throughput`` counts MLA's FLOPs as Megatron-LM (:mod:`megatron_zb.planning.model_flops`). ``--cache-mla-latents`` (inference with FlashMLA)
-is not in the parser.
+attention). ``--log-throughput`` counts MLA's FLOPs as Megatron-LM (:mod:`megatron_zb.planning.model_flops`).
+``--cache-mla-latents`` (inference with FlashMLA) is not in the parser.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ from .optim import OptimConfig, PostValidationConfig, PrecisionConfig, Scheduler
 if TYPE_CHECKING:
     from megatron_zb.training.batch_ramp import BatchRamp
 
-__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MemoryConfig", "MLAConfig", "ModelConfig", "MoEConfig", "OptimConfig",
+__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MemoryConfig", "MLAConfig", "ModelConfig", "MoEConfig",
+           "OptimConfig",
            "ParallelConfig", "PostValidationConfig", "PrecisionConfig", "ProfilingConfig", "RecomputeConfig",
            "RunConfig", "ScheduleConfig", "SchedulerSteps", "TC", "TokenizerConfig", "run_config"]
 
