@@ -8,7 +8,8 @@ module and its parts reaches into megatron-core's private names, and only :func:
 which megatron-core release is installed. The parts, one per job, read the release from here:
 :mod:`megatron_zb.megatron_compat.optimizer` (what post-validation mirrors of megatron-core's
 optimizer ``step()``), :mod:`megatron_zb.megatron_compat.platform` (what the CPU shim replaces) and
-:mod:`megatron_zb.megatron_compat.te` (what the Transformer Engine route reads inside TE modules).
+:mod:`megatron_zb.megatron_compat.te` (what the Transformer Engine route reads inside TE modules),
+:mod:`megatron_zb.megatron_compat.mla` (what multi-latent attention needs on the local spec).
 This module: the releases and the Megatron-LM loop's hooks, the table of private names, and the
 runtime's, model's and training loop's uses of them.
 

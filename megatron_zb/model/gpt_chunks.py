@@ -45,7 +45,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -217,13 +217,17 @@ def cpu_gpt_config(*, num_layers: int, hidden_size: int, num_attention_heads: in
     ``core_transformer_config_from_args`` always sets).
 
     ``kwargs`` override or extend (e.g. ``hidden_dropout=0.0``, ``tensor_model_parallel_size=2``).
+    With ``multi_latent_attention=True`` the config is megatron-core's ``MLATransformerConfig`` (and
+    ``kwargs`` may hold its fields: ``q_lora_rank``, ``kv_lora_rank``, ...), as Megatron-LM's
+    ``core_transformer_config_from_args`` chooses it.
     """
     kwargs.setdefault("deallocate_pipeline_outputs", True)
     kwargs.setdefault("use_cpu_initialization", True)
     kwargs.setdefault("pipeline_dtype", torch.float32)
     kwargs.setdefault("params_dtype", torch.float32)
-    return TransformerConfig(num_layers=num_layers, hidden_size=hidden_size,
-                             num_attention_heads=num_attention_heads, **kwargs)
+    config_class = MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig
+    return config_class(num_layers=num_layers, hidden_size=hidden_size,
+                        num_attention_heads=num_attention_heads, **kwargs)
 
 
 @dataclass(frozen=True, slots=True)

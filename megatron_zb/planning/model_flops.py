@@ -2,8 +2,8 @@
 
 The reference is ``num_floating_point_operations`` in Megatron-LM's ``megatron/training/training.py``
 (tag core_v0.16.1), for the models megatron-zb builds: standard attention with optional
-grouped-query attention, GeLU or SwiGLU MLP, dense and MoE layers without shared experts, no
-multi-token prediction. Its users:
+grouped-query attention or multi-latent attention (:class:`MLAShape`), GeLU or SwiGLU MLP, dense and
+MoE layers without shared experts, no multi-token prediction. Its users:
 
 * ``--log-throughput`` (:mod:`megatron_zb.training.flops` maps the flags to a :class:`FlopsShape`);
 * ``megatron-zb plan``: each family's ``model_tflops_per_gpu``, the number ``--log-throughput``
@@ -27,12 +27,25 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .model import PlanModel
 
-__all__ = ["CAUSAL_FRACTION", "FlopsShape", "LayerFlops", "forward_flops_per_token", "num_floating_point_operations",
+__all__ = ["CAUSAL_FRACTION", "FlopsShape", "LayerFlops", "MLAShape", "forward_flops_per_token",
+           "num_floating_point_operations",
            "planned_flops_shape", "tflops_per_gpu"]
 
 CAUSAL_FRACTION = 0.5
 """Share of attention's ``Q K^T`` and ``P V`` products the model FLOPs count: Megatron-LM's
 "causal mask (only half of the mask is non-zero)"."""
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention's sizes (Megatron-LM's flag names; elements): ``q_lora_rank`` (``None``: one
+    query projection), ``kv_lora_rank``, ``qk_head_dim``, ``qk_pos_emb_head_dim``, ``v_head_dim``."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,8 @@ class FlopsShape:
         moe_layers: how many of the layers have an MoE MLP (0: dense model).
         moe_ffn_hidden_size: one expert's MLP width.
         moe_router_topk: experts each token is routed to.
+        mla: multi-latent attention's sizes (``None``: standard attention; ``kv_channels`` and
+            ``num_query_groups`` then count for nothing).
     """
 
     num_layers: int
@@ -66,6 +81,7 @@ class FlopsShape:
     moe_layers: int = 0
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 0
+    mla: MLAShape | None = None
 
 
 @dataclass(frozen=True)
@@ -73,7 +89,7 @@ class LayerFlops:
     """Forward FLOPs per token of each GEMM group (``2`` per multiply-add), attention unmasked.
 
     Attributes:
-        qkv: query, key and value projections, ``2 h (q + 2 g d)``.
+        qkv: query, key and value projections, ``2 h (q + 2 g d)`` (MLA: :func:`_mla_flops`).
         attention: ``Q K^T`` and ``P V`` over all ``s`` positions, ``2 * 2 s q`` (no causal mask).
         proj: attention output projection, ``2 q h``.
         mlp: one dense MLP, ``2 h ffn f`` (``f = 3`` with SwiGLU: two input GEMMs and one output;
@@ -96,10 +112,25 @@ def forward_flops_per_token(shape: FlopsShape) -> LayerFlops:
     q = shape.kv_channels * shape.num_attention_heads
     kv = shape.kv_channels * shape.num_query_groups
     f = 3 if shape.swiglu else 2
-    return LayerFlops(qkv=2 * h * (q + 2 * kv), attention=2 * 2 * s * q, proj=2 * q * h,
+    qkv, attention, proj = (2 * h * (q + 2 * kv), 2 * 2 * s * q, 2 * q * h) if shape.mla is None else _mla_flops(shape)
+    return LayerFlops(qkv=qkv, attention=attention, proj=proj,
                       mlp=2 * h * shape.ffn_hidden_size * f,
                       moe_mlp=2 * h * shape.moe_ffn_hidden_size * shape.moe_router_topk * f,
                       logits=2 * h * shape.padded_vocab_size)
+
+
+def _mla_flops(shape: FlopsShape) -> tuple[float, float, float]:
+    """Multi-latent attention's forward FLOPs per token: (projections, attention unmasked, output projection),
+    Megatron-LM's terms: the query's down/up pair ``q_lora (h + a d_qk + 1)`` (or ``h a d_qk``), the keys' and
+    values' ``kv_lora (h + a (qk_head_dim + v_head_dim) + 1) + h qk_pos_emb_head_dim`` (the ``+ 1``: the
+    norms), attention ``2 s a d_qk + 2 s a v_head_dim``, output ``2 a v_head_dim h``; ``d_qk = qk_head_dim +
+    qk_pos_emb_head_dim``."""
+    m, h, a, s = shape.mla, shape.hidden_size, shape.num_attention_heads, shape.seq_length
+    assert m is not None
+    d_qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+    q = h * a * d_qk if m.q_lora_rank is None else m.q_lora_rank * (h + a * d_qk + 1)
+    kv = m.kv_lora_rank * (h + a * (m.qk_head_dim + m.v_head_dim) + 1) + h * m.qk_pos_emb_head_dim
+    return 2 * (q + kv), 2 * s * a * d_qk + 2 * s * a * m.v_head_dim, 2 * a * m.v_head_dim * h
 
 
 def num_floating_point_operations(shape: FlopsShape, batch_size: int) -> float:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..schedules.ir import Placement
 
-__all__ = ["FAMILIES", "FEATURES", "Feature", "LLAMA", "ModelShape", "REFERENCES", "Tolerance", "feature",
+__all__ = ["FAMILIES", "FEATURES", "Feature", "LLAMA", "MLA", "ModelShape", "REFERENCES", "Tolerance", "feature",
            "placement_of"]
 
 
@@ -160,6 +160,16 @@ _MOE = dict(
     moe_pattern=(1, 0, 1, 1))
 """megatron-core MoE: 4 SequentialMLP experts, top-2, aux loss 1e-2, allgather dispatcher; layer 1 dense."""
 
+MLA = dict(
+    config_options=dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
+                        qk_pos_emb_head_dim=4, v_head_dim=8, normalization="RMSNorm", qk_layernorm=True),
+    model_options=dict(position_embedding_type="rope"),
+    spec_options=dict(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm"))
+"""megatron-core multi-latent attention (``MLATransformerConfig``, ``MLASelfAttention`` of the local spec): query
+down/up projections (rank 16), key/value down/up projections (rank 8), 8 + 4 rotary QK channels and 8 V channels per
+head, YaRN RoPE (megatron-core's default), RMSNorm with q/kv layernorms (TinyGPT's option dicts;
+tests/training/test_model_flags.py uses it too)."""
+
 _TIED_V = ("on the V the first and last stage share one rank, so one parameter serves as embedding and output "
            "layer and its gradient is one sum over both uses in another order than the unpipelined reference's "
            "(measured: only that gradient differs, 1.2e-7 relative; the parameters after the step 5e-8)")
@@ -221,6 +231,9 @@ FEATURES: list[Feature] = [
                    "chunk), untied embeddings; its linears deferred to W, the output layer's two uses in one W "
                    "entry; the V placement refused (its last stage is on rank 0: no embedding group for the MTP "
                    "stage's embedding copy)", tiny_gpt=dict(config_options=dict(mtp_num_layers=1))),
+    Feature("mla", "multi-latent attention (DeepSeek-V2/V3): query and key/value down/up projections, YaRN RoPE, "
+                   "q/kv RMSNorm layernorms; every projection's W deferred by the linear route (7 W's per layer "
+                   "instead of 4)", tiny_gpt=MLA),
     Feature("vocab-parallel", "vocabulary parallelism: each family's vocabulary form (<family>-vocab-1, two "
                               "barriers) with the word embedding and the output layer sliced over the pipeline "
                               "ranks, against megatron-core's schedule on the unsliced model; a family without a "

@@ -48,7 +48,9 @@ class TinyGPT:
     """Extra ``GPTModel`` arguments, e.g. ``position_embedding_type="rope"``,
     ``share_embeddings_and_output_weights=True``."""
     spec_options: dict[str, Any] = field(default_factory=dict)
-    """Arguments of ``get_gpt_layer_local_spec``, e.g. ``qk_layernorm=True``, ``normalization="RMSNorm"``."""
+    """Arguments of ``get_gpt_layer_local_spec``, e.g. ``qk_layernorm=True``, ``normalization="RMSNorm"``;
+    with ``multi_latent_attention=True`` the spec's core attention takes MLA's head sizes
+    (:func:`megatron_zb.model.mla.mla_local_spec`, as ``pretrain_gpt_zb.py``'s)."""
     split: dict[str, Any] = field(default_factory=dict)
     """Arguments of :func:`megatron_zb.model.pipeline_split` (``first_stage_layers=1``, ...); empty: even split."""
     layer_spec: str | None = None
@@ -245,6 +247,10 @@ def build_chunks(cfg: TinyGPT, stage_to_rank: list[int]) -> list[Any]:
                               local_spec_kwargs=cfg.spec_options)
     else:
         spec = get_gpt_layer_local_spec(**cfg.spec_options)
+    if cfg.spec_options.get("multi_latent_attention"):
+        from ..model.mla import mla_local_spec
+
+        spec = mla_local_spec(spec)
     if cfg.delay_wgrad:
         from ..runtime.te_route import enable_delayed_wgrad
 

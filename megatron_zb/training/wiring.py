@@ -42,18 +42,22 @@ def gpt_config(model: ModelConfig, *, parallel: ParallelConfig, precision: Preci
 
 def gpt_layer_spec(model: ModelConfig) -> Any:
     """The transformer layer spec: Transformer Engine's with ``--transformer-impl transformer_engine``,
-    else megatron-core's local spec for ``--qk-layernorm`` / ``--normalization``, with MoE MLPs on the
-    layers ``--moe-layer-freq`` selects when the model has experts."""
+    else megatron-core's local spec for ``--qk-layernorm`` / ``--normalization`` /
+    ``--multi-latent-attention`` (its core attention taking MLA's head sizes: :mod:`megatron_zb.model.mla`),
+    with MoE MLPs on the layers ``--moe-layer-freq`` selects when the model has experts."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from megatron_zb.model.mla import mla_local_spec
     from megatron_zb.training.moe_setup import moe_layer_spec
 
     if model.transformer_impl == "transformer_engine":
         from megatron_zb.runtime.te_route import te_layer_spec
 
         return te_layer_spec(qk_layernorm=model.qk_layernorm)
-    kwargs = dict(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
-    return moe_layer_spec(model.moe, local_spec_kwargs=kwargs) or get_gpt_layer_local_spec(**kwargs)
+    kwargs = dict(qk_layernorm=model.qk_layernorm, normalization=model.normalization,
+                  multi_latent_attention=model.mla is not None)
+    spec = moe_layer_spec(model.moe, local_spec_kwargs=kwargs) or get_gpt_layer_local_spec(**kwargs)
+    return spec if model.mla is None else mla_local_spec(spec)
 
 
 def ddp_config(parallel: ParallelConfig, precision: PrecisionConfig) -> Any:

@@ -106,3 +106,19 @@ def test_schedule_selection_refuses_only_a_multi_module_collection():
     with pytest.raises(mc.UnsupportedMegatronCore, match=r"multi-module pipeline .* megatron-zb's schedules"):
         mc.check_schedule_selection(
             {"schedule_pg_collection": object.__new__(config.MultiModuleProcessGroupCollection)})
+
+
+def test_mla_te_flag_is_where_the_release_keeps_it():
+    """megatron_compat.mla's per-release flag (0.16.1's ``multi_latent_attention.HAVE_TE``) exists where the
+    table says, and after the fix it agrees with megatron-core's own Transformer Engine check."""
+    from megatron.core.extensions import transformer_engine
+
+    from megatron_zb.megatron_compat.mla import MLA_TE_FLAG, fix_mla_without_te
+
+    assert set(MLA_TE_FLAG) == set(mc.RELEASES)
+    where = MLA_TE_FLAG[mc.release()]
+    if where is None:
+        return
+    assert isinstance(mc.resolve(where), bool)
+    fix_mla_without_te()
+    assert mc.resolve(where) == transformer_engine.HAVE_TE

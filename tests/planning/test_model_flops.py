@@ -11,11 +11,11 @@ import pytest
 from megatron_zb.planning.flops import layer_cost
 from megatron_zb.planning.hardware import resolve_hardware
 from megatron_zb.planning.model import make_model, make_parallel
-from megatron_zb.planning.model_flops import (CAUSAL_FRACTION, FlopsShape, forward_flops_per_token,
+from megatron_zb.planning.model_flops import (CAUSAL_FRACTION, FlopsShape, MLAShape, forward_flops_per_token,
                                               num_floating_point_operations, planned_flops_shape)
 from megatron_zb.planning.planner import plan
 from megatron_zb.training import flops as training_flops
-from megatron_zb.training.run_config import ModelConfig, MoEConfig
+from megatron_zb.training.run_config import MLAConfig, ModelConfig, MoEConfig
 
 # LLaMA-3-8B's shape: 32 layers, h 4096, 32 heads of 128 channels, 8 query groups, SwiGLU MLP of
 # 14336, vocabulary 128256 (a multiple of 128: no padding), sequence 8192.
@@ -46,6 +46,33 @@ MIXTRAL = FlopsShape(num_layers=32, hidden_size=4096, seq_length=4096, num_atten
 #   token      32 * 822,083,584 + 262,144,000      = 26,568,818,688
 #   iteration, one sequence: 3 * 4096 * 26,568,818,688 = 326,477,644,038,144
 MIXTRAL_FLOPS_PER_SEQUENCE = 326_477_644_038_144
+
+
+# Multi-latent attention (issue 41): 2 layers, h 1024, 8 heads, query rank 256, key/value rank 128, QK channels
+# 64 + 32 rotary, V channels 64, GeLU MLP of 4096, vocabulary 1024, sequence 512. Per token, forward:
+#   q down/up  2 * 256 * (1024 + 8 * 96 + 1)                     =    918,016
+#   kv         2 * (128 * (1024 + 8 * (64 + 64) + 1) + 1024 * 32) =    590,080
+#   attention  (2 * 512 * 8 * 96 + 2 * 512 * 8 * 64) / 2 (causal) =    655,360
+#   proj       2 * 8 * 64 * 1024                                  =  1,048,576
+#   MLP        2 * 1024 * 4096 * 2                                = 16,777,216
+#   layer      19,989,248;  logits 2 * 1024 * 1024 = 2,097,152
+#   token      2 * 19,989,248 + 2,097,152                         = 42,075,648
+#   iteration, one sequence: 3 * 512 * 42,075,648 = 64,628,195,328
+# (Megatron-LM's own per-layer attention term, 6 * (q_term + kv_term + h * 32 + 8 * 64 * h + s * 8 * 96 / 2
+# + s * 8 * 64 / 2), is the same 3 * (q down/up + kv + attention + proj).)
+MLA = FlopsShape(num_layers=2, hidden_size=1024, seq_length=512, num_attention_heads=8, kv_channels=128,
+                 num_query_groups=8, ffn_hidden_size=4096, padded_vocab_size=1024,
+                 mla=MLAShape(q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64))
+MLA_FLOPS_PER_SEQUENCE = 64_628_195_328
+
+
+def test_mla_shape_worked_by_hand():
+    assert num_floating_point_operations(MLA, 1) == MLA_FLOPS_PER_SEQUENCE
+    config = ModelConfig(num_layers=2, hidden_size=1024, seq_length=512, num_attention_heads=8, kv_channels=128,
+                         ffn_hidden_size=4096, padded_vocab_size=1024, max_position_embeddings=512,
+                         mla=MLAConfig(q_lora_rank=256, kv_lora_rank=128, qk_head_dim=64, qk_pos_emb_head_dim=32,
+                                       v_head_dim=64))
+    assert training_flops.num_floating_point_operations(config, 1) == MLA_FLOPS_PER_SEQUENCE
 
 
 def test_llama_and_moe_shapes_worked_by_hand():

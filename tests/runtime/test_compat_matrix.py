@@ -4,8 +4,8 @@ Runs the same runner code as ``scripts/compat_matrix.py`` (real megatron-core GP
 optimizers, gloo processes) over the *full* product of families and features, and asserts each
 cell's status from :data:`EXPECTED`, written here by hand -- not computed by the runner. The
 first eleven features run one launch per feature and placement group (about 2.5 minutes on 2
-idle cores); issue 13's six model features and issue 41's mtp (:data:`MODEL_FEATURES`) share one launch per
-placement group (about 25 s of CPU time per rank). Also: recomputation and MoE queue the
+idle cores); issue 13's six model features and issue 41's mtp and mla (:data:`MODEL_FEATURES`) share one
+launch per placement group (about 25 s of CPU time per rank). Also: recomputation, MoE and MLA queue the
 expected number of deferred weight-gradient computations; megatron-core's own execution order
 (instrumented forward and backward steps) equals ``1f1b``'s and ``interleaved-1f1b``'s, at PP=2
 and PP=4; issue 24's vocab-parallel column (each family's vocabulary form against megatron-core's
@@ -46,20 +46,20 @@ v-half           B    B    B    B   B      B       B           B            B   
 v-min            B    B    B    B   B      B       B           B            B        T          B
 """
 EXPECTED_MODEL_TABLE = """
-family           llama recompute-full recompute-selective tied uneven-split moe mtp
-1f1b             B     B              B                   B    B            B   B
-zb-h1            B     B              B                   B    B            B   B
-zb-h2            B     B              B                   B    B            B   B
-zb               B     B              B                   B    B            B   B
-zb-1p            B     B              B                   B    B            B   B
-zb-2p            B     B              B                   B    B            B   B
-interleaved-1f1b B     B              B                   B    B            B   B
-interleaved-zb   B     B              B                   B    B            B   B
-zbv              B     B              B                   T    B            B   R
-v-half           B     B              B                   T    B            B   R
-v-min            B     B              B                   T    B            B   R
+family           llama recompute-full recompute-selective tied uneven-split moe mtp mla
+1f1b             B     B              B                   B    B            B   B   B
+zb-h1            B     B              B                   B    B            B   B   B
+zb-h2            B     B              B                   B    B            B   B   B
+zb               B     B              B                   B    B            B   B   B
+zb-1p            B     B              B                   B    B            B   B   B
+zb-2p            B     B              B                   B    B            B   B   B
+interleaved-1f1b B     B              B                   B    B            B   B   B
+interleaved-zb   B     B              B                   B    B            B   B   B
+zbv              B     B              B                   T    B            B   R   B
+v-half           B     B              B                   T    B            B   R   B
+v-min            B     B              B                   T    B            B   R   B
 """
-"""Issue 13's model features (one table per line width)."""
+"""Issue 13's model features and issue 41's mtp and mla (one table per line width)."""
 EXPECTED_VOCAB_TABLE = """
 family           vocab-parallel
 1f1b             T
@@ -94,10 +94,10 @@ def test_expectation_table_covers_the_matrix():
     assert set(EXPECTED) == {(fam, f.name) for fam in ALL_FAMILIES for f in FEATURES}
 
 
-MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe", "mtp"]
-"""Issue 13's model features: run together (``plan_launches(together=True)``: one launch per placement
-group for all seven (issue 41 added mtp), plus the fp32 column their ``same_w_as`` check needs) -- every cell, with 4 process
-start-ups instead of 28; about 25 s of CPU time per rank)."""
+MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe", "mtp", "mla"]
+"""Issue 13's model features and issue 41's mtp and mla: run together (``plan_launches(together=True)``: one
+launch per placement group for all eight, plus the fp32 column their ``same_w_as`` check needs) -- every cell,
+with 4 process start-ups instead of 36; about 25 s of CPU time per rank, mla's column about 3 s of it)."""
 
 
 class Matrix:
@@ -163,6 +163,18 @@ def test_moe_defers_expert_weight_gradients(matrix):
     for fam in ALL_FAMILIES:
         got, base = matrix.results[("moe", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
         assert got * 17 == base * 35, f"{fam}: {got} W computations with MoE, {base} dense"
+
+
+def test_mla_defers_every_projection_weight_gradient(matrix):
+    """Multi-latent attention's five projections (q down/up, kv down/up, output) and the MLP's two linears: a
+    split-backward family queues 7 W's per layer where a dense layer has 4 -- 29 W's per microbatch instead of
+    fp32's 17 (+ output layer); its q/kv layernorms compute their weight gradients in B, as every norm (bitwise
+    equal in test_matrix_column)."""
+    matrix.column(feature("mla"))
+    for fam in ALL_FAMILIES:
+        got, base = matrix.results[("mla", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
+        assert got * 17 == base * 29, f"{fam}: {got} W computations with MLA, {base} without"
+        assert (got > 0) == get_spec(fam).split_backward, fam
 
 
 def test_vocab_parallel_runs_each_familys_vocabulary_form(matrix):

@@ -263,3 +263,51 @@ def test_params_done_fires_once_per_chunk_after_its_last_w_with_its_linear_weigh
             assert dones[0] == ws[-1] + 1  # right after the stage's last W, before anything else
             _, _, exactly_its_linear_weights, remaining = events[dones[0]]
             assert exactly_its_linear_weights and set(remaining) == {0}
+
+
+# ---------------------------------------------------------------------- multi-latent attention
+def _mla_layer_defers_every_projection() -> dict:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_zb.testing.compat_features import MLA
+    from megatron_zb.testing.tiny_gpt import TinyGPT, build
+
+    cfg = TinyGPT(pp=1, num_layers=1, hidden=32, heads=4, seq=16, vocab=64, **MLA)
+    [chunk], _ = build(cfg, None)
+    model, [batch] = chunk.module, cfg.microbatches()[:1]
+    attention = model.decoder.layers[0].self_attention
+    projections = {n: m.weight for n, m in attention.named_children()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    norms = {n: m.weight for n, m in attention.named_children() if n in ("q_layernorm", "kv_layernorm")}
+
+    def backward() -> None:
+        model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).float().mean().backward()
+
+    uninstall_routes()  # megatron-core's own backward: the reference
+    backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    install_routes()
+    store = WeightGradStore()
+    store.begin_iteration({0: 1})
+    with store.deferring(0, 0):
+        backward()
+    after_b = {"projections": {n: (p.grad is None, store.remaining_w(p)) for n, p in projections.items()},
+               "norms": {n: (p.grad is not None, store.remaining_w(p)) for n, p in norms.items()}}
+    store.run(0, 0)
+    same = {n: torch.equal(p.grad, ref[n]) for n, p in model.named_parameters()}
+    return {"after_b": after_b, "same": same, "executed": store.executed}
+
+
+def test_mla_projections_defer_their_weight_gradients_and_norms_do_not():
+    """One MLA layer (q down/up, kv down/up, output projection; q/kv RMSNorm) in B under a store: every
+    projection's weight has no gradient yet and one W pending; the q/kv layernorms' gradients came in B (no W);
+    after the W every parameter's gradient equals megatron-core's own backward, bitwise."""
+    [r] = run_distributed(_mla_layer_defers_every_projection, world_size=1, timeout=90)
+    projections = r["after_b"]["projections"]
+    assert set(projections) == {"linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                                "linear_proj"}
+    assert all(v == (True, 1) for v in projections.values()), projections
+    assert r["after_b"]["norms"] == {"q_layernorm": (True, None), "kv_layernorm": (True, None)}
+    assert r["executed"] == 8  # 5 projections + fc1 + fc2 + the output layer
+    assert all(r["same"].values()), [n for n, ok in r["same"].items() if not ok]

@@ -28,7 +28,7 @@ import torch
 from megatron_zb.model import pipeline_split
 from megatron_zb.schedules.registry import get_spec
 from megatron_zb.testing import run_distributed
-from megatron_zb.testing.compat_features import LLAMA
+from megatron_zb.testing.compat_features import LLAMA, MLA
 from megatron_zb.testing.distributed import cpu_run_env
 from megatron_zb.testing.tiny_gpt import TinyGPT, run_step
 
@@ -139,6 +139,21 @@ def test_untied_learned_absolute_interleaved_account_for_embedding_and_loss():
                   config_options=dict(init_method_std=0.01, attention_softmax_in_fp32=True),
                   split=dict(account_for_embedding=True, account_for_loss=True))
     check_schedules(cfg, "untied account-for", schedules=("zb", "interleaved-zb", "zbv"))
+
+
+def test_mla_up_projection_recompute_defers_every_w_once():
+    """Multi-latent attention with ``--recompute-modules mla_up_proj core_attn`` (megatron-core re-runs the q/kv
+    up projections and RoPE inside B): ``zb`` bitwise and ``zbv`` within 1e-6 of megatron-core's 1F1B, and as
+    many W entries as MLA without recomputation (each projection's W queued once)."""
+    def mla(**config: Any) -> TinyGPT:
+        return TinyGPT(pp=2, ddp=True, num_layers=4, hidden=32, heads=4, seq=16, vocab=64,
+                       config_options={**MLA["config_options"], **config}, model_options=MLA["model_options"],
+                       spec_options=MLA["spec_options"])
+
+    recompute = dict(recompute_granularity="selective", recompute_modules=["mla_up_proj", "core_attn"])
+    counts = check_schedules(mla(**recompute), "mla up-projection recompute", schedules=("zb", "zbv"))
+    base = run(mla(), "zb")
+    assert counts["zb"] == counts["zbv"] == base["w_deferred"] > 0
 
 
 def test_interleaved_tied_uneven():
@@ -311,8 +326,18 @@ MODEL_ARGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads
     (["--zero-bubble-v-schedule", "--mtp-num-layers", "1"], "--mtp-num-layers"),
     (["--mtp-num-layers", "0"], "--mtp-num-layers"),
     (["--mtp-num-layers", "1", "--save", "ckpt"], "--mtp-num-layers"),
+    (["--multi-latent-attention", "--group-query-attention", "--num-query-groups", "2"], "--group-query-attention"),
+    (["--multi-latent-attention", "--rotary-interleaved"], "--rotary-interleaved"),
+    (["--multi-latent-attention", "--qk-pos-emb-head-dim", "5"], "--qk-pos-emb-head-dim"),
+    (["--multi-latent-attention", "--kv-lora-rank", "0"], "--kv-lora-rank"),
+    (["--multi-latent-attention", "--profile-out", "p.json", "--enable-zero-bubble"], "--profile-out"),
+    (["--multi-latent-attention", "--transformer-impl", "transformer_engine"], "--transformer-impl"),
+    (["--q-lora-rank", "16"], "--q-lora-rank"),
+    (["--rope-type", "yarn"], "--rope-type"),
 ], ids=["gqa", "rotary-above-1", "rotary-0", "split-sum", "v-split-sum", "split-and-account", "full-no-method",
-        "bad-module", "method-without-granularity", "mtp-v", "mtp-0", "mtp-learned-positions-save"])
+        "bad-module", "method-without-granularity", "mtp-v", "mtp-0", "mtp-learned-positions-save", "mla-gqa",
+        "mla-rotary-interleaved", "mla-odd-rope-dim", "mla-rank-0", "mla-profile-out", "mla-te", "mla-flag-without-mla",
+        "yarn-without-mla"])
 def test_bad_model_flags_exit_2_with_one_line(extra, flag, monkeypatch, capsys):
     import torch.distributed as dist
 
@@ -357,3 +382,44 @@ def test_flags_reach_megatron_core_config():
     # Its loss parity at PP=2 runs in test_moe.py (the PP=2 MoE curves use it).
     nope = validate_args(parse_args(MODEL_ARGS + ["--position-embedding-type", "none"]), world_size=2)
     assert gpt_model_kwargs(nope)["position_embedding_type"] == "none"
+
+
+MLA_FLAGS = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+             "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--qk-layernorm", "--normalization", "RMSNorm",
+             "--position-embedding-type", "rope"]
+"""Multi-latent attention at the tiny sizes (the compatibility matrix's ``mla`` column's shapes)."""
+
+
+def test_mla_flags_reach_megatron_core_config_and_spec():
+    """``--multi-latent-attention`` builds megatron-core's ``MLATransformerConfig`` from the MLA flags as
+    Megatron-LM's ``core_transformer_config_from_args`` (its defaults: ``--rotary-scaling-factor`` 1.0,
+    ``--rope-type`` unset -> yarn; ``--rotary-base``, ``--rotary-percent``, ``--normalization`` passed), the
+    local spec's ``MLASelfAttention`` and ``--recompute-modules mla_up_proj``; the default implementation is
+    the local spec."""
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron_zb.model.mla import MLADotProductAttention
+    from megatron_zb.training.arguments import parse_args, validate_args
+    from megatron_zb.training.run_config import ModelConfig, ParallelConfig, PrecisionConfig
+    from megatron_zb.training.wiring import gpt_config, gpt_layer_spec
+
+    args = validate_args(parse_args(MODEL_ARGS + MLA_FLAGS + [
+        "--rotary-base", "5000", "--rotary-percent", "0.5", "--mscale", "0.7", "--mscale-all-dim", "0.7",
+        "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"]), world_size=2)
+    model = ModelConfig.from_args(args)
+    cfg = gpt_config(model, parallel=ParallelConfig.from_args(args), precision=PrecisionConfig.from_args(args))
+    assert type(cfg) is MLATransformerConfig and cfg.multi_latent_attention
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == \
+        (16, 8, 8, 4, 8)
+    assert (cfg.rope_type, cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim) == ("yarn", 1.0, 0.7, 0.7)
+    assert (cfg.rotary_base, cfg.rotary_percent, cfg.normalization) == (5000, 0.5, "RMSNorm")
+    assert cfg.recompute_modules == ["mla_up_proj"] and args.transformer_impl == "local"
+    attention = gpt_layer_spec(model).submodules.self_attention
+    assert attention.module is MLASelfAttention and attention.submodules.core_attention is MLADotProductAttention
+    rope = validate_args(parse_args(MODEL_ARGS + MLA_FLAGS + ["--rope-type", "rope"]), world_size=2)
+    assert gpt_config(ModelConfig.from_args(rope), parallel=ParallelConfig.from_args(rope),
+                      precision=PrecisionConfig.from_args(rope)).rope_type == "rope"
+    plain = validate_args(parse_args(MODEL_ARGS + ["--rope-type", "rope"]), world_size=2)  # standard attention's own
+    assert ModelConfig.from_args(plain).mla is None
+    assert "q_lora_rank" not in ModelConfig.from_args(plain).transformer_config_kwargs()

@@ -6,8 +6,9 @@ among the MoE ones, top-2 of 4 experts, aux loss 1e-2; the Mixtral example below
 itself under torchrun). Every iteration's lm loss and grad norm of ``--enable-zero-bubble``,
 ``--schedule zb-2p`` and ``--zero-bubble-v-schedule`` are compared with megatron-core's own 1F1B
 (``--use-megatron-core-schedule``) on the same flags: at PP=2 (allgather dispatcher, and
-``--position-embedding-type none``: that flag's parity test) and at PP=2 x EP=2 (4 processes,
-alltoall dispatcher). Bitwise for the plain placement; for V within 1e-6 relative (the grad norm
+``--position-embedding-type none``: that flag's parity test), at PP=2 x EP=2 (4 processes,
+alltoall dispatcher) and at PP=2 with DeepSeek-style multi-latent attention (``--multi-latent-attention``
+and its flags: issue 41's end-to-end check). Bitwise for the plain placement; for V within 1e-6 relative (the grad norm
 sums the same per-parameter norms in another order).
 
 In-process (``run_distributed``): which parameters' weight gradients a split-backward schedule
@@ -47,7 +48,12 @@ MOE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
 PP2 = MOE + ["--global-batch-size", "8", "--position-embedding-type", "none"]  # and no position embedding
 PP2_EP2 = MOE + ["--global-batch-size", "16", "--expert-model-parallel-size", "2",
                  "--moe-token-dispatcher-type", "alltoall"]
+PP2_MLA = MOE + ["--global-batch-size", "8", "--position-embedding-type", "rope", "--multi-latent-attention",
+                 "--q-lora-rank", "16", "--kv-lora-rank", "8", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+                 "--v-head-dim", "8", "--qk-layernorm", "--normalization", "RMSNorm"]
+"""DeepSeek-style layers (issue 41): multi-latent attention (YaRN RoPE, q/kv RMSNorm) with the MoE MLPs."""
 SCHEDULES = {"zb": ["--enable-zero-bubble"], "zb-2p": ["--schedule", "zb-2p"], "zbv": ["--zero-bubble-v-schedule"]}
+LAYOUTS = {"pp2": (2, PP2), "pp2_ep2": (4, PP2_EP2), "pp2_mla": (2, PP2_MLA)}
 
 
 class MoERuns:
@@ -59,7 +65,7 @@ class MoERuns:
     def get(self, layout: str, schedule: str) -> dict:
         key = f"{layout}-{schedule}"
         if key not in self.done:
-            nproc, argv = (2, PP2) if layout == "pp2" else (4, PP2_EP2)
+            nproc, argv = LAYOUTS[layout]
             flags = ["--use-megatron-core-schedule"] if schedule == "ref" else SCHEDULES[schedule]
             self.done[key] = in_process(self.root, key, nproc, argv + flags)
         return self.done[key]
@@ -71,7 +77,8 @@ def moe_runs(tmp_path_factory) -> MoERuns:
 
 
 @pytest.mark.parametrize("layout,schedule", [("pp2", "zb"), ("pp2", "zb-2p"), ("pp2", "zbv"),
-                                             ("pp2_ep2", "zb"), ("pp2_ep2", "zbv")])
+                                             ("pp2_ep2", "zb"), ("pp2_ep2", "zbv"), ("pp2_mla", "zb"),
+                                             ("pp2_mla", "zbv")])
 def test_moe_loss_curve_equals_megatron_core_1f1b(moe_runs, layout, schedule):
     ref, got = moe_runs.get(layout, "ref"), moe_runs.get(layout, schedule)
     assert sorted(losses(got)) == [1, 2, 3, 4] and sorted(losses(ref)) == [1, 2, 3, 4]

@@ -17,7 +17,8 @@ command keeps working with ``--enable-zero-bubble`` added. Entry points:
 One module per flag group, each holding the group's flags (``add_*_args``), its checks and its
 derived values: :mod:`.model` (network size), :mod:`.training` (batch, iterations, optimizer,
 learning rate, mixed precision), :mod:`.implementation` (``--transformer-impl``, gradient-accumulation
-fusion), :mod:`.kernels` (attention backend, fusions), :mod:`.recompute` (activation recomputation, uneven pipeline split), :mod:`.parallel`
+fusion), :mod:`.kernels` (attention backend, fusions), :mod:`.recompute` (activation recomputation, uneven pipeline split),
+:mod:`.mla` (multi-latent attention), :mod:`.parallel`
 (distributed), :mod:`.data` (data and
 tokenizer), :mod:`.checkpointing_logging`, :mod:`.housekeeping` (profiling, garbage collection, the
 CUDA cache), :mod:`.zero_bubble` (schedule, memory limit, profiling,
@@ -135,6 +136,7 @@ from .fp8 import add_fp8_args
 from .kernels import add_kernel_args
 from .logging_flags import add_logging_extra_args
 from .model import add_network_args
+from .mla import add_mla_args
 from .moe import add_moe_args
 from .mtp import add_mtp_args
 from .parallel import add_distributed_args
@@ -167,6 +169,7 @@ _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_network_args, add_implementation_args, add_kernel_args, add_training_args, add_learning_rate_args,
     add_mixed_precision_args, add_fp8_args, add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
     add_mtp_args,
+    add_mla_args,
     add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_housekeeping_args,
     add_zero_bubble_args, add_fork_args)
 """The flag groups in ``--help`` order (Megatron's order, then the zero-bubble flags, then the accepted flags

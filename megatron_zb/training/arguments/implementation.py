@@ -68,6 +68,7 @@ def resolve_transformer_impl(args: argparse.Namespace) -> None:
     requested = args.transformer_impl_requested
     args.transformer_impl = requested
     moe = bool(getattr(args, "num_experts", None))
+    mla = bool(getattr(args, "multi_latent_attention", False))
     if requested == "transformer_engine":
         if missing is not None:
             raise ArgumentError("--transformer-impl", f"transformer_engine {missing}; or use --transformer-impl local")
@@ -77,12 +78,19 @@ def resolve_transformer_impl(args: argparse.Namespace) -> None:
         if moe:
             raise ArgumentError("--transformer-impl", "transformer_engine with --num-experts (MoE) is not supported by "
                                                       "megatron-zb yet; use --transformer-impl local")
+        if mla:
+            raise ArgumentError("--transformer-impl", "transformer_engine with --multi-latent-attention is not "
+                                                      "supported by megatron-zb yet; use --transformer-impl local")
         args.transformer_impl_reason = f"--transformer-impl (Transformer Engine {version})"
     elif requested == "local":
         args.transformer_impl_reason = "--transformer-impl"
     elif moe:
         args.transformer_impl = "local"
         args.transformer_impl_reason = "default: MoE layers (--num-experts) run on the local spec"
+    elif mla:
+        args.transformer_impl = "local"
+        args.transformer_impl_reason = ("default: multi-latent attention (--multi-latent-attention) runs on the "
+                                        "local spec")
     elif missing is None and cuda:
         args.transformer_impl = "transformer_engine"
         args.transformer_impl_reason = f"default: Transformer Engine {version} is installed and CUDA is present"

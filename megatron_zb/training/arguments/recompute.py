@@ -19,9 +19,10 @@ from .common import ArgumentError
 
 __all__ = ["RECOMPUTE_MODULES", "add_pipeline_split_args", "add_recompute_args", "check_recompute"]
 
-RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "mlp", "moe", "shared_experts")
-"""``--recompute-modules`` choices of megatron-core 0.16.1 that this build can run (its other
-choices, ``moe_act`` and ``mla_up_proj``, need grouped-GEMM experts and multi-latent attention)."""
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "mlp", "moe", "shared_experts", "mla_up_proj")
+"""``--recompute-modules`` choices of megatron-core 0.16.1 that this build can run (``mla_up_proj`` with
+``--multi-latent-attention`` only, as megatron-core; its other choice, ``moe_act``, needs grouped-GEMM
+experts)."""
 
 
 def add_recompute_args(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +84,9 @@ def check_recompute(args: argparse.Namespace) -> None:
     if bad:
         raise ArgumentError("--recompute-modules", f"{', '.join(bad)} not supported; choose from "
                                                    f"{', '.join(RECOMPUTE_MODULES)}")
+    if "mla_up_proj" in (args.recompute_modules or ()) and not getattr(args, "multi_latent_attention", False):
+        raise ArgumentError("--recompute-modules", "mla_up_proj recomputes multi-latent attention's up projections; "
+                                                   "add --multi-latent-attention or drop mla_up_proj")
     if "mlp" in (args.recompute_modules or ()) and getattr(args, "add_bias_linear", True):
         # megatron-core 0.16.1's MLP returns fc2's bias parameter out of its checkpoint; the backward
         # then recurses in CheckpointFunction.backward until the stack overflows, under its own

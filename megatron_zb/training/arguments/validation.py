@@ -29,6 +29,7 @@ from .kernels import resolve_kernels
 from .logging_flags import check_logging, check_memory_logging, check_timing_log
 from .model import (check_architecture, check_attention_heads, check_model_kind, check_position_embeddings,
                     check_zero_centered_gamma, fill_model_sizes)
+from .mla import check_mla
 from .moe import check_expert_tensor_parallel, check_moe
 from .mtp import check_mtp
 from .parallel import (check_batch_sizes, check_context_parallel, check_data_parallel_overlap, check_sequence_parallel,
@@ -52,7 +53,7 @@ POSITIVE: tuple[str, ...] = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "global_batch_size", "ffn_hidden_size",
     "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by", "num_virtual_stages_per_pipeline_rank",
     "num_layers_per_virtual_pipeline_stage", "log_interval", "eval_interval", "save_interval", "distributed_timeout_minutes", "ckpt_step",
-    "context_parallel_size")
+    "context_parallel_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 """Integer flags that must be >= 1 when given."""
 NON_NEGATIVE: tuple[str, ...] = ("eval_iters", "lr_warmup_iters", "lr_warmup_samples", "num_workers")
 """Integer flags that must be >= 0."""
@@ -110,6 +111,7 @@ CHECKS: tuple[Check, ...] = (
     Check("model_sizes", lambda a, r: fill_model_sizes(a), needs=("ranges",)),
     Check("moe", lambda a, r: check_moe(a), needs=("world_size", "model_sizes", "sequence_parallel", "schedule")),
     Check("mtp", lambda a, r: check_mtp(a), needs=("schedule", "transformer_impl")),
+    Check("mla", lambda a, r: check_mla(a), needs=("ranges",)),
     Check("logging", lambda a, r: check_logging(a)),
     Check("checkpointing", lambda a, r: check_checkpointing(a)),
     Check("training_values", lambda a, r: fill_training_values(a),

@@ -46,13 +46,14 @@ from .data import DataConfig, TokenizerConfig
 from .fields import TC
 from .layout import ParallelConfig, ScheduleConfig
 from .loop import CheckpointConfig, LoggingConfig, MemoryConfig, ProfilingConfig
-from .model import ModelConfig, MoEConfig, RecomputeConfig
+from .model import MLAConfig, ModelConfig, MoEConfig, RecomputeConfig
 from .optim import OptimConfig, PostValidationConfig, PrecisionConfig, SchedulerSteps
 
 if TYPE_CHECKING:
     from megatron_zb.training.batch_ramp import BatchRamp
 
-__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MemoryConfig", "ModelConfig", "MoEConfig", "OptimConfig",
+__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MemoryConfig", "MLAConfig", "ModelConfig", "MoEConfig",
+           "OptimConfig",
            "ParallelConfig", "PostValidationConfig", "PrecisionConfig", "ProfilingConfig", "RecomputeConfig",
            "RunConfig", "ScheduleConfig", "SchedulerSteps", "TC", "TokenizerConfig", "run_config"]
 

@@ -11,7 +11,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from .fields import TC, read_section
 
-__all__ = ["ModelConfig", "MoEConfig", "RecomputeConfig"]
+__all__ = ["MLAConfig", "ModelConfig", "MoEConfig", "RecomputeConfig"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,44 @@ class MoEConfig:
         if args.num_experts is None:
             return None
         return read_section(cls, args, moe_layer_pattern=tuple(args.moe_layer_pattern))
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-latent attention (``--multi-latent-attention`` and the "mla" flags; sizes in elements)."""
+
+    q_lora_rank: int | None = None
+    """``--q-lora-rank``: the query's low rank (``None``: one query projection, no down/up pair)."""
+    kv_lora_rank: int = 32
+    """``--kv-lora-rank``: the keys' and values' low rank."""
+    qk_head_dim: int = 128
+    """``--qk-head-dim``: a head's channels in the QK projection (without the position part)."""
+    qk_pos_emb_head_dim: int = 64
+    """``--qk-pos-emb-head-dim``: a head's rotary channels in the QK projection."""
+    v_head_dim: int = 128
+    """``--v-head-dim``: a head's channels in the V projection."""
+    rotary_scaling_factor: float = 1.0
+    """``--rotary-scaling-factor`` (YaRN)."""
+    mscale: float = 1.0
+    """``--mscale`` (YaRN)."""
+    mscale_all_dim: float = 0.0
+    """``--mscale-all-dim`` (YaRN)."""
+    rope_type: str | None = None
+    """``--rope-type``: ``"rope"`` or ``"yarn"``; ``None``: ``MLATransformerConfig``'s default (yarn)."""
+
+    def transformer_config_kwargs(self, *, rotary_base: int, rotary_percent: float) -> dict[str, Any]:
+        """The MLA fields of ``MLATransformerConfig`` (Megatron-LM's ``core_transformer_config_from_args``: every
+        field its args hold, ``rope_type`` only when given; ``multi_latent_attention`` selects the class,
+        :func:`megatron_zb.model.cpu_gpt_config`)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rope_type"}
+        if self.rope_type is not None:
+            out["rope_type"] = self.rope_type
+        return dict(out, multi_latent_attention=True, rotary_base=rotary_base, rotary_percent=rotary_percent)
+
+    @classmethod
+    def from_args(cls, args: Any) -> "MLAConfig | None":
+        """The MLA section of validated ``args`` (``None`` without ``--multi-latent-attention``)."""
+        return read_section(cls, args) if args.multi_latent_attention else None
 
 
 @dataclass(frozen=True)
@@ -181,6 +219,8 @@ class ModelConfig:
     """Activation recomputation."""
     moe: MoEConfig | None = None
     """Mixture of experts, ``None`` for a dense model."""
+    mla: MLAConfig | None = None
+    """Multi-latent attention, ``None`` for standard attention."""
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """The model's ``TransformerConfig`` fields (Megatron-LM's ``core_transformer_config_from_args``
@@ -194,6 +234,9 @@ class ModelConfig:
                    activation_func=F.silu if self.swiglu else F.gelu, num_query_groups=self.num_query_groups,
                    recompute_modules=(list(self.recompute.recompute_modules)
                                       if self.recompute.recompute_modules is not None else None))
+        if self.mla is not None:
+            out.update(self.mla.transformer_config_kwargs(rotary_base=self.rotary_base,
+                                                          rotary_percent=self.rotary_percent))
         return out
 
     def gpt_model_kwargs(self) -> dict[str, Any]:
@@ -210,4 +253,4 @@ class ModelConfig:
                         fp8_param=args.fp8_param_gather,
                         recompute=read_section(RecomputeConfig, args, recompute_modules=(
                             tuple(modules) if modules is not None else None)),
-                        moe=MoEConfig.from_args(args))
+                        moe=MoEConfig.from_args(args), mla=MLAConfig.from_args(args))
