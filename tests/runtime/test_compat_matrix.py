@@ -46,18 +46,18 @@ v-half           B    B    B    B   B      B       B           B            B   
 v-min            B    B    B    B   B      B       B           B            B        T          B
 """
 EXPECTED_MODEL_TABLE = """
-family           llama recompute-full recompute-selective tied uneven-split moe
-1f1b             B     B              B                   B    B            B
-zb-h1            B     B              B                   B    B            B
-zb-h2            B     B              B                   B    B            B
-zb               B     B              B                   B    B            B
-zb-1p            B     B              B                   B    B            B
-zb-2p            B     B              B                   B    B            B
-interleaved-1f1b B     B              B                   B    B            B
-interleaved-zb   B     B              B                   B    B            B
-zbv              B     B              B                   T    B            B
-v-half           B     B              B                   T    B            B
-v-min            B     B              B                   T    B            B
+family           llama recompute-full recompute-selective tied uneven-split moe deepseek-moe
+1f1b             B     B              B                   B    B            B   B
+zb-h1            B     B              B                   B    B            B   B
+zb-h2            B     B              B                   B    B            B   B
+zb               B     B              B                   B    B            B   B
+zb-1p            B     B              B                   B    B            B   B
+zb-2p            B     B              B                   B    B            B   B
+interleaved-1f1b B     B              B                   B    B            B   B
+interleaved-zb   B     B              B                   B    B            B   B
+zbv              B     B              B                   T    B            B   B
+v-half           B     B              B                   T    B            B   B
+v-min            B     B              B                   T    B            B   B
 """
 """Issue 13's model features (one table per line width)."""
 EXPECTED_VOCAB_TABLE = """
@@ -94,10 +94,10 @@ def test_expectation_table_covers_the_matrix():
     assert set(EXPECTED) == {(fam, f.name) for fam in ALL_FAMILIES for f in FEATURES}
 
 
-MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe"]
-"""Issue 13's model features: run together (``plan_launches(together=True)``: one launch per placement
-group for all six, plus the fp32 column their ``same_w_as`` check needs) -- every cell, with 4 process
-start-ups instead of 28; about 25 s of CPU time per rank)."""
+MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe", "deepseek-moe"]
+"""Issue 13's model features and issue 41's ``deepseek-moe``: run together (``plan_launches(together=True)``: one
+launch per placement group for all seven, plus the fp32 column their ``same_w_as`` check needs) -- every cell,
+with 4 process start-ups instead of 32; about 25 s of CPU time per rank)."""
 
 
 class Matrix:
@@ -163,6 +163,22 @@ def test_moe_defers_expert_weight_gradients(matrix):
     for fam in ALL_FAMILIES:
         got, base = matrix.results[("moe", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
         assert got * 17 == base * 35, f"{fam}: {got} W computations with MoE, {base} dense"
+
+
+def test_deepseek_moe_defers_shared_experts_and_updates_the_expert_bias(matrix):
+    """DeepSeek's MoE: a split-backward family queues the shared expert's two linears too -- per microbatch
+    the dense layer 0 has 4 routed linears, each of the 3 MoE layers 2 + 8 (experts) + 2 (shared expert; the
+    router's and the shared-expert gate's gradients come in B), plus the output layer: 41 W's where fp32 has
+    17. The routers' expert biases moved from 0 over the 2 iterations (finalize_model_grads, after the last W)
+    and, compared with the parameters, equal megatron-core's bitwise (test_matrix_column)."""
+    matrix.column(feature("deepseek-moe"))
+    for fam in ALL_FAMILIES:
+        got, base = matrix.results[("deepseek-moe", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
+        assert got * 17 == base * 41, f"{fam}: {got} W computations with DeepSeek's MoE, {base} dense"
+        biases = {k[0]: b for k, b in matrix.results[("deepseek-moe", fam)]["params"].items()
+                  if k[0].endswith(".expert_bias")}
+        assert sorted(biases) == [f"decoder.layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)], fam
+        assert all(b.abs().max() > 0 for b in biases.values()), f"{fam}: an expert bias never moved"
 
 
 def test_vocab_parallel_runs_each_familys_vocabulary_form(matrix):
