@@ -2,7 +2,7 @@
 
 The reference is ``num_floating_point_operations`` in Megatron-LM's ``megatron/training/training.py``
 (tag core_v0.16.1), for the models megatron-zb builds: standard attention with optional
-grouped-query attention, GeLU or SwiGLU MLP, dense and MoE layers without shared experts, no
+grouped-query attention, GeLU or SwiGLU MLP, dense and MoE layers (with shared experts), no
 multi-token prediction. Its users:
 
 * ``--log-throughput`` (:mod:`megatron_zb.training.flops` maps the flags to a :class:`FlopsShape`);
@@ -52,6 +52,7 @@ class FlopsShape:
         moe_layers: how many of the layers have an MoE MLP (0: dense model).
         moe_ffn_hidden_size: one expert's MLP width.
         moe_router_topk: experts each token is routed to.
+        moe_shared_expert_intermediate_size: the shared experts' total MLP width in each MoE layer (0: none).
     """
 
     num_layers: int
@@ -66,6 +67,7 @@ class FlopsShape:
     moe_layers: int = 0
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 0
+    moe_shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ class LayerFlops:
         proj: attention output projection, ``2 q h``.
         mlp: one dense MLP, ``2 h ffn f`` (``f = 3`` with SwiGLU: two input GEMMs and one output;
             ``2`` otherwise).
-        moe_mlp: one MoE MLP, ``2 h moe_ffn topk f``.
+        moe_mlp: one MoE MLP, ``2 h (moe_ffn topk + shared) f`` (the router's GEMM not counted, as
+            Megatron-LM's).
         logits: output layer, ``2 h V``.
     """
 
@@ -98,7 +101,8 @@ def forward_flops_per_token(shape: FlopsShape) -> LayerFlops:
     f = 3 if shape.swiglu else 2
     return LayerFlops(qkv=2 * h * (q + 2 * kv), attention=2 * 2 * s * q, proj=2 * q * h,
                       mlp=2 * h * shape.ffn_hidden_size * f,
-                      moe_mlp=2 * h * shape.moe_ffn_hidden_size * shape.moe_router_topk * f,
+                      moe_mlp=2 * h * (shape.moe_ffn_hidden_size * shape.moe_router_topk
+                                       + shape.moe_shared_expert_intermediate_size) * f,
                       logits=2 * h * shape.padded_vocab_size)
 
 

@@ -24,7 +24,8 @@ def flops_shape(model: ModelConfig) -> FlopsShape:
         num_query_groups=model.num_query_groups or model.num_attention_heads,
         ffn_hidden_size=model.ffn_hidden_size, padded_vocab_size=model.padded_vocab_size, swiglu=model.swiglu,
         moe_layers=sum(moe.moe_layer_pattern) if moe else 0, moe_ffn_hidden_size=moe.moe_ffn_hidden_size if moe else 0,
-        moe_router_topk=moe.moe_router_topk if moe else 0)
+        moe_router_topk=moe.moe_router_topk if moe else 0,
+        moe_shared_expert_intermediate_size=(moe.moe_shared_expert_intermediate_size or 0) if moe else 0)
 
 
 def num_floating_point_operations(model: ModelConfig, batch_size: int) -> float:
