@@ -13,7 +13,8 @@ on it). Bitwise for the plain placement; for V within 1e-6 relative (the grad no
 sums the same per-parameter norms in another order).
 
 In-process (``run_distributed``): which parameters' weight gradients a split-backward schedule
-queues for W (expert and dense linear weights: yes; the router: no, its gradient comes in B), and
+queues for W (expert, shared-expert and dense linear weights: yes; the router and the shared-expert gate:
+no, their gradients come in B), and
 that expert weights depend on the global expert index only (not on the expert-parallel size).
 """
 
@@ -115,7 +116,8 @@ def _queued_for_w(schedule: str) -> dict:
     from megatron_zb.runtime import get_forward_backward_func
     from megatron_zb.testing.tiny_gpt import forward_backward, random_microbatches
 
-    chunks = _moe_chunks(pp=2, ep=1, pattern=[1, 0, 1, 1])
+    chunks = _moe_chunks(pp=2, ep=1, pattern=[1, 0, 1, 1], moe_shared_expert_intermediate_size=32,
+                         moe_shared_expert_gate=True)
     names = {id(p): n for c in chunks for n, p in named_global_parameters(c)}
     fb = get_forward_backward_func(schedule)
     queued: set[str] = set()
@@ -134,6 +136,7 @@ def _queued_for_w(schedule: str) -> dict:
 
 
 def test_split_backward_defers_expert_weight_gradients_and_not_the_router():
+    """With a gated shared expert: its two linears are deferred too; its gate, like the router, is not."""
     ranks = run_distributed(partial(_queued_for_w, "zb"), world_size=2, timeout=180)
     queued = set().union(*(r["queued"] for r in ranks))
     has_grad = {k: v for r in ranks for k, v in r["has_grad"].items()}
@@ -141,9 +144,12 @@ def test_split_backward_defers_expert_weight_gradients_and_not_the_router():
     assert len(experts) == 3 * 4 * 2  # 3 MoE layers x 4 experts x (fc1, fc2)
     assert experts <= queued, f"expert weights not deferred to W: {sorted(experts - queued)}"
     assert {"decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc2.weight"} <= queued
-    routers = {n for n in has_grad if n.endswith(".mlp.router.weight")}
-    assert routers == {f"decoder.layers.{i}.mlp.router.weight" for i in (0, 2, 3)}
-    assert not routers & queued and all(has_grad[n] for n in routers)  # router: gradient in B
+    shared = {n for n in has_grad if ".mlp.shared_experts.linear_fc" in n}
+    assert len(shared) == 3 * 2 and shared <= queued, f"shared experts not deferred: {sorted(shared - queued)}"
+    routers = {n for n in has_grad if n.endswith((".mlp.router.weight", ".mlp.shared_experts.gate_weight"))}
+    assert routers == {f"decoder.layers.{i}.mlp.{w}" for i in (0, 2, 3)
+                       for w in ("router.weight", "shared_experts.gate_weight")}
+    assert not routers & queued and all(has_grad[n] for n in routers)  # router and gate: gradient in B
     assert all(has_grad[n] for n in experts)  # W ran: every expert got tokens and a gradient
     assert sum(r["executed"] for r in ranks) > 0
 
