@@ -254,7 +254,8 @@ def test_refused_deepseek_flags_say_why(flag, why):
 
 
 @pytest.mark.parametrize("extra", ["--moe-shared-expert-intermediate-size 32", "--moe-router-score-function sigmoid",
-                                   "--moe-router-pre-softmax", "--moe-router-topk-scaling-factor 2"])
+                                   "--moe-router-pre-softmax", "--moe-router-topk-scaling-factor 2",
+                                   "--moe-router-bias-update-rate 1e-2"])
 def test_deepseek_flags_need_a_moe_model(extra):
     with pytest.raises(ArgumentError) as e:
         validate_args(parse_args(shlex.split(BASE.replace(" --num-experts 4", "") + " " + extra)), world_size=1)

@@ -137,8 +137,9 @@ def check_moe(args: argparse.Namespace) -> None:
         if ep > 1:
             raise ArgumentError("--expert-model-parallel-size", f"{ep} needs --num-experts (a MoE model); "
                                                                 "drop it for a dense model")
-        for flag in _moe_only_flags_given(args):
-            raise ArgumentError(flag, "only applies to a MoE model; add --num-experts N or drop it")
+        given = _moe_only_flags_given(args)
+        if given:
+            raise ArgumentError(given[0], "only applies to a MoE model; add --num-experts N or drop it")
         args.moe_layer_pattern = None
         return
     n = args.num_experts
@@ -184,6 +185,7 @@ _MOE_ONLY: tuple[tuple[str, str, object], ...] = (
     ("--moe-router-num-groups", "moe_router_num_groups", None),
     ("--moe-router-group-topk", "moe_router_group_topk", None),
     ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias", False),
+    ("--moe-router-bias-update-rate", "moe_router_bias_update_rate", 1e-3),
     ("--moe-router-pre-softmax", "moe_router_pre_softmax", False),
     ("--moe-router-topk-scaling-factor", "moe_router_topk_scaling_factor", None))
 """(flag, dest, default) of the flags that only mean something with ``--num-experts``."""
