@@ -169,8 +169,8 @@ def test_deepseek_moe_defers_shared_experts_and_updates_the_expert_bias(matrix):
     """DeepSeek's MoE: a split-backward family queues the shared expert's two linears too -- per microbatch
     the dense layer 0 has 4 routed linears, each of the 3 MoE layers 2 + 8 (experts) + 2 (shared expert; the
     router's and the shared-expert gate's gradients come in B), plus the output layer: 41 W's where fp32 has
-    17. The routers' expert biases moved from 0 over the 2 iterations (finalize_model_grads, after the last W)
-    and, compared with the parameters, equal megatron-core's bitwise (test_matrix_column)."""
+    17. The routers' expert biases moved from 0 over the 2 iterations (finalize_model_grads, after the last W;
+    at least one layer's) and, compared with the parameters, equal megatron-core's bitwise (test_matrix_column)."""
     matrix.column(feature("deepseek-moe"))
     for fam in ALL_FAMILIES:
         got, base = matrix.results[("deepseek-moe", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
@@ -178,7 +178,9 @@ def test_deepseek_moe_defers_shared_experts_and_updates_the_expert_bias(matrix):
         biases = {k[0]: b for k, b in matrix.results[("deepseek-moe", fam)]["params"].items()
                   if k[0].endswith(".expert_bias")}
         assert sorted(biases) == [f"decoder.layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)], fam
-        assert all(b.abs().max() > 0 for b in biases.values()), f"{fam}: an expert bias never moved"
+        # a layer's bias can come back to 0 (+rate, then -rate; a group's two experts always get the same
+        # tokens with top-2 from 1 group of 2), but not every layer's
+        assert any(b.abs().max() > 0 for b in biases.values()), f"{fam}: no expert bias moved"
 
 
 def test_vocab_parallel_runs_each_familys_vocabulary_form(matrix):
