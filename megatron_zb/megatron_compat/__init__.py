@@ -129,6 +129,18 @@ def common_state_in_file() -> bool:
     return COMMON_STATE_IN_FILE[release()]
 
 
+ROUTER_SCORE_FUNCTIONS: dict[str, tuple[str, ...]] = {"0.16": ("softmax", "sigmoid"),
+                                                      "0.19": ("softmax", "sigmoid", "sqrtsoftplus")}
+"""Per release: the MoE router's score functions (``TransformerConfig.moe_router_score_function``, the
+choices of Megatron-LM's ``--moe-router-score-function``); the first is the default. Expert bias
+(``--moe-router-enable-expert-bias``) takes every one but softmax."""
+
+
+def router_score_functions() -> tuple[str, ...]:
+    """:data:`ROUTER_SCORE_FUNCTIONS` of the installed megatron-core."""
+    return ROUTER_SCORE_FUNCTIONS[release()]
+
+
 RERUN_ITERATION_OFFSET: dict[str, int] = {"0.16": 0, "0.19": 1}
 """Per release: what megatron-core's rerun state machine adds to its ``current_iteration`` when its
 messages name the iteration (0.16 prints it as is; 0.19 keeps it 0-based and prints ``+ 1``)."""

@@ -42,7 +42,8 @@ schedule; checkpoints saved with zero bubble load without it and back (they hold
 
 What this route cannot honour yet is refused up front (:data:`NOT_YET`): ``--allow-padding-num-layers``
 and ``--enable-vocab-parallel`` (``pretrain_gpt_zb.py`` has them); so is what is not verified in this loop
-with a zero-bubble schedule (:func:`refused_with_a_schedule`: ``--use-megatron-fsdp``, ``--mtp-num-layers``;
+with a zero-bubble schedule (:func:`refused_with_a_schedule`: ``--use-megatron-fsdp``, ``--mtp-num-layers``,
+``--moe-shared-expert-overlap``, ``--moe-router-force-load-balancing``;
 with a V also :func:`~megatron_zb.megatron_lm.v.refused_with_a_v`, MoE among them), all in one report.
 """
 
@@ -87,9 +88,9 @@ MTP_NOT_VERIFIED = ("multi-token prediction's layers are not split into B and W 
 
 def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[ArgumentError]:
     """Megatron-LM flags refused with any zero-bubble ``schedule`` inside Megatron-LM's loop, one
-    :class:`ArgumentError` each: ``--use-megatron-fsdp`` (for the reason ``pretrain_gpt_zb.py``
-    refuses it: :data:`~megatron_zb.training.arguments.flags.WHY_NOT`) and ``--mtp-num-layers``
-    (:data:`MTP_NOT_VERIFIED`)."""
+    :class:`ArgumentError` each: ``--use-megatron-fsdp``, ``--moe-shared-expert-overlap`` and
+    ``--moe-router-force-load-balancing`` (for the reasons ``pretrain_gpt_zb.py`` refuses them:
+    :data:`~megatron_zb.training.arguments.flags.WHY_NOT`) and ``--mtp-num-layers`` (:data:`MTP_NOT_VERIFIED`)."""
     from ..training.arguments.flags import WHY_NOT
 
     refused = []
@@ -100,6 +101,10 @@ def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[Arg
     if getattr(args, "mtp_num_layers", None):
         refused.append(ArgumentError("--mtp-num-layers", f"not supported with the zero-bubble schedule {schedule!r} "
                                                          f"inside Megatron-LM's loop: {MTP_NOT_VERIFIED}"))
+    for name in ("--moe-shared-expert-overlap", "--moe-router-force-load-balancing"):  # DeepSeek's MoE: as ours
+        if getattr(args, name[2:].replace("-", "_"), False):
+            refused.append(ArgumentError(name, f"refused with the zero-bubble schedule {schedule!r}: {WHY_NOT[name]}; "
+                                               f"drop it or the zero-bubble flags"))
     return refused
 
 _REBINDS = Rebinds()

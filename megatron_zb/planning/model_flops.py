@@ -3,7 +3,7 @@
 The reference is ``num_floating_point_operations`` in Megatron-LM's ``megatron/training/training.py``
 (tag core_v0.16.1), for the models megatron-zb builds: standard attention with optional
 grouped-query attention or multi-latent attention (:class:`MLAShape`), GeLU or SwiGLU MLP, dense and
-MoE layers without shared experts, no multi-token prediction. Its users:
+MoE layers (with shared experts), no multi-token prediction. Its users:
 
 * ``--log-throughput`` (:mod:`megatron_zb.training.flops` maps the flags to a :class:`FlopsShape`);
 * ``megatron-zb plan``: each family's ``model_tflops_per_gpu``, the number ``--log-throughput``
@@ -67,6 +67,7 @@ class FlopsShape:
         moe_router_topk: experts each token is routed to.
         mla: multi-latent attention's sizes (``None``: standard attention; ``kv_channels`` and
             ``num_query_groups`` then count for nothing).
+        moe_shared_expert_intermediate_size: the shared experts' total MLP width in each MoE layer (0: none).
     """
 
     num_layers: int
@@ -82,6 +83,7 @@ class FlopsShape:
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 0
     mla: MLAShape | None = None
+    moe_shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ class LayerFlops:
         proj: attention output projection, ``2 q h``.
         mlp: one dense MLP, ``2 h ffn f`` (``f = 3`` with SwiGLU: two input GEMMs and one output;
             ``2`` otherwise).
-        moe_mlp: one MoE MLP, ``2 h moe_ffn topk f``.
+        moe_mlp: one MoE MLP, ``2 h (moe_ffn topk + shared) f`` (the router's GEMM not counted, as
+            Megatron-LM's).
         logits: output layer, ``2 h V``.
     """
 
@@ -115,7 +118,8 @@ def forward_flops_per_token(shape: FlopsShape) -> LayerFlops:
     qkv, attention, proj = (2 * h * (q + 2 * kv), 2 * 2 * s * q, 2 * q * h) if shape.mla is None else _mla_flops(shape)
     return LayerFlops(qkv=qkv, attention=attention, proj=proj,
                       mlp=2 * h * shape.ffn_hidden_size * f,
-                      moe_mlp=2 * h * shape.moe_ffn_hidden_size * shape.moe_router_topk * f,
+                      moe_mlp=2 * h * (shape.moe_ffn_hidden_size * shape.moe_router_topk
+                                       + shape.moe_shared_expert_intermediate_size) * f,
                       logits=2 * h * shape.padded_vocab_size)
 
 

@@ -169,6 +169,17 @@ MLA = dict(
 down/up projections (rank 16), key/value down/up projections (rank 8), 8 + 4 rotary QK channels and 8 V channels per
 head, YaRN RoPE (megatron-core's default), RMSNorm with q/kv layernorms (TinyGPT's option dicts;
 tests/training/test_model_flags.py uses it too)."""
+_DEEPSEEK_MOE = dict(
+    config_options=dict(_MOE["config_options"], moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3,
+                        moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+                        moe_router_score_function="sigmoid", moe_router_num_groups=2, moe_router_group_topk=1,
+                        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
+                        moe_router_topk_scaling_factor=2.5),
+    moe_pattern=(0, 1, 1, 1))
+"""DeepSeek's MoE on the matrix's model: the ``moe`` column's 4 experts, top-2, plus a gated shared expert
+(hidden 32), a sigmoid router, group-limited top-k (2 groups of 2 experts, 1 group per token), the aux-loss-free
+expert bias (update rate 1e-2: large enough to move iteration 2's routing on this model), a top-k scaling factor
+2.5 and DeepSeek-V3's sequence-level aux loss; layer 0 dense (DeepSeek-V3's first dense layers)."""
 
 _TIED_V = ("on the V the first and last stage share one rank, so one parameter serves as embedding and output "
            "layer and its gradient is one sum over both uses in another order than the unpipelined reference's "
@@ -234,6 +245,11 @@ FEATURES: list[Feature] = [
     Feature("mla", "multi-latent attention (DeepSeek-V2/V3): query and key/value down/up projections, YaRN RoPE, "
                    "q/kv RMSNorm layernorms; every projection's W deferred by the linear route (7 W's per layer "
                    "instead of 4)", tiny_gpt=MLA),
+    Feature("deepseek-moe", "DeepSeek's MoE: a gated shared expert, sigmoid router with group-limited top-k (2 "
+                            "groups, 1 per token), expert bias (updated once per iteration by finalize_model_grads, "
+                            "after the last W; the biases compared with the parameters), top-k scaling factor 2.5, "
+                            "sequence aux loss; layer 0 dense; the shared expert's linears deferred to W by the "
+                            "linear route", num_layers=4, tiny_gpt=_DEEPSEEK_MOE),
     Feature("vocab-parallel", "vocabulary parallelism: each family's vocabulary form (<family>-vocab-1, two "
                               "barriers) with the word embedding and the output layer sliced over the pipeline "
                               "ranks, against megatron-core's schedule on the unsliced model; a family without a "

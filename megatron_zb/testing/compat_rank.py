@@ -329,10 +329,19 @@ def _train(spec: GroupSpec, arm: str, parts: Any) -> ArmResult:
         opt.finalize()
         res.rollbacks = opt.counters().rollbacks
     res.params = {(n, tp, dp): p.detach().clone() for c in chunks for n, p in named_global_parameters(c)}
+    res.params.update({(n, tp, dp): b.detach().clone() for c in chunks for n, b in _expert_biases(c)})
     if vocab:
         res.params.update({(n, tp, dp): t for n, t in gathered(vocab[0], grads=False).items()})
     res.w_deferred = 0 if store is None else store.executed - before
     return res
+
+
+def _expert_biases(chunk: Any) -> list[tuple[str, torch.Tensor]]:
+    """(global name, buffer) of the chunk's routers' expert biases (``moe_router_enable_expert_bias``:
+    ``finalize_model_grads`` updates them once per iteration), compared with the parameters."""
+    from ..model import global_param_name
+
+    return [(global_param_name(n, chunk.plan), b) for n, b in chunk.module.named_buffers() if n.endswith(".expert_bias")]
 
 
 def _record_before_finalize(chunks: list[Any], res: ArmResult, tp: int, dp: int) -> None:

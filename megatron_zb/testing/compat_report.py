@@ -18,16 +18,19 @@ features, no pairing of features -- through the same runner code, and asserts ea
 from a table written in the test (not computed by the runner). The first eleven features run one
 launch per (feature, placement group), each launch running the reference and every family of
 that placement in the same processes (about 2.5 minutes on 2 idle cores). The seven model features
-(`llama`, `recompute-full`, `recompute-selective`, `tied`, `uneven-split`, `moe`, and issue 41's `mla`)
-run *together*: one launch per placement group runs all seven (and the `fp32` column their W-count check
+(`llama`, `recompute-full`, `recompute-selective`, `tied`, `uneven-split`, `moe`, and issue 41's `mtp`,
+`mla` and `deepseek-moe`) run *together*: one launch per placement group runs all nine (and the `fp32` column their W-count check
 needs) one after another in the same processes (`plan_launches(together=True)`), which keeps their
 share to about 25 s of CPU time per rank (4 process groups instead of 32); the price is that an
 error in one of them fails all cells of that launch, which the script's default (one launch per
 feature) avoids. The test also checks that recomputation queues exactly as many weight-gradient
 computations as the `fp32` column for every family (W deferred inside recomputed layers, not
 skipped, not duplicated) and that MoE queues 35 per microbatch where the dense model queues 17
-(each of the 4 experts' two linears in the 3 MoE layers; the router's gradient comes in B), and MLA 29
-(five attention projections and the MLP's two linears per layer; the q/kv layernorms' gradients come in B). It
+(each of the 4 experts' two linears in the 3 MoE layers; the router's gradient comes in B), MLA 29
+(five attention projections and the MLP's two linears per layer; the q/kv layernorms' gradients come in B),
+and DeepSeek's MoE 41 (layer 0 dense; the shared expert's two linears too; the router's and the
+shared-expert gate's gradients in B), with every router's expert bias moved from 0 and equal to
+megatron-core's after the steps (compared with the parameters). It
 also compares megatron-core's execution order (instrumented forward and backward steps) with
 `1f1b`'s and `interleaved-1f1b`'s at PP=2 and PP=4, and checks a refused cell (6 layers cannot
 fill the V's 4 stages with the even split). Clipping is off except in the post-validation

@@ -61,7 +61,8 @@ class TinyGPT:
     (:func:`megatron_zb.runtime.te_route.enable_delayed_wgrad`)."""
     moe_pattern: tuple[int, ...] = ()
     """Mixture of experts: one 0/1 per global layer (1 = MoE MLP), with ``config_options``' MoE fields
-    (``num_moe_experts``, ``moe_router_topk``, ...); the layer spec is
+    (``num_moe_experts``, ``moe_router_topk``, ...; DeepSeek's: ``moe_shared_expert_intermediate_size``,
+    ``moe_router_score_function``, ``moe_router_enable_expert_bias``, ...); the layer spec is
     :func:`megatron_zb.training.moe_setup.moe_layer_spec` with ``spec_options`` for every layer (SequentialMLP
     experts, seeded per global expert). Empty: dense."""
 

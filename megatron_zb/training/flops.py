@@ -25,6 +25,7 @@ def flops_shape(model: ModelConfig) -> FlopsShape:
         ffn_hidden_size=model.ffn_hidden_size, padded_vocab_size=model.padded_vocab_size, swiglu=model.swiglu,
         moe_layers=sum(moe.moe_layer_pattern) if moe else 0, moe_ffn_hidden_size=moe.moe_ffn_hidden_size if moe else 0,
         moe_router_topk=moe.moe_router_topk if moe else 0,
+        moe_shared_expert_intermediate_size=(moe.moe_shared_expert_intermediate_size or 0) if moe else 0,
         mla=MLAShape(mla.q_lora_rank, mla.kv_lora_rank, mla.qk_head_dim, mla.qk_pos_emb_head_dim, mla.v_head_dim)
         if mla else None)
 

@@ -16,7 +16,10 @@
 * layout-independent expert weights: expert ``e`` (global index) of layer ``i`` is initialised
   from ``derive_seed(seed, "layer", i, "expert", e, "fc1" | "fc2")``, so the experts differ from
   one another and do not depend on the expert-parallel size (without this every expert-parallel
-  rank would draw its local experts from the same per-layer stream, giving copies).
+  rank would draw its local experts from the same per-layer stream, giving copies); the shared
+  experts (``--moe-shared-expert-intermediate-size``) from ``derive_seed(seed, "layer", i,
+  "shared_experts", "fc1" | "fc2" | "gate")`` (megatron-core builds them after the local experts, so
+  their draws from the layer's stream would depend on the expert-parallel size).
 """
 
 from __future__ import annotations
@@ -85,13 +88,26 @@ def _seed_experts(moe: Any, config: Any, seed: int, layer: int) -> None:
         return
     first = moe.local_expert_indices[0]
     for i, expert in enumerate(local):
-        for name, linear, init, dim in (("fc1", expert.linear_fc1, config.init_method, 0),
-                                        ("fc2", expert.linear_fc2, config.output_layer_init_method, 1)):
-            weight = linear.weight
-            per_partition = weight.shape[dim]
+        _seed_mlp(expert, config, ("layer", layer, "expert", first + i), seed)
+    shared = getattr(moe, "shared_experts", None)
+    if shared is not None:  # built after the local experts: its draws would depend on their number
+        _seed_mlp(shared, config, ("layer", layer, "shared_experts"), seed)
+        if shared.gate_weight is not None:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derive_seed(seed, "layer", layer, "expert", first + i, name))
-                initialize_affine_weight_cpu(
-                    weight, linear.output_size, linear.input_size, per_partition, dim, init,
-                    params_dtype=config.params_dtype, rank=get_pg_rank(linear.tp_group),
-                    world_size=get_pg_size(linear.tp_group))
+                torch.manual_seed(derive_seed(seed, "layer", layer, "shared_experts", "gate"))
+                config.init_method(shared.gate_weight)
+
+
+def _seed_mlp(mlp: Any, config: Any, key: tuple, seed: int) -> None:
+    """Re-draw an MLP's fc1/fc2 weights from ``derive_seed(seed, *key, "fc1" | "fc2")`` (megatron's CPU init,
+    split over the linear's tensor-parallel ranks)."""
+    for name, linear, init, dim in (("fc1", mlp.linear_fc1, config.init_method, 0),
+                                    ("fc2", mlp.linear_fc2, config.output_layer_init_method, 1)):
+        weight = linear.weight
+        per_partition = weight.shape[dim]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(seed, *key, name))
+            initialize_affine_weight_cpu(
+                weight, linear.output_size, linear.input_size, per_partition, dim, init,
+                params_dtype=config.params_dtype, rank=get_pg_rank(linear.tp_group),
+                world_size=get_pg_size(linear.tp_group))

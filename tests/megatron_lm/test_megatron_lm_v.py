@@ -230,6 +230,10 @@ def test_configure_sets_two_chunks_per_rank_for_a_v(argv: tuple[str, ...], sched
                               "V's placement is not built through Megatron-LM's MoE layer spec on this route"),
     ((), dict(use_megatron_fsdp=True), "--use-megatron-fsdp: refused with the zero-bubble schedule 'zbv': "
                                        "megatron-core's Megatron FSDP reduce-scatters"),
+    ((), dict(moe_shared_expert_overlap=True), "--moe-shared-expert-overlap: refused with the zero-bubble schedule "
+                                               "'zbv': megatron-core runs the shared experts on a second CUDA stream"),
+    ((), dict(moe_router_force_load_balancing=True), "--moe-router-force-load-balancing: refused with the zero-bubble "
+                                                     "schedule 'zbv': Megatron-LM's benchmark-only routing"),
     ((), dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size: must be 1 with the V schedule 'zbv'"),
     ((), dict(num_layers=6), "--num-layers: 6 layers do not split evenly into the V's 4 stages"),
     ((), dict(num_virtual_stages_per_pipeline_rank=3), "--num-virtual-stages-per-pipeline-rank: 'zbv' places 2 "

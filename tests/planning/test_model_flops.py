@@ -92,6 +92,18 @@ def _args(shape: FlopsShape, moe: bool) -> ModelConfig:
                       moe_ffn_hidden_size=14336) if moe else None)
 
 
+def test_shared_experts_count_as_megatron_lm_counts_them():
+    """Mixtral's shape with one shared expert of 14336 per MoE layer (Megatron-LM's
+    ``shared_expert_ffn_hidden_size * ffn_expansion_factor * num_moe_layers``): per token and layer
+    2 * 4096 * 14336 * 3 = 352,321,536 more, so 3 * 4096 * 32 * 352,321,536 = 138,538,465,099,776 more per
+    sequence; --log-throughput reads the size from the run's MoE section."""
+    shared = replace(MIXTRAL, moe_shared_expert_intermediate_size=14336)
+    assert num_floating_point_operations(shared, 1) == MIXTRAL_FLOPS_PER_SEQUENCE + 138_538_465_099_776
+    model = _args(MIXTRAL, True)
+    model = replace(model, moe=replace(model.moe, moe_shared_expert_intermediate_size=14336))
+    assert training_flops.num_floating_point_operations(model, 1) == num_floating_point_operations(shared, 1)
+
+
 def test_log_throughput_uses_the_same_formula():
     assert training_flops.num_floating_point_operations(_args(LLAMA, False), 1) == LLAMA_FLOPS_PER_SEQUENCE
     assert training_flops.num_floating_point_operations(_args(MIXTRAL, True), 1) == MIXTRAL_FLOPS_PER_SEQUENCE

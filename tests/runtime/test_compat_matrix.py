@@ -4,7 +4,7 @@ Runs the same runner code as ``scripts/compat_matrix.py`` (real megatron-core GP
 optimizers, gloo processes) over the *full* product of families and features, and asserts each
 cell's status from :data:`EXPECTED`, written here by hand -- not computed by the runner. The
 first eleven features run one launch per feature and placement group (about 2.5 minutes on 2
-idle cores); issue 13's six model features and issue 41's mtp and mla (:data:`MODEL_FEATURES`) share one
+idle cores); issue 13's six model features and issue 41's mtp, mla and deepseek-moe (:data:`MODEL_FEATURES`) share one
 launch per placement group (about 25 s of CPU time per rank). Also: recomputation, MoE and MLA queue the
 expected number of deferred weight-gradient computations; megatron-core's own execution order
 (instrumented forward and backward steps) equals ``1f1b``'s and ``interleaved-1f1b``'s, at PP=2
@@ -46,20 +46,20 @@ v-half           B    B    B    B   B      B       B           B            B   
 v-min            B    B    B    B   B      B       B           B            B        T          B
 """
 EXPECTED_MODEL_TABLE = """
-family           llama recompute-full recompute-selective tied uneven-split moe mtp mla
-1f1b             B     B              B                   B    B            B   B   B
-zb-h1            B     B              B                   B    B            B   B   B
-zb-h2            B     B              B                   B    B            B   B   B
-zb               B     B              B                   B    B            B   B   B
-zb-1p            B     B              B                   B    B            B   B   B
-zb-2p            B     B              B                   B    B            B   B   B
-interleaved-1f1b B     B              B                   B    B            B   B   B
-interleaved-zb   B     B              B                   B    B            B   B   B
-zbv              B     B              B                   T    B            B   R   B
-v-half           B     B              B                   T    B            B   R   B
-v-min            B     B              B                   T    B            B   R   B
+family           llama recompute-full recompute-selective tied uneven-split moe mtp mla deepseek-moe
+1f1b             B     B              B                   B    B            B   B   B   B
+zb-h1            B     B              B                   B    B            B   B   B   B
+zb-h2            B     B              B                   B    B            B   B   B   B
+zb               B     B              B                   B    B            B   B   B   B
+zb-1p            B     B              B                   B    B            B   B   B   B
+zb-2p            B     B              B                   B    B            B   B   B   B
+interleaved-1f1b B     B              B                   B    B            B   B   B   B
+interleaved-zb   B     B              B                   B    B            B   B   B   B
+zbv              B     B              B                   T    B            B   R   B   B
+v-half           B     B              B                   T    B            B   R   B   B
+v-min            B     B              B                   T    B            B   R   B   B
 """
-"""Issue 13's model features and issue 41's mtp and mla (one table per line width)."""
+"""Issue 13's model features and issue 41's mtp, mla and deepseek-moe (one table per line width)."""
 EXPECTED_VOCAB_TABLE = """
 family           vocab-parallel
 1f1b             T
@@ -94,10 +94,12 @@ def test_expectation_table_covers_the_matrix():
     assert set(EXPECTED) == {(fam, f.name) for fam in ALL_FAMILIES for f in FEATURES}
 
 
-MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe", "mtp", "mla"]
-"""Issue 13's model features and issue 41's mtp and mla: run together (``plan_launches(together=True)``: one
-launch per placement group for all eight, plus the fp32 column their ``same_w_as`` check needs) -- every cell,
-with 4 process start-ups instead of 36; about 25 s of CPU time per rank, mla's column about 3 s of it)."""
+MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "uneven-split", "moe", "mtp", "mla",
+                  "deepseek-moe"]
+"""Issue 13's model features and issue 41's mtp, mla and deepseek-moe: run together
+(``plan_launches(together=True)``: one launch per placement group for all nine, plus the fp32 column their
+``same_w_as`` check needs) -- every cell, with 4 process start-ups instead of 40; about 25 s of CPU time per
+rank before issue 41, each of its columns a few seconds more)."""
 
 
 class Matrix:
@@ -175,6 +177,24 @@ def test_mla_defers_every_projection_weight_gradient(matrix):
         got, base = matrix.results[("mla", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
         assert got * 17 == base * 29, f"{fam}: {got} W computations with MLA, {base} without"
         assert (got > 0) == get_spec(fam).split_backward, fam
+
+
+def test_deepseek_moe_defers_shared_experts_and_updates_the_expert_bias(matrix):
+    """DeepSeek's MoE: a split-backward family queues the shared expert's two linears too -- per microbatch
+    the dense layer 0 has 4 routed linears, each of the 3 MoE layers 2 + 8 (experts) + 2 (shared expert; the
+    router's and the shared-expert gate's gradients come in B), plus the output layer: 41 W's where fp32 has
+    17. The routers' expert biases moved from 0 over the 2 iterations (finalize_model_grads, after the last W;
+    at least one layer's) and, compared with the parameters, equal megatron-core's bitwise (test_matrix_column)."""
+    matrix.column(feature("deepseek-moe"))
+    for fam in ALL_FAMILIES:
+        got, base = matrix.results[("deepseek-moe", fam)]["w_deferred"], matrix.results[("fp32", fam)]["w_deferred"]
+        assert got * 17 == base * 41, f"{fam}: {got} W computations with DeepSeek's MoE, {base} dense"
+        biases = {k[0]: b for k, b in matrix.results[("deepseek-moe", fam)]["params"].items()
+                  if k[0].endswith(".expert_bias")}
+        assert sorted(biases) == [f"decoder.layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)], fam
+        # a layer's bias can come back to 0 (+rate, then -rate; a group's two experts always get the same
+        # tokens with top-2 from 1 group of 2), but not every layer's
+        assert any(b.abs().max() > 0 for b in biases.values()), f"{fam}: no expert bias moved"
 
 
 def test_vocab_parallel_runs_each_familys_vocabulary_form(matrix):

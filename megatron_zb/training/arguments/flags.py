@@ -52,6 +52,14 @@ WHY_NOT: dict[str, str] = {
                               "one its pipeline runtime is tested on; without the flag ranks are placed as in "
                               "Megatron-LM by default (the zero-bubble fork's pretrain_offload.sh passes it to keep "
                               "pipeline neighbours on one node)",
+    "--moe-shared-expert-overlap": "megatron-core runs the shared experts on a second CUDA stream inside the alltoall "
+                                   "dispatcher's steps, ordering their backward against the dispatcher's with "
+                                   "autograd sequence numbers; CPU has no streams and megatron-zb has not verified "
+                                   "that order with the split backward (W deferred out of that stream); without the "
+                                   "flag the shared experts run before the router, as Megatron-LM's default",
+    "--moe-router-force-load-balancing": "Megatron-LM's benchmark-only routing on random logits, drawn from the "
+                                         "expert-parallel RNG stream in the order the rank runs its forwards, which "
+                                         "the V and interleaved placements change; megatron-zb has not verified it",
 }
 """Megatron-LM flags refused for a reason of their own (flag -> why), not as "not supported yet"."""
 

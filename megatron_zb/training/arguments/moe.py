@@ -8,6 +8,16 @@ gradient is computed in B (megatron-core's own ``RouterGatingLinearFunction``). 
 (``--expert-model-parallel-size``) spreads the experts over the data-parallel ranks of a pipeline
 stage, as megatron-core's ``parallel_state`` does.
 
+DeepSeek's MoE, with Megatron-LM's meanings and defaults (megatron-core's ``TransformerConfig`` fields of the
+same names): shared experts (``--moe-shared-expert-intermediate-size``, ``--moe-shared-expert-gate``; megatron-core's
+``SharedExpertMLP``, built from the same linear layers, so their weight gradients go to W too; the gate's weight,
+like the router's, gets its gradient in B) and the router's options (``--moe-router-score-function``, group-limited
+top-k ``--moe-router-num-groups`` / ``--moe-router-group-topk``, ``--moe-router-pre-softmax``,
+``--moe-router-topk-scaling-factor``, the aux-loss-free expert bias ``--moe-router-enable-expert-bias`` /
+``--moe-router-bias-update-rate``: megatron-core's ``finalize_model_grads`` updates the bias once per iteration,
+which megatron-zb's runtime calls after the iteration's last W). ``--moe-shared-expert-overlap`` and
+``--moe-router-force-load-balancing`` are refused with their reasons (``flags.WHY_NOT``).
+
 Derived values: ``moe_ffn_hidden_size`` (default ``--ffn-hidden-size``), ``moe_layer_pattern``
 (one 0/1 per transformer layer, 1 = MoE layer; ``None`` without ``--num-experts``);
 ``moe_router_load_balancing_type`` and ``moe_aux_loss_coeff`` collapse one-element lists to the
@@ -32,6 +42,11 @@ LOAD_BALANCING_TYPES: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux
 TOKEN_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 """``--moe-token-dispatcher-type`` choices; Megatron-LM's third, ``flex`` (DeepEP / HybridEP
 kernels, GPU only), is not supported."""
+
+
+SCORE_FUNCTIONS: tuple[str, ...] = ("softmax", "sigmoid", "sqrtsoftplus")
+"""``--moe-router-score-function`` choices: every release's (``megatron_compat.ROUTER_SCORE_FUNCTIONS``;
+one the installed megatron-core lacks is refused by validation, naming the release)."""
 
 
 def moe_freq_type(value: str | int) -> int | list[int]:
@@ -80,6 +95,33 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                         "every layer).")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="Grouped-GEMM experts (GPU only; not available on CPU, where experts are SequentialMLP).")
+    _add_deepseek_args(g)
+
+
+def _add_deepseek_args(g: argparse._ArgumentGroup) -> None:
+    """Shared experts and DeepSeek's router options (megatron-core's ``TransformerConfig`` defaults)."""
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="Total FFN hidden size of the shared experts (shared experts x each one's size); they see "
+                        "every token, beside the routed experts (default: no shared expert).")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="A sigmoid gate on the shared experts' output (with --moe-shared-expert-intermediate-size).")
+    g.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default="softmax",
+                   help="Score function of the router: softmax (default) or sigmoid (DeepSeek-V3); sqrtsoftplus "
+                        "with megatron-core 0.19.")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="Expert groups for group-limited routing (with --moe-router-group-topk; must divide "
+                        "--num-experts).")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="Groups each token may be routed to (group-limited top-k; default: plain top-k).")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="Aux-loss-free load balancing: a per-expert bias on the routing scores, updated once per "
+                        "iteration from the tokens each expert got (needs a score function other than softmax).")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="Step of the expert bias per iteration (default 1e-3, DeepSeek-V3's).")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="Apply the score function before the top-k selection (default: after).")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="Factor on the selected experts' routing weights (default: none).")
 
 
 def check_moe(args: argparse.Namespace) -> None:
@@ -95,9 +137,9 @@ def check_moe(args: argparse.Namespace) -> None:
         if ep > 1:
             raise ArgumentError("--expert-model-parallel-size", f"{ep} needs --num-experts (a MoE model); "
                                                                 "drop it for a dense model")
-        if args.moe_ffn_hidden_size is not None or args.moe_grouped_gemm:
-            flag = "--moe-ffn-hidden-size" if args.moe_ffn_hidden_size is not None else "--moe-grouped-gemm"
-            raise ArgumentError(flag, "only applies to a MoE model; add --num-experts N or drop it")
+        given = _moe_only_flags_given(args)
+        if given:
+            raise ArgumentError(given[0], "only applies to a MoE model; add --num-experts N or drop it")
         args.moe_layer_pattern = None
         return
     n = args.num_experts
@@ -130,7 +172,76 @@ def check_moe(args: argparse.Namespace) -> None:
     args.moe_router_load_balancing_type = _single(args.moe_router_load_balancing_type)
     args.moe_aux_loss_coeff = _single(args.moe_aux_loss_coeff)
     _check_load_balancing(args)
+    _check_shared_experts(args)
+    _check_router(args)
     args.moe_layer_pattern = _layer_pattern(args.moe_layer_freq, args.num_layers)
+
+
+_MOE_ONLY: tuple[tuple[str, str, object], ...] = (
+    ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", None), ("--moe-grouped-gemm", "moe_grouped_gemm", False),
+    ("--moe-shared-expert-intermediate-size", "moe_shared_expert_intermediate_size", None),
+    ("--moe-shared-expert-gate", "moe_shared_expert_gate", False),
+    ("--moe-router-score-function", "moe_router_score_function", "softmax"),
+    ("--moe-router-num-groups", "moe_router_num_groups", None),
+    ("--moe-router-group-topk", "moe_router_group_topk", None),
+    ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias", False),
+    ("--moe-router-bias-update-rate", "moe_router_bias_update_rate", 1e-3),
+    ("--moe-router-pre-softmax", "moe_router_pre_softmax", False),
+    ("--moe-router-topk-scaling-factor", "moe_router_topk_scaling_factor", None))
+"""(flag, dest, default) of the flags that only mean something with ``--num-experts``."""
+
+
+def _moe_only_flags_given(args: argparse.Namespace) -> list[str]:
+    """The MoE-only flags given a value other than their default (a dense model refuses them)."""
+    return [flag for flag, dest, default in _MOE_ONLY if getattr(args, dest, default) != default]
+
+
+def _check_shared_experts(args: argparse.Namespace) -> None:
+    size = args.moe_shared_expert_intermediate_size
+    if size is not None and size < 1:
+        raise ArgumentError("--moe-shared-expert-intermediate-size", f"must be a positive integer, got {size}")
+    if size is None and args.moe_shared_expert_gate:
+        raise ArgumentError("--moe-shared-expert-gate", "gates the shared experts: add "
+                                                        "--moe-shared-expert-intermediate-size N or drop it")
+
+
+def _check_router(args: argparse.Namespace) -> None:
+    """DeepSeek's router options, as megatron-core's ``TransformerConfig`` checks them (here before any
+    process group starts, each naming its flag)."""
+    from megatron_zb.megatron_compat import megatron_core_version, router_score_functions
+
+    score = args.moe_router_score_function
+    if score not in router_score_functions():
+        raise ArgumentError("--moe-router-score-function", f"{score!r} needs megatron-core 0.19 (installed: "
+                                                           f"{megatron_core_version()}); pick one of "
+                                                           f"{', '.join(router_score_functions())}")
+    if args.moe_router_enable_expert_bias and score == "softmax":
+        raise ArgumentError("--moe-router-enable-expert-bias", "the expert bias needs a score function other than "
+                                                               "softmax (megatron-core's rule); add "
+                                                               "--moe-router-score-function sigmoid")
+    if (args.moe_router_topk == 1 and score == "softmax" and not args.moe_router_pre_softmax
+            and args.moe_router_load_balancing_type != "sinkhorn"):
+        raise ArgumentError("--moe-router-pre-softmax", "top-1 routing with softmax after the top-k has a zero "
+                                                        "gradient (megatron-core's rule); add --moe-router-pre-softmax")
+    if args.moe_router_group_topk is not None:
+        _check_group_topk(args)
+
+
+def _check_group_topk(args: argparse.Namespace) -> None:
+    """Group-limited top-k: ``topk // group_topk`` best scores per group rank the groups, then the top-k
+    experts come from the ``group_topk`` chosen groups."""
+    n, k, groups, gk = args.num_experts, args.moe_router_topk, args.moe_router_num_groups, args.moe_router_group_topk
+    if groups is None:
+        raise ArgumentError("--moe-router-num-groups", "group-limited routing (--moe-router-group-topk) needs the "
+                                                       "number of expert groups; add --moe-router-num-groups N")
+    if groups < 1 or n % groups:
+        raise ArgumentError("--moe-router-num-groups", f"must be a positive divisor of --num-experts {n}, got {groups}")
+    if not 1 <= gk <= min(groups, k):
+        raise ArgumentError("--moe-router-group-topk", f"must be in [1, min(--moe-router-num-groups {groups}, "
+                                                       f"--moe-router-topk {k})], got {gk}")
+    if k > gk * (n // groups):
+        raise ArgumentError("--moe-router-topk", f"{k} experts cannot come from {gk} group(s) of {n // groups}; "
+                                                 f"raise --moe-router-group-topk or lower --moe-router-topk")
 
 
 def _single(value: Any) -> Any:

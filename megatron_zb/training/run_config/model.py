@@ -50,10 +50,31 @@ class MoEConfig:
     """``--moe-grouped-gemm``."""
     moe_router_dtype: str | None = None
     """``--moe-router-dtype``: ``"fp32"`` / ``"fp64"`` routing and weighted sum; ``None``: the model's dtype."""
+    moe_shared_expert_intermediate_size: int | None = field(default=None, metadata=TC)
+    """``--moe-shared-expert-intermediate-size`` [elements]: the shared experts' total FFN hidden size
+    (shared experts x each one's size); ``None``: no shared expert."""
+    moe_shared_expert_gate: bool = field(default=False, metadata=TC)
+    """``--moe-shared-expert-gate``: a sigmoid gate (one weight row) on the shared experts' output."""
+    moe_router_score_function: str = field(default="softmax", metadata=TC)
+    """``--moe-router-score-function``: ``"softmax"`` or ``"sigmoid"`` (0.19 also ``"sqrtsoftplus"``)."""
+    moe_router_num_groups: int | None = field(default=None, metadata=TC)
+    """``--moe-router-num-groups``: expert groups of group-limited routing (with ``--moe-router-group-topk``)."""
+    moe_router_group_topk: int | None = field(default=None, metadata=TC)
+    """``--moe-router-group-topk``: groups each token may route to; ``None``: plain top-k."""
+    moe_router_enable_expert_bias: bool = field(default=False, metadata=TC)
+    """``--moe-router-enable-expert-bias``: aux-loss-free balancing, a per-expert bias on the routing
+    scores updated once per iteration from the tokens each expert got (``finalize_model_grads``)."""
+    moe_router_bias_update_rate: float = field(default=1e-3, metadata=TC)
+    """``--moe-router-bias-update-rate``: the expert bias's step per iteration (in score units)."""
+    moe_router_pre_softmax: bool = field(default=False, metadata=TC)
+    """``--moe-router-pre-softmax``: the score function before the top-k selection."""
+    moe_router_topk_scaling_factor: float | None = field(default=None, metadata=TC)
+    """``--moe-router-topk-scaling-factor``: factor on the selected experts' routing weights; ``None``: 1."""
 
     def transformer_config_kwargs(self, *, expert_model_parallel_size: int) -> dict[str, Any]:
         """The MoE fields of ``TransformerConfig``."""
-        return dict(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("transformer_config")}
+        return dict(out, num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
                     moe_ffn_hidden_size=self.moe_ffn_hidden_size, moe_aux_loss_coeff=self.moe_aux_loss_coeff,
                     moe_router_load_balancing_type=self.moe_router_load_balancing_type,
                     moe_token_dispatcher_type=self.moe_token_dispatcher_type,
