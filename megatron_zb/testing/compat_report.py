@@ -17,11 +17,12 @@ TEST_BUDGET = """\
 features, no pairing of features -- through the same runner code, and asserts each cell's status
 from a table written in the test (not computed by the runner). The first eleven features run one
 launch per (feature, placement group), each launch running the reference and every family of
-that placement in the same processes (about 2.5 minutes on 2 idle cores). The seven model features
+that placement in the same processes (about 2.5 minutes on 2 idle cores). The nine model features
 (`llama`, `recompute-full`, `recompute-selective`, `tied`, `uneven-split`, `moe`, and issue 41's `mtp`,
-`mla` and `deepseek-moe`) run *together*: one launch per placement group runs all nine (and the `fp32` column their W-count check
-needs) one after another in the same processes (`plan_launches(together=True)`), which keeps their
-share to about 25 s of CPU time per rank (4 process groups instead of 32); the price is that an
+`mla` and `deepseek-moe`) run *together*: one launch per placement group runs all nine (and the
+`fp32` column their W-count check needs) one after another in the same processes
+(`plan_launches(together=True)`), which keeps their share to about 25 s of CPU time per rank before
+issue 41, a few seconds more for each of its columns (4 process groups instead of 40); the price is that an
 error in one of them fails all cells of that launch, which the script's default (one launch per
 feature) avoids. The test also checks that recomputation queues exactly as many weight-gradient
 computations as the `fp32` column for every family (W deferred inside recomputed layers, not
