@@ -36,9 +36,14 @@ _QUIET = (
 )
 
 
-def main() -> int:
+def _quiet() -> None:
+    """Silence megatron-core's import-time notices (:data:`_QUIET`): before anything imports it."""
     for category, message in _QUIET:
         warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def main() -> int:
+    _quiet()
     from megatron_zb.platform.reaper import install as install_reaper  # no torch import
 
     install_reaper()  # before any child process: a killed rank (or torchrun) leaves none behind
@@ -50,7 +55,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":  # required: megatron-core's checkpoint writer starts processes
-    from megatron_zb.runtime.peer_wait import PEER_TIMEOUT_EXIT_STATUS, PipelineTimeoutError  # no torch import
+    _quiet()  # the runtime package imports torch and megatron-core
+    from megatron_zb.runtime.peer_wait import PEER_TIMEOUT_EXIT_STATUS, PipelineTimeoutError
 
     try:
         sys.exit(main())
