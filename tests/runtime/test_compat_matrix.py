@@ -314,6 +314,12 @@ def test_compare_classifies_each_failure():
 
 
 def test_script_writes_the_table(tmp_path):
+    """The script end to end, once (the megatron-core 0.16.1 suite): its runner code is the one the matrix
+    columns above run on both releases."""
+    from megatron_zb.megatron_compat import release
+
+    if release() != "0.16":
+        pytest.skip("the script end to end runs in the megatron-core 0.16.1 suite (the runner: every column, both releases)")
     out = tmp_path / "compat.md"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compat_matrix.py"), "--features", "fp32",
                            "--families", "1f1b,zbv", "--out", str(out)], capture_output=True, text=True,
