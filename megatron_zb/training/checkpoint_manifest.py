@@ -156,12 +156,14 @@ def _file_problem(path: str, name: str, entry: dict[str, Any], *, checksum: bool
     return None
 
 
-def verify_share(path: str, rank: int, world: int) -> str | None:
-    """This rank's share of verifying the checkpoint directory ``path`` against its manifest: the first
-    problem found in its files (missing, another size, another CRC-32), the manifest's own when it
-    cannot be read (rank 0); ``None`` when its files verify or there is no manifest. Not collective:
-    the caller gathers every rank's answer."""
-    files, problem = read_manifest(path)
+def verify_share(path: str, manifest: tuple[dict[str, dict[str, Any]] | None, str | None], rank: int,
+                 world: int) -> str | None:
+    """This rank's share of verifying the checkpoint directory ``path`` against its manifest
+    (``manifest``: :func:`read_manifest`'s answer, read once by the caller): the first problem found in
+    its files (missing, another size, another CRC-32), the manifest's own when it cannot be read (rank
+    0); ``None`` when its files verify or there is no manifest. Not collective: the caller gathers every
+    rank's answer."""
+    files, problem = manifest
     if problem is not None:
         return problem if rank == 0 else None
     for name in _share(files or {}, rank, world):

@@ -320,13 +320,14 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
 def _verify(path: str) -> str | None:
     """This rank's share of verifying the checkpoint ``path`` against its manifest (``--ckpt-verify``, the
     default); a checkpoint without one loads with one ``WARNING:`` line."""
-    if read_manifest(path) == (None, None):
+    manifest = read_manifest(path)
+    if manifest == (None, None):
         print_rank_0(f"WARNING: checkpoint {path} has no {MANIFEST_FILENAME} (saved before megatron-zb wrote "
                      f"manifests, or by Megatron-LM's own loop): its files are loaded unverified")
         return None
     start = time.perf_counter()
-    problem = verify_share(path, dist.get_rank(), dist.get_world_size())
-    files, _ = read_manifest(path)
+    problem = verify_share(path, manifest, dist.get_rank(), dist.get_world_size())
+    files = manifest[0]
     total = sum(int(e["bytes"]) for e in (files or {}).values())
     print_rank_0(f"checked checkpoint {path} against its {MANIFEST_FILENAME}: {len(files or {})} files, "
                  f"{total / 2**20:.1f} MiB, CRC-32 shared over {dist.get_world_size()} ranks in "
