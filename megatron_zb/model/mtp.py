@@ -26,12 +26,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "check_mtp_placement", "no_virtual_stages", "tie_mtp_stage", "mtp_block_spec"]
+from ..param_marks import WGRAD_IN_B
 
-WGRAD_IN_B = "zb_wgrad_in_b"
-"""A weight with this attribute set has its weight gradient computed in B by megatron-core's own
-linear backward (the runtime's linear route reads it): a weight a non-linear layer of the same chunk
-also uses, whose gradients autograd must sum before DDP's hook adds them once (:func:`tie_mtp_stage`)."""
+__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "check_mtp_placement", "no_virtual_stages", "tie_mtp_stage", "mtp_block_spec"]
 
 
 def _seed(seed: int, *key: int | str) -> int:

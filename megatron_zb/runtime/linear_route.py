@@ -35,7 +35,7 @@ it; :func:`check_device_max_connections`):
 
 Outside a B window, and for megatron-core's own deferral (``grad_output_buffer``, the embedding
 wgrad deferral), the backward is megatron-core's (its overlap unchanged); so it is for a weight marked
-:data:`~megatron_zb.model.mtp.WGRAD_IN_B`. A weight used twice in one B (the output layer, once per multi-token prediction
+:data:`~megatron_zb.param_marks.WGRAD_IN_B`. A weight used twice in one B (the output layer, once per multi-token prediction
 depth) gets one W entry summing its gradients in arrival order before the one addition, as autograd
 sums them before DDP's hook adds them (:meth:`_WeightGradEntry.fold`): bitwise megatron-core's.
 """
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..model.mtp import WGRAD_IN_B
+from ..param_marks import WGRAD_IN_B
 from .wgrad_store import current_store
 
 GATHER_BUFFERS: tuple[str, str] = ("mpu", "zb-wgrad-prefetch")

@@ -311,3 +311,16 @@ def test_mla_projections_defer_their_weight_gradients_and_norms_do_not():
     assert r["after_b"]["norms"] == {"q_layernorm": (True, None), "kv_layernorm": (True, None)}
     assert r["executed"] == 8  # 5 projections + fc1 + fc2 + the output layer
     assert all(r["same"].values()), [n for n, ok in r["same"].items() if not ok]
+
+
+def test_the_runtime_loads_without_megatron_core():
+    """``import megatron_zb.runtime`` (the executor, the routes, the linear route) loads torch but not
+    megatron-core: the model marks its parameters through :mod:`megatron_zb.param_marks`, which both
+    floors import, so a bad flag's one-line error is printed before megatron-core's import notices."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_zb.runtime, megatron_zb.runtime.linear_route\n"
+            "print(sorted(m for m in sys.modules if m == 'megatron.core' or m.startswith('megatron.core.'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
