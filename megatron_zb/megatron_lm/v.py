@@ -270,7 +270,7 @@ def _v_float16_module(config: Any, module: Any) -> Any:
     """megatron-core's ``Float16Module`` for chunk ``module.vp_stage`` of the V (``get_model`` sets
     it before wrapping): half-precision inputs on stage 0, fp32 outputs on the loss stage.
     megatron-core's own decides by pipeline rank and virtual stage, which does not match the V."""
-    from ..megatron_compat import chunk_float16_module
+    from ..megatron_compat.training import chunk_float16_module
 
     stage = _v_stage(module.vp_stage)
     return chunk_float16_module(config, module, first=stage == 0, last=stage == V_CHUNKS * _pp()[0] - 1)

@@ -118,7 +118,7 @@ def stress_rank(model: dict[str, Any], schedule: Any, p2p_timeout: float) -> dic
     build_s = time.perf_counter() - t0
     modules = [c.module for c in chunks]
     if spec.dtype != "fp32":  # as pretrain_gpt_zb.py wraps them: every parameter in 16 bits, fp32 loss
-        from ..megatron_compat import chunk_float16_module
+        from ..megatron_compat.training import chunk_float16_module
 
         modules = [chunk_float16_module(c.module.config, c.module, first=c.plan.pre_process, last=c.plan.post_process)
                    for c in chunks]

@@ -54,7 +54,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from megatron_zb.megatron_compat import fix_gpt_dataset_mask_cache
+from megatron_zb.megatron_compat.training import fix_gpt_dataset_mask_cache
 from megatron_zb.training.data_splits import split_num_samples
 from megatron_zb.training.run_config import DataConfig, RunConfig
 from megatron_zb.training.tokenizers import (ByteLevelTokenizer, GPT2BPETokenizer, HuggingFaceLocalTokenizer,

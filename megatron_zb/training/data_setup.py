@@ -46,7 +46,7 @@ def build_data(config: RunConfig, *, reads_data: Sequence[bool], state: TrainSta
     """Datasets and iterators (:mod:`megatron_zb.training.data`), resuming at ``state``'s consumed
     samples; ``reads_data`` tells per chunk whether it reads micro batches; ``vocab_parallel``: one more
     view of the training micro batches for the vocabulary passes (every rank reads). Collective."""
-    from megatron_zb.megatron_compat import quiet_mock_dataset_cache_notice
+    from megatron_zb.megatron_compat.training import quiet_mock_dataset_cache_notice
     from megatron_zb.training.data import build_data_iterators, train_valid_test_num_samples
 
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@
 :mod:`.optimizer_setup`   optimizer, post-validation wrapper, LR scheduler (:class:`OptimizerBundle`)
 :mod:`.replanning`        the ``forward_backward_func``, its schedule, profiling and re-planning
 :mod:`.checkpointing`     save / load, with the :class:`~megatron_zb.training.state.TrainState`
+:mod:`.resume`            ``--load`` into the model, optimizer and planner, with Megatron-LM's lines
 :mod:`.data_setup`        train / validation / test iterators per chunk (:class:`DataBundle`)
 :mod:`.gpt_step`          GPT's ``forward_step`` / ``loss_func``, one batch through the pipeline
 :mod:`.training_log`      the log interval, Megatron's lines, TensorBoard, ``--loss-log-json``
@@ -43,7 +44,7 @@ import torch.distributed as dist
 from megatron_zb.schedules.ir import Schedule
 from megatron_zb.training.arguments import initial_schedule
 from megatron_zb.training.batch_ramp import BatchRamp
-from megatron_zb.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megatron_zb.training.checkpointing import CheckpointError, save_checkpoint
 from megatron_zb.training.data_setup import DataBundle, build_data
 from megatron_zb.training.distributed import DistributedContext, init_distributed, shutdown_distributed
 from megatron_zb.training.evaluation import evaluate
@@ -59,6 +60,7 @@ from megatron_zb.training.optimizer_setup import OptimizerBundle, build_optimize
 from megatron_zb.training.params_norm import params_l2_norm
 from megatron_zb.training.preemption import ExitDuration, ExitSignalHandler
 from megatron_zb.training.replanning import SchedulePlanner
+from megatron_zb.training.resume import resume
 from megatron_zb.training.run_config import RunConfig, run_config
 from megatron_zb.training.state import TrainState
 from megatron_zb.training.timing_log import TimingLog, optimizer_configs
@@ -135,7 +137,8 @@ class Trainer:
             self.timeline = MeasuredTimeline(self.config.profiling, runtime=self.planner.runtime,
                                              device=self.dist.device, pp_group=self.dist.pp_group,
                                              train_iters=self.config.train_iters)
-            self.state: TrainState = self._load() if ckpt.load else TrainState()
+            self.state: TrainState = (resume(self.config, model=self.model, optim=self.optim, planner=self.planner)
+                                      if ckpt.load else TrainState())
             self.last_saved: int | None = self.state.iteration if ckpt.load else None
             self.data: DataBundle = build_data(self.config, reads_data=self.model.reads_data, state=self.state,
                                                vocab_parallel=self.model.vocab_slices is not None)
@@ -443,54 +446,6 @@ class Trainer:
             self.state.consumed_valid_samples += self.config.data.eval_iters * self.config.global_batch_size
         self.log.add_validation(prefix, iteration=self.state.iteration, loss=loss, tensorboard=valid)
         return loss
-
-    def _load(self) -> TrainState:
-        """``--load``: the latest checkpoint into model, optimizer and scheduler; its state. Collective."""
-        ckpt = self.config.checkpoint
-        t0 = time.perf_counter()
-        print_rank_0(f"> loading checkpoint from {ckpt.load} ...")
-        load_optim = not (ckpt.no_load_optim or ckpt.finetune)
-        loaded = load_checkpoint(ckpt.load, chunks=self.model.gpt_models,
-                                 optimizer=self.optim.optimizer if load_optim else None,
-                                 scheduler=self.optim.scheduler if load_optim else None,
-                                 config=self.config, load_rng=not (ckpt.no_load_rng or ckpt.finetune),
-                                 vocab=self.model.vocab_slices)
-        if loaded is None:
-            print_rank_0(f"WARNING: no checkpoint in {ckpt.load} (no latest_checkpointed_iteration.txt); "
-                         f"training from scratch")
-            return TrainState()
-        if loaded.scheduler_differences:
-            which = ("this command line's (--override-opt_param-scheduler)" if self.config.optim.override_opt_param_scheduler
-                     else "the checkpoint's (--use-checkpoint-opt_param-scheduler)")
-            print_rank_0(f"> learning-rate schedule: {which}; they differ in " + "; ".join(loaded.scheduler_differences))
-        if not load_optim:
-            self.optim.optimizer.reload_model_params()  # the fp32 main params from the loaded model, as Megatron-LM
-        if ckpt.no_load_rng or ckpt.finetune or ckpt.no_load_optim:
-            return self._loaded_partly(loaded, load_optim=load_optim, seconds=time.perf_counter() - t0)
-        if not loaded.rng_restored:
-            print_rank_0("WARNING: the checkpoint was saved with another (pipeline, tensor, data)-parallel layout; "
-                         "random states are not restored (dropout streams start afresh)")
-        self.planner.restore(loaded.state.schedule_costs, iteration=loaded.state.iteration)
-        print_rank_0(f"  successfully loaded checkpoint from {loaded.path} at iteration {loaded.state.iteration} "
-                     f"({time.perf_counter() - t0:.1f} s)")
-        return loaded.state
-
-    def _loaded_partly(self, loaded: Any, *, load_optim: bool, seconds: float) -> TrainState:
-        """After a load with ``--no-load-optim``, ``--no-load-rng`` or ``--finetune``: say what was not
-        restored; the state to continue from (``--finetune``: iteration 0, nothing consumed, no costs)."""
-        ckpt = self.config.checkpoint
-        kept = [what for what, fresh in (("optimizer state and learning-rate scheduler", not load_optim),
-                                         ("random states", not loaded.rng_restored)) if fresh]
-        flags = " ".join(f for f, on in (("--finetune", ckpt.finetune), ("--no-load-optim", ckpt.no_load_optim),
-                                         ("--no-load-rng", ckpt.no_load_rng)) if on)
-        print_rank_0(f"> {flags}: not restored from the checkpoint: {', '.join(kept) or 'nothing'}"
-                     + ("; starting at iteration 0 with no consumed samples (--finetune)" if ckpt.finetune else ""))
-        state = TrainState() if ckpt.finetune else loaded.state
-        if not ckpt.finetune:
-            self.planner.restore(loaded.state.schedule_costs, iteration=loaded.state.iteration)
-        print_rank_0(f"  successfully loaded checkpoint from {loaded.path} at iteration {state.iteration} "
-                     f"({seconds:.1f} s)")
-        return state
 
     def _save(self) -> None:
         t0 = time.perf_counter()

@@ -80,7 +80,7 @@ def wrap_chunks(gpt_models: Sequence[torch.nn.Module], *, first_last: Sequence[t
     """
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
-    from megatron_zb.megatron_compat import chunk_float16_module
+    from megatron_zb.megatron_compat.training import chunk_float16_module
 
     cfg = ddp_config(parallel, precision)
     if cfg.check_for_nan_in_grad:  # its check reports through megatron-core's rerun state machine
