@@ -60,6 +60,23 @@ class CheckpointError(RuntimeError):
     """
 
 
+class OneRankSaveError(CheckpointError):
+    """A save failed in a step megatron-core runs on this rank alone (rank 0's ``common.pt``, its check of
+    the gathered sharding): the other ranks wait inside the save's next collective, so no collective can
+    tell them. Raised on this rank only, its message one line naming the rank; the process must exit
+    without a collective (:func:`megatron_zb.training.pretrain.main`), which ends the others.
+    ``peer_lost``: this rank's save failed only because another rank's process ended (a consequence,
+    said as a notice: the cause is that rank's error line)."""
+
+    def __init__(self, message: str, *, peer_lost: bool = False) -> None:
+        super().__init__(message)
+        self.peer_lost = peer_lost
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""How gloo (torch 2.13's ``RuntimeError`` from ``pair.cc``) says that another rank's process ended."""
+
+
 def checkpoint_dir(root: str, iteration: int) -> str:
     """``ROOT/iter_0000123`` (Megatron's naming)."""
     return os.path.join(root, f"iter_{iteration:07d}")

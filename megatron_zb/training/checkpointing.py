@@ -64,7 +64,8 @@ from megatron_zb.training.adam_repair import (adam_step, give_each_param_its_ste
                                               materialize_adam_state, repaired_distributed_adam_load)
 from megatron_zb.training.checkpoint_check import (TRACKER_FILENAME, CheckpointError, check_scheduler, checkpoint_dir,
                                                     checkpoint_to_load, earlier_checkpoint_hint, first_line,
-                                                    latest_intact, raise_on_every_rank, read_tracker, shape_mismatches)
+                                                    latest_intact, raise_on_every_rank, read_tracker, shape_mismatches,
+                                                    OneRankSaveError, PEER_LOST)
 from megatron_zb.training.checkpoint_manifest import MANIFEST_FILENAME, read_manifest, verify_share, write_manifest
 from megatron_zb.training.logging_utils import print_rank_0
 from megatron_zb.training.save_space import save_error_text, space_problem, writer_errors_said_once
@@ -278,8 +279,13 @@ def _write(sd: dict[str, Any], root: str, path: str) -> None:
         try:
             with writer_errors_said_once():
                 dist_checkpointing.save(sd, path)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- every rank has one: one line below
+        except CheckpointException as e:  # torch's: the writers' results gathered, raised on every rank
             error = save_error_text(e)
+        except Exception as e:  # noqa: BLE001 -- a step of this rank alone: the others wait in the save
+            text = save_error_text(e)
+            raise OneRankSaveError(f"rank {dist.get_rank()}: cannot save checkpoint {path}: {text}; "
+                                   f"the tracker is not advanced: {_latest_intact_phrase(root)}",
+                                   peer_lost=any(p in text for p in PEER_LOST)) from e
     if error is None:
         error = write_manifest(path, int(sd["iteration"]))  # before the tracker: a named checkpoint has one
     raise_on_every_rank(None if error is None else
@@ -308,12 +314,17 @@ def save_checkpoint(root: str, *, state: TrainState, chunks: Sequence[Any], opti
     _write(sd, root, path)
     if _before_tracker_hook is not None:
         _before_tracker_hook(state.iteration)
+    error = None
     if dist.get_rank() == 0:  # last: a save killed before this line leaves the tracker at the previous one
         tmp = os.path.join(root, TRACKER_FILENAME + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(state.iteration))
-        os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
-    dist.barrier()
+        try:
+            with open(tmp, "w") as f:
+                f.write(str(state.iteration))
+            os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
+        except OSError as e:
+            error = (f"cannot save checkpoint {path}: its files and manifest are written, but the tracker is not: "
+                     f"{first_line(e)}; {_latest_intact_phrase(root)}")
+    raise_on_every_rank(error)  # also the barrier after which every rank may read the tracker
     return path
 
 

@@ -20,7 +20,10 @@
    ``--check-for-nan-in-loss-and-grad`` (:class:`~megatron_zb.training.nan_check.NonFiniteError`, raised
    on every rank at the same point: the line names the iteration and the rank that found it), and a
    checkpoint that does not fit on ``--save``'s file system or whose write fails (the line names the
-   latest intact checkpoint; the tracker is not advanced).
+   latest intact checkpoint; the tracker is not advanced). A write that fails in a step megatron-core
+   runs on one rank alone (rank 0's ``common.pt``:
+   :class:`~megatron_zb.training.checkpoint_check.OneRankSaveError`) is printed by that rank, which
+   exits 1 at once without a collective -- the others wait inside the save, and the launcher ends them.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch.distributed as dist
 
 from megatron_zb.training.arguments import ArgumentError, ValidatedArgs, build_parser, validate_args_and_schedule
 from megatron_zb.training.arguments.developer import DEVELOPER_CHECK, add_developer_args
-from megatron_zb.training.checkpoint_check import CheckpointError
+from megatron_zb.training.checkpoint_check import CheckpointError, OneRankSaveError
 from megatron_zb.training.distributed import launch_environment_problem, local_rank
 from megatron_zb.training.nan_check import NonFiniteError
 from megatron_zb.training.trainer import Trainer
@@ -104,6 +107,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1  # the Trainer printed the one line (rank 0) before it shut the process groups down
     try:
         return trainer.run()
+    except OneRankSaveError as e:  # this rank alone: no collective (close() has some); exiting ends the others
+        if e.peer_lost:  # a consequence: the cause is the other rank's error line
+            print(f"{PROG}: rank {os.environ.get('RANK', '0')} stops: another rank ended during the checkpoint save",
+                  flush=True)
+        else:
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     except (NonFiniteError, CheckpointError) as e:  # every rank, together (a save): global rank 0 says it once
         if os.environ.get("RANK", "0") == "0":
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ import pytest
 from megatron_zb.testing.distributed import cpu_run_env
 
 __all__ = ["CHECKPOINT_ARGV", "DROPOUT", "RUN_TIMEOUT", "SCRIPT", "SMALL", "assert_curve", "assert_resumes_at", "in_process", "losses", "main_in_ranks",
-           "main_rank", "torchrun", "train", "without"]
+           "main_rank", "torchrun", "torchrun_exit", "train", "without"]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "pretrain_gpt_zb.py"
 """The entry point under test."""
@@ -70,23 +70,30 @@ def in_process(tmp_path: Path, name: str, world: int, argv: list[str]) -> dict:
     return run(tmp_path, name, world, argv, timeout=RUN_TIMEOUT)
 
 
-def torchrun(nproc: int, argv: list[str], *, cwd: Path) -> dict[str, Any]:
-    """Run ``pretrain_gpt_zb.py`` under torchrun; fail the test with the log on a non-zero exit."""
+def torchrun_exit(nproc: int, argv: list[str], *, cwd: Path, timeout: float = RUN_TIMEOUT) -> tuple[int, str]:
+    """``pretrain_gpt_zb.py`` under torchrun: its exit status and log (stdout and stderr); the log is also
+    ``cwd/log.txt``. Fails the test when it runs past ``timeout`` seconds (the launcher and its ranks killed)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(SCRIPT), *argv]
     env = cpu_run_env(PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT)
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
         out, _ = proc.communicate()
-        pytest.fail(f"torchrun {' '.join(argv)} did not finish in {RUN_TIMEOUT} s:\n{out[-6000:]}")
+        pytest.fail(f"torchrun {' '.join(argv)} did not finish in {timeout} s:\n{out[-6000:]}")
     (cwd / "log.txt").write_text(out)
-    if proc.returncode != 0:
+    return proc.returncode, out
+
+
+def torchrun(nproc: int, argv: list[str], *, cwd: Path) -> dict[str, Any]:
+    """Run ``pretrain_gpt_zb.py`` under torchrun; fail the test with the log on a non-zero exit."""
+    rc, out = torchrun_exit(nproc, argv, cwd=cwd)
+    if rc != 0:
         errors = "\n".join(ln for ln in out.splitlines() if re.search(r"Error|error:|Traceback|Timeout", ln))
-        pytest.fail(f"torchrun {' '.join(argv)} exited {proc.returncode}; log in {cwd / 'log.txt'}; error lines:\n"
+        pytest.fail(f"torchrun {' '.join(argv)} exited {rc}; log in {cwd / 'log.txt'}; error lines:\n"
                     f"{errors[-6000:]}\n--- end of the log ---\n{out[-3000:]}")
     return {"log": out}
 

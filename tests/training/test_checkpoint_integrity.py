@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from megatron_zb.megatron_compat import common_state_in_file, release
-from harness.pretrain_harness import CHECKPOINT_ARGV, assert_resumes_at, main_in_ranks, assert_curve, in_process, losses  # the end-to-end harness
+from harness.pretrain_harness import (CHECKPOINT_ARGV, assert_resumes_at, main_in_ranks, assert_curve, in_process, losses,
+                                     torchrun_exit)  # the end-to-end harness
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -238,3 +239,23 @@ def test_save_failing_mid_write_is_one_line_and_keeps_the_tracker(tmp_path, save
     assert f"the tracker is not advanced: the latest intact checkpoint is iteration 8 ({root / 'iter_0000008'})" \
            in line, line
     assert (root / TRACKER).read_text().strip() == "8" and not (root / "iter_0000005" / MANIFEST).exists()
+
+
+def test_a_write_of_rank_0_alone_failing_ends_the_run_at_once_naming_it(tmp_path, saved):
+    """``metadata.json``, which megatron-core's save has rank 0 alone write after every rank's shards (then a
+    barrier), is a directory. Under torchrun: rank 0 prints one line naming itself, the error and the latest
+    intact checkpoint and exits 1 without a collective; the launcher ends rank 1, which waits in the save's
+    barrier -- the run ends in seconds, not after ``--distributed-timeout-minutes`` (a collective agreement
+    there deadlocked: rank 0 in it, rank 1 in the save's barrier). The tracker still names 8."""
+    root = _copy(saved, tmp_path / "ckpt")
+    (root / "iter_0000005" / "metadata.json").mkdir(parents=True)
+    argv = ARGV + ["--load", str(root), "--ckpt-step", "4", "--save", str(root), "--exit-interval", "5",
+                   "--distributed-timeout-minutes", "5"]
+    rc, log = torchrun_exit(2, argv, cwd=tmp_path, timeout=150)  # a deadlock would wait 5 minutes
+    assert rc != 0, log[-3000:]
+    said = [ln for ln in log.splitlines() if "pretrain_gpt_zb.py: error: " in ln]
+    assert len(said) == 1, log[-4000:]
+    assert f"rank 0: cannot save checkpoint {root / 'iter_0000005'}: " in said[0], said[0]
+    assert "Is a directory" in said[0] and "metadata.json" in said[0], said[0]
+    assert f"the latest intact checkpoint is iteration 8 ({root / 'iter_0000008'})" in said[0], said[0]
+    assert (root / TRACKER).read_text().strip() == "8"
