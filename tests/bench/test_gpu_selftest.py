@@ -313,18 +313,27 @@ def test_full_plan_adds_the_opt_in_jobs_with_their_own_timeouts(tmp_path):
     assert keys[:len(_keys(_plan(8, tmp_path)))] != [] and {"numeric", "pretrain-zb", "pretrain-zb-2p", "pretrain-zbv",
                                                           "tp2-pp2-tests", "te-parity", "bench"} <= set(keys)
     assert not plan.over_budget and plan.critical_s > BUDGET_S
+    selections = []  # (test files, -k word or "") of each pytest job: collected together below (one start-up)
     for placed in (p for s in plan.steps for p in s.placed if p.job.full):
         argv = list(placed.commands[0].argv)
         if argv[1:3] == ["-m", "pytest"]:
-            keep = [a for a in argv[3:] if a not in ("-q", "-rs")]
-            assert all((ROOT / a).is_file() for a in keep if a.startswith("tests/"))
-            collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *keep], cwd=ROOT,
-                                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                                       timeout=300)
-            assert collected.returncode in (0, 5) and "::test_" in collected.stdout, collected.stdout[-2000:]
+            files = [a for a in argv[3:] if a.startswith("tests/")]
+            assert files and all((ROOT / a).is_file() for a in files), argv
+            word = argv[argv.index("-k") + 1] if "-k" in argv else ""
+            assert word.isidentifier() or not word, word  # a plain word: selected by substring below, as pytest's -k
+            selections.append((files, word))
         elif "megatron_zb.testing.pretrain_run" in argv:
             flags = _check_pretrain(argv[argv.index("megatron_zb.testing.pretrain_run") + 1:], tmp_path)
             assert pretrain_run.flag_value(flags, "--profile-out")
+    files = sorted({f for fs, _ in selections for f in fs})
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                               cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                               timeout=300)
+    ids = [ln for ln in collected.stdout.splitlines() if "::test_" in ln]
+    assert collected.returncode in (0, 5) and ids, collected.stdout[-2000:]
+    for fs, word in selections:  # every job selects tests of each of its files
+        for f in fs:
+            assert any(i.startswith(f + "::") and word.lower() in i.lower() for i in ids), (f, word)
     res = _dry_run("--gpus", "8")
     assert res.returncode == 0 and "opt-in (--full): [numeric]" in res.stdout
 
