@@ -3,8 +3,8 @@ evenly over the ranks of one process group -- the pipeline ranks x tensor ranks 
 as the pieces a pipeline schedule places (Yeung et al., "Balancing Pipeline Parallelism with
 Vocabulary Parallelism", MLSys 2025). docs/vocab_parallel.md has the picture and what is tested.
 
-The vocabulary is padded to a multiple of ``divisible_by x n`` (:func:`padded_vocab_size`) so each
-of the ``n`` ranks of the group holds an equal slice of rows (:class:`VocabSlice`; slice ``i`` is
+The vocabulary is padded to a multiple of ``divisible_by x TP`` that ``n`` divides
+(:func:`padded_vocab_size`) so each of the ``n`` ranks of the group holds an equal slice of rows (:class:`VocabSlice`; slice ``i`` is
 group rank ``i``). Per microbatch, with ``[s, b, h]`` the output layer's input and ``V_i = V/n``:
 
 * **IF** (input forward): :func:`embedding_if` looks up this slice's tokens (others masked to 0),
@@ -45,6 +45,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
 from megatron_zb.megatron_compat import vocab_parallel_cross_entropy_math
 from megatron_zb.model.gpt_chunks import derive_seed
+from megatron_zb.planning.model import vocab_padding_multiple
 
 __all__ = ["EmbeddingState", "OutputGrads", "OutputState", "VocabParallelSlices", "VocabSlice", "WeightGrad",
            "broadcast_from", "embedding_if", "embedding_ib", "embedding_reduce", "output_c0", "output_c1",
@@ -52,13 +53,14 @@ __all__ = ["EmbeddingState", "OutputGrads", "OutputState", "VocabParallelSlices"
 
 
 # ---------------------------------------------------------------------- slices and weights
-def padded_vocab_size(vocab_size: int, *, num_slices: int, divisible_by: int = 128) -> int:
-    """``vocab_size`` rounded up to a multiple of ``divisible_by x num_slices`` [rows]
-    (Megatron-LM's ``--make-vocab-size-divisible-by`` rule with ``num_slices = TP x PP``)."""
-    if vocab_size < 1 or num_slices < 1 or divisible_by < 1:
-        raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, num_slices={num_slices} and "
-                         f"divisible_by={divisible_by} must be >= 1")
-    multiple = divisible_by * num_slices
+def padded_vocab_size(vocab_size: int, *, num_slices: int, divisible_by: int = 128, tp: int = 1) -> int:
+    """``vocab_size`` rounded up as ``--enable-vocab-parallel`` pads it [rows]: to a multiple of
+    ``divisible_by x tp`` (Megatron-LM's ``--make-vocab-size-divisible-by`` rule) that splits into
+    ``num_slices = TP x PP`` equal slices (:func:`~megatron_zb.planning.model.vocab_padding_multiple`)."""
+    if vocab_size < 1 or num_slices < 1 or divisible_by < 1 or tp < 1 or num_slices % tp:
+        raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, num_slices={num_slices}, tp={tp} and "
+                         f"divisible_by={divisible_by} must be >= 1, num_slices a multiple of tp")
+    multiple = vocab_padding_multiple(divisible_by, tp=tp, pp=num_slices // tp, vocab_parallel=True)
     return -(-vocab_size // multiple) * multiple
 
 

@@ -82,8 +82,8 @@ def output_layer_in_layers(*, vocab_size: int, hidden_size: int, seq_length: int
 
 
 def vocab_padded_size(model: PlanModel, par: PlanLayout) -> int:
-    """``V_pad``: the vocabulary padded to a multiple of ``--make-vocab-size-divisible-by x TP x PP``."""
-    return model.padded_vocab_size(par.tp * par.pp)
+    """``V_pad``: the vocabulary padded as ``--enable-vocab-parallel`` pads it (:func:`.model.vocab_padding_multiple`)."""
+    return model.padded_vocab_size(par.tp, vocab_parallel_pp=par.pp)
 
 
 @dataclass(frozen=True)

@@ -215,9 +215,14 @@ def test_against_unsharded_pytorch_and_equal_parameter_bytes(tp, world_size):
 
 # ---------------------------------------------------------------------- pure
 def test_padding_and_slices():
-    assert padded_vocab_size(1000, num_slices=4, divisible_by=8) == 1024
-    assert padded_vocab_size(128256, num_slices=8, divisible_by=128) == 129024
-    assert padded_vocab_size(1024, num_slices=4, divisible_by=8) == 1024
+    # Megatron-LM's rows (a multiple of divisible_by x TP) whenever they split into TP x PP slices
+    assert padded_vocab_size(1000, num_slices=4, divisible_by=8) == 1000
+    assert padded_vocab_size(128256, num_slices=8, divisible_by=128) == 128256
+    assert padded_vocab_size(1001, num_slices=4, divisible_by=8, tp=2) == 1008  # 16 x 63, 4 slices of 252
+    assert padded_vocab_size(8200, num_slices=2, divisible_by=128) == 8320  # Megatron-LM's, not 256 x 33
+    # otherwise the least multiple of both: PP = 3 does not divide 8 (lcm 24; Megatron-LM's 1000)
+    assert padded_vocab_size(1000, num_slices=3, divisible_by=8) == 1008
+    assert padded_vocab_size(255, num_slices=2, divisible_by=1) == 256
     sl = VocabSlice(padded_size=1024, index=3, num_slices=4)
     assert (sl.start, sl.end, sl.size) == (768, 1024, 256)
     with pytest.raises(ValueError, match="equal slices"):

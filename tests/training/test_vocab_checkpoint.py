@@ -110,3 +110,61 @@ def test_distributed_optimizer_state_across_the_flag_is_refused():
         check_optimizer_format(common(True), distributed=True, layout=(2, 1, 2), path="c", vocab_parallel=False)
     with pytest.raises(CheckpointError, match="a run without --enable-vocab-parallel"):
         check_optimizer_format(common(None), distributed=True, layout=(2, 1, 2), path="c", vocab_parallel=True)
+
+
+ACROSS = [a for a in ARGV if a not in ("--make-vocab-size-divisible-by", "64")]
+ACROSS[ACROSS.index("--vocab-size") + 1] = "299"
+ACROSS[ACROSS.index("--train-iters") + 1] = "6"
+"""PP=2 x DP=1 (2 processes), Megatron-LM's default ``--make-vocab-size-divisible-by 128``, 300 ids (299 and
+the NullTokenizer's EOD): padded to 384 = 3 x 128 rows with and without the flag (before issue 41 the flag
+padded to 128 x TP x PP = 256: 512 rows, and the two runs' checkpoints were different models)."""
+
+
+def test_checkpoint_continues_across_the_flag_with_a_vocabulary_not_dividing_128_tp_pp(tmp_path):
+    """Three runs of 6 iterations at PP=2, tied, checkpoints every 2 iterations:
+
+    * ``plain``: without the flag (``--schedule zb-h1``), uninterrupted;
+    * ``flagged``: ``--enable-vocab-parallel --schedule zb-h1-vocab-1`` loading ``plain``'s checkpoint of
+      iteration 2 (384 rows, slices of 192): iterations 3-6 within a relative 1e-5 of ``plain``'s;
+    * ``back``: without the flag again, loading ``flagged``'s checkpoint of iteration 4: iterations 5-6
+      within a relative 1e-5 of ``plain``'s (and of ``flagged``'s).
+
+    1e-5 is docs/vocab_parallel.md's tolerance between the flag's run and megatron-core's schedule: the
+    vocabulary-parallel softmax sums its slices in another order (loss, grad norm; the learning rate equal).
+    Every run logs the 384 padded rows.
+    """
+    from harness.trainer_run import in_process
+
+    save = ["--save-interval", "2"]
+    plain = in_process(tmp_path, "plain", 2, ACROSS + ["--schedule", "zb-h1", "--save", str(tmp_path / "p")] + save)
+    flagged = in_process(tmp_path, "flagged", 2, ACROSS + VOCAB + save + [
+        "--load", str(_at(tmp_path / "p", 2, tmp_path / "p2")), "--save", str(tmp_path / "f")])
+    back = in_process(tmp_path, "back", 2, ACROSS + ["--schedule", "zb-h1",
+                                                    "--load", str(_at(tmp_path / "f", 4, tmp_path / "f4"))])
+    for run in (plain, flagged, back):
+        assert "vocabulary 384 (padded)" in run["log"], run["log"][:2000]
+    assert "vocabulary parallelism: 2 slices of 192 rows" in flagged["log"]
+    assert "vocabulary parallelism" not in back["log"]
+    assert "at iteration 2" in flagged["log"] and "at iteration 4" in back["log"]
+    assert [t[0] for t in _train(plain)] == list(range(1, 7))
+    _close(_train(flagged), _train(plain)[2:], rel=1e-5, what="continued with --enable-vocab-parallel")
+    _close(_train(back), _train(plain)[4:], rel=1e-5, what="continued without it again")
+    _close(_train(back), _train(flagged)[2:], rel=1e-5, what="against the flag's own iterations")
+
+
+def test_a_checkpoint_of_other_padding_is_refused_naming_the_conversion():
+    """The refusal's clause (``--padded-vocab-size: checkpoint P, this run Q (...)``): the
+    ``--make-vocab-size-divisible-by`` that pads this run to the checkpoint's rows, or, with the flag and
+    rows that do not split into TP x PP slices, what to do instead."""
+    from megatron_zb.planning.model import padded_vocab_fix
+
+    # a flagged checkpoint padded by the old rule (128 x TP x PP = 256): 8448 rows for 8200 ids
+    assert padded_vocab_fix(8448, tp=1, pp=2, vocab_parallel=False) == \
+        "pass --make-vocab-size-divisible-by 8448 to pad this run to the checkpoint's 8448 rows"
+    assert padded_vocab_fix(8448, tp=2, pp=2, vocab_parallel=True) == \
+        "pass --make-vocab-size-divisible-by 4224 to pad this run to the checkpoint's 8448 rows"
+    # 1000 rows (divisible by 8) at PP=3: no three equal slices
+    assert padded_vocab_fix(1000, tp=1, pp=3, vocab_parallel=True) == (
+        "the checkpoint's 1000 rows do not split into TP x PP = 3 equal vocabulary slices: continue it without "
+        "--enable-vocab-parallel, or with it at a pipeline size that divides 1000 (with "
+        "--make-vocab-size-divisible-by 1000)")
