@@ -141,6 +141,5 @@ def test_vocabulary_parallelism_script_matches_megatron_core(tmp_path):
     assert [(i, scale, skipped) for i, _, _, scale, skipped in got] == \
         [(i, scale, skipped) for i, _, _, scale, skipped in ref], (got, ref)
     for (i, loss, norm, *_), (_, want_loss, want_norm, *_) in zip(got, ref):
-        print("MEASURE", i, abs(loss - want_loss) / abs(want_loss), abs(norm - want_norm) / abs(want_norm))
         assert loss == pytest.approx(want_loss, rel=2 ** -12), f"iteration {i}: loss {loss} vs {want_loss}"
         assert norm == pytest.approx(want_norm, rel=2 ** -9), f"iteration {i}: grad norm {norm} vs {want_norm}"
