@@ -36,27 +36,23 @@ class PlanError(ValueError):
         self.flag = flag
 
 
-def vocab_padding_multiple(divisible_by: int, *, tp: int, pp: int, vocab_parallel: bool) -> int:
+def vocab_padding_multiple(divisible_by: int, *, tp: int) -> int:
     """The embedding rows are padded to a multiple of this [rows]: Megatron-LM's
-    ``--make-vocab-size-divisible-by x TP``; with ``--enable-vocab-parallel`` the least multiple of
-    that which also splits into ``TP x PP`` equal slices, ``lcm(divisible_by x TP, TP x PP)`` -- the
-    same rows as without the flag whenever PP divides ``divisible_by`` (any power of two up to 128 at
-    the default 128), so a checkpoint continues across the flag."""
-    multiple = divisible_by * tp
-    return math.lcm(multiple, tp * pp) if vocab_parallel else multiple
+    ``--make-vocab-size-divisible-by x TP``, with and without ``--enable-vocab-parallel`` (whose
+    ``TP x PP`` slices split the rows as evenly as they go, :class:`~megatron_zb.model.vocab_parallel.VocabSlice`),
+    so a checkpoint continues across the flag whatever the vocabulary size."""
+    return divisible_by * tp
 
 
-def padded_vocab_fix(saved: int, *, tp: int, pp: int, vocab_parallel: bool) -> str:
+def padded_vocab_fix(saved: int, *, tp: int) -> str:
     """How to load a checkpoint whose embedding has ``saved`` rows into a run that pads to other rows
     (the clause after the checkpoint's refusal): ``--make-vocab-size-divisible-by saved/TP`` pads this
-    run to exactly ``saved`` rows (:func:`vocab_padding_multiple`), unless, with
-    ``--enable-vocab-parallel``, ``saved`` does not split into ``TP x PP`` equal slices."""
-    slices = tp * pp if vocab_parallel else tp
-    if saved % slices == 0:
+    run to exactly ``saved`` rows (:func:`vocab_padding_multiple`), with or without
+    ``--enable-vocab-parallel``, unless TP does not divide ``saved``."""
+    if saved % tp == 0:
         return f"pass --make-vocab-size-divisible-by {saved // tp} to pad this run to the checkpoint's {saved} rows"
-    return (f"the checkpoint's {saved} rows do not split into TP x PP = {slices} equal vocabulary slices: continue "
-            f"it without --enable-vocab-parallel, or with it at a pipeline size that divides {saved // tp} "
-            f"(with --make-vocab-size-divisible-by {saved // tp})")
+    return (f"the checkpoint's {saved} rows do not split over this run's {tp} tensor-parallel ranks: load it at a "
+            f"--tensor-model-parallel-size that divides {saved}")
 
 
 @dataclass(frozen=True)
@@ -122,11 +118,10 @@ class PlanModel:
         """Bytes of one activation, parameter or parameter-gradient element (2 or 4)."""
         return ELEMENT_BYTES[self.precision]
 
-    def padded_vocab_size(self, tp: int, *, vocab_parallel_pp: int | None = None) -> int:
+    def padded_vocab_size(self, tp: int) -> int:
         """Embedding rows as Megatron builds them: rounded up to ``divisible_by * TP``
-        (:func:`vocab_padding_multiple`; ``vocab_parallel_pp``: with ``--enable-vocab-parallel`` at that PP)."""
-        step = vocab_padding_multiple(self.make_vocab_size_divisible_by, tp=tp, pp=vocab_parallel_pp or 1,
-                                      vocab_parallel=vocab_parallel_pp is not None)
+        (:func:`vocab_padding_multiple`; with ``--enable-vocab-parallel`` too)."""
+        step = vocab_padding_multiple(self.make_vocab_size_divisible_by, tp=tp)
         return int(math.ceil(self.vocab_size / step) * step)
 
     @property

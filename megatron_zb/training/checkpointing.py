@@ -105,9 +105,7 @@ def _vocab_fix(saved: int, config: Any) -> str:
     ``saved`` embedding rows (:func:`~megatron_zb.planning.model.padded_vocab_fix`)."""
     from megatron_zb.planning.model import padded_vocab_fix
 
-    par = config.parallel
-    return padded_vocab_fix(saved, tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
-                            vocab_parallel=config.schedule.enable_vocab_parallel)
+    return padded_vocab_fix(saved, tp=config.parallel.tensor_model_parallel_size)
 
 
 def set_before_tracker_hook(hook: Callable[[int], None] | None) -> None:

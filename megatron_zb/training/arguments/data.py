@@ -235,7 +235,5 @@ def resolve_tokenizer_vocab(args: argparse.Namespace) -> None:
                                             f"{tok.vocab_size} tokens; raise it or omit it")
     else:
         vocab = args.vocab_size
-    multiple = vocab_padding_multiple(args.make_vocab_size_divisible_by, tp=args.tensor_model_parallel_size,
-                                      pp=args.pipeline_model_parallel_size,
-                                      vocab_parallel=getattr(args, "enable_vocab_parallel", False))
+    multiple = vocab_padding_multiple(args.make_vocab_size_divisible_by, tp=args.tensor_model_parallel_size)
     args.padded_vocab_size = -(-vocab // multiple) * multiple
