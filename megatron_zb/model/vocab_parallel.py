@@ -3,8 +3,8 @@ evenly over the ranks of one process group -- the pipeline ranks x tensor ranks 
 as the pieces a pipeline schedule places (Yeung et al., "Balancing Pipeline Parallelism with
 Vocabulary Parallelism", MLSys 2025). docs/vocab_parallel.md has the picture and what is tested.
 
-The vocabulary is padded to a multiple of ``divisible_by x n`` (:func:`padded_vocab_size`) so each
-of the ``n`` ranks of the group holds an equal slice of rows (:class:`VocabSlice`; slice ``i`` is
+The vocabulary is padded as Megatron-LM pads it (:func:`padded_vocab_size`) and each of the ``n``
+ranks of the group holds a slice of its rows, as even as they go (:class:`VocabSlice`; slice ``i`` is
 group rank ``i``). Per microbatch, with ``[s, b, h]`` the output layer's input and ``V_i = V/n``:
 
 * **IF** (input forward): :func:`embedding_if` looks up this slice's tokens (others masked to 0),
@@ -45,6 +45,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
 from megatron_zb.megatron_compat import vocab_parallel_cross_entropy_math
 from megatron_zb.model.gpt_chunks import derive_seed
+from megatron_zb.planning.model import vocab_padding_multiple
 
 __all__ = ["EmbeddingState", "OutputGrads", "OutputState", "VocabParallelSlices", "VocabSlice", "WeightGrad",
            "broadcast_from", "embedding_if", "embedding_ib", "embedding_reduce", "output_c0", "output_c1",
@@ -52,28 +53,31 @@ __all__ = ["EmbeddingState", "OutputGrads", "OutputState", "VocabParallelSlices"
 
 
 # ---------------------------------------------------------------------- slices and weights
-def padded_vocab_size(vocab_size: int, *, num_slices: int, divisible_by: int = 128) -> int:
-    """``vocab_size`` rounded up to a multiple of ``divisible_by x num_slices`` [rows]
-    (Megatron-LM's ``--make-vocab-size-divisible-by`` rule with ``num_slices = TP x PP``)."""
-    if vocab_size < 1 or num_slices < 1 or divisible_by < 1:
-        raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, num_slices={num_slices} and "
-                         f"divisible_by={divisible_by} must be >= 1")
-    multiple = divisible_by * num_slices
+def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp: int = 1) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by x tp`` [rows]: Megatron-LM's
+    ``--make-vocab-size-divisible-by`` rule (:func:`~megatron_zb.planning.model.vocab_padding_multiple`),
+    which ``--enable-vocab-parallel`` keeps: :class:`VocabSlice` splits any row count."""
+    if vocab_size < 1 or divisible_by < 1 or tp < 1:
+        raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, divisible_by={divisible_by} and tp={tp} "
+                         f"must be >= 1")
+    multiple = vocab_padding_multiple(divisible_by, tp=tp)
     return -(-vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True, slots=True)
 class VocabSlice:
-    """Rows ``[start, end)`` of a ``padded_size``-row vocabulary: slice ``index`` of ``num_slices``."""
+    """Rows ``[start, end)`` of a ``padded_size``-row vocabulary: slice ``index`` of ``num_slices``, the
+    rows split as evenly as they go -- ``padded_size // num_slices`` each, one more for the first
+    ``padded_size % num_slices`` slices (equal slices when ``num_slices`` divides ``padded_size``)."""
 
     padded_size: int
     index: int
     num_slices: int
 
     def __post_init__(self) -> None:
-        if self.padded_size % self.num_slices or not 0 <= self.index < self.num_slices:
-            raise ValueError(f"VocabSlice: {self.padded_size} rows do not split into {self.num_slices} equal "
-                             f"slices (or index {self.index} is out of range); pad with padded_vocab_size()")
+        if self.padded_size < self.num_slices or not 0 <= self.index < self.num_slices:
+            raise ValueError(f"VocabSlice: {self.padded_size} rows cannot give each of {self.num_slices} slices a "
+                             f"row (or index {self.index} is out of range)")
 
     @classmethod
     def of_group(cls, padded_size: int, group: Any) -> "VocabSlice":
@@ -81,19 +85,30 @@ class VocabSlice:
         return cls(padded_size=padded_size, index=dist.get_rank(group), num_slices=dist.get_world_size(group))
 
     @property
+    def even(self) -> bool:
+        """Whether every slice holds the same rows (``num_slices`` divides ``padded_size``)."""
+        return self.padded_size % self.num_slices == 0
+
+    @property
     def size(self) -> int:
-        """Rows per slice."""
-        return self.padded_size // self.num_slices
+        """Rows of this slice."""
+        return self.padded_size // self.num_slices + (self.index < self.padded_size % self.num_slices)
 
     @property
     def start(self) -> int:
         """First row of the slice."""
-        return self.index * self.size
+        return self.index * (self.padded_size // self.num_slices) + min(self.index, self.padded_size % self.num_slices)
 
     @property
     def end(self) -> int:
         """One past the last row of the slice."""
         return self.start + self.size
+
+    def describe(self) -> str:
+        """``"2 slices of 192 rows"``, or uneven ``"2 slices of 150 or 149 rows"`` (the start-up line's words)."""
+        base = self.padded_size // self.num_slices
+        rows = f"{base}" if self.even else f"{base + 1} or {base}"
+        return f"{self.num_slices} slices of {rows} rows"
 
 
 class VocabParallelSlices(torch.nn.Module):
@@ -153,8 +168,13 @@ class VocabParallelSlices(torch.nn.Module):
         replica = parallel_state.get_data_parallel_rank(with_context_parallel=True)
 
         def sharded(key: str, param: torch.nn.Parameter) -> Any:
-            return ShardedTensor.from_rank_offsets(f"{prefix}{key}", param,
-                                                   (0, self.vocab.index, self.vocab.num_slices), replica_id=replica)
+            if self.vocab.even:  # a regular grid: dim 0 in num_slices parts
+                return ShardedTensor.from_rank_offsets(f"{prefix}{key}", param,
+                                                       (0, self.vocab.index, self.vocab.num_slices), replica_id=replica)
+            # uneven slices: megatron-core's irregular sharding (no grid; torch DCP checks the coverage)
+            return ShardedTensor(f"{prefix}{key}", param, param.dtype, tuple(param.shape),
+                                 (self.vocab.padded_size, *param.shape[1:]), (self.vocab.start, *[0] * (param.dim() - 1)),
+                                 None, replica_id=replica)
 
         sd = {"word_embeddings": sharded("embedding.word_embeddings.weight", self.word_embeddings)}
         if self.output_weight is not None:

@@ -36,6 +36,25 @@ class PlanError(ValueError):
         self.flag = flag
 
 
+def vocab_padding_multiple(divisible_by: int, *, tp: int) -> int:
+    """The embedding rows are padded to a multiple of this [rows]: Megatron-LM's
+    ``--make-vocab-size-divisible-by x TP``, with and without ``--enable-vocab-parallel`` (whose
+    ``TP x PP`` slices split the rows as evenly as they go, :class:`~megatron_zb.model.vocab_parallel.VocabSlice`),
+    so a checkpoint continues across the flag whatever the vocabulary size."""
+    return divisible_by * tp
+
+
+def padded_vocab_fix(saved: int, *, tp: int) -> str:
+    """How to load a checkpoint whose embedding has ``saved`` rows into a run that pads to other rows
+    (the clause after the checkpoint's refusal): ``--make-vocab-size-divisible-by saved/TP`` pads this
+    run to exactly ``saved`` rows (:func:`vocab_padding_multiple`), with or without
+    ``--enable-vocab-parallel``, unless TP does not divide ``saved``."""
+    if saved % tp == 0:
+        return f"pass --make-vocab-size-divisible-by {saved // tp} to pad this run to the checkpoint's {saved} rows"
+    return (f"the checkpoint's {saved} rows do not split over this run's {tp} tensor-parallel ranks: load it at a "
+            f"--tensor-model-parallel-size that divides {saved}")
+
+
 @dataclass(frozen=True)
 class PlanModel:
     """A GPT model as Megatron's flags describe it (resolved: no ``None`` left): the model that
@@ -100,8 +119,9 @@ class PlanModel:
         return ELEMENT_BYTES[self.precision]
 
     def padded_vocab_size(self, tp: int) -> int:
-        """Embedding rows as Megatron builds them: rounded up to ``divisible_by * TP``."""
-        step = self.make_vocab_size_divisible_by * tp
+        """Embedding rows as Megatron builds them: rounded up to ``divisible_by * TP``
+        (:func:`vocab_padding_multiple`; with ``--enable-vocab-parallel`` too)."""
+        step = vocab_padding_multiple(self.make_vocab_size_divisible_by, tp=tp)
         return int(math.ceil(self.vocab_size / step) * step)
 
     @property

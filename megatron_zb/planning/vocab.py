@@ -2,8 +2,8 @@
 
 With vocabulary parallelism (Yeung et al., MLSys 2025; docs/vocab_parallel.md) the input embedding
 and the output layer with its cross entropy are split over the ``p`` ranks of the model-parallel group
-(``TP x PP``; the pipeline ranks when ``TP = 1``): each rank holds ``V_i = V_pad / p`` rows (``V_pad``: the vocabulary padded to a multiple of
-``--make-vocab-size-divisible-by x TP x PP``, as ``pretrain_gpt_zb.py --enable-vocab-parallel`` pads
+(``TP x PP``; the pipeline ranks when ``TP = 1``): each rank holds ``V_i = V_pad / p`` rows, rounded up (``V_pad``: the vocabulary padded to a multiple of
+``--make-vocab-size-divisible-by x TP``, as Megatron-LM and ``pretrain_gpt_zb.py --enable-vocab-parallel`` pad
 it) and runs its slice's passes ``IF``, ``S``, ``T``, ``IB`` for every microbatch. Their kernels are
 counted as :mod:`.flops` counts the output layer and the embedding of the last / first stage without
 vocabulary parallelism (the same :class:`~.flops._Kernels` roofline, the same cross-entropy bytes per
@@ -82,8 +82,9 @@ def output_layer_in_layers(*, vocab_size: int, hidden_size: int, seq_length: int
 
 
 def vocab_padded_size(model: PlanModel, par: PlanLayout) -> int:
-    """``V_pad``: the vocabulary padded to a multiple of ``--make-vocab-size-divisible-by x TP x PP``."""
-    return model.padded_vocab_size(par.tp * par.pp)
+    """``V_pad``: the vocabulary padded as Megatron-LM pads it, with or without ``--enable-vocab-parallel``
+    (:func:`.model.vocab_padding_multiple`)."""
+    return model.padded_vocab_size(par.tp)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class VocabPassCosts:
 
     Attributes:
         padded_vocab: ``V_pad``, rows over all ranks.
-        rows: ``V_i = V_pad / (TP x PP)``, rows per rank.
+        rows: ``V_i = ceil(V_pad / (TP x PP))``, rows of the largest slice.
         if_, s, t, ib: the passes (:class:`~.flops.PassCost`; ``time_ms`` in ms, ``flops``, bytes).
         t_weight: the part of ``t`` that is the weight-gradient GEMM (included in ``t``).
         collective_bytes: bytes of the largest collective (``e T h``).
@@ -127,7 +128,7 @@ def vocab_pass_costs(model: PlanModel, par: PlanLayout, hw: Hardware, *, variant
     p = par.pp * par.tp  # slices: pp_rank x TP + tp_rank
     T = float(model.seq_length * model.micro_batch_size)
     v_pad = vocab_padded_size(model, par)
-    rows = v_pad // p
+    rows = -(-v_pad // p)  # the largest slice (VocabSlice: the first V_pad mod p slices hold one row more)
     n = T * rows  # logits of the slice
     cast = e + 4 if e < 4 else 0
     passes = {}

@@ -101,6 +101,14 @@ must agree between the saved and the loading model; stored under the checkpoint'
 _before_tracker_hook: Callable[[int], None] | None = None
 
 
+def _vocab_fix(saved: int, config: Any) -> str:
+    """How this run (a :class:`~megatron_zb.training.run_config.RunConfig`) loads a checkpoint of
+    ``saved`` embedding rows (:func:`~megatron_zb.planning.model.padded_vocab_fix`)."""
+    from megatron_zb.planning.model import padded_vocab_fix
+
+    return padded_vocab_fix(saved, tp=config.parallel.tensor_model_parallel_size)
+
+
 def set_before_tracker_hook(hook: Callable[[int], None] | None) -> None:
     """Install ``hook`` in this process, for fault injection (tests only; ``None``, the default, removes
     it): :func:`save_checkpoint` calls ``hook(iteration)`` on every rank once the checkpoint's files are
@@ -391,6 +399,7 @@ def load_checkpoint(root: str, *, chunks: Sequence[Any], optimizer: Any, schedul
     common = dist_checkpointing.load_common_state_dict(path)
     saved = common.get("args", {})
     diff = [f"--{k.replace('_', '-')}: checkpoint {saved[k]}, this run {getattr(config.model, k)}"
+            + (f" ({_vocab_fix(saved[k], config)})" if k == "padded_vocab_size" else "")
             for k in SHAPE_ARGS if k in saved and saved[k] != getattr(config.model, k)]
     if diff:
         raise CheckpointError(f"checkpoint {path} holds a different model: " + "; ".join(diff))

@@ -147,6 +147,6 @@ def _strip_vocab_layers(config: RunConfig, chunks: Sequence[GPTChunk], tc: Any) 
                                  tied=not config.model.untie_embeddings_and_output_weights,
                                  seed=config.seed, init_method=tc.embedding_init_method,
                                  output_init_method=tc.init_method, params_dtype=tc.params_dtype)
-    print_rank_0(f"> vocabulary parallelism: {slices.vocab.num_slices} slices of {slices.vocab.size} rows "
+    print_rank_0(f"> vocabulary parallelism: {slices.vocab.describe()} "
                  f"(padded vocabulary {slices.vocab.padded_size}){', tied' if slices.tied else ''}")
     return slices

@@ -1,5 +1,5 @@
-"""Public launch scripts -- NVIDIA's Megatron-LM examples and the zero-bubble fork's -- scaled to
-CPU, for runs of Megatron-LM's loop and of ``pretrain_gpt_zb.py`` (tests).
+"""Public launch scripts -- NVIDIA's Megatron-LM examples, the zero-bubble fork's and
+VocabularyParallelism's -- scaled to CPU, for runs of Megatron-LM's loop and of ``pretrain_gpt_zb.py`` (tests).
 
 Test code, not the product's run path. Each :class:`ExampleScript` holds the ``pretrain_gpt.py``
 arguments of one launch script of Megatron-LM core_v0.16.1 (``examples/...``), flag for flag as the
@@ -26,8 +26,8 @@ from pathlib import Path
 
 from harness.megatron_lm import CPU_FLAGS
 
-__all__ = ["ExampleScript", "GPT3_175B", "LLAMA3_8B", "LLAMA3_8B_FP8", "MIXTRAL_8X7B", "PATH_FLAGS", "ZB_FORK",
-           "ZB_FORK_ZERO_BUBBLE"]
+__all__ = ["ExampleScript", "GPT3_175B", "LLAMA3_8B", "LLAMA3_8B_FP8", "MIXTRAL_8X7B", "PATH_FLAGS", "VP_GPT",
+           "VP_VOCAB_PARALLEL", "ZB_FORK", "ZB_FORK_V_SCHEDULE", "ZB_FORK_ZERO_BUBBLE", "ZB_OFFLOAD", "ZB_OFFLOAD_REFUSED"]
 
 PATH_FLAGS = ("--save", "--load", "--tensorboard-dir", "--data-cache-path")
 """Flags whose value is a path: set under the run's folder."""
@@ -253,3 +253,91 @@ ZB_FORK_ZERO_BUBBLE = ("--enable-zero-bubble", "--zero-bubble-pipeline-timers-st
                        "--enable-optimizer-post-validation")
 """What the fork's script adds with ``ENABLE_ZERO_BUBBLE=1`` (timers 100/110 -> 2/4 for 6 iterations;
 memory limit ``2 * PIPELINE_SIZE``; post-validation because it runs fp16)."""
+
+ZB_FORK_V_SCHEDULE = ("--zero-bubble-v-schedule", *ZB_FORK_ZERO_BUBBLE)
+"""What the fork's script adds with ``ZERO_BUBBLE_V_SCHEDULE=1``: ``--zero-bubble-v-schedule``, then (the
+script sets ``ENABLE_ZERO_BUBBLE=1``) :data:`ZB_FORK_ZERO_BUBBLE`, in the script's order."""
+
+_OFFLOAD_ANSWERED = ("refused by name by pretrain_gpt_zb.py (training/arguments/fork_flags.py; "
+                     "tests/training/test_launch_scripts.py::test_offload_script_is_refused_naming_its_offload_flags)")
+
+ZB_OFFLOAD = ExampleScript(
+    source="sail-sg/zero-bubble-pipeline-parallelism examples/pretrain_offload.sh at 39f2c186 (its defaults on one "
+           "node of 2 GPUs: PIPELINE_SIZE=2, LAYERS=3*2-2=4, GLOBAL_BATCH_SIZE=2*2*1=4, HIDDEN_SIZE=4096, "
+           "FFN_HIDDEN_SIZE=16384, ATTENTION_HEADS=32, GQA=8, TP_SIZE=1, SEQ_LENGTH=8192, TRAIN_SAMPLES and "
+           "LR_DECAY_SAMPLES as its arithmetic gives; FP32 unset -> --fp16; INTERLEAVED_1F1B unset -> "
+           "--no-pre-communication-optimization; OFFLOAD=1 -> --cpu-offload; its zero-bubble flags with "
+           "ENABLE_ZERO_BUBBLE=1 are ZB_FORK_ZERO_BUBBLE's, scaled alike)",
+    flags=_pairs(
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+        "--hidden-size", "4096", "--ffn-hidden-size", "16384", "--num-attention-heads", "32",
+        "--group-query-attention", "--num-query-groups", "8", "--exit-interval", "20", "--seq-length", "8192",
+        "--max-position-embeddings", "8192", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--train-samples", "18310546", "--lr-decay-samples", "15869140", "--lr-warmup-samples", "183105",
+        "--lr", "6.0e-5", "--min-lr", "6.0e-6", "--lr-decay-style", "cosine", "--log-interval", "10",
+        "--eval-iters", "40", "--eval-interval", "10000", "--data-path", "data",
+        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", "tokenizer.model", "--split", "98,2,0",
+        "--clip-grad", "8.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--no-barrier-with-level-1-timing", "--profile-step-start", "3",
+        "--profile-step-end", "6", "--transformer-impl", "local", "--use-legacy-models", "--use-flash-attn",
+        "--no-bias-dropout-fusion", "--no-create-attention-mask-in-dataloader", "--untie-embeddings-and-output-weights",
+        "--allow-padding-num-layers", "--initial-loss-scale", "65536", "--sequence-parallel", "--recompute-lgd",
+        "--measure-activation-memory", "--use-tp-pp-dp-mapping", "--offload-continuous-buffers",
+        "--profile-ranks", "0 1", "--fp16", "--no-pre-communication-optimization", "--cpu-offload"),
+    sizes={"--hidden-size": "64", "--ffn-hidden-size": "256", "--num-attention-heads": "4",
+           "--num-query-groups": "2", "--seq-length": "32", "--max-position-embeddings": "32",
+           "--train-samples": "24", "--lr-decay-samples": "20", "--lr-warmup-samples": "4", "--log-interval": "1",
+           "--eval-iters": "1", "--profile-step-start": "2", "--profile-step-end": "3",
+           "--tokenizer-type": "NullTokenizer", "--vocab-size": "255", "--mock-data": None},
+    dropped={"--data-path": _MOCK_DATA, "--tokenizer-model": _MOCK_DATA},
+    world_size=2,
+    pretrain_dropped={"--recompute-lgd": _OFFLOAD_ANSWERED, "--use-tp-pp-dp-mapping": _OFFLOAD_ANSWERED,
+                      "--offload-continuous-buffers": _OFFLOAD_ANSWERED, "--cpu-offload": _OFFLOAD_ANSWERED},
+)
+"""The fork's PipeOffload script (``OFFLOAD=1``): 6 iterations of 4 samples, PP=2 (4 layers, as its
+defaults), world 2. Its flags pretrain_gpt_zb.py refuses -- PipeOffload's ``--cpu-offload``,
+``--offload-continuous-buffers`` and ``--recompute-lgd``, and the rank order ``--use-tp-pp-dp-mapping`` it
+runs with -- are :data:`ZB_OFFLOAD_REFUSED`, dropped for pretrain_gpt_zb.py's run."""
+
+ZB_OFFLOAD_REFUSED = ("--recompute-lgd", "--use-tp-pp-dp-mapping", "--offload-continuous-buffers", "--cpu-offload")
+""":data:`ZB_OFFLOAD`'s flags that pretrain_gpt_zb.py refuses, in the script's order."""
+
+VP_GPT = ExampleScript(
+    source="sail-sg/VocabularyParallelism pretrain_gpt.sh at 6191c3bf (its defaults on one node of 2 GPUs: "
+           "VOCAB_SIZE=256k, PIPELINE_SIZE=2, LAYERS=4*2=8, GLOBAL_BATCH_SIZE=2*3*1=6, HIDDEN_SIZE=4096, "
+           "ATTENTION_HEADS=32, TP_SIZE=1, SEQ_LENGTH=2048, IMM_SIZE=4*4096; FP32 unset -> --fp16; its "
+           "VOCAB_PARALLEL=1 flag is VP_VOCAB_PARALLEL)",
+    flags=_pairs(
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--num-layers", "8",
+        "--hidden-size", "4096", "--ffn-hidden-size", "16384", "--num-attention-heads", "32",
+        "--exit-interval", "30", "--seq-length", "2048", "--max-position-embeddings", "2048",
+        "--micro-batch-size", "1", "--global-batch-size", "6", "--train-samples", "146484375",
+        "--lr-decay-samples", "126953125", "--lr-warmup-samples", "183105", "--lr", "6.0e-5", "--min-lr", "6.0e-6",
+        "--lr-decay-style", "cosine", "--log-interval", "10", "--eval-iters", "40", "--eval-interval", "10000",
+        "--data-path", "data", "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+        "tokenizer.model", "--split", "98,2,0", "--clip-grad", "8.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+        "--adam-beta2", "0.95", "--init-method-std", "0.006", "--no-barrier-with-level-1-timing",
+        "--profile-step-start", "7", "--profile-step-end", "8", "--profile-ranks", "0 1",
+        "--schedule-timer-start", "10", "--schedule-timer-end", "20", "--use-flash-attn", "--sequence-parallel",
+        "--untie-embeddings-and-output-weights", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--use-cpu-initialization", "--use-distributed-optimizer", "--initial-loss-scale", "65536",
+        "--no-create-attention-mask-in-dataloader", "--fp16"),
+    sizes={"--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "256", "--num-attention-heads": "4",
+           "--seq-length": "32", "--max-position-embeddings": "32", "--train-samples": "24",
+           "--lr-decay-samples": "20", "--lr-warmup-samples": "6", "--log-interval": "1", "--eval-iters": "1",
+           "--profile-step-start": "2", "--profile-step-end": "3", "--tokenizer-type": "NullTokenizer",
+           "--vocab-size": "255", "--mock-data": None},
+    dropped={"--data-path": _MOCK_DATA, "--tokenizer-model": _MOCK_DATA},
+    world_size=2,
+    pretrain_dropped={
+        "--schedule-timer-start": "VocabularyParallelism's profiling window, refused by name by pretrain_gpt_zb.py "
+                                  "(its window is --zero-bubble-pipeline-timers-start-iter, default 2)",
+        "--schedule-timer-end": "VocabularyParallelism's profiling window, refused by name by pretrain_gpt_zb.py "
+                                "(its window is --zero-bubble-pipeline-timers-end-iter, default 4)"},
+)
+"""VocabularyParallelism's script: 4 iterations of 6 samples (3 micro batches of 1), PP=2, world 2,
+fp16, untied, no dropout, the distributed optimizer; 256 ids (255 and the NullTokenizer's EOD), 256 rows."""
+
+VP_VOCAB_PARALLEL = ("--enable-vocab-parallel",)
+"""What VocabularyParallelism's script adds with ``VOCAB_PARALLEL=1`` (``INTERLACED_SCHEDULE`` and ``FB_SPLIT``
+unset): on pretrain_gpt_zb.py, 1F1B's Vocab-2 form ``1f1b-vocab-2`` (one barrier, as the script's default)."""

@@ -77,7 +77,7 @@ def _rank_against_megatron_tp() -> dict:
     init_parallel_state(tensor_model_parallel_size=n)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     group = dist.new_group(list(range(n)))  # the slices' pipeline group: same ranks, its own communicator
-    padded = padded_vocab_size(VOCAB, num_slices=n, divisible_by=DIVISIBLE_BY)
+    padded = padded_vocab_size(VOCAB, divisible_by=DIVISIBLE_BY)
     vocab = VocabSlice.of_group(padded, group)
     assert (vocab.start, vocab.end) == (dist.get_rank() * padded // n, (dist.get_rank() + 1) * padded // n)
     tokens, target, x, g_emb, g_loss, full = _data(padded)
@@ -151,7 +151,7 @@ def _rank_against_unsharded(tp: int) -> dict:
     init_parallel_state(tensor_model_parallel_size=tp, pipeline_model_parallel_size=world // tp)
     group = (parallel_state.get_model_parallel_group() if tp > 1
              else parallel_state.get_pipeline_model_parallel_group())
-    padded = padded_vocab_size(VOCAB, num_slices=world, divisible_by=DIVISIBLE_BY)
+    padded = padded_vocab_size(VOCAB, divisible_by=DIVISIBLE_BY)
     tokens, target, x, g_emb, g_loss, _ = _data(padded)
     init = lambda t: torch.nn.init.normal_(t, mean=0.0, std=STD)  # noqa: E731
     untied = vp.VocabParallelSlices(padded_size=padded, hidden_size=HIDDEN, group=group, tied=False, seed=SEED,
@@ -203,7 +203,7 @@ def _rank_against_unsharded(tp: int) -> dict:
 @pytest.mark.parametrize("tp,world_size", [(1, 2), (1, 4), (2, 4)], ids=["pp2", "pp4", "tp2xpp2"])
 def test_against_unsharded_pytorch_and_equal_parameter_bytes(tp, world_size):
     results = run_distributed(_rank_against_unsharded, world_size=world_size, kwargs=dict(tp=tp), timeout=120)
-    padded = padded_vocab_size(VOCAB, num_slices=world_size, divisible_by=DIVISIBLE_BY)
+    padded = padded_vocab_size(VOCAB, divisible_by=DIVISIBLE_BY)
     for rank, r in enumerate(results):
         assert r["slice_index_ok"] and r["init_ok"], f"rank {rank}: {r}"
         for name in ("exact", "vocab2", "vocab1", "tied_vocab1"):
@@ -215,13 +215,20 @@ def test_against_unsharded_pytorch_and_equal_parameter_bytes(tp, world_size):
 
 # ---------------------------------------------------------------------- pure
 def test_padding_and_slices():
-    assert padded_vocab_size(1000, num_slices=4, divisible_by=8) == 1024
-    assert padded_vocab_size(128256, num_slices=8, divisible_by=128) == 129024
-    assert padded_vocab_size(1024, num_slices=4, divisible_by=8) == 1024
+    # Megatron-LM's rows, a multiple of divisible_by x TP, whatever the slices
+    assert padded_vocab_size(1000, divisible_by=8) == 1000
+    assert padded_vocab_size(128256, divisible_by=128) == 128256
+    assert padded_vocab_size(1001, divisible_by=8, tp=2) == 1008
+    assert padded_vocab_size(8200, divisible_by=128) == 8320  # not 256 x 33 = 8448 at PP=2 (before issue 41)
     sl = VocabSlice(padded_size=1024, index=3, num_slices=4)
     assert (sl.start, sl.end, sl.size) == (768, 1024, 256)
-    with pytest.raises(ValueError, match="equal slices"):
-        VocabSlice(padded_size=1000, index=0, num_slices=3)
+    # uneven: 1000 rows in 3 slices of 334, 333, 333, contiguous
+    thirds = [VocabSlice(padded_size=1000, index=i, num_slices=3) for i in range(3)]
+    assert [(v.start, v.end, v.size) for v in thirds] == [(0, 334, 334), (334, 667, 333), (667, 1000, 333)]
+    assert not thirds[0].even and sl.even
+    assert thirds[1].describe() == "3 slices of 334 or 333 rows" and sl.describe() == "4 slices of 256 rows"
+    with pytest.raises(ValueError, match="cannot give each of 3 slices a row"):
+        VocabSlice(padded_size=2, index=0, num_slices=3)
     with pytest.raises(ValueError, match="needs exact=False"):
         output_s(torch.zeros(1, 1, 2), torch.zeros(4, 2), torch.zeros(1, 1, dtype=torch.long), sl, exact=True,
                  fuse_input_grad=True)

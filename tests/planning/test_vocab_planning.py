@@ -4,7 +4,7 @@ Every expected number is written out here by hand from the model's sizes (FLOPs,
 parameters), never taken from the code under test. Pure Python, no process group.
 
 The model: 2 layers, hidden 64, 4 heads, seq 32, micro batch 1, vocabulary 1000 (padded to 1024:
-a multiple of 128 without vocabulary parallelism, of 128 x PP = 256 with it; slices of 512 rows at
+a multiple of 128 with and without vocabulary parallelism; slices of 512 rows at
 PP=2), fp32. The hardware: 1e6 FLOP/ms (0.001 TFLOP/s, mfu 1), 1e9 bytes/ms (1000 GB/s, efficiency
 1), so every GEMM here is compute bound and every element-wise kernel takes bytes / 1e9 ms.
 """

@@ -248,7 +248,7 @@ TRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--pipeline-model-parallel-size", "2",
          "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
 """A PP=2 run whose padded vocabulary (101 ids -> 128) is the same with and without vocabulary parallelism
-(padding by 64 x TP x PP = 128 and by 64 x TP = 64 both give 128): the same model either way. Dropout
+(padded by 64 x TP either way, docs/vocab_parallel.md "Slices"): the same model either way. Dropout
 off (not Megatron-LM's default): on the V each rank builds other layers, and megatron-core draws each
 rank's dropout masks from its own stream in execution order, so the V's masks are not 1F1B's (as in
 docs/megatron_lm.md's V section); every case uses the same flags, so all compare the same model."""
@@ -340,7 +340,7 @@ def test_pretrain_enable_vocab_parallel_with_tensor_parallelism(tmp_path, sp):
     """``--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --enable-vocab-parallel --schedule
     zb-h1-vocab-1`` (tied; 4 processes; the slices over the model-parallel group: 4 slices of 32 rows), without
     and with ``--sequence-parallel``, against ``--use-megatron-core-schedule`` with TP=2 (and the same
-    ``--sequence-parallel``) on the same model (101 ids padded to 128 both ways: by 32 x TP x PP and by 32 x TP):
+    ``--sequence-parallel``) on the same model (101 ids padded to 128 both ways, by 32 x TP):
     the logged loss and grad norm of 3 iterations and the validation loss within a relative 1e-5."""
     from harness.trainer_run import in_process
 

@@ -165,3 +165,19 @@ def test_the_docs_answer_every_fork_flag():
     section = doc.split("## Moving from the zero-bubble fork", 1)[1].split("\n## ", 1)[0]
     missing = [name for name in FORK_FLAGS if f"`{name}`" not in section]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("sizes,rows", [
+    ("--vocab-size 8199", 8320),  # 8200 ids: Megatron-LM's 128 x 65 (before issue 41 the flag gave 256 x 33 = 8448)
+    ("--vocab-size 8199 --tensor-model-parallel-size 2", 8448),  # 256 x 33 either way (4 slices of 2112)
+    ("--vocab-size 1004 --make-vocab-size-divisible-by 5", 1005),  # 201 x 5: 2 slices of 503 and 502
+])
+def test_vocab_parallel_pads_as_megatron_lm(sizes, rows):
+    """docs/vocab_parallel.md "Slices": the flag's padding is Megatron-LM's (``--make-vocab-size-divisible-by
+    x TP``) whatever the vocabulary size; the slices split it as evenly as it goes."""
+    world = 4 if "--tensor-model-parallel-size 2" in sizes else 2
+    extra = f"--tokenizer-type NullTokenizer {sizes}"
+    without = pretrain.parse_command_line(shlex.split(f"{BASE} {extra}"), world_size=world).args
+    with_flag = pretrain.parse_command_line(shlex.split(f"{BASE} {extra} --enable-vocab-parallel"),
+                                            world_size=world).args
+    assert (without.padded_vocab_size, with_flag.padded_vocab_size) == (rows, rows)

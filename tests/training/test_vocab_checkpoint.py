@@ -27,8 +27,8 @@ ARGV = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--mock-data", "--num-workers", "0", "--log-interval", "1",
         "--eval-iters", "0", "--distributed-backend", "gloo", "--pipeline-model-parallel-size", "2",
         "--pipeline-timeout-seconds", "60", "--distributed-timeout-minutes", "2"]
-"""The padded vocabulary (101 ids -> 128) is the same with and without the flag (64 x TP x PP = 128 and
-64 x TP = 64 both give 128), so the checkpoint's matrices fit a run without it."""
+"""The padded vocabulary (101 ids -> 128) is the same with and without the flag (64 x TP = 64, which
+TP x PP = 2 divides), so the checkpoint's matrices fit a run without it."""
 VOCAB = ["--enable-vocab-parallel", "--schedule", "zb-h1-vocab-1"]
 DISTOPT = ["--use-distributed-optimizer"]
 
@@ -110,3 +110,68 @@ def test_distributed_optimizer_state_across_the_flag_is_refused():
         check_optimizer_format(common(True), distributed=True, layout=(2, 1, 2), path="c", vocab_parallel=False)
     with pytest.raises(CheckpointError, match="a run without --enable-vocab-parallel"):
         check_optimizer_format(common(None), distributed=True, layout=(2, 1, 2), path="c", vocab_parallel=True)
+
+
+ACROSS = list(ARGV)
+ACROSS[ACROSS.index("--make-vocab-size-divisible-by") + 1] = "5"
+ACROSS[ACROSS.index("--vocab-size") + 1] = "1004"
+"""PP=2 x DP=1 (2 processes), 1005 ids (1004 and the NullTokenizer's EOD), ``--make-vocab-size-divisible-by 5``:
+1005 rows with and without the flag (Megatron-LM's 5 x TP), which neither 5 x TP x PP = 10 nor 128 x TP x PP
+divides -- the flag's two slices hold 503 and 502 rows (before issue 41 it padded to 1010 rows: another model)."""
+
+
+def test_checkpoint_continues_across_the_flag_with_a_vocabulary_not_dividing_tp_pp(tmp_path):
+    """Three runs at PP=2, tied, of the model above (and one refused):
+
+    * ``plain``: without the flag (``--schedule zb-h1``), 4 iterations uninterrupted, checkpoint at 2;
+    * the flag with the old rule's padding (``--make-vocab-size-divisible-by 10``: 1010 rows) is refused at
+      the load, the line naming the conversion (``--make-vocab-size-divisible-by 1005``);
+    * ``flagged``: ``--enable-vocab-parallel --schedule zb-h1-vocab-1`` continuing ``plain``'s checkpoint of
+      iteration 2 (slices of 503 and 502 rows, saved as megatron-core's uneven shards of the 1005-row
+      matrix): iterations 3-4 within a relative 1e-5 of ``plain``'s;
+    * ``back``: without the flag again, continuing ``flagged``'s checkpoint of iteration 3: iteration 4
+      within a relative 1e-5 of ``plain``'s (and of ``flagged``'s).
+
+    1e-5 is docs/vocab_parallel.md's tolerance between the flag's run and megatron-core's schedule: the
+    vocabulary-parallel softmax sums its slices in another order (loss, grad norm; the learning rate equal).
+    Every run logs the 1005 padded rows. No row beyond them exists, so none needs masking. Measured (0.16.1):
+    losses within 1.7e-8, grad norms and learning rates equal.
+    """
+    from harness.trainer_run import in_process
+
+    plain = in_process(tmp_path, "plain", 2, ACROSS + ["--schedule", "zb-h1", "--save", str(tmp_path / "p"),
+                                                     "--save-interval", "2"])
+    with pytest.raises(Exception, match=r"--padded-vocab-size: checkpoint 1005, this run 1010 \(pass "
+                                        r"--make-vocab-size-divisible-by 1005 to pad this run to the checkpoint's "
+                                        r"1005 rows\)"):
+        in_process(tmp_path, "old_rule", 2, ACROSS + VOCAB + ["--make-vocab-size-divisible-by", "10",
+                                                             "--load", str(_at(tmp_path / "p", 2, tmp_path / "p2o"))])
+    flagged = in_process(tmp_path, "flagged", 2, ACROSS + VOCAB + [
+        "--load", str(_at(tmp_path / "p", 2, tmp_path / "p2")), "--save", str(tmp_path / "f"), "--save-interval", "3"])
+    back = in_process(tmp_path, "back", 2, ACROSS + ["--schedule", "zb-h1",
+                                                    "--load", str(_at(tmp_path / "f", 3, tmp_path / "f3"))])
+    for run in (plain, flagged, back):
+        assert "vocabulary 1005 (padded)" in run["log"], run["log"][:2000]
+    assert "vocabulary parallelism: 2 slices of 503 or 502 rows (padded vocabulary 1005)" in flagged["log"]
+    assert "vocabulary parallelism" not in back["log"]
+    assert "at iteration 2" in flagged["log"] and "at iteration 3" in back["log"]
+    assert [t[0] for t in _train(plain)] == list(range(1, N + 1))
+    _close(_train(flagged), _train(plain)[2:], rel=1e-5, what="continued with --enable-vocab-parallel")
+    _close(_train(back), _train(plain)[3:], rel=1e-5, what="continued without it again")
+    _close(_train(back), _train(flagged)[1:], rel=1e-5, what="against the flag's own iteration")
+
+
+def test_a_checkpoint_of_other_padding_is_refused_naming_the_conversion():
+    """The refusal's clause (``--padded-vocab-size: checkpoint P, this run Q (...)``): the
+    ``--make-vocab-size-divisible-by`` that pads this run to the checkpoint's rows, or, where this run's
+    TP does not divide them, the tensor-parallel size to use."""
+    from megatron_zb.planning.model import padded_vocab_fix
+
+    # a flagged checkpoint padded by the old rule (128 x TP x PP = 256): 8448 rows for 8200 ids
+    assert padded_vocab_fix(8448, tp=1) == \
+        "pass --make-vocab-size-divisible-by 8448 to pad this run to the checkpoint's 8448 rows"
+    assert padded_vocab_fix(8448, tp=2) == \
+        "pass --make-vocab-size-divisible-by 4224 to pad this run to the checkpoint's 8448 rows"
+    assert padded_vocab_fix(1005, tp=2) == ("the checkpoint's 1005 rows do not split over this run's 2 "
+                                            "tensor-parallel ranks: load it at a --tensor-model-parallel-size "
+                                            "that divides 1005")
