@@ -41,6 +41,12 @@ class DPReduceModel:
         latency: fixed time per bucket collective (time unit of the costs).
         overlap: ``True``: a bucket is reduced as soon as it is ready (``--overlap-grad-reduce``);
             ``False``: a rank's buckets are reduced after its last compute action.
+        wgrad_group: ``None``: the gradients of the whole iteration accumulate and each bucket is
+            reduced once, during the stage's last weight-gradient action. ``k``: sharded gradients
+            (ZeRO-2): a stage's ``W``'s run in groups of ``k`` micro batches, layer-major (the
+            schedule's groups: :func:`~.wgrad_groups.group_wgrads`), and each bucket is reduce-scattered
+            once per group, ready as the group reaches its layers -- ``ceil(m / k)`` collectives per
+            bucket (``bandwidth`` is then the reduce-scatter's). Needs ``overlap``.
     """
 
     stage_bytes: PerStage
@@ -48,6 +54,7 @@ class DPReduceModel:
     bandwidth: float
     latency: float = 0.0
     overlap: bool = True
+    wgrad_group: int | None = None
 
     def resolve(self, num_stages: int) -> "DPReduceModel":
         """Check the values; the same model with one byte count per stage."""
@@ -63,6 +70,9 @@ class DPReduceModel:
         for name, v, positive in checks:
             if not math.isfinite(v) or v < 0 or (positive and v == 0):
                 raise ScheduleError(f"dp_reduce.{name} is {v}; it must be finite and {'> 0' if positive else '>= 0'}")
+        if self.wgrad_group is not None and (self.wgrad_group < 1 or not self.overlap):
+            raise ScheduleError(f"dp_reduce.wgrad_group is {self.wgrad_group} with overlap={self.overlap}; it must be "
+                                f">= 1, and a group's buckets are reduce-scattered as they are ready (overlap=True)")
         return replace(self, stage_bytes=vals, bucket_bytes=buckets)
 
     def buckets(self, stage: int) -> list[float]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from .costs import CostModel, StageCosts
 from .ir import Schedule, ScheduleError, validate
 from .timing import Bucket, DeadlockError, Timeline, encode
+from .wgrad_groups import check_wgrad_groups
 
 __all__ = ["DeadlockError", "MemoryLimitError", "SimResult", "deadlocks", "simulate"]
 
@@ -130,7 +131,8 @@ def simulate(schedule: Schedule, costs: CostModel | StageCosts, *, enforce_memor
         check: validate the schedule first.
 
     Raises:
-        ScheduleError: the schedule is invalid (``check=True``).
+        ScheduleError: the schedule is invalid (``check=True``), or the costs' reduce is per weight-gradient
+            group (``dp_reduce.wgrad_group``) and the schedule's ``W``'s are not grouped so.
         DeadlockError: no rank can proceed; the message lists each rank's blocked action.
         MemoryLimitError: a rank exceeds the memory limit (``enforce_memory=True``).
     """
@@ -140,6 +142,8 @@ def simulate(schedule: Schedule, costs: CostModel | StageCosts, *, enforce_memor
     sc = costs.resolve(sched.num_stages) if isinstance(costs, CostModel) else costs
     if len(sc.t_f) != sched.num_stages:
         raise ScheduleError(f"costs are resolved for {len(sc.t_f)} stages, schedule has {sched.num_stages}")
+    if sc.dp_reduce is not None and sc.dp_reduce.wgrad_group is not None:
+        check_wgrad_groups(sched, sc.dp_reduce.wgrad_group)  # the reduce per group times groups back to back
     timeline = Timeline(sched.stage_to_rank, sched.num_microbatches, sc, num_ranks=sched.num_ranks,
                         vocab_barriers=sched.vocab_barriers)
     orders = [[encode(a) for a in acts] for acts in sched.ranks]

@@ -309,17 +309,25 @@ class Timeline:
 
     def _reduce_runner(self, run: Callable[[int, int, int, int, float], float],
                        buckets: list[list[tuple[float, float]]]) -> Callable[[int, int, int, int, float], float]:
-        """:attr:`run` that also readies a stage's buckets during its last weight-gradient action;
-        ``buckets[stage]`` = ``(fraction of the stage's bytes done, reduce time)`` per bucket."""
+        """:attr:`run` that also readies a stage's buckets during its last weight-gradient action --
+        with ``dp_reduce.wgrad_group = k``, during the last of each group of ``k`` (the group's actions
+        back to back, layer-major: a bucket is ready once the group has computed its layers, at its
+        fraction of the group's time from the group's start); ``buckets[stage]`` = ``(fraction of the
+        stage's bytes done, reduce time)`` per bucket."""
         left, pending, free, action_time = self._w_left, self.reduce_ready, self.reduce_free, self.action_time
+        m, group = self.num_microbatches, self.dp_reduce.wgrad_group
+        k = group or m  # None: one group of the whole iteration, but not layer-major: ready in its last W
 
         def run_dp(rank: int, op: int, mb: int, stage: int, ready: float) -> float:
             start = run(rank, op, mb, stage, ready)
             if op == W_CODE or op == BW_CODE:
                 left[stage] -= 1
-                if left[stage] == 0:
+                done_w = m - left[stage]
+                if left[stage] == 0 or done_w % k == 0:
                     d = action_time(op, mb, stage)
-                    new = [(stage, start + d * done, took) for done, took in buckets[stage]]
+                    span = d if group is None else d * (done_w - (done_w - 1) // k * k)  # the group's W's, back to back
+                    begin = start + d - span
+                    new = [(stage, begin + span * done, took) for done, took in buckets[stage]]
                     pending[rank] += new
                     if new:
                         free[rank] = drain(new, free[rank])[-1][3]
