@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 __all__ = ["WGRAD_IN_B", "OneRankEmbeddingGPTModel", "SeededMTPLayer", "check_mtp_placement", "mtp_block_spec",
-           "mtp_on_first_rank", "no_virtual_stages", "share_word_embedding", "tie_mtp_stage"]
+           "inner_layer_name", "mtp_on_first_rank", "no_virtual_stages", "share_word_embedding", "tie_mtp_stage"]
 
 WGRAD_IN_B = "zb_wgrad_in_b"
 """A weight with this attribute set has its weight gradient computed in B by megatron-core's own
@@ -58,6 +58,9 @@ class SeededMTPLayer(_mtp_layer_class()):  # type: ignore[misc]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_seed(init_seed, "mtp_layer", layer_number - 1))
             super().__init__(config, submodules, layer_number, *args, **kwargs)
+        reseed = getattr(getattr(self, inner_layer_name(self.submodules)), "reseed", None)  # e.g. experts (MoE)
+        if reseed is not None and config.perform_initialization:
+            reseed(init_seed, "mtp_layer", layer_number - 1)
 
 
 def check_mtp_placement(plans: Sequence[Any], mtp_num_layers: int | None) -> None:
@@ -136,26 +139,46 @@ def no_virtual_stages() -> Iterator[None]:
 def mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec, *, seed: int) -> Any:
     """The MTP block spec of the chunk whose config is ``config`` (``None`` when it builds no MTP
     layer): megatron-core's ``get_gpt_mtp_block_spec`` of the decoder's layer spec ``layer_spec``
-    (local implementation), each layer a :class:`SeededMTPLayer` drawn from ``seed``."""
+    (local implementation), each layer a :class:`SeededMTPLayer` drawn from ``seed``. A decoder layer class
+    that picks its submodules per layer (e.g. MoE or dense MLP by ``--moe-layer-freq``) names the MTP's
+    transformer layer with a static ``mtp_inner_spec(layer_spec) -> ModuleSpec`` -- as megatron-core's, the
+    decoder's last layer's kind -- whose module may define ``reseed(seed, *key)``, called after the MTP layer
+    is built (``key``: ``("mtp_layer", depth)``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     base = copy.copy(layer_spec)
+    inner = None
     if isinstance(base.module, type) and issubclass(base.module, TransformerLayer):
+        inner_of = getattr(base.module, "mtp_inner_spec", None)
+        inner = inner_of(base) if inner_of is not None else None
+        if inner is not None:
+            base.submodules = inner.submodules
         base.module = TransformerLayer  # megatron-core asks for exactly TransformerLayer; the MTP layer seeds it
-        base.params = {k: v for k, v in base.params.items() if k != "init_seed"}
+        base.params = {}
     block = get_gpt_mtp_block_spec(config, base, use_transformer_engine=False)
     if block is None:
         return None
     block = copy.copy(block)
-    block.layer_specs = [_seeded(spec, seed) for spec in block.layer_specs]
+    block.layer_specs = [_seeded(spec, seed, inner) for spec in block.layer_specs]
     return block
 
 
-def _seeded(spec: ModuleSpec, seed: int) -> ModuleSpec:
+def _seeded(spec: ModuleSpec, seed: int, inner: ModuleSpec | None) -> ModuleSpec:
+    """``spec`` built as :class:`SeededMTPLayer` drawn from ``seed``; ``inner``: its transformer layer's spec
+    (the decoder layer class's ``mtp_inner_spec``; ``None``: megatron-core's)."""
     out = copy.copy(spec)
     out.module = SeededMTPLayer
     out.params = {**out.params, "init_seed": seed}
+    if inner is not None:
+        out.submodules = copy.copy(out.submodules)
+        setattr(out.submodules, inner_layer_name(out.submodules), inner)
     return out
+
+
+def inner_layer_name(submodules: Any) -> str:
+    """The name of an MTP layer's transformer layer, in its submodules and as its attribute: megatron-core
+    0.16's ``transformer_layer``, 0.19's ``mtp_model_layer`` (the submodules dataclass has the field)."""
+    return "mtp_model_layer" if hasattr(submodules, "mtp_model_layer") else "transformer_layer"
 
 
 def tie_mtp_stage(module: Any) -> None:
