@@ -105,6 +105,22 @@ class OneRankEmbeddingGPTModel(GPTModel):
             return None  # not duplicated on another stage
         return super().shared_embedding_or_output_weight()
 
+    def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> Any:
+        """megatron-core's, without the MTP stage's word-embedding copy: it has none (the first chunk saves the
+        one parameter), so the MTP chunk's state dict has no such key either."""
+        if not (self.mtp_process and not self.pre_process):
+            return super().sharded_state_dict(prefix, *args, **kwargs)
+        emb = self.embedding.word_embeddings
+        word = emb.__dict__.pop("weight")
+        emb.register_parameter("weight", word)  # for megatron-core's traversal only
+        try:
+            out = super().sharded_state_dict(prefix, *args, **kwargs)
+        finally:
+            del emb.weight
+            object.__setattr__(emb, "weight", word)
+        del out[f"{prefix}embedding.word_embeddings.weight"]
+        return out
+
 
 def share_word_embedding(module: Any, word: torch.nn.Parameter) -> None:
     """Make the MTP chunk ``module`` (a V's last stage, on rank 0) look its MTP tokens up in ``word``, the

@@ -31,7 +31,7 @@ def add_mtp_args(parser: argparse.ArgumentParser) -> None:
 
 def check_mtp(args: argparse.Namespace) -> None:
     """``--mtp-num-layers``: >= 1; the local implementation; no ``--save`` with learned absolute positions at
-    PP > 1 nor with a V schedule (needs ``schedule_placement``, ``transformer_impl``)."""
+    PP > 1 (needs ``schedule_placement``, ``transformer_impl``)."""
     n = args.mtp_num_layers
     if n is None:
         return
@@ -39,11 +39,6 @@ def check_mtp(args: argparse.Namespace) -> None:
         raise ArgumentError("--mtp-num-layers", f"must be >= 1 (or omitted for no MTP), got {n}")
     if args.mtp_loss_scaling_factor < 0:
         raise ArgumentError("--mtp-loss-scaling-factor", f"must be >= 0, got {args.mtp_loss_scaling_factor}")
-    if args.save and args.schedule_placement == "v" and args.pipeline_model_parallel_size > 1:
-        raise ArgumentError("--mtp-num-layers", f"with a V schedule ({args.schedule!r}) no checkpoint can be saved "
-                                                "yet: megatron-core's MTP stage saves its own word-embedding copy, "
-                                                "which the V replaces by the first stage's parameter; use a plain or "
-                                                "interleaved schedule, or drop --save")
     if args.save and args.position_embedding_type == "learned_absolute" and args.pipeline_model_parallel_size > 1:
         raise ArgumentError("--mtp-num-layers", "with learned absolute position embeddings at PP > 1 no checkpoint can "
                                                 "be saved: megatron-core keeps a second, unsynchronised copy of the "
