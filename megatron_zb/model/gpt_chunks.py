@@ -350,10 +350,8 @@ def _build_chunk(plan: ChunkPlan, built: Sequence[GPTChunk], common: dict[str, A
         raise ValueError("tied embeddings or MTP in a V-like placement: build the first stage together with "
                          "the last (they share the word-embedding parameter)")
     with no_virtual_stages() if plan.num_mtp_layers else contextlib.nullcontext():
-        if tied_on_one_rank and plan.post_process and not mtp_on_rank0:
-            return TiedHeadGPTModel(**common, **kwargs, tied_weight=built[0].module.embedding.word_embeddings.weight)
         module = cls(**common, **kwargs)
-    if tied_on_one_rank and plan.post_process:
+    if tied_on_one_rank and plan.post_process:  # as TiedHeadGPTModel
         tie_output_layer(module, built[0].module.embedding.word_embeddings.weight)
     return module
 
