@@ -19,6 +19,7 @@ from .common import ArgumentError
 
 __all__ = ["add_mtp_args", "check_mtp"]
 
+
 def add_mtp_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("multi-token prediction")
     g.add_argument("--mtp-num-layers", type=int, default=None,
@@ -31,7 +32,7 @@ def add_mtp_args(parser: argparse.ArgumentParser) -> None:
 
 def check_mtp(args: argparse.Namespace) -> None:
     """``--mtp-num-layers``: >= 1; the local implementation; no ``--save`` with learned absolute positions at
-    PP > 1 (needs ``schedule_placement``, ``transformer_impl``)."""
+    PP > 1 (needs ``transformer_impl``)."""
     n = args.mtp_num_layers
     if n is None:
         return
@@ -48,4 +49,3 @@ def check_mtp(args: argparse.Namespace) -> None:
     if args.transformer_impl == "transformer_engine":
         raise ArgumentError("--mtp-num-layers", "not verified with Transformer Engine's layers yet; use "
                                                 "--transformer-impl local, or drop --mtp-num-layers")
-
