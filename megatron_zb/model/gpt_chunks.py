@@ -50,7 +50,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_zb.megatron_compat import initialize_affine_weight_cpu, quiet_model_notices
-from megatron_zb.model.mtp import check_mtp_placement, mtp_block_spec, no_virtual_stages, tie_mtp_stage
+from megatron_zb.model.mtp import (OneRankEmbeddingGPTModel, check_mtp_placement, mtp_block_spec, mtp_on_first_rank,
+                                  no_virtual_stages, share_word_embedding, tie_mtp_stage)
 from megatron_zb.planning.layout import pipeline_split, split_layers  # layer-split rules live with the planner (no torch)
 
 __all__ = [
@@ -299,6 +300,7 @@ def build_gpt_chunks(
             raise ValueError(f"stages {bad} do not exist in a {len(plans)}-stage placement")
         wanted = [plans[s] for s in sorted(set(stages))]
     check_mtp_placement(plans, config.mtp_num_layers)
+    mtp_on_rank0 = mtp_on_first_rank(plans)
     tied = bool(gpt_kwargs.get("share_embeddings_and_output_weights", False))
     # V-like placements hold the first and the last stage on one rank: one parameter serves both.
     tied_on_one_rank = tied and len(plans) > 1 and plans[0].rank == plans[-1].rank
@@ -324,24 +326,34 @@ def build_gpt_chunks(
                       post_process=plan.post_process)
         if plan.num_mtp_layers:
             common["mtp_block_spec"] = mtp_block_spec(cfg, layer_spec if layer_spec is not None else spec, seed=seed)
-        if tied_on_one_rank and (plan.pre_process or plan.post_process):
-            kwargs = {**gpt_kwargs, "share_embeddings_and_output_weights": False}
-            if plan.post_process:
-                if not chunks or not chunks[0].plan.pre_process:
-                    raise ValueError("tied embeddings in a V-like placement: build the first stage together with "
-                                     "the last (they share the word-embedding parameter)")
-                word = chunks[0].module.embedding.word_embeddings.weight
-                module: GPTModel = TiedHeadGPTModel(**common, **kwargs, tied_weight=word)
-            else:
-                module = GPTModel(**common, **kwargs)
-        else:
-            with no_virtual_stages() if plan.num_mtp_layers else contextlib.nullcontext():
-                module = GPTModel(**common, **gpt_kwargs)
+        module = _build_chunk(plan, chunks, common, gpt_kwargs, tied_on_one_rank=tied_on_one_rank,
+                              mtp_on_rank0=mtp_on_rank0)
         if cfg.perform_initialization:
             _init_embedding_and_output(module, seed)
+        if mtp_on_rank0 and plan.num_mtp_layers:
+            share_word_embedding(module, chunks[0].module.embedding.word_embeddings.weight)
         tie_mtp_stage(module)
         chunks.append(GPTChunk(plan=plan, module=module))
     return chunks
+
+
+def _build_chunk(plan: ChunkPlan, built: Sequence[GPTChunk], common: dict[str, Any], gpt_kwargs: dict[str, Any], *,
+                 tied_on_one_rank: bool, mtp_on_rank0: bool) -> GPTModel:
+    """One chunk's ``GPTModel`` (``common``: its constructor's arguments but ``gpt_kwargs``). The first and the
+    last stage of a V-like placement (``tied_on_one_rank``: tied embeddings; ``mtp_on_rank0``: MTP layers) are
+    built untied, then share the first stage's word-embedding parameter (``built``: the rank's chunks so far,
+    which must start with the first stage)."""
+    ends = plan.pre_process or plan.post_process
+    cls = OneRankEmbeddingGPTModel if mtp_on_rank0 and ends else GPTModel
+    kwargs = {**gpt_kwargs, "share_embeddings_and_output_weights": False} if tied_on_one_rank and ends else gpt_kwargs
+    if plan.post_process and (tied_on_one_rank or mtp_on_rank0) and (not built or not built[0].plan.pre_process):
+        raise ValueError("tied embeddings or MTP in a V-like placement: build the first stage together with "
+                         "the last (they share the word-embedding parameter)")
+    with no_virtual_stages() if plan.num_mtp_layers else contextlib.nullcontext():
+        module = cls(**common, **kwargs)
+    if tied_on_one_rank and plan.post_process:  # as TiedHeadGPTModel
+        tie_output_layer(module, built[0].module.embedding.word_embeddings.weight)
+    return module
 
 
 class TiedHeadGPTModel(GPTModel):

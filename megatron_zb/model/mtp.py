@@ -22,13 +22,15 @@ import copy
 from typing import Any, Iterator, Sequence
 
 import torch
+from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..param_marks import WGRAD_IN_B
 
-__all__ = ["WGRAD_IN_B", "SeededMTPLayer", "check_mtp_placement", "no_virtual_stages", "tie_mtp_stage", "mtp_block_spec"]
+__all__ = ["WGRAD_IN_B", "OneRankEmbeddingGPTModel", "SeededMTPLayer", "check_mtp_placement", "mtp_block_spec",
+           "inner_layer_name", "mtp_on_first_rank", "no_virtual_stages", "share_word_embedding", "tie_mtp_stage"]
 
 
 def _seed(seed: int, *key: int | str) -> int:
@@ -53,21 +55,82 @@ class SeededMTPLayer(_mtp_layer_class()):  # type: ignore[misc]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_seed(init_seed, "mtp_layer", layer_number - 1))
             super().__init__(config, submodules, layer_number, *args, **kwargs)
+        reseed = getattr(getattr(self, inner_layer_name(self.submodules)), "reseed", None)  # e.g. experts (MoE)
+        if reseed is not None and config.perform_initialization:
+            reseed(init_seed, "mtp_layer", layer_number - 1)
 
 
 def check_mtp_placement(plans: Sequence[Any], mtp_num_layers: int | None) -> None:
-    """Refuse MTP on a placement megatron-core cannot keep its embedding copy in sync on: the MTP
-    stage (the last) must be alone on the last rank, the first stage on rank 0 -- the embedding group
-    of the first and last pipeline rank -- or everything one stage. ``plans``: the placement's
+    """Refuse MTP on a placement whose MTP stage (the last) has no way to share the first stage's word
+    embedding: either the first stage on rank 0 and the last alone on the last rank (megatron-core's
+    embedding group keeps the MTP stage's copy in sync), or both on one rank (a V: one parameter,
+    :func:`share_word_embedding`), or everything one stage. ``plans``: the placement's
     :class:`~megatron_zb.model.gpt_chunks.ChunkPlan` s in stage order."""
-    if not mtp_num_layers or len(plans) == 1:
+    if not mtp_num_layers or len(plans) == 1 or mtp_on_first_rank(plans):
         return
     last = max(p.rank for p in plans)
-    if plans[0].rank != 0 or plans[-1].rank != last or plans[0].rank == plans[-1].rank:
+    if plans[0].rank != 0 or plans[-1].rank != last:
         raise NotImplementedError(
             "multi-token prediction needs the last stage on the last pipeline rank and the first on rank 0 "
-            "(megatron-core syncs the MTP stage's word-embedding copy over their embedding group); this "
-            f"placement has them on ranks {plans[0].rank} and {plans[-1].rank} (a V): use a plain or interleaved one")
+            "(megatron-core syncs the MTP stage's word-embedding copy over their embedding group), or both on "
+            f"rank 0 (a V); this placement has them on ranks {plans[0].rank} and {plans[-1].rank}")
+
+
+def mtp_on_first_rank(plans: Sequence[Any]) -> bool:
+    """True when the MTP stage (the last) shares rank 0 with the first stage (the V placement)."""
+    return len(plans) > 1 and bool(plans[-1].num_mtp_layers) and plans[0].rank == plans[-1].rank == 0
+
+
+class OneRankEmbeddingGPTModel(GPTModel):
+    """A first or MTP chunk of a placement that holds both on rank 0 (the V): the word embedding is one
+    parameter (stage 0's; :func:`share_word_embedding`), not a copy on another stage, so megatron-core's
+    embedding-group set-up and gradient all-reduce have nothing to do. megatron-core would ask them
+    because the config has ``mtp_num_layers`` (it assumes the MTP stage is on another rank): the set-up runs
+    as without MTP (its ``mtp_process`` asserts the stage is not on the first rank), and the first chunk
+    answers ``finalize_model_grads``' "duplicated word embedding?" with None, as the V's middle chunks on
+    the last rank do (else rank 0 alone would enter the all-reduce)."""
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        saved, self.config.mtp_num_layers = self.config.mtp_num_layers, None  # the chunk's own config copy
+        try:
+            super().setup_embeddings_and_output_layer()
+        finally:
+            self.config.mtp_num_layers = saved
+
+    def shared_embedding_or_output_weight(self) -> Any:
+        if self.pre_process and not self.post_process:
+            return None  # not duplicated on another stage
+        return super().shared_embedding_or_output_weight()
+
+    def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> Any:
+        """megatron-core's, without the MTP stage's word-embedding copy: it has none (the first chunk saves the
+        one parameter), so the MTP chunk's state dict has no such key either."""
+        if not (self.mtp_process and not self.pre_process):
+            return super().sharded_state_dict(prefix, *args, **kwargs)
+        emb = self.embedding.word_embeddings
+        word = emb.__dict__.pop("weight")
+        emb.register_parameter("weight", word)  # for megatron-core's traversal only
+        try:
+            out = super().sharded_state_dict(prefix, *args, **kwargs)
+        finally:
+            del emb.weight
+            object.__setattr__(emb, "weight", word)
+        del out[f"{prefix}embedding.word_embeddings.weight"]
+        return out
+
+
+def share_word_embedding(module: Any, word: torch.nn.Parameter) -> None:
+    """Make the MTP chunk ``module`` (a V's last stage, on rank 0) look its MTP tokens up in ``word``, the
+    first stage's word-embedding parameter on the same rank, instead of its own copy: one parameter, its
+    gradient the sum of both stages' (megatron-core at PP > 1: two copies whose gradients the embedding group
+    all-reduces, the same sum in another order). Not registered in ``module`` (DDP wraps it once, with stage
+    0). The MTP chunk's learned position table, if any, stays its own as megatron-core's (never synced)."""
+    emb = module.embedding.word_embeddings
+    if tuple(emb.weight.shape) != tuple(word.shape):
+        raise ValueError(f"word embedding of shape {tuple(word.shape)} does not fit the MTP stage's "
+                         f"{tuple(emb.weight.shape)}")
+    del emb.weight
+    object.__setattr__(emb, "weight", word)  # an attribute, not a parameter of this chunk
 
 
 @contextlib.contextmanager
@@ -89,26 +152,46 @@ def no_virtual_stages() -> Iterator[None]:
 def mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec, *, seed: int) -> Any:
     """The MTP block spec of the chunk whose config is ``config`` (``None`` when it builds no MTP
     layer): megatron-core's ``get_gpt_mtp_block_spec`` of the decoder's layer spec ``layer_spec``
-    (local implementation), each layer a :class:`SeededMTPLayer` drawn from ``seed``."""
+    (local implementation), each layer a :class:`SeededMTPLayer` drawn from ``seed``. A decoder layer class
+    that picks its submodules per layer (e.g. MoE or dense MLP by ``--moe-layer-freq``) names the MTP's
+    transformer layer with a static ``mtp_inner_spec(layer_spec) -> ModuleSpec`` -- as megatron-core's, the
+    decoder's last layer's kind -- whose module may define ``reseed(seed, *key)``, called after the MTP layer
+    is built (``key``: ``("mtp_layer", depth)``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     base = copy.copy(layer_spec)
+    inner = None
     if isinstance(base.module, type) and issubclass(base.module, TransformerLayer):
+        inner_of = getattr(base.module, "mtp_inner_spec", None)
+        inner = inner_of(base) if inner_of is not None else None
+        if inner is not None:
+            base.submodules = inner.submodules
         base.module = TransformerLayer  # megatron-core asks for exactly TransformerLayer; the MTP layer seeds it
-        base.params = {k: v for k, v in base.params.items() if k != "init_seed"}
+        base.params = {}
     block = get_gpt_mtp_block_spec(config, base, use_transformer_engine=False)
     if block is None:
         return None
     block = copy.copy(block)
-    block.layer_specs = [_seeded(spec, seed) for spec in block.layer_specs]
+    block.layer_specs = [_seeded(spec, seed, inner) for spec in block.layer_specs]
     return block
 
 
-def _seeded(spec: ModuleSpec, seed: int) -> ModuleSpec:
+def _seeded(spec: ModuleSpec, seed: int, inner: ModuleSpec | None) -> ModuleSpec:
+    """``spec`` built as :class:`SeededMTPLayer` drawn from ``seed``; ``inner``: its transformer layer's spec
+    (the decoder layer class's ``mtp_inner_spec``; ``None``: megatron-core's)."""
     out = copy.copy(spec)
     out.module = SeededMTPLayer
     out.params = {**out.params, "init_seed": seed}
+    if inner is not None:
+        out.submodules = copy.copy(out.submodules)
+        setattr(out.submodules, inner_layer_name(out.submodules), inner)
     return out
+
+
+def inner_layer_name(submodules: Any) -> str:
+    """The name of an MTP layer's transformer layer, in its submodules and as its attribute: megatron-core
+    0.16's ``transformer_layer``, 0.19's ``mtp_model_layer`` (the submodules dataclass has the field)."""
+    return "mtp_model_layer" if hasattr(submodules, "mtp_model_layer") else "transformer_layer"
 
 
 def tie_mtp_stage(module: Any) -> None:

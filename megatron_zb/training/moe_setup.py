@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_zb.megatron_compat import initialize_affine_weight_cpu
@@ -37,7 +38,7 @@ from megatron_zb.model.gpt_chunks import ChunkPlan, SeededTransformerLayer, deri
 
 from megatron_zb.training.run_config import MoEConfig
 
-__all__ = ["MoETransformerLayer", "moe_layer_spec"]
+__all__ = ["MTPInnerLayer", "MoETransformerLayer", "moe_layer_spec"]
 
 
 def moe_layer_spec(moe: MoEConfig | None, *, local_spec_kwargs: Mapping[str, Any] | None = None
@@ -76,25 +77,47 @@ class MoETransformerLayer(SeededTransformerLayer):
             submodules.mlp = dense_mlp
         super().__init__(config, submodules, layer_number, *args, init_seed=init_seed, **kwargs)
         if moe_pattern[global_index] and config.perform_initialization:
-            _seed_experts(self.mlp, config, init_seed, global_index)
+            _seed_experts(self.mlp, config, init_seed, ("layer", global_index))
+
+    @staticmethod
+    def mtp_inner_spec(spec: ModuleSpec) -> ModuleSpec:
+        """The transformer layer of a multi-token prediction layer (:func:`megatron_zb.model.mtp.mtp_block_spec`):
+        the decoder's last layer's kind, as megatron-core's (``get_gpt_mtp_block_spec`` of the block spec's last
+        layer): MoE or dense by the last entry of ``moe_pattern``; built as :class:`MTPInnerLayer`."""
+        submodules = copy.copy(spec.submodules)
+        if not spec.params["moe_pattern"][-1]:
+            submodules.mlp = spec.params["dense_mlp"]
+        return ModuleSpec(module=MTPInnerLayer, submodules=submodules)
+
+
+class MTPInnerLayer(TransformerLayer):
+    """The transformer layer of a MoE model's multi-token prediction layer: ``reseed`` re-draws its experts
+    (if any) per global expert from ``derive_seed(seed, "mtp_layer", depth, "expert", e, ...)``, so that they
+    differ from one another and do not depend on the expert-parallel size, as the decoder's."""
+
+    def reseed(self, seed: int, *key: int | str) -> None:
+        """Re-draw the experts and shared experts of this layer's MoE MLP (no-op for a dense MLP)."""
+        if hasattr(self.mlp, "experts"):
+            _seed_experts(self.mlp, self.config, seed, key)
 
 
 @torch.no_grad()
-def _seed_experts(moe: Any, config: Any, seed: int, layer: int) -> None:
-    """Re-draw each local expert's fc1/fc2 weights from its global expert index (megatron's CPU init)."""
+def _seed_experts(moe: Any, config: Any, seed: int, layer: tuple[int | str, ...]) -> None:
+    """Re-draw each local expert's fc1/fc2 weights from its global expert index (megatron's CPU init);
+    ``layer``: the layer's seed key, ``("layer", i)`` or ``("mtp_layer", depth)``."""
     experts = getattr(moe, "experts", None)
     local = getattr(experts, "local_experts", None)
     if local is None:  # grouped-GEMM experts (GPU): one weight for all local experts, megatron's own init
         return
     first = moe.local_expert_indices[0]
     for i, expert in enumerate(local):
-        _seed_mlp(expert, config, ("layer", layer, "expert", first + i), seed)
+        _seed_mlp(expert, config, (*layer, "expert", first + i), seed)
     shared = getattr(moe, "shared_experts", None)
     if shared is not None:  # built after the local experts: its draws would depend on their number
-        _seed_mlp(shared, config, ("layer", layer, "shared_experts"), seed)
+        _seed_mlp(shared, config, (*layer, "shared_experts"), seed)
         if shared.gate_weight is not None:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derive_seed(seed, "layer", layer, "shared_experts", "gate"))
+                torch.manual_seed(derive_seed(seed, *layer, "shared_experts", "gate"))
                 config.init_method(shared.gate_weight)
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_zb.training.distributed import DistributedContext
 from megatron_zb.training.flops import tflops_per_gpu
 from megatron_zb.training.run_config import RunConfig
-from megatron_zb.training.mtp_log import mtp_loss_names
+from megatron_zb.training.mtp_log import broadcast_mtp_losses, mtp_loss_names
 from megatron_zb.training.logging_utils import WandbWriter, format_iteration_line, is_last_rank, print_rank_last
 
 __all__ = ["IterationRecord", "TrainingLog", "cuda_memory_scalars", "gather_losses"]
@@ -47,7 +47,8 @@ class IterationRecord:
         global_batch_size: the iteration's samples, all data-parallel ranks (grows with
             ``--rampup-batch-size``; ``None``: ``--global-batch-size``).
         mtp_losses: with ``--mtp-num-layers``, on ranks holding the MTP layers, the loss of each MTP
-            depth (:func:`~megatron_zb.training.mtp_log.take_mtp_losses`), else ``None``.
+            depth (:func:`~megatron_zb.training.mtp_log.take_mtp_losses`), else ``None``; on every pipeline
+            rank once its interval closes (:func:`~megatron_zb.training.mtp_log.broadcast_mtp_losses`).
     """
 
     iteration: int
@@ -160,6 +161,11 @@ class TrainingLog:
         """
         records = self.records
         losses = gather_losses([r.loss for r in records], stage_to_rank=self._stage_to_rank, dist_ctx=self._dist)
+        if self.config.model.mtp_num_layers:
+            mtp = broadcast_mtp_losses([r.mtp_losses for r in records], depth=self.config.model.mtp_num_layers,
+                                       holder_pp=self._stage_to_rank[-1], dist_ctx=self._dist)
+            for r, v in zip(records, mtp):
+                r.mtp_losses = v
         per_iter = []
         for r, (num, den) in zip(records, losses):
             value = num / den if den > 0 else float("nan")

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RUN_TIMEOUT", "in_process", "trainer_rank", "vocab_dtypes"]
+__all__ = ["RUN_TIMEOUT", "in_process", "in_process_many", "trainer_rank", "trainer_runs", "vocab_dtypes"]
 
 RUN_TIMEOUT = 240.0
 """Seconds per run (2 shared cores; a PP=4 run takes ~30 s)."""
@@ -86,4 +86,39 @@ def in_process(tmp_path: Path, name: str, world: int, argv: list[str], *,
     # Read here, every rank done: the last rank rewrites the file as it goes, so a rank that
     # finished first could read an older version.
     out["values"] = json.loads((d / "values.json").read_text())
+    return out
+
+
+def trainer_runs(runs: list[tuple[list[str], str]]) -> list[dict[str, Any]]:
+    """Several trainer runs on this rank, one after another in the same process group: :func:`trainer_rank`
+    of each ``(argv, json_path)``, megatron-core's model-parallel groups destroyed after each (the next run
+    creates its own, as a fresh process would)."""
+    from megatron.core import parallel_state
+
+    out = []
+    for argv, json_path in runs:
+        try:
+            out.append(trainer_rank(argv, json_path))
+        finally:
+            parallel_state.destroy_model_parallel()
+    return out
+
+
+def in_process_many(tmp_path: Path, runs: dict[str, list[str]], world: int, *,
+                    timeout: float = RUN_TIMEOUT) -> dict[str, dict[str, Any]]:
+    """:func:`in_process` of every ``name -> argv`` of ``runs``, in order, in one launch of ``world`` ranks
+    (one process start-up for all; ``timeout``: seconds for all of them)."""
+    from megatron_zb.testing import run_distributed
+
+    paths = {}
+    for name in runs:
+        (tmp_path / name).mkdir(parents=True, exist_ok=True)
+        paths[name] = str(tmp_path / name / "values.json")
+    ranks = run_distributed(trainer_runs, world_size=world, args=([(argv, paths[n]) for n, argv in runs.items()],),
+                            timeout=timeout)
+    out = {}
+    for i, name in enumerate(runs):
+        out[name] = dict(ranks[0][i])
+        out[name]["log"] = "".join(r[i]["log"] for r in ranks)
+        out[name]["values"] = json.loads(Path(paths[name]).read_text())
     return out

@@ -55,9 +55,9 @@ zb-1p            B     B              B                   B    B            B   
 zb-2p            B     B              B                   B    B            B   B   B   B
 interleaved-1f1b B     B              B                   B    B            B   B   B   B
 interleaved-zb   B     B              B                   B    B            B   B   B   B
-zbv              B     B              B                   T    B            B   R   B   B
-v-half           B     B              B                   T    B            B   R   B   B
-v-min            B     B              B                   T    B            B   R   B   B
+zbv              B     B              B                   T    B            B   T   B   B
+v-half           B     B              B                   T    B            B   T   B   B
+v-min            B     B              B                   T    B            B   T   B   B
 """
 """Issue 13's model features and issue 41's mtp, mla and deepseek-moe (one table per line width)."""
 EXPECTED_VOCAB_TABLE = """

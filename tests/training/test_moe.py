@@ -161,23 +161,33 @@ def test_split_backward_defers_expert_weight_gradients_and_not_the_router():
     assert sum(r["executed"] for r in ranks) > 0
 
 
-def _expert_weights(*, ep: int) -> dict[str, torch.Tensor]:
-    """Expert weights of layer 0 keyed by global expert index (this rank's local experts), and its gated
-    shared expert's (every rank's copy)."""
+def _expert_weights(*, ep: int, where: str = "decoder") -> dict[str, torch.Tensor]:
+    """Expert weights of decoder layer 0 (``where="mtp"``: of the multi-token prediction layer's MoE MLP)
+    keyed by global expert index (this rank's local experts), and its gated shared expert's (every rank's
+    copy)."""
+    mtp = {"mtp_num_layers": 1} if where == "mtp" else {}
     [chunk] = _moe_chunks(pp=1, ep=ep, pattern=[1, 1], moe_shared_expert_intermediate_size=32,
-                          moe_shared_expert_gate=True)
-    moe = chunk.module.decoder.layers[0].mlp
+                          moe_shared_expert_gate=True, **mtp)
+    if mtp:
+        from megatron_zb.model.mtp import inner_layer_name
+
+        layer = getattr(chunk.module.mtp.layers[0], inner_layer_name(chunk.module.mtp.layers[0].submodules))
+    else:
+        layer = chunk.module.decoder.layers[0]
+    moe = layer.mlp
     shared = {f"shared.{n}": p.detach().clone() for n, p in moe.shared_experts.named_parameters()}
     return {**shared, **{f"{e}.{k}": getattr(x, k).weight.detach().clone()
                          for e, x in zip(moe.local_expert_indices, moe.experts.local_experts)
                          for k in ("linear_fc1", "linear_fc2")}}
 
 
-def test_expert_weights_depend_on_the_global_expert_only():
+@pytest.mark.parametrize("where", ["decoder", "mtp"])
+def test_expert_weights_depend_on_the_global_expert_only(where):
     """Also the shared expert's (megatron-core builds it after the local experts, whose number depends on
-    the expert-parallel size)."""
-    [one] = run_distributed(partial(_expert_weights, ep=1), world_size=1, timeout=120)
-    two = run_distributed(partial(_expert_weights, ep=2), world_size=2, timeout=120)
+    the expert-parallel size); the MTP layer's MoE MLP (the decoder's last layer's kind, as megatron-core's)
+    likewise, drawn from its own seeds (not decoder layer 0's)."""
+    [one] = run_distributed(partial(_expert_weights, ep=1, where=where), world_size=1, timeout=120)
+    two = run_distributed(partial(_expert_weights, ep=2, where=where), world_size=2, timeout=120)
     shared = [f"shared.{n}" for n in ("gate_weight", "linear_fc1.weight", "linear_fc2.weight")]
     assert sorted(two[0]) == [f"{e}.{k}" for e in (0, 1) for k in ("linear_fc1", "linear_fc2")] + shared
     assert all(torch.equal(two[0][k], two[1][k]) for k in shared)
@@ -185,6 +195,9 @@ def test_expert_weights_depend_on_the_global_expert_only():
     assert merged.keys() == one.keys()
     assert all(torch.equal(merged[k], one[k]) for k in one)
     assert not torch.equal(one["0.linear_fc1"], one["1.linear_fc1"])  # experts differ from one another
+    if where == "mtp":
+        [decoder] = run_distributed(partial(_expert_weights, ep=1), world_size=1, timeout=120)
+        assert not any(torch.equal(decoder[k], one[k]) for k in one)
 
 
 # ---------------------------------------------------------------------------- flags

@@ -2,7 +2,8 @@
 names, defaults and meanings as Megatron-LM's; the placements and options they are verified with.
 
 The MTP layers are built on the chunk holding the output layer (the last pipeline stage; with an
-interleaved schedule the last virtual chunk of the last rank), as megatron-core places them without a
+interleaved schedule the last virtual chunk of the last rank; with a V rank 0's second chunk, which looks
+its tokens up in the first stage's word embedding), as megatron-core places them without a
 custom layout (:mod:`megatron_zb.model.mtp`); their linear
 layers defer W like every other (the runtime's ``linear`` route, which sums the output layer's
 weight gradients of one microbatch -- it is used once per prediction depth -- before adding them,
@@ -18,10 +19,6 @@ from .common import ArgumentError
 
 __all__ = ["add_mtp_args", "check_mtp"]
 
-VERIFIED_PLACEMENTS: tuple[str, ...] = ("plain", "interleaved")
-"""Schedule placements whose MTP runs are verified bitwise against megatron-core's schedule (the
-interleaved one: every gradient and loss, the MTP block in the last virtual chunk)."""
-
 
 def add_mtp_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("multi-token prediction")
@@ -34,8 +31,8 @@ def add_mtp_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_mtp(args: argparse.Namespace) -> None:
-    """``--mtp-num-layers``: >= 1; on the verified placements and the local implementation; no ``--save``
-    with learned absolute positions at PP > 1 (needs ``schedule_placement``, ``transformer_impl``)."""
+    """``--mtp-num-layers``: >= 1; the local implementation; no ``--save`` with learned absolute positions at
+    PP > 1 (needs ``transformer_impl``)."""
     n = args.mtp_num_layers
     if n is None:
         return
@@ -43,10 +40,6 @@ def check_mtp(args: argparse.Namespace) -> None:
         raise ArgumentError("--mtp-num-layers", f"must be >= 1 (or omitted for no MTP), got {n}")
     if args.mtp_loss_scaling_factor < 0:
         raise ArgumentError("--mtp-loss-scaling-factor", f"must be >= 0, got {args.mtp_loss_scaling_factor}")
-    if args.schedule_placement not in VERIFIED_PLACEMENTS:
-        raise ArgumentError("--mtp-num-layers", f"not supported with the V placement ({args.schedule!r}): "
-                                                f"{V_WHY}; use a plain or interleaved schedule (zb, zb-2p, "
-                                                f"interleaved-zb, ...), or drop --mtp-num-layers")
     if args.save and args.position_embedding_type == "learned_absolute" and args.pipeline_model_parallel_size > 1:
         raise ArgumentError("--mtp-num-layers", "with learned absolute position embeddings at PP > 1 no checkpoint can "
                                                 "be saved: megatron-core keeps a second, unsynchronised copy of the "
@@ -56,9 +49,3 @@ def check_mtp(args: argparse.Namespace) -> None:
     if args.transformer_impl == "transformer_engine":
         raise ArgumentError("--mtp-num-layers", "not verified with Transformer Engine's layers yet; use "
                                                 "--transformer-impl local, or drop --mtp-num-layers")
-
-
-V_WHY = ("the V's last stage, which holds the MTP layers, is on rank 0 beside the first, and megatron-core keeps "
-         "the MTP stage's copy of the word embedding in sync with the first stage's over the embedding group "
-         "(the first and the last pipeline rank; on the V rank 0 with itself)")
-"""Why the V placement is refused with ``--mtp-num-layers``."""
