@@ -39,7 +39,7 @@ SCRIPTS = {"llama3_8b": (LLAMA3_8B, True), "mixtral_8x7b": (MIXTRAL_8X7B, None),
            "zb_fork": (ZB_FORK, False), "zb_offload": (ZB_OFFLOAD, None)}
 """name -> (script, whether it trains without dropout; ``None``: no V run here -- Mixtral's 4-process V
 run would add ~80 s to CI, and V with MoE and expert parallelism 2 at PP=2 is compared with
-megatron-core in tests/training/test_moe.py's ``pp2_ep2-zbv`` case; the offload script's V is the fork
+megatron-core in tests/training/test_deepseek_v3.py (PP=2 x DP=2, EP=2); the offload script's V is the fork
 script's, run there)."""
 
 ZERO_BUBBLE = {"zb_fork": ZB_FORK_ZERO_BUBBLE, "zb_offload": ZB_FORK_ZERO_BUBBLE}
