@@ -115,12 +115,16 @@ _REFUSED_WITH_A_V: tuple[tuple[str, str, str], ...] = (
                                      "route (megatron-core's get_gpt_decoder_block_spec takes only its own "
                                      "PipelineParallelLayerLayout); run the V with MoE in pretrain_gpt_zb.py, or "
                                      "choose a schedule of another placement (e.g. --enable-zero-bubble)"),
+    ("mtp_num_layers", "--mtp-num-layers", "the V's loss stage is on pipeline rank 0, where megatron-core's "
+                                           "multi-token prediction keeps a word-embedding copy it syncs only over "
+                                           "the embedding group of the first and last pipeline ranks "
+                                           "(pretrain_gpt_zb.py refuses it too); choose a schedule of another "
+                                           "placement (e.g. --enable-zero-bubble) or drop it"),
     ("use_legacy_models", "--use-legacy-models", "the V builds megatron-core GPT chunks; drop it"),
     ("yaml_cfg", "--yaml-cfg", "the V chunk configs are made from Megatron-LM's flags; drop it"),
 )
 """Megatron-LM flags a V cannot have inside Megatron-LM's loop: (``args`` attribute, flag, why and what
-to do). ``--mtp-num-layers`` is refused with every zero-bubble schedule
-(:func:`megatron_zb.megatron_lm.route.refused_with_a_schedule`)."""
+to do)."""
 
 
 def refused_with_a_v(args: argparse.Namespace, schedule: str) -> list[ArgumentError]:
