@@ -53,9 +53,10 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from . import v as v_route
 from .rebind import Rebinds
@@ -101,6 +102,24 @@ def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[Arg
                                                f"drop it or the zero-bubble flags"))
     return refused
 
+QUIET_RANKS_WAIT_S = 2.0
+"""Seconds every rank but global rank 0 waits before exiting 2 on a refused command line: rank 0, which
+parsed the same flags, prints the report meanwhile, before a launcher tears the job down at the first
+exit (torchrun's agent polls its workers every 0.1 s by default)."""
+
+
+def exit_refused(error: ArgumentError) -> NoReturn:
+    """Leave the process with status 2 for ``error`` (every problem of the command line, one report):
+    global rank 0 (``RANK``, as torchrun sets it; no process group exists yet) prints it as
+    ``megatron-zb: error: ...`` on stderr; every other rank prints nothing and exits after
+    :data:`QUIET_RANKS_WAIT_S`, so that the report is printed once per job."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron-zb: error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANKS_WAIT_S)
+    raise SystemExit(2) from None
+
+
 _REBINDS = Rebinds()
 """What :func:`install` replaced in Megatron-LM (restored by :func:`uninstall`)."""
 
@@ -135,8 +154,7 @@ def install() -> None:
             if v_flag is not None:
                 v_route.activate(options["schedule"], v_flag)
         except ArgumentError as e:
-            print(f"megatron-zb: error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            exit_refused(e)
         if options is not None:  # else megatron-core's schedule runs untouched
             from .patching import patch_megatron
 
@@ -168,8 +186,7 @@ def _install_provider_check(holder: Any) -> None:
         try:
             v_route.check_provider()
         except ArgumentError as e:
-            print(f"megatron-zb: error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            exit_refused(e)
         return validate(*args, **kwargs)
 
     _REBINDS.set(holder, "validate_args", validate_args)

@@ -83,7 +83,8 @@ def _mtp_losses() -> dict[str, str]:
     """``{"mtp_<k> loss": hex}`` of this rank's multi-token prediction tracker (empty without MTP)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    values = MTPLossLoggingHelper.tracker.get("values")
+    tracker = MTPLossLoggingHelper.tracker
+    values = tracker.get("loss_values", tracker.get("values"))  # megatron-core 0.19 / 0.16.1
     return {} if values is None else {f"mtp_{k + 1} loss": float(v).hex() for k, v in enumerate(values.tolist())}
 
 
