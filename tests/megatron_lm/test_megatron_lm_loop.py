@@ -218,10 +218,10 @@ test_pp2_dp2_* here, tests/megatron_lm/test_megatron_lm_interleaved.py)."""
      "--enable-optimizer-post-validation: needs a zero-bubble schedule"),
     (("--zero-bubble-max-pending-backward", "2"), "--zero-bubble-max-pending-backward: only applies with"),
     # what is not verified in Megatron-LM's loop, every refusal in one report (a V: the fork's invocation)
-    (("--enable-zero-bubble", "--zero-bubble-v-schedule", "--use-megatron-fsdp", "--num-experts", "4",
+    (("--enable-zero-bubble", "--zero-bubble-v-schedule", "--use-megatron-fsdp", "--account-for-loss-in-pipeline-split",
       "--mtp-num-layers", "1"), (FSDP_REFUSED.format(schedule="zbv"), MTP_WITH_A_V,
-                                 "--num-experts: not supported with the V schedule 'zbv' inside Megatron-LM's loop: "
-                                 "the V's placement is not built through Megatron-LM's MoE layer spec on this route")),
+                                 "--account-for-loss-in-pipeline-split: not supported with the V schedule 'zbv' inside "
+                                 "Megatron-LM's loop: the V splits the layers evenly")),
     (("--enable-zero-bubble", "--use-megatron-fsdp", "--allow-padding-num-layers"),
      (FSDP_REFUSED.format(schedule="zb"), "--allow-padding-num-layers: not supported inside Megatron-LM's loop")),
 ])

@@ -226,8 +226,6 @@ def test_configure_sets_two_chunks_per_rank_for_a_v(argv: tuple[str, ...], sched
 @pytest.mark.parametrize("argv,megatron_lm,message", [
     ((), dict(mtp_num_layers=1), "--mtp-num-layers: not supported with the V schedule 'zbv' inside Megatron-LM's "
                                  "loop: the V's loss stage is on pipeline rank 0"),
-    ((), dict(num_experts=4), "--num-experts: not supported with the V schedule 'zbv' inside Megatron-LM's loop: the "
-                              "V's placement is not built through Megatron-LM's MoE layer spec on this route"),
     ((), dict(use_megatron_fsdp=True), "--use-megatron-fsdp: refused with the zero-bubble schedule 'zbv': "
                                        "megatron-core's Megatron FSDP reduce-scatters"),
     ((), dict(moe_shared_expert_overlap=True), "--moe-shared-expert-overlap: refused with the zero-bubble schedule "
