@@ -103,16 +103,14 @@ def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[Arg
     return refused
 
 QUIET_RANKS_WAIT_S = 2.0
-"""Seconds every rank but global rank 0 waits before exiting 2 on a refused command line: rank 0, which
-parsed the same flags, prints the report meanwhile, before a launcher tears the job down at the first
-exit (torchrun's agent polls its workers every 0.1 s by default)."""
+"""Seconds every rank but global rank 0 waits before exiting 2 on a refused command line: rank 0 prints
+the report meanwhile, before a launcher tears the job down at the first exit (torchrun: 0.1 s polls)."""
 
 
 def exit_refused(error: ArgumentError) -> NoReturn:
-    """Leave the process with status 2 for ``error`` (every problem of the command line, one report):
-    global rank 0 (``RANK``, as torchrun sets it; no process group exists yet) prints it as
-    ``megatron-zb: error: ...`` on stderr; every other rank prints nothing and exits after
-    :data:`QUIET_RANKS_WAIT_S`, so that the report is printed once per job."""
+    """Exit 2 for ``error`` (every problem of the command line): global rank 0 (``RANK``; no process
+    group exists yet) prints ``megatron-zb: error: ...`` on stderr, every other rank prints nothing and
+    exits after :data:`QUIET_RANKS_WAIT_S`: the report is printed once per job."""
     if os.environ.get("RANK", "0") == "0":
         print(f"megatron-zb: error: {error}", file=sys.stderr, flush=True)
     else:
