@@ -376,6 +376,9 @@ def _as_megatron_layout(plan: Any) -> Any:
             self.input_data = repr(chunk_plan)
             self.layout = chunk_plan.layout
 
+        def __reduce__(self) -> tuple[Any, tuple[Any]]:  # pickle / deepcopy: rebuilt from the plan
+            return _as_megatron_layout, (self.plan,)
+
         def get_layer_offset(self, *args: Any, **kwargs: Any) -> int:
             return self.plan.get_layer_offset(*args, **kwargs)
 

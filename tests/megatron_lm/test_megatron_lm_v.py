@@ -332,3 +332,33 @@ def test_script_edit_replaces_exactly_once() -> None:
     for old in ("missing", "\n"):
         with pytest.raises(ValueError, match="script edit: .* occurs [03] times in pretrain_gpt.py, not once"):
             edit_script(text, json.dumps([[old, "y"]]))
+
+
+def test_a_v_chunk_layout_is_megatron_core_s_and_answers_by_the_v_stage() -> None:
+    """What lets megatron-core's ``get_gpt_decoder_block_spec`` (Megatron-LM's MoE model) build a V chunk:
+    the chunk config's layout is a ``PipelineParallelLayerLayout`` (it asserts that type) whose answers
+    are the V stage's global layers, whatever rank or virtual stage is named; it survives pickling and
+    deep copies (rebuilt from the plan). In the loop: test_zbv_with_moe_and_untied_embeddings_*."""
+    import copy
+    import pickle
+
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megatron_zb.megatron_lm.v import _as_megatron_layout
+    from megatron_zb.model import plan_chunks
+
+    plan = plan_chunks(num_layers=8, stage_to_rank=[0, 1, 1, 0])[3]  # the loss stage, on rank 0: layers 6-7
+    made = _as_megatron_layout(plan)
+    for layout in (made, pickle.loads(pickle.dumps(made)), copy.deepcopy(made)):
+        assert isinstance(layout, PipelineParallelLayerLayout)
+        assert layout.get_layer_id_list(LayerType.decoder, vp_stage=1, pp_rank=0) == [6, 7]
+        assert layout.get_layer_offset(LayerType.decoder, vp_stage=None, pp_rank=1) == 6
+        assert layout.get_num_layers_to_build(LayerType.decoder) == 2
+        assert layout.layout[0][0] == [LayerType.decoder] * 2
+
+
+def test_configure_accepts_moe_with_a_v() -> None:
+    from megatron_zb.megatron_lm import configure
+
+    assert configure(_flags("--zero-bubble-v-schedule", num_experts=4))["schedule"] == "zbv"
