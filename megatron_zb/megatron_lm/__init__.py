@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-ROUTE_NAMES = ("MTP_NOT_VERIFIED", "NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install",
-               "planner_config", "refused_with_a_schedule", "uninstall", "v_model_provider")
+ROUTE_NAMES = ("NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install", "planner_config",
+               "refused_with_a_schedule", "uninstall", "v_model_provider")
 """The names of :mod:`.route` this package exports."""
 
 __all__ = list(ROUTE_NAMES)

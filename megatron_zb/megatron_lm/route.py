@@ -42,9 +42,10 @@ schedule; checkpoints saved with zero bubble load without it and back (they hold
 
 What this route cannot honour yet is refused up front (:data:`NOT_YET`): ``--allow-padding-num-layers``
 and ``--enable-vocab-parallel`` (``pretrain_gpt_zb.py`` has them); so is what is not verified in this loop
-with a zero-bubble schedule (:func:`refused_with_a_schedule`: ``--use-megatron-fsdp``, ``--mtp-num-layers``,
+with a zero-bubble schedule (:func:`refused_with_a_schedule`: ``--use-megatron-fsdp``,
 ``--moe-shared-expert-overlap``, ``--moe-router-force-load-balancing``;
-with a V also :func:`~megatron_zb.megatron_lm.v.refused_with_a_v`, MoE among them), all in one report.
+with a V also :func:`~megatron_zb.megatron_lm.v.refused_with_a_v`, ``--mtp-num-layers`` among them), all in one
+report, printed once (global rank 0).
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from . import v as v_route
 from .rebind import Rebinds
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
     from ..training.replanning import SchedulePlanner
     from ..training.run_config import RunConfig
 
-__all__ = ["MTP_NOT_VERIFIED", "NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install",
+__all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install",
            "planner_config", "refused_with_a_schedule", "uninstall", "v_model_provider"]
 
 NOT_YET: dict[str, str] = {
@@ -80,17 +82,13 @@ NOT_YET: dict[str, str] = {
 }
 """Zero-bubble flags (``args`` attribute -> why and what to do) refused inside Megatron-LM's loop."""
 
-MTP_NOT_VERIFIED = ("multi-token prediction's layers are not split into B and W nor placed by the schedule, and "
-                    "the run is not bitwise equal to megatron-core's schedule (grad norm apart from iteration 1); "
-                    "drop it, or run megatron-core's schedule (no zero-bubble flag)")
-"""Why ``--mtp-num-layers`` is refused with a zero-bubble schedule inside Megatron-LM's loop."""
-
 
 def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[ArgumentError]:
     """Megatron-LM flags refused with any zero-bubble ``schedule`` inside Megatron-LM's loop, one
     :class:`ArgumentError` each: ``--use-megatron-fsdp``, ``--moe-shared-expert-overlap`` and
-    ``--moe-router-force-load-balancing`` (for the reasons ``pretrain_gpt_zb.py`` refuses them:
-    :data:`~megatron_zb.training.arguments.flags.WHY_NOT`) and ``--mtp-num-layers`` (:data:`MTP_NOT_VERIFIED`)."""
+    ``--moe-router-force-load-balancing``, for the reasons ``pretrain_gpt_zb.py`` refuses them
+    (:data:`~megatron_zb.training.arguments.flags.WHY_NOT`). ``--mtp-num-layers`` is refused with a V only
+    (:func:`~megatron_zb.megatron_lm.v.refused_with_a_v`)."""
     from ..training.arguments.flags import WHY_NOT
 
     refused = []
@@ -98,14 +96,27 @@ def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[Arg
         refused.append(ArgumentError("--use-megatron-fsdp", f"refused with the zero-bubble schedule {schedule!r}: "
                                                             f"{WHY_NOT['--use-megatron-fsdp']}; drop it or the "
                                                             f"zero-bubble flags"))
-    if getattr(args, "mtp_num_layers", None):
-        refused.append(ArgumentError("--mtp-num-layers", f"not supported with the zero-bubble schedule {schedule!r} "
-                                                         f"inside Megatron-LM's loop: {MTP_NOT_VERIFIED}"))
     for name in ("--moe-shared-expert-overlap", "--moe-router-force-load-balancing"):  # DeepSeek's MoE: as ours
         if getattr(args, name[2:].replace("-", "_"), False):
             refused.append(ArgumentError(name, f"refused with the zero-bubble schedule {schedule!r}: {WHY_NOT[name]}; "
                                                f"drop it or the zero-bubble flags"))
     return refused
+
+QUIET_RANKS_WAIT_S = 2.0
+"""Seconds every rank but global rank 0 waits before exiting 2 on a refused command line: rank 0 prints
+the report meanwhile, before a launcher tears the job down at the first exit (torchrun: 0.1 s polls)."""
+
+
+def exit_refused(error: ArgumentError) -> NoReturn:
+    """Exit 2 for ``error`` (every problem of the command line): global rank 0 (``RANK``; no process
+    group exists yet) prints ``megatron-zb: error: ...`` on stderr, every other rank prints nothing and
+    exits after :data:`QUIET_RANKS_WAIT_S`: the report is printed once per job."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron-zb: error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(QUIET_RANKS_WAIT_S)
+    raise SystemExit(2) from None
+
 
 _REBINDS = Rebinds()
 """What :func:`install` replaced in Megatron-LM (restored by :func:`uninstall`)."""
@@ -141,8 +152,7 @@ def install() -> None:
             if v_flag is not None:
                 v_route.activate(options["schedule"], v_flag)
         except ArgumentError as e:
-            print(f"megatron-zb: error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            exit_refused(e)
         if options is not None:  # else megatron-core's schedule runs untouched
             from .patching import patch_megatron
 
@@ -174,8 +184,7 @@ def _install_provider_check(holder: Any) -> None:
         try:
             v_route.check_provider()
         except ArgumentError as e:
-            print(f"megatron-zb: error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            exit_refused(e)
         return validate(*args, **kwargs)
 
     _REBINDS.set(holder, "validate_args", validate_args)

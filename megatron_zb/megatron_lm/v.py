@@ -21,7 +21,7 @@ half|min]`` or ``--schedule zbv|v-half|v-min``):
 
 * :func:`refused_with_a_v` and :func:`check_v` (called by :func:`megatron_zb.megatron_lm.configure`,
   before Megatron-LM validates its arguments) refuse what this route cannot build (one line each,
-  reported with the route's other refusals, exit 2; MoE among them) and :func:`check_v` sets
+  reported with the route's other refusals, exit 2; multi-token prediction among them) and :func:`check_v` sets
   Megatron-LM's ``--num-virtual-stages-per-pipeline-rank 2``, printed once on rank 0 as
   Megatron-LM prints its own adjustments;
 * :func:`activate` (same point) answers Megatron-LM's ``is_first_or_last_pipeline_stage(vp_stage)``
@@ -111,16 +111,16 @@ _REFUSED_WITH_A_V: tuple[tuple[str, str, str], ...] = (
      "the V splits the layers evenly; drop it"),
     ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
      "the V splits the layers evenly; drop it"),
-    ("num_experts", "--num-experts", "the V's placement is not built through Megatron-LM's MoE layer spec on this "
-                                     "route (megatron-core's get_gpt_decoder_block_spec takes only its own "
-                                     "PipelineParallelLayerLayout); run the V with MoE in pretrain_gpt_zb.py, or "
-                                     "choose a schedule of another placement (e.g. --enable-zero-bubble)"),
+    ("mtp_num_layers", "--mtp-num-layers", "the V's loss stage is on pipeline rank 0, where megatron-core's "
+                                           "multi-token prediction keeps a word-embedding copy it syncs only over "
+                                           "the embedding group of the first and last pipeline ranks "
+                                           "(pretrain_gpt_zb.py refuses it too); choose a schedule of another "
+                                           "placement (e.g. --enable-zero-bubble) or drop it"),
     ("use_legacy_models", "--use-legacy-models", "the V builds megatron-core GPT chunks; drop it"),
     ("yaml_cfg", "--yaml-cfg", "the V chunk configs are made from Megatron-LM's flags; drop it"),
 )
 """Megatron-LM flags a V cannot have inside Megatron-LM's loop: (``args`` attribute, flag, why and what
-to do). ``--mtp-num-layers`` is refused with every zero-bubble schedule
-(:func:`megatron_zb.megatron_lm.route.refused_with_a_schedule`)."""
+to do)."""
 
 
 def refused_with_a_v(args: argparse.Namespace, schedule: str) -> list[ArgumentError]:
@@ -220,10 +220,8 @@ def _wrap_builder(path: str) -> None:
         model_config = self._model_config
 
         def build(plan: Any, num_ranks: int, untied: bool) -> Any:
-            from ..model import chunk_config
-
             chunk = copy.copy(model_config)  # the builder reads these two; object's setter: no proxying
-            object.__setattr__(chunk, "transformer", chunk_config(model_config.transformer, plan, num_ranks))
+            object.__setattr__(chunk, "transformer", _v_chunk_config(model_config.transformer, plan, num_ranks))
             if untied:
                 object.__setattr__(chunk, "share_embeddings_and_output_weights", False)
             return build_model(type(self)(chunk), pg_collection, plan.pre_process, plan.post_process, None)
@@ -336,13 +334,11 @@ class VModelProvider:
         base = config if config is not None else core_transformer_config_from_args(args)
 
         def build(plan: Any, num_ranks: int, untied: bool) -> Any:
-            from ..model import chunk_config
-
             try:  # the user's provider reads Megatron-LM's argument
                 if untied:
                     args.untie_embeddings_and_output_weights = True
                 return self.model_provider(pre_process=plan.pre_process, post_process=plan.post_process,
-                                           vp_stage=None, config=chunk_config(base, plan, num_ranks),
+                                           vp_stage=None, config=_v_chunk_config(base, plan, num_ranks),
                                            pg_collection=pg_collection)
             finally:
                 if untied:
@@ -350,6 +346,49 @@ class VModelProvider:
 
         return _build_v_chunk(self.chunks, vp_stage, pg_collection, tied=not args.untie_embeddings_and_output_weights,
                               build=build)
+
+
+def _v_chunk_config(config: Any, plan: Any, num_ranks: int) -> Any:
+    """``megatron_zb.model.chunk_config`` (a copy of ``config`` whose layout gives the chunk's global
+    layer offset), its layout seen by megatron-core as a ``PipelineParallelLayerLayout``
+    (:func:`_as_megatron_layout`): Megatron-LM's MoE model (``--num-experts``) is built from
+    ``get_gpt_decoder_block_spec``, which takes the chunk's layers from the layout only if it is one."""
+    from ..model import chunk_config
+
+    chunk = chunk_config(config, plan, num_ranks)
+    if chunk.pipeline_model_parallel_layout is not None:
+        chunk.pipeline_model_parallel_layout = _as_megatron_layout(chunk.pipeline_model_parallel_layout)
+    return chunk
+
+
+def _as_megatron_layout(plan: Any) -> Any:
+    """``plan`` (a :class:`~megatron_zb.model.ChunkPlan`) behind megatron-core's
+    ``PipelineParallelLayerLayout`` type: every question megatron-core asks a layout (``layout``,
+    ``get_layer_offset``, ``get_num_layers_to_build``, ``get_layer_id_list``) is answered by the plan,
+    for the chunk whatever rank or virtual stage is named."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    class ChunkLayout(PipelineParallelLayerLayout):
+        """One V chunk's layers as a megatron-core layout (no ``__init__``: nothing to parse)."""
+
+        def __init__(self, chunk_plan: Any) -> None:  # noqa: D107 -- the base parses a layout string
+            self.plan = chunk_plan
+            self.input_data = repr(chunk_plan)
+            self.layout = chunk_plan.layout
+
+        def __reduce__(self) -> tuple[Any, tuple[Any]]:  # pickle / deepcopy: rebuilt from the plan
+            return _as_megatron_layout, (self.plan,)
+
+        def get_layer_offset(self, *args: Any, **kwargs: Any) -> int:
+            return self.plan.get_layer_offset(*args, **kwargs)
+
+        def get_num_layers_to_build(self, *args: Any, **kwargs: Any) -> int:
+            return self.plan.get_num_layers_to_build(*args, **kwargs)
+
+        def get_layer_id_list(self, *args: Any, **kwargs: Any) -> list[int]:
+            return self.plan.get_layer_id_list(*args, **kwargs)
+
+    return ChunkLayout(plan)
 
 
 def _build_v_chunk(chunks: dict[int, Any], vp_stage: int | None, pg_collection: Any, *, tied: bool,

@@ -206,9 +206,12 @@ class ZeroBubbleForwardBackward:
         from megatron.core import parallel_state
         from megatron.core.utils import get_model_config
 
+        from .linear_route import mark_tied_mtp_weights
+
         self._begin_call(forward_only)
         install_routes()
         chunks = model if isinstance(model, list) else [model]
+        mark_tied_mtp_weights(chunks)  # chunks built outside megatron-zb (Megatron-LM's loop) with MTP
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(chunks)
         config = get_model_config(chunks[0])
         pp_group = parallel_state.get_pipeline_model_parallel_group()

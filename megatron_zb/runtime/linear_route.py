@@ -78,6 +78,22 @@ def check_device_max_connections(device: torch.device) -> bool:
     return True
 
 
+def mark_tied_mtp_weights(chunks: list[torch.nn.Module]) -> int:
+    """Mark the shared word embedding of every megatron-core GPT chunk in ``chunks`` (any wrapper
+    around it) that holds multi-token prediction layers with tied embeddings :data:`WGRAD_IN_B`: its
+    output-layer weight gradient is then computed in B, where autograd sums it with the MTP layers'
+    lookup gradient before DDP's hook adds it once, as megatron-core does (the rule of
+    :func:`megatron_zb.model.mtp.tie_mtp_stage`, for chunks megatron-zb did not build: Megatron-LM's
+    loop, ``patch_megatron``). Idempotent; returns how many weights are marked."""
+    marked = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(module, "mtp_process", False) and getattr(module, "share_embeddings_and_output_weights", False):
+                setattr(module.shared_embedding_or_output_weight(), WGRAD_IN_B, True)
+                marked += 1
+    return marked
+
+
 def _accumulate_wgrad(weight: torch.Tensor, main_grad: torch.Tensor | None, fusion: bool,
                       grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
     """Add ``grad_output^T @ total_input`` to the weight's gradient, as megatron-core would."""

@@ -9,6 +9,13 @@ layer number (``megatron_zb.model.derive_seed(seed, "layer", i)``, the rule of
 It seeds torch's default CPU generator, which megatron-core's initialisation draws from with
 ``use_cpu_initialization`` (Megatron-LM's ``--use-cpu-initialization``); its GPU initialisation
 draws from the model-parallel RNG tracker instead, which this does not touch.
+
+With untied embeddings (``--untie-embeddings-and-output-weights``) the output layer has a weight of
+its own, which megatron-core draws from the building rank's stream after whatever that rank drew
+before (1F1B: the last rank, first; the V: rank 0, after the word embedding): it is drawn again from
+``derive_seed(seed, "output_layer")`` (``config.init_method``, as megatron-core initialises it). The word
+embedding needs nothing: both placements draw it first on rank 0. A tied output layer is the
+embedding's weight (1F1B: a copy megatron-core syncs from it) and is left alone.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ def seed_layers_by_global_number(seed: int = 1234) -> None:
 
     if getattr(TransformerLayer.__init__, "_megatron_zb_seeded", False):
         return
+    _seed_untied_output_layer(seed)
     original = TransformerLayer.__init__
     signature = inspect.signature(original)
 
@@ -51,3 +59,24 @@ def seed_layers_by_global_number(seed: int = 1234) -> None:
 
     __init__._megatron_zb_seeded = True  # type: ignore[attr-defined]
     TransformerLayer.__init__ = __init__
+
+
+def _seed_untied_output_layer(seed: int) -> None:
+    """Wrap ``GPTModel.__init__``: an untied output layer's weight drawn again from
+    ``derive_seed(seed, "output_layer")`` (module docstring), RNG restored after."""
+    import torch
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_zb.model import derive_seed
+
+    original = GPTModel.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        weight = getattr(getattr(self, "output_layer", None), "weight", None)
+        if self.post_process and not self.share_embeddings_and_output_weights and weight is not None:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(derive_seed(seed, "output_layer"))
+                self.config.init_method(weight)
+
+    GPTModel.__init__ = __init__

@@ -184,11 +184,14 @@ class MegatronLMRun:
 
 class MegatronLMError(RuntimeError):
     """A rank of a Megatron-LM run failed or the run timed out; the message holds the failing
-    rank's last output lines (its traceback)."""
+    rank's last output lines (its traceback). ``logs``: every rank's output; ``returncodes``: every
+    rank's exit status (``-9``: killed by the harness, e.g. still running ``grace`` seconds after
+    another rank failed)."""
 
-    def __init__(self, message: str, logs: Sequence[str]) -> None:
+    def __init__(self, message: str, logs: Sequence[str], returncodes: Sequence[int | None] = ()) -> None:
         super().__init__(message)
         self.logs = list(logs)
+        self.returncodes = list(returncodes)
 
 
 def parse_iteration_lines(log: str) -> list[tuple[int, float | None, float | None, str]]:
@@ -291,10 +294,10 @@ def run_megatron_lm(
     with tempfile.TemporaryDirectory(prefix="megatron_zb-mlm-") as out:
         harness = {MEGATRON_LM_ENV: str(folder.resolve()), _OUT_ENV: out, _PLUGIN_ENV: plugin_spec(plugin),
                    _PARAMS_ENV: "1" if params else "0", _SCRIPT_EDIT_ENV: json.dumps([list(e) for e in script_edit])}
-        logs, wall_s, failure = _launch(list(argv), world_size, {**(env or {}), **harness}, out, timeout, threads,
-                                        grace)
+        logs, codes, wall_s, failure = _launch(list(argv), world_size, {**(env or {}), **harness}, out, timeout,
+                                               threads, grace)
         if failure:
-            raise MegatronLMError(failure, logs)
+            raise MegatronLMError(failure, logs, codes)
         return _collect(Path(out), logs, world_size, params, wall_s)
 
 
@@ -320,8 +323,9 @@ def _rendezvous_store() -> Any:
 
 
 def _launch(argv: list[str], world_size: int, env: dict[str, str], out: str, timeout: float, threads: int,
-            grace: float) -> tuple[list[str], float, str]:
-    """Start the ranks, wait for them; returns (per-rank output, wall seconds, failure message or "")."""
+            grace: float) -> tuple[list[str], list[int | None], float, str]:
+    """Start the ranks, wait for them; returns (per-rank output, per-rank exit status, wall seconds,
+    failure message or "")."""
     store = _rendezvous_store()  # referenced until every rank has exited
     base = {**os.environ, **env, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -346,8 +350,9 @@ def _launch(argv: list[str], world_size: int, env: dict[str, str], out: str, tim
             p.wait()
     wall_s = time.monotonic() - start
     logs = [path.read_text(errors="replace") for path in paths]
-    if first_failed is None and all(p.returncode == 0 for p in procs):
-        return logs, wall_s, ""
+    codes = [p.returncode for p in procs]
+    if first_failed is None and all(c == 0 for c in codes):
+        return logs, codes, wall_s, ""
     if first_failed is None:
         failure = f"timeout: the run did not finish within {timeout:g} s; every rank was killed"
     else:
@@ -356,7 +361,7 @@ def _launch(argv: list[str], world_size: int, env: dict[str, str], out: str, tim
     failed = [first_failed] if first_failed is not None else []
     failed += [r for r, p in enumerate(procs) if p.returncode != 0 and r != first_failed]
     failure += "".join(f"\n--- rank {r} (last lines) ---\n{_tail(logs[r])}" for r in failed)
-    return logs, wall_s, failure
+    return logs, codes, wall_s, failure
 
 
 _ZYGOTES: dict[tuple[str, ...], Any] = {}

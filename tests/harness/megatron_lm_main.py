@@ -36,7 +36,10 @@ def install_recorders(out: str, rank: int, params: bool) -> None:
     * ``megatron.training.training.training_log`` (training.py:1773; ``train`` calls it by its module
       name every iteration): its ``loss_dict`` and ``grad_norm`` arguments, exactly (``float.hex``),
       one JSON line per iteration in ``<out>/record_rank<rank>.jsonl``, with the name of the
-      ``forward_backward_func`` that ``train_step`` (training.py:1603) received for that iteration.
+      ``forward_backward_func`` that ``train_step`` (training.py:1603) received for that iteration,
+      and with multi-token prediction each depth's loss this rank summed over the iteration's micro
+      batches (``"mtp_<k> loss"``, megatron-core's ``MTPLossLoggingHelper`` tracker before
+      ``training_log`` reduces it over the ranks and divides by the micro batches).
     * with ``params``: ``megatron.training.training.train`` (training.py:2417, called by ``pretrain``):
       after it returns, every parameter of every model chunk (distributed-optimizer parameter
       gathers forced to finish first) to ``<out>/params_rank<rank>.pt``.
@@ -55,8 +58,9 @@ def install_recorders(out: str, rank: int, params: bool) -> None:
     def training_log(*args: Any, **kwargs: Any) -> Any:
         bound = log_signature.bind(*args, **kwargs).arguments
         norm = bound.get("grad_norm")
-        record = {"iteration": int(bound["iteration"]),
-                  "losses": {key: float(value).hex() for key, value in bound["loss_dict"].items()},
+        losses = {key: float(value).hex() for key, value in bound["loss_dict"].items()}
+        losses.update(_mtp_losses())
+        record = {"iteration": int(bound["iteration"]), "losses": losses,
                   "grad_norm": None if norm is None else float(norm).hex(),
                   "forward_backward": used.get("forward_backward", "")}
         with open(path, "a") as f:
@@ -73,6 +77,15 @@ def install_recorders(out: str, rank: int, params: bool) -> None:
             return result
 
         training.train = train
+
+
+def _mtp_losses() -> dict[str, str]:
+    """``{"mtp_<k> loss": hex}`` of this rank's multi-token prediction tracker (empty without MTP)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    values = tracker.get("loss_values", tracker.get("values"))  # megatron-core 0.19 / 0.16.1
+    return {} if values is None else {f"mtp_{k + 1} loss": float(v).hex() for k, v in enumerate(values.tolist())}
 
 
 def _save_params(model: list[Any], path: str) -> None:

@@ -6,6 +6,14 @@ and ``interleaved-zb`` through the flags route, bit for bit: every iteration's l
 norm, every rank's parameters. Tiny GPT, PP=2 with 2 virtual stages per rank (4 model chunks of one
 layer), 4 micro batches, 4 iterations; runs through :func:`harness.megatron_lm.run_megatron_lm`.
 
+With multi-token prediction (``--mtp-num-layers 1``; Megatron-LM allows it only with RoPE or no position
+embedding, hence ``--position-embedding-type rope``) and tied embeddings: the MTP layer is built on the
+last rank's last chunk, which keeps a word-embedding copy serving both the MTP layer's lookup and the
+output layer. The runs also compare the MTP loss bit for bit (the harness records each depth's loss).
+Before the runtime marked that copy's weight gradient to be computed in B
+(``runtime/linear_route.mark_tied_mtp_weights``), zero bubble in this loop was measured not bitwise
+(grad norm apart from iteration 1: the deferred output-layer gradient dropped the lookup's).
+
 Dropout is off (``--hidden-dropout 0 --attention-dropout 0``) in this file, for this reason:
 ``interleaved-zb`` is profiled and re-planned (iterations 3-4 run the re-planned schedule), and the
 re-planned schedule runs the two chunks' forwards of a rank in another order than megatron-core's
@@ -37,8 +45,10 @@ MCORE_INTERLEAVED = "megatron.core.pipeline_parallel.schedules.forward_backward_
 
 PP2_VP2 = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *TINY_GPT_FLAGS, "--pipeline-model-parallel-size", "2",
            "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8", "--train-iters", str(ITERS),
-           "--hidden-dropout", "0", "--attention-dropout", "0")
-"""Tiny GPT (4 layers), PP=2 (world 2), 2 virtual stages per rank of 1 layer; 4 micro batches of 2."""
+           "--hidden-dropout", "0", "--attention-dropout", "0", "--mtp-num-layers", "1",
+           "--position-embedding-type", "rope")
+"""Tiny GPT (4 layers, RoPE, one MTP layer), PP=2 (world 2), 2 virtual stages per rank of 1 layer; 4
+micro batches of 2."""
 
 
 def _run(plugin: str | None = None, extra: tuple[str, ...] = ()) -> MegatronLMRun:
@@ -55,6 +65,8 @@ def _assert_bitwise(run: MegatronLMRun, ref: MegatronLMRun) -> None:
     assert run.params is not None and ref.params is not None
     assert all(name.startswith(("chunk0.", "chunk1.")) for rank in ref.params for name in rank)
     assert any(name.startswith("chunk1.") for name in ref.params[0])  # two model chunks per rank
+    assert any(name.startswith("chunk1.mtp.layers.0.") for name in ref.params[1])  # MTP on the last chunk
+    assert all("mtp_1 loss" in it.exact for it in ref.iterations)  # compared below with lm loss, grad norm
     assert bitwise_differences(run, ref) == []
 
 

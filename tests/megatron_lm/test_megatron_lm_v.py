@@ -103,6 +103,25 @@ def zbv_bf16() -> MegatronLMRun:
     return _run("--zero-bubble-v-schedule", "--bf16")
 
 
+MOE_UNTIED = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--disable-bias-linear",
+              "--untie-embeddings-and-output-weights")
+"""Every layer a top-2 MoE of 4 experts (expert parallelism 1; Megatron-LM builds it from megatron-core's
+``get_gpt_decoder_block_spec``), with the aux loss (without it Megatron-LM's MoE logging makes a CUDA
+tensor on this CPU build) and no biases (megatron-core's biased experts modify an autograd view in
+place: an error in its own 1F1B), and untied embeddings (the output layer a weight of its own)."""
+
+
+@pytest.fixture(scope="module")
+def mcore_1f1b_moe() -> MegatronLMRun:
+    """megatron-core's own 1F1B, MoE and untied embeddings (:data:`MOE_UNTIED`)."""
+    return _run(*MOE_UNTIED)
+
+
+@pytest.fixture(scope="module")
+def zbv_moe() -> MegatronLMRun:
+    return _run("--zero-bubble-v-schedule", *MOE_UNTIED)
+
+
 def validation_losses(run: MegatronLMRun) -> list[tuple[str, float]]:
     """``(where, lm loss)`` of each `` validation loss at ... | lm loss value: X |`` line of the last rank."""
     return [(m.group(1) + m.group(2), float(m.group(3))) for m in
@@ -193,6 +212,37 @@ def test_zbv_with_bf16_in_megatron_lm_loop(mcore_1f1b: MegatronLMRun, zbv_bf16: 
     assert run.lm_losses[-1] < run.lm_losses[0]
 
 
+def printed(run: MegatronLMRun, field: str) -> list[str]:
+    """``field``'s printed value in each of the last rank's iteration lines."""
+    return [re.search(rf"\| {field}: ([^ |]+) \|", it.line).group(1) for it in run.iterations]  # type: ignore[union-attr]
+
+
+@needs_megatron_lm
+def test_zbv_with_moe_and_untied_embeddings_matches_megatron_core_1f1b(mcore_1f1b_moe: MegatronLMRun,
+                                                                       zbv_moe: MegatronLMRun) -> None:
+    """The V's chunks built through Megatron-LM's MoE block spec (each chunk's layout a megatron-core
+    ``PipelineParallelLayerLayout`` answering by the V stage: layers 0 and 3 on rank 0), untied
+    embeddings: the same initial weights as 1F1B (the test plugin seeds the untied output layer as
+    well), so iteration 1's lm loss is bitwise equal (measured: its grad norm too, on both releases),
+    and the rest within the tolerances of the dense test (measured <= 1.1e-7 relative). The aux loss
+    (``load_balancing_loss``, summed over the layers by their global numbers) prints the same."""
+    for run, func in ((mcore_1f1b_moe, MCORE_1F1B), (zbv_moe, V_FUNC)):
+        assert [it.iteration for it in run.iterations] == list(range(1, ITERS + 1)), run.logs[-1][-2000:]
+        assert {it.forward_backward for it in run.iterations} == {func}
+    assert zbv_moe.lm_losses[0] == mcore_1f1b_moe.lm_losses[0]  # bitwise: same weights, data, arithmetic
+    for got, ref in zip(zbv_moe.lm_losses + zbv_moe.grad_norms, mcore_1f1b_moe.lm_losses + mcore_1f1b_moe.grad_norms):
+        assert abs(got - ref) <= RTOL * abs(ref), (zbv_moe.lm_losses, zbv_moe.grad_norms)
+    assert printed(zbv_moe, "load_balancing_loss")[0] == printed(mcore_1f1b_moe, "load_balancing_loss")[0]
+    ref = global_params(mcore_1f1b_moe, lambda rank, chunk: rank, layers_per_stage=2)
+    got = global_params(zbv_moe, lambda rank, chunk: rank if chunk == 0 else 3 - rank, layers_per_stage=1)
+    assert got.keys() == ref.keys()
+    assert "output_layer.weight" in got  # untied: the V's loss chunk holds its own
+    assert {f"decoder.layers.{i}.mlp.experts.local_experts.3.linear_fc1.weight" for i in range(4)} <= got.keys()
+    for name in sorted(ref):
+        scale = ref[name].abs().max().item()
+        assert (got[name] - ref[name]).abs().max().item() <= PARAM_TOL * scale, name
+
+
 # ---------------------------------------------------------------------- configure(), no Megatron-LM run
 def _flags(*argv: str, **megatron_lm: Any) -> argparse.Namespace:
     """The zero-bubble flags parsed as on Megatron-LM's parser, beside the Megatron-LM values
@@ -224,10 +274,8 @@ def test_configure_sets_two_chunks_per_rank_for_a_v(argv: tuple[str, ...], sched
 
 
 @pytest.mark.parametrize("argv,megatron_lm,message", [
-    ((), dict(mtp_num_layers=1), "--mtp-num-layers: not supported with the zero-bubble schedule 'zbv' inside "
-                                 "Megatron-LM's loop: multi-token prediction's layers are not split into B and W"),
-    ((), dict(num_experts=4), "--num-experts: not supported with the V schedule 'zbv' inside Megatron-LM's loop: the "
-                              "V's placement is not built through Megatron-LM's MoE layer spec on this route"),
+    ((), dict(mtp_num_layers=1), "--mtp-num-layers: not supported with the V schedule 'zbv' inside Megatron-LM's "
+                                 "loop: the V's loss stage is on pipeline rank 0"),
     ((), dict(use_megatron_fsdp=True), "--use-megatron-fsdp: refused with the zero-bubble schedule 'zbv': "
                                        "megatron-core's Megatron FSDP reduce-scatters"),
     ((), dict(moe_shared_expert_overlap=True), "--moe-shared-expert-overlap: refused with the zero-bubble schedule "
@@ -284,3 +332,33 @@ def test_script_edit_replaces_exactly_once() -> None:
     for old in ("missing", "\n"):
         with pytest.raises(ValueError, match="script edit: .* occurs [03] times in pretrain_gpt.py, not once"):
             edit_script(text, json.dumps([[old, "y"]]))
+
+
+def test_a_v_chunk_layout_is_megatron_core_s_and_answers_by_the_v_stage() -> None:
+    """What lets megatron-core's ``get_gpt_decoder_block_spec`` (Megatron-LM's MoE model) build a V chunk:
+    the chunk config's layout is a ``PipelineParallelLayerLayout`` (it asserts that type) whose answers
+    are the V stage's global layers, whatever rank or virtual stage is named; it survives pickling and
+    deep copies (rebuilt from the plan). In the loop: test_zbv_with_moe_and_untied_embeddings_*."""
+    import copy
+    import pickle
+
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megatron_zb.megatron_lm.v import _as_megatron_layout
+    from megatron_zb.model import plan_chunks
+
+    plan = plan_chunks(num_layers=8, stage_to_rank=[0, 1, 1, 0])[3]  # the loss stage, on rank 0: layers 6-7
+    made = _as_megatron_layout(plan)
+    for layout in (made, pickle.loads(pickle.dumps(made)), copy.deepcopy(made)):
+        assert isinstance(layout, PipelineParallelLayerLayout)
+        assert layout.get_layer_id_list(LayerType.decoder, vp_stage=1, pp_rank=0) == [6, 7]
+        assert layout.get_layer_offset(LayerType.decoder, vp_stage=None, pp_rank=1) == 6
+        assert layout.get_num_layers_to_build(LayerType.decoder) == 2
+        assert layout.layout[0][0] == [LayerType.decoder] * 2
+
+
+def test_configure_accepts_moe_with_a_v() -> None:
+    from megatron_zb.megatron_lm import configure
+
+    assert configure(_flags("--zero-bubble-v-schedule", num_experts=4))["schedule"] == "zbv"
