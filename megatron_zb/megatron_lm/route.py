@@ -53,13 +53,12 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import os
-import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import v as v_route
 from .rebind import Rebinds
+from .refusals import NOT_YET, exit_refused, refused_with_a_schedule
 from .v import v_model_provider
 from ..schedules.ir import vocab_passes_unsupported
 from ..schedules.registry import get_spec
@@ -73,50 +72,6 @@ if TYPE_CHECKING:
 
 __all__ = ["NOT_YET", "ReplanningForwardBackward", "add_flags", "configure", "install",
            "planner_config", "refused_with_a_schedule", "uninstall", "v_model_provider"]
-
-NOT_YET: dict[str, str] = {
-    "allow_padding_num_layers": "Megatron-LM splits the layers itself; use its --decoder-first-pipeline-num-layers "
-                                "/ --decoder-last-pipeline-num-layers, or drop the flag",
-    "enable_vocab_parallel": "Megatron-LM's model provider builds the whole word embedding and output layer; "
-                             "run vocabulary parallelism with pretrain_gpt_zb.py, or drop the flag",
-}
-"""Zero-bubble flags (``args`` attribute -> why and what to do) refused inside Megatron-LM's loop."""
-
-
-def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[ArgumentError]:
-    """Megatron-LM flags refused with any zero-bubble ``schedule`` inside Megatron-LM's loop, one
-    :class:`ArgumentError` each: ``--use-megatron-fsdp``, ``--moe-shared-expert-overlap`` and
-    ``--moe-router-force-load-balancing``, for the reasons ``pretrain_gpt_zb.py`` refuses them
-    (:data:`~megatron_zb.training.arguments.flags.WHY_NOT`). ``--mtp-num-layers`` is refused with a V only
-    (:func:`~megatron_zb.megatron_lm.v.refused_with_a_v`)."""
-    from ..training.arguments.flags import WHY_NOT
-
-    refused = []
-    if getattr(args, "use_megatron_fsdp", False):
-        refused.append(ArgumentError("--use-megatron-fsdp", f"refused with the zero-bubble schedule {schedule!r}: "
-                                                            f"{WHY_NOT['--use-megatron-fsdp']}; drop it or the "
-                                                            f"zero-bubble flags"))
-    for name in ("--moe-shared-expert-overlap", "--moe-router-force-load-balancing"):  # DeepSeek's MoE: as ours
-        if getattr(args, name[2:].replace("-", "_"), False):
-            refused.append(ArgumentError(name, f"refused with the zero-bubble schedule {schedule!r}: {WHY_NOT[name]}; "
-                                               f"drop it or the zero-bubble flags"))
-    return refused
-
-QUIET_RANKS_WAIT_S = 2.0
-"""Seconds every rank but global rank 0 waits before exiting 2 on a refused command line: rank 0 prints
-the report meanwhile, before a launcher tears the job down at the first exit (torchrun: 0.1 s polls)."""
-
-
-def exit_refused(error: ArgumentError) -> NoReturn:
-    """Exit 2 for ``error`` (every problem of the command line): global rank 0 (``RANK``; no process
-    group exists yet) prints ``megatron-zb: error: ...`` on stderr, every other rank prints nothing and
-    exits after :data:`QUIET_RANKS_WAIT_S`: the report is printed once per job."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"megatron-zb: error: {error}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(QUIET_RANKS_WAIT_S)
-    raise SystemExit(2) from None
-
 
 _REBINDS = Rebinds()
 """What :func:`install` replaced in Megatron-LM (restored by :func:`uninstall`)."""

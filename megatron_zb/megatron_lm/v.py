@@ -53,8 +53,8 @@ from ..schedules.ir import V_CHUNKS_PER_RANK, v_stages
 from ..training.arguments.common import ArgumentError
 from .rebind import Rebinds
 
-__all__ = ["V_CHUNKS", "VForwardBackward", "VModelProvider", "activate", "check_provider", "check_v", "deactivate",
-           "refused_with_a_v", "v_model_provider"]
+__all__ = ["V_CHUNKS", "VForwardBackward", "VModelProvider", "activate", "as_megatron_layout", "check_provider",
+           "check_v", "deactivate", "refused_with_a_v", "v_model_provider"]
 
 V_CHUNKS = V_CHUNKS_PER_RANK
 """Model chunks per pipeline rank in a V (:data:`~megatron_zb.schedules.ir.V_CHUNKS_PER_RANK`)."""
@@ -351,17 +351,17 @@ class VModelProvider:
 def _v_chunk_config(config: Any, plan: Any, num_ranks: int) -> Any:
     """``megatron_zb.model.chunk_config`` (a copy of ``config`` whose layout gives the chunk's global
     layer offset), its layout seen by megatron-core as a ``PipelineParallelLayerLayout``
-    (:func:`_as_megatron_layout`): Megatron-LM's MoE model (``--num-experts``) is built from
+    (:func:`as_megatron_layout`): Megatron-LM's MoE model (``--num-experts``) is built from
     ``get_gpt_decoder_block_spec``, which takes the chunk's layers from the layout only if it is one."""
     from ..model import chunk_config
 
     chunk = chunk_config(config, plan, num_ranks)
     if chunk.pipeline_model_parallel_layout is not None:
-        chunk.pipeline_model_parallel_layout = _as_megatron_layout(chunk.pipeline_model_parallel_layout)
+        chunk.pipeline_model_parallel_layout = as_megatron_layout(chunk.pipeline_model_parallel_layout)
     return chunk
 
 
-def _as_megatron_layout(plan: Any) -> Any:
+def as_megatron_layout(plan: Any) -> Any:
     """``plan`` (a :class:`~megatron_zb.model.ChunkPlan`) behind megatron-core's
     ``PipelineParallelLayerLayout`` type: every question megatron-core asks a layout (``layout``,
     ``get_layer_offset``, ``get_num_layers_to_build``, ``get_layer_id_list``) is answered by the plan,
@@ -377,7 +377,7 @@ def _as_megatron_layout(plan: Any) -> Any:
             self.layout = chunk_plan.layout
 
         def __reduce__(self) -> tuple[Any, tuple[Any]]:  # pickle / deepcopy: rebuilt from the plan
-            return _as_megatron_layout, (self.plan,)
+            return as_megatron_layout, (self.plan,)
 
         def get_layer_offset(self, *args: Any, **kwargs: Any) -> int:
             return self.plan.get_layer_offset(*args, **kwargs)

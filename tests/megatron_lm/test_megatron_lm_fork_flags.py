@@ -86,18 +86,18 @@ def test_a_refused_command_line_is_reported_by_rank_0_only(rank, monkeypatch, ca
     """install()'s exit path (``exit_refused``): status 2 on every rank; the report on global rank 0's
     stderr only, the other ranks silent after their wait (tested inside Megatron-LM's loop with its
     real wait: test_megatron_lm_loop.py::test_a_bad_zero_bubble_flag_exits_2_before_any_process_group)."""
-    from megatron_zb.megatron_lm import route
+    from megatron_zb.megatron_lm import refusals
     from megatron_zb.training.arguments.common import ArgumentError
 
     waited = []
     monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(route.time, "sleep", waited.append)
+    monkeypatch.setattr(refusals.time, "sleep", waited.append)
     with pytest.raises(SystemExit) as e:
-        route.exit_refused(ArgumentError.combine([ArgumentError("--a", "one"), ArgumentError("--b", "two")]))
+        refusals.exit_refused(ArgumentError.combine([ArgumentError("--a", "one"), ArgumentError("--b", "two")]))
     assert e.value.code == 2
     out = capsys.readouterr()
     assert out.out == ""
     if rank == "0":
         assert out.err.startswith("megatron-zb: error: 2 problems with the command line") and waited == []
     else:
-        assert out.err == "" and waited == [route.QUIET_RANKS_WAIT_S]
+        assert out.err == "" and waited == [refusals.QUIET_RANKS_WAIT_S]

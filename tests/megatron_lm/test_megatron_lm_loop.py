@@ -229,7 +229,7 @@ def test_a_bad_zero_bubble_flag_exits_2_before_any_process_group(bad: tuple[str,
                                                                   message: str | tuple[str, ...]) -> None:
     """``message``: the one problem's line, or the lines of a report of several (each on a line of its own).
     The report is printed once, by global rank 0; every rank exits 2 (the others after
-    ``route.QUIET_RANKS_WAIT_S``), before any process group. The harness waits up to 30 s for the
+    ``refusals.QUIET_RANKS_WAIT_S``), before any process group. The harness waits up to 30 s for the
     other ranks after rank 0's exit (its default 3 s: a rank slowed down on a loaded machine was killed
     before it had reached the check, 2026-12-07); they exit about 2 s after rank 0."""
     with pytest.raises(MegatronLMError) as e:

@@ -345,11 +345,11 @@ def test_a_v_chunk_layout_is_megatron_core_s_and_answers_by_the_v_stage() -> Non
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-    from megatron_zb.megatron_lm.v import _as_megatron_layout
+    from megatron_zb.megatron_lm.v import as_megatron_layout
     from megatron_zb.model import plan_chunks
 
     plan = plan_chunks(num_layers=8, stage_to_rank=[0, 1, 1, 0])[3]  # the loss stage, on rank 0: layers 6-7
-    made = _as_megatron_layout(plan)
+    made = as_megatron_layout(plan)
     for layout in (made, pickle.loads(pickle.dumps(made)), copy.deepcopy(made)):
         assert isinstance(layout, PipelineParallelLayerLayout)
         assert layout.get_layer_id_list(LayerType.decoder, vp_stage=1, pp_rank=0) == [6, 7]
