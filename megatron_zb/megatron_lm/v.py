@@ -113,9 +113,9 @@ _REFUSED_WITH_A_V: tuple[tuple[str, str, str], ...] = (
      "the V splits the layers evenly; drop it"),
     ("mtp_num_layers", "--mtp-num-layers", "the V's loss stage is on pipeline rank 0, where megatron-core's "
                                            "multi-token prediction keeps a word-embedding copy it syncs only over "
-                                           "the embedding group of the first and last pipeline ranks "
-                                           "(pretrain_gpt_zb.py refuses it too); choose a schedule of another "
-                                           "placement (e.g. --enable-zero-bubble) or drop it"),
+                                           "the embedding group of the first and last pipeline ranks; run the V "
+                                           "with MTP in pretrain_gpt_zb.py (one shared embedding there), choose a "
+                                           "schedule of another placement (e.g. --enable-zero-bubble) or drop it"),
     ("use_legacy_models", "--use-legacy-models", "the V builds megatron-core GPT chunks; drop it"),
     ("yaml_cfg", "--yaml-cfg", "the V chunk configs are made from Megatron-LM's flags; drop it"),
 )
