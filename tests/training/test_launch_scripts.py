@@ -33,7 +33,7 @@ from harness.megatron_lm_examples import (GPT3_175B, LLAMA3_8B, LLAMA3_8B_FP8, M
                                           VP_VOCAB_PARALLEL, ZB_FORK, ZB_FORK_V_SCHEDULE, ZB_FORK_ZERO_BUBBLE,
                                           ZB_OFFLOAD, ZB_OFFLOAD_REFUSED)
 from megatron_zb.megatron_compat import rampup_calculator
-from harness.trainer_run import in_process
+from harness.trainer_run import in_process_many
 
 SCRIPTS = {"llama3_8b": (LLAMA3_8B, True), "mixtral_8x7b": (MIXTRAL_8X7B, None), "gpt3_175b": (GPT3_175B, False),
            "zb_fork": (ZB_FORK, False), "zb_offload": (ZB_OFFLOAD, None)}
@@ -58,17 +58,20 @@ def test_launch_script_trains_with_every_schedule_family(tmp_path, name):
         _assert_ramp_refused(script, tmp_path)  # megatron-core 0.19: GPT-3's published ramp
         return
 
-    def run(label: str, flags: list[str]) -> list:
-        """The script with ``flags`` added; its own folder (the scripts --save and --load one path)."""
-        return _curve(in_process(tmp_path, label, script.world_size, script.argv(tmp_path / label, pretrain=True) + flags))
-
-    ref = run("mcore", ["--use-megatron-core-schedule"])
+    flags = {"mcore": ["--use-megatron-core-schedule"], "zb": list(ZERO_BUBBLE.get(name, ["--enable-zero-bubble"]))}
+    if no_dropout is not None:
+        flags["zbv"] = list(ZB_FORK_V_SCHEDULE) if script is ZB_FORK else ["--zero-bubble-v-schedule"]
+    # one launch for the script's runs, each with its flags added and its own folder (the scripts --save and
+    # --load one path)
+    runs = in_process_many(tmp_path, {label: script.argv(tmp_path / label, pretrain=True) + extra
+                                      for label, extra in flags.items()}, script.world_size)
+    ref = _curve(runs["mcore"])
     assert len(ref) >= 4 and all(math.isfinite(loss) for _, loss, *_ in ref), ref
-    got = run("zb", list(ZERO_BUBBLE.get(name, ["--enable-zero-bubble"])))
+    got = _curve(runs["zb"])
     assert got == ref, f"{name}: zero bubble {got} != megatron-core {ref}"
     if no_dropout is None:
         return
-    v = run("zbv", list(ZB_FORK_V_SCHEDULE) if script is ZB_FORK else ["--zero-bubble-v-schedule"])
+    v = _curve(runs["zbv"])
     assert [i for i, *_ in v] == [i for i, *_ in ref]
     if no_dropout:
         for (i, loss, *_), (_, want, *_) in zip(v, ref):
@@ -132,9 +135,11 @@ def test_vocabulary_parallelism_script_matches_megatron_core(tmp_path):
     within 2^-9 -- docs/vocab_parallel.md's half-precision bounds (each slice's part of the output layer's
     input gradient is rounded to fp16, then summed over the slices: another rounding than megatron-core's
     one GEMM; the softmax sums its slices in another order)."""
-    ref = _curve(in_process(tmp_path, "mcore", 2, VP_GPT.argv(tmp_path / "mcore", pretrain=True)
-                            + ["--use-megatron-core-schedule"]))
-    run = in_process(tmp_path, "vocab", 2, VP_GPT.argv(tmp_path / "vocab", pretrain=True) + list(VP_VOCAB_PARALLEL))
+    runs = in_process_many(tmp_path, {"mcore": VP_GPT.argv(tmp_path / "mcore", pretrain=True)
+                                      + ["--use-megatron-core-schedule"],
+                                      "vocab": VP_GPT.argv(tmp_path / "vocab", pretrain=True) + list(VP_VOCAB_PARALLEL)},
+                           2)
+    ref, run = _curve(runs["mcore"]), runs["vocab"]
     assert "schedule 1f1b-vocab-2 (" in run["log"] and "vocabulary parallelism: 2 slices of 128 rows" in run["log"]
     got = _curve(run)
     assert len(ref) == 4 and all(math.isfinite(loss) for _, loss, *_ in ref), ref
