@@ -253,11 +253,11 @@ def test_llama_example_cpu_loss_curves_equal_megatron_core(tmp_path):
     schedule; lm loss and grad norm of each iteration equal megatron-core 1F1B's (V: 1e-6 relative).
     The script runs under torchrun once (``--enable-zero-bubble``); megatron-core's 1F1B, ``zb-2p``
     and ``zbv`` run the trainer in-process on the exact command line the script passes."""
-    from harness.pretrain_harness import in_process
+    from harness.trainer_run import in_process_many
 
     curves = {"zb": _example_run("zb", tmp_path)}
-    for name in ("mcore", "zb-2p", "zbv"):
-        curves[name] = in_process(tmp_path, name, 2, _example_argv(name, tmp_path))["values"]["train"]
+    runs = in_process_many(tmp_path, {name: _example_argv(name, tmp_path) for name in ("mcore", "zb-2p", "zbv")}, 2)
+    curves.update({name: run["values"]["train"] for name, run in runs.items()})
     ref = curves["mcore"]
     assert [r["iteration"] for r in ref] == [1, 2, 3, 4]
     for name in ("zb", "zb-2p", "zbv"):
@@ -283,18 +283,22 @@ def test_mtp_pp2_curves_equal_megatron_core(tmp_path, tie):
     0, one word-embedding parameter for the lookups of stage 0 and the MTP layers and the output layer's three
     uses) to 1e-6 relative (that parameter's gradients are summed in another order), and the iteration line logs
     ``mtp_1 loss`` / ``mtp_2 loss`` as Megatron-LM's does."""
-    from harness.pretrain_harness import SMALL, in_process
+    from harness.pretrain_harness import SMALL
+    from harness.trainer_run import in_process_many
 
     argv = SMALL + ["--pipeline-model-parallel-size", "2", "--train-iters", "3", "--mtp-num-layers", "2",
                     "--mtp-loss-scaling-factor", "0.3", *tie]
-    ref = in_process(tmp_path, "mcore", 2, argv + ["--use-megatron-core-schedule"])
+    families = (("zb", ["--enable-zero-bubble"]), ("zb-2p", ["--schedule", "zb-2p"]), ("zb-h1", ["--schedule", "zb-h1"]),
+                ("zbv", ["--zero-bubble-v-schedule"]))
+    families = families if not tie else families[:1]  # untied: every family in the matrix's mtp column
+    runs = in_process_many(tmp_path, {"mcore": argv + ["--use-megatron-core-schedule"],
+                                      **{name: argv + flags for name, flags in families}}, 2)  # one launch
+    ref = runs["mcore"]
     assert re.search(r"\| lm loss: \S+ \| mtp_1 loss: \S+ \| mtp_2 loss: \S+ \|", ref["log"]), ref["log"][-2000:]
     want = [[r[k] for k in MTP_KEYS] for r in ref["values"]["train"]]
     assert len(want) == 3 and all(v is not None for row in want for v in row), want
-    families = (("zb", ["--enable-zero-bubble"]), ("zb-2p", ["--schedule", "zb-2p"]), ("zb-h1", ["--schedule", "zb-h1"]),
-                ("zbv", ["--zero-bubble-v-schedule"]))
-    for name, flags in families if not tie else families[:1]:  # untied: every family in the matrix's mtp column
-        got = [[r[k] for k in MTP_KEYS] for r in in_process(tmp_path, name, 2, argv + flags)["values"]["train"]]
+    for name, _ in families:
+        got = [[r[k] for k in MTP_KEYS] for r in runs[name]["values"]["train"]]
         if name == "zbv":  # one word-embedding parameter on rank 0: its gradients summed in another order
             assert got == [pytest.approx(row, rel=1e-6) for row in want], f"{name}: {got} != megatron-core's {want}"
         else:
