@@ -39,6 +39,7 @@ import pytest
 
 from harness.pretrain_harness import (DROPOUT, SCRIPT, SMALL, assert_curve, in_process, losses, torchrun,
                                                  train)
+from harness.trainer_run import in_process_many
 
 # megatron-core's import-time notices (the bad-input tests import it into this process).
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -434,15 +435,18 @@ def test_mixed_precision_curves_equal_megatron_core(tmp_path, precision, extra):
     within 1e-5 relative (tied embeddings, see below; clipping off: see docs/compatibility.md)."""
     argv = SMALL + [f"--{precision}", "--pipeline-model-parallel-size", "2", "--train-iters", "8",
                     "--clip-grad", "0", *extra]
-    ref = _curve(in_process(tmp_path, "mcore", 2, argv + ["--use-megatron-core-schedule"]))
+    flags = {"mcore": ["--use-megatron-core-schedule"], "zb": ["--enable-zero-bubble"], "zbv": ["--zero-bubble-v-schedule"]}
+    curves = {name: _curve(run) for name, run in
+              in_process_many(tmp_path, {name: argv + f for name, f in flags.items()}, 2).items()}  # one launch
+    ref = curves["mcore"]
     assert [it for it, *_ in ref] == list(range(1, 9))
     if precision == "fp16":
         skipped = [i for i, (_, _, _, s) in enumerate(ref) if s]
         assert skipped and not ref[-1][3], ref  # some iterations overflowed, training then went on
         scales = [scale for _, _, scale, _ in ref]
         assert any(b == a / 2 for a, b in zip(scales, scales[1:])), scales  # the loss scale was halved
-    for name, flags in (("zb", ["--enable-zero-bubble"]), ("zbv", ["--zero-bubble-v-schedule"])):
-        got = _curve(in_process(tmp_path, name, 2, argv + flags))
+    for name in ("zb", "zbv"):
+        got = curves[name]
         if name == "zb":
             assert got == ref, f"{precision} {name}: {got} != {ref}"
             continue
