@@ -3,9 +3,9 @@
 Runs the same runner code as ``scripts/compat_matrix.py`` (real megatron-core GPT chunks, DDP,
 optimizers, gloo processes) over the *full* product of families and features, and asserts each
 cell's status from :data:`EXPECTED`, written here by hand -- not computed by the runner. The
-first eleven features run one launch per feature and placement group (about 2.5 minutes on 2
-idle cores); issue 13's six model features and issue 41's mtp, mla and deepseek-moe (:data:`MODEL_FEATURES`) share one
-launch per placement group (about 25 s of CPU time per rank). Also: recomputation, MoE and MLA queue the
+training features (:data:`TRAINING_FEATURES`) share one launch per placement group and world size, and so
+do issue 13's six model features and issue 41's mtp, mla and deepseek-moe (:data:`MODEL_FEATURES`): about 2
+minutes for the whole matrix on a loaded 2-core machine (one launch per feature took about 3). Also: recomputation, MoE and MLA queue the
 expected number of deferred weight-gradient computations; megatron-core's own execution order
 (instrumented forward and backward steps) equals ``1f1b``'s and ``interleaved-1f1b``'s, at PP=2
 and PP=4; issue 24's vocab-parallel column (each family's vocabulary form against megatron-core's
@@ -102,6 +102,11 @@ MODEL_FEATURES = ["llama", "recompute-full", "recompute-selective", "tied", "une
 rank before issue 41, each of its columns a few seconds more)."""
 
 
+TRAINING_FEATURES = [f.name for f in FEATURES if f.name not in MODEL_FEATURES]
+"""The eleven training features (precisions, TP, DP, fusion, post-validation, per-token loss): run together
+as well, one launch per placement group and world size."""
+
+
 class Matrix:
     """Runs each feature's launches once (on first use) and keeps its cells and raw results."""
 
@@ -111,12 +116,12 @@ class Matrix:
 
     def column(self, f: Feature) -> dict[str, Cell]:
         if f.name not in self.cells:
-            group = [feature(n) for n in MODEL_FEATURES] if f.name in MODEL_FEATURES else [f]
-            launches = plan_launches(group, ALL_FAMILIES, ModelShape(), together=f.name in MODEL_FEATURES)
-            if f.name not in MODEL_FEATURES:  # a same_w_as column already run (fp32) is not run again
-                done = {name for name, _ in self.results}
-                launches = [Launch(specs, launch.world_size) for launch in launches
-                            if (specs := tuple(s for s in launch.specs if s.feature.name not in done))]
+            names = MODEL_FEATURES if f.name in MODEL_FEATURES else TRAINING_FEATURES
+            group = [feature(n) for n in names]
+            launches = plan_launches(group, ALL_FAMILIES, ModelShape(), together=True)
+            done = {name for name, _ in self.results}  # a same_w_as column already run (fp32) is not run again
+            launches = [Launch(specs, launch.world_size) for launch in launches
+                        if (specs := tuple(s for s in launch.specs if s.feature.name not in done))]
             results, errors = run_launches(launches, timeout=300)
             self.results.update(results)
             for g in group:
