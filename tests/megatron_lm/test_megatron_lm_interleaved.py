@@ -42,7 +42,7 @@ import pytest
 from harness.megatron_lm import (CPU_FLAGS, MOCK_DATA_FLAGS, TINY_GPT_FLAGS, MegatronLMRun,
                                              bitwise_differences, run_megatron_lm)
 import test_megatron_lm_loop
-from test_megatron_lm_loop import DEEPSEEK_MOE, FLAGS_PLUGIN, ITERS, REPLAN_FUNC, TIMEOUT_S, ZB_FUNC, loop_flags, assert_trains
+from test_megatron_lm_loop import DEEPSEEK_MOE, FLAGS_PLUGIN, ITERS, NO_TORCH_COMPILE, REPLAN_FUNC, TIMEOUT_S, ZB_FUNC, loop_flags, assert_trains
 
 pytestmark = test_megatron_lm_loop.pytestmark  # skips without Megatron-LM or its imports
 
@@ -60,7 +60,8 @@ expert and DeepSeek's router) at expert parallelism 1 (world 2: no room for EP=2
 
 
 def _run(plugin: str | None = None, extra: tuple[str, ...] = ()) -> MegatronLMRun:
-    return run_megatron_lm([*PP2_VP2, *extra], world_size=2, timeout=TIMEOUT_S, plugin=plugin, params=True)
+    return run_megatron_lm([*PP2_VP2, *extra], world_size=2, timeout=TIMEOUT_S, plugin=plugin, params=True,
+                           env=NO_TORCH_COMPILE)
 
 
 @pytest.fixture(scope="module")
