@@ -23,7 +23,10 @@ _CUDA_FACTORY_MODULES_016: tuple[str, ...] = (
     "megatron.core.tensor_parallel.data",  # _build_key_size_numel_dictionaries: sizes_cuda (broadcast_data, TP > 1)
 )
 CUDA_FACTORY_MODULES: dict[str, tuple[str, ...]] = {
-    "0.16": _CUDA_FACTORY_MODULES_016,
+    # track_moe_metrics (moe_utils.py:998): a tracked aux loss no router recorded is zeros(device="cuda"),
+    # e.g. Megatron-LM's "load_balancing_loss" beside --moe-router-load-balancing-type seq_aux_loss
+    # ("aux_loss" in "seq_aux_loss"); megatron-core 0.19 allocates it on the current device.
+    "0.16": (*_CUDA_FACTORY_MODULES_016, "megatron.core.transformer.moe.moe_utils"),
     "0.19": _CUDA_FACTORY_MODULES_016,
 }
 """Per release: megatron-core modules whose module-global ``torch`` the CPU shim replaces (they

@@ -381,8 +381,9 @@ def _zygote(folder: str, env: dict[str, str]) -> Any:
     return zygote
 
 
-_ZYGOTE_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "PYTHONHASHSEED")
-"""Variables read when the interpreter or torch starts: a zygote serves only runs that agree on them."""
+_ZYGOTE_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "PYTHONHASHSEED", "TORCHDYNAMO_DISABLE")
+"""Variables read when the interpreter or torch starts (``TORCHDYNAMO_DISABLE``: when ``torch._dynamo``'s
+config is imported): a zygote serves only runs that agree on them."""
 
 
 def _kill_group(p: Any) -> None:

@@ -53,18 +53,45 @@ FLAGS_PLUGIN = "import megatron_zb.megatron_lm\nmegatron_zb.megatron_lm.install(
 PP2 = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *TINY_GPT_FLAGS, "--pipeline-model-parallel-size", "2",
        "--global-batch-size", "8", "--train-iters", str(ITERS))
 """Tiny GPT, PP=2 (world 2): 4 micro batches of 2 per iteration."""
+DEEPSEEK_MOE = ("--num-experts", "4", "--moe-layer-freq", "[0,1,1,1]", "--moe-ffn-hidden-size", "32",
+                "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "32",
+                "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+                "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "2.5",
+                "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
+                "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall")
+"""DeepSeek-V3's MoE as tests/training/test_deepseek_v3.py builds it (``DEEPSEEK_V3``) for pretrain_gpt_zb.py:
+layer 0 dense, layers 1-3 and the MTP layer MoE of 4 experts with a shared expert, DeepSeek's router
+(sigmoid scores, group-limited top-2 in 2 groups of which 1 per token, the aux-loss-free expert bias,
+top-k scaling factor 2.5, the sequence-level aux loss), expert parallelism 2 with the all-to-all
+dispatcher. No linear biases (``LLAMA_FLAGS``' ``--disable-bias-linear``: megatron-core's biased experts
+fail in its own 1F1B on CPU). Not multi-latent attention: megatron-core's local spec, the one Megatron-LM
+builds without Transformer Engine, gives MLA its ``DotProductAttention``, which does not take MLA's head
+sizes -- ``TypeError: DotProductAttention.__init__() got an unexpected keyword argument 'k_channels' when
+instantiating DotProductAttention when instantiating MLASelfAttention when instantiating TransformerLayer``
+(megatron-core's own 1F1B, core_v0.16.1 and core_v0.19.0; pretrain_gpt_zb.py substitutes
+megatron_zb/model/mla.py's attention and runs MLA: tests/training/test_deepseek_v3.py)."""
 PP2_DP2 = (*CPU_FLAGS, *MOCK_DATA_FLAGS, *LLAMA_FLAGS, "--pipeline-model-parallel-size", "2",
            "--global-batch-size", "16", "--train-iters", str(ITERS),
-           "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--mtp-num-layers", "1")
-"""Tiny LLaMA, PP=2 x DP=2 (world 4), distributed optimizer, overlapped grad reduce and param gather,
-one multi-token prediction layer (untied: the output layer's weight serves the main loss and the MTP
-layer's, one summed W entry; the MTP loss compared bit for bit with the rest): 4 micro batches of 2 per
-data-parallel rank per iteration."""
+           "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--mtp-num-layers", "1",
+           *DEEPSEEK_MOE)
+"""A DeepSeek-V3-shaped tiny LLaMA (issue 41): PP=2 x DP=2 (world 4) with expert parallelism 2, the
+distributed optimizer, overlapped grad reduce and param gather, :data:`DEEPSEEK_MOE`, one multi-token
+prediction layer (untied: the output layer's weight serves the main loss and the MTP layer's, one
+summed W entry; the MTP loss compared bit for bit with the rest); GQA attention, not MLA (see
+:data:`DEEPSEEK_MOE`): 4 micro batches of 2 per data-parallel rank per iteration."""
+
+
+NO_TORCH_COMPILE = {"TORCHDYNAMO_DISABLE": "1"}
+"""Every rank's environment here, speed only: megatron-core's MoE functions decorated ``@jit_fuser``
+(``torch.compile``: the experts' GLU and activation, the router's expert-bias update) run eagerly, as the fused
+kernels ``CPU_FLAGS`` turn off do (a PP2_DP2 run measured 16.7 s with compilation, 9.3 s without, every
+loss and grad norm bitwise the same). The baseline and every compared run get the same environment."""
 
 
 def run_loop(argv: tuple[str, ...], world_size: int, plugin: str | None = None, extra: tuple[str, ...] = ()
          ) -> MegatronLMRun:
-    return run_megatron_lm([*argv, *extra], world_size=world_size, timeout=TIMEOUT_S, plugin=plugin, params=True)
+    return run_megatron_lm([*argv, *extra], world_size=world_size, timeout=TIMEOUT_S, plugin=plugin, params=True,
+                           env=NO_TORCH_COMPILE)
 
 
 def assert_bitwise_equal(run: MegatronLMRun, ref: MegatronLMRun) -> None:
@@ -124,6 +151,8 @@ def mcore_pp2_dp2() -> MegatronLMRun:
 
 
 def test_pp2_dp2_megatron_core_1f1b_trains(mcore_pp2_dp2: MegatronLMRun) -> None:
+    """The baseline is the model described: dense layer 0, DeepSeek MoE layers (experts split over the
+    expert-parallel pair, a shared expert), the MTP layer an MoE layer, the sequence aux loss logged."""
     assert_trains(mcore_pp2_dp2, 4, MCORE_1F1B)
     params = mcore_pp2_dp2.params
     assert params is not None and params[0].keys() == params[1].keys()  # ranks 0, 1: stage 0 (DP pair)
@@ -133,9 +162,19 @@ def test_pp2_dp2_megatron_core_1f1b_trains(mcore_pp2_dp2: MegatronLMRun) -> None
     layer = "chunk0.decoder.layers.0."
     assert params[0][layer + "self_attention.linear_qkv.weight"].shape == (64 + 2 * 2 * 16, 64)  # GQA: 2 groups
     assert params[0][layer + "mlp.linear_fc1.weight"].shape == (2 * 176, 64)  # SwiGLU: gate and up
-    assert all(torch.equal(params[0][n], params[1][n]) for n in params[0])  # data-parallel replicas agree
+    moe = "chunk0.decoder.layers.1.mlp."  # --moe-layer-freq [0,1,1,1]: layer 0 dense, then MoE
+    assert params[0][moe + "router.weight"].shape == (4, 64)  # 4 experts
+    assert params[0][moe + "shared_experts.linear_fc1.weight"].shape == (2 * 32, 64)
+    experts = {n for n in params[0] if ".experts." in n}
+    assert {n.split("local_experts.")[1].split(".")[0] for n in experts} == {"0", "1"}  # EP=2: 2 of 4 per rank
+    assert all(not torch.equal(params[0][n], params[1][n]) for n in experts)  # ranks 0, 1: the other 2 experts
+    assert all(torch.equal(params[0][n], params[1][n]) for n in params[0] if n not in experts)  # DP replicas agree
     assert "chunk0.mtp.layers.0.eh_proj.weight" in params[-1]  # --mtp-num-layers 1: on the last stage
+    # an MoE MTP layer (megatron-core 0.19 names its layer mtp_model_layer)
+    assert {"chunk0.mtp.layers.0.transformer_layer.mlp.router.weight",
+            "chunk0.mtp.layers.0.mtp_model_layer.mlp.router.weight"} & params[-1].keys()
     assert all(it.exact["mtp_1 loss"] > 0 for it in mcore_pp2_dp2.iterations)
+    assert all("| seq_load_balancing_loss: " in it.line for it in mcore_pp2_dp2.iterations)
 
 
 def test_pp2_dp2_patch_megatron_zb_is_bitwise_1f1b(mcore_pp2_dp2: MegatronLMRun) -> None:
