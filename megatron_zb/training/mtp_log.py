@@ -51,6 +51,6 @@ def broadcast_mtp_losses(values: Sequence[tuple[float, ...] | None], *, depth: i
         for i, v in enumerate(values):
             if v is not None:
                 buf[i, 0] = 1.0
-                buf[i, 1:] = torch.tensor(v, dtype=torch.float64)
+                buf[i, 1:] = torch.tensor(v, dtype=torch.float64, device=buf.device)
     dist.broadcast(buf, src=dist.get_global_rank(dist_ctx.pp_group, holder_pp), group=dist_ctx.pp_group)
     return [tuple(row[1:]) if row[0] else None for row in buf.cpu().tolist()]
