@@ -101,6 +101,7 @@ class ZeroBubbleForwardBackward:
     _reduce_watchdog: Watchdog | None = None  # NCCL: the last call's data-parallel reduces
     _installed: dict[tuple[int, int], Schedule] = field(default_factory=dict)
     _plans: dict[tuple[int, int, int, bool], RankPlan] = field(default_factory=dict)
+    _mtp_checked: set[int] = field(default_factory=set)  # id() of the chunks mark_tied_mtp_weights has seen
 
     def __post_init__(self) -> None:
         self._costs, self._memory_limit = self.options.costs, self.options.memory_limit
@@ -211,7 +212,10 @@ class ZeroBubbleForwardBackward:
         self._begin_call(forward_only)
         install_routes()
         chunks = model if isinstance(model, list) else [model]
-        mark_tied_mtp_weights(chunks)  # chunks built outside megatron-zb (Megatron-LM's loop) with MTP
+        new = [c for c in chunks if id(c) not in self._mtp_checked]
+        if new:  # once per chunk, not every call (it walks every module): chunks built outside megatron-zb
+            mark_tied_mtp_weights(new)
+            self._mtp_checked.update(id(c) for c in new)
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(chunks)
         config = get_model_config(chunks[0])
         pp_group = parallel_state.get_pipeline_model_parallel_group()
