@@ -45,7 +45,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
 from megatron_zb.megatron_compat import vocab_parallel_cross_entropy_math
 from megatron_zb.model.gpt_chunks import derive_seed
-from megatron_zb.planning.model import vocab_padding_multiple
+from megatron_zb.planning.model import padded_vocab_size  # noqa: F401 (this module's name for it)
 
 __all__ = ["EmbeddingState", "OutputGrads", "OutputState", "VocabParallelSlices", "VocabSlice", "WeightGrad",
            "broadcast_from", "embedding_if", "embedding_ib", "embedding_reduce", "output_c0", "output_c1",
@@ -53,17 +53,6 @@ __all__ = ["EmbeddingState", "OutputGrads", "OutputState", "VocabParallelSlices"
 
 
 # ---------------------------------------------------------------------- slices and weights
-def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp: int = 1) -> int:
-    """``vocab_size`` rounded up to a multiple of ``divisible_by x tp`` [rows]: Megatron-LM's
-    ``--make-vocab-size-divisible-by`` rule (:func:`~megatron_zb.planning.model.vocab_padding_multiple`),
-    which ``--enable-vocab-parallel`` keeps: :class:`VocabSlice` splits any row count."""
-    if vocab_size < 1 or divisible_by < 1 or tp < 1:
-        raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, divisible_by={divisible_by} and tp={tp} "
-                         f"must be >= 1")
-    multiple = vocab_padding_multiple(divisible_by, tp=tp)
-    return -(-vocab_size // multiple) * multiple
-
-
 @dataclass(frozen=True, slots=True)
 class VocabSlice:
     """Rows ``[start, end)`` of a ``padded_size``-row vocabulary: slice ``index`` of ``num_slices``, the

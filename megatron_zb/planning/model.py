@@ -7,7 +7,6 @@ planner) would reject raises :class:`PlanError` naming the flag.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -36,18 +35,22 @@ class PlanError(ValueError):
         self.flag = flag
 
 
-def vocab_padding_multiple(divisible_by: int, *, tp: int) -> int:
-    """The embedding rows are padded to a multiple of this [rows]: Megatron-LM's
-    ``--make-vocab-size-divisible-by x TP``, with and without ``--enable-vocab-parallel`` (whose
-    ``TP x PP`` slices split the rows as evenly as they go, :class:`~megatron_zb.model.vocab_parallel.VocabSlice`),
-    so a checkpoint continues across the flag whatever the vocabulary size."""
-    return divisible_by * tp
+def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp: int = 1) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by x tp`` [rows]: Megatron-LM's
+    ``--make-vocab-size-divisible-by`` rule, with and without ``--enable-vocab-parallel`` (whose ``TP x PP``
+    slices split the rows as evenly as they go, :class:`~megatron_zb.model.vocab_parallel.VocabSlice`), so a
+    checkpoint continues across the flag whatever the vocabulary size."""
+    if vocab_size < 1 or divisible_by < 1 or tp < 1:
+        raise ValueError(f"padded_vocab_size: vocab_size={vocab_size}, divisible_by={divisible_by} and tp={tp} "
+                         f"must be >= 1")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
 
 
 def padded_vocab_fix(saved: int, *, tp: int) -> str:
     """How to load a checkpoint whose embedding has ``saved`` rows into a run that pads to other rows
     (the clause after the checkpoint's refusal): ``--make-vocab-size-divisible-by saved/TP`` pads this
-    run to exactly ``saved`` rows (:func:`vocab_padding_multiple`), with or without
+    run to exactly ``saved`` rows (:func:`padded_vocab_size`), with or without
     ``--enable-vocab-parallel``, unless TP does not divide ``saved``."""
     if saved % tp == 0:
         return f"pass --make-vocab-size-divisible-by {saved // tp} to pad this run to the checkpoint's {saved} rows"
@@ -120,9 +123,8 @@ class PlanModel:
 
     def padded_vocab_size(self, tp: int) -> int:
         """Embedding rows as Megatron builds them: rounded up to ``divisible_by * TP``
-        (:func:`vocab_padding_multiple`; with ``--enable-vocab-parallel`` too)."""
-        step = vocab_padding_multiple(self.make_vocab_size_divisible_by, tp=tp)
-        return int(math.ceil(self.vocab_size / step) * step)
+        (:func:`padded_vocab_size`; with ``--enable-vocab-parallel`` too)."""
+        return padded_vocab_size(self.vocab_size, divisible_by=self.make_vocab_size_divisible_by, tp=tp)
 
     @property
     def query_size(self) -> int:

@@ -83,7 +83,7 @@ def output_layer_in_layers(*, vocab_size: int, hidden_size: int, seq_length: int
 
 def vocab_padded_size(model: PlanModel, par: PlanLayout) -> int:
     """``V_pad``: the vocabulary padded as Megatron-LM pads it, with or without ``--enable-vocab-parallel``
-    (:func:`.model.vocab_padding_multiple`)."""
+    (:func:`.model.padded_vocab_size`)."""
     return model.padded_vocab_size(par.tp)
 
 

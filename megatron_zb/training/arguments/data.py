@@ -8,7 +8,7 @@ import math
 import os
 from typing import Sequence
 
-from megatron_zb.planning.model import vocab_padding_multiple
+from megatron_zb.planning.model import padded_vocab_size
 from megatron_zb.training.data_files import DataFileError, IndexFile, read_checked_index
 from megatron_zb.training.data_splits import (SPLIT_NAMES, SplitShortage, split_num_samples, split_sequence_ranges,
                                               unbuildable_split)
@@ -235,5 +235,5 @@ def resolve_tokenizer_vocab(args: argparse.Namespace) -> None:
                                             f"{tok.vocab_size} tokens; raise it or omit it")
     else:
         vocab = args.vocab_size
-    multiple = vocab_padding_multiple(args.make_vocab_size_divisible_by, tp=args.tensor_model_parallel_size)
-    args.padded_vocab_size = -(-vocab // multiple) * multiple
+    args.padded_vocab_size = padded_vocab_size(vocab, divisible_by=args.make_vocab_size_divisible_by,
+                                               tp=args.tensor_model_parallel_size)
