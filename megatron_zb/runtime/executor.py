@@ -9,7 +9,9 @@ action list (:func:`execute`):
 * ``B``  -- megatron-core's ``backward_step`` inside :meth:`WeightGradStore.deferring` of the
   store passed in: input gradients now, the weight-gradient work of every routed layer queued
   (:mod:`megatron_zb.runtime.routes`, :func:`~megatron_zb.runtime.routes.backward_window`);
-* ``W``  -- runs the queue of that (stage, microbatch);
+* ``W``  -- runs the queue of that (stage, microbatch); with weight-gradient groups
+  (:attr:`RankPlan.w_groups`) a group's last ``W`` runs the whole group layer-major and its
+  earlier members run nothing;
 * ``BW`` -- megatron-core's ``backward_step`` as is (fused, as 1F1B does; layers that queue
   their weight gradients themselves, e.g. Transformer Engine's, run them right after);
 * ``IF`` / ``S`` / ``T`` / ``IB`` -- the vocabulary-parallel passes, run by the iteration's
@@ -305,6 +307,7 @@ class IterationState:
         self.forward_step_func, self.collect_non_loss_data = forward_step_func, collect_non_loss_data
         self.cp_group_size, self.first_val_step = cp_group_size, first_val_step
         self.forward_only = plan.forward_only
+        self.w_groups = plan.w_groups
         self.rank, self.stage_to_rank = plan.rank, plan.schedule.stage_to_rank
         self.m, self.last = plan.schedule.num_microbatches, plan.schedule.num_stages - 1
         self.feeders = {s: _InOrderFeeder(it) for s, it in runtime.data_iterators.items()
@@ -348,7 +351,11 @@ class IterationState:
         elif op is Op.F:
             self.forward(a, (a.mb, a.stage))
         elif op is Op.W:
-            self.store.run(a.stage, a.mb)
+            group = self.w_groups.get((a.stage, a.mb))
+            if group is None:
+                self.store.run(a.stage, a.mb)
+            elif group:  # the group's last W: the whole group, layer-major (an earlier member: nothing)
+                self.store.run_group(a.stage, group)
         else:  # B (weight gradients queued in the store) or BW (megatron-core's fused backward)
             self.backward(a, (a.mb, a.stage), deferred=op is Op.B)
 

@@ -11,6 +11,7 @@ import torch
 from ..schedules.costs import CostModel
 from ..schedules.ir import Schedule, ScheduleError, vocab_passes_unsupported
 from ..schedules.registry import build_schedule, get_spec
+from ..schedules.wgrad_groups import group_wgrads, wgrad_group_of
 from .executor import ActionTiming, LoopOverhead, StageRuntime, execute
 from .install import Installed, NotBuilt, install_from_rank0
 from .measure import Measure, Measured
@@ -62,6 +63,10 @@ class ZeroBubbleOptions:
             (:class:`~megatron_zb.runtime.vocab_runtime.VocabParallelModel`), required by -- and only
             allowed with -- a schedule with vocabulary-parallel passes (``1f1b-vocab-1``, ...), with the
             iterator of micro batches every rank reads for them (docs/vocab_parallel.md).
+        wgrad_group: run each stage's ``W``'s in groups of this many micro batches, each group layer-major
+            (:func:`~megatron_zb.schedules.wgrad_groups.group_wgrads` applied to every schedule built or
+            given; the gradients are bitwise those of the ungrouped schedule). ``None``: as the schedule
+            runs them.
     """
 
     schedule: str | Schedule = "zb"
@@ -73,6 +78,7 @@ class ZeroBubbleOptions:
     wait_policy: WaitPolicy | None = None
     validate: bool = True
     vocab_parallel: VocabParallelModel | None = None
+    wgrad_group: int | None = None
 
     def stage_to_rank(self, num_ranks: int) -> list[int]:
         """The placement the model chunks are built for at ``num_ranks`` pipeline ranks."""
@@ -132,13 +138,18 @@ class ZeroBubbleForwardBackward:
                 raise ScheduleError(f"the given schedule is for {fixed.num_ranks} pipeline ranks and "
                                     f"{fixed.num_microbatches} microbatches, but this run has {num_ranks} ranks and "
                                     f"{num_microbatches} microbatches")
-            return fixed
+            return self._grouped(fixed)
         if costs is None:
             costs, limit = self._costs, self._memory_limit
         else:  # measured costs bring their own limit (the measured bytes'), else the installed one stays
             limit = costs.memory_limit if costs.memory_limit is not None else self._memory_limit
-        return build_schedule(fixed, num_ranks=num_ranks, num_microbatches=num_microbatches, costs=costs,
-                              memory_limit=limit, num_chunks=self.options.num_chunks)
+        return self._grouped(build_schedule(fixed, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                                            costs=costs, memory_limit=limit, num_chunks=self.options.num_chunks))
+
+    def _grouped(self, sched: Schedule) -> Schedule:
+        """``sched`` with the options' weight-gradient groups (as it is without, or when already so grouped)."""
+        k = self.options.wgrad_group
+        return sched if k is None or wgrad_group_of(sched) == k else group_wgrads(sched, k)
 
     def install(self, num_ranks: int, num_microbatches: int, *, costs: CostModel | None = None,
                 schedule: Schedule | None = None) -> Installed | NotBuilt:
@@ -148,7 +159,7 @@ class ZeroBubbleForwardBackward:
         success also makes them the installed costs and drops the schedules of other ``m`` (built again
         from these costs when used); a :class:`NotBuilt` changes nothing. Collective."""
         def build() -> Schedule:
-            return schedule if schedule is not None else self.build(num_ranks, num_microbatches, costs)
+            return self._grouped(schedule) if schedule is not None else self.build(num_ranks, num_microbatches, costs)
 
         def adopt(sched: Schedule) -> None:
             _check_vocab_option(self.options, vocab_passes_unsupported(sched))

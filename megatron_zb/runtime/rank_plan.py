@@ -14,6 +14,7 @@ from typing import Sequence
 
 from ..schedules import Action, Op, Schedule
 from ..schedules.lowering import check_lowered, lower
+from ..schedules.wgrad_groups import check_wgrad_groups, group_runs, wgrad_group_of
 from .comm_certify import certified_programs, warmup_sequence
 from .comm_program import Program, build_programs, issue_order
 from .vocab_program import VocabRoles, broadcast_sources
@@ -42,6 +43,10 @@ class RankPlan:
         recv_slot: ``(op, mb, stage)`` of each receive -> its index in ``recv_order[peer]``.
         w_per_stage: per stage of this rank, how many ``W`` actions it runs (what the
             weight-gradient store is told at the start of each iteration).
+        w_groups: with weight-gradient groups (``schedule.meta["wgrad_group"]``,
+            :func:`~megatron_zb.schedules.wgrad_groups.group_runs`): ``(stage, mb)`` of a group's last
+            ``W`` -> the group's micro batches (the store runs them there, layer-major), of an earlier
+            member -> ``()``; empty without groups.
         program: the order in which the executor issues this rank's work (compute, receive
             posts and waits, sends and their releases, vocabulary collectives;
             :mod:`~megatron_zb.runtime.comm_program`).
@@ -60,6 +65,7 @@ class RankPlan:
     recv_order: dict[int, tuple[Action, ...]] = field(default_factory=dict)
     recv_slot: dict[tuple[Op, int, int], int] = field(default_factory=dict)
     w_per_stage: dict[int, int] = field(default_factory=dict)
+    w_groups: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     program: Program = Program((), 0)
     communicators: tuple[tuple[tuple, tuple[int, ...]], ...] = ()
 
@@ -107,6 +113,9 @@ def plan_ranks(schedule: Schedule, *, forward_only: bool = False, validate: bool
             check_lowered(lowered)
     else:
         lowered = lower(schedule, check=validate)
+    k = wgrad_group_of(lowered)
+    if validate and k is not None:
+        check_wgrad_groups(lowered, k)
     # every rank's part: a send's release point depends on the order the peer posts and sends
     parts = [_rank_part(lowered, r, forward_only) for r in range(lowered.num_ranks)]
 
@@ -154,7 +163,7 @@ def _rank_part(lowered: Schedule, rank: int, forward_only: bool) -> RankPlan:
                     forward_only=forward_only, recv_order=recv_order,
                     recv_slot={(a.op, a.mb, a.stage): i for order in recv_order.values()
                                for i, a in enumerate(order)},
-                    w_per_stage=w_per_stage)
+                    w_per_stage=w_per_stage, w_groups=group_runs(acts, wgrad_group_of(lowered)))
 
 
 class RecvPoster:

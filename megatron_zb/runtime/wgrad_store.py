@@ -147,33 +147,42 @@ class WeightGradStore:
     # ------------------------------------------------------------------ W: run
     def run(self, stage: int, microbatch: int) -> int:
         """Run (and drop) the queued weight-gradient work of ``(stage, microbatch)``; return its size."""
-        key = (stage, microbatch)
-        queue = self._queues.get(key)
-        if queue is None:
-            raise WeightGradStoreError(
-                f"W of stage {stage} microbatch {microbatch} has nothing to run: its B has not run "
-                f"(or this W already ran)")
+        return self.run_group(stage, (microbatch,))
+
+    def run_group(self, stage: int, microbatches: tuple[int, ...]) -> int:
+        """Run (and drop) the W's of ``stage`` for ``microbatches`` as one group, layer-major
+        (:func:`layer_major`: each layer's entries of every micro batch back to back, so a layer's
+        gradient is complete for the group before the next layer starts); return the entries run.
+
+        Each parameter still receives its micro batches' contributions in micro batch order, so the
+        gradients are bit for bit those of the same W's run one by one. Counts as ``len(microbatches)``
+        W actions (:meth:`begin_iteration`)."""
+        for mb in microbatches:
+            if (stage, mb) not in self._queues:
+                raise WeightGradStoreError(
+                    f"W of stage {stage} microbatch {mb} has nothing to run: its B has not run (or this W "
+                    f"already ran)")
         left = self._w_left.get(stage)
-        if left == 0:
-            raise WeightGradStoreError(f"W of stage {stage} microbatch {microbatch} is one more W than "
+        if left is not None and left < len(microbatches):
+            raise WeightGradStoreError(f"W of stage {stage} microbatch {microbatches[-1]} is one more W than "
                                        f"begin_iteration announced for stage {stage}")
         if left is None and self.on_params_done is not None:
             raise WeightGradStoreError(f"W of stage {stage} ran with on_params_done set but no W count for "
                                        f"stage {stage}: call begin_iteration first")
-        del self._queues[key]
-        if left == 1 and self.on_params_done is not None and self.report_per_entry:
-            self._w_left[stage] = 0
-            self._run_reporting(stage, queue, self.on_params_done)
-            self.executed += len(queue)
-            return len(queue)
-        _run_entries(queue)
-        self.executed += len(queue)
+        queues = [self._queues.pop((stage, mb)) for mb in microbatches]
+        queue = queues[0] if len(queues) == 1 else layer_major(queues)
+        last = left == len(microbatches)
         if left is not None:
-            self._w_left[stage] = left - 1
-            if left == 1 and self.on_params_done is not None:
+            self._w_left[stage] = left - len(microbatches)
+        if last and self.on_params_done is not None and self.report_per_entry:
+            self._run_reporting(stage, queue, self.on_params_done)
+        else:
+            _run_entries(queue)
+            if last and self.on_params_done is not None:
                 done = tuple(self._params.get(stage, {}).values())
                 if done:
                     self.on_params_done(done)
+        self.executed += len(queue)
         return len(queue)
 
     def _run_reporting(self, stage: int, queue: list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]],
@@ -251,6 +260,32 @@ class WeightGradStore:
 
 
 _Queue = list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]
+
+
+def layer_major(queues: list[_Queue]) -> _Queue:
+    """The entries of several micro batches' queues (given in micro batch order) regrouped layer-major:
+    the entries that add into a layer's parameters -- any entries sharing a parameter, transitively --
+    back to back for every micro batch, micro batch by micro batch, the layers in the order they first
+    appear. Every parameter then receives its contributions in the order the queues run one by one
+    would add them, so the gradients are bitwise the same."""
+    parent: dict[int, int] = {}
+
+    def root(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            parent[x] = x = parent[parent[x]]
+        return x
+
+    for queue in queues:  # 1. layers: parameters joined by the entries that touch them together
+        for _, params in queue:
+            ids = [id(p) for p in params]
+            for other in ids[1:]:
+                parent[root(other)] = root(ids[0])
+    by_layer: dict[object, _Queue] = {}  # 2. each layer's entries, micro batch order (the queues' order)
+    for queue in queues:
+        for entry in queue:
+            key: object = root(id(entry[1][0])) if entry[1] else id(entry)
+            by_layer.setdefault(key, []).append(entry)
+    return [entry for entries in by_layer.values() for entry in entries]
 
 
 def _run_entries(queue: _Queue, after: Callable[[int, tuple[torch.Tensor, ...]], None] | None = None) -> None:

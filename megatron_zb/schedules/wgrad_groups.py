@@ -12,8 +12,9 @@ until the group runs -- what the simulator's memory already counts once the ``W`
 :func:`group_wgrads` rewrites any split-backward schedule into that form (the data); the timing
 kernel's reduce model with :attr:`~.costs.DPReduceModel.wgrad_group` times it (each bucket ready as
 the group reaches its layer, reduce-scattered on the data-parallel channel); :func:`check_wgrad_groups`
-is the rule both rely on. Vocabulary passes (``T``, ``IB``) are not grouped. Not yet: the runtime
-that executes the groups, the planner's choice of ``k`` (issue 42).
+is the rule both rely on, and :func:`group_runs` tells the runtime where each group runs (the store
+runs a group layer-major: :meth:`~megatron_zb.runtime.wgrad_store.WeightGradStore.run_group`).
+Vocabulary passes (``T``, ``IB``) are not grouped. Not yet: the planner's choice of ``k`` (issue 42).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import dataclasses
 
 from .ir import Action, Op, Schedule, ScheduleError
 
-__all__ = ["check_wgrad_groups", "group_wgrads", "wgrad_group_of"]
+__all__ = ["check_wgrad_groups", "group_runs", "group_wgrads", "wgrad_group_of"]
 
 
 def wgrad_group_of(schedule: Schedule) -> int | None:
@@ -37,6 +38,12 @@ def _numbered_ws(acts: list[Action]) -> dict[int, list[int]]:
         if a.op is Op.W:
             ws.setdefault(a.stage, []).append(i)
     return ws
+
+
+def _groups(acts: list[Action], k: int) -> list[list[int]]:
+    """The one grouping rule: each stage's ``W``'s in the order the rank runs them, in runs of ``k`` (the
+    last run holds what is left); positions in ``acts``."""
+    return [positions[g:g + k] for positions in _numbered_ws(acts).values() for g in range(0, len(positions), k)]
 
 
 def group_wgrads(schedule: Schedule, k: int) -> Schedule:
@@ -66,11 +73,9 @@ def group_wgrads(schedule: Schedule, k: int) -> Schedule:
     for acts in sched.ranks:
         at: dict[int, list[Action]] = {}  # position of a group's last W -> the group
         moved: set[int] = set()
-        for positions in _numbered_ws(acts).values():
-            for g in range(0, len(positions), k):
-                members = positions[g:g + k]
-                at[members[-1]] = [acts[i] for i in members]
-                moved.update(members)
+        for members in _groups(acts, k):
+            at[members[-1]] = [acts[i] for i in members]
+            moved.update(members)
         ranks.append([b for i, a in enumerate(acts) for b in (at.get(i, ()) if i in moved else (a,))])
     return dataclasses.replace(sched, ranks=ranks, name=f"{sched.name}" if k == 1 else f"{sched.name} (W x{k})",
                                meta={**sched.meta, "wgrad_group": k})
@@ -80,9 +85,24 @@ def check_wgrad_groups(schedule: Schedule, k: int) -> None:
     """Raise :class:`ScheduleError` unless every stage's ``W``'s run in groups of ``k`` back to back on its
     rank (the last group possibly smaller) -- what a reduce per group assumes (:func:`group_wgrads`)."""
     for r, acts in enumerate(schedule.compute_only().ranks):
-        for stage, positions in _numbered_ws(acts).items():
-            for g in range(0, len(positions), k):
-                members = positions[g:g + k]
-                if members[-1] - members[0] != len(members) - 1:
-                    raise ScheduleError(f"rank {r}: stage {stage}'s W's {g + 1}..{g + len(members)} are not back to "
-                                        f"back (positions {members}); group them with group_wgrads(schedule, {k})")
+        for members in _groups(acts, k):
+            if members[-1] - members[0] != len(members) - 1:
+                w = acts[members[0]]
+                raise ScheduleError(f"rank {r}: stage {w.stage}'s W's of micro batches "
+                                    f"{[acts[i].mb for i in members]} are not back to back (positions {members}); "
+                                    f"group them with group_wgrads(schedule, {k})")
+
+
+def group_runs(acts: list[Action] | tuple[Action, ...], k: int | None) -> dict[tuple[int, int], tuple[int, ...]]:
+    """Where one rank's ``W`` groups run: ``(stage, mb)`` of each group's *last* ``W`` -> the group's micro
+    batches in run order, and ``(stage, mb)`` of every earlier member -> ``()`` (it runs with its group).
+    ``acts`` may hold communication actions (a lowered rank); ``k`` ``None`` or 1: no groups (empty)."""
+    if k is None or k == 1:
+        return {}
+    ws = [a for a in acts if a.op is Op.W]
+    runs: dict[tuple[int, int], tuple[int, ...]] = {}
+    for members in _groups(ws, k):
+        group = [ws[i] for i in members]
+        runs.update({(w.stage, w.mb): () for w in group[:-1]})
+        runs[(group[-1].stage, group[-1].mb)] = tuple(w.mb for w in group)
+    return runs

@@ -114,7 +114,8 @@ class SchedulePlanner:
             extra: dict[str, Any] = {} if vocab is None else {"vocab_parallel": vocab}
             runtime = get_forward_backward_func(config.schedule.name, memory_limit=config.schedule.memory_limit,
                                                 num_chunks=config.schedule.num_model_chunks,
-                                                timeout=config.schedule.pipeline_timeout_seconds, **extra)
+                                                timeout=config.schedule.pipeline_timeout_seconds,
+                                                wgrad_group=config.schedule.wgrad_group, **extra)
         self.runtime = self.pipeline = runtime
         self._installed_or_raise(self.num_microbatches, schedule=schedule)
 

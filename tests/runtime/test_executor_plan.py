@@ -72,6 +72,25 @@ def test_forward_backward_builds_each_plan_once_and_rebuilds_after_replan():
         fb.options.costs = measured                         # switches measurements or costs by mutating them
 
 
+def test_wgrad_group_option_groups_every_installed_schedule_and_the_plan_runs_each_group_at_its_last_w():
+    """``wgrad_group=2``: the built schedule, a re-planned one and one installed as given are all grouped
+    by 2; rank 0's plan then runs {W0, W1} at W1 and {W2, W3} at W3 (ZB-H1, p = 2, m = 4). A schedule
+    whose W's are not back to back in groups of its recorded size is refused by the plan."""
+    from megatron_zb.schedules.wgrad_groups import wgrad_group_of
+
+    fb = get_forward_backward_func("zb", wgrad_group=2)
+    fb.install(2, 4)
+    assert wgrad_group_of(fb.schedule_for(2, 4)) == 2
+    fb.install(2, 4, costs=CostModel(t_f=1.0, t_b=2.0, t_w=1.0))
+    assert wgrad_group_of(fb.schedule_for(2, 4)) == 2
+    fb.install(2, 4, schedule=build_schedule("zb-h1", num_ranks=2, num_microbatches=4))
+    assert fb.plan_for(2, 4, 0).w_groups == {(0, 0): (), (0, 1): (0, 1), (0, 2): (), (0, 3): (2, 3)}
+    assert plan_rank(build_schedule("zb-h1", num_ranks=2, num_microbatches=4), rank=0).w_groups == {}
+    claimed = dataclasses.replace(build_schedule("zb-h1", num_ranks=2, num_microbatches=4), meta={"wgrad_group": 2})
+    with pytest.raises(ScheduleError, match="not back to back"):
+        plan_rank(claimed, rank=0)
+
+
 def test_install_refuses_another_placement_and_reports_what_cannot_be_built():
     """The install protocol checks the placement the model was built for, and a schedule that cannot be
     built comes back as NotBuilt, naming why, with nothing installed."""

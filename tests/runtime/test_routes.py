@@ -168,6 +168,36 @@ def test_store_refuses_w_beyond_the_announced_count_and_hook_without_counts():
         store.run(0, 0)
 
 
+def test_store_runs_a_group_layer_major_and_each_gradient_in_microbatch_order():
+    """Four micro batches queue, per B: layer A's entry (weight w, bias b), layer B's (v), then another entry
+    into w alone (a weight used twice). Micro batch 0's W runs alone (not the stage's last: nothing is
+    reported); then 1, 2, 3 as one group: A's layer (its two entries, which share w) for micro batches 1, 2,
+    3, then B's -- so w receives A.1, C.1, A.2, C.2, A.3, C.3, the order of the W's one by one. Being the
+    stage's last W, with per-entry reports, each parameter is reported right after its last entry: b after
+    A.3, w after C.3, v after B.3."""
+    w, b, v = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    log: list[str] = []
+    done: list[tuple[str, set[int]]] = []
+    store = WeightGradStore()
+    store.on_params_done = lambda params: done.append((log[-1], {id(p) for p in params}))
+    store.report_per_entry = True
+    store.begin_iteration({0: 4})
+    for mb in range(4):
+        with store.deferring(0, mb):
+            store.put(_adder(w, log, f"A.{mb}"), params=(w, b))
+            store.put(_adder(v, log, f"B.{mb}"), params=(v,))
+            store.put(_adder(w, log, f"C.{mb}"), params=(w,))
+    assert store.run_group(0, (0,)) == 3 and done == []
+    log.clear()
+    assert store.run_group(0, (1, 2, 3)) == 9
+    assert log == ["A.1", "C.1", "A.2", "C.2", "A.3", "C.3", "B.1", "B.2", "B.3"]
+    assert done == [("A.3", {id(b)}), ("C.3", {id(w)}), ("B.3", {id(v)})]
+    assert torch.equal(w.grad, torch.full((2,), 8.0)) and store.executed == 12 and store.remaining_w(w) == 0
+    store.assert_empty()
+    with pytest.raises(WeightGradStoreError, match="W of stage 0 microbatch 0 has nothing to run"):
+        store.run_group(0, (0,))
+
+
 # ---------------------------------------------------------------------- the linear row, real megatron-core
 def _column_parallel_linear_defers_its_weight_gradient() -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear

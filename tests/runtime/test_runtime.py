@@ -49,6 +49,19 @@ def test_pp4_schedules_match_megatron_1f1b_bitwise():
         _assert_same(ref, got, what=f"PP=4 {schedule}")
 
 
+@pytest.mark.parametrize("schedule,k", [("zb", 2), ("zb-h1", 4)])
+def test_weight_gradient_groups_run_layer_major_and_match_megatron_1f1b_bitwise(pp2_reference, schedule, k):
+    """``wgrad_group=k``: each stage's W's run in groups of ``k`` micro batches (of 4), layer-major
+    (:meth:`~megatron_zb.runtime.wgrad_store.WeightGradStore.run_group`). Every parameter still receives its
+    micro batches in order, so losses and gradients stay bitwise megatron-core 1F1B's; every W entry ran."""
+    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=schedule, wgrad_group=k),
+                                        world_size=2, timeout=90))
+    _assert_same(pp2_reference, got, what=f"{schedule} in W groups of {k}")
+    ungrouped = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=schedule), world_size=2,
+                                              timeout=90))
+    assert got["w_deferred"] == ungrouped["w_deferred"] > 0
+
+
 def test_stage_outputs_are_pseudo_freed_as_megatron_core_requires():
     """Megatron-LM always sets ``deallocate_pipeline_outputs`` (TinyGPT's config does too, through
     ``cpu_gpt_config``): megatron-core's ``backward_step`` then asserts that every stage output was
@@ -208,6 +221,15 @@ def test_v_schedules_match_the_unpipelined_model(pp1_reference, schedule, wait_p
     got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule=schedule,
                                                 wait_policy=policy), world_size=2, timeout=90))
     _assert_same(pp1_reference, got, what=schedule)
+    assert got["w_deferred"] > 0
+
+
+def test_v_schedule_in_weight_gradient_groups_matches_the_unpipelined_model(pp1_reference):
+    """ZB-V with its W's in groups of 2 (two stages per rank, each grouped on its own): bitwise the
+    unpipelined model, as ZB-V ungrouped is."""
+    got = TinyGPT.merge(run_distributed(partial(run_step, TinyGPT(pp=2), schedule="zbv", wgrad_group=2),
+                                        world_size=2, timeout=90))
+    _assert_same(pp1_reference, got, what="zbv in W groups of 2")
     assert got["w_deferred"] > 0
 
 

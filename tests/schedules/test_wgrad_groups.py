@@ -61,7 +61,7 @@ def test_a_fused_backward_and_a_group_below_one_are_refused():
 
 
 def test_the_reduce_per_group_refuses_an_ungrouped_schedule():
-    with pytest.raises(ScheduleError, match=r"stage 0's W's 1\.\.2 are not back to back \(positions \[2, 5\]\)"):
+    with pytest.raises(ScheduleError, match=r"stage 0's W's of micro batches \[0, 1\] are not back to back \(positions \[2, 5\]\)"):
         simulate(_one_stage(), _costs(2))
 
 
@@ -106,3 +106,19 @@ def test_a_group_without_overlap_or_below_one_is_refused_by_the_model():
         with pytest.raises(ScheduleError, match=r"dp_reduce.wgrad_group is"):
             CostModel(t_f=1.0, t_b=1.0, t_w=1.0, dp_reduce=DPReduceModel(stage_bytes=1, bucket_bytes=None, bandwidth=1,
                                                                          overlap=overlap, wgrad_group=k)).resolve(1)
+
+
+def test_group_runs_tell_the_runtime_where_each_group_runs():
+    """ZB-H1 at p = 2, m = 4 grouped by 2 (the order above): rank 0's group {W0, W1} runs at W1, {W2, W3} at
+    W3; the lowered rank (sends and receives between the actions) gives the same; k = 1 or None: no groups.
+    An odd group at the end (k = 3 of 4): {W0, W1, W2} at W2, {W3} alone at W3."""
+    from megatron_zb.schedules import lower
+    from megatron_zb.schedules.wgrad_groups import group_runs
+
+    g = group_wgrads(build_schedule("zb-h1", num_ranks=2, num_microbatches=4), 2)
+    expected = {(0, 0): (), (0, 1): (0, 1), (0, 2): (), (0, 3): (2, 3)}
+    assert group_runs(g.ranks[0], 2) == expected
+    assert group_runs(lower(g).ranks[0], 2) == expected
+    assert group_runs(g.ranks[0], 1) == {} and group_runs(g.ranks[0], None) == {}
+    three = group_wgrads(build_schedule("zb-h1", num_ranks=2, num_microbatches=4), 3)
+    assert group_runs(three.ranks[1], 3) == {(1, 0): (), (1, 1): (), (1, 2): (0, 1, 2), (1, 3): (3,)}

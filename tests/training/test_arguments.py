@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -531,3 +532,37 @@ def test_in_place_post_validation_of_fused_adam_is_refused_before_any_process_gr
                                             "torch.optim Adam steps only"):
         resolve(PV, world_size=2)
     assert resolve(PV + " --enable-exactly-numeric-match", world_size=2).enable_exactly_numeric_match
+
+
+# ---------------------------------------------------------------------------- weight-gradient groups
+def test_wgrad_group_refusals_name_the_flag_and_the_fix():
+    """``--zero-bubble-wgrad-group`` (PP=2, 8 micro batches): a fused-backward schedule, a K not dividing
+    the micro batches, and an explicit limit the grouped schedule exceeds are refused. Grouped by 8, every
+    W of a stage waits for the last B, so a rank holds more than the 4 micro batches allowed -- at most all
+    8 (the simulator's count is in the message)."""
+    pp2 = "--pipeline-model-parallel-size 2 "
+    cases = {"--zero-bubble-wgrad-group 2": "groups the W passes .* but schedule '1f1b' fuses its backward; add "
+                                            "--enable-zero-bubble",
+             "--enable-zero-bubble --zero-bubble-wgrad-group 3": "3 does not divide the 8 micro batches per "
+                                                                 "iteration .*use a divisor of 8",
+             "--enable-zero-bubble --zero-bubble-wgrad-group 8 --zero-bubble-max-pending-backward 4":
+                 "groups of 8 hold W inputs longer: the schedule then needs ([0-9]+) micro batches of activations "
+                 "per rank, above --zero-bubble-max-pending-backward 4; raise that limit or use a smaller group"}
+    for extra, message in cases.items():
+        with pytest.raises(ArgumentError, match=f"^--zero-bubble-wgrad-group: {message}") as info:
+            resolve(pp2 + extra, world_size=2)
+    need = int(re.search(cases[extra], str(info.value)).group(1))
+    assert 4 < need <= 8
+
+
+def test_wgrad_group_above_the_default_limit_is_logged_and_kept():
+    """Without an explicit limit, ZB's default (PP = 2 micro batches) gives way to the group, with a notice
+    naming the peak (above 2, at most all 8); with a limit that holds it, no notice."""
+    a = resolve("--pipeline-model-parallel-size 2 --enable-zero-bubble --zero-bubble-wgrad-group 8", world_size=2)
+    assert a.zero_bubble_wgrad_group == 8
+    [note] = [n for n in a.validation_notices if "--zero-bubble-wgrad-group 8" in n]
+    need = int(re.search("holds up to ([0-9]+) micro batches of activations per rank", note).group(1))
+    assert 2 < need <= 8
+    b = resolve("--pipeline-model-parallel-size 2 --enable-zero-bubble --zero-bubble-wgrad-group 8 "
+                "--zero-bubble-max-pending-backward 8", world_size=2)
+    assert b.zero_bubble_wgrad_group == 8 and not any("wgrad-group" in n for n in b.validation_notices)

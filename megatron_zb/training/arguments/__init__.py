@@ -58,6 +58,7 @@ Derived values set by :func:`validate_args` (units in brackets):
 ``num_layers_per_stage``            transformer layers per pipeline stage, stage order
 ``zero_bubble_max_pending_backward``  resolved limit [micro batches of activations per rank]
                                     or ``None`` (the schedule's own default)
+``zero_bubble_max_pending_backward_given``  whether that limit came from the flag (not a default)
 ``schedule_memory_limit``           the same limit in the schedule library's unit (one stage's
                                     activation ``M_B``; ``N * num_model_chunks``) or ``None``
 ``ffn_hidden_size``                 default ``4 * hidden_size`` (``--swiglu``: ``int(8h / 3 / 64) * 64``)

@@ -37,8 +37,8 @@ from .parallel import (check_batch_sizes, check_context_parallel, check_data_par
 from .recompute import check_recompute
 from .training import (check_learning_rate, check_lr_schedule, check_precision, check_rampup_batch_size,
                        check_rampup_schedule, check_training_length, fill_training_values, resolve_nan_check)
-from .zero_bubble import (check_layers, check_schedule_builds, check_vocab_parallel, check_zero_bubble_options,
-                          resolve_schedule)
+from .zero_bubble import (check_layers, check_schedule_builds, check_vocab_parallel, check_wgrad_group,
+                          check_zero_bubble_options, resolve_schedule)
 
 __all__ = ["CHECKS", "NON_NEGATIVE", "POSITIVE", "REQUIRED", "UNIT_INTERVAL", "Check", "ValidatedArgs",
            "check_pipeline_timeout", "check_ranges", "validate_args", "validate_args_and_schedule"]
@@ -100,6 +100,8 @@ CHECKS: tuple[Check, ...] = (
     Check("p2p_overlap", lambda a, r: resolve_p2p_overlap(a), needs=("schedule",)),
     Check("layers", lambda a, r: check_layers(a), needs=("schedule",)),
     Check("schedule_builds", lambda a, r: check_schedule_builds(a, r["schedule"]), needs=("schedule", "batch_sizes")),
+    Check("wgrad_group", lambda a, r: check_wgrad_group(a, r["schedule"], r["schedule_builds"]),
+          needs=("schedule_builds",)),
     Check("rampup_batch_size", lambda a, r: check_rampup_batch_size(a),
           needs=("ranges", "batch_sizes", "training_length")),
     Check("rampup_schedule", lambda a, r: check_rampup_schedule(a),

@@ -24,6 +24,7 @@ __all__ = [
     "check_profiling_window",
     "check_schedule_builds",
     "check_vocab_parallel",
+    "check_wgrad_group",
     "check_zero_bubble_options",
     "initial_schedule",
     "resolve_schedule",
@@ -70,6 +71,14 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> None:
                    help="Activation-memory limit of zero-bubble schedules, in micro batches of activations held "
                         "per pipeline rank. PP gives ZB-1p (1F1B's peak), 2*PP gives ZB-2p. Default: PP for "
                         "--enable-zero-bubble, the schedule's own default otherwise.")
+    g.add_argument("--zero-bubble-wgrad-group", type=int, default=None, metavar="K",
+                   help="Run each stage's weight-gradient passes (W) in groups of K micro batches, each group "
+                        "layer-major (every layer's weight gradients of the K micro batches back to back; the "
+                        "gradients are bitwise those of the ungrouped schedule). K must divide the number of "
+                        "micro batches; a group holds its W inputs longer, so an explicit "
+                        "--zero-bubble-max-pending-backward must leave room for it. Zero-bubble schedules only. "
+                        "The step towards sharded gradients (docs/schedules.md \"Weight-gradient groups\"). "
+                        "Default: W's run as the schedule places them.")
     g.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=2,
                    help="First iteration (1-based) in which F/B/W/communication times are profiled (default 2).")
     g.add_argument("--zero-bubble-pipeline-timers-end-iter", type=int, default=4,
@@ -292,6 +301,7 @@ def check_schedule_builds(args: argparse.Namespace, spec: ScheduleSpec) -> Sched
     if n is None and args.schedule == "zb":
         n = pp  # ZB-1p: 1F1B's peak activation memory
     args.zero_bubble_max_pending_backward = n
+    args.zero_bubble_max_pending_backward_given = explicit
     args.schedule_memory_limit = float(n * args.num_model_chunks) if n is not None else None
     try:
         return initial_schedule(args)
@@ -326,6 +336,43 @@ def _build(args: argparse.Namespace, *, memory_limit: float | None) -> Schedule:
     return build_schedule(args.schedule, num_ranks=args.pipeline_model_parallel_size,
                           num_microbatches=args.num_microbatches, memory_limit=memory_limit,
                           num_chunks=args.num_model_chunks)
+
+
+def check_wgrad_group(args: argparse.Namespace, spec: ScheduleSpec, schedule: Schedule) -> Schedule | None:
+    """``--zero-bubble-wgrad-group K``: a schedule that splits the backward, ``K`` >= 1 dividing the micro
+    batches, and the grouped unit-cost ``schedule`` within an explicit ``--zero-bubble-max-pending-backward``.
+    Returns the grouped schedule (``None`` without the flag)."""
+    from megatron_zb.schedules.costs import CostModel
+    from megatron_zb.schedules.simulator import simulate
+    from megatron_zb.schedules.wgrad_groups import group_wgrads
+
+    k, m = args.zero_bubble_wgrad_group, args.num_microbatches
+    if k is None:
+        return None
+    if not spec.split_backward:
+        raise ArgumentError("--zero-bubble-wgrad-group", f"groups the W passes of a zero-bubble schedule, but schedule "
+                                                         f"{args.schedule!r} fuses its backward; add "
+                                                         f"--enable-zero-bubble (or another zero-bubble schedule) or "
+                                                         f"drop this flag")
+    if k < 1 or m % k:
+        raise ArgumentError("--zero-bubble-wgrad-group", f"{k} does not divide the {m} micro batches per iteration "
+                                                         f"(--global-batch-size / (--micro-batch-size x data-parallel "
+                                                         f"size)); use a divisor of {m}")
+    grouped = group_wgrads(schedule, k)
+    limit = args.schedule_memory_limit
+    peak = max(simulate(grouped, CostModel(), enforce_memory=False).peak_memory)
+    need = -(-peak // args.num_model_chunks)  # whole micro batches of activations per rank
+    if limit is not None and peak > limit:
+        if args.zero_bubble_max_pending_backward_given:
+            raise ArgumentError("--zero-bubble-wgrad-group",
+                                f"groups of {k} hold W inputs longer: the schedule then needs {need:g} micro batches "
+                                f"of activations per rank, above --zero-bubble-max-pending-backward "
+                                f"{args.zero_bubble_max_pending_backward}; raise that limit or use a smaller group")
+        notice(args, f"--zero-bubble-wgrad-group {k}: W groups hold their inputs longer; schedule {args.schedule!r} "
+                     f"then holds up to {need:g} micro batches of activations per rank (its default limit is "
+                     f"{args.zero_bubble_max_pending_backward}; --zero-bubble-max-pending-backward sets a limit the "
+                     f"group must keep)")
+    return grouped
 
 
 def check_zero_bubble_options(args: argparse.Namespace, spec: ScheduleSpec) -> None:

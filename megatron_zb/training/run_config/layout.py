@@ -77,6 +77,9 @@ class ScheduleConfig:
     """``--zero-bubble-max-pending-backward`` as resolved [micro batches of activations per rank]."""
     memory_limit: float | None = None
     """The same limit in the schedule library's unit (one stage's activation ``M_B``)."""
+    wgrad_group: int | None = None
+    """``--zero-bubble-wgrad-group``: each stage's W's run in groups of this many micro batches, layer-major
+    [micro batches]; ``None``: as the schedule places them."""
     use_megatron_core_schedule: bool = False
     """``--use-megatron-core-schedule``: megatron-core's own schedule (the parity reference)."""
     enable_vocab_parallel: bool = False
@@ -105,7 +108,8 @@ class ScheduleConfig:
                    cost_aware=args.schedule_cost_aware, num_model_chunks=args.num_model_chunks,
                    layers_per_stage=tuple(args.num_layers_per_stage),
                    max_pending_backward=args.zero_bubble_max_pending_backward,
-                   memory_limit=args.schedule_memory_limit, use_megatron_core_schedule=args.use_megatron_core_schedule,
+                   memory_limit=args.schedule_memory_limit, wgrad_group=args.zero_bubble_wgrad_group,
+                   use_megatron_core_schedule=args.use_megatron_core_schedule,
                    pipeline_timeout_seconds=args.pipeline_timeout_seconds,
                    zero_bubble_pipeline_timers_start_iter=args.zero_bubble_pipeline_timers_start_iter,
                    zero_bubble_pipeline_timers_end_iter=args.zero_bubble_pipeline_timers_end_iter,
