@@ -20,6 +20,8 @@ NOT_YET: dict[str, str] = {
                                 "/ --decoder-last-pipeline-num-layers, or drop the flag",
     "enable_vocab_parallel": "Megatron-LM's model provider builds the whole word embedding and output layer; "
                              "run vocabulary parallelism with pretrain_gpt_zb.py, or drop the flag",
+    "zero_bubble_wgrad_group": "weight-gradient groups run in pretrain_gpt_zb.py's trainer only so far (issue 42); "
+                               "use pretrain_gpt_zb.py, or drop the flag",
 }
 """Zero-bubble flags (``args`` attribute -> why and what to do) refused inside Megatron-LM's loop."""
 

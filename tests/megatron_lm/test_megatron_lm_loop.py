@@ -261,8 +261,10 @@ test_pp2_dp2_* here, tests/megatron_lm/test_megatron_lm_interleaved.py)."""
       "--mtp-num-layers", "1"), (FSDP_REFUSED.format(schedule="zbv"), MTP_WITH_A_V,
                                  "--account-for-loss-in-pipeline-split: not supported with the V schedule 'zbv' inside "
                                  "Megatron-LM's loop: the V splits the layers evenly")),
-    (("--enable-zero-bubble", "--use-megatron-fsdp", "--allow-padding-num-layers"),
-     (FSDP_REFUSED.format(schedule="zb"), "--allow-padding-num-layers: not supported inside Megatron-LM's loop")),
+    (("--enable-zero-bubble", "--use-megatron-fsdp", "--allow-padding-num-layers", "--zero-bubble-wgrad-group", "2"),
+     (FSDP_REFUSED.format(schedule="zb"), "--allow-padding-num-layers: not supported inside Megatron-LM's loop",
+      "--zero-bubble-wgrad-group: not supported inside Megatron-LM's loop: weight-gradient groups run in "
+      "pretrain_gpt_zb.py's trainer only")),
 ])
 def test_a_bad_zero_bubble_flag_exits_2_before_any_process_group(bad: tuple[str, ...],
                                                                   message: str | tuple[str, ...]) -> None:
