@@ -293,7 +293,7 @@ def check_schedule_builds(args: argparse.Namespace, spec: ScheduleSpec) -> Sched
     """
     pp, m = args.pipeline_model_parallel_size, args.num_microbatches
     n = args.zero_bubble_max_pending_backward
-    explicit = n is not None
+    explicit = getattr(args, "zero_bubble_max_pending_backward_given", n is not None)  # kept when validated again
     if explicit and not spec.cost_aware:
         raise ArgumentError("--zero-bubble-max-pending-backward",
                             f"has no effect on schedule {args.schedule!r} (not memory-aware); drop it or use "
