@@ -40,7 +40,8 @@ The ZB-H1 check is a plain assertion; the ZB-1p one is ``xfail`` (not strict): b
 model's error it carries the drift of this VM's speed between the profiling window and the
 iterations measured after re-planning, 10-15% in 2 of 12 quiet runs (:data:`DRIFT`).
 
-Cost: five torchrun launches (the memory tests' three use the tiny GPT of hidden 64).
+Cost: two torchrun launches, and one in-process launch for the memory tests' three runs (the tiny GPT of
+hidden 64).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from megatron_zb.cli import main as cli_main
 from megatron_zb.planning.profile import read_profile
 from megatron_zb.schedules import Op
 from harness.pretrain_harness import torchrun
+from harness.trainer_run import in_process_many
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -270,11 +272,10 @@ MEM_ARGV = MEM_BASE + ["--enable-zero-bubble"]
 def memory_runs(tmp_path_factory) -> dict[str, str]:
     """Logs of the no-recomputation run (ZB-1p: the profiling window at iterations 2-3, and ZB-1p's
     limit is p M_B as the greedy ZB's default) and of a greedy-ZB run with each recomputation, tiny GPT."""
-    logs = {}
-    for name, flags in RECOMPUTE.items():
-        d = tmp_path_factory.mktemp(f"mem_{name}")
-        logs[name] = torchrun(2, (MEM_ARGV + flags) if flags else (MEM_BASE + ["--schedule", "zb-1p"]), cwd=d)["log"]
-    return logs
+    argvs = {name: (MEM_ARGV + flags) if flags else (MEM_BASE + ["--schedule", "zb-1p"])
+             for name, flags in RECOMPUTE.items()}
+    runs = in_process_many(tmp_path_factory.mktemp("mem"), argvs, 2, timeout=600)  # one launch for the three
+    return {name: run["log"] for name, run in runs.items()}
 
 
 def measured_kib(log: str) -> tuple[list[float], list[float]]:
