@@ -17,6 +17,7 @@ from .install import Installed, NotBuilt, install_from_rank0
 from .measure import Measure, Measured
 from .rank_plan import RECV_LOOKAHEAD, RankPlan, check_lookahead, plan_rank
 from .grad_sync import GradSync, GradSyncReport, overlapping_ddp_chunks
+from .sharded_grads import ShardedGradSync, sharded_chunks
 from .memory import ActivationMemoryTracker
 from .peer_wait import WaitPolicy, Watchdog
 from .channels import channels_for
@@ -293,16 +294,23 @@ class ZeroBubbleForwardBackward:
             if self._reduce_watchdog is not None:
                 self._reduce_watchdog.check()  # the last call's reduces, if one was late
 
-    def _grad_sync(self, chunks: list[torch.nn.Module], stages: list[int], iteration: int | None) -> GradSync | None:
-        """With megatron-core DDP's ``overlap_grad_reduce``: the :class:`GradSync` that launches each
+    def _grad_sync(self, chunks: list[torch.nn.Module], stages: list[int],
+                   iteration: int | None) -> GradSync | ShardedGradSync | None:
+        """With sharded gradients (:func:`~megatron_zb.runtime.sharded_grads.shard_gradients`): the
+        :class:`~megatron_zb.runtime.sharded_grads.ShardedGradSync` reducing each bucket after each W group.
+        With megatron-core DDP's ``overlap_grad_reduce``: the :class:`GradSync` that launches each
         bucket's reduce once its last W ran (``None`` otherwise); its errors name ``iteration``, or
         the count of training calls when the caller named none."""
+        sharded = sharded_chunks(chunks)
+        if sharded is not None:
+            return ShardedGradSync({stages[i]: sg for i, sg in sharded.items()})
         if not overlapping_ddp_chunks(chunks):
             return None
         return GradSync(dict(zip(stages, chunks)), iteration=self._calls if iteration is None else iteration,
                         iteration_name="training call" if iteration is None else "iteration")
 
-    def _execute(self, *, comm: PipeComm, grad_sync: GradSync | None, sync_ctx: contextlib.AbstractContextManager,
+    def _execute(self, *, comm: PipeComm, grad_sync: GradSync | ShardedGradSync | None,
+                 sync_ctx: contextlib.AbstractContextManager,
                  vocab: VocabPasses | None, **execute_args: Any) -> tuple[list[Any], torch.Tensor, GradSyncReport | None]:
         """:func:`execute` under ``sync_ctx``, then the deadline of the reduces launched from W; on any
         failure abort the p2p (and ``vocab``'s passes), drop the queued W's and the launched reduces,

@@ -224,8 +224,9 @@ class _WeightGradEntry:
 
     def __call__(self) -> None:
         g, x = self._inputs()
-        if not self._folded:
-            _accumulate_wgrad(self._param, self._main_grad, self._fusion, g, x)
+        if not self._folded:  # main_grad as it is now (sharded gradients bind it to a work buffer for W)
+            main_grad = getattr(self._param, "main_grad", None)
+            _accumulate_wgrad(self._param, self._main_grad if main_grad is None else main_grad, self._fusion, g, x)
             return
         from ..model.grad_accumulation import add_weight_grad
 

@@ -22,7 +22,7 @@ weight-gradient work was queued on that stage this iteration: their gradients ar
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Protocol
 
 import torch
 
@@ -60,6 +60,9 @@ class WeightGradStore:
             :meth:`begin_iteration`) with the parameters whose weight-gradient work that stage
             queued in the iteration, in first-queued order; ``None``: nobody is told. Setting it
             requires :meth:`begin_iteration` before every iteration.
+        binder: told before every W entry which parameters it adds into, and after every W group
+            (:class:`Binder`; sharded gradients bind the entry's bucket to a work buffer there and
+            reduce it after the group: :mod:`megatron_zb.runtime.sharded_grads`); ``None``: nobody.
         report_per_entry: when ``True``, ``on_params_done`` is called in pieces during the
             stage's last W instead of once after it: first with the parameters that W does not
             touch (their work ran in earlier W's), then after each queued entry with the
@@ -78,6 +81,7 @@ class WeightGradStore:
         self.executed = 0
         self.on_params_done: Callable[[tuple[torch.Tensor, ...]], None] | None = None
         self.report_per_entry = False
+        self.binder: Binder | None = None
 
     # ------------------------------------------------------------------ B: queue
     @contextlib.contextmanager
@@ -169,12 +173,19 @@ class WeightGradStore:
         if left is None and self.on_params_done is not None:
             raise WeightGradStoreError(f"W of stage {stage} ran with on_params_done set but no W count for "
                                        f"stage {stage}: call begin_iteration first")
+        if left is None and self.binder is not None:
+            raise WeightGradStoreError(f"W of stage {stage} ran with a binder but no W count for stage {stage}: "
+                                       f"call begin_iteration first")
         queues = [self._queues.pop((stage, mb)) for mb in microbatches]
         queue = queues[0] if len(queues) == 1 else layer_major(queues)
         last = left == len(microbatches)
         if left is not None:
             self._w_left[stage] = left - len(microbatches)
-        if last and self.on_params_done is not None and self.report_per_entry:
+        binder = self.binder
+        if binder is not None:
+            _run_entries(queue, before=lambda params: binder.before_entry(stage, params))
+            binder.after_group(stage, final=last)
+        elif last and self.on_params_done is not None and self.report_per_entry:
             self._run_reporting(stage, queue, self.on_params_done)
         else:
             _run_entries(queue)
@@ -262,6 +273,16 @@ class WeightGradStore:
 _Queue = list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]
 
 
+class Binder(Protocol):
+    """What the store tells about the W's it runs (:attr:`WeightGradStore.binder`)."""
+
+    def before_entry(self, stage: int, params: tuple[torch.Tensor, ...]) -> None:
+        """An entry of ``stage`` adding into ``params`` runs next."""
+
+    def after_group(self, stage: int, *, final: bool) -> None:
+        """A group of ``stage``'s W's ran (``final``: the stage's last this iteration)."""
+
+
 def layer_major(queues: list[_Queue]) -> _Queue:
     """The entries of several micro batches' queues (given in micro batch order) regrouped layer-major:
     the entries that add into a layer's parameters -- any entries sharing a parameter, transitively --
@@ -288,8 +309,10 @@ def layer_major(queues: list[_Queue]) -> _Queue:
     return [entry for entries in by_layer.values() for entry in entries]
 
 
-def _run_entries(queue: _Queue, after: Callable[[int, tuple[torch.Tensor, ...]], None] | None = None) -> None:
-    """Run a W's entries in order (``after(i, params)`` after entry ``i``, if given).
+def _run_entries(queue: _Queue, after: Callable[[int, tuple[torch.Tensor, ...]], None] | None = None, *,
+                 before: Callable[[tuple[torch.Tensor, ...]], None] | None = None) -> None:
+    """Run a W's entries in order (``before(params)`` before entry ``i`` -- ahead of the next entry's
+    prefetch --, ``after(i, params)`` after it, if given).
 
     Before entry ``i`` runs, entry ``i + 1``'s ``prefetch()`` is called when its ``fn`` has one:
     the next entry's communication (e.g. the linear route's sequence-parallel all-gather) is then
@@ -297,6 +320,8 @@ def _run_entries(queue: _Queue, after: Callable[[int, tuple[torch.Tensor, ...]],
     entry, or a store-less call), ``fn`` launches what ``prefetch`` would have.
     """
     for i, (fn, params) in enumerate(queue):
+        if before is not None:
+            before(params)
         with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
             if i + 1 < len(queue):
                 prefetch = getattr(queue[i + 1][0], "prefetch", None)

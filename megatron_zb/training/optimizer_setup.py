@@ -46,7 +46,9 @@ class OptimizerBundle:
 def build_optimizer(config: RunConfig, *, model: ModelBundle,
                     on_validation_report: Callable[[Any], None]) -> OptimizerBundle:
     """megatron-core's optimizer over ``model.all_modules`` (:func:`~megatron_zb.training.wiring.megatron_optimizer`),
-    the post-validation wrapper when asked for, the LR scheduler; sets every chunk's ``grad_scale_func``.
+    the chunks' gradients sharded with ``--data-parallel-sharding-strategy optim_grads``
+    (:func:`~megatron_zb.runtime.sharded_grads.shard_gradients`), the post-validation wrapper when asked for, the LR
+    scheduler; sets every chunk's ``grad_scale_func``.
 
     With post-validation, every validation of an earlier step (``begin_iteration``, ``validate``,
     or a method that validates first) calls ``on_validation_report`` with its
@@ -58,6 +60,11 @@ def build_optimizer(config: RunConfig, *, model: ModelBundle,
     optim = config.optim
     inner = megatron_optimizer(optim, precision=config.precision, parallel=config.parallel,
                                modules=model.all_modules)
+    if config.parallel.data_parallel_sharding_strategy == "optim_grads":  # ZeRO-2: after the optimizer's set-up
+        from megatron_zb.runtime.sharded_grads import read_gradients_from_shards, shard_gradients
+
+        shard_gradients(list(model.modules), timeout_s=config.schedule.pipeline_timeout_seconds)
+        read_gradients_from_shards(inner, list(model.modules))
     optimizer = inner
     if optim.post_validation is not None:
         optimizer = wrap_post_validation(optim.post_validation, inner, check_nonfinite=config.precision.checks_nan)

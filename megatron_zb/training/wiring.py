@@ -94,8 +94,14 @@ def wrap_chunks(gpt_models: Sequence[torch.nn.Module], *, first_last: Sequence[t
             module.cuda(device)
         if precision.fp16 or precision.bf16:
             module = chunk_float16_module(gpt.config, module, first=first, last=last)
-        modules.append(DistributedDataParallel(config=gpt.config, ddp_config=cfg, module=module,
-                                               disable_bucketing=i > 0))
+        if parallel.data_parallel_sharding_strategy == "optim_grads":  # buckets on every stage and chunk
+            from megatron_zb.runtime.sharded_grads import bucketed_ddp
+
+            size = parallel.ddp_bucket_size or max(40_000_000, 1_000_000 * parallel.data_parallel_size)  # mcore's
+            modules.append(bucketed_ddp(size, config=gpt.config, ddp_config=cfg, module=module))
+        else:
+            modules.append(DistributedDataParallel(config=gpt.config, ddp_config=cfg, module=module,
+                                                   disable_bucketing=i > 0))
     no_sync = [m.no_sync for m in modules] if len(modules) > 1 else modules[0].no_sync
     grad_sync = [m.start_grad_sync for m in modules] if len(modules) > 1 else modules[0].start_grad_sync
     for gpt in gpt_models:

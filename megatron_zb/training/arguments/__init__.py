@@ -142,6 +142,7 @@ from .moe import add_moe_args
 from .mtp import add_mtp_args
 from .parallel import add_distributed_args
 from .recompute import add_pipeline_split_args, add_recompute_args
+from .sharding import add_sharding_args
 from .training import add_learning_rate_args, add_mixed_precision_args, add_training_args
 from .validation import ValidatedArgs, validate_args, validate_args_and_schedule
 from .zero_bubble import (POST_VALIDATION_FALLBACK_CLEAN_ITERS, POST_VALIDATION_WARMUP_ITERS,
@@ -168,7 +169,8 @@ ExtraArgsProvider = Callable[[argparse.ArgumentParser], object]
 
 _GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_network_args, add_implementation_args, add_kernel_args, add_training_args, add_learning_rate_args,
-    add_mixed_precision_args, add_fp8_args, add_recompute_args, add_distributed_args, add_pipeline_split_args, add_data_args, add_moe_args,
+    add_mixed_precision_args, add_fp8_args, add_recompute_args, add_distributed_args, add_sharding_args,
+    add_pipeline_split_args, add_data_args, add_moe_args,
     add_mtp_args,
     add_mla_args,
     add_checkpointing_args, add_validation_and_logging_args, add_logging_extra_args, add_housekeeping_args,

@@ -35,6 +35,7 @@ from .mtp import check_mtp
 from .parallel import (check_batch_sizes, check_context_parallel, check_data_parallel_overlap, check_sequence_parallel,
                        check_world_size, resolve_backend, resolve_p2p_overlap)
 from .recompute import check_recompute
+from .sharding import check_sharding_strategy
 from .training import (check_learning_rate, check_lr_schedule, check_precision, check_rampup_batch_size,
                        check_rampup_schedule, check_training_length, fill_training_values, resolve_nan_check)
 from .zero_bubble import (check_layers, check_schedule_builds, check_vocab_parallel, check_wgrad_group,
@@ -102,6 +103,8 @@ CHECKS: tuple[Check, ...] = (
     Check("schedule_builds", lambda a, r: check_schedule_builds(a, r["schedule"]), needs=("schedule", "batch_sizes")),
     Check("wgrad_group", lambda a, r: check_wgrad_group(a, r["schedule"], r["schedule_builds"]),
           needs=("schedule_builds",)),
+    Check("sharding_strategy", lambda a, r: check_sharding_strategy(a),
+          needs=("schedule", "transformer_impl", "sequence_parallel", "batch_sizes", "wgrad_group")),
     Check("rampup_batch_size", lambda a, r: check_rampup_batch_size(a),
           needs=("ranges", "batch_sizes", "training_length")),
     Check("rampup_schedule", lambda a, r: check_rampup_schedule(a),

@@ -40,6 +40,9 @@ class ParallelConfig:
     """``--ddp-bucket-size`` [elements] (``None``: megatron-core's default)."""
     ddp_average_in_collective: bool = False
     """``--ddp-average-in-collective``."""
+    data_parallel_sharding_strategy: str = "no_shard"
+    """``--data-parallel-sharding-strategy``: ``optim_grads`` shards the gradients too
+    (:mod:`megatron_zb.runtime.sharded_grads`)."""
     allow_padding_num_layers: bool = False
     """``--allow-padding-num-layers``: the first and last pipeline stages may take fewer layers."""
     decoder_first_pipeline_num_layers: int | None = None
