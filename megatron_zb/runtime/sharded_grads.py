@@ -180,12 +180,14 @@ class ShardedGrads:
                 p.main_grad = _UNBOUND(p)
 
     # ------------------------------------------------------------------ W: binding and reducing
-    def before_entry(self, params: Iterable[torch.Tensor]) -> None:
-        """Before a W entry adding into ``params``: their buckets bound to work buffers."""
+    def before_entry(self, params: Iterable[torch.Tensor], *, final: bool) -> None:
+        """Before a W entry adding into ``params``: their buckets bound to work buffers (``final``: the entry is
+        in the stage's last group, after its last B: a bucket reduced now to free its buffer takes its
+        residual gradients along)."""
         for p in params:
             where = self._of.get(id(p))
             if where is not None and where[0].index not in self._slot_of:
-                self._bind(where[0])
+                self._bind(where[0], final=final)
 
     def after_group(self, final: bool) -> None:
         """A stage's group of W's ran: reduce every bound bucket (``final``: the stage's last group, after its
@@ -193,8 +195,9 @@ class ShardedGrads:
         for index in list(self._slot_of):
             self._reduce(self._slot_of[index], final=final)
 
-    def _bind(self, b: _Bucket) -> None:
-        slot = self.work.acquire(lambda s: _owner(s)._reduce(s, final=False))
+    def _bind(self, b: _Bucket, *, final: bool) -> None:
+        # every bound slot is this chunk's: a group's buckets are all reduced when the group ends
+        slot = self.work.acquire(lambda s: self._reduce(s, final=final))
         slot.bucket, slot.owner = b, self  # type: ignore[attr-defined]
         self._slot_of[b.index] = slot
         self.work.bound(slot)
@@ -235,7 +238,7 @@ class ShardedGrads:
             self._reduce(slot, final=True)
         for b in self.buckets:
             if b.residual and not b.residual_joined:
-                self._bind(b)
+                self._bind(b, final=True)
                 self._reduce(self._slot_of[b.index], final=True)
         deadline = time.monotonic() + self.timeout_s
         for slot in self.work.slots:
@@ -271,10 +274,6 @@ class ShardedGrads:
                 "megatron_core_grad_buffers": sum(buf.grad_data.untyped_storage().nbytes()
                                                   for buf in list(self.ddp.buffers)
                                                   + list(self.ddp.expert_parallel_buffers))}
-
-
-def _owner(slot: _Slot) -> ShardedGrads:
-    return slot.owner  # type: ignore[attr-defined]
 
 
 def _owner_of_flight(slot: _Slot) -> ShardedGrads | None:
@@ -424,8 +423,8 @@ class ShardedGradSync:
         for sg in self.by_stage.values():
             sg.reduce_log = []
 
-    def before_entry(self, stage: int, params: tuple[torch.Tensor, ...]) -> None:
-        self.by_stage[stage].before_entry(params)
+    def before_entry(self, stage: int, params: tuple[torch.Tensor, ...], *, final: bool) -> None:
+        self.by_stage[stage].before_entry(params, final=final)
 
     def after_group(self, stage: int, *, final: bool) -> None:
         self.by_stage[stage].after_group(final)

@@ -183,7 +183,7 @@ class WeightGradStore:
             self._w_left[stage] = left - len(microbatches)
         binder = self.binder
         if binder is not None:
-            _run_entries(queue, before=lambda params: binder.before_entry(stage, params))
+            _run_entries(queue, before=lambda params: binder.before_entry(stage, params, final=last))
             binder.after_group(stage, final=last)
         elif last and self.on_params_done is not None and self.report_per_entry:
             self._run_reporting(stage, queue, self.on_params_done)
@@ -276,8 +276,8 @@ _Queue = list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]
 class Binder(Protocol):
     """What the store tells about the W's it runs (:attr:`WeightGradStore.binder`)."""
 
-    def before_entry(self, stage: int, params: tuple[torch.Tensor, ...]) -> None:
-        """An entry of ``stage`` adding into ``params`` runs next."""
+    def before_entry(self, stage: int, params: tuple[torch.Tensor, ...], *, final: bool) -> None:
+        """An entry of ``stage`` adding into ``params`` runs next (``final``: in the stage's last group)."""
 
     def after_group(self, stage: int, *, final: bool) -> None:
         """A group of ``stage``'s W's ran (``final``: the stage's last this iteration)."""

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RUN_TIMEOUT", "in_process", "in_process_many", "trainer_rank", "trainer_runs", "vocab_dtypes"]
+__all__ = ["RUN_TIMEOUT", "in_process", "in_process_many", "sharded_grads", "trainer_rank", "trainer_runs",
+           "vocab_dtypes"]
 
 RUN_TIMEOUT = 240.0
 """Seconds per run (2 shared cores; a PP=4 run takes ~30 s)."""
@@ -43,10 +44,29 @@ def trainer_rank(argv: list[str], json_path: str) -> dict[str, Any]:
                                                          config.num_microbatches)
             out = {"costs": trainer.state.schedule_costs, "installed": installed,
                    "memory_limit": config.schedule.memory_limit, "m": config.num_microbatches,
-                   "vocab_dtypes": vocab_dtypes(trainer)}
+                   "vocab_dtypes": vocab_dtypes(trainer), **sharded_grads(trainer)}
         finally:
             trainer.close()
     out["log"] = log.getvalue()
+    return out
+
+
+def sharded_grads(trainer: Any) -> dict[str, Any]:
+    """``model_state``: this rank's model-state bytes measured from storages (``ModelStateBytes`` as a dict);
+    with sharded gradients ``reduces``: per chunk, the last iteration's reduce-scatters ``(bucket, elements)``
+    ``buckets``: per chunk, each bucket's elements, and ``bucket_weights``: the weights in it whose gradient W
+    adds."""
+    import dataclasses
+
+    from megatron_zb.training.model_state import model_state_bytes
+
+    out: dict[str, Any] = {"model_state": dataclasses.asdict(model_state_bytes(trainer.model.modules,
+                                                                               trainer.optim.inner))}
+    sharded = [getattr(m, "zb_sharded_grads", None) for m in trainer.model.modules]
+    if all(s is not None for s in sharded):
+        out["reduces"] = [list(s.reduce_log) for s in sharded]
+        out["buckets"] = [[b.numel for b in s.buckets] for s in sharded]
+        out["bucket_weights"] = [[len(b.deferred) for b in s.buckets] for s in sharded]  # weights W adds into
     return out
 
 
@@ -120,5 +140,6 @@ def in_process_many(tmp_path: Path, runs: dict[str, list[str]], world: int, *,
     for i, name in enumerate(runs):
         out[name] = dict(ranks[0][i])
         out[name]["log"] = "".join(r[i]["log"] for r in ranks)
+        out[name]["model_states"] = [r[i]["model_state"] for r in ranks]  # every rank's, rank order
         out[name]["values"] = json.loads(Path(paths[name]).read_text())
     return out
