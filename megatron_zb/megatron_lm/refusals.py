@@ -30,7 +30,8 @@ def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[Arg
     """Megatron-LM flags refused with any zero-bubble ``schedule`` inside Megatron-LM's loop, one
     :class:`ArgumentError` each: ``--use-megatron-fsdp``, ``--moe-shared-expert-overlap`` and
     ``--moe-router-force-load-balancing``, for the reasons ``pretrain_gpt_zb.py`` refuses them
-    (:data:`~megatron_zb.training.arguments.flags.WHY_NOT`). ``--mtp-num-layers`` is refused with a V only
+    (:data:`~megatron_zb.training.arguments.flags.WHY_NOT`), and ``--data-parallel-sharding-strategy
+    optim_grads`` without Megatron FSDP (sharded gradients are ``pretrain_gpt_zb.py``'s so far). ``--mtp-num-layers`` is refused with a V only
     (:func:`~megatron_zb.megatron_lm.v.refused_with_a_v`)."""
     from ..training.arguments.flags import WHY_NOT
 
@@ -43,6 +44,13 @@ def refused_with_a_schedule(args: argparse.Namespace, schedule: str) -> list[Arg
         if getattr(args, name[2:].replace("-", "_"), False):
             refused.append(ArgumentError(name, f"refused with the zero-bubble schedule {schedule!r}: {WHY_NOT[name]}; "
                                                f"drop it or the zero-bubble flags"))
+    if getattr(args, "data_parallel_sharding_strategy", None) == "optim_grads" and not getattr(args, "use_megatron_fsdp",
+                                                                                               False):
+        # Megatron-LM applies the flag to Megatron FSDP only: without it, it would be ignored here
+        refused.append(ArgumentError("--data-parallel-sharding-strategy",
+                                     "optim_grads without --use-megatron-fsdp is megatron-zb's sharded gradients, which "
+                                     "run in pretrain_gpt_zb.py's trainer only so far (issue 42); use pretrain_gpt_zb.py, "
+                                     "or drop the flag"))
     return refused
 
 

@@ -390,6 +390,25 @@ def test_configure_refuses_what_the_profiling_window_cannot_do(argv: tuple[str, 
         configure(args)
 
 
+def test_configure_refuses_sharded_gradients_without_megatron_fsdp() -> None:
+    """``--data-parallel-sharding-strategy optim_grads`` configures Megatron FSDP in Megatron-LM (ignored without
+    ``--use-megatron-fsdp``); with a zero-bubble schedule it would mean megatron-zb's sharded gradients, which
+    run in ``pretrain_gpt_zb.py`` only so far: refused by name. Megatron-LM's default (``no_shard`` on core_v0.16.1,
+    ``optim_grads_params`` on core_v0.19.0, FSDP's) is not."""
+    from megatron_zb.megatron_lm import configure
+    from megatron_zb.training.arguments.common import ArgumentError
+
+    args = loop_flags("--enable-zero-bubble")
+    args.data_parallel_sharding_strategy = "optim_grads"  # Megatron-LM's flag (its parser, not the plugin's)
+    with pytest.raises(ArgumentError, match=re.escape("--data-parallel-sharding-strategy: optim_grads without "
+                                                      "--use-megatron-fsdp is megatron-zb's sharded gradients")):
+        configure(args)
+    for default in ("no_shard", "optim_grads_params"):
+        args = loop_flags("--enable-zero-bubble")
+        args.data_parallel_sharding_strategy = default
+        assert configure(args)["schedule"] == "zb"
+
+
 def test_configure_profiles_cost_aware_schedules_with_profile_out() -> None:
     from megatron_zb.megatron_lm import configure
 

@@ -566,3 +566,41 @@ def test_wgrad_group_above_the_default_limit_is_logged_and_kept():
     b = resolve("--pipeline-model-parallel-size 2 --enable-zero-bubble --zero-bubble-wgrad-group 8 "
                 "--zero-bubble-max-pending-backward 8", world_size=2)
     assert b.zero_bubble_wgrad_group == 8 and not any("wgrad-group" in n for n in b.validation_notices)
+
+
+# ---------------------------------------------------------------------------- sharded gradients (ZeRO-2)
+def test_sharded_gradients_refusals_come_in_one_report():
+    """``--data-parallel-sharding-strategy optim_grads`` at TP=2 x PP=2 with sequence parallelism, tied
+    embeddings, no distributed optimizer and megatron-zb's 1F1B: four problems, one report, each naming its
+    flag; ``optim_grads_params`` (ZeRO-3) and ``optim`` without the distributed optimizer are refused."""
+    with pytest.raises(ArgumentError) as info:
+        resolve("--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+                "--data-parallel-sharding-strategy optim_grads", world_size=8)
+    text = str(info.value)
+    assert text.startswith("4 problems with the command line"), text
+    for line in ("--data-parallel-sharding-strategy: optim_grads shards through megatron-core's distributed optimizer; "
+                 "add --use-distributed-optimizer",
+                 "--data-parallel-sharding-strategy: optim_grads reduces each bucket after the W's of a zero-bubble "
+                 "schedule, but schedule '1f1b' fuses its backward; add --enable-zero-bubble",
+                 "--sequence-parallel: not supported with --data-parallel-sharding-strategy optim_grads yet",
+                 "--untie-embeddings-and-output-weights: needed with --data-parallel-sharding-strategy optim_grads at "
+                 "--pipeline-model-parallel-size > 1"):
+        assert f"\n  {line}" in text, text
+    with pytest.raises(ArgumentError, match="^--data-parallel-sharding-strategy: optim_grads_params .* is not supported"):
+        resolve("--data-parallel-sharding-strategy optim_grads_params")
+    with pytest.raises(ArgumentError, match="^--data-parallel-sharding-strategy: optim shards through megatron-core's "
+                                            "distributed optimizer; add --use-distributed-optimizer"):
+        resolve("--data-parallel-sharding-strategy optim")
+
+
+def test_sharded_gradients_are_accepted_with_a_zero_bubble_schedule_and_say_how_often_they_reduce():
+    """Accepted with the distributed optimizer and a zero-bubble schedule; on the V a tied embedding is fine
+    (both uses on rank 0). Without ``--zero-bubble-wgrad-group`` a start-up line says each W reduces (4 per
+    bucket per iteration here: 4 micro batches per data-parallel rank); with it, nothing is said."""
+    base = "--pipeline-model-parallel-size 2 --data-parallel-sharding-strategy optim_grads --use-distributed-optimizer "
+    a = resolve(base + "--enable-zero-bubble --untie-embeddings-and-output-weights", world_size=4)
+    assert a.data_parallel_sharding_strategy == "optim_grads"
+    assert any("without --zero-bubble-wgrad-group" in n and "(4 per bucket per iteration)" in n
+               for n in a.validation_notices)
+    v = resolve(base + "--zero-bubble-v-schedule --zero-bubble-wgrad-group 4", world_size=4)
+    assert not any("sharding-strategy" in n for n in v.validation_notices)

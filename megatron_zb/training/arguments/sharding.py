@@ -31,17 +31,13 @@ def add_sharding_args(parser: argparse.ArgumentParser) -> None:
                         "gradients\"). optim_grads_params (ZeRO-3) is not supported.")
 
 
-def _unsupported_with_sharded_grads(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(flag, why) of everything set that sharded gradients do not serve yet: each reads or writes the whole
+def _unsupported_with_sharded_grads(args: argparse.Namespace) -> list[ArgumentError]:
+    """Everything set that sharded gradients do not serve yet, one error each: each reads or writes the whole
     ``main_grad`` after the reduce (megatron-core's ``finalize_model_grads``) or adds gradients outside W."""
-    tied_across_ranks = (not args.untie_embeddings_and_output_weights and args.pipeline_model_parallel_size > 1
-                         and args.schedule_placement != "v")
-    return [(flag, why) for on, flag, why in (
+    with_it = f"with {FLAG} optim_grads"
+    problems = [ArgumentError(flag, f"not supported {with_it} yet: {why}") for on, flag, why in (
         (args.sequence_parallel, "--sequence-parallel",
          "its layer-norm gradients are all-reduced over the tensor-parallel ranks from the whole gradient"),
-        (tied_across_ranks, "--untie-embeddings-and-output-weights",
-         "a tied word embedding on the first and the last pipeline rank is all-reduced from the whole gradient; "
-         "add --untie-embeddings-and-output-weights (or use a V schedule, which keeps both on one rank)"),
         (bool(getattr(args, "num_experts", None)), "--num-experts", "the experts' buffers are not sharded yet"),
         (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers",
          "the multi-token prediction layer's embedding is all-reduced from the whole gradient"),
@@ -51,6 +47,13 @@ def _unsupported_with_sharded_grads(args: argparse.Namespace) -> list[tuple[str,
          "the vocabulary slices reduce their own gradients"),
         (bool(getattr(args, "enable_optimizer_post_validation", False)), "--enable-optimizer-post-validation",
          "post-validation has not been verified on sharded gradients")) if on]
+    if (not args.untie_embeddings_and_output_weights and args.pipeline_model_parallel_size > 1
+            and args.schedule_placement != "v"):
+        problems.append(ArgumentError("--untie-embeddings-and-output-weights",
+                                      f"needed {with_it} at --pipeline-model-parallel-size > 1: a word embedding tied "
+                                      f"to the output layer on another pipeline rank is all-reduced from the whole "
+                                      f"gradient; add it, or use a V schedule (both on one rank)"))
+    return problems
 
 
 def check_sharding_strategy(args: argparse.Namespace) -> None:
@@ -70,8 +73,7 @@ def check_sharding_strategy(args: argparse.Namespace) -> None:
             problems.append(ArgumentError(FLAG, f"optim_grads reduces each bucket after the W's of a zero-bubble "
                                                 f"schedule, but schedule {args.schedule!r} fuses its backward; add "
                                                 f"--enable-zero-bubble (or another zero-bubble schedule)"))
-        problems += [ArgumentError(flag, f"not supported with {FLAG} optim_grads yet: {why}")
-                     for flag, why in _unsupported_with_sharded_grads(args)]
+        problems += _unsupported_with_sharded_grads(args)
     if problems:
         raise ArgumentError.combine(problems)
     if s == "optim_grads" and args.zero_bubble_wgrad_group is None:
