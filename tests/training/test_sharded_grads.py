@@ -17,6 +17,7 @@ launch (``in_process_many``).
   pipeline stage, so the grad norm's per-rank sums group other pieces on the second (measured 4.9e-8 to
   5.7e-8; bf16 3.5e-7).
 * The reduce-scatters counted: ``m / K`` per bucket per iteration, each of the bucket's size.
+* Checkpoints: saved with sharded gradients, resumed without, and the reverse, bitwise the uninterrupted run.
 * Model-state memory measured from storages with bf16 parameters on the last stage's ranks: within 5% of
   ``2 + 16/d`` bytes per parameter plus the two work buffers, against the distributed optimizer's measured
   ``6 + 12/d`` (the first stage also keeps its word embedding's gradient whole: its lookup adds it in B).
@@ -70,10 +71,35 @@ RTOL_BF16 = 1e-5
 round at 2^-8 into other values in some iterations (measured 3.5e-7)."""
 
 
+def _checkpoint_runs(ckpt) -> dict[str, list[str]]:
+    """Checkpoints across the strategy (one bucket, ZB in one group: bitwise megatron-core's distributed
+    optimizer, so each run below must equal the uninterrupted one bit for bit): 4 iterations uninterrupted with
+    sharded gradients; stopped at 2 and saved with sharded gradients, resumed without; stopped and saved
+    without, resumed with."""
+    zb = ["--enable-zero-bubble", *_group(4), "--train-iters", "4"]
+    return {"whole": zb + SHARDED,
+            "save sharded": zb + SHARDED + ["--save", str(ckpt / "a"), "--save-interval", "2", "--exit-interval", "2"],
+            "resume unsharded": zb + ["--load", str(ckpt / "a")],
+            "save unsharded": zb + ["--save", str(ckpt / "b"), "--save-interval", "2", "--exit-interval", "2"],
+            "resume sharded": zb + SHARDED + ["--load", str(ckpt / "b")]}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    return in_process_many(tmp_path_factory.mktemp("sharded"), {n: BASE + f for n, f in RUNS.items()}, 4,
-                           timeout=900)
+    tmp = tmp_path_factory.mktemp("sharded")
+    argvs = {n: BASE + f for n, f in {**RUNS, **_checkpoint_runs(tmp / "ckpt")}.items()}
+    return in_process_many(tmp, argvs, 4, timeout=900)  # one launch; the later runs load the earlier ones' saves
+
+
+def test_checkpoints_switch_between_sharded_and_whole_gradients(runs):
+    """Saved in the distributed optimizer's format either way: a run stopped at iteration 2 and resumed with
+    the other strategy continues bit for bit as the uninterrupted run (every iteration's loss, grad norm)."""
+    whole = [(r["iteration"], r["lm loss"], r["grad norm"]) for r in runs["whole"]["values"]["train"]]
+    assert [w[0] for w in whole] == [1, 2, 3, 4]
+    for saved, resumed in (("save sharded", "resume unsharded"), ("save unsharded", "resume sharded")):
+        first = [(r["iteration"], r["lm loss"], r["grad norm"]) for r in runs[saved]["values"]["train"]]
+        second = [(r["iteration"], r["lm loss"], r["grad norm"]) for r in runs[resumed]["values"]["train"]]
+        assert first + second == whole, (saved, resumed)
 
 
 @pytest.mark.parametrize("name", list(REFERENCE))
