@@ -69,7 +69,7 @@ def _grad_tensors(module: Any) -> list[torch.Tensor]:
     buffers = list(getattr(module, "buffers", ())) + list(getattr(module, "expert_parallel_buffers", ()))
     if buffers:
         return [b.grad_data for b in buffers]
-    return [getattr(p, "main_grad", None) or p.grad for p in module.parameters()]
+    return [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in module.parameters()]
 
 
 def model_state_bytes(modules: Iterable[Any], optimizer: Any) -> ModelStateBytes:
