@@ -37,6 +37,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                                                                         "built-ins, run by torch.distributed.pipelining"),
     "vocab": Benchmark("megatron_zb.bench.vocab", "measured on CPU (gloo): --enable-vocab-parallel against "
                                                   "the same schedules without it, beside the planner"),
+    "zero2": Benchmark("megatron_zb.bench.zero2", "measured on CPU (gloo): sharded gradients (ZeRO-2) in W groups "
+                                                  "of K against the distributed optimizer, memory and time"),
     "gpu": Benchmark("megatron_zb.testing.gpu_bench", "a GPU node: megatron-core's 1F1B against zb, zb-2p "
                                                       "and zbv (scripts/gpu_selftest.sh runs it)"),
 }
