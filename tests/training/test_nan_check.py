@@ -172,7 +172,8 @@ def test_a_nan_computed_in_a_deferred_w_is_caught_at_its_iteration(tmp_path, fla
 
 def test_the_script_exits_non_zero_under_torchrun(tmp_path):
     """``pretrain_gpt_zb.py`` itself (fp32, ``--lr 1e4``): the launcher's exit status is not 0, the error
-    line is printed once, naming iteration 4; the launcher ends (no rank left waiting)."""
+    line is printed once, naming iteration 4; the launcher ends (no rank left waiting). Before that the
+    script reported its progress in order: its own first line, then the trainer's set-up and iteration 1."""
     from megatron_zb.testing.distributed import cpu_run_env
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
@@ -182,6 +183,10 @@ def test_the_script_exits_non_zero_under_torchrun(tmp_path):
     assert proc.returncode != 0, proc.stdout[-4000:]
     m = _error({"log": proc.stdout})
     assert (m["it"], m["rank"], m["what"]) == ("4", "1", LOSS_NAN), m[0]
+    marks = ["pretrain_gpt_zb.py: loading torch and megatron-core", "> building model", "> model built:",
+             "> data ready", "> schedule report", "] iteration        1/"]
+    pos = [proc.stdout.index(mark) for mark in marks]
+    assert pos == sorted(pos), list(zip(marks, pos))
 
 
 # ---------------------------------------------------------------------------- the flags

@@ -1,16 +1,16 @@
-"""End to end: ``pretrain_gpt_zb.py`` (under torchrun, and its trainer in-process), tiny GPT, mock data.
+"""End to end: ``pretrain_gpt_zb.py``'s trainer in-process (and the script under torchrun), tiny GPT, mock data.
 
 Every run writes its exact per-iteration values with ``--loss-log-json``; the loss curves of
 megatron-zb's schedules are compared with megatron-core's own 1F1B (``--use-megatron-core-schedule``)
 on the same flags. The model (8 layers) and the data are the same at PP=2 and PP=4, so one
-reference serves both. Runs are shared between tests (each starts once, on first use). The
-reference runs the script itself under torchrun (~20-30 s on the 2-core machine, mostly process
-start-up); the others run the same trainer on the same command line in-process
-(:func:`in_process`: ranks of ``run_distributed``, whose forkserver has torch and megatron-core
-already imported), a few seconds each:
+reference serves both. Runs are shared between tests (each starts once, on first use). Every run is the
+trainer on the command line in-process (:func:`in_process`: ranks of ``run_distributed``, whose forkserver
+has torch, megatron-core and the trainer already imported), a few seconds each; the script itself under
+torchrun is :func:`test_bad_argument_under_torchrun_prints_one_line_and_starts_no_group`'s, and
+tests/training/test_nan_check.py's, test_checkpoint_failures.py's and test_profile_out.py's:
 
 PP=2, 12 iterations, validation every 6 (1 batch), checkpoints:
-  ``ref2``          megatron-core 1F1B, saves at 6 and 12 -- the reference (torchrun);
+  ``ref2``          megatron-core 1F1B, saves at 6 and 12 -- the reference;
   ``1f1b2``         megatron-zb's runtime running 1F1B;
   ``zbh1_pv``       ZB-H1 with exact optimizer post-validation (eager steps after its 10 warm-up steps);
   ``zb_stop``       greedy zero-bubble (profiled at 2-3, re-planned), stopped by ``--exit-interval 6``;
@@ -94,7 +94,7 @@ def runs(tmp_path_factory) -> Runs:
 # ---------------------------------------------------------------------------- run definitions
 def ref2(runs: Runs) -> dict:
     return runs.get("ref2", 2, PP2 + ["--use-megatron-core-schedule", "--save", str(runs.dir("ref2") / "ckpt"),
-                                      "--save-interval", "6"], launch_torchrun=True)
+                                      "--save-interval", "6"])
 
 
 def zb_stop(runs: Runs) -> dict:
@@ -327,9 +327,9 @@ def test_log_lines_are_megatrons_and_parse(runs):
     assert float(valid[0][2]) == pytest.approx(2.718281828 ** float(valid[0][1]), rel=1e-5)
     assert " validation loss at iteration 12 on validation set |" in run["log"]
     assert " validation loss at iteration 12 on test set |" in run["log"]
-    # Progress before the first iteration, in order.
-    marks = ["loading torch and megatron-core", "> building model", "> model built:", "> data ready",
-             "> schedule report", "] iteration        1/"]
+    # Progress before the first iteration, in order (the script's own first line, before the trainer's:
+    # test_nan_check.py's run under torchrun).
+    marks = ["> building model", "> model built:", "> data ready", "> schedule report", "] iteration        1/"]
     pos = [run["log"].index(m) for m in marks]
     assert pos == sorted(pos)
     assert "successfully saved checkpoint from iteration       6" in run["log"]
