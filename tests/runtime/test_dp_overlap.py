@@ -11,11 +11,7 @@ so they are compared with a tolerance relative to each tensor's magnitude.
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +20,6 @@ from megatron_zb.schedules import CostModel, Op, Schedule
 from megatron_zb.schedules.dp_reduce import DPReduceModel
 from megatron_zb.schedules.registry import build_schedule
 from megatron_zb.testing import run_distributed
-from megatron_zb.testing.distributed import cpu_run_env
 from harness.dp_overlap import DPCase, assert_equal_runs, merge, run_dp_iterations
 from megatron_zb.testing.tiny_gpt import TinyGPT
 
@@ -106,7 +101,6 @@ def test_reduce_aware_v_tail_runs_bitwise_equal(zbv_ddp):
 
 
 # ---------------------------------------------------------------------------- pretrain_gpt_zb.py
-REPO = Path(__file__).resolve().parents[2]
 DP_FLAGS = ["--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather",
             "--ddp-bucket-size", "2000", "--ddp-average-in-collective"]
 PRETRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -117,29 +111,19 @@ PRETRAIN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
             "--pipeline-model-parallel-size", "2"]
 
 
-def _pretrain(tmp: Path, name: str, argv: list[str]) -> tuple[list[float], str]:
-    out = tmp / name
-    out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           str(REPO / "pretrain_gpt_zb.py"), *argv, "--loss-log-json", str(out / "values.json")]
-    proc = subprocess.run(cmd, cwd=out, env=cpu_run_env(), capture_output=True, text=True,
-                          timeout=400)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    values = json.loads((out / "values.json").read_text())
-    return [r["lm loss"] for r in values["train"]], log
-
-
 def test_pretrain_loss_curve_with_dp_overlap_equals_megatron_core_schedule(tmp_path):
-    """PP=2 x DP=2 through pretrain_gpt_zb.py: greedy ZB with every DP overlap flag on gives
-    exactly the loss curve of megatron-core's own 1F1B with the same flags -- including
-    --ddp-average-in-collective (megatron-core's ReduceOp.AVG reduce-scatter, which gloo runs)."""
-    ref, ref_log = _pretrain(tmp_path, "mcore", PRETRAIN + DP_FLAGS + ["--use-megatron-core-schedule"])
-    got, log = _pretrain(tmp_path, "zb", PRETRAIN + DP_FLAGS + ["--schedule", "zb"])
+    """PP=2 x DP=2 through pretrain_gpt_zb.py's trainer (in-process, one launch for both runs): greedy ZB with
+    every DP overlap flag on gives exactly the loss curve of megatron-core's own 1F1B with the same flags --
+    including --ddp-average-in-collective (megatron-core's ReduceOp.AVG reduce-scatter, which gloo runs)."""
+    from harness.trainer_run import in_process_many
+
+    runs = in_process_many(tmp_path, {"mcore": PRETRAIN + DP_FLAGS + ["--use-megatron-core-schedule"],
+                                      "zb": PRETRAIN + DP_FLAGS + ["--schedule", "zb"]}, 4, timeout=400)
+    ref, got = ([r["lm loss"] for r in runs[n]["values"]["train"]] for n in ("mcore", "zb"))
     assert len(ref) == 6 and got == ref
     line = ("> data parallel: size 2, distributed optimizer on, overlap-grad-reduce on, overlap-param-gather on, "
             "average-in-collective on, bucket size 2000")
-    assert line in log and line in ref_log
+    assert line in runs["zb"]["log"] and line in runs["mcore"]["log"]
 
 
 @pytest.mark.parametrize("flags,message", [
