@@ -88,6 +88,7 @@ def bench_rank(argv: list[str]) -> dict[str, Any]:
 
     import torch.distributed as dist
 
+    from ..runtime.sharded_grads import sharded_chunks
     from ..training.model_state import model_state_bytes
     from ..training.pretrain import parse_command_line
     from ..training.trainer import Trainer
@@ -99,10 +100,11 @@ def bench_rank(argv: list[str]) -> dict[str, Any]:
         try:
             assert trainer.run() == 0
             state = asdict(model_state_bytes(trainer.model.modules, trainer.optim.inner))
-            sharded = [getattr(m, "zb_sharded_grads", None) for m in trainer.model.modules]
+            found = sharded_chunks(trainer.model.modules)
             reduces = None
-            if all(s is not None for s in sharded):
-                counts = [sum(1 for b, _ in s.reduce_log if b == i) for s in sharded for i in range(len(s.buckets))]
+            if found is not None:
+                counts = [sum(1 for b, _ in s.reduce_log if b == i)
+                          for s in found.values() for i in range(len(s.buckets))]
                 reduces = (min(counts), max(counts), len(counts))
         finally:
             trainer.close()

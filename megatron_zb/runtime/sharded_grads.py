@@ -75,6 +75,7 @@ class _Slot:
     data: torch.Tensor
     bucket: _Bucket | None = None
     in_flight: tuple[Any, torch.Tensor | None, _Bucket] | None = None  # (work, temp or None, bucket)
+    owner: Any = None  # the ShardedGrads that last bound it (whose finish_grad_sync waits for its reduce)
 
 
 class WorkBuffers:
@@ -154,8 +155,9 @@ class ShardedGrads:
                 params = list(bucket.params_list)
                 group = ddp.param_to_bucket_group[params[0]].intra_distributed_optimizer_instance_group
                 n = bucket.grad_data.numel()
+                shard = torch.zeros(n // group.size(), dtype=buffer.grad_dtype, device=bucket.grad_data.device)
                 b = _Bucket(index=len(self.buckets), numel=n, scale=bucket.gradient_scaling_factor, group=group,
-                            shard=torch.zeros(n // group.size(), dtype=buffer.grad_dtype, device=bucket.grad_data.device))
+                            shard=shard)
                 for p in params:
                     offset = buffer.param_index_map[p][0] - bucket.offset
                     if id(p) in deferred:
@@ -198,7 +200,7 @@ class ShardedGrads:
     def _bind(self, b: _Bucket, *, final: bool) -> None:
         # every bound slot is this chunk's: a group's buckets are all reduced when the group ends
         slot = self.work.acquire(lambda s: self._reduce(s, final=final))
-        slot.bucket, slot.owner = b, self  # type: ignore[attr-defined]
+        slot.bucket, slot.owner = b, self
         self._slot_of[b.index] = slot
         self.work.bound(slot)
         for p, offset in b.deferred:
@@ -242,7 +244,7 @@ class ShardedGrads:
                 self._reduce(self._slot_of[b.index], final=True)
         deadline = time.monotonic() + self.timeout_s
         for slot in self.work.slots:
-            if slot.in_flight is not None and _owner_of_flight(slot) is self:
+            if slot.in_flight is not None and slot.owner is self:
                 _wait(slot, deadline)
 
     def zero_grad_buffer(self) -> None:
@@ -274,10 +276,6 @@ class ShardedGrads:
                 "megatron_core_grad_buffers": sum(buf.grad_data.untyped_storage().nbytes()
                                                   for buf in list(self.ddp.buffers)
                                                   + list(self.ddp.expert_parallel_buffers))}
-
-
-def _owner_of_flight(slot: _Slot) -> ShardedGrads | None:
-    return getattr(slot, "owner", None)
 
 
 def _wait(slot: _Slot, deadline: float) -> None:

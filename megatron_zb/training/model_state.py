@@ -62,7 +62,9 @@ class _Storages:
 
 def _grad_tensors(module: Any) -> list[torch.Tensor]:
     """Every gradient storage of a megatron-core DDP chunk (or of a plain module: its ``main_grad``/``grad``)."""
-    sharded = getattr(module, "zb_sharded_grads", None)
+    from megatron_zb.runtime.sharded_grads import ATTR
+
+    sharded = getattr(module, ATTR, None)
     if sharded is not None:
         return ([b.shard for b in sharded.buckets] + [sharded.residual]
                 + [slot.data for slot in sharded.work.slots])

@@ -58,12 +58,14 @@ def sharded_grads(trainer: Any) -> dict[str, Any]:
     adds."""
     import dataclasses
 
+    from megatron_zb.runtime.sharded_grads import sharded_chunks
     from megatron_zb.training.model_state import model_state_bytes
 
     out: dict[str, Any] = {"model_state": dataclasses.asdict(model_state_bytes(trainer.model.modules,
                                                                                trainer.optim.inner))}
-    sharded = [getattr(m, "zb_sharded_grads", None) for m in trainer.model.modules]
-    if all(s is not None for s in sharded):
+    found = sharded_chunks(trainer.model.modules)
+    if found is not None:
+        sharded = list(found.values())
         out["reduces"] = [list(s.reduce_log) for s in sharded]
         out["buckets"] = [[b.numel for b in s.buckets] for s in sharded]
         out["bucket_weights"] = [[len(b.deferred) for b in s.buckets] for s in sharded]  # weights W adds into
