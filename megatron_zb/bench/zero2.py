@@ -13,7 +13,9 @@ each rank's model-state bytes measured from its storages (:func:`~megatron_zb.tr
 parameters, gradients, optimizer state), and with sharded gradients the reduce-scatters per bucket in the last
 iteration. ``--rounds`` rounds run every variant once each; a variant's time ratio is the median over rounds
 of its time over the distributed optimizer's in the same round (paired). Progress: a line per run and a
-heartbeat while one goes. The planner's prediction of ``K`` is not here yet (issue 42).
+heartbeat while one goes. First, untimed: the planner's prediction per variant and its recommended ``K``
+(:mod:`.zero2_predict`, from a profile of the baseline and a measured reduce-scatter), printed beside the
+measured times.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def bench_rank(argv: list[str]) -> dict[str, Any]:
         finally:
             trainer.close()
     lines = [ln for ln in log.getvalue().splitlines() if "elapsed time per iteration" in ln]
-    return {"state": state, "reduces": reduces, "lines": lines}
+    return {"state": state, "reduces": reduces, "lines": lines,
+            "schedule": validated.schedule if dist.get_rank() == 0 else None}
 
 
 def _iteration_ms(lines: list[str], first: int) -> float:
@@ -118,6 +121,25 @@ def _iteration_ms(lines: list[str], first: int) -> float:
     times = {int(m.group(1)): float(m.group(2)) for ln in lines
              if (m := re.search(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)", ln))}
     return statistics.median(t for i, t in times.items() if i >= first)
+
+
+def prediction(spec: Zero2Spec, workdir: str) -> list[Any]:
+    """The planner's rows (:mod:`.zero2_predict`): an untimed baseline run with ``--profile-out``, then the
+    data-parallel reduce-scatter measured."""
+    from ..testing import run_distributed
+    from .zero2_predict import measure_reduce_scatter, predict
+
+    path = f"{workdir}/zero2_profile.json"
+    flags = ["--zero-bubble-pipeline-timers-start-iter", "2", "--zero-bubble-pipeline-timers-end-iter",
+             str(spec.iters), "--profile-out", path]
+    with heartbeat("zero2: profiling the distributed optimizer's run (untimed)", every_s=HEARTBEAT_S):
+        ranks = run_distributed(bench_rank, world_size=4, args=(spec.argv() + flags,), timeout=spec.timeout)
+        reduce_ms = run_distributed(measure_reduce_scatter, world_size=4, args=(spec.bucket_size,),
+                                    timeout=spec.timeout)[0]
+    stamped(f"zero2: reduce-scatter over 2 ranks: {reduce_ms[0]:.3f} ms (1 element), {reduce_ms[1]:.3f} ms "
+            f"({spec.bucket_size} fp32 elements)")
+    return predict(path, ranks[0]["schedule"], bucket_elements=spec.bucket_size, groups=spec.groups,
+                   reduce_ms=reduce_ms)
 
 
 def run(spec: Zero2Spec) -> dict[str, dict[str, Any]]:
@@ -141,19 +163,22 @@ def run(spec: Zero2Spec) -> dict[str, dict[str, Any]]:
     return found
 
 
-def table(spec: Zero2Spec, found: dict[str, dict[str, Any]]) -> str:
-    """The Markdown table of the results."""
+def table(spec: Zero2Spec, found: dict[str, dict[str, Any]], predicted: list[Any]) -> str:
+    """The Markdown table of the results, with the planner's predicted iteration time per variant."""
     rows = ["| variant | iteration (ms, median) | time / distributed optimizer (paired median) | model state per "
-            "parameter, bytes (max over ranks) | gradient bytes (max over ranks) | reduce-scatters per bucket |",
-            "|---|---|---|---|---|---|"]
+            "parameter, bytes (max over ranks) | gradient bytes (max over ranks) | reduce-scatters per bucket | "
+            "planner's prediction (ms) | predicted / measured |",
+            "|---|---|---|---|---|---|---|---|"]
+    pred = {BASELINE if r.k is None else f"optim_grads K={r.k}": r.iteration_time_ms for r in predicted}
     for name, v in found.items():
         states = v["states"]
         per_param = max((s["params"] + s["grads"] + s["optimizer"]) / s["num_params"] for s in states)
         grads = max(s["grads"] for s in states)
         red = v["reduces"]
         reduces = "1 (at the end)" if red is None else (f"{red[0]}" if red[0] == red[1] else f"{red[0]}-{red[1]}")
-        rows.append(f"| {name} | {statistics.median(v['ms']):.1f} | {statistics.median(v['ratio']):.3f} | "
-                    f"{per_param:.2f} | {grads} | {reduces} |")
+        ms = statistics.median(v["ms"])
+        rows.append(f"| {name} | {ms:.1f} | {statistics.median(v['ratio']):.3f} | "
+                    f"{per_param:.2f} | {grads} | {reduces} | {pred[name]:.1f} | {pred[name] / ms:.3f} |")
     return "\n".join(rows)
 
 
@@ -173,8 +198,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = Zero2Spec(rounds=a.rounds, groups=tuple(a.groups), microbatches=a.microbatches, num_layers=a.num_layers,
                      hidden=a.hidden, iters=a.iters, measure_from=a.measure_from)
     stamped(f"zero2: {spec.describe()}; {len(variants(spec))} variants x {spec.rounds} rounds")
+    import tempfile
+
+    from ..planning.sharded import choose_group
+    with tempfile.TemporaryDirectory() as workdir:
+        predicted = prediction(spec, workdir)
     found = run(spec)
-    print(f"Sharded gradients on CPU: {spec.describe()}\n\n{table(spec, found)}")
+    pick = choose_group(predicted)
+    print(f"Sharded gradients on CPU: {spec.describe()}\n\n{table(spec, found, predicted)}\n\n"
+          f"planner's recommendation among K = {', '.join(map(str, spec.groups))}: "
+          f"{'none fits' if pick is None else f'K={pick.k}'}")
     return 0
 
 

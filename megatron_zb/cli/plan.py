@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_zb.planning.hardware import DEFAULT_HBM_EFFICIENCY, DEFAULT_MFU, HardwareError, gpu_names, resolve_hardware
-from megatron_zb.planning.model import (TRANSFORMER_IMPLS, PlanError, PlanLayout, PlanModel, make_model,
-                                        make_parallel)
+from megatron_zb.planning.model import (SHARDING_STRATEGIES, TRANSFORMER_IMPLS, PlanError, PlanLayout, PlanModel,
+                                        make_model, make_parallel)
 
 PROG = "megatron-zb"
 EXIT_USAGE = 2
@@ -97,6 +97,15 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="first/last stage may take fewer layers (as pretrain_gpt_zb.py)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", dest="num_virtual_stages", type=int, default=None,
                    metavar="V", help="chunks per rank for interleaved schedules (default: smallest that splits)")
+    g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES, default="no_shard",
+                   help="what the data-parallel ranks shard (default no_shard; optim: the distributed optimizer's "
+                        "state; optim_grads: sharded gradients, ZeRO-2, with a table per schedule of the W group "
+                        "size k: docs/training.md \"Sharded gradients\")")
+    g.add_argument("--zero-bubble-wgrad-group", metavar="K|auto", default=None,
+                   help="with optim_grads: plan W groups of K microbatches, or auto (default): every K in 1, 2, 4, "
+                        "..., M and recommend one")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
+                   help="elements per gradient bucket (default megatron-core's max(40M, 1M x DP))")
     for dest, help_ in _SPLIT_FLAGS.items():
         if dest.startswith("account"):
             g.add_argument(_flag(dest), dest=dest, action="store_true", help=help_)
@@ -110,6 +119,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--tp-gbs", type=float, metavar="X", help="a GPU's link bandwidth in a node, per direction, GB/s")
     g.add_argument("--p2p-gbps", type=float, metavar="X", help="stage-to-stage bandwidth, Gbit/s")
     g.add_argument("--p2p-latency-ms", type=float, metavar="X", help="fixed cost of one stage-to-stage transfer, ms")
+    g.add_argument("--dp-gbps", type=float, metavar="X",
+                   help="a GPU's bandwidth in data-parallel collectives, Gbit/s (default --p2p-gbps)")
     g.add_argument("--mfu", type=float, metavar="X",
                    help=f"fraction of the peak matrix multiplications reach (default {DEFAULT_MFU})")
     g.add_argument("--hbm-efficiency", type=float, metavar="X",
@@ -193,8 +204,20 @@ def _from_profile(args: argparse.Namespace, prof: Any) -> tuple[PlanModel, PlanL
                         use_distributed_optimizer=args.use_distributed_optimizer or par0.use_distributed_optimizer,
                         allow_padding_num_layers=par0.allow_padding_num_layers,
                         num_virtual_stages=args.num_virtual_stages or par0.num_virtual_stages,
-                        **{dest: getattr(par0, dest) for dest in _SPLIT_FLAGS})
+                        **{dest: getattr(par0, dest) for dest in _SPLIT_FLAGS}, **_sharding(args))
     return model, par
+
+
+def _sharding(args: argparse.Namespace) -> dict[str, Any]:
+    """The sharding fields of the layout from the flags (``--zero-bubble-wgrad-group auto``: ``None``)."""
+    k = args.zero_bubble_wgrad_group
+    if k is not None and k != "auto":
+        try:
+            k = int(k)
+        except ValueError:
+            raise PlanError("--zero-bubble-wgrad-group", f"a whole number of microbatches or auto, got {k!r}") from None
+    return {"data_parallel_sharding_strategy": args.data_parallel_sharding_strategy,
+            "ddp_bucket_size": args.ddp_bucket_size, "wgrad_group": None if k == "auto" else k}
 
 
 def _inputs(args: argparse.Namespace) -> tuple[PlanModel, PlanLayout, Any]:
@@ -211,7 +234,7 @@ def _inputs(args: argparse.Namespace) -> tuple[PlanModel, PlanLayout, Any]:
                         use_distributed_optimizer=args.use_distributed_optimizer,
                         allow_padding_num_layers=args.allow_padding_num_layers,
                         num_virtual_stages=args.num_virtual_stages,
-                        **{dest: getattr(args, dest) for dest in _SPLIT_FLAGS})
+                        **{dest: getattr(args, dest) for dest in _SPLIT_FLAGS}, **_sharding(args))
     if model.precision == "fp32" and args.gpu is not None and args.gpu_tflops is None:
         raise PlanError("--gpu-tflops", f"the --gpu table holds dense 16-bit peaks; an fp32 model (neither --bf16 "
                                         f"nor --fp16) needs the peak its matrix products reach on {args.gpu} "
@@ -243,7 +266,8 @@ def _run(args: argparse.Namespace) -> int:
         raise PlanError("--plot", f"{args.plot}: the file name must end in {', '.join(PLOT_SUFFIXES)}")
     hw = resolve_hardware(gpu=args.gpu, tflops=args.gpu_tflops, memory_gib=args.gpu_memory_gib,
                           hbm_gbs=args.gpu_hbm_gbs, tp_gbs=args.tp_gbs, p2p_gbps=args.p2p_gbps,
-                          p2p_latency_ms=args.p2p_latency_ms, mfu=args.mfu, hbm_efficiency=args.hbm_efficiency)
+                          p2p_latency_ms=args.p2p_latency_ms, mfu=args.mfu, hbm_efficiency=args.hbm_efficiency,
+                          dp_gbps=args.dp_gbps)
     model, par, prof = _inputs(args)
     names = None if args.schedules is None else [n.strip() for n in args.schedules.split(",") if n.strip()]
     if names == []:

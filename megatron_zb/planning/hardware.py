@@ -50,6 +50,9 @@ class Hardware:
             collectives).
         p2p_gbps: bandwidth of a stage-to-stage transfer, Gbit/s (1e9 bits/s).
         p2p_latency_ms: fixed cost of one stage-to-stage transfer, ms.
+        dp_gbps: bandwidth of a GPU's data-parallel collectives (gradient reduce-scatter / all-reduce),
+            Gbit/s; ``None``: ``p2p_gbps`` (data-parallel groups usually span nodes, like the stages). Each of
+            the ``d - 1`` steps of a ring collective also waits ``p2p_latency_ms``.
         mfu: fraction of ``peak_tflops`` large matrix multiplications reach (0 < mfu <= 1).
         hbm_efficiency: fraction of ``hbm_gbs`` memory-bound kernels reach (0 < x <= 1).
     """
@@ -63,6 +66,7 @@ class Hardware:
     p2p_latency_ms: float = DEFAULT_P2P_LATENCY_MS
     mfu: float = DEFAULT_MFU
     hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY
+    dp_gbps: float | None = None
 
     @property
     def flops_per_ms(self) -> float:
@@ -81,6 +85,11 @@ class Hardware:
     @property
     def tp_bytes_per_ms(self) -> float:
         return self.tp_gbs * 1e6
+
+    @property
+    def dp_bytes_per_ms(self) -> float:
+        """Bytes per millisecond one GPU sends in a data-parallel collective (``dp_gbps``, else ``p2p_gbps``)."""
+        return (self.p2p_gbps if self.dp_gbps is None else self.dp_gbps) * 1e6 / 8
 
 
 GPUS: dict[str, Hardware] = {
@@ -107,7 +116,7 @@ def gpu_names() -> list[str]:
 def resolve_hardware(*, gpu: str | None = None, tflops: float | None = None, memory_gib: float | None = None,
                      hbm_gbs: float | None = None, tp_gbs: float | None = None, p2p_gbps: float | None = None,
                      p2p_latency_ms: float | None = None, mfu: float | None = None,
-                     hbm_efficiency: float | None = None) -> Hardware:
+                     hbm_efficiency: float | None = None, dp_gbps: float | None = None) -> Hardware:
     """The table entry ``gpu`` with any given value overriding it, or a custom GPU.
 
     Without ``gpu`` the peak, memory and HBM bandwidth must all be given; the links then default
@@ -130,7 +139,8 @@ def resolve_hardware(*, gpu: str | None = None, tflops: float | None = None, mem
         base = Hardware("custom", peak_tflops=tflops, memory_gib=memory_gib, hbm_gbs=hbm_gbs,  # type: ignore[arg-type]
                         tp_gbs=a100.tp_gbs, p2p_gbps=a100.p2p_gbps)
     given = {"peak_tflops": tflops, "memory_gib": memory_gib, "hbm_gbs": hbm_gbs, "tp_gbs": tp_gbs,
-             "p2p_gbps": p2p_gbps, "p2p_latency_ms": p2p_latency_ms, "mfu": mfu, "hbm_efficiency": hbm_efficiency}
+             "p2p_gbps": p2p_gbps, "p2p_latency_ms": p2p_latency_ms, "mfu": mfu, "hbm_efficiency": hbm_efficiency,
+             "dp_gbps": dp_gbps}
     hw = replace(base, **{k: v for k, v in given.items() if v is not None})
     _check(hw)
     return hw
@@ -138,12 +148,14 @@ def resolve_hardware(*, gpu: str | None = None, tflops: float | None = None, mem
 
 _FLAGS = {"peak_tflops": "--gpu-tflops", "memory_gib": "--gpu-memory-gib", "hbm_gbs": "--gpu-hbm-gbs",
           "tp_gbs": "--tp-gbs", "p2p_gbps": "--p2p-gbps", "p2p_latency_ms": "--p2p-latency-ms", "mfu": "--mfu",
-          "hbm_efficiency": "--hbm-efficiency"}
+          "hbm_efficiency": "--hbm-efficiency", "dp_gbps": "--dp-gbps"}
 
 
 def _check(hw: Hardware) -> None:
     for field, flag in _FLAGS.items():
         value = getattr(hw, field)
+        if value is None and field == "dp_gbps":
+            continue
         if not math.isfinite(value):
             raise HardwareError(flag, f"must be a finite number, got {value!r}")
         if field == "p2p_latency_ms":

@@ -43,8 +43,10 @@ to ``M_W``.
 
 Parameters and optimizer: Megatron's mixed-precision Adam keeps 18 bytes per parameter (16-bit
 weight 2, fp32 gradient 4, fp32 master weight 4, two fp32 moments 8); the distributed optimizer
-shards the 12 bytes of master weight and moments over the DP ranks (``6 + 12/dp``). In fp32 there
-is no master copy: 16 bytes (weight 4, gradient 4, moments 8), ``8 + 8/dp`` distributed.
+shards the 12 bytes of master weight and moments over the DP ranks (``6 + 12/dp``); sharded gradients
+(``optim_grads``, ZeRO-2) shard the fp32 gradient as well (``2 + 16/dp``, plus per-rank buffers:
+:mod:`.sharded`). In fp32 there is no master copy: 16 bytes (weight 4, gradient 4, moments 8), ``8 + 8/dp``
+distributed, ``4 + 12/dp`` with sharded gradients.
 """
 
 from __future__ import annotations
@@ -149,7 +151,13 @@ def stage_parameters(model: PlanModel, par: PlanLayout, shape: StageShape, *,
 
 def bytes_per_parameter(model: PlanModel, par: PlanLayout) -> float:
     """Weights, gradients and Adam state per parameter (module doc): mixed precision 18, or
-    ``6 + 12/dp`` with the distributed optimizer; fp32 16, or ``8 + 8/dp``."""
-    if model.precision == "fp32":
-        return 8.0 + 8.0 / par.dp if par.use_distributed_optimizer else 16.0
-    return 6.0 + 12.0 / par.dp if par.use_distributed_optimizer else 18.0
+    ``6 + 12/dp`` with the distributed optimizer, or ``2 + 16/dp`` with sharded gradients (``optim_grads``:
+    the fp32 gradient is a shard too); fp32 16, ``8 + 8/dp``, ``4 + 12/dp``. Sharded gradients' work buffers
+    and residual gradients are per rank, not per parameter (:mod:`.sharded`)."""
+    d = par.dp
+    mixed = model.precision != "fp32"
+    if par.data_parallel_sharding_strategy == "optim_grads":
+        return (2.0 + 16.0 / d) if mixed else (4.0 + 12.0 / d)
+    if par.use_distributed_optimizer:
+        return (6.0 + 12.0 / d) if mixed else (8.0 + 8.0 / d)
+    return 18.0 if mixed else 16.0

@@ -161,6 +161,12 @@ class PlanLayout:
         account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split: Megatron's
             uneven-split flags (:func:`megatron_zb.planning.layout.pipeline_split`); any of them
             decides the layers per stage instead of the even split.
+        data_parallel_sharding_strategy: ``no_shard``, ``optim`` (the distributed optimizer's sharding) or
+            ``optim_grads`` (sharded gradients, ZeRO-2: :mod:`megatron_zb.planning.sharded`).
+        ddp_bucket_size: elements per gradient bucket (``--ddp-bucket-size``); ``None``: megatron-core's
+            default, ``max(40M, 1M x dp)``.
+        wgrad_group: with ``optim_grads``, the W group size ``k`` to plan; ``None``: every candidate, the
+            planner recommends one (``--zero-bubble-wgrad-group auto``).
     """
 
     pp: int
@@ -175,6 +181,14 @@ class PlanLayout:
     decoder_last_pipeline_num_layers: int | None = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    ddp_bucket_size: int | None = None
+    wgrad_group: int | None = None
+
+    @property
+    def bucket_elements(self) -> int:
+        """Elements per gradient bucket: ``ddp_bucket_size``, else megatron-core's ``max(40M, 1M x dp)``."""
+        return self.ddp_bucket_size if self.ddp_bucket_size is not None else max(40_000_000, 1_000_000 * self.dp)
 
     @property
     def split(self) -> "LayerSplit":
@@ -202,6 +216,31 @@ class PlanLayout:
 
 _PARALLEL_FLAGS = {"pp": "pipeline_model_parallel_size", "tp": "tensor_model_parallel_size",
                    "dp": "data_parallel_size", "num_virtual_stages": "num_virtual_stages_per_pipeline_rank"}
+
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads")
+"""The ``--data-parallel-sharding-strategy`` values a plan takes (Megatron-LM's, without ZeRO-3)."""
+
+
+def _check_sharding(par: PlanLayout) -> None:
+    """The sharding flags against the layout (:class:`PlanError` naming the flag), as ``pretrain_gpt_zb.py``
+    checks them (:mod:`megatron_zb.training.arguments.sharding`)."""
+    s, k = par.data_parallel_sharding_strategy, par.wgrad_group
+    if s not in SHARDING_STRATEGIES:
+        raise PlanError("--data-parallel-sharding-strategy", f"one of {', '.join(SHARDING_STRATEGIES)}, got {s!r}")
+    if s != "no_shard" and not par.use_distributed_optimizer:
+        raise PlanError("--data-parallel-sharding-strategy", f"{s} shards through the distributed optimizer; add "
+                                                             f"--use-distributed-optimizer")
+    if s == "optim_grads" and par.sequence_parallel:
+        raise PlanError("--sequence-parallel", "not supported with --data-parallel-sharding-strategy optim_grads yet")
+    if par.ddp_bucket_size is not None and par.ddp_bucket_size < 1:
+        raise PlanError("--ddp-bucket-size", f"must be >= 1, got {par.ddp_bucket_size}")
+    if k is not None and s != "optim_grads":
+        raise PlanError("--zero-bubble-wgrad-group", "groups the W's of sharded gradients; add "
+                                                     "--data-parallel-sharding-strategy optim_grads")
+    if k is not None and (k < 1 or par.num_microbatches % k):
+        raise PlanError("--zero-bubble-wgrad-group", f"{k} does not divide the {par.num_microbatches} microbatches "
+                                                     f"per iteration; use a divisor (or auto)")
 
 
 def make_model(*, num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
@@ -287,6 +326,7 @@ def make_parallel(model: PlanModel, *, pp: int, tp: int = 1, dp: int = 1, num_mi
         raise PlanError("--sequence-parallel", "needs --tensor-model-parallel-size > 1")
     if par.num_virtual_stages is not None and par.num_virtual_stages < 2:
         raise PlanError("--num-virtual-stages-per-pipeline-rank", f"must be >= 2, got {par.num_virtual_stages}")
+    _check_sharding(par)
     if par.split.uneven:  # the split depends on the placement: families that cannot hold it are skipped
         return par
     from megatron_zb.schedules import plain_placement

@@ -59,7 +59,7 @@ from typing import Callable, Sequence
 from megatron_zb.schedules import CostModel, Placement, ScheduleError, SimResult, interleaved_placement, simulate
 from megatron_zb.schedules.limits import count_that_fit
 from megatron_zb.schedules.limits import fits as fits_limit
-from megatron_zb.schedules.registry import build_schedule, get_spec, schedule_names
+from megatron_zb.schedules.registry import ScheduleSpec, build_schedule, get_spec, schedule_names
 from megatron_zb.schedules.spread import simulate_spread
 
 from .flops import p2p_time_ms, stage_costs
@@ -69,6 +69,7 @@ from .memory import GIB, bytes_per_parameter, stage_activations, stage_parameter
 from .model_flops import planned_flops_shape, tflops_per_gpu
 from .model import PlanError, PlanLayout, PlanModel
 from .profile import Profile
+from .sharded import GroupRow, ShardedStage, choose_group, plan_groups, rank_model_state, sharded_stage
 from .vocab import base_family, vocab_pass_costs, vocab_variant
 
 SEARCH_LIMIT = 2048  # stages * microbatches above which multi-chunk search generators take minutes
@@ -104,9 +105,11 @@ class StageTable:
 
 
 def _same_step(measured: PlanLayout, planned: PlanLayout) -> bool:
-    """Whether a profile's measured step time applies: same DP size and optimizer (the reduces and the
-    optimizer's share of the parameters are the measured ones)."""
-    return (measured.dp, measured.use_distributed_optimizer) == (planned.dp, planned.use_distributed_optimizer)
+    """Whether a profile's measured step time applies: same DP size, optimizer and sharding (the reduces and
+    the optimizer's share of the parameters are the measured ones)."""
+    def key(p: PlanLayout) -> tuple:
+        return p.dp, p.use_distributed_optimizer, p.data_parallel_sharding_strategy == "optim_grads"
+    return key(measured) == key(planned)
 
 
 class CostSource:
@@ -191,6 +194,10 @@ class FamilyResult:
             value planned.
         vocab_base: for a vocabulary-parallel family, the family it is compared with (``zb-h1`` for
             ``zb-h1-vocab-1``); ``None`` otherwise.
+        wgrad_group: with sharded gradients (``optim_grads``), the W group size ``k`` the family's numbers are
+            for (given, or recommended: :mod:`.sharded`); ``None`` otherwise.
+        wgrad_groups: with sharded gradients, the distributed optimizer's row and one per candidate ``k``
+            (:class:`~.sharded.GroupRow`); not serialised as such (the report's ``wgrad_groups``).
         cost_source: where the stage costs came from (:class:`StageTable`).
         seconds: wall time spent building and simulating.
         result: the simulation (for plots), not serialised.
@@ -218,6 +225,8 @@ class FamilyResult:
     fits: bool | None = None
     memory_limit_n: int | None = None
     vocab_base: str | None = None
+    wgrad_group: int | None = None
+    wgrad_groups: list[GroupRow] | None = field(default=None, repr=False)
     cost_source: str | None = None
     seconds: float = 0.0
     result: SimResult | None = field(default=None, repr=False)
@@ -319,6 +328,9 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
     if spec.vocab_parallel and source.profile is not None:
         return FamilyResult(name, "skipped", "vocabulary-parallel schedule: a profile has no measured costs for "
                                              "the vocabulary passes; plan without --profile", chunks)
+    why_not = _not_sharded(spec, placement, model, par)
+    if why_not is not None:
+        return FamilyResult(name, "skipped", why_not, chunks)
     try:
         table = (source.estimate(placement, chunks, vocab_parallel=True) if spec.vocab_parallel
                  else source.table(placement, chunks))
@@ -338,7 +350,11 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
     params = [0.0 if passes is None else passes.params] * par.pp  # the vocabulary slices: every rank alike
     for sh, n in zip(table.shapes, table.params):
         params[sh.rank] += n
+    sharded = ([sharded_stage(model, par, sh, tied_on_rank=placement is Placement.V) for sh in table.shapes]
+               if par.data_parallel_sharding_strategy == "optim_grads" else None)
     param_bytes = [n * bytes_per_parameter(source.model, par) for n in params]
+    if sharded is not None:  # every k keeps the same model state (sharded.plan_groups)
+        param_bytes = rank_model_state(sharded, ranks, params, model, par, sharded=True)
     limit, n_limit = None, None
     if _limited_by_free_memory(name):
         free = source.usable_bytes - max(param_bytes)
@@ -367,8 +383,40 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
         drawn = simulate_spread(res.schedule, compute, source.spread, action_overhead=source.action_overhead_ms,
                                 draws=SPREAD_DRAWS)
         spread_ms = drawn.median - res.makespan
+    if sharded is not None:
+        return _sharded_family(name, chunks, res, costs, sharded, ranks, params, table, source, n_limit)
     fam = _metrics(name, chunks, res, params, param_bytes, table, source, n_limit, spread_ms)
     fam.vocab_base = base_family(name) if spec.vocab_parallel else None
+    return fam
+
+
+def _not_sharded(spec: ScheduleSpec, placement: Placement, model: PlanModel, par: PlanLayout) -> str | None:
+    """Why a family is not planned with sharded gradients (what ``pretrain_gpt_zb.py`` refuses), or ``None``."""
+    if par.data_parallel_sharding_strategy != "optim_grads":
+        return None
+    if not spec.split_backward:
+        return "fuses its backward: sharded gradients reduce each bucket after W groups (a split backward)"
+    if spec.vocab_parallel:
+        return "vocabulary parallelism is not served with sharded gradients yet"
+    if not model.untie_embeddings_and_output_weights and placement is not Placement.V:
+        return ("its word embedding is tied to the output layer on another rank: sharded gradients need "
+                "--untie-embeddings-and-output-weights (or a V)")
+    return None
+
+
+def _sharded_family(name: str, chunks: int, res: SimResult, costs: CostModel, stages: list[ShardedStage], ranks: list[int],
+                    params: list[float], table: StageTable, source: CostSource, n_limit: int | None) -> FamilyResult:
+    """The family at its ``k`` (given or recommended), with every candidate's row (:mod:`.sharded`)."""
+    optimizer_ms = _optimizer_ms(params, source)
+    rows = plan_groups(res.schedule, costs, stages=stages, ranks=ranks, params=params, model=source.model,
+                       par=source.par, hw=source.hw, optimizer_ms=optimizer_ms, usable_bytes=source.usable_bytes)
+    pick = choose_group(rows) if source.par.wgrad_group is None else rows[-1]
+    if pick is None:
+        return FamilyResult(name, "skipped", "no W group size fits the memory with sharded gradients", chunks,
+                            wgrad_groups=rows)
+    fam = _metrics(name, chunks, pick.result, params, pick.model_state_bytes, table, source, n_limit, None,
+                   dp_ms=pick.iteration_time_ms - pick.result.makespan - optimizer_ms)
+    fam.wgrad_group, fam.wgrad_groups = pick.k, rows
     return fam
 
 
@@ -384,16 +432,24 @@ def _rank_totals(res: SimResult, param_bytes: list[float]) -> list[float]:
     return [a + p for a, p in zip(res.peak_memory, param_bytes)]
 
 
-def _metrics(name: str, chunks: int, res: SimResult, params: list[float], param_bytes: list[float],
-             table: StageTable, source: CostSource, n_limit: int | None, spread_ms: float | None) -> FamilyResult:
-    model, par, hw = source.model, source.par, source.hw
+def _optimizer_ms(params: list[float], source: CostSource) -> float:
+    """The optimizer step of the largest rank, ms: the profile's measured step, else the HBM estimate."""
     if source.step_ms is not None:
-        optimizer_ms, dp_ms, step_source = source.step_ms, 0.0, "profile"
-    else:
-        optimizer_ms = max(params) * OPTIMIZER_BYTES_PER_PARAM[model.precision] / hw.hbm_bytes_per_ms
-        dp_ms = (0.0 if par.dp == 1 else
-                 max(params) * GRAD_ALLREDUCE_BYTES_PER_PARAM * 2 * (par.dp - 1) / par.dp / hw.p2p_bytes_per_ms)
-        step_source = "estimate"
+        return source.step_ms
+    return max(params) * OPTIMIZER_BYTES_PER_PARAM[source.model.precision] / source.hw.hbm_bytes_per_ms
+
+
+def _metrics(name: str, chunks: int, res: SimResult, params: list[float], param_bytes: list[float],
+             table: StageTable, source: CostSource, n_limit: int | None, spread_ms: float | None, *,
+             dp_ms: float | None = None) -> FamilyResult:
+    """The family's result from its simulation; ``dp_ms`` replaces the estimated DP all-reduce (sharded
+    gradients: the residual reduce, the groups' reduces being in ``res``)."""
+    model, par, hw = source.model, source.par, source.hw
+    optimizer_ms = _optimizer_ms(params, source)
+    step_source = "profile" if source.step_ms is not None else "estimate"
+    if dp_ms is None:
+        dp_ms = (0.0 if par.dp == 1 or source.step_ms is not None else
+                 max(params) * GRAD_ALLREDUCE_BYTES_PER_PARAM * 2 * (par.dp - 1) / par.dp / hw.dp_bytes_per_ms)
     iteration = res.makespan + (spread_ms or 0.0) + optimizer_ms + dp_ms
     totals = _rank_totals(res, param_bytes)
     peak = max(totals) / GIB

@@ -13,7 +13,12 @@ JSON (``plan --json FILE``)::
          "param_optimizer_per_rank_gib": [...],   # per pipeline rank, rank order
          "chunks": 1, "memory_limit_n": null, "cost_source": "estimate", "step_source": "estimate",
          "duration_spread_ms": null,       # > 0: a profile's measured duration spread (planner doc)
-         "vocab_base": null}, ...],        # --enable-vocab-parallel: "zb-h1" for "zb-h1-vocab-1"
+         "vocab_base": null,               # --enable-vocab-parallel: "zb-h1" for "zb-h1-vocab-1"
+         "wgrad_group": null,              # optim_grads: the W group size k the row is for
+         "wgrad_groups": null}, ...],      # optim_grads: [{"k": null (the distributed optimizer) or k,
+                                           #   "reduces_per_bucket", "iteration_time_ms", "exposed_reduce_ms",
+                                           #   "activation_gib", "model_state_gib" (per rank), "peak_gib",
+                                           #   "fits"}, ...]
       "recommended": "zb-2p",             # fastest that fits, or null
       "not_planned": [{"name": "zb-optimal", "status": "skipped", "reason": "..."}, ...],
       "t_comm_ms": 1.15,
@@ -37,12 +42,13 @@ from typing import Any
 
 from .memory import GIB
 from .planner import SPREAD_DRAWS, FamilyResult, Plan
+from .sharded import GroupRow
 
 _KEYS = ("iteration_time_ms", "bubble_rate", "peak_memory_gib", "fits")
 _MORE = ("makespan_ms", "optimizer_ms", "dp_sync_ms", "peak_activation_gib", "param_optimizer_gib",
          "peak_memory_per_rank_gib", "peak_activation_per_rank_gib", "param_optimizer_per_rank_gib", "chunks",
          "memory_limit_n", "cost_source", "step_source", "duration_spread_ms", "model_tflops_per_gpu",
-         "vocab_base")
+         "vocab_base", "wgrad_group")
 
 
 def to_json(plan: Plan) -> dict[str, Any]:
@@ -54,6 +60,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         row: dict[str, Any] = {"name": f.name, **{k: getattr(f, k) for k in _KEYS},
                                "throughput_samples_per_gpu_s": f.throughput}
         row.update({k: getattr(f, k) for k in _MORE})
+        row["wgrad_groups"] = None if f.wgrad_groups is None else [_group_json(g) for g in f.wgrad_groups]
         sched.append(row)
     st = plan.stages
     stages = [{"stage": sh.stage, "rank": sh.rank, "layers": sh.num_layers, "embedding": sh.embedding,
@@ -73,6 +80,35 @@ def to_json(plan: Plan) -> dict[str, Any]:
     }
 
 
+def _group_json(g: GroupRow) -> dict[str, Any]:
+    return {"k": g.k, "reduces_per_bucket": g.reduces_per_bucket, "iteration_time_ms": g.iteration_time_ms,
+            "exposed_reduce_ms": g.exposed_reduce_ms, "activation_gib": [b / GIB for b in g.activation_bytes],
+            "model_state_gib": [b / GIB for b in g.model_state_bytes], "peak_gib": g.peak_bytes / GIB,
+            "fits": g.fits}
+
+
+def group_lines(plan: Plan) -> list[str]:
+    """With sharded gradients: the recommended family's table of W group sizes beside the distributed optimizer."""
+    fam = next((f for f in plan.families if f.name == plan.recommended), None)
+    if fam is None or fam.wgrad_groups is None:
+        return []
+    base = fam.wgrad_groups[0]
+    lines = [f"sharded gradients (optim_grads), {fam.name}: W groups of k microbatches, each bucket "
+             f"reduce-scattered m/k times per iteration",
+             f"  {'k':<24}{'RS/bucket':>10}{'iter ms':>11}{'vs dist-opt':>12}{'exposed ms':>11}{'act GiB':>9}"
+             f"{'state GiB':>10}{'peak GiB':>9} fits"]
+    for g in fam.wgrad_groups:
+        label = ("distributed optimizer" if g.k is None else
+                 f"k={g.k}" + (" (recommended)" if g.k == fam.wgrad_group and plan.parallel.wgrad_group is None else ""))
+        lines.append(f"  {label:<24}{g.reduces_per_bucket:>10}{g.iteration_time_ms:>11.1f}"
+                     f"{g.iteration_time_ms / base.iteration_time_ms:>11.3f}x{g.exposed_reduce_ms:>11.2f}"
+                     f"{max(g.activation_bytes) / GIB:>9.2f}{max(g.model_state_bytes) / GIB:>10.2f}"
+                     f"{g.peak_bytes / GIB:>9.2f}  {'yes' if g.fits else 'NO'}")
+    lines.append("  (state = parameters, gradients (sharded: shard, two work buffers, residual), optimizer state; "
+                 "act and state are the largest rank's)")
+    return lines
+
+
 def _header(plan: Plan) -> list[str]:
     m, p, hw = plan.model, plan.parallel, plan.hardware
     attn = "flash" if m.use_flash_attn else "unfused"
@@ -83,7 +119,8 @@ def _header(plan: Plan) -> list[str]:
         f"{m.micro_batch_size}, vocab {m.padded_vocab_size(p.tp)} (padded), {attn} attention, {m.precision}",
         f"layout: PP {p.pp} x TP {p.tp}{' (sequence parallel)' if p.sequence_parallel else ''} x DP {p.dp}, "
         f"{p.num_microbatches} microbatches per iteration"
-        f"{', distributed optimizer' if p.use_distributed_optimizer else ''}",
+        f"{', distributed optimizer' if p.use_distributed_optimizer else ''}"
+        f"{', sharded gradients (optim_grads)' if p.data_parallel_sharding_strategy == 'optim_grads' else ''}",
         f"GPU {hw.name}: {hw.peak_tflops:g} TFLOP/s x mfu {hw.mfu:g}, HBM {hw.hbm_gbs:g} GB/s x {hw.hbm_efficiency:g}, "
         f"{hw.memory_gib:g} GiB (plans use {plan.memory_fraction:.0%}), TP link {hw.tp_gbs:g} GB/s, "
         f"P2P {hw.p2p_gbps:g} Gbit/s + {hw.p2p_latency_ms:g} ms",
@@ -129,6 +166,11 @@ def _iteration_terms(plan: Plan) -> str:
         sim += (" with every action's duration drawn from the profile's measured spread (median of "
                 f"{SPREAD_DRAWS} draws)")
     measured = any(f.step_source == "profile" for f in plan.families if f.status == "ok")
+    if plan.parallel.data_parallel_sharding_strategy == "optim_grads":
+        sim += (" with each W group's bucket reduce-scatters on the DP channel" + (
+            " + measured time outside the schedule (profile step_ms)" if measured else
+            " + the residual gradients' reduce-scatter + optimizer step (estimates)"))
+        return sim
     return sim + (" + measured time outside the schedule (profile step_ms: optimizer, reduces, logging)"
                   if measured else " + optimizer step + DP gradient all-reduce (estimates)")
 
@@ -148,6 +190,7 @@ def render(plan: Plan) -> str:
         lines.append("not planned:")
         lines += [f"  {f.name}: {f.status}: {f.reason}" for f in rest]
     lines += vocab_lines(plan)
+    lines += group_lines(plan)
     lines.append("")
     lines.append(recommendation(plan))
     return "\n".join(lines)
@@ -185,6 +228,8 @@ def recommendation(plan: Plan) -> str:
     line = f"recommended: {best.name}"
     if best.memory_limit_n is not None:
         line += f" with --zero-bubble-max-pending-backward {best.memory_limit_n}"
+    if best.wgrad_group is not None:
+        line += f"{' and' if best.memory_limit_n is not None else ' with'} --zero-bubble-wgrad-group {best.wgrad_group}"
     line += f" ({best.throughput:.3f} samples/s per GPU, peak {best.peak_memory_gib:.1f} GiB"
     base = fams.get("1f1b")
     if base is not None and best.name != "1f1b":

@@ -9,10 +9,11 @@ that buffer and keeps instead, per chunk,
   what the optimizer steps on;
 * **work buffers** (two per rank, each the size of the largest bucket), reused: while a stage's group of
   W's (``--zero-bubble-wgrad-group K``, run layer-major by the store) adds a bucket's weight gradients,
-  the bucket's weights point their ``main_grad`` into a work buffer; when the store moves on to a
-  bucket that has no work buffer, the least recently bound bucket is reduce-scattered into its shard
-  (asynchronously: ``reduce_scatter_tensor``, summed into the shard once it completes), and its buffer
-  is zeroed and reused;
+  the bucket's weights point their ``main_grad`` into a work buffer; right after the group's last entry
+  into a bucket (the store gives the group's entries up front), the bucket is reduce-scattered into its
+  shard (asynchronously: ``reduce_scatter_tensor``, summed into the shard once it completes) while the group
+  goes on, and its buffer is zeroed and reused by a later bucket (which waits for that reduce: with two
+  buffers, bucket ``j + 2`` waits for bucket ``j``'s);
 * a **residual** gradient for the parameters whose gradient comes in B, not W (norms, biases, the word
   embedding's lookup, a weight tied to it): megatron-core's DDP hook adds into their ``main_grad`` during
   B, so it points at a small buffer of their own for the whole iteration, which joins its bucket in the
@@ -66,6 +67,7 @@ class _Bucket:
     residual: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)  # (param, offset, grad)
     reduces: int = 0                # reduce-scatters launched this iteration
     residual_joined: bool = False   # the residual gradients went into a reduce this iteration
+    flights: list["_Slot"] = field(default_factory=list)  # slots whose reduce into the shard is in flight, launch order
 
 
 @dataclass(eq=False)
@@ -78,12 +80,26 @@ class _Slot:
     owner: Any = None  # the ShardedGrads that last bound it (whose finish_grad_sync waits for its reduce)
 
 
+@dataclass(frozen=True)
+class _Group:
+    """The W group running: its entries' parameters, whether it is the stage's last, and per entry index the
+    buckets whose last entry in the group it is."""
+
+    entries: tuple[tuple[torch.Tensor, ...], ...]
+    final: bool
+    release: dict[int, list[int]]
+
+
+_NO_GROUP = _Group((), False, {})
+
+
 class WorkBuffers:
     """The rank's reusable bucket-sized buffers (shared by its chunks): ``count`` of ``numel`` elements."""
 
-    def __init__(self, numel: int, *, count: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, numel: int, *, count: int, dtype: torch.dtype, device: torch.device, timeout_s: float) -> None:
         self.slots = [_Slot(torch.zeros(numel, dtype=dtype, device=device)) for _ in range(count)]
         self._bound: list[_Slot] = []   # bound slots, least recently bound first
+        self.timeout_s = timeout_s      # how long a slot's reduce-scatter may take to free it [s]
 
     def acquire(self, evict: Callable[[_Slot], None]) -> _Slot:
         """A free slot (zeroed): a never-bound one, else the one whose reduce finished first, else the least
@@ -93,7 +109,7 @@ class WorkBuffers:
             evict(self._bound[0])
             free = [s for s in self.slots if s.bucket is None]
         slot = next((s for s in free if s.in_flight is None), free[0])
-        settle(slot)
+        settle(slot, time.monotonic() + self.timeout_s)
         return slot
 
     def bound(self, slot: _Slot) -> None:
@@ -103,16 +119,23 @@ class WorkBuffers:
         self._bound.remove(slot)
 
 
-def settle(slot: _Slot) -> None:
-    """Wait for the reduce-scatter reading ``slot`` (if any), add its result into the shard, zero the slot."""
+def settle(slot: _Slot, deadline: float) -> None:
+    """Wait for the reduce-scatter reading ``slot`` (if any), and first for every earlier one of its bucket, each
+    result added into the shard in launch order (the first writes the shard itself); the slots zeroed. Each wait
+    has until ``deadline`` (``time.monotonic()`` seconds)."""
     if slot.in_flight is None:
         return
-    work, temp, bucket = slot.in_flight
-    work.wait()
-    if temp is not None:
-        bucket.shard.add_(temp)
-    slot.in_flight = None
-    slot.data.zero_()
+    bucket = slot.in_flight[2]
+    while True:
+        s = bucket.flights.pop(0)
+        work, temp, _ = s.in_flight
+        _wait(work, bucket, deadline)
+        if temp is not None:
+            bucket.shard.add_(temp)
+        s.in_flight = None
+        s.data.zero_()
+        if s is slot:
+            return
 
 
 def deferred_weights(module: torch.nn.Module) -> set[int]:
@@ -148,6 +171,7 @@ class ShardedGrads:
         self._of: dict[int, tuple[_Bucket, int]] = {}   # id(deferred param) -> (bucket, offset in bucket)
         self._slot_of: dict[int, _Slot] = {}            # bucket index -> its slot while bound
         self.reduce_log: list[tuple[int, int]] = []
+        self._group = _NO_GROUP
         deferred = deferred_weights(ddp.module)
         residual_numel = 0
         for buffer in list(ddp.buffers) + list(ddp.expert_parallel_buffers):
@@ -182,20 +206,43 @@ class ShardedGrads:
                 p.main_grad = _UNBOUND(p)
 
     # ------------------------------------------------------------------ W: binding and reducing
-    def before_entry(self, params: Iterable[torch.Tensor], *, final: bool) -> None:
-        """Before a W entry adding into ``params``: their buckets bound to work buffers (``final``: the entry is
-        in the stage's last group, after its last B: a bucket reduced now to free its buffer takes its
-        residual gradients along)."""
-        for p in params:
+    def begin_group(self, entries: tuple[tuple[torch.Tensor, ...], ...], *, final: bool) -> None:
+        """A group of W's starts; ``entries[i]``: the parameters its ``i``-th entry adds into (``final``: the
+        stage's last group, after its last B -- a bucket reduced in it takes its residual gradients along).
+        Each bucket is reduce-scattered right after the last entry that adds into it, so its reduce runs while
+        the group goes on (the group is layer-major: a bucket's entries come together)."""
+        last: dict[int, int] = {}  # bucket index -> its last entry in the group
+        for i, params in enumerate(entries):
+            for p in params:
+                where = self._of.get(id(p))
+                if where is not None:
+                    last[where[0].index] = i
+        self._group = _Group(entries, final, {})
+        for b, i in last.items():
+            self._group.release.setdefault(i, []).append(b)
+
+    def before_entry(self, index: int) -> None:
+        """Before the group's entry ``index``: the buckets of its parameters bound to work buffers."""
+        g = self._group
+        for p in g.entries[index]:
             where = self._of.get(id(p))
             if where is not None and where[0].index not in self._slot_of:
-                self._bind(where[0], final=final)
+                self._bind(where[0], final=g.final)
 
-    def after_group(self, final: bool) -> None:
-        """A stage's group of W's ran: reduce every bound bucket (``final``: the stage's last group, after its
-        last B -- the residual gradients join)."""
+    def after_entry(self, index: int) -> None:
+        """After the group's entry ``index``: the buckets whose last entry it was, reduce-scattered."""
+        g = self._group
+        for b in g.release.get(index, ()):
+            slot = self._slot_of.get(b)
+            if slot is not None:
+                self._reduce(slot, final=g.final)
+
+    def after_group(self) -> None:
+        """The group ran: every bucket still bound is reduce-scattered (none, unless an entry was evicted)."""
+        g = self._group
         for index in list(self._slot_of):
-            self._reduce(self._slot_of[index], final=final)
+            self._reduce(self._slot_of[index], final=g.final)
+        self._group = _NO_GROUP
 
     def _bind(self, b: _Bucket, *, final: bool) -> None:
         # every bound slot is this chunk's: a group's buckets are all reduced when the group ends
@@ -226,6 +273,7 @@ class ShardedGrads:
         for p, _ in b.deferred:
             p.main_grad = _UNBOUND(p)
         slot.in_flight, slot.bucket = (work, temp, b), None
+        b.flights.append(slot)
         del self._slot_of[b.index]
         self.work.unbound(slot)
 
@@ -245,7 +293,7 @@ class ShardedGrads:
         deadline = time.monotonic() + self.timeout_s
         for slot in self.work.slots:
             if slot.in_flight is not None and slot.owner is self:
-                _wait(slot, deadline)
+                settle(slot, deadline)
 
     def zero_grad_buffer(self) -> None:
         """DDP's ``zero_grad_buffer``: shards and residual gradients zeroed, the iteration's counts reset."""
@@ -278,20 +326,21 @@ class ShardedGrads:
                                                   + list(self.ddp.expert_parallel_buffers))}
 
 
-def _wait(slot: _Slot, deadline: float) -> None:
-    """Settle ``slot`` (its reduce-scatter has until ``deadline``, ``time.monotonic()`` seconds)."""
-    work = slot.in_flight[0]
+def _wait(work: Any, bucket: _Bucket, deadline: float) -> None:
+    """Wait for ``bucket``'s reduce-scatter ``work`` until ``deadline`` (``time.monotonic()`` seconds; gloo: a host
+    wait with that timeout; NCCL: stream-ordered, returns at once)."""
     left = max(deadline - time.monotonic(), 0.001)
     from datetime import timedelta
 
     try:
-        if dist.get_backend(slot.in_flight[2].group) == "gloo":
+        if dist.get_backend(bucket.group) == "gloo":
             work.wait(timeout=timedelta(seconds=left))
+        else:
+            work.wait()
     except RuntimeError as e:
-        raise ShardedGradsError(f"rank {dist.get_rank()}: sharded-gradient reduce-scatter of bucket "
-                                f"{slot.in_flight[2].index} did not complete within {left:.0f} s: a data-parallel "
-                                f"peer died, is frozen or never reached it ({e})") from None
-    settle(slot)
+        raise ShardedGradsError(f"rank {dist.get_rank()}: sharded-gradient reduce-scatter of bucket {bucket.index} "
+                                f"did not complete within {left:.0f} s: a data-parallel peer died, is frozen or never "
+                                f"reached it ({e})") from None
 
 
 def _UNBOUND(p: torch.Tensor) -> torch.Tensor:
@@ -348,7 +397,7 @@ def shard_gradients(chunks: list[Any], *, work_buffers: int = 2, timeout_s: floa
         for buffer in list(c.buffers) + list(c.expert_parallel_buffers):
             dtype, device = buffer.grad_dtype, buffer.grad_data.device
             largest = max([largest] + [b.grad_data.numel() for b in buffer.buckets])
-    work = WorkBuffers(largest, count=work_buffers, dtype=dtype, device=device)
+    work = WorkBuffers(largest, count=work_buffers, dtype=dtype, device=device, timeout_s=timeout_s)
     out = []
     for c in chunks:
         sg = ShardedGrads(c, work, timeout_s=timeout_s)
@@ -421,11 +470,17 @@ class ShardedGradSync:
         for sg in self.by_stage.values():
             sg.reduce_log = []
 
-    def before_entry(self, stage: int, params: tuple[torch.Tensor, ...], *, final: bool) -> None:
-        self.by_stage[stage].before_entry(params, final=final)
+    def begin_group(self, stage: int, entries: tuple[tuple[torch.Tensor, ...], ...], *, final: bool) -> None:
+        self.by_stage[stage].begin_group(entries, final=final)
 
-    def after_group(self, stage: int, *, final: bool) -> None:
-        self.by_stage[stage].after_group(final)
+    def before_entry(self, stage: int, index: int) -> None:
+        self.by_stage[stage].before_entry(index)
+
+    def after_entry(self, stage: int, index: int) -> None:
+        self.by_stage[stage].after_entry(index)
+
+    def after_group(self, stage: int) -> None:
+        self.by_stage[stage].after_group()
 
     def after_compute(self, a: Any, start: float) -> None:
         """Nothing to do per action: the store reports the W's."""

@@ -60,9 +60,10 @@ class WeightGradStore:
             :meth:`begin_iteration`) with the parameters whose weight-gradient work that stage
             queued in the iteration, in first-queued order; ``None``: nobody is told. Setting it
             requires :meth:`begin_iteration` before every iteration.
-        binder: told before every W entry which parameters it adds into, and after every W group
-            (:class:`Binder`; sharded gradients bind the entry's bucket to a work buffer there and
-            reduce it after the group: :mod:`megatron_zb.runtime.sharded_grads`); ``None``: nobody.
+        binder: told of every W group's entries before it runs, and before and after each entry
+            (:class:`Binder`; sharded gradients bind an entry's bucket to a work buffer before it and
+            reduce-scatter a bucket right after the group's last entry into it:
+            :mod:`megatron_zb.runtime.sharded_grads`); ``None``: nobody.
         report_per_entry: when ``True``, ``on_params_done`` is called in pieces during the
             stage's last W instead of once after it: first with the parameters that W does not
             touch (their work ran in earlier W's), then after each queued entry with the
@@ -183,8 +184,9 @@ class WeightGradStore:
             self._w_left[stage] = left - len(microbatches)
         binder = self.binder
         if binder is not None:
-            _run_entries(queue, before=lambda params: binder.before_entry(stage, params, final=last))
-            binder.after_group(stage, final=last)
+            binder.begin_group(stage, tuple(params for _, params in queue), final=last)
+            _run_entries(queue, lambda i, _: binder.after_entry(stage, i), before=lambda i, _: binder.before_entry(stage, i))
+            binder.after_group(stage)
         elif last and self.on_params_done is not None and self.report_per_entry:
             self._run_reporting(stage, queue, self.on_params_done)
         else:
@@ -274,13 +276,21 @@ _Queue = list[tuple[Callable[[], None], tuple[torch.Tensor, ...]]]
 
 
 class Binder(Protocol):
-    """What the store tells about the W's it runs (:attr:`WeightGradStore.binder`)."""
+    """What the store tells about the W's it runs (:attr:`WeightGradStore.binder`): a group's entries up front,
+    then each entry before and after it runs, then the group's end."""
 
-    def before_entry(self, stage: int, params: tuple[torch.Tensor, ...], *, final: bool) -> None:
-        """An entry of ``stage`` adding into ``params`` runs next (``final``: in the stage's last group)."""
+    def begin_group(self, stage: int, entries: tuple[tuple[torch.Tensor, ...], ...], *, final: bool) -> None:
+        """A group of ``stage``'s W's starts: ``entries[i]`` are the parameters its ``i``-th entry adds into, in
+        run order (``final``: the stage's last group this iteration)."""
 
-    def after_group(self, stage: int, *, final: bool) -> None:
-        """A group of ``stage``'s W's ran (``final``: the stage's last this iteration)."""
+    def before_entry(self, stage: int, index: int) -> None:
+        """The group's entry ``index`` runs next."""
+
+    def after_entry(self, stage: int, index: int) -> None:
+        """The group's entry ``index`` ran."""
+
+    def after_group(self, stage: int) -> None:
+        """The group ran."""
 
 
 def layer_major(queues: list[_Queue]) -> _Queue:
@@ -310,8 +320,8 @@ def layer_major(queues: list[_Queue]) -> _Queue:
 
 
 def _run_entries(queue: _Queue, after: Callable[[int, tuple[torch.Tensor, ...]], None] | None = None, *,
-                 before: Callable[[tuple[torch.Tensor, ...]], None] | None = None) -> None:
-    """Run a W's entries in order (``before(params)`` before entry ``i`` -- ahead of the next entry's
+                 before: Callable[[int, tuple[torch.Tensor, ...]], None] | None = None) -> None:
+    """Run a W's entries in order (``before(i, params)`` before entry ``i`` -- ahead of the next entry's
     prefetch --, ``after(i, params)`` after it, if given).
 
     Before entry ``i`` runs, entry ``i + 1``'s ``prefetch()`` is called when its ``fn`` has one:
@@ -321,7 +331,7 @@ def _run_entries(queue: _Queue, after: Callable[[int, tuple[torch.Tensor, ...]],
     """
     for i, (fn, params) in enumerate(queue):
         if before is not None:
-            before(params)
+            before(i, params)
         with torch.no_grad():  # as inside autograd's backward: no graph for gradient math
             if i + 1 < len(queue):
                 prefetch = getattr(queue[i + 1][0], "prefetch", None)

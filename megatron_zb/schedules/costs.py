@@ -47,6 +47,10 @@ class DPReduceModel:
             schedule's groups: :func:`~.wgrad_groups.group_wgrads`), and each bucket is reduce-scattered
             once per group, ready as the group reaches its layers -- ``ceil(m / k)`` collectives per
             bucket (``bandwidth`` is then the reduce-scatter's). Needs ``overlap``.
+        work_buffers: with ``wgrad_group``, how many bucket-sized buffers a rank's groups write into
+            (sharded gradients keep 2): a bucket waits for the reduce of the bucket written that many
+            buckets before it on the rank, which frees its buffer, and the group waits with it. ``None``:
+            no such wait.
     """
 
     stage_bytes: PerStage
@@ -55,6 +59,7 @@ class DPReduceModel:
     latency: float = 0.0
     overlap: bool = True
     wgrad_group: int | None = None
+    work_buffers: int | None = None
 
     def resolve(self, num_stages: int) -> "DPReduceModel":
         """Check the values; the same model with one byte count per stage."""
@@ -73,6 +78,9 @@ class DPReduceModel:
         if self.wgrad_group is not None and (self.wgrad_group < 1 or not self.overlap):
             raise ScheduleError(f"dp_reduce.wgrad_group is {self.wgrad_group} with overlap={self.overlap}; it must be "
                                 f">= 1, and a group's buckets are reduce-scattered as they are ready (overlap=True)")
+        if self.work_buffers is not None and (self.work_buffers < 1 or self.wgrad_group is None):
+            raise ScheduleError(f"dp_reduce.work_buffers is {self.work_buffers} with wgrad_group={self.wgrad_group}; "
+                                f"it must be >= 1, and buffers are what a W group writes into (wgrad_group set)")
         return replace(self, stage_bytes=vals, bucket_bytes=buckets)
 
     def buckets(self, stage: int) -> list[float]:

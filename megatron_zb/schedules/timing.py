@@ -95,6 +95,26 @@ def drain(ready: Sequence[tuple[int, float, float]], free: float) -> list[Bucket
     return out
 
 
+def _buffered(buckets: list[tuple[float, float]], begin: float, span: float, slots: int, ends: list[float],
+              pending: list[tuple[int, float, float]], stage: int, free: list[float], rank: int) -> float:
+    """One group's buckets written into ``slots`` work buffers in turn (``dp_reduce.work_buffers``): a bucket
+    waits for the reduce of the rank's bucket ``slots`` launches before it (its buffer), then its share
+    ``(fraction done, reduce time)`` of the group's ``span`` from ``begin``; each reduce on the rank's channel
+    (``free[rank]``), its end appended to ``ends``, the bucket to ``pending``. Returns when the group's last
+    bucket is written (its end, later than ``begin + span`` when a bucket waited)."""
+    at, before, f = begin, 0.0, free[rank]
+    for done, took in buckets:
+        if len(ends) >= slots and ends[-slots] > at:
+            at = ends[-slots]
+        at += span * (done - before)
+        before = done
+        f = (at if at > f else f) + took
+        ends.append(f)
+        pending.append((stage, at, took))
+    free[rank] = f
+    return at
+
+
 class DeadlockError(ScheduleError):
     """The schedule can never finish: every unfinished rank waits on something that never happens."""
 
@@ -220,6 +240,7 @@ class Timeline:
         self.dp_reduce = dp = costs.dp_reduce
         self.reduce_ready: list[list[tuple[int, float, float]]] = [[] for _ in range(p)]
         self.reduce_free = [0.0] * p
+        self.reduce_ends: list[list[float]] = [[] for _ in range(p)]
         self._w_left = [m] * n
         self.run = self._runner() if dp is None else self._reduce_runner(
             self._runner(), [[(done, dp.reduce_time(size)) for done, size in dp.ready_fractions(s)]
@@ -273,7 +294,7 @@ class Timeline:
         self.count[:], self.over[:] = [0] * p, [-1] * p
         self.reduce_free[:] = [0.0] * p
         self._w_left[:] = [self.num_microbatches] * len(self._w_left)
-        for row in self.reduce_ready:
+        for row in self.reduce_ready + self.reduce_ends:
             row.clear()
 
     def _runner(self) -> Callable[[int, int, int, int, float], float]:
@@ -315,8 +336,9 @@ class Timeline:
         fraction of the group's time from the group's start); ``buckets[stage]`` = ``(fraction of the
         stage's bytes done, reduce time)`` per bucket."""
         left, pending, free, action_time = self._w_left, self.reduce_ready, self.reduce_free, self.action_time
-        m, group = self.num_microbatches, self.dp_reduce.wgrad_group
+        m, group, slots = self.num_microbatches, self.dp_reduce.wgrad_group, self.dp_reduce.work_buffers
         k = group or m  # None: one group of the whole iteration, but not layer-major: ready in its last W
+        clock, ends = self.clock, self.reduce_ends
 
         def run_dp(rank: int, op: int, mb: int, stage: int, ready: float) -> float:
             start = run(rank, op, mb, stage, ready)
@@ -327,10 +349,15 @@ class Timeline:
                     d = action_time(op, mb, stage)
                     span = d if group is None else d * (done_w - (done_w - 1) // k * k)  # the group's W's, back to back
                     begin = start + d - span
-                    new = [(stage, begin + span * done, took) for done, took in buckets[stage]]
-                    pending[rank] += new
-                    if new:
-                        free[rank] = drain(new, free[rank])[-1][3]
+                    if slots is None:
+                        new = [(stage, begin + span * done, took) for done, took in buckets[stage]]
+                        pending[rank] += new
+                        if new:
+                            free[rank] = drain(new, free[rank])[-1][3]
+                    else:
+                        at = _buffered(buckets[stage], begin, span, slots, ends[rank], pending[rank], stage, free, rank)
+                        if at > clock[rank]:  # the group waited for work buffers: the rank goes on later
+                            clock[rank] = at
             return start
         return run_dp
 

@@ -39,7 +39,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from megatron_zb.runtime.nccl_model import Call, Entry, Kind
 
-__all__ = ["Recorder", "record_calls", "record_run", "recording"]
+__all__ = ["Recorder", "record_calls", "record_run", "record_trainer", "recording"]
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list", "all_to_all_single")
@@ -193,6 +193,27 @@ def record_calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Entr
     with recording(rec):
         fn(*args, **kwargs)
     return rec.calls
+
+
+def record_trainer(argv: list[str]) -> list[Entry]:
+    """In a rank of :func:`~megatron_zb.testing.distributed.run_distributed`: the calls of a whole
+    ``pretrain_gpt_zb.py`` run (its command line ``argv``; parsing, set-up, every iteration, the exit), its
+    printed output dropped."""
+    import io
+
+    from megatron_zb.training.pretrain import parse_command_line
+    from megatron_zb.training.trainer import Trainer
+
+    def run() -> None:
+        validated = parse_command_line(argv, world_size=dist.get_world_size())
+        trainer = Trainer(validated.args, schedule=validated.schedule)
+        try:
+            assert trainer.run() == 0
+        finally:
+            trainer.close()
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return record_calls(run)
 
 
 def record_run(cfg: Any, *, schedule: str | None, iterations: int = 2, vocab: bool = False,

@@ -73,6 +73,35 @@ def test_tensor_and_data_parallel_collectives_replay_clean(schedule):
         assert res.completed and not res.mismatches, f"{what}: {res.describe()}"
 
 
+SHARDED_ARGV = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "2", "--lr", "2e-3",
+                "--mock-data", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0",
+                "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--tokenizer-type", "NullTokenizer",
+                "--vocab-size", "127", "--distributed-backend", "gloo", "--pipeline-model-parallel-size", "2",
+                "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                "--ddp-bucket-size", "4096", "--data-parallel-sharding-strategy", "optim_grads"]
+"""tests/training/test_sharded_grads.py's GPT (4 layers, PP=2 x DP=2, 4 micro batches per data-parallel rank, dropout
+on as users run it) with sharded gradients and the distributed optimizer's overlapped reduce and gather."""
+
+
+@pytest.mark.parametrize("schedule,k", [("--enable-zero-bubble", 1), ("--zero-bubble-v-schedule", 2)],
+                         ids=["zb-k1", "zbv-k2"])
+def test_sharded_gradient_runs_replay_clean(schedule, k):
+    """``pretrain_gpt_zb.py`` with sharded gradients (``optim_grads``) at PP=2 x DP=2, buckets of 4096 elements,
+    two iterations: each bucket's asynchronous reduce-scatter on the data-parallel communicator launched from
+    W between the pipeline's sends and receives, the waits for a work buffer, the distributed optimizer's
+    parameter all-gathers -- replayed with lazy creation and one hardware queue, as NCCL would run them."""
+    from harness.nccl_record import record_trainer
+
+    argv = SHARDED_ARGV + [schedule, "--zero-bubble-wgrad-group", str(k)]
+    calls = run_distributed(partial(record_trainer, argv), world_size=4, timeout=300)
+    scatters = sum(1 for cs in calls for e in cs for c in calls_of(e) if c.kind is Kind.COLL
+                   and "reduce_scatter" in str(c))
+    assert scatters >= 2 * 4 // k  # m / k per bucket per iteration: the run really reduced from W
+    res = replay(dict(enumerate(calls)), ALL_RULES)
+    assert res.completed and not res.mismatches, res.describe()
+
+
 def test_the_uncertified_runtime_hangs_where_the_model_said():
     """interleaved-zb at PP=2, m=4, default look-ahead, on one communicator per direction (the certificate
     skipped): the recorded calls complete with a stream per communicator and hang on one hardware queue --

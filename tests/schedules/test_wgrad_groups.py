@@ -85,6 +85,32 @@ def test_bucket_ready_times_and_reduce_scatters_by_hand():
         assert res.total_time == pytest.approx(total), k
 
 
+def test_two_work_buffers_make_a_bucket_wait_for_the_reduce_two_before_it_by_hand():
+    """F0 B0 W0 F1 B1 W1 (k = 1), unit costs, a stage of 150 bytes in three buckets of 50, each reduce
+    0.1 + 50 / 50 = 1.1, two work buffers.
+
+    * W0 (2..3): bucket 1 written by 2 + 1/3, reduced 2.333-3.433; bucket 2 by 2.667, reduced 3.433-4.533;
+      bucket 3 waits for bucket 1's buffer (3.433), written by 3.767, reduced 4.533-5.633. The group ends at
+      3.767, so F1 runs 3.767-4.767, B1 4.767-5.767, W1 from 5.767;
+    * W1: bucket 1 (buffer free since 4.533) by 6.1, reduced 6.1-7.2; bucket 2 (free 5.633) by 6.433, reduced
+      7.2-8.3; bucket 3 waits for 7.2, written by 7.533, reduced 8.3-9.4: the iteration ends at 9.4;
+    * without the buffer limit: F1 3-4, B1 4-5, W1 5-6, the reduces back to back from 2.333 to 8.933."""
+    sched = group_wgrads(_one_stage(), 1)
+    def costs(buffers):
+        return CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.0,
+                         dp_reduce=DPReduceModel(stage_bytes=150, bucket_bytes=50, bandwidth=50, latency=0.1,
+                                                 wgrad_group=1, work_buffers=buffers))
+    third = 1 / 3
+    res = simulate(sched, costs(2))
+    assert res.start[0] == pytest.approx([0, 1, 2, 3 + 2 * third + 0.1, 4 + 2 * third + 0.1, 5 + 2 * third + 0.1])
+    assert [t for b in res.reduce[0] for t in b[1:]] == pytest.approx(
+        [2 + third, 2 + third, 3.433333, 2 + 2 * third, 3.433333, 4.533333, 3.766667, 4.533333, 5.633333,
+         6.1, 6.1, 7.2, 6.433333, 7.2, 8.3, 7.533333, 8.3, 9.4])
+    assert res.total_time == pytest.approx(9.4)
+    free = simulate(sched, costs(None))
+    assert free.start[0] == pytest.approx([0, 1, 2, 3, 4, 5]) and free.total_time == pytest.approx(8.933333)
+
+
 def test_larger_groups_hold_more_w_inputs_and_issue_fewer_reduce_scatters():
     """ZB at p = 4, m = 8 with the W's inputs as large as F's activations: the peak grows with k (the
     group's earlier W inputs are held until it runs) and each rank issues ceil(m / k) x 2 collectives."""
@@ -122,3 +148,10 @@ def test_group_runs_tell_the_runtime_where_each_group_runs():
     assert group_runs(g.ranks[0], 1) == {} and group_runs(g.ranks[0], None) == {}
     three = group_wgrads(build_schedule("zb-h1", num_ranks=2, num_microbatches=4), 3)
     assert group_runs(three.ranks[1], 3) == {(1, 0): (), (1, 1): (), (1, 2): (0, 1, 2), (1, 3): (3,)}
+
+
+def test_work_buffers_without_a_group_or_below_one_are_refused_by_the_model():
+    for k, buffers in ((None, 2), (2, 0)):
+        with pytest.raises(ScheduleError, match=r"dp_reduce.work_buffers is"):
+            CostModel(t_f=1.0, t_b=1.0, t_w=1.0, dp_reduce=DPReduceModel(stage_bytes=1, bucket_bytes=None, bandwidth=1,
+                                                                         wgrad_group=k, work_buffers=buffers)).resolve(1)

@@ -1,0 +1,54 @@
+"""Sharded gradients at PP=2 x DP=4 (8 processes, one launch of 6 runs, about 35 s on 2 cores).
+
+The GPT and flags are ``test_sharded_grads.py``'s (dropout off there for the same reason), with 32 samples per
+iteration: 4 micro batches of 2 per data-parallel rank, as at DP=2. Every run against megatron-core's 1F1B
+with the distributed optimizer under the same flags, every iteration's loss and grad norm: zb with K = 1, 2
+and 4 (1, m/2, m), ZB-V with K = 4 and interleaved-zb with K = 2, buckets of 4096 elements, within
+``test_sharded_grads.RTOL`` (the shard sums the groups' reductions; megatron-core buckets only the first
+stage); and the reduce-scatters per bucket per iteration, ``m / K``. (bf16 is tested at DP=2.)
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_sharded_grads import BASE, BUCKETS, M, RTOL, SHARDED, _group
+
+from harness.trainer_run import in_process_many
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+DP4 = [*BASE, "--global-batch-size", "32", "--distributed-timeout-minutes", "5", "--pipeline-timeout-seconds", "240"]
+RUNS = {
+    "megatron-core": ["--use-megatron-core-schedule", *BUCKETS],
+    "zb x1": ["--enable-zero-bubble", *_group(1), *SHARDED, *BUCKETS],
+    "zb x2": ["--enable-zero-bubble", *_group(2), *SHARDED, *BUCKETS],
+    "zb x4": ["--enable-zero-bubble", *_group(4), *SHARDED, *BUCKETS],
+    "zbv x4": ["--zero-bubble-v-schedule", *_group(4), *SHARDED, *BUCKETS],
+    "interleaved-zb x2": ["--schedule", "interleaved-zb", *_group(2), *SHARDED, *BUCKETS],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("sharded_dp4")
+    return in_process_many(tmp, {n: DP4 + f for n, f in RUNS.items()}, 8, timeout=1800)
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if not n.startswith("megatron-core")])
+def test_sharded_gradients_at_dp4_train_as_megatron_core(runs, name):
+    got, ref = runs[name]["values"]["train"], runs["megatron-core"]["values"]["train"]
+    assert [r["iteration"] for r in got] == [1, 2, 3] == [r["iteration"] for r in ref]
+    for a, b in zip(got, ref):
+        for key in ("lm loss", "grad norm"):
+            assert a[key] == pytest.approx(b[key], rel=RTOL, abs=0), f"{name} iteration {a['iteration']} {key}"
+
+
+@pytest.mark.parametrize("name,k", [("zb x1", 1), ("zb x2", 2), ("zb x4", 4)])
+def test_each_bucket_is_reduce_scattered_m_over_k_times_at_dp4(runs, name, k):
+    """Rank 0's last iteration, per chunk: a bucket holding weights W adds into ``m / K`` times, each its whole
+    (padded) size; a bucket without such weights once."""
+    run = runs[name]
+    for reduces, buckets, weights in zip(run["reduces"], run["buckets"], run["bucket_weights"]):
+        counts = {i: sum(1 for b, _ in reduces if b == i) for i in range(len(buckets))}
+        assert counts == {i: M // k if weights[i] else 1 for i in range(len(buckets))}, (name, reduces)
+        assert all(n == buckets[b] for b, n in reduces)
