@@ -87,9 +87,9 @@ class LoadSampler:
     def mark(self, name: str) -> str:
         """Describe the other processes' CPU use since the previous mark (one line per section)."""
         o = self.others[self._marked:]
-        s = self.samples[self._marked_load:]
+        s = self.samples[self._marked_load:] or self.samples[-1:]  # the sampler may not have sampled the load since
         self._marked, self._marked_load = len(self.others), len(self.samples)
-        if not o:
+        if not o or not s:
             return f"{name}: -"
         st = self.steal[self._marked - len(o):self._marked] or [float("nan")]
         return (f"{name}: other processes {statistics.fmean(o):.2f} cores mean, {max(o):.2f} max (hypervisor "

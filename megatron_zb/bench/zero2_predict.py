@@ -8,7 +8,8 @@ Inputs, all measured here:
   ``T_W``, the p2p time, the runtime's overhead per action and ``step_ms`` (the time outside the schedule);
 * the reduce-scatter of the data-parallel group (:func:`measure_reduce_scatter`: gloo, two groups of 2 ranks at
   once, as in the runs): the median time of a 1-element and of a bucket-sized fp32 reduce-scatter give the
-  latency and the bandwidth (``Hardware.p2p_latency_ms`` and ``dp_gbps``);
+  latency and the bandwidth (``Hardware.p2p_latency_ms`` and ``dp_gbps``); gloo's collectives copy through
+  TCP on the cores the compute uses, so they do not overlap it (``Hardware.host_collectives``);
 * the schedule the runs execute (the runtime's own, from rank 0).
 
 ``step_ms`` holds the baseline's exposed reduce, so the time outside the schedule is ``step_ms`` minus the
@@ -22,7 +23,7 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["measure_reduce_scatter", "predict"]
+__all__ = ["cpu_hardware", "measure_reduce_scatter", "predict"]
 
 REPEATS = 15
 
@@ -50,14 +51,15 @@ def measure_reduce_scatter(bucket_elements: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def _hardware(small_ms: float, bucket_ms: float, bucket_bytes: float) -> Any:
+def cpu_hardware(small_ms: float, bucket_ms: float, bucket_bytes: float) -> Any:
     """A custom :class:`~megatron_zb.planning.hardware.Hardware` whose ring reduce-scatter over 2 ranks takes the
-    measured times (``_ring``: ``latency = p2p_latency_ms``, ``bandwidth = 2 x dp_bytes_per_ms``)."""
+    measured times (``ring_reduce_scatter``: ``latency = p2p_latency_ms``, ``bandwidth = 2 x dp_bytes_per_ms``), its collectives
+    on the compute's cores (``host_collectives``)."""
     from megatron_zb.planning.hardware import resolve_hardware
 
     per_ms = bucket_bytes / max(bucket_ms - small_ms, 1e-6) / 2   # bytes each GPU sends per ms
-    return resolve_hardware(tflops=1.0, memory_gib=1e6, hbm_gbs=1.0, p2p_latency_ms=small_ms,
-                            dp_gbps=per_ms * 8 / 1e6)
+    hw = resolve_hardware(tflops=1.0, memory_gib=1e6, hbm_gbs=1.0, p2p_latency_ms=small_ms, dp_gbps=per_ms * 8 / 1e6)
+    return dataclasses.replace(hw, name="CPU (gloo)", host_collectives=True)
 
 
 def predict(profile_path: str, schedule: Any, *, bucket_elements: int, groups: tuple[int, ...],
@@ -70,7 +72,7 @@ def predict(profile_path: str, schedule: Any, *, bucket_elements: int, groups: t
     from megatron_zb.schedules import CostModel, Placement
 
     prof = read_profile(profile_path)
-    hw = _hardware(*reduce_ms, 4.0 * bucket_elements)
+    hw = cpu_hardware(*reduce_ms, 4.0 * bucket_elements)
     par0 = dataclasses.replace(prof.parallel, data_parallel_sharding_strategy="optim_grads",
                                ddp_bucket_size=bucket_elements)
     source = CostSource(prof.model, par0, hw, prof)

@@ -53,6 +53,8 @@ class Hardware:
         dp_gbps: bandwidth of a GPU's data-parallel collectives (gradient reduce-scatter / all-reduce),
             Gbit/s; ``None``: ``p2p_gbps`` (data-parallel groups usually span nodes, like the stages). Each of
             the ``d - 1`` steps of a ring collective also waits ``p2p_latency_ms``.
+        host_collectives: the data-parallel collectives run on the cores the compute uses, so they do not
+            overlap it (gloo on a CPU; the benchmarks' CPU model). ``False`` for every GPU.
         mfu: fraction of ``peak_tflops`` large matrix multiplications reach (0 < mfu <= 1).
         hbm_efficiency: fraction of ``hbm_gbs`` memory-bound kernels reach (0 < x <= 1).
     """
@@ -67,6 +69,7 @@ class Hardware:
     mfu: float = DEFAULT_MFU
     hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY
     dp_gbps: float | None = None
+    host_collectives: bool = False
 
     @property
     def flops_per_ms(self) -> float:

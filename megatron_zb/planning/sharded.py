@@ -16,7 +16,8 @@ Time: the family's schedule with its ``W``'s grouped (:func:`~megatron_zb.schedu
 is simulated with each bucket of deferred gradients reduce-scattered once per group on the data-parallel
 channel (:class:`~megatron_zb.schedules.costs.DPReduceModel` with ``wgrad_group = k``; ring: a bucket of ``n``
 bytes sends ``n (d-1)/d`` per GPU at ``Hardware.dp_bytes_per_ms`` and waits ``d - 1`` latencies), written into
-the two work buffers in turn (``work_buffers = 2``: a bucket waits for the reduce of the bucket two before it). The residual
+the two work buffers in turn (``work_buffers = 2``: a bucket waits for the reduce of the bucket two before it);
+with ``Hardware.host_collectives`` (a CPU) the reduces block the compute (``blocks_compute``). The residual
 gradients are reduce-scattered once, after the last ``W`` (added to the iteration, not overlapped). The
 distributed optimizer (``baseline``) is the same schedule ungrouped, its whole buffer reduce-scattered as
 megatron-core does with ``--overlap-grad-reduce``: buckets on the first stage, one per later stage.
@@ -43,7 +44,7 @@ from .memory import FP32, _sizes, bytes_per_parameter
 from .model import PlanLayout, PlanModel
 
 __all__ = ["GROUP_TIME_TOLERANCE", "GroupRow", "ShardedStage", "choose_group", "group_candidates", "plan_groups",
-           "rank_model_state", "sharded_stage"]
+           "rank_model_state", "ring_reduce_scatter", "sharded_stage"]
 
 GROUP_TIME_TOLERANCE = 0.05
 """Predicted iteration time a smaller group may cost over the fastest candidate and still be recommended."""
@@ -131,7 +132,7 @@ def group_candidates(m: int) -> list[int]:
     return sorted(set(out + [m]))
 
 
-def _ring(par: PlanLayout, hw: Hardware) -> tuple[float, float]:
+def ring_reduce_scatter(par: PlanLayout, hw: Hardware) -> tuple[float, float]:
     """``(bandwidth, latency)`` of a ring reduce-scatter over the data-parallel ranks, in bytes of the bucket
     per ms and ms (``bandwidth`` grows by ``d / (d-1)``: each GPU sends ``(d-1)/d`` of the bucket)."""
     d = par.dp
@@ -143,14 +144,14 @@ def _reduce_model(stages: Sequence[ShardedStage], par: PlanLayout, hw: Hardware,
     """The reduce of one candidate (``None`` at ``dp`` 1: nothing to reduce)."""
     if par.dp == 1:
         return None
-    bandwidth, latency = _ring(par, hw)
+    bandwidth, latency = ring_reduce_scatter(par, hw)
     bucket = FP32 * par.bucket_elements
     if baseline:  # megatron-core: every parameter's gradient, buckets on the first stage only
         sizes = [FP32 * (s.deferred + s.residual) for s in stages]
         return DPReduceModel(stage_bytes=sizes, bucket_bytes=[bucket] + [None] * (len(stages) - 1),
-                             bandwidth=bandwidth, latency=latency)
+                             bandwidth=bandwidth, latency=latency, blocks_compute=hw.host_collectives)
     return DPReduceModel(stage_bytes=[FP32 * s.deferred for s in stages], bucket_bytes=bucket, bandwidth=bandwidth,
-                         latency=latency, wgrad_group=k, work_buffers=WORK_BUFFERS)
+                         latency=latency, wgrad_group=k, work_buffers=WORK_BUFFERS, blocks_compute=hw.host_collectives)
 
 
 def rank_model_state(stages: Sequence[ShardedStage], ranks: Sequence[int], params: Sequence[float], model: PlanModel,
@@ -172,7 +173,7 @@ def _residual_reduce_ms(stages: Sequence[ShardedStage], ranks: Sequence[int], pa
     """The largest rank's reduce-scatter of its residual gradients after its last W, ms (0 at ``dp`` 1)."""
     if par.dp == 1:
         return 0.0
-    bandwidth, latency = _ring(par, hw)
+    bandwidth, latency = ring_reduce_scatter(par, hw)
     per_rank: dict[int, float] = {}
     for s, r in zip(stages, ranks):
         per_rank[r] = per_rank.get(r, 0.0) + FP32 * s.residual

@@ -51,6 +51,11 @@ class DPReduceModel:
             (sharded gradients keep 2): a bucket waits for the reduce of the bucket written that many
             buckets before it on the rank, which frees its buffer, and the group waits with it. ``None``:
             no such wait.
+        blocks_compute: the collectives run on the resources the compute uses (gloo on a CPU: TCP copies
+            on the same cores), so a rank computes nothing while one of its buckets reduces: the rank's
+            next action waits for the buckets a W readied, and with ``work_buffers`` a group writes its
+            next bucket only after the previous one's reduce. ``False`` (GPUs: NCCL's kernels beside the
+            compute): the reduces overlap the compute.
     """
 
     stage_bytes: PerStage
@@ -60,6 +65,7 @@ class DPReduceModel:
     overlap: bool = True
     wgrad_group: int | None = None
     work_buffers: int | None = None
+    blocks_compute: bool = False
 
     def resolve(self, num_stages: int) -> "DPReduceModel":
         """Check the values; the same model with one byte count per stage."""

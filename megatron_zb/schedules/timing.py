@@ -96,12 +96,15 @@ def drain(ready: Sequence[tuple[int, float, float]], free: float) -> list[Bucket
 
 
 def _buffered(buckets: list[tuple[float, float]], begin: float, span: float, slots: int, ends: list[float],
-              pending: list[tuple[int, float, float]], stage: int, free: list[float], rank: int) -> float:
+              pending: list[tuple[int, float, float]], stage: int, free: list[float], rank: int,
+              blocks: bool) -> float:
     """One group's buckets written into ``slots`` work buffers in turn (``dp_reduce.work_buffers``): a bucket
     waits for the reduce of the rank's bucket ``slots`` launches before it (its buffer), then its share
     ``(fraction done, reduce time)`` of the group's ``span`` from ``begin``; each reduce on the rank's channel
-    (``free[rank]``), its end appended to ``ends``, the bucket to ``pending``. Returns when the group's last
-    bucket is written (its end, later than ``begin + span`` when a bucket waited)."""
+    (``free[rank]``), its end appended to ``ends``, the bucket to ``pending``; ``blocks``
+    (``dp_reduce.blocks_compute``): the next bucket is written after the reduce. Returns when the rank may
+    compute again: the group's last bucket written (later than ``begin + span`` when a bucket waited), or
+    with ``blocks`` its reduce done."""
     at, before, f = begin, 0.0, free[rank]
     for done, took in buckets:
         if len(ends) >= slots and ends[-slots] > at:
@@ -111,6 +114,8 @@ def _buffered(buckets: list[tuple[float, float]], begin: float, span: float, slo
         f = (at if at > f else f) + took
         ends.append(f)
         pending.append((stage, at, took))
+        if blocks:
+            at = f
     free[rank] = f
     return at
 
@@ -338,7 +343,7 @@ class Timeline:
         left, pending, free, action_time = self._w_left, self.reduce_ready, self.reduce_free, self.action_time
         m, group, slots = self.num_microbatches, self.dp_reduce.wgrad_group, self.dp_reduce.work_buffers
         k = group or m  # None: one group of the whole iteration, but not layer-major: ready in its last W
-        clock, ends = self.clock, self.reduce_ends
+        clock, ends, blocks = self.clock, self.reduce_ends, self.dp_reduce.blocks_compute
 
         def run_dp(rank: int, op: int, mb: int, stage: int, ready: float) -> float:
             start = run(rank, op, mb, stage, ready)
@@ -354,10 +359,12 @@ class Timeline:
                         pending[rank] += new
                         if new:
                             free[rank] = drain(new, free[rank])[-1][3]
+                        at = free[rank] if blocks else 0.0  # blocking: the rank waits for the reduces
                     else:
-                        at = _buffered(buckets[stage], begin, span, slots, ends[rank], pending[rank], stage, free, rank)
-                        if at > clock[rank]:  # the group waited for work buffers: the rank goes on later
-                            clock[rank] = at
+                        at = _buffered(buckets[stage], begin, span, slots, ends[rank], pending[rank], stage, free,
+                                       rank, blocks)
+                    if at > clock[rank]:  # the group waited for work buffers or reduces: the rank goes on later
+                        clock[rank] = at
             return start
         return run_dp
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_zb.bench.zero2_predict import _hardware, predict
+from megatron_zb.bench.zero2_predict import cpu_hardware, predict
 from megatron_zb.planning.model import make_model, make_parallel
 from megatron_zb.planning.profile import StageProfile, write_profile
-from megatron_zb.planning.sharded import _ring
+from megatron_zb.planning.sharded import ring_reduce_scatter
 from megatron_zb.schedules.registry import build_schedule
 
 BUCKET = 4096
@@ -17,10 +17,10 @@ BUCKET = 4096
 def test_the_measured_reduce_scatter_is_what_the_model_times():
     """1 element in 0.5 ms, a bucket of 4096 fp32 elements (16384 bytes) in 1.5 ms: the ring over 2 ranks then
     takes 0.5 ms + 16384 bytes / 16384 bytes per ms = 1.5 ms for a bucket."""
-    hw = _hardware(0.5, 1.5, 4.0 * BUCKET)
+    hw = cpu_hardware(0.5, 1.5, 4.0 * BUCKET)
     model = make_model(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=1,
                        vocab_size=128)
-    bandwidth, latency = _ring(make_parallel(model, pp=2, dp=2, num_microbatches=4), hw)
+    bandwidth, latency = ring_reduce_scatter(make_parallel(model, pp=2, dp=2, num_microbatches=4), hw)
     assert latency == pytest.approx(0.5) and latency + 4.0 * BUCKET / bandwidth == pytest.approx(1.5)
 
 

@@ -111,6 +111,22 @@ def test_two_work_buffers_make_a_bucket_wait_for_the_reduce_two_before_it_by_han
     assert free.start[0] == pytest.approx([0, 1, 2, 3, 4, 5]) and free.total_time == pytest.approx(8.933333)
 
 
+def test_reduces_that_block_the_compute_run_between_the_buckets_by_hand():
+    """The same schedule and costs with ``blocks_compute`` (gloo on a CPU: the reduce takes the compute's cores):
+    W0 writes bucket 1 by 2.333 and reduces it to 3.433, bucket 2 by 3.767 (reduced to 4.867), bucket 3 by 5.2
+    (to 6.3); F1 then runs 6.3-7.3, B1 7.3-8.3, W1 from 8.3: buckets by 8.633, 10.067 and 11.5, each reduced
+    1.1 after it, the iteration ending at 12.6."""
+    sched = group_wgrads(_one_stage(), 1)
+    costs = CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.0,
+                      dp_reduce=DPReduceModel(stage_bytes=150, bucket_bytes=50, bandwidth=50, latency=0.1,
+                                              wgrad_group=1, work_buffers=2, blocks_compute=True))
+    res = simulate(sched, costs)
+    assert res.start[0] == pytest.approx([0, 1, 2, 6.3, 7.3, 8.3])
+    assert [b[1] for b in res.reduce[0]] == pytest.approx([2.333333, 3.766667, 5.2, 8.633333, 10.066667, 11.5])
+    assert [b[3] for b in res.reduce[0]] == pytest.approx([3.433333, 4.866667, 6.3, 9.733333, 11.166667, 12.6])
+    assert res.total_time == pytest.approx(12.6)
+
+
 def test_larger_groups_hold_more_w_inputs_and_issue_fewer_reduce_scatters():
     """ZB at p = 4, m = 8 with the W's inputs as large as F's activations: the peak grows with k (the
     group's earlier W inputs are held until it runs) and each rank issues ceil(m / k) x 2 collectives."""
