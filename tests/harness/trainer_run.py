@@ -53,6 +53,7 @@ def trainer_rank(argv: list[str], json_path: str) -> dict[str, Any]:
 
 def sharded_grads(trainer: Any) -> dict[str, Any]:
     """``model_state``: this rank's model-state bytes measured from storages (``ModelStateBytes`` as a dict);
+    ``final_params``: its chunks' parameters after the run (``"chunk.name"`` -> a copy);
     with sharded gradients ``reduces``: per chunk, the last iteration's reduce-scatters ``(bucket, elements)``
     ``buckets``: per chunk, each bucket's elements, and ``bucket_weights``: the weights in it whose gradient W
     adds."""
@@ -62,7 +63,9 @@ def sharded_grads(trainer: Any) -> dict[str, Any]:
     from megatron_zb.training.model_state import model_state_bytes
 
     out: dict[str, Any] = {"model_state": dataclasses.asdict(model_state_bytes(trainer.model.modules,
-                                                                               trainer.optim.inner))}
+                                                                               trainer.optim.inner)),
+                           "final_params": {f"{i}.{n}": p.detach().clone() for i, c in enumerate(trainer.model.modules)
+                                            for n, p in c.named_parameters()}}
     found = sharded_chunks(trainer.model.modules)
     if found is not None:
         sharded = list(found.values())
@@ -143,5 +146,6 @@ def in_process_many(tmp_path: Path, runs: dict[str, list[str]], world: int, *,
         out[name] = dict(ranks[0][i])
         out[name]["log"] = "".join(r[i]["log"] for r in ranks)
         out[name]["model_states"] = [r[i]["model_state"] for r in ranks]  # every rank's, rank order
+        out[name]["final_params"] = [r[i]["final_params"] for r in ranks]
         out[name]["values"] = json.loads(Path(paths[name]).read_text())
     return out

@@ -16,6 +16,7 @@ launch (``in_process_many``).
   reduced ``m / K`` times) instead of reducing the sum once, and megatron-core buckets only the first
   pipeline stage, so the grad norm's per-rank sums group other pieces on the second (measured 3.7e-8 to
   3.8e-8; bf16 4.4e-8).
+* The final parameters of the zb runs (megatron-core's chunks), every rank: bitwise / within the same tolerances.
 * The reduce-scatters counted: ``m / K`` per bucket per iteration, each of the bucket's size.
 * Checkpoints: saved with sharded gradients, resumed without, and the reverse, bitwise the uninterrupted run.
 * Model-state memory measured from storages with bf16 parameters on the last stage's ranks: within 5% of
@@ -28,6 +29,7 @@ launch (``in_process_many``).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from harness.trainer_run import in_process_many
 
@@ -137,6 +139,24 @@ def test_each_bucket_is_reduce_scattered_once_per_group(runs, name, k):
         embedding = [n for n in without if n >= 128 * 64]  # with norm weights of the first layers
         assert len(embedding) == (1 if chunk == 0 and "buckets" in name else 0), (name, chunk, buckets, weights)
         assert all(n <= 4 * 64 for n in without if n not in embedding), (name, chunk, buckets)  # norm weights
+
+
+@pytest.mark.parametrize("name", ["zb x4", "zb x1, buckets", "zb x2, buckets", "zb x2, bf16"])
+def test_final_parameters_are_megatron_cores(runs, name):
+    """Every rank's parameters after the run (the plain placement: the same chunks as megatron-core's 1F1B):
+    bitwise with one bucket and one group per stage, else within :data:`RTOL` (:data:`RTOL_BF16`) of the largest
+    magnitude of each parameter."""
+    ref_name = REFERENCE[name]
+    rtol = RTOL_BF16 if "bf16" in name else RTOL
+    for rank, (got, ref) in enumerate(zip(runs[name]["final_params"], runs[ref_name]["final_params"])):
+        assert got.keys() == ref.keys(), rank
+        for key, p in got.items():
+            q = ref[key]
+            if name == "zb x4":
+                assert torch.equal(p, q), (rank, key)
+            else:
+                scale = q.double().abs().max().item()
+                assert (p.double() - q.double()).abs().max().item() <= rtol * scale, (name, rank, key)
 
 
 def test_model_state_memory_is_zero_2s(runs):

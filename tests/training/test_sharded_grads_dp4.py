@@ -58,3 +58,14 @@ def test_each_bucket_is_reduce_scattered_m_over_k_times_at_dp4(runs, name, k):
         counts = {i: sum(1 for b, _ in reduces if b == i) for i in range(len(buckets))}
         assert counts == {i: M // k if weights[i] else 1 for i in range(len(buckets))}, (name, reduces)
         assert all(n == buckets[b] for b, n in reduces)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_final_parameters_at_dp4_are_megatron_cores(runs, k):
+    """zb (the plain placement: megatron-core's chunks): every rank's parameters after the run within ``RTOL`` of
+    the largest magnitude of each parameter."""
+    for rank, (got, ref) in enumerate(zip(runs[f"zb x{k}"]["final_params"], runs["megatron-core"]["final_params"])):
+        assert got.keys() == ref.keys(), rank
+        for key, p in got.items():
+            q = ref[key].double()
+            assert (p.double() - q).abs().max().item() <= RTOL * q.abs().max().item(), (k, rank, key)
