@@ -69,28 +69,19 @@ def predict(profile_path: str, schedule: Any, *, bucket_elements: int, groups: t
     from megatron_zb.planning.planner import CostSource
     from megatron_zb.planning.profile import read_profile
     from megatron_zb.planning.sharded import plan_groups, sharded_stage
-    from megatron_zb.schedules import CostModel, Placement
+    from megatron_zb.schedules import Placement
 
     prof = read_profile(profile_path)
     hw = cpu_hardware(*reduce_ms, 4.0 * bucket_elements)
-    par0 = dataclasses.replace(prof.parallel, data_parallel_sharding_strategy="optim_grads",
-                               ddp_bucket_size=bucket_elements)
-    source = CostSource(prof.model, par0, hw, prof)
+    par = dataclasses.replace(prof.parallel, data_parallel_sharding_strategy="optim_grads",
+                              ddp_bucket_size=bucket_elements)
+    source = CostSource(prof.model, par, hw, prof)
     table = source.table(Placement.PLAIN, 1)
-    costs = CostModel(t_f=list(table.t_f), t_b=list(table.t_b), t_w=list(table.t_w), t_comm=source.t_comm_ms,
-                      mem_b=list(table.mem_b), mem_w=list(table.mem_w)).with_action_overhead(
-                          source.action_overhead_ms, split_backward=True)
-    stages = [sharded_stage(prof.model, par0, sh, tied_on_rank=False) for sh in table.shapes]
-    ranks = [sh.rank for sh in table.shapes]
-    params = [0.0] * par0.pp
-    for sh, n in zip(table.shapes, table.params):
-        params[sh.rank] += n
-    rows = []
-    for k in groups:
-        par = dataclasses.replace(par0, wgrad_group=k)
-        found = plan_groups(schedule, costs, stages=stages, ranks=ranks, params=params, model=prof.model, par=par,
-                            hw=hw, optimizer_ms=0.0, usable_bytes=float("inf"))
-        rows += found if not rows else found[1:]
+    costs = table.cost_model(source.t_comm_ms).with_action_overhead(source.action_overhead_ms, split_backward=True)
+    rows = plan_groups(schedule, costs, stages=[sharded_stage(prof.model, par, sh, tied_on_rank=False)
+                                                for sh in table.shapes],
+                       ranks=[sh.rank for sh in table.shapes], params=table.rank_params(par.pp), model=prof.model,
+                       par=par, hw=hw, optimizer_ms=0.0, usable_bytes=float("inf"), candidates=groups)
     outside = max(0.0, (prof.step_ms or 0.0) - rows[0].exposed_reduce_ms)
     for r in rows:
         r.iteration_time_ms += outside

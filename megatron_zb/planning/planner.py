@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from megatron_zb.schedules import CostModel, Placement, ScheduleError, SimResult, interleaved_placement, simulate
 from megatron_zb.schedules.limits import count_that_fit
@@ -102,6 +102,18 @@ class StageTable:
     mem_w: tuple[float, ...]
     params: tuple[float, ...]
     source: str
+
+    def cost_model(self, t_comm_ms: float, vocab: Any = None) -> CostModel:
+        """The simulator's costs of these stages (compute only: no action overhead), ``t_comm_ms`` per transfer."""
+        return CostModel(t_f=list(self.t_f), t_b=list(self.t_b), t_w=list(self.t_w), t_comm=t_comm_ms,
+                         mem_b=list(self.mem_b), mem_w=list(self.mem_w), vocab=vocab)
+
+    def rank_params(self, pp: int, every_rank: float = 0.0) -> list[float]:
+        """Parameters per pipeline rank (one GPU): its stages', plus ``every_rank`` (e.g. vocabulary slices)."""
+        out = [every_rank] * pp
+        for sh, n in zip(self.shapes, self.params):
+            out[sh.rank] += n
+        return out
 
 
 def _same_step(measured: PlanLayout, planned: PlanLayout) -> bool:
@@ -342,14 +354,10 @@ def _plan_family(name: str, source: CostSource, *, explicit: bool, vocab: bool) 
         return FamilyResult(name, "skipped", f"search-based generator takes minutes at stages x m = {size} > "
                                              f"{SEARCH_LIMIT}; request it with --schedules {name}", chunks)
     passes = vocab_pass_costs(model, par, source.hw, variant=vocab_variant(name)) if spec.vocab_parallel else None
-    compute = CostModel(t_f=list(table.t_f), t_b=list(table.t_b), t_w=list(table.t_w), t_comm=source.t_comm_ms,
-                        mem_b=list(table.mem_b), mem_w=list(table.mem_w),
-                        vocab=None if passes is None else passes.costs())
+    compute = table.cost_model(source.t_comm_ms, None if passes is None else passes.costs())
     costs = compute.with_action_overhead(source.action_overhead_ms, split_backward=spec.split_backward)
     ranks = [r.rank for r in table.shapes]
-    params = [0.0 if passes is None else passes.params] * par.pp  # the vocabulary slices: every rank alike
-    for sh, n in zip(table.shapes, table.params):
-        params[sh.rank] += n
+    params = table.rank_params(par.pp, 0.0 if passes is None else passes.params)  # vocabulary slices: every rank
     sharded = ([sharded_stage(model, par, sh, tied_on_rank=placement is Placement.V) for sh in table.shapes]
                if par.data_parallel_sharding_strategy == "optim_grads" else None)
     param_bytes = [n * bytes_per_parameter(source.model, par) for n in params]

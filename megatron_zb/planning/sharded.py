@@ -182,13 +182,16 @@ def _residual_reduce_ms(stages: Sequence[ShardedStage], ranks: Sequence[int], pa
 
 def plan_groups(schedule: Schedule, costs: CostModel, *, stages: Sequence[ShardedStage], ranks: Sequence[int],
                 params: Sequence[float], model: PlanModel, par: PlanLayout, hw: Hardware, optimizer_ms: float,
-                usable_bytes: float) -> list[GroupRow]:
-    """The baseline row, then one row per candidate ``k`` (``par.wgrad_group`` alone when given) for the split-
-    backward ``schedule`` of stage costs ``costs`` (``stages`` and ``ranks`` per stage, ``params`` per rank)."""
+                usable_bytes: float, candidates: Sequence[int] | None = None) -> list[GroupRow]:
+    """The baseline row, then one row per candidate ``k`` for the split-backward ``schedule`` of stage costs
+    ``costs`` (``stages`` and ``ranks`` per stage, ``params`` per rank). ``candidates`` default:
+    ``par.wgrad_group`` alone when given, else :func:`group_candidates`."""
     rows = []
     residual_ms = _residual_reduce_ms(stages, ranks, par, hw)
     m = par.num_microbatches
-    for k in [None] + ([par.wgrad_group] if par.wgrad_group is not None else group_candidates(m)):
+    if candidates is None:
+        candidates = [par.wgrad_group] if par.wgrad_group is not None else group_candidates(m)
+    for k in [None, *candidates]:
         sched = schedule if k is None else group_wgrads(schedule, k)
         reduce = _reduce_model(stages, par, hw, baseline=k is None, k=k)
         res = simulate(sched, dataclasses.replace(costs, dp_reduce=reduce), enforce_memory=False)
